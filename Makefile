@@ -1,0 +1,29 @@
+# Set-up and entry points. `make serve` and `make test` work on a fresh machine with Python 3.10+.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch is installed first and pinned: 2.13.0 is the CPU build available on this machine's disk,
+# and installing it explicitly keeps other packages from pulling a multi-GB CUDA build.
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/pagedllm serve
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info
