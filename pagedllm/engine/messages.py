@@ -1,0 +1,107 @@
+"""Messages between the front end (``LLMEngine`` / ``AsyncLLM``) and the ``EngineCore``.
+
+They are msgspec Structs so the EngineCore can run in the same process or in another one
+(ZeroMQ + msgspec) without either side changing.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+import msgspec
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished. ``str()`` gives the OpenAI ``finish_reason`` string."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return ("stop", "length", "abort")[self.value]
+
+
+class EngineCoreRequest(
+    msgspec.Struct, array_like=True, omit_defaults=True  # type: ignore[call-arg]
+):
+    """A tokenized, validated request, as the EngineCore receives it.
+
+    ``eos_token_id`` is None when the tokenizer has none. ``arrival_time`` is a
+    ``time.time()`` value in seconds. ``cache_salt`` isolates the request's prefix-cache
+    entries from requests with another salt.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: Optional[int]
+    arrival_time: float
+    cache_salt: Optional[str] = None
+
+
+class LogprobsLists(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
+    """Logprobs of several positions, as plain lists (cheap to serialise).
+
+    For position ``i``: ``token_ids[i][0]`` is the sampled (or actual prompt) token and
+    ``token_ids[i][1:]`` the top-k tokens in descending order; ``logprobs[i][j]`` is the
+    natural-log probability of ``token_ids[i][j]``; ``ranks[i]`` is the 1-based rank of
+    ``token_ids[i][0]`` in the vocabulary.
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class EngineCoreOutput(
+    msgspec.Struct, array_like=True, omit_defaults=True  # type: ignore[call-arg]
+):
+    """What one step produced for one request.
+
+    ``new_token_ids`` are the tokens generated this step (empty for a prefill chunk that
+    did not finish the prompt). ``new_prompt_logprobs`` covers the prompt positions
+    computed this step (the first prompt position is skipped: it has no logprob).
+    ``finish_reason`` is set on the last output of a request; ``stop_reason`` is the
+    stop token id that ended it (None for EOS or length).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Optional[LogprobsLists] = None
+    new_prompt_logprobs: Optional[LogprobsLists] = None
+    finish_reason: Optional[FinishReason] = None
+    stop_reason: Optional[int] = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
+    """Counters and gauges of the scheduler after one step (for metrics).
+
+    Token counts are in tokens; ``kv_cache_usage`` is the fraction of blocks in use (0-1).
+    """
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_scheduled_tokens: int = 0
+
+
+class EngineCoreOutputs(
+    msgspec.Struct, array_like=True, omit_defaults=True  # type: ignore[call-arg]
+):
+    """All outputs of one EngineCore step, plus the step's scheduler statistics."""
+
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: Optional[SchedulerStats] = None
+    timestamp: float = 0.0

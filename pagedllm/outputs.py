@@ -1,0 +1,81 @@
+"""What users get back: ``RequestOutput`` and ``CompletionOutput``, as in vLLM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token at one position.
+
+    Attributes:
+        logprob: natural-log probability under the model's raw output distribution
+            (before temperature and penalties, as vLLM V1 returns by default).
+        rank: 1-based rank of the token among all vocabulary entries (1 = most likely).
+        decoded_token: the token's text, or None when detokenization is off.
+    """
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+#: Per position: token id -> Logprob (the top-k tokens plus the sampled/actual one).
+PositionLogprobs = dict[int, Logprob]
+SampleLogprobs = list[PositionLogprobs]
+#: The first prompt position has no logprob (nothing precedes it), hence None.
+PromptLogprobs = list[Optional[PositionLogprobs]]
+
+
+@dataclass
+class CompletionOutput:
+    """One of the ``n`` completions of a request.
+
+    Attributes:
+        index: position among the request's ``n`` completions.
+        text: generated text (cumulative or delta, by ``SamplingParams.output_kind``).
+        token_ids: generated token ids (cumulative or delta likewise).
+        cumulative_logprob: sum of the sampled tokens' logprobs, when logprobs are on.
+        logprobs: per generated token, when ``SamplingParams.logprobs`` is set.
+        finish_reason: None while running, then "stop" (EOS, stop string or stop token)
+            or "length" (max_tokens or max_model_len), or "abort".
+        stop_reason: the stop string or stop token id that ended it; None for EOS or
+            length.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: Optional[float] = None
+    logprobs: Optional[SampleLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The output of one request (all of its completions).
+
+    Attributes:
+        request_id: the caller's id.
+        prompt: the prompt text, when the request was given as text.
+        prompt_token_ids: the prompt's token ids.
+        prompt_logprobs: per prompt token, when ``SamplingParams.prompt_logprobs`` is set.
+        outputs: the completions, ordered by index.
+        finished: True once every completion has finished.
+        num_cached_tokens: prompt tokens served from the prefix cache (not recomputed).
+    """
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    prompt_logprobs: Optional[PromptLogprobs]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: Optional[dict] = field(default=None, repr=False)

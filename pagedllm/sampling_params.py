@@ -1,0 +1,152 @@
+"""Per-request decoding settings, with vLLM's field names and defaults.
+
+Source of the fields and their meaning: vLLM's ``SamplingParams`` and the OpenAI
+completions API (``presence_penalty``, ``frequency_penalty``, ``logit_bias``).
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+from typing import Optional, Union
+
+import msgspec
+
+#: Largest ``logprobs`` / ``prompt_logprobs`` a request may ask for (OpenAI's limit).
+MAX_LOGPROBS = 20
+
+#: Below this temperature a request is treated as greedy (avoids dividing by ~0).
+_GREEDY_TEMPERATURE = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each ``RequestOutput`` of a request carries.
+
+    CUMULATIVE: all text and tokens so far; DELTA: only what is new since the last
+    output; FINAL_ONLY: one output, when the request finishes (the offline default).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+class SamplingParams(
+    msgspec.Struct,
+    omit_defaults=True,  # type: ignore[call-arg]
+    dict=True,  # type: ignore[call-arg]
+):
+    """Sampling settings of one request.
+
+    Fields (defaults as in vLLM):
+        n: number of completions returned for the prompt.
+        presence_penalty: subtracted once from the logit of every token already in
+            the output (OpenAI definition), in [-2, 2].
+        frequency_penalty: subtracted from a token's logit once per occurrence in the
+            output (OpenAI definition), in [-2, 2].
+        repetition_penalty: logits of tokens in the prompt or output are divided by it
+            when positive and multiplied by it when negative (CTRL paper,
+            arXiv:1909.05858, as implemented by HF transformers); 1 disables.
+        temperature: logits are divided by it; 0 means greedy.
+        top_p: keep the smallest set of tokens whose probability sums to >= top_p.
+        top_k: keep the k most likely tokens; -1 disables.
+        min_p: drop tokens whose probability is below min_p x the top probability.
+        seed: per-request RNG seed; the output then does not depend on the batch.
+        stop: strings that end generation (matched on the detokenized text).
+        stop_token_ids: token ids that end generation.
+        ignore_eos: keep generating after the EOS token.
+        max_tokens: maximum number of generated tokens; None means up to max_model_len.
+        min_tokens: EOS, stop token ids and stop strings are ignored before this many
+            tokens were generated.
+        logprobs: number of top log-probabilities returned per generated token (the
+            sampled token's is always added), at most 20.
+        prompt_logprobs: the same for each prompt token.
+        detokenize: produce text (else only token ids).
+        skip_special_tokens: drop special tokens from the text.
+        spaces_between_special_tokens: put spaces around special tokens in the text.
+        logit_bias: token id -> value added to its logit, in [-100, 100].
+        include_stop_str_in_output: keep the matched stop string in the text.
+        output_kind: see ``RequestOutputKind``.
+
+    Raises:
+        ValueError: from ``__post_init__`` if any field is out of range; the message
+            names the field and the value.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: Optional[dict[int, float]] = None
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._verify()
+
+    def _verify(self) -> None:
+        def bad(field: str, rule: str) -> ValueError:
+            return ValueError(f"{field} must be {rule}, got {getattr(self, field)!r}.")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "an integer >= 1")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", "> 0")
+        if not self.temperature >= 0.0:
+            raise bad("temperature", "non-negative")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
+            raise bad("top_k", "-1 (disabled) or at least 1")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "in [0, 1]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", "at least 1")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", "non-negative")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})."
+            )
+        for field in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, field)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise bad(field, f"between 0 and {MAX_LOGPROBS}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty.")
+        if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100].")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature ~0 or top_k == 1)."""
+        return self.temperature < _GREEDY_TEMPERATURE or self.top_k == 1
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (used to give each of the ``n`` completions its own params)."""
+        return copy.deepcopy(self)
