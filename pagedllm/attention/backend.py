@@ -1,0 +1,126 @@
+"""Paged attention, portable PyTorch implementation (CPU and CUDA).
+
+KV-cache layout, one tensor per layer::
+
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
+               ^ 0 = keys, 1 = values
+
+Token ``i`` of a request lives in block ``block_table[i // block_size]`` at offset
+``i % block_size``; its flat slot is ``block_id * block_size + offset``.
+
+Decodes (one query each) are computed together: their context is gathered from the cache
+by block table into a padded [num_decodes, max_len] batch and masked by sequence length;
+the query heads that share a KV head are laid along SDPA's query axis (grouped-query
+attention without repeating K/V). Prefill chunks are computed one request at a time, each
+attending causally to its earlier context in the cache and to itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+def write_to_kv_cache(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store this step's keys and values in their slots.
+
+    Args:
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim].
+        key, value: [num_tokens, num_kv_heads, head_dim], same dtype as the cache.
+        slot_mapping: [num_tokens] int64 flat slot indices.
+    """
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, H, D] gathered by [B, nb] -> [B, nb * block_size, H, D]."""
+    batch, num_blocks = block_table.shape
+    gathered = cache[block_table]
+    return gathered.view(batch, num_blocks * cache.shape[1], *cache.shape[2:])
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend.
+
+    Args:
+        query: [num_tokens, num_heads, head_dim].
+        key, value: [num_tokens, num_kv_heads, head_dim].
+        kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim].
+        metadata: the step's ``AttentionMetadata``.
+        scale: softmax scale, usually head_dim ** -0.5.
+
+    Returns:
+        [num_tokens, num_heads, head_dim], the dtype of ``query``.
+    """
+    write_to_kv_cache(kv_cache, key, value, metadata.slot_mapping)
+    output = torch.empty_like(query)
+    num_decodes = metadata.num_decodes
+    if num_decodes:
+        output[:num_decodes] = _decode_attention(query[:num_decodes], kv_cache, metadata, scale)
+    if metadata.num_prefills:
+        _prefill_attention(query, key, value, kv_cache, metadata, scale, output)
+    return output
+
+
+def _decode_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    num_decodes, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[-2]
+    group = num_heads // num_kv_heads
+    keys = _gather_context(kv_cache[0], metadata.decode_block_table).transpose(1, 2)
+    values = _gather_context(kv_cache[1], metadata.decode_block_table).transpose(1, 2)
+    max_len = keys.shape[2]
+    valid = torch.arange(max_len, device=query.device)[None, :] < metadata.decode_seq_lens[:, None]
+    q = query.view(num_decodes, num_kv_heads, group, head_dim)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=valid[:, None, None, :], scale=scale)
+    return out.reshape(num_decodes, num_heads, head_dim)
+
+
+def _prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    output: torch.Tensor,
+) -> None:
+    base = metadata.num_decodes
+    starts = metadata.prefill_query_start_loc
+    for i, seq_len in enumerate(metadata.prefill_seq_lens):
+        start, end = base + starts[i], base + starts[i + 1]
+        q = query[start:end].transpose(0, 1).unsqueeze(0)
+        num_queries = end - start
+        if seq_len == num_queries:
+            k, v = key[start:end], value[start:end]
+            mask = None
+        else:
+            table = metadata.prefill_block_table[i : i + 1]
+            k = _gather_context(kv_cache[0], table)[0, :seq_len]
+            v = _gather_context(kv_cache[1], table)[0, :seq_len]
+            q_pos = torch.arange(seq_len - num_queries, seq_len, device=query.device)
+            mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+        out = F.scaled_dot_product_attention(
+            q,
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        output[start:end] = out[0].transpose(0, 1)

@@ -1,0 +1,218 @@
+"""Engine configuration: what to load, how big the cache is, how the scheduler batches.
+
+``EngineArgs`` carries vLLM's argument names; ``EngineArgs.create_engine_config`` checks
+them and resolves defaults into an ``EngineConfig``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from pagedllm.platforms import current_platform
+
+SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_model_path(model: Optional[str]) -> Path:
+    """A local directory for ``model``: a path, or a model id already in the local HF cache.
+
+    ``None`` means the small model that ships inside the package. Nothing is downloaded.
+
+    Raises:
+        ValueError: if ``model`` is neither a directory nor cached locally.
+    """
+    if model is None:
+        from pagedllm.model_paths import default_model_path
+
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model, local_files_only=True))
+    except Exception as exc:  # huggingface_hub raises several types here
+        raise ValueError(
+            f"Model {model!r} is not a local directory and is not in the local Hugging Face "
+            f"cache ({os.environ.get('HF_HOME', '~/.cache/huggingface')}); pagedllm does not "
+            f"download models. Pass a directory with config.json and *.safetensors."
+        ) from exc
+
+
+def resolve_dtype(dtype: Any, hf_config: PretrainedConfig) -> torch.dtype:
+    """The compute dtype for ``dtype`` ("auto", a name, or a torch.dtype).
+
+    "auto" takes the checkpoint's dtype, except float32 (and float16 on CPU) become the
+    platform's 16-bit type, as vLLM does.
+
+    Raises:
+        ValueError: for an unknown dtype name.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        try:
+            return _DTYPES[str(dtype)]
+        except KeyError:
+            raise ValueError(f"Unknown dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}.") from None
+    config_dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    if isinstance(config_dtype, str):
+        config_dtype = _DTYPES.get(config_dtype, torch.float32)
+    if config_dtype in (None, torch.float32):
+        return current_platform.half_dtype()
+    if config_dtype == torch.float16 and not current_platform.is_cuda:
+        return torch.bfloat16
+    return config_dtype
+
+
+@dataclass
+class ModelConfig:
+    """The model: where it is, its HF config, the compute dtype and context length (tokens)."""
+
+    model: str
+    model_path: Path
+    tokenizer_path: Path
+    hf_config: PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int
+
+    @property
+    def architecture(self) -> str:
+        return (getattr(self.hf_config, "architectures", None) or ["<none>"])[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        explicit = getattr(self.hf_config, "head_dim", None)
+        return explicit or self.hf_config.hidden_size // self.hf_config.num_attention_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache: block size (tokens), memory budget (bytes), prefix caching."""
+
+    block_size: int
+    gpu_memory_utilization: float
+    kv_cache_memory_bytes: Optional[int]
+    enable_prefix_caching: bool
+    prefix_caching_hash_algo: str
+    num_gpu_blocks: Optional[int] = None  # set once the budget is measured
+
+
+@dataclass
+class SchedulerConfig:
+    """Batching limits: requests per step, tokens per step, context length (tokens)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+
+
+def _derived_max_model_len(hf_config: PretrainedConfig) -> int:
+    return int(getattr(hf_config, "max_position_embeddings", 2048))
+
+
+@dataclass
+class EngineArgs:
+    """Arguments of ``LLM`` / ``LLMEngine`` / ``pagedllm serve``, with vLLM's names and defaults.
+
+    ``max_num_batched_tokens`` defaults to max(8192, ``max_num_seqs``). ``gpu_memory_utilization``
+    is the fraction of the device memory (on CPU: of the RAM available at start-up) that
+    weights, activations and KV cache may use together; ``kv_cache_memory_bytes`` overrides
+    it with an exact KV-cache size in bytes.
+    """
+
+    model: Optional[str] = None
+    tokenizer: Optional[str] = None
+    dtype: Any = "auto"
+    max_model_len: Optional[int] = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    kv_cache_memory_bytes: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+
+    def create_engine_config(self) -> EngineConfig:
+        """Check the arguments and resolve defaults.
+
+        Raises:
+            ValueError: naming the bad argument and its allowed values.
+        """
+        if self.block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        model_path = resolve_model_path(self.model)
+        tokenizer_path = resolve_model_path(self.tokenizer) if self.tokenizer else model_path
+        hf_config = AutoConfig.from_pretrained(model_path)
+        derived = _derived_max_model_len(hf_config)
+        max_model_len = self.max_model_len or derived
+        if max_model_len > derived:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) is larger than the model's maximum context "
+                f"length ({derived}, max_position_embeddings in config.json)."
+            )
+        max_num_batched_tokens = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}.")
+        model_config = ModelConfig(
+            model=str(self.model or model_path.name),
+            model_path=model_path,
+            tokenizer_path=tokenizer_path,
+            hf_config=hf_config,
+            dtype=resolve_dtype(self.dtype, hf_config),
+            max_model_len=max_model_len,
+            seed=self.seed,
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            enable_prefix_caching=self.enable_prefix_caching,
+            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+        )
+        return EngineConfig(model_config, cache_config, scheduler_config)

@@ -1,0 +1,88 @@
+"""Engine-side state of one request (plain Python; no torch)."""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+from pagedllm.engine.messages import EngineCoreRequest, FinishReason
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request. Ordered so that "is finished" is one comparison."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything after this point is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: "RequestStatus") -> Optional[FinishReason]:
+        return _FINISHED_REASONS.get(status)
+
+
+_FINISHED_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Request:
+    """A request as the scheduler sees it.
+
+    ``all_token_ids`` is the prompt followed by the generated tokens. The tokens still to
+    compute are ``num_tokens - num_computed_tokens``: there is no separate prefill or
+    decode phase. ``block_hashes`` holds the hash of every *full* block of
+    ``all_token_ids`` (prefix caching), extended as tokens are appended.
+    """
+
+    def __init__(self, request: EngineCoreRequest, max_model_len: int) -> None:
+        self.request_id = request.request_id
+        self.sampling_params: SamplingParams = request.sampling_params
+        self.eos_token_id = request.eos_token_id
+        self.arrival_time = request.arrival_time
+        self.cache_salt = request.cache_salt
+        self.prompt_token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        max_tokens = self.sampling_params.max_tokens
+        room = max_model_len - self.num_prompt_tokens
+        self.max_tokens = room if max_tokens is None else min(max_tokens, room)
+        self.status = RequestStatus.WAITING
+        self.stop_reason: Optional[int] = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # set once, at first scheduling
+        self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []
+        # Index of the next prompt token whose logprob the front end has not received
+        # (token 0 has none).
+        self.num_prompt_logprobs_sent = 1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def get_finished_reason(self) -> Optional[FinishReason]:
+        return RequestStatus.get_finished_reason(self.status)

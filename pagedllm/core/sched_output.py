@@ -1,0 +1,57 @@
+"""What the scheduler decides for one step: plain data, no torch (so it can cross processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the model runner has not seen (or is seeing again after a preemption).
+
+    ``token_ids`` holds every known token (prompt, then any outputs generated before a
+    preemption); ``block_ids`` is the whole block table so far.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Changes to requests the runner already holds: blocks appended this step and the
+    number of computed tokens before this step (parallel lists)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: ``{request_id: num_scheduled_tokens}`` plus block-table diffs.
+
+    ``finished_req_ids`` are requests the runner must drop (finished, aborted or
+    preempted since the previous step). ``new_block_ids_to_zero`` are blocks freshly
+    taken from the free pool this step (not prefix-cache hits): the runner clears their
+    stale contents so masked-out slots never hold NaN or Inf.
+    """
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]
+    new_block_ids_to_zero: list[int]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

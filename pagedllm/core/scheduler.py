@@ -1,0 +1,258 @@
+"""Continuous-batching scheduler with chunked prefill and preemption by recompute (no torch).
+
+There are no prefill or decode phases: each request has ``num_tokens -
+num_computed_tokens`` tokens still to compute, and one token budget
+(``max_num_batched_tokens``) is shared by all requests in a step. Running requests are
+served first (FCFS), then waiting ones; a prompt longer than the remaining budget is cut
+into chunks. When blocks run out, the newest running request is preempted: its blocks are
+freed and it returns to the front of the waiting queue to be recomputed (vLLM V1).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Iterable, Optional
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedllm.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    LogprobsLists,
+    SchedulerStats,
+)
+from pagedllm.worker.runner_output import ModelRunnerOutput
+
+
+class Scheduler:
+    """Decides, each step, which requests run and how many tokens each computes.
+
+    Args:
+        scheduler_config: ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``.
+        kv_cache_manager: owns the blocks.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = scheduler_config
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        self._num_preemptions_reported = 0
+        # Highest number of requests running at once (for memory-efficiency checks).
+        self.max_num_running_observed = 0
+
+    def add_request(self, engine_request: EngineCoreRequest) -> None:
+        request = Request(engine_request, self.max_model_len)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's requests and token counts, allocating their blocks."""
+        token_budget = self.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        new_block_ids_to_zero: list[int] = []
+        preempted_any = False
+
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted_any = True
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            new_ids = [b.block_id for b in new_blocks]
+            new_block_ids_to_zero.extend(new_ids)
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append(new_ids)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        while (
+            not preempted_any
+            and self.waiting
+            and token_budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            request = self.waiting[0]
+            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, hit_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            self.running.append(request)
+            new_block_ids_to_zero.extend(b.block_id for b in new_blocks)
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    token_ids=list(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    output_token_ids=list(request.output_token_ids),
+                    sampling_params=request.sampling_params,
+                    eos_token_id=request.eos_token_id,
+                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                    num_computed_tokens=num_hit_tokens,
+                )
+            )
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+
+        self.max_num_running_observed = max(self.max_num_running_observed, len(self.running))
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
+            finished_req_ids=self.finished_req_ids,
+            new_block_ids_to_zero=new_block_ids_to_zero,
+        )
+        self.finished_req_ids = set()
+        for req_id, num_tokens in num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num_tokens
+        return output
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self.finished_req_ids.add(request.request_id)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Append sampled tokens, apply the engine's stop rules, free finished requests.
+
+        The engine stops on EOS (unless ``ignore_eos``), ``stop_token_ids``, ``max_tokens``
+        and ``max_model_len``; stop strings are the front end's job.
+        """
+        outputs: list[EngineCoreOutput] = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            index = runner_output.req_id_to_index[req_id]
+            new_token_ids = runner_output.sampled_token_ids[index]
+            prompt_logprobs = self._unsent_prompt_logprobs(request, runner_output.prompt_logprobs_dict.get(req_id))
+            if not new_token_ids and prompt_logprobs is None:
+                continue
+            request.append_output_token_ids(new_token_ids)
+            if new_token_ids:
+                self._check_stop(request)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=runner_output.logprobs_for(index) if new_token_ids else None,
+                    new_prompt_logprobs=prompt_logprobs,
+                    finish_reason=request.get_finished_reason(),
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+            if request.is_finished:
+                self._free_request(request)
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.time())
+
+    @staticmethod
+    def _unsent_prompt_logprobs(
+        request: Request, chunk: Optional[tuple[int, LogprobsLists]]
+    ) -> Optional[LogprobsLists]:
+        """The part of a chunk's prompt logprobs not sent before (a preempted request
+        recomputes its prompt, and the front end must see each position once)."""
+        if chunk is None:
+            return None
+        first, lists = chunk
+        skip = max(0, request.num_prompt_logprobs_sent - first)
+        if skip >= len(lists.ranks):
+            return None
+        request.num_prompt_logprobs_sent = first + len(lists.ranks)
+        if skip == 0:
+            return lists
+        return LogprobsLists(lists.token_ids[skip:], lists.logprobs[skip:], lists.ranks[skip:])
+
+    def _check_stop(self, request: Request) -> None:
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return
+            if last in params.stop_token_ids:  # type: ignore[operator]
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last
+                return
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish (e.g. abort) requests wherever they are; unknown ids are ignored."""
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def make_stats(self) -> SchedulerStats:
+        """Gauges, and counters since the previous call (prefix-cache tokens, preemptions)."""
+        kv = self.kv_cache_manager
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions - self._num_preemptions_reported,
+        )
+        kv.prefix_cache_queries = kv.prefix_cache_hits = 0
+        self._num_preemptions_reported = self.num_preemptions
+        return stats
+
+    def get_request(self, request_id: str) -> Optional[Request]:
+        return self.requests.get(request_id)

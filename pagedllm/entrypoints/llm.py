@@ -1,0 +1,184 @@
+"""``LLM``: offline batch inference, as vLLM's ``LLM`` class."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.processor import PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """Load a model once, then generate for many prompts with continuous batching.
+
+    Args (vLLM's names and defaults):
+        model: a Hugging Face directory or a model id in the local HF cache; None loads
+            the small model that ships with pagedllm.
+        tokenizer: tokenizer directory or id (default: the model's).
+        dtype: "auto", "float32", "bfloat16" or "float16".
+        max_model_len: context length in tokens (default: the model's).
+        block_size: tokens per KV-cache block (8, 16 or 32).
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget of one step.
+        kv_cache_memory_bytes: exact KV-cache size; overrides gpu_memory_utilization.
+        gpu_memory_utilization: fraction of device memory (CPU: available RAM) to use.
+        seed: global random seed.
+        enable_prefix_caching: automatic prefix caching (on by default).
+        prefix_caching_hash_algo: "sha256", "sha256_cbor" or "xxhash".
+
+    Raises:
+        ValueError: for bad arguments, an unsupported architecture or a KV budget that
+            cannot hold one ``max_model_len`` sequence.
+    """
+
+    def __init__(
+        self,
+        model: Optional[str] = None,
+        tokenizer: Optional[str] = None,
+        dtype: Any = "auto",
+        max_model_len: Optional[int] = None,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: Optional[int] = None,
+        kv_cache_memory_bytes: Optional[int] = None,
+        gpu_memory_utilization: float = 0.9,
+        seed: int = 0,
+        enable_prefix_caching: bool = True,
+        prefix_caching_hash_algo: str = "sha256",
+    ) -> None:
+        engine_args = EngineArgs(
+            model=model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed,
+            enable_prefix_caching=enable_prefix_caching,
+            prefix_caching_hash_algo=prefix_caching_hash_algo,
+        )
+        self.llm_engine = LLMEngine.from_engine_args(engine_args)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for every prompt; returns one ``RequestOutput`` per prompt,
+        in input order.
+
+        ``prompts`` is one prompt or a list: strings, token-id lists, or vLLM's dicts.
+        ``sampling_params`` is one ``SamplingParams`` for all prompts or one per prompt.
+
+        Raises:
+            ValueError: for a bad prompt or parameters; no request of this call is left
+                in the engine.
+        """
+        prompt_list = self._as_prompt_list(prompts)
+        params_list = self._as_params_list(sampling_params, len(prompt_list))
+        request_ids = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                params = params.clone()
+                params.output_kind = RequestOutputKind.FINAL_ONLY
+                request_id = str(next(self._request_counter))
+                self.llm_engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(request_ids)
+            raise
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Union[ChatMessages, Sequence[ChatMessages]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        chat_template: Optional[str] = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, formatted with the
+        tokenizer's chat template (or ``chat_template``).
+
+        Raises:
+            ValueError: if the tokenizer has no chat template and none is given, or as
+                ``generate``.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        if chat_template is None and tokenizer.chat_template is None:
+            raise ValueError("The tokenizer has no chat template; pass chat_template=...")
+        prompts = [
+            tokenizer.apply_chat_template(
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **(chat_template_kwargs or {}),
+            )
+            for conversation in conversations
+        ]
+        token_prompts = [
+            {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+            for text in prompts
+        ]
+        return self.generate(token_prompts, sampling_params, use_tqdm)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (see ``LLMEngine.reset_prefix_cache``)."""
+        self.llm_engine.reset_prefix_cache()
+
+    @staticmethod
+    def _as_prompt_list(prompts: Union[PromptType, Sequence[PromptType]]) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [prompts]  # one token-id prompt
+        return prompts
+
+    @staticmethod
+    def _as_params_list(
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None], num_prompts: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * num_prompts
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        params = list(sampling_params)
+        if len(params) != num_prompts:
+            raise ValueError(
+                f"Got {len(params)} SamplingParams for {num_prompts} prompts; pass one, or one per prompt."
+            )
+        return params
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        while len(results) < len(wanted) and self.llm_engine.has_unfinished_requests():
+            for output in self.llm_engine.step():
+                if output.finished and output.request_id in wanted:
+                    results[output.request_id] = output
+                    bar.update(1)
+        bar.close()
+        return [results[r] for r in request_ids]

@@ -1,0 +1,13 @@
+"""SwiGLU activation (Shazeer 2020, arXiv:2002.05202) on a fused [gate | up] input."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """[..., 2d] -> [..., d]: silu(x[..., :d]) * x[..., d:]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up

@@ -1,0 +1,34 @@
+"""Architecture name (config.json ``architectures[0]``) -> model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from pagedllm.model_executor.models.llama import (
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    """The model class for ``architecture``.
+
+    Raises:
+        ValueError: for an unsupported architecture; the message lists the supported ones.
+    """
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(
+            f"Model architecture {architecture!r} is not supported. "
+            f"Supported architectures: {', '.join(sorted(MODEL_REGISTRY))}."
+        ) from None

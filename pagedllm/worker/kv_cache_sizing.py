@@ -1,0 +1,70 @@
+"""How many KV-cache blocks fit in the memory budget.
+
+bytes per token = 2 (K and V) x num_layers x num_kv_heads x head_dim x dtype bytes;
+bytes per block = bytes per token x block_size.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pagedllm.config import CacheConfig, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def kv_bytes_per_token(model_config: ModelConfig) -> int:
+    """KV-cache bytes one token occupies across all layers."""
+    itemsize = model_config.dtype.itemsize
+    return 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * itemsize
+
+
+def num_kv_blocks(
+    model_config: ModelConfig,
+    cache_config: CacheConfig,
+    memory_bytes: int,
+    weights_bytes: int,
+    activation_peak_bytes: int,
+) -> int:
+    """Number of blocks: ``kv_cache_memory_bytes`` if set, else
+    ``gpu_memory_utilization x memory_bytes - weights - activation peak``, divided by the
+    bytes per block.
+
+    Raises:
+        ValueError: if the budget cannot hold one sequence of ``max_model_len`` tokens;
+            the message gives the formula, the numbers and the settings to change.
+    """
+    per_token = kv_bytes_per_token(model_config)
+    per_block = per_token * cache_config.block_size
+    if cache_config.kv_cache_memory_bytes is not None:
+        budget = cache_config.kv_cache_memory_bytes
+        source = f"kv_cache_memory_bytes = {budget:,}"
+    else:
+        budget = int(cache_config.gpu_memory_utilization * memory_bytes) - weights_bytes - activation_peak_bytes
+        source = (
+            f"gpu_memory_utilization {cache_config.gpu_memory_utilization} x {memory_bytes:,} bytes of "
+            f"device memory - {weights_bytes:,} bytes of weights - {activation_peak_bytes:,} bytes of "
+            f"activation peak = {budget:,}"
+        )
+    num_blocks = max(budget, 0) // per_block
+    max_len = model_config.max_model_len
+    blocks_per_seq = -(-max_len // cache_config.block_size)
+    if num_blocks < blocks_per_seq:
+        raise ValueError(
+            f"The KV cache cannot hold one sequence of max_model_len = {max_len} tokens. "
+            f"KV bytes per token = 2 x num_layers ({model_config.num_layers}) x num_kv_heads "
+            f"({model_config.num_kv_heads}) x head_dim ({model_config.head_dim}) x dtype bytes "
+            f"({model_config.dtype.itemsize}) = {per_token:,}; one sequence needs {blocks_per_seq} blocks "
+            f"of {cache_config.block_size} tokens = {blocks_per_seq * per_block:,} bytes, but the budget "
+            f"({source}) holds {num_blocks} blocks. Lower max_model_len, or raise "
+            f"kv_cache_memory_bytes / gpu_memory_utilization."
+        )
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%.2f GiB); maximum concurrency for %d tokens per request: %.2fx",
+        num_blocks,
+        cache_config.block_size,
+        num_blocks * per_block / 2**30,
+        max_len,
+        num_blocks / blocks_per_seq,
+    )
+    return int(num_blocks)

@@ -1,0 +1,303 @@
+"""Turns a ``SchedulerOutput`` into tensors, runs the model once over every scheduled
+token, and samples.
+
+One forward per step: decode requests (one query token each) first, then prefill chunks;
+inputs are built from the persistent ``InputBatch`` with numpy indexing.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata, set_forward_context
+from pagedllm.config import EngineConfig
+from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.engine.messages import LogprobsLists
+from pagedllm.model_executor.layers.attention import Attention
+from pagedllm.model_executor.layers.sampler import (
+    Sampler,
+    SamplingMetadata,
+    compute_logprobs_with_topk,
+)
+from pagedllm.model_executor.model_loader import get_model
+from pagedllm.platforms import current_platform
+from pagedllm.worker.input_batch import CachedRequestState, InputBatch
+from pagedllm.worker.kv_cache_sizing import kv_bytes_per_token, num_kv_blocks
+from pagedllm.worker.runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+#: Tokens in the CPU profiling run; the measured activation peak is scaled linearly to
+#: ``max_num_batched_tokens`` (activations grow linearly with tokens per step).
+_CPU_PROFILE_TOKENS = 256
+
+
+def _seed_for_step(seed: int, num_output_tokens: int) -> int:
+    """A generator seed that depends only on the request's seed and its output position, so
+    a seeded request samples the same tokens whatever its batch, and after a preemption."""
+    return (seed * 0x9E3779B97F4A7C15 + num_output_tokens) % (2**63)
+
+
+class ModelRunner:
+    """Owns the model, the KV caches and the persistent batch on one device.
+
+    Args:
+        config: the engine configuration; ``cache_config.num_gpu_blocks`` is set here.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.cache_config = config.cache_config
+        self.scheduler_config = config.scheduler_config
+        self.device = current_platform.device
+        self.block_size = self.cache_config.block_size
+        torch.manual_seed(self.model_config.seed)
+        memory_before_load = current_platform.total_memory_bytes()
+        start = time.perf_counter()
+        self.model = get_model(self.model_config, self.device)
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.info("Loaded %s (%.1f MB) in %.2f s", self.model_config.model_path,
+                    self.weights_bytes / 1e6, time.perf_counter() - start)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        activation_peak = 0
+        if self.cache_config.kv_cache_memory_bytes is None:
+            activation_peak = self._profile_activation_peak()
+        num_blocks = num_kv_blocks(
+            self.model_config, self.cache_config, memory_before_load, self.weights_bytes, activation_peak
+        )
+        self.cache_config.num_gpu_blocks = num_blocks
+        self.kv_caches = self._allocate_kv_caches(num_blocks)
+        self.input_batch = InputBatch(
+            self.scheduler_config.max_num_seqs, self.model_config.max_model_len, self.block_size, self.device
+        )
+        self.sampler = Sampler()
+
+    # ------------------------------------------------------------------ set-up
+    def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer.
+
+        NOTE: allocated uninitialised (memory is committed only as blocks are used); blocks
+        are zeroed when first handed to a request, and block 0 (the block-table padding
+        value) now, so masked-out reads never meet NaN.
+        """
+        caches = []
+        for layer in self.attention_layers:
+            shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            cache = torch.empty(shape, dtype=self.model_config.dtype, device=self.device)
+            cache[:, 0].zero_()
+            layer.kv_cache = cache
+            caches.append(cache)
+        return caches
+
+    @torch.inference_mode()
+    def _profile_activation_peak(self) -> int:
+        """Peak activation memory (bytes) of a forward over ``max_num_batched_tokens`` tokens.
+
+        CUDA: measured with ``torch.cuda.max_memory_allocated`` over a full-size dummy run.
+        CPU: the growth of the process's peak RSS over a ``_CPU_PROFILE_TOKENS``-token dummy
+        run, scaled linearly (a full-size run would dominate start-up time on CPU).
+        """
+        max_tokens = self.scheduler_config.max_num_batched_tokens
+        if current_platform.is_cuda:
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            self._dummy_run(max_tokens)
+            return torch.cuda.max_memory_allocated() - base
+        num_tokens = min(max_tokens, _CPU_PROFILE_TOKENS)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        self._dummy_run(num_tokens)
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return int(max(after - before, 0) * max_tokens / num_tokens)
+
+    def _dummy_run(self, num_tokens: int) -> None:
+        """Forward ``num_tokens`` tokens as prefills of at most ``max_model_len`` tokens each,
+        with a temporary KV cache just large enough."""
+        seq_len = min(num_tokens, self.model_config.max_model_len)
+        num_seqs = -(-num_tokens // seq_len)
+        blocks_per_seq = -(-seq_len // self.block_size)
+        num_blocks = num_seqs * blocks_per_seq
+        for layer in self.attention_layers:
+            layer.kv_cache = torch.zeros(
+                (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim),
+                dtype=self.model_config.dtype, device=self.device,
+            )
+        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        slots = torch.cat([torch.arange(n) + i * blocks_per_seq * self.block_size for i, n in enumerate(lens)])
+        metadata = AttentionMetadata(
+            slot_mapping=slots.to(self.device),
+            num_decodes=0,
+            decode_block_table=torch.zeros((0, 1), dtype=torch.int64, device=self.device),
+            decode_seq_lens=torch.zeros(0, dtype=torch.int64, device=self.device),
+            prefill_query_start_loc=[0, *np.cumsum(lens).tolist()],
+            prefill_seq_lens=lens,
+            prefill_block_table=torch.arange(num_blocks, device=self.device).view(num_seqs, blocks_per_seq),
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        with set_forward_context(metadata):
+            hidden = self.model(input_ids, positions)
+        self.model.compute_logits(hidden[: self.scheduler_config.max_num_seqs])
+        for layer in self.attention_layers:
+            layer.kv_cache = torch.empty(0)
+
+    # ------------------------------------------------------------------ steps
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in so.finished_req_ids:
+            batch.remove_request(req_id)
+        for new in so.scheduled_new_reqs:
+            batch.add_request(new)
+        cached = so.scheduled_cached_reqs
+        for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            state = batch.requests[req_id]
+            batch.append_block_ids(state.row, block_ids)
+            batch.num_computed_tokens[state.row] = num_computed
+        if so.new_block_ids_to_zero:
+            ids = torch.tensor(so.new_block_ids_to_zero, dtype=torch.int64, device=self.device)
+            for cache in self.kv_caches:
+                cache.index_fill_(1, ids, 0)
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: update the persistent batch, forward all scheduled tokens, sample.
+
+        Returns:
+            the sampled token ids (and logprobs) of requests whose known tokens are now all
+            computed; requests in the middle of their prompt sample nothing.
+        """
+        self._update_states(so)
+        if so.is_empty:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        batch = self.input_batch
+        decodes = [r for r, n in so.num_scheduled_tokens.items() if n == 1]
+        prefills = [r for r, n in so.num_scheduled_tokens.items() if n > 1]
+        order = decodes + prefills
+        states = [batch.requests[r] for r in order]
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        num_sched = np.fromiter((so.num_scheduled_tokens[r] for r in order), dtype=np.int64, count=len(order))
+        computed = batch.num_computed_tokens[rows]
+        cu = np.cumsum(num_sched)
+        starts = cu - num_sched
+        token_req = np.repeat(np.arange(len(order)), num_sched)
+        positions = computed[token_req] + np.arange(cu[-1]) - starts[token_req]
+        token_rows = rows[token_req]
+        input_ids = batch.token_ids[token_rows, positions]
+        bs = self.block_size
+        slot_mapping = batch.block_table[token_rows, positions // bs] * bs + positions % bs
+        seq_lens = computed + num_sched
+        metadata = self._attention_metadata(rows, seq_lens, num_sched, len(decodes), slot_mapping)
+
+        with set_forward_context(metadata):
+            hidden = self.model(self._to_device(input_ids), self._to_device(positions))
+
+        batch.num_computed_tokens[rows] = seq_lens
+        sample_mask = seq_lens == batch.num_tokens[rows]
+        prompt_logprobs = self._prompt_logprobs(hidden, states, computed, seq_lens, starts)
+        sampled = self._sample(hidden, states, sample_mask, cu)
+        sampled_token_ids: list[list[int]] = [[] for _ in order]
+        logprobs_index: dict[int, int] = {}
+        token_list, logprobs = sampled
+        for j, i in enumerate(np.flatnonzero(sample_mask).tolist()):
+            token = token_list[j]
+            sampled_token_ids[i] = [token]
+            batch.append_token(states[i], token)
+            if states[i].sampling_params.logprobs is not None:
+                logprobs_index[i] = j
+        return ModelRunnerOutput(
+            req_ids=order,
+            req_id_to_index={r: i for i, r in enumerate(order)},
+            sampled_token_ids=sampled_token_ids,
+            logprobs=logprobs,
+            logprobs_index=logprobs_index,
+            prompt_logprobs_dict=prompt_logprobs,
+        )
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    def _attention_metadata(
+        self, rows: np.ndarray, seq_lens: np.ndarray, num_sched: np.ndarray, num_decodes: int, slot_mapping: np.ndarray
+    ) -> AttentionMetadata:
+        bs = self.block_size
+        table = self.input_batch.block_table
+
+        def block_table_for(part_rows: np.ndarray, part_lens: np.ndarray) -> torch.Tensor:
+            width = int(-(-part_lens.max() // bs)) if len(part_lens) else 1
+            return self._to_device(np.ascontiguousarray(table[part_rows, :width]))
+
+        prefill_lens = seq_lens[num_decodes:]
+        return AttentionMetadata(
+            slot_mapping=self._to_device(slot_mapping),
+            num_decodes=num_decodes,
+            decode_block_table=block_table_for(rows[:num_decodes], seq_lens[:num_decodes]),
+            decode_seq_lens=self._to_device(seq_lens[:num_decodes]),
+            prefill_query_start_loc=[0, *np.cumsum(num_sched[num_decodes:]).tolist()],
+            prefill_seq_lens=prefill_lens.tolist(),
+            prefill_block_table=block_table_for(rows[num_decodes:], prefill_lens),
+        )
+
+    def _sample(
+        self, hidden: torch.Tensor, states: list[CachedRequestState], sample_mask: np.ndarray, cu: np.ndarray
+    ) -> tuple[list[int], Optional[LogprobsLists]]:
+        sample_idx = np.flatnonzero(sample_mask)
+        if len(sample_idx) == 0:
+            return [], None
+        logits = self.model.compute_logits(hidden[self._to_device(cu[sample_idx] - 1)])
+        sample_states = [states[i] for i in sample_idx.tolist()]
+        generators = {}
+        for j, state in enumerate(sample_states):
+            if state.generator is not None:
+                seed = state.sampling_params.seed
+                state.generator.manual_seed(_seed_for_step(seed, len(state.output_token_ids)))  # type: ignore[arg-type]
+                generators[j] = state.generator
+        metadata = SamplingMetadata.from_params(
+            [s.sampling_params for s in sample_states],
+            [s.prompt_token_ids for s in sample_states],
+            [s.output_token_ids for s in sample_states],
+            vocab_size=logits.shape[-1],
+            device=self.device,
+            generators=generators,
+            eos_token_id=sample_states[0].eos_token_id,
+        )
+        out = self.sampler(logits, metadata)
+        tokens = out.sampled_token_ids.tolist()
+        if out.logprobs is None:
+            return tokens, None
+        return tokens, LogprobsLists(
+            token_ids=out.logprob_token_ids.tolist(),  # type: ignore[union-attr]
+            logprobs=out.logprobs.tolist(),
+            ranks=out.ranks.tolist(),  # type: ignore[union-attr]
+        )
+
+    def _prompt_logprobs(
+        self,
+        hidden: torch.Tensor,
+        states: list[CachedRequestState],
+        computed: np.ndarray,
+        seq_lens: np.ndarray,
+        starts: np.ndarray,
+    ) -> dict[str, tuple[int, LogprobsLists]]:
+        """Logprobs of the prompt tokens predicted by this step's chunk of each request that
+        asked for them: position p's logits score prompt token p + 1."""
+        result: dict[str, tuple[int, LogprobsLists]] = {}
+        for i, state in enumerate(states):
+            k = state.sampling_params.prompt_logprobs
+            first, end = int(computed[i]), min(int(seq_lens[i]), state.num_prompt_tokens - 1)
+            if k is None or first >= end:
+                continue
+            idx = torch.arange(end - first, device=self.device) + int(starts[i])
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[idx]), dim=-1)
+            targets = self._to_device(self.input_batch.token_ids[state.row, first + 1 : end + 1].copy())
+            ids, values, ranks = compute_logprobs_with_topk(logprobs, targets, k)
+            result[state.req_id] = (first + 1, LogprobsLists(ids.tolist(), values.tolist(), ranks.tolist()))
+        return result
+
+    def kv_cache_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.model_config)

@@ -1,0 +1,45 @@
+"""What the model runner returns for one step (plain Python lists; no tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pagedllm.engine.messages import LogprobsLists
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens (and logprobs) of one step.
+
+    Attributes:
+        req_ids: the scheduled requests, in the runner's batch order.
+        req_id_to_index: request id -> index into the per-request lists below.
+        sampled_token_ids: per request, the tokens sampled this step (empty when the
+            request's prompt is not fully computed yet).
+        logprobs: per sampled token, in ``req_ids`` order over the requests that sampled
+            and asked for logprobs; ``logprobs_index`` maps a request index to its row.
+        prompt_logprobs_dict: request id -> (index of the first prompt token covered, the
+            logprobs of the prompt tokens this step's chunk predicts).
+    """
+
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+    logprobs: Optional[LogprobsLists] = None
+    logprobs_index: dict[int, int] = field(default_factory=dict)
+    prompt_logprobs_dict: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
+
+    def logprobs_for(self, index: int) -> Optional[LogprobsLists]:
+        """The logprobs of request ``index``'s sampled token, or None if it asked for none."""
+        row = self.logprobs_index.get(index)
+        if row is None or self.logprobs is None:
+            return None
+        return LogprobsLists(
+            token_ids=[self.logprobs.token_ids[row]],
+            logprobs=[self.logprobs.logprobs[row]],
+            ranks=[self.logprobs.ranks[row]],
+        )
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
