@@ -1,0 +1,34 @@
+"""The ``pagedllm`` command: ``pagedllm serve`` and ``pagedllm bench ...``.
+
+Each subcommand module exposes ``register(subparsers)``, which adds its parser and sets
+``func`` (called with the parsed arguments, returning an exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from pagedllm.version import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pagedllm.benchmarks import cli as bench_cli
+    from pagedllm.entrypoints.openai import cli_args as serve_cli
+
+    parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: fast LLM inference and serving.")
+    parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    serve_cli.register(subparsers)
+    bench_cli.register(subparsers)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
