@@ -1,0 +1,99 @@
+"""Write the benchmark checkpoints (random weights, Hugging Face layout) without downloads.
+
+    python benchmarks/make_checkpoint.py --preset qwen2-0.5b-shape --out benchmarks/checkpoints/qwen2-0.5b-shape
+    python benchmarks/make_checkpoint.py --preset tiny-llama --out benchmarks/checkpoints/tiny-llama --dtype float32
+
+The presets are the checkpoints of /work/shared/peers.md ("Checkpoints used"), so numbers
+measured here compare with the peers' table:
+
+- ``tiny-llama``: LlamaForCausalLM, hidden 256, 4 layers, 4 heads / 2 KV heads, FFN 688,
+  untied embeddings, vocab 32000 (19.3M parameters).
+- ``qwen2-0.5b-shape``: Qwen2ForCausalLM with Qwen2.5-0.5B's dimensions (hidden 896,
+  24 layers, 14 heads / 2 KV heads, FFN 4864, tied embeddings, rope_theta 1e6) and
+  vocab 32000 (386.6M parameters, 773 MB in bf16; about 30 s on 2 cores).
+
+Both use the 32000-token byte-level BPE tokenizer of ``pagedllm.testing.checkpoints``
+with the ChatML chat template. Weights are created directly in ``--dtype`` (default
+bfloat16, as the peers measured), so peak memory is about twice the checkpoint size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+try:
+    from pagedllm.testing.checkpoints import make_checkpoint
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from pagedllm.testing.checkpoints import make_checkpoint
+
+PRESETS: dict[str, dict] = {
+    "tiny-llama": dict(
+        arch="LlamaForCausalLM",
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=688,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        tokenizer_vocab_size=32000,
+    ),
+    "qwen2-0.5b-shape": dict(
+        arch="Qwen2ForCausalLM",
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        tokenizer_vocab_size=32000,
+    ),
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """Parse the command line, write the checkpoint, print a one-line summary, return its path."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    parser.add_argument("--out", required=True, help="folder to write (created if missing)")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-shard-size", default=None, help='e.g. "200MB": several safetensors files + index'
+    )
+    args = parser.parse_args(argv)
+
+    preset = dict(PRESETS[args.preset])
+    arch = preset.pop("arch")
+    start = time.perf_counter()
+    out = make_checkpoint(
+        args.out,
+        arch,
+        dtype=DTYPES[args.dtype],
+        seed=args.seed,
+        max_shard_size=args.max_shard_size,
+        **preset,
+    )
+    elapsed = time.perf_counter() - start
+    weight_bytes = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    print(
+        f"wrote {args.preset} ({arch}, {args.dtype}) to {out}: "
+        f"{weight_bytes / 1e6:.1f} MB of weights in {elapsed:.1f} s"
+    )
+    return out
+
+
+if __name__ == "__main__":
+    main()

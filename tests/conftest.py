@@ -1,0 +1,83 @@
+"""Shared fixtures: the tokenizer and tiny random checkpoints (built once per session, offline).
+
+Checkpoints (all hidden 64, 2 layers, 4 heads / 2 KV heads, FFN 128, vocab 1024, float32;
+each with its own seed, so no two share weights):
+
+- ``tiny_llama``: LlamaForCausalLM, untied embeddings.
+- ``tiny_llama3_rope``: the same with ``rope_scaling`` llama3 (factor 8, original 256,
+  rope_theta 500000), so every rope frequency regime (kept, scaled, blended) is used.
+- ``tiny_qwen2``: Qwen2ForCausalLM, q/k/v biases, tied embeddings, rope_theta 1e6 (as
+  Qwen2.5-0.5B).
+- ``tiny_qwen3``: Qwen3ForCausalLM, q/k norms, head_dim 32 (not hidden / heads = 16).
+- ``tiny_mistral``: MistralForCausalLM, no sliding window.
+
+``checkpoint_factory(arch, **kwargs)`` makes any other one (arguments of
+``pagedllm.testing.checkpoints.make_checkpoint``), cached by its arguments.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pagedllm.testing.checkpoints import build_tokenizer, make_checkpoint
+
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The 1024-token byte-level BPE tokenizer every tiny checkpoint uses."""
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory):
+    """``factory(arch, **make_checkpoint_kwargs) -> Path``; equal arguments reuse one folder."""
+    cache: dict[str, Path] = {}
+
+    def factory(arch: str, **kwargs) -> Path:
+        key = json.dumps([arch, kwargs], sort_keys=True, default=str)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"ckpt-{arch}")
+            cache[key] = make_checkpoint(out, arch, **kwargs)
+        return cache[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(checkpoint_factory) -> Path:
+    return checkpoint_factory("LlamaForCausalLM", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_rope(checkpoint_factory) -> Path:
+    return checkpoint_factory(
+        "LlamaForCausalLM", seed=4, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE_SCALING
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(checkpoint_factory) -> Path:
+    return checkpoint_factory(
+        "Qwen2ForCausalLM", seed=1, tie_word_embeddings=True, rope_theta=1000000.0
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(checkpoint_factory) -> Path:
+    return checkpoint_factory("Qwen3ForCausalLM", seed=2, head_dim=32, rope_theta=1000000.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(checkpoint_factory) -> Path:
+    return checkpoint_factory("MistralForCausalLM", seed=3)
