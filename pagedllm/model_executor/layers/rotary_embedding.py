@@ -29,6 +29,18 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def get_rope_parameters(config) -> tuple[float, Optional[dict]]:
+    """(rope_theta, rope scaling dict or None) of an HF config.
+
+    transformers >= 5 keeps both in ``config.rope_parameters``; earlier versions have
+    ``config.rope_theta`` and ``config.rope_scaling``.
+    """
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    return float(theta), (None if rope_type == "default" else params)
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to queries and keys given each token's position.
 

@@ -16,7 +16,7 @@ from pagedllm.model_executor.layers.activation import SiluAndMul
 from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.layernorm import RMSNorm
 from pagedllm.model_executor.layers.linear import FusedLinear, Linear, QKVLinear, default_weight_loader
-from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
 
 
 class LlamaAttention(nn.Module):
@@ -30,12 +30,8 @@ class LlamaAttention(nn.Module):
         # ``attention_bias`` (Llama, Qwen3) puts a bias on q, k, v and o; Qwen2 has q/k/v bias only.
         o_bias = bool(getattr(config, "attention_bias", False))
         self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
-        self.rotary_emb = RotaryEmbedding(
-            self.head_dim,
-            config.max_position_embeddings,
-            getattr(config, "rope_theta", 10000.0),
-            getattr(config, "rope_scaling", None),
-        )
+        rope_theta, rope_scaling = get_rope_parameters(config)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_theta, rope_scaling)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)

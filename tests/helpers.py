@@ -1,0 +1,62 @@
+"""Helpers shared by tests: HF transformers references and the block-accounting check."""
+
+from __future__ import annotations
+
+import random
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from pagedllm import LLM
+
+
+@lru_cache(maxsize=8)
+def hf_model(path: Path):
+    """The checkpoint loaded by transformers in float32 (cached per path)."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(path: Path, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy ``generate`` for one prompt, EOS ignored."""
+    ids = torch.tensor([prompt_token_ids])
+    with torch.inference_mode():
+        out = hf_model(path).generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_token_ids) :].tolist()
+
+
+def hf_log_softmax(path: Path, token_ids: list[int]) -> torch.Tensor:
+    """[len(token_ids), vocab] float32 log-softmax of transformers' logits at each position."""
+    with torch.inference_mode():
+        logits = hf_model(path)(torch.tensor([token_ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """Random token-id prompts of the given lengths (ids >= 3 skip the special tokens)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
+
+
+def check_block_accounting(llm: LLM, expect_idle: bool = True) -> None:
+    """free + in use == total; with no unfinished request, nothing is in use."""
+    core = llm.llm_engine.engine_core
+    pool = core.kv_cache_manager.block_pool
+    pool.check_integrity()
+    if expect_idle:
+        assert not core.scheduler.has_unfinished_requests()
+        assert pool.get_num_free_blocks() == pool.num_blocks, "blocks still held after all requests finished"
+        assert not core.kv_cache_manager.req_to_blocks
+
+
+def kv_block_bytes(llm: LLM) -> int:
+    """Bytes of one KV-cache block of ``llm``'s model."""
+    return llm.llm_engine.engine_core.model_runner.kv_cache_bytes_per_token() * llm.llm_engine.config.cache_config.block_size
