@@ -1,0 +1,250 @@
+"""The offline API end to end: input forms, bad input, sampling reproducibility, stop
+strings, min_tokens, n > 1, chat, LLMEngine stepping and aborts, memory efficiency."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, LLMEngine, SamplingParams
+from pagedllm.config import EngineArgs
+from tests.helpers import check_block_accounting, kv_block_bytes, random_prompts
+
+KV_BYTES = 16 << 20
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=KV_BYTES, max_model_len=512)
+
+
+def greedy(max_tokens=16, **kwargs):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def test_prompt_forms_give_the_same_output(llm):
+    text = "The quick brown fox"
+    ids = llm.get_tokenizer().encode(text)
+    by_text = llm.generate(text, greedy(), use_tqdm=False)
+    by_ids = llm.generate(ids, greedy(), use_tqdm=False)
+    by_dict = llm.generate([{"prompt_token_ids": ids}, {"prompt": text}], greedy(), use_tqdm=False)
+    assert by_text[0].prompt == text and by_text[0].prompt_token_ids == ids
+    expected = by_text[0].outputs[0].token_ids
+    assert len(expected) == 16
+    for out in (by_ids[0], by_dict[0], by_dict[1]):
+        assert out.outputs[0].token_ids == expected
+    assert by_text[0].outputs[0].text == llm.get_tokenizer().decode(expected)
+    check_block_accounting(llm)
+
+
+def test_outputs_in_input_order_with_per_prompt_params(llm, tokenizer):
+    prompts = random_prompts([50, 2, 30, 9], len(tokenizer), seed=5)
+    params = [greedy(max_tokens=m) for m in (3, 9, 1, 5)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 9, 1, 5]
+    assert [o.prompt_token_ids for o in outs] == prompts
+    with pytest.raises(ValueError, match="2 SamplingParams for 4 prompts"):
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params[:2], use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ([], greedy(), "prompt is empty"),
+        ("", greedy(), "prompt is empty"),
+        ([5, 1024, 7], greedy(), r"Token id 1024 is out of vocabulary.*\[0, 1024\)"),
+        ([-1], greedy(), "out of vocabulary"),
+        ([5] * 600, greedy(), "600 tokens long.*maximum context length is 512"),
+        ([5] * 500, greedy(max_tokens=20), r"maximum context length is 512 tokens.*520 tokens \(500 in the prompt, 20 for the completion\)"),
+    ],
+)
+def test_bad_prompt_raises_and_other_requests_finish(tiny_llama, prompt, params, message):
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model=str(tiny_llama), dtype="float32", kv_cache_memory_bytes=KV_BYTES, max_model_len=512)
+    )
+    engine.add_request("good-1", [10, 11, 12], greedy(max_tokens=4))
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", prompt, params)
+    engine.add_request("good-2", [13, 14], greedy(max_tokens=4))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert sorted(finished) == ["good-1", "good-2"]
+    assert all(len(o.outputs[0].token_ids) == 4 for o in finished.values())
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"n": 0}, "n must be"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ],
+)
+def test_invalid_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_generate_with_a_bad_prompt_leaves_nothing_behind(llm):
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        llm.generate([[5, 6], [99999]], greedy(), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    check_block_accounting(llm)
+    assert len(llm.generate([[5, 6]], greedy(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
+def test_seeded_request_is_independent_of_the_batch(llm, tokenizer):
+    target = {"prompt_token_ids": [20, 21, 22, 23]}
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = llm.generate(target, params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": p} for p in random_prompts([7, 40, 3], len(tokenizer), seed=9)]
+    unseeded = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    mix1 = llm.generate([others[0], target, others[1]], [unseeded, params, unseeded], use_tqdm=False)
+    mix2 = llm.generate([target] + others, [params, unseeded, greedy(), unseeded], use_tqdm=False)
+    assert mix1[1].outputs[0].token_ids == alone
+    assert mix2[0].outputs[0].token_ids == alone
+    other_seed = llm.generate(target, SamplingParams(temperature=1.0, seed=99, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_top_k_1_equals_greedy(llm):
+    prompt = {"prompt_token_ids": [30, 31, 32]}
+    sampled = llm.generate(prompt, SamplingParams(temperature=1.0, top_k=1, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert sampled[0].outputs[0].token_ids == llm.generate(prompt, greedy(), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_n_3_with_seed_is_distinct_and_reproducible(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    first = llm.generate({"prompt_token_ids": [40, 41]}, params, use_tqdm=False)[0]
+    second = llm.generate({"prompt_token_ids": [40, 41]}, params, use_tqdm=False)[0]
+    completions = [tuple(c.token_ids) for c in first.outputs]
+    assert [c.index for c in first.outputs] == [0, 1, 2]
+    assert len(set(completions)) == 3
+    assert completions == [tuple(c.token_ids) for c in second.outputs]
+    check_block_accounting(llm)
+
+
+def _find_stop_cases(llm):
+    """A greedy completion and a stop string spanning two tokens and ending inside a third,
+    as (prompt, full text, stop string, its position in the text)."""
+    tok = llm.get_tokenizer()
+    for seed in range(30):
+        prompt = random_prompts([6], len(tok), seed=100 + seed)[0]
+        out = llm.generate({"prompt_token_ids": prompt}, greedy(max_tokens=24), use_tqdm=False)[0].outputs[0]
+        # Character offset where each token's text starts (prefix decodes).
+        starts = [len(tok.decode(out.token_ids[:i])) for i in range(len(out.token_ids) + 1)]
+        for i in range(1, len(out.token_ids) - 3):
+            if starts[i + 3] - starts[i + 2] < 2 or starts[i + 1] == starts[i]:
+                continue
+            stop = out.text[starts[i] : starts[i + 2] + 1]
+            if "\ufffd" not in stop and out.text.find(stop) == starts[i] and stop.strip():
+                return prompt, out.text, stop, starts[i]
+    pytest.fail("no suitable greedy completion found for the stop-string test")
+
+
+def test_stop_strings_across_and_inside_tokens(llm):
+    prompt, full_text, stop, position = _find_stop_cases(llm)
+    out = llm.generate({"prompt_token_ids": prompt}, greedy(max_tokens=24, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.text == full_text[:position]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    kept = llm.generate(
+        {"prompt_token_ids": prompt},
+        greedy(max_tokens=24, stop=[stop], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert kept.text == full_text[: position + len(stop)]
+    check_block_accounting(llm)
+
+
+def test_min_tokens_suppresses_stop_strings_and_eos(llm):
+    prompt, full_text, stop, position = _find_stop_cases(llm)
+    out = llm.generate(
+        {"prompt_token_ids": prompt}, greedy(max_tokens=24, stop=[stop], min_tokens=24), use_tqdm=False
+    )[0].outputs[0]
+    assert out.text == full_text and out.finish_reason == "length"
+    eos = llm.get_tokenizer().eos_token_id
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, logit_bias={eos: 100.0})
+    forced = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    assert len(forced.token_ids) == 8 and eos not in forced.token_ids[:7]
+    stopped = llm.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=8, logit_bias={eos: 100.0}), use_tqdm=False
+    )[0].outputs[0]
+    assert stopped.token_ids == [eos] and stopped.finish_reason == "stop"
+
+
+def test_stop_token_ids_give_stop_reason(llm):
+    base = llm.generate({"prompt_token_ids": [50, 51]}, greedy(max_tokens=10), use_tqdm=False)[0].outputs[0]
+    target = base.token_ids[4]
+    out = llm.generate({"prompt_token_ids": [50, 51]}, greedy(max_tokens=10, stop_token_ids=[target]), use_tqdm=False)[0].outputs[0]
+    first = base.token_ids.index(target)
+    assert out.token_ids == base.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == target
+
+
+def test_no_replacement_characters_unless_the_full_decode_has_them(llm):
+    tok = llm.get_tokenizer()
+    for seed in range(6):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=40, ignore_eos=True)
+        out = llm.generate("日本語のテキスト 🙂🚀 emoji", params, use_tqdm=False)[0].outputs[0]
+        assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_chat_uses_the_template(llm):
+    messages = [{"role": "user", "content": "Hello there"}]
+    out = llm.chat(messages, greedy(max_tokens=5), use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    expected_prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert out.prompt == expected_prompt
+    assert expected_prompt.endswith("<|im_start|>assistant\n")
+    assert out.prompt_token_ids == tok.encode(expected_prompt, add_special_tokens=False)
+    two = llm.chat([messages, [{"role": "user", "content": "Bye"}]], greedy(max_tokens=3), use_tqdm=False)
+    assert len(two) == 2 and two[0].outputs[0].token_ids == out.outputs[0].token_ids[:3]
+
+
+def test_engine_abort_frees_blocks(tiny_llama):
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model=str(tiny_llama), dtype="float32", kv_cache_memory_bytes=KV_BYTES, max_model_len=512)
+    )
+    engine.add_request("a", [1, 2, 3], greedy(max_tokens=200))
+    engine.add_request("b", [4, 5, 6], SamplingParams(n=2, max_tokens=200, ignore_eos=True))
+    engine.add_request("c", [7, 8], greedy(max_tokens=10))
+    for _ in range(3):
+        engine.step()
+    engine.abort_request(["a", "b"])
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    assert [o.request_id for o in outputs if o.finished] == ["c"]
+    pool = engine.engine_core.kv_cache_manager.block_pool
+    pool.check_integrity()
+    assert pool.get_num_free_blocks() == pool.num_blocks
+
+
+def test_paged_cache_runs_4x_more_sequences_than_contiguous(tiny_llama, tokenizer):
+    max_model_len = 2048
+    probe = LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=1 << 20, max_model_len=max_model_len)
+    per_block = kv_block_bytes(probe)
+    del probe
+    blocks_per_max_len_seq = max_model_len // 16
+    budget = 2 * blocks_per_max_len_seq * per_block  # contiguous pre-allocation fits 2 sequences
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model=str(tiny_llama), dtype="float32", kv_cache_memory_bytes=budget, max_model_len=max_model_len)
+    )
+    for i, prompt in enumerate(random_prompts([20] * 32, len(tokenizer), seed=3)):
+        engine.add_request(str(i), prompt, greedy(max_tokens=20))
+    core = engine.engine_core
+    while engine.has_unfinished_requests():
+        engine.step()
+        for request in core.scheduler.running:
+            held = len(core.kv_cache_manager.req_to_blocks[request.request_id])
+            assert held == -(-request.num_computed_tokens // 16), "more than one partial block held"
+    assert core.scheduler.max_num_running_observed >= 4 * 2
+    core.kv_cache_manager.block_pool.check_integrity()
