@@ -16,7 +16,8 @@ from pagedllm.config import ModelConfig
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 
-#: A prompt: text, token ids, or vLLM's dict forms {"prompt": str} / {"prompt_token_ids": [...]}.
+#: A prompt: text, token ids, or vLLM's dict forms {"prompt": str} / {"prompt_token_ids": [...]},
+#: either with an optional "cache_salt".
 PromptType = Union[str, list[int], dict]
 
 
@@ -104,6 +105,10 @@ class Processor:
         """
         prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
         self.validate(prompt_token_ids, params)
+        if cache_salt is None and isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt must be a non-empty string.")
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
