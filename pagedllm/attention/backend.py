@@ -41,7 +41,9 @@ def write_to_kv_cache(
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """[num_blocks, block_size, H, D] gathered by [B, nb] -> [B, nb * block_size, H, D]."""
     batch, num_blocks = block_table.shape
-    gathered = cache[block_table]
+    # NOTE: index_select on the flattened table is several times faster than advanced
+    # indexing with a 2-D index on CPU.
+    gathered = cache.index_select(0, block_table.reshape(-1))
     return gathered.view(batch, num_blocks * cache.shape[1], *cache.shape[2:])
 
 

@@ -68,11 +68,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``query`` [T, Hq, D] and ``key`` [T, Hkv, D] by positions [T] (int64)."""
-        cos = self.cos_cache[positions].to(query.dtype).unsqueeze(1)
-        sin = self.sin_cache[positions].to(query.dtype).unsqueeze(1)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, each [T, 1, head_dim] in ``dtype``, for positions [T] (int64).
+
+        Computed once per forward pass and shared by every layer.
+        """
+        cos = self.cos_cache.index_select(0, positions).to(dtype).unsqueeze(1)
+        sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rotary(
+    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``query`` [T, Hq, D] and ``key`` [T, Hkv, D] by ``RotaryEmbedding``'s cos/sin."""
+    return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
