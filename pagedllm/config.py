@@ -6,7 +6,6 @@ them and resolves defaults into an ``EngineConfig``.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -42,15 +41,15 @@ def resolve_model_path(model: Optional[str]) -> Path:
     path = Path(model).expanduser()
     if path.is_dir():
         return path
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
 
     try:
         return Path(snapshot_download(model, local_files_only=True))
     except Exception as exc:  # huggingface_hub raises several types here
         raise ValueError(
             f"Model {model!r} is not a local directory and is not in the local Hugging Face "
-            f"cache ({os.environ.get('HF_HOME', '~/.cache/huggingface')}); pagedllm does not "
-            f"download models. Pass a directory with config.json and *.safetensors."
+            f"cache ({constants.HF_HUB_CACHE}); pagedllm does not download models. Pass a "
+            f"directory with config.json and *.safetensors."
         ) from exc
 
 
