@@ -1,0 +1,288 @@
+"""``pagedllm bench throughput``: offline throughput, as ``vllm bench throughput``.
+
+All requests are handed to the engine at once (``LLM.generate``); the wall time of that
+call (prefill included) gives requests/s, output tokens/s and total tokens/s.
+
+``--backend hf`` runs the same prompts through transformers' ``generate`` in static
+batches of ``--hf-max-batch-size`` (left padding, greedy, ``min_new_tokens =
+max_new_tokens`` with ``--ignore-eos``): the floor. ``--compare hf`` runs pagedllm and then
+transformers in one invocation and prints the ratio. Only the tokens a request asked for
+are counted for transformers (a static batch generates up to its longest request).
+
+Example::
+
+    pagedllm bench throughput --model DIR --dtype bfloat16 --num-prompts 32 \\
+        --input-len 128 --output-len 128 --ignore-eos --compare hf --hf-max-batch-size 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from typing import Any, Optional
+
+from pagedllm.benchmarks import machine_info, set_num_threads, write_json
+from pagedllm.benchmarks.datasets import (
+    SampleRequest,
+    add_dataset_args,
+    dataset_description,
+    get_samples,
+    random_dataset,
+)
+
+BACKENDS = ("pagedllm", "hf")
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """--model/--tokenizer/--dtype and the engine options (vLLM's names) shared by the
+    offline benchmarks. An option left unset keeps ``LLM``'s default."""
+    parser.add_argument("--model", default=None, help="checkpoint folder or local HF model id "
+                        "(default: the model that ships with pagedllm)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
+    engine = parser.add_argument_group("engine (pagedllm backend)")
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--block-size", type=int, default=None)
+    engine.add_argument("--max-num-seqs", type=int, default=None)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None)
+    engine.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    engine.add_argument("--gpu-memory-utilization", type=float, default=None)
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="automatic prefix caching (engine default: on)")
+    engine.add_argument("--prefix-caching-hash-algo", default=None, choices=["sha256", "sha256_cbor", "xxhash"])
+
+
+_ENGINE_KEYS = ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching",
+                "prefix_caching_hash_algo")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``LLM(...)`` keyword arguments from the options that were given."""
+    kwargs: dict[str, Any] = {"model": args.model, "tokenizer": args.tokenizer, "dtype": args.dtype,
+                              "seed": getattr(args, "seed", 0)}
+    for key in _ENGINE_KEYS:
+        value = getattr(args, key, None)
+        if value is not None:
+            kwargs[key] = value
+    return kwargs
+
+
+def build_llm(args: argparse.Namespace):
+    """(LLM, seconds its construction took)."""
+    from pagedllm import LLM
+
+    start = time.perf_counter()
+    llm = LLM(**engine_kwargs(args))
+    return llm, time.perf_counter() - start
+
+
+def load_tokenizer(args: argparse.Namespace):
+    from pagedllm.config import resolve_model_path
+    from pagedllm.tokenizer import get_tokenizer
+
+    return get_tokenizer(resolve_model_path(args.tokenizer or args.model))
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    add_model_args(parser)
+    add_dataset_args(parser, default_input_len=1024, default_output_len=128)
+    parser.add_argument("--backend", default="pagedllm", choices=BACKENDS)
+    parser.add_argument("--compare", default=None, choices=["hf"],
+                        help="also run this backend on the same prompts and print the ratio")
+    parser.add_argument("--hf-max-batch-size", type=int, default=None,
+                        help="hf backend: static batch size (default: all prompts in one batch)")
+    parser.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--disable-detokenize", action="store_true",
+                        help="pagedllm: produce token ids only (no text)")
+    parser.add_argument("--num-warmups", type=int, default=1,
+                        help="untimed warm-up generate calls (a short random prompt, 4 tokens) before the run")
+    parser.add_argument("--output-json", default=None, help="write the results to this JSON file")
+
+
+def _result(backend: str, args: argparse.Namespace, requests: list[SampleRequest], elapsed: float,
+            output_lens: list[int], init_time: float, extra: Optional[dict] = None) -> dict[str, Any]:
+    prompt_tokens = sum(r.prompt_len for r in requests)
+    output_tokens = sum(output_lens)
+    result: dict[str, Any] = {
+        "benchmark": "throughput",
+        "backend": backend,
+        "model": args.model,
+        "dtype": args.dtype,
+        **dataset_description(args),
+        "num_requests": len(requests),
+        "ignore_eos": args.ignore_eos,
+        "temperature": args.temperature,
+        "elapsed_time": elapsed,
+        "init_time_s": init_time,
+        "total_prompt_tokens": prompt_tokens,
+        "total_output_tokens": output_tokens,
+        "total_num_tokens": prompt_tokens + output_tokens,
+        "requests_per_second": len(requests) / elapsed,
+        "tokens_per_second": (prompt_tokens + output_tokens) / elapsed,
+        "output_tokens_per_second": output_tokens / elapsed,
+        "input_lens": [r.prompt_len for r in requests],
+        "output_lens": list(output_lens),
+        "machine": machine_info(),
+    }
+    result.update(extra or {})
+    return result
+
+
+def run_pagedllm(args: argparse.Namespace, requests: Optional[list[SampleRequest]] = None,
+                 llm: Any = None) -> dict[str, Any]:
+    """Time ``LLM.generate`` over the dataset; returns the result dict."""
+    from pagedllm import SamplingParams
+
+    init_time = 0.0
+    if llm is None:
+        llm, init_time = build_llm(args)
+    tokenizer = llm.get_tokenizer()
+    if requests is None:
+        requests = get_samples(args, tokenizer)
+
+    def params(max_tokens: int) -> SamplingParams:
+        return SamplingParams(n=1, temperature=args.temperature, top_p=1.0, ignore_eos=args.ignore_eos,
+                              max_tokens=max_tokens, detokenize=not args.disable_detokenize)
+
+    for i in range(args.num_warmups):
+        warm = random_dataset(tokenizer, 1, 16, 4, seed=10_000 + i)[0]
+        llm.generate([{"prompt_token_ids": warm.prompt_token_ids}], params(4), use_tqdm=False)
+    if args.num_warmups:
+        try:
+            llm.reset_prefix_cache()
+        except (AttributeError, RuntimeError):
+            pass
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    sampling = [params(r.expected_output_len) for r in requests]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, sampling, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    output_lens = [len(o.outputs[0].token_ids) for o in outputs]
+    extra = {"engine_args": {k: v for k, v in engine_kwargs(args).items() if k not in ("model", "tokenizer")}}
+    return _result("pagedllm", args, requests, elapsed, output_lens, init_time, extra)
+
+
+def hf_batches(requests: list[SampleRequest], max_batch_size: Optional[int]) -> list[list[int]]:
+    """Indices of the static batches (in request order)."""
+    size = max_batch_size or len(requests)
+    return [list(range(i, min(i + size, len(requests)))) for i in range(0, len(requests), size)]
+
+
+def run_hf(args: argparse.Namespace, requests: list[SampleRequest]) -> dict[str, Any]:
+    """transformers ``generate`` in static left-padded batches, greedy (or sampled at
+    ``--temperature``); counts each request's own tokens up to its output length / EOS."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.config import resolve_model_path
+
+    path = resolve_model_path(args.model)
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    dtype = dtypes.get(args.dtype, "auto")
+    start = time.perf_counter()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except TypeError:  # transformers < 4.56 names it torch_dtype
+        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype)
+    model.eval()
+    init_time = time.perf_counter() - start
+    tokenizer = load_tokenizer(args)
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
+    batches = hf_batches(requests, args.hf_max_batch_size)
+
+    def generate(batch: list[SampleRequest]) -> list[int]:
+        width = max(r.prompt_len for r in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, r in enumerate(batch):
+            ids[row, width - r.prompt_len:] = torch.tensor(r.prompt_token_ids)
+            mask[row, width - r.prompt_len:] = 1
+        new = max(r.expected_output_len for r in batch)
+        kwargs: dict[str, Any] = dict(max_new_tokens=new, pad_token_id=pad, use_cache=True)
+        if args.temperature > 0:
+            kwargs.update(do_sample=True, temperature=args.temperature, top_p=1.0, top_k=0)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if args.ignore_eos:
+            kwargs["min_new_tokens"] = new
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        gen = out[:, width:].tolist()
+        lens = []
+        for row, r in enumerate(batch):
+            tokens = gen[row][: r.expected_output_len]
+            if not args.ignore_eos and eos is not None and eos in tokens:
+                tokens = tokens[: tokens.index(eos) + 1]
+            lens.append(len(tokens))
+        return lens
+
+    for _ in range(args.num_warmups):
+        warm = random_dataset(tokenizer, 1, 16, 4, seed=10_000)[0]
+        generate([warm])
+    output_lens = [0] * len(requests)
+    start = time.perf_counter()
+    for batch in batches:
+        for index, n in zip(batch, generate([requests[i] for i in batch])):
+            output_lens[index] = n
+    elapsed = time.perf_counter() - start
+    extra = {"hf_max_batch_size": args.hf_max_batch_size or len(requests), "num_batches": len(batches)}
+    result = _result("hf", args, requests, elapsed, output_lens, init_time, extra)
+    del model
+    gc.collect()
+    return result
+
+
+def print_result(result: dict[str, Any]) -> None:
+    print(f"[{result['backend']}] Throughput: {result['requests_per_second']:.2f} requests/s, "
+          f"{result['tokens_per_second']:.2f} total tokens/s, "
+          f"{result['output_tokens_per_second']:.2f} output tokens/s")
+    print(f"[{result['backend']}] Total num prompt tokens: {result['total_prompt_tokens']}, "
+          f"total num output tokens: {result['total_output_tokens']}, "
+          f"elapsed {result['elapsed_time']:.2f} s (start-up {result['init_time_s']:.2f} s)")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark that ``args`` describes; returns the (top-level) result dict."""
+    set_num_threads(args.num_threads)
+    if args.backend == "hf" and args.compare == "hf":
+        args.compare = None
+    requests = get_samples(args, load_tokenizer(args))
+    if args.backend == "pagedllm":
+        result = run_pagedllm(args, requests)
+        if args.compare == "hf":
+            gc.collect()
+            hf = run_hf(args, requests)
+            ratio = result["output_tokens_per_second"] / hf["output_tokens_per_second"]
+            result["compare"] = {
+                "hf": hf,
+                "ratio_output_tokens_per_second": ratio,
+                "ratio_tokens_per_second": result["tokens_per_second"] / hf["tokens_per_second"],
+            }
+        print_result(result)
+        if "compare" in result:
+            print_result(result["compare"]["hf"])
+            print(f"pagedllm / hf output tokens/s: {result['compare']['ratio_output_tokens_per_second']:.2f}x")
+    else:
+        result = run_hf(args, requests)
+        print_result(result)
+    return result
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args)
+    write_json(args.output_json, result)
+    if args.output_json:
+        print(f"Results written to {args.output_json}")
+    return 0
+
+
+if __name__ == "__main__":  # python -m pagedllm.benchmarks.throughput ...
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_cli_args(p)
+    raise SystemExit(main(p.parse_args()))
