@@ -43,6 +43,21 @@ class EngineCoreRequest(
     cache_salt: Optional[str] = None
 
 
+class EngineCoreEventType(enum.IntEnum):
+    """A request's scheduling event in the EngineCore (for queue / prefill time metrics)."""
+
+    QUEUED = 1  # the EngineCore received the request
+    SCHEDULED = 2  # the scheduler gave it tokens (first time, or again after preemption)
+    PREEMPTED = 3  # its blocks were freed; it waits to be recomputed
+
+
+class EngineCoreEvent(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
+    """One scheduling event; ``timestamp`` is ``time.time()`` seconds in the engine process."""
+
+    type: EngineCoreEventType
+    timestamp: float
+
+
 class LogprobsLists(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
     """Logprobs of several positions, as plain lists (cheap to serialise).
 
@@ -66,7 +81,9 @@ class EngineCoreOutput(
     did not finish the prompt). ``new_prompt_logprobs`` covers the prompt positions
     computed this step (the first prompt position is skipped: it has no logprob).
     ``finish_reason`` is set on the last output of a request; ``stop_reason`` is the
-    stop token id that ended it (None for EOS or length).
+    stop token id that ended it (None for EOS or length). ``events`` are the request's
+    scheduling events since its previous output (oldest first), or None; set by the
+    engine-core loop when statistics are on.
     """
 
     request_id: str
@@ -76,6 +93,7 @@ class EngineCoreOutput(
     finish_reason: Optional[FinishReason] = None
     stop_reason: Optional[int] = None
     num_cached_tokens: int = 0
+    events: Optional[list[EngineCoreEvent]] = None
 
     @property
     def finished(self) -> bool:

@@ -1,0 +1,379 @@
+"""``AsyncLLM``: the asyncio front end of the server (vLLM V1's ``AsyncLLM``).
+
+::
+
+    generate() --validate, tokenize (Processor)--> AsyncMPClient --ZeroMQ--> EngineCoreProc
+        ^                                                                        |
+        |  RequestOutputCollector (one per request)                              |
+        +---- output handler task: OutputProcessor.process_outputs <-- EngineCoreOutputs
+                                   (detokenize, stop strings, n > 1), stats, metrics
+
+The EngineCore (scheduler + model) runs in its own process, so the event loop only
+tokenizes, detokenizes and moves messages; it never waits on a model step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncGenerator, Iterable, Optional, Union
+
+import msgspec
+from prometheus_client import CollectorRegistry
+
+from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.engine.core_client import AsyncMPClient
+from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.engine.output_processor import OutputProcessor, RequestOutputCollector
+from pagedllm.engine.parallel_sampling import ParentRequest
+from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.metrics.prometheus import PrometheusStatLogger
+from pagedllm.metrics.stats import IterationStats, RequestStatsTracker
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import get_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    """Serve requests concurrently from asyncio, with the EngineCore in the background.
+
+    Args:
+        config: the resolved engine configuration.
+        multiprocess: run the EngineCore in its own process (spawned; the default, as the
+            server does). False runs the same loop in a thread of this process (tests,
+            notebooks); the event loop then shares the GIL with the model.
+        log_stats: compute request statistics and update ``metrics_registry``.
+        log_requests: log each added / aborted request id at INFO level.
+        served_model_name: the ``model_name`` label of the metrics (default: the model).
+
+    Raises (constructor):
+        ValueError: bad settings, as the engine reports them (e.g. a KV-cache budget too
+            small for one ``max_model_len`` sequence, an unsupported architecture), or a
+            tokenizer that cannot be loaded.
+        EngineStartupError: the engine process crashed while starting.
+
+    The constructor blocks until the model is loaded. Use one instance from one event
+    loop at a time (a later ``asyncio.run`` may reuse it once the previous loop ended).
+
+    Attributes:
+        model_config, processor, tokenizer (see ``get_tokenizer``).
+        metrics_registry: this instance's ``prometheus_client.CollectorRegistry``
+            (metrics in ``pagedllm.metrics.prometheus``); render it with
+            ``prometheus_client.generate_latest(llm.metrics_registry)``.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        multiprocess: bool = True,
+        log_stats: bool = True,
+        log_requests: bool = False,
+        served_model_name: Optional[str] = None,
+    ) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.log_stats = log_stats
+        self.log_requests = log_requests
+        self.served_model_name = served_model_name or config.model_config.model
+        self.tokenizer = get_tokenizer(config.model_config.tokenizer_path)
+        self.processor = Processor(config.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = AsyncMPClient(config, engine_in_thread=not multiprocess)
+        self.metrics_registry = CollectorRegistry()
+        self.stat_logger = PrometheusStatLogger(self.metrics_registry, self.served_model_name, config)
+        self.stats_tracker = RequestStatsTracker()
+        self._collectors: dict[str, RequestOutputCollector] = {}
+        self._output_handler: Optional[asyncio.Task] = None
+        self._handler_loop: Optional[asyncio.AbstractEventLoop] = None
+        self._dead_error: Optional[EngineDeadError] = None
+        self._shut_down = False
+
+    @classmethod
+    def from_engine_args(
+        cls,
+        engine_args: EngineArgs,
+        multiprocess: bool = True,
+        *,
+        log_stats: bool = True,
+        log_requests: bool = False,
+        served_model_name: Optional[str] = None,
+    ) -> "AsyncLLM":
+        """Check the arguments, start the engine and return once it is ready.
+
+        Raises:
+            ValueError: bad arguments or settings (see the class docstring).
+            EngineStartupError: the engine process crashed while starting.
+        """
+        return cls(
+            engine_args.create_engine_config(),
+            multiprocess,
+            log_stats=log_stats,
+            log_requests=log_requests,
+            served_model_name=served_model_name,
+        )
+
+    # -- state ---------------------------------------------------------------------------
+
+    @property
+    def errored(self) -> bool:
+        """True once the engine died or failed (it is never restarted)."""
+        return self._dead_error is not None or self.engine_core.is_dead
+
+    @property
+    def dead_error(self) -> Optional[EngineDeadError]:
+        """The error requests get once the engine is dead; None while it lives."""
+        return self._dead_error or self.engine_core.dead_error
+
+    @property
+    def is_running(self) -> bool:
+        """True while requests can be served (not errored, not shut down)."""
+        return not self._shut_down and not self.errored
+
+    @property
+    def engine_pid(self) -> Optional[int]:
+        """The engine process's pid (None when the engine runs in a thread)."""
+        return None if self.engine_core.handle.in_thread else self.engine_core.engine_pid
+
+    async def check_health(self) -> None:
+        """Raises ``EngineDeadError`` if the engine is dead (or was shut down)."""
+        self._check_alive()
+
+    def _check_alive(self) -> None:
+        error = self.dead_error
+        if error is not None:
+            raise error.fresh()
+
+    def get_tokenizer(self):
+        """The HF tokenizer the front end uses (chat templates, tokenize / detokenize)."""
+        return self.tokenizer
+
+    def get_num_unfinished_requests(self) -> int:
+        """Engine requests (each of ``n`` completions counts one) not finished yet."""
+        return self.output_processor.get_num_unfinished_requests()
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        sampling_params: Optional[SamplingParams] = None,
+        cache_salt: Optional[str] = None,
+        arrival_time: Optional[float] = None,
+    ) -> RequestOutputCollector:
+        """Validate, tokenize and send a request; returns the collector its outputs go to.
+
+        ``n > 1`` fans out into ``n`` engine requests ``f"{i}_{request_id}"`` joined
+        into one output stream (``ParentRequest``).
+
+        Raises:
+            ValueError: bad prompt or parameters, or a request id already in use (nothing
+                is queued then).
+            EngineDeadError: the engine is dead.
+        """
+        self._check_alive()
+        if request_id in self._collectors:
+            raise ValueError(f"Request id {request_id!r} is already running.")
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        arrival_time = arrival_time if arrival_time is not None else time.time()
+        request, prompt_text = self.processor.process(request_id, prompt, params, arrival_time, cache_salt)
+        self._ensure_output_handler()
+        collector = RequestOutputCollector(params.output_kind)
+        children = self._fan_out(request, params)
+        added: list[str] = []
+        try:
+            for child, parent, index in children:
+                self.output_processor.add_request(child, prompt_text, parent, index, collector)
+                added.append(child.request_id)
+                self._track(child, request_id, params)
+                await self.engine_core.add_request_async(child)
+        except BaseException:
+            self._abort_engine_requests(self.output_processor.abort_requests(added))
+            raise
+        self._collectors[request_id] = collector
+        if self.log_requests:
+            logger.info(
+                "Added request %s (%d prompt tokens, n=%d).",
+                request_id,
+                len(request.prompt_token_ids),
+                params.n,
+            )
+        return collector
+
+    @staticmethod
+    def _fan_out(
+        request: EngineCoreRequest, params: SamplingParams
+    ) -> list[tuple[EngineCoreRequest, Optional[ParentRequest], int]]:
+        if params.n == 1:
+            return [(request, None, 0)]
+        parent = ParentRequest(request.request_id, params)
+        children = []
+        for index in range(params.n):
+            child_id, child_params = parent.get_child_info(index)
+            child = msgspec.structs.replace(request, request_id=child_id, sampling_params=child_params)
+            children.append((child, parent, index))
+        return children
+
+    def _track(self, request: EngineCoreRequest, parent_id: str, params: SamplingParams) -> None:
+        if not self.log_stats:
+            return
+        num_prompt = len(request.prompt_token_ids)
+        max_tokens = params.max_tokens or self.model_config.max_model_len - num_prompt
+        self.stats_tracker.add_request(
+            request.request_id, request.arrival_time, num_prompt, parent_id, params.n, max_tokens
+        )
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: Optional[SamplingParams],
+        request_id: str,
+        cache_salt: Optional[str] = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Generate for one prompt; yields ``RequestOutput``s as the engine produces them.
+
+        What each output carries follows ``sampling_params.output_kind``: DELTA (only the
+        new text / tokens; use for streaming), CUMULATIVE (everything so far) or
+        FINAL_ONLY (one output at the end). Outputs that pile up while the consumer is
+        busy are merged, so a slow consumer sees fewer, larger outputs, never stale ones.
+        The last output has ``finished == True``.
+
+        ``prompt``: text, token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``.
+        ``cache_salt``: isolates this request's prefix-cache entries.
+
+        If the consumer stops early (``aclose()``, ``break``, or the task is cancelled,
+        e.g. a client disconnect), the request and all of its ``n`` completions are
+        aborted in the engine; their blocks are free after the engine's current step.
+
+        Raises:
+            ValueError: bad prompt or parameters (before anything is queued).
+            EngineDeadError: the engine is or becomes dead.
+        """
+        collector = await self.add_request(request_id, prompt, sampling_params, cache_salt)
+        finished = False
+        try:
+            while not finished:
+                output = collector.get_nowait() or await collector.get()
+                finished = output.finished
+                yield output
+        except EngineDeadError:
+            raise
+        except BaseException:  # GeneratorExit, CancelledError, or an error while consuming
+            if not finished:
+                self._abort([request_id])
+            raise
+        finally:
+            self._collectors.pop(request_id, None)
+
+    async def abort(self, request_id: Union[str, Iterable[str]]) -> None:
+        """Abort requests (by the ids given to ``generate``; all ``n`` completions) and
+        free their blocks in the engine. Unknown or finished ids are ignored. A consumer
+        still iterating gets a last output with ``finish_reason == "abort"``."""
+        self._abort([request_id] if isinstance(request_id, str) else list(request_id))
+
+    def _abort(self, request_ids: list[str]) -> None:
+        child_ids = self.output_processor.abort_requests(request_ids)
+        self._abort_engine_requests(child_ids)
+        for request_id in request_ids:
+            self._collectors.pop(request_id, None)
+        if self.log_requests and child_ids:
+            logger.info("Aborted request(s) %s.", ", ".join(request_ids))
+
+    def _abort_engine_requests(self, child_ids: list[str]) -> None:
+        if not child_ids:
+            return
+        self.engine_core.abort_requests(child_ids)
+        if self.log_stats:
+            now, stats = time.time(), IterationStats()
+            for child_id in child_ids:
+                self.stats_tracker.finish_request(child_id, "abort", now, stats)
+            self.stat_logger.record(None, stats)
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached block.
+
+        Raises:
+            RuntimeError: while requests hold blocks.
+            EngineDeadError: the engine is dead.
+        """
+        self._check_alive()
+        self._ensure_output_handler()
+        if not await self.engine_core.reset_prefix_cache_async():
+            raise RuntimeError(
+                "Cannot reset the prefix cache while requests are running; wait for them to finish."
+            )
+
+    # -- output handling --------------------------------------------------------------------
+
+    def _ensure_output_handler(self) -> None:
+        loop = asyncio.get_running_loop()
+        handler = self._output_handler
+        if handler is None or handler.done() or self._handler_loop is not loop:
+            self._handler_loop = loop
+            self._output_handler = loop.create_task(self._run_output_handler(), name="AsyncLLMOutputHandler")
+
+    async def _run_output_handler(self) -> None:
+        """Pull engine outputs forever: route them to collectors, abort stop-string
+        finishes in the engine, record statistics. On engine death, fail every request."""
+        try:
+            while True:
+                outputs = await self.engine_core.get_output_async()
+                self._process_engine_outputs(outputs)
+                # NOTE: get() of a non-empty queue does not yield; let other tasks
+                # (e.g. health checks, new requests) run between engine steps.
+                await asyncio.sleep(0)
+        except EngineDeadError as error:
+            self._fail_all(error)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception("AsyncLLM output handler failed")
+            error = EngineDeadError(f"The output handler failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            self._dead_error = error
+            self._fail_all(error)
+
+    def _process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
+        now = time.time()
+        stats = self.stats_tracker.update_from_outputs(outputs, now) if self.log_stats else None
+        processed = self.output_processor.process_outputs(outputs.outputs)
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        if stats is None:
+            return
+        for output in outputs.outputs:
+            if output.finish_reason is not None:
+                self.stats_tracker.finish_request(output.request_id, str(output.finish_reason), now, stats)
+        for request_id in processed.reqs_to_abort:  # finished by a stop string
+            self.stats_tracker.finish_request(request_id, "stop", now, stats)
+        self.stat_logger.record(outputs.scheduler_stats, stats)
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        collectors = list(self._collectors.values())
+        self.output_processor.abort_requests(list(self._collectors))
+        self._collectors.clear()
+        for collector in collectors:
+            collector.put(error.fresh())
+
+    # -- teardown ---------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop the engine (waits up to 5 s, then terminates it); idempotent. Requests
+        still running get ``EngineDeadError``."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        handler = self._output_handler
+        if handler is not None and not handler.done():
+            try:
+                same_loop = asyncio.get_running_loop() is self._handler_loop
+            except RuntimeError:
+                same_loop = False
+            if same_loop:
+                handler.cancel()
+        self.engine_core.shutdown()
+        self._fail_all(self.engine_core.dead_error or EngineDeadError("The engine was shut down."))

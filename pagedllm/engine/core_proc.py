@@ -1,0 +1,395 @@
+"""``EngineCoreProc``: the EngineCore's own loop, in a background process (or thread),
+talking to the front end over ZeroMQ with msgspec-encoded messages (vLLM V1's design).
+
+::
+
+    front end (AsyncLLM / MPClient)                    engine process (EngineCoreProc)
+      PUSH  --[ADD | ABORT | UTILITY | SHUTDOWN]-->  PULL (binds  ipc://<dir>/input)
+      PULL  <--[OUTPUTS | UTILITY | FAILED]-------   PUSH (connects ipc://<dir>/output)
+      PULL  <--[READY | FAILED] (once) -----------   PUSH (connects ipc://<dir>/handshake)
+
+Every message is two frames: a one-byte type, then the msgspec-msgpack payload. The
+loop blocks on the input socket while the engine has nothing to do and otherwise runs
+``EngineCore.step()`` back to back, sending one ``EngineCoreOutputs`` per step (and one
+stats-only ``EngineCoreOutputs`` after input that arrived while idle, e.g. an abort, so
+the front end's gauges see the freed blocks at once).
+
+Start-up is a handshake: the process builds the EngineCore (loads the model, sizes the KV
+cache) and then sends READY (its pid and the number of KV blocks) or FAILED (the
+exception's type, message and traceback). A failure while running is sent as FAILED on
+the output socket before the process exits with status 1. The process exits by itself
+when its parent process dies (checked about once a second).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import msgspec
+import zmq
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.messages import (
+    EngineCoreEvent,
+    EngineCoreEventType,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+#: How long the idle loop blocks on its input before checking that the parent lives (ms).
+_IDLE_POLL_MS = 1000
+#: Seconds between parent-liveness checks while busy.
+_PARENT_CHECK_INTERVAL_S = 1.0
+#: EngineCore methods the front end may call through a UTILITY message (plus
+#: ``block_accounting``, below).
+UTILITY_METHODS = frozenset({"reset_prefix_cache", "has_unfinished_requests"})
+
+
+def block_accounting(engine_core: Any) -> dict[str, int]:
+    """The KV-block accounting check (for tests and debugging): runs the block pool's
+    integrity check and returns ``num_blocks``, ``num_free_blocks``,
+    ``num_unfinished_requests`` and ``num_requests_holding_blocks``.
+
+    Raises:
+        AssertionError: free + in use != total, or the prefix-cache map is inconsistent.
+    """
+    manager = engine_core.kv_cache_manager
+    pool = manager.block_pool
+    pool.check_integrity()
+    return {
+        "num_blocks": pool.num_blocks,
+        "num_free_blocks": pool.get_num_free_blocks(),
+        "num_unfinished_requests": engine_core.scheduler.get_num_unfinished_requests(),
+        "num_requests_holding_blocks": sum(1 for blocks in manager.req_to_blocks.values() if blocks),
+    }
+
+
+class EngineCoreRequestType(bytes, enum.Enum):
+    """First frame of a front end -> engine message."""
+
+    ADD = b"\x00"  # payload: EngineCoreRequest
+    ABORT = b"\x01"  # payload: list[str] of engine request ids
+    UTILITY = b"\x02"  # payload: UtilityCall
+    SHUTDOWN = b"\x03"  # payload: empty
+
+
+class EngineCoreOutputType(bytes, enum.Enum):
+    """First frame of an engine -> front end message."""
+
+    OUTPUTS = b"\x00"  # payload: EngineCoreOutputs
+    UTILITY = b"\x01"  # payload: UtilityResult
+    FAILED = b"\x02"  # payload: EngineFailure (start-up or run-time)
+    READY = b"\x03"  # payload: ReadyInfo (handshake socket only)
+
+
+class UtilityCall(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
+    """Call ``EngineCore.<method>(*args)`` in the engine; answered by a ``UtilityResult``."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class UtilityResult(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
+    """The return value of a ``UtilityCall``, or the error message if it raised."""
+
+    call_id: int
+    result: Any = None
+    error: Optional[str] = None
+
+
+class EngineFailure(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
+    """Why the engine stopped: the exception's type name, message and traceback text."""
+
+    exc_type: str
+    message: str
+    traceback: str = ""
+
+
+class ReadyInfo(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
+    """Sent once the EngineCore is built: the engine's pid and number of KV-cache blocks."""
+
+    pid: int
+    num_gpu_blocks: int
+
+
+@dataclass(frozen=True)
+class EngineAddresses:
+    """ZeroMQ endpoints of one engine (``ipc://`` paths in a private temp directory)."""
+
+    directory: str
+    input: str
+    output: str
+    handshake: str
+
+    @classmethod
+    def in_dir(cls, directory: str) -> "EngineAddresses":
+        return cls(
+            directory=directory,
+            input=f"ipc://{directory}/input",
+            output=f"ipc://{directory}/output",
+            handshake=f"ipc://{directory}/handshake",
+        )
+
+
+class SchedulingEventLog:
+    """Engine-side timestamps of QUEUED / SCHEDULED / PREEMPTED events per request.
+
+    The scheduler itself keeps no timestamps, so this watches its queues around each
+    step: a request that left ``waiting`` during a step was SCHEDULED; one that moved
+    from ``running`` to ``waiting`` was PREEMPTED (both stamped with the step's start
+    time). Events wait until the request's next ``EngineCoreOutput`` carries them
+    (``EngineCoreOutput.events``). Cost: O(waiting + running) set operations per step.
+    """
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self._pending: dict[str, list[EngineCoreEvent]] = {}
+        self._waiting_before: set[str] = set()
+        self._running_before: set[str] = set()
+        self._step_start = 0.0
+
+    def record_queued(self, request_id: str) -> None:
+        self._add(request_id, EngineCoreEventType.QUEUED, time.time())
+
+    def forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._pending.pop(request_id, None)
+
+    def before_step(self) -> None:
+        self._step_start = time.time()
+        self._waiting_before = {r.request_id for r in self.scheduler.waiting}
+        self._running_before = {r.request_id for r in self.scheduler.running}
+
+    def after_step(self, outputs: EngineCoreOutputs) -> None:
+        """Record this step's events and attach every pending one to ``outputs``."""
+        waiting_now = {r.request_id for r in self.scheduler.waiting}
+        for request_id in self._waiting_before - waiting_now:
+            self._add(request_id, EngineCoreEventType.SCHEDULED, self._step_start)
+        for request_id in self._running_before & waiting_now:
+            self._add(request_id, EngineCoreEventType.PREEMPTED, self._step_start)
+        for output in outputs.outputs:
+            events = self._pending.pop(output.request_id, None)
+            if events is not None:
+                output.events = events
+        if len(self._pending) > len(self.scheduler.requests):
+            live = self.scheduler.requests
+            self._pending = {k: v for k, v in self._pending.items() if k in live}
+
+    def _add(self, request_id: str, event_type: EngineCoreEventType, timestamp: float) -> None:
+        self._pending.setdefault(request_id, []).append(EngineCoreEvent(event_type, timestamp))
+
+
+def failure_from_exception(exc: BaseException) -> EngineFailure:
+    return EngineFailure(
+        exc_type=type(exc).__name__,
+        message=str(exc),
+        traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    )
+
+
+class EngineCoreProc:
+    """The EngineCore and its ZeroMQ loop (see the module docstring for the protocol).
+
+    Args:
+        config: the engine configuration (the EngineCore is built from it here).
+        addresses: the sockets' endpoints, chosen by the client.
+        parent_pid: exit when the process's parent is no longer this pid (None: never
+            check, e.g. when running in a thread of the front-end process).
+
+    Raises:
+        Exception: whatever building the EngineCore raised, after it was sent as FAILED
+            on the handshake socket.
+    """
+
+    def __init__(self, config: EngineConfig, addresses: EngineAddresses, parent_pid: Optional[int]) -> None:
+        from pagedllm.engine.core import EngineCore  # torch import: keep it off the client's import path
+
+        self.parent_pid = parent_pid
+        self.ctx = zmq.Context()
+        self.encoder = msgspec.msgpack.Encoder()
+        self._add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+        self._abort_decoder = msgspec.msgpack.Decoder(list[str])
+        self._utility_decoder = msgspec.msgpack.Decoder(UtilityCall)
+        self._shutdown_requested = False
+        #: Set when the loop stopped because the parent process died.
+        self.orphaned = False
+        self._last_parent_check = time.monotonic()
+        handshake = self._socket(zmq.PUSH, addresses.handshake, bind=False)
+        try:
+            try:
+                self.engine_core = EngineCore(config)
+            except BaseException as exc:
+                self._send(handshake, EngineCoreOutputType.FAILED, failure_from_exception(exc))
+                handshake.close(linger=5000)
+                self.ctx.term()
+                raise
+            self.input_socket = self._socket(zmq.PULL, addresses.input, bind=True)
+            self.output_socket = self._socket(zmq.PUSH, addresses.output, bind=False)
+            self.event_log = SchedulingEventLog(self.engine_core.scheduler)
+            num_blocks = config.cache_config.num_gpu_blocks or 0
+            self._send(handshake, EngineCoreOutputType.READY, ReadyInfo(os.getpid(), num_blocks))
+        finally:
+            if not handshake.closed:
+                handshake.close(linger=5000)
+
+    def _socket(self, kind: int, address: str, bind: bool) -> zmq.Socket:
+        socket = self.ctx.socket(kind)
+        socket.setsockopt(zmq.LINGER, 2000)
+        socket.setsockopt(zmq.SNDHWM, 0)
+        socket.setsockopt(zmq.RCVHWM, 0)
+        if bind:
+            socket.bind(address)
+        else:
+            socket.connect(address)
+        return socket
+
+    def _send(self, socket: zmq.Socket, kind: EngineCoreOutputType, payload: Any) -> None:
+        socket.send_multipart((kind.value, self.encoder.encode(payload)), copy=False)
+
+    def run_busy_loop(self) -> None:
+        """Serve until SHUTDOWN arrives or the parent process dies."""
+        poller = zmq.Poller()
+        poller.register(self.input_socket, zmq.POLLIN)
+        while not self._shutdown_requested and self._parent_alive():
+            busy = self.engine_core.has_unfinished_requests()
+            if not busy and not poller.poll(_IDLE_POLL_MS):
+                continue
+            num_handled = self._drain_input()
+            if self._shutdown_requested:
+                break
+            if busy or num_handled:
+                self._step_and_send()
+
+    def _parent_alive(self) -> bool:
+        if self.parent_pid is None:
+            return True
+        now = time.monotonic()
+        if now - self._last_parent_check < _PARENT_CHECK_INTERVAL_S:
+            return True
+        self._last_parent_check = now
+        if os.getppid() != self.parent_pid:
+            logger.warning("EngineCore: parent process %d is gone; exiting.", self.parent_pid)
+            self.orphaned = True
+            return False
+        return True
+
+    def _drain_input(self) -> int:
+        """Handle every message already waiting on the input socket; returns how many."""
+        count = 0
+        while True:
+            try:
+                kind, payload = self.input_socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return count
+            count += 1
+            self._handle(EngineCoreRequestType(kind.bytes), payload.buffer)
+
+    def _handle(self, kind: EngineCoreRequestType, payload: memoryview) -> None:
+        if kind is EngineCoreRequestType.ADD:
+            request = self._add_decoder.decode(payload)
+            self.engine_core.add_request(request)
+            self.event_log.record_queued(request.request_id)
+        elif kind is EngineCoreRequestType.ABORT:
+            request_ids = self._abort_decoder.decode(payload)
+            self.engine_core.abort_requests(request_ids)
+            self.event_log.forget(request_ids)
+        elif kind is EngineCoreRequestType.UTILITY:
+            self._call_utility(self._utility_decoder.decode(payload))
+        else:
+            self._shutdown_requested = True
+
+    def _call_utility(self, call: UtilityCall) -> None:
+        result = UtilityResult(call.call_id)
+        if call.method == "block_accounting":
+            method: Any = lambda: block_accounting(self.engine_core)  # noqa: E731
+        elif call.method in UTILITY_METHODS:
+            method = getattr(self.engine_core, call.method)
+        else:
+            result.error = f"unknown EngineCore utility method {call.method!r}"
+            method = None
+        if method is not None:
+            try:
+                result.result = method(*call.args)
+            except Exception as exc:  # reported to the caller; the engine keeps serving
+                result.error = f"{type(exc).__name__}: {exc}"
+        self._send(self.output_socket, EngineCoreOutputType.UTILITY, result)
+
+    def _step_and_send(self) -> None:
+        self.event_log.before_step()
+        outputs = self.engine_core.step()
+        self.event_log.after_step(outputs)
+        self._send(self.output_socket, EngineCoreOutputType.OUTPUTS, outputs)
+
+    def report_failure(self, exc: BaseException) -> None:
+        """Tell the front end why the loop stopped (best effort)."""
+        try:
+            self._send(self.output_socket, EngineCoreOutputType.FAILED, failure_from_exception(exc))
+        except Exception:  # the front end may be gone already
+            logger.exception("EngineCore: could not report the failure")
+
+    def close(self) -> None:
+        for socket in (self.input_socket, self.output_socket):
+            socket.close()
+        self.ctx.term()
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def run_engine_core(
+    config: EngineConfig,
+    addresses: EngineAddresses,
+    parent_pid: Optional[int],
+    install_signal_handlers: bool = True,
+) -> None:
+    """Entry point of the engine process (``multiprocessing`` spawn) or thread.
+
+    Builds the ``EngineCoreProc`` and serves until SHUTDOWN, SIGTERM or the parent's death.
+    A process exits with status 1 after a start-up or run-time failure (reported to the
+    client first), else 0; a thread just returns.
+    """
+    in_thread = threading.current_thread() is not threading.main_thread()
+    if install_signal_handlers and not in_thread:
+        # NOTE: Ctrl-C reaches the whole process group; the front end decides when the
+        # engine stops (SHUTDOWN message, or terminate()), so SIGINT is ignored here.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+    status = 0
+    try:
+        proc = EngineCoreProc(config, addresses, parent_pid)
+    except BaseException:
+        status = 1
+    else:
+        try:
+            proc.run_busy_loop()
+        except SystemExit:
+            pass
+        except BaseException as exc:
+            logger.exception("EngineCore failed")
+            proc.report_failure(exc)
+            status = 1
+        finally:
+            proc.close()
+        if proc.orphaned:  # nobody else will remove the sockets' directory
+            shutil.rmtree(addresses.directory, ignore_errors=True)
+    if not in_thread:
+        # NOTE: skip the interpreter's teardown (about 2 s with torch loaded); nothing
+        # is left to flush but the standard streams.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)

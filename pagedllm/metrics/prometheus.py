@@ -1,0 +1,238 @@
+"""Prometheus metrics with vLLM V1's names under the prefix ``pagedllm:`` (a vLLM Grafana
+dashboard works after replacing ``vllm:`` with ``pagedllm:``).
+
+Every metric lives in the ``CollectorRegistry`` given to ``PrometheusStatLogger`` (one
+per ``AsyncLLM``: ``AsyncLLM.metrics_registry``); render it with
+``prometheus_client.generate_latest(registry)``. All but ``cache_config_info`` carry the
+label ``model_name``.
+
+=============================================  =========  ==========================================
+name (as rendered)                              type       meaning (unit)
+=============================================  =========  ==========================================
+pagedllm:num_requests_running                   gauge      engine requests running (last step)
+pagedllm:num_requests_waiting                   gauge      engine requests waiting or preempted
+pagedllm:kv_cache_usage_perc                    gauge      fraction of KV blocks in use, 0-1
+pagedllm:cache_config_info                      gauge      1; labels: the cache configuration
+pagedllm:prompt_tokens_total                    counter    prompt tokens of requests that produced
+                                                           their first token (tokens)
+pagedllm:generation_tokens_total                counter    generated tokens
+pagedllm:request_success_total                  counter    finished engine requests; label
+                                                           finished_reason = stop | length | abort
+pagedllm:num_preemptions_total                  counter    preemptions
+pagedllm:prefix_cache_queries_total             counter    prompt tokens looked up in the prefix cache
+pagedllm:prefix_cache_hits_total                counter    of those, tokens found
+pagedllm:time_to_first_token_seconds            histogram  per engine request
+pagedllm:inter_token_latency_seconds            histogram  per output after the first
+pagedllm:e2e_request_latency_seconds            histogram  per finished engine request
+pagedllm:request_queue_time_seconds             histogram  per finished engine request
+pagedllm:request_prefill_time_seconds           histogram  per finished engine request
+pagedllm:request_decode_time_seconds            histogram  per finished engine request
+pagedllm:request_prompt_tokens                  histogram  per finished engine request (tokens)
+pagedllm:request_generation_tokens              histogram  per finished engine request (tokens)
+pagedllm:iteration_tokens_total                 histogram  tokens computed per engine step
+pagedllm:request_params_n                       histogram  per finished user request
+pagedllm:request_params_max_tokens              histogram  per finished user request (tokens)
+=============================================  =========  ==========================================
+
+"Engine request": each of the ``n`` completions of a request counts once (as vLLM V1);
+see ``pagedllm.metrics.stats`` for the exact definitions of the times.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.messages import SchedulerStats
+from pagedllm.metrics.stats import IterationStats
+
+PREFIX = "pagedllm:"
+FINISHED_REASONS = ("stop", "length", "abort")
+
+# Buckets as vLLM V1 uses them (seconds).
+TTFT_BUCKETS = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]  # fmt: skip
+ITL_BUCKETS = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+]  # fmt: skip
+REQUEST_LATENCY_BUCKETS = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+]  # fmt: skip
+N_BUCKETS = [1, 2, 5, 10, 20]
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (inclusive)."""
+    buckets: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+def build_iteration_buckets(max_num_batched_tokens: int) -> list[int]:
+    """1, 8, 16, 32, ... (powers of two) below the step budget, then the budget itself."""
+    buckets = [1] + [2**k for k in range(3, 31) if 2**k < max_num_batched_tokens]
+    if max_num_batched_tokens > 1:
+        buckets.append(max_num_batched_tokens)
+    return buckets
+
+
+class PrometheusStatLogger:
+    """Creates the metrics in ``registry`` and updates them from engine statistics.
+
+    Args:
+        registry: where the metrics are registered (must not hold them already).
+        model_name: value of the ``model_name`` label (the served model name).
+        config: for the cache configuration and the bucket limits (``max_model_len``,
+            ``max_num_batched_tokens``); ``cache_config.num_gpu_blocks`` should be set.
+    """
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, config: EngineConfig) -> None:
+        # NOTE: as vLLM: no ``*_created`` series (process-wide prometheus_client setting).
+        prometheus_client.disable_created_metrics()
+        self.registry = registry
+        labels = ["model_name"]
+        max_model_len = config.model_config.max_model_len
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: list) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=registry).labels(
+                model_name
+            )
+
+        self.gauge_running = gauge("num_requests_running", "Number of requests in model execution batches.")
+        self.gauge_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        self.gauge_kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.counter_prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.counter_generation_tokens = counter(
+            "generation_tokens", "Number of generation tokens processed."
+        )
+        self.counter_preemptions = counter(
+            "num_preemptions", "Cumulative number of preemptions from the engine."
+        )
+        self.counter_prefix_queries = counter(
+            "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.counter_prefix_hits = counter(
+            "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        success = Counter(
+            PREFIX + "request_success",
+            "Count of successfully processed requests.",
+            labels + ["finished_reason"],
+            registry=registry,
+        )
+        self.counter_success = {reason: success.labels(model_name, reason) for reason in FINISHED_REASONS}
+        self.hist_ttft = histogram(
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.hist_itl = histogram(
+            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self.hist_e2e = histogram(
+            "e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.hist_queue = histogram(
+            "request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.hist_prefill = histogram(
+            "request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.hist_decode = histogram(
+            "request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.hist_prompt_tokens = histogram(
+            "request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.hist_generation_tokens = histogram(
+            "request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
+        self.hist_iteration_tokens = histogram(
+            "iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            build_iteration_buckets(config.scheduler_config.max_num_batched_tokens),
+        )
+        self.hist_n = histogram("request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        self.hist_max_tokens = histogram(
+            "request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets
+        )
+        self._log_cache_config(config)
+
+    def _log_cache_config(self, config: EngineConfig) -> None:
+        cache = config.cache_config
+        info = {
+            "block_size": cache.block_size,
+            "gpu_memory_utilization": cache.gpu_memory_utilization,
+            "kv_cache_memory_bytes": cache.kv_cache_memory_bytes,
+            "enable_prefix_caching": cache.enable_prefix_caching,
+            "prefix_caching_hash_algo": cache.prefix_caching_hash_algo,
+            "num_gpu_blocks": cache.num_gpu_blocks,
+            "cache_dtype": str(config.model_config.dtype).replace("torch.", ""),
+        }
+        gauge = Gauge(
+            PREFIX + "cache_config_info",
+            "Information of the LLMEngine CacheConfig.",
+            list(info),
+            registry=self.registry,
+        )
+        gauge.labels(**{k: str(v) for k, v in info.items()}).set(1)
+
+    def record(
+        self, scheduler_stats: Optional[SchedulerStats], iteration_stats: Optional[IterationStats]
+    ) -> None:
+        """Update the metrics with one engine step's scheduler and iteration statistics."""
+        if scheduler_stats is not None:
+            self.gauge_running.set(scheduler_stats.num_running_reqs)
+            self.gauge_waiting.set(scheduler_stats.num_waiting_reqs)
+            self.gauge_kv_usage.set(scheduler_stats.kv_cache_usage)
+            self.counter_preemptions.inc(scheduler_stats.num_preemptions)
+            self.counter_prefix_queries.inc(scheduler_stats.prefix_cache_queries)
+            self.counter_prefix_hits.inc(scheduler_stats.prefix_cache_hits)
+        if iteration_stats is None:
+            return
+        self.counter_prompt_tokens.inc(iteration_stats.num_prompt_tokens)
+        self.counter_generation_tokens.inc(iteration_stats.num_generation_tokens)
+        if iteration_stats.num_scheduled_tokens > 0:
+            self.hist_iteration_tokens.observe(iteration_stats.num_scheduled_tokens)
+        for ttft in iteration_stats.time_to_first_tokens_iter:
+            self.hist_ttft.observe(ttft)
+        for itl in iteration_stats.inter_token_latencies_iter:
+            self.hist_itl.observe(itl)
+        for finished in iteration_stats.finished_requests:
+            self.counter_success[finished.finished_reason].inc()
+            self.hist_e2e.observe(finished.e2e_latency)
+            self.hist_queue.observe(finished.queued_time)
+            self.hist_prefill.observe(finished.prefill_time)
+            self.hist_decode.observe(finished.decode_time)
+            self.hist_prompt_tokens.observe(finished.num_prompt_tokens)
+            self.hist_generation_tokens.observe(finished.num_generation_tokens)
+        for n in iteration_stats.n_params_iter:
+            self.hist_n.observe(n)
+        for max_tokens in iteration_stats.max_tokens_params_iter:
+            self.hist_max_tokens.observe(max_tokens)
