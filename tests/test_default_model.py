@@ -169,3 +169,22 @@ def test_chat_answer_reads_like_english(hf):
     assert len(re.findall(r"[A-Za-z]{3,}", text)) >= 3, text
     assert _english_score(text) >= 0.85, text
     assert "<|im_start|>" not in text
+
+
+def test_pagedllm_greedy_equals_transformers_on_the_shipped_model():
+    """Both stop at the EOS ids of generation_config.json ([<|im_end|>, <|endoftext|>])."""
+    import torch
+
+    from pagedllm import LLM, SamplingParams
+    from tests.helpers import hf_model
+
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=64 << 20)
+    prompts = ["The default value is", "This module provides", "Return the number of", "A", "Once upon a time"]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
+    for output in outputs:
+        ids = torch.tensor([output.prompt_token_ids])
+        expected = hf_model(default_model_path()).generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False
+        )[0, ids.shape[1]:].tolist()
+        assert output.outputs[0].token_ids == expected
+    assert any(o.outputs[0].finish_reason == "stop" for o in outputs)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Optional, Union
 
-from transformers import PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from pagedllm.config import ModelConfig
 from pagedllm.engine.messages import EngineCoreRequest
@@ -19,6 +19,18 @@ from pagedllm.sampling_params import SamplingParams
 #: A prompt: text, token ids, or vLLM's dict forms {"prompt": str} / {"prompt_token_ids": [...]},
 #: either with an optional "cache_salt".
 PromptType = Union[str, list[int], dict]
+
+
+def _generation_config_eos_ids(model_config: ModelConfig) -> set[int]:
+    """The ``eos_token_id`` entries of generation_config.json (an int or a list), if any."""
+    try:
+        generation_config = GenerationConfig.from_pretrained(model_config.model_path)
+    except OSError:
+        return set()
+    eos = generation_config.eos_token_id
+    if eos is None:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos)
 
 
 class Processor:
@@ -34,6 +46,7 @@ class Processor:
         self.tokenizer = tokenizer
         self.vocab_size = min(model_config.vocab_size, len(tokenizer))
         self.eos_token_id: Optional[int] = tokenizer.eos_token_id
+        self.extra_eos_token_ids = sorted(_generation_config_eos_ids(model_config) - {self.eos_token_id})
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """(prompt text or None, token ids) of a prompt in any accepted form.
@@ -109,6 +122,11 @@ class Processor:
             cache_salt = prompt.get("cache_salt")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string.")
+        extra_stops = [t for t in self.extra_eos_token_ids if t not in (params.stop_token_ids or [])]
+        if extra_stops and not params.ignore_eos:
+            # As vLLM: generation_config.json's other EOS ids end generation like stop token ids.
+            params = params.clone()
+            params.stop_token_ids = [*(params.stop_token_ids or []), *extra_stops]
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
