@@ -293,7 +293,7 @@ class ModelRunner:
             if k is None or first >= end:
                 continue
             idx = torch.arange(end - first, device=self.device) + int(starts[i])
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[idx]), dim=-1)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[idx]).float(), dim=-1)
             targets = self._to_device(self.input_batch.token_ids[state.row, first + 1 : end + 1].copy())
             ids, values, ranks = compute_logprobs_with_topk(logprobs, targets, k)
             result[state.req_id] = (first + 1, LogprobsLists(ids.tolist(), values.tolist(), ranks.tolist()))

@@ -175,6 +175,10 @@ class Sampler(torch.nn.Module):
             ``SamplerOutput``; its logprobs (when asked for) come from the raw logits,
             before bias, penalties and temperature, as vLLM V1 returns by default.
         """
+        if (metadata.all_greedy and metadata.max_num_logprobs is None and metadata.no_penalties
+                and not metadata.min_tokens and not any(metadata.logit_bias)):
+            # Plain greedy: nothing modifies the logits, so no copy is needed.
+            return SamplerOutput(sampled_token_ids=logits.float().argmax(dim=-1))
         # NOTE: one copy up front, so every later step may work in place without
         # touching the caller's tensor.
         logits = logits.to(torch.float32, copy=True)

@@ -106,7 +106,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Decoder-only transformer; ``forward(input_ids [T], positions [T]) -> hidden [T, hidden]``
-    and ``compute_logits(hidden [N, hidden]) -> [N, vocab] float32``.
+    and ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` (model dtype).
 
     Class attributes ``qkv_bias`` and ``qk_norm`` select the Qwen2 / Qwen3 variants.
     """
@@ -135,8 +135,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] logits in the model dtype (the sampler upcasts once)."""
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head
-        return torch.nn.functional.linear(hidden_states, weight).float()
+        return torch.nn.functional.linear(hidden_states, weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (HF names) into the parameters; returns the names loaded.
