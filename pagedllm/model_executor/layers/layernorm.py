@@ -21,13 +21,15 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x32.to(dtype)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(self.variance_epsilon))
+        # ``normed`` is a fresh tensor (``.to`` returns it as is for float32): safe to scale in place.
+        return normed.to(x.dtype).mul_(self.weight)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """``x`` must be a tensor the caller no longer needs when ``residual`` is given (the
+        sum is written into it)."""
         if residual is None:
             return self._norm(x)
-        x = x + residual
+        x = x.add_(residual)
         return self._norm(x), x
