@@ -1,0 +1,259 @@
+"""The FastAPI application of ``pagedllm serve``: OpenAI routes over an ``AsyncLLM``.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
+``GET /version``, ``GET /metrics``.
+
+- Auth: with an API key, every route except ``/health`` and ``/metrics`` needs
+  ``Authorization: Bearer <key>`` (compared in constant time); else 401.
+- Cancellation: a client that disconnects — while waiting for a JSON response or in the
+  middle of a stream — cancels its handler; the engine generators are closed, which
+  aborts every request (all ``n`` choices) in the engine.
+- ``/health`` is 200 while the engine lives and 503 once it died; it never waits on the
+  engine's work, only on the API process's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import secrets
+from contextlib import asynccontextmanager
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pagedllm.entrypoints.openai.errors import INVALID_REQUEST, error_response, register_exception_handlers
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.version import __version__
+
+logger = logging.getLogger(__name__)
+
+#: Routes open without an API key (load balancers and Prometheus scrape them).
+PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+#: Seconds ``/health`` waits for ``AsyncLLM.check_health`` before answering 503.
+HEALTH_TIMEOUT_S = 5.0
+#: Status sent (to nobody) when the client went away before the response was ready.
+CLIENT_CLOSED_REQUEST = 499
+
+
+class SSEResponse(StreamingResponse):
+    """A ``text/event-stream`` response that stops on client disconnect.
+
+    The stream runs in its own asyncio task; when the client disconnects it is cancelled
+    once (plain asyncio cancellation, so the body generator's clean-up — aborting the
+    engine requests — may still await), and the body generator is always closed.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncGenerator[str, None]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream = asyncio.create_task(self.stream_response(send))
+        disconnect = asyncio.create_task(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({stream, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stream, disconnect):
+                task.cancel()
+            results = await asyncio.gather(stream, disconnect, return_exceptions=True)
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
+        error = results[0]
+        if isinstance(error, BaseException) and not isinstance(error, (asyncio.CancelledError, OSError)):
+            logger.error("Streaming response failed", exc_info=error)
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def with_cancellation(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Run a route handler (which takes ``raw_request``) until it returns or the client
+    disconnects; on disconnect it is cancelled, so its engine requests are aborted."""
+
+    @functools.wraps(handler)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        raw_request: Request = kwargs["raw_request"]
+        handler_task = asyncio.ensure_future(handler(*args, **kwargs))
+        disconnect_task = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+        try:
+            await asyncio.wait({handler_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            handler_task.cancel()
+            disconnect_task.cancel()
+            raise
+        disconnect_task.cancel()
+        if handler_task.done():
+            return handler_task.result()
+        handler_task.cancel()
+        await asyncio.gather(handler_task, return_exceptions=True)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    return wrapper
+
+
+class AuthenticationMiddleware:
+    """Requires ``Authorization: Bearer <api_key>`` on every route but ``PUBLIC_PATHS``.
+
+    Pure ASGI (not ``BaseHTTPMiddleware``), so streaming and disconnect detection pass
+    through untouched. The key is compared with ``secrets.compare_digest``.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode("utf-8")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self._is_public(scope):
+            await self.app(scope, receive, send)
+            return
+        authorization = Headers(scope=scope).get("authorization")
+        if self._key_matches(authorization):
+            await self.app(scope, receive, send)
+            return
+        message = (
+            "Incorrect API key provided."
+            if authorization
+            else "Missing API key: send it as 'Authorization: Bearer <key>'."
+        )
+        response = error_response(401, message, INVALID_REQUEST, None, "invalid_api_key")
+        response.headers["WWW-Authenticate"] = "Bearer"
+        await response(scope, receive, send)
+
+    @staticmethod
+    def _is_public(scope: Scope) -> bool:
+        path = scope.get("path", "")
+        root_path = scope.get("root_path", "")
+        if root_path and path.startswith(root_path):
+            path = path[len(root_path) :]
+        return path.rstrip("/") in PUBLIC_PATHS
+
+    def _key_matches(self, authorization: Optional[str]) -> bool:
+        scheme, _, token = (authorization or "").partition(" ")
+        provided = token.strip().encode("utf-8")
+        # NOTE: compare even when the scheme is wrong, so timing does not tell which failed.
+        matches = secrets.compare_digest(provided, self.api_key)
+        return matches and scheme.lower() == "bearer"
+
+
+def _json(model: BaseModel) -> Response:
+    return Response(content=model.model_dump_json(), media_type="application/json")
+
+
+def _to_response(result: Union[BaseModel, AsyncGenerator[str, None], Response]) -> Response:
+    if isinstance(result, Response):
+        return result
+    if isinstance(result, BaseModel):
+        return _json(result)
+    return SSEResponse(result)
+
+
+def build_app(engine: Any, args: Any) -> FastAPI:
+    """The FastAPI app serving ``engine`` (an ``AsyncLLM``).
+
+    ``args`` is the parsed ``pagedllm serve`` namespace (any object with these
+    attributes; missing ones take their defaults): ``served_model_name`` (list or None:
+    the engine's model name), ``chat_template`` (file or Jinja text, or None),
+    ``api_key`` (None: no auth), ``disable_log_requests``.
+
+    The caller owns the engine (``shutdown`` it after the server stops).
+
+    Raises:
+        ValueError: a bad ``chat_template``.
+    """
+    served_names = list(getattr(args, "served_model_name", None) or [engine.model_config.model])
+    chat_template = load_chat_template(getattr(args, "chat_template", None))
+    api_key = getattr(args, "api_key", None)
+    log_requests = not getattr(args, "disable_log_requests", False)
+    tokenizer = engine.get_tokenizer()
+    model_config = engine.model_config
+    models = OpenAIServingModels(served_names, str(getattr(model_config, "model_path", model_config.model)), model_config.max_model_len)
+    completion = OpenAIServingCompletion(engine, models, tokenizer, log_requests=log_requests)
+    chat = OpenAIServingChat(engine, models, tokenizer, chat_template=chat_template, log_requests=log_requests)
+    tokenization = OpenAIServingTokenization(engine, models, tokenizer, chat_template=chat_template, log_requests=False)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        logger.info(
+            "pagedllm %s serving %s as %s (max_model_len %d)",
+            __version__, model_config.model, ", ".join(served_names), model_config.max_model_len,
+        )  # fmt: skip
+        yield
+
+    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
+    app.state.engine = engine
+    register_exception_handlers(app)
+    if api_key:
+        app.add_middleware(AuthenticationMiddleware, api_key=api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while the engine is alive; 503 once it has died."""
+        if getattr(engine, "errored", False):
+            return Response(status_code=503)
+        try:
+            await asyncio.wait_for(engine.check_health(), timeout=HEALTH_TIMEOUT_S)
+        except Exception:  # EngineDeadError, or no answer in time
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text format of the engine's metrics."""
+        from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+        registry = getattr(engine, "metrics_registry", None) or REGISTRY
+        return Response(content=generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return _json(models.list_models())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def show_model(model_id: str) -> Response:
+        return _json(models.show_model(model_id))
+
+    @app.post("/v1/completions")
+    @with_cancellation
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        return _to_response(await completion.create_completion(request))
+
+    @app.post("/v1/chat/completions")
+    @with_cancellation
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        return _to_response(await chat.create_chat_completion(request))
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> Response:
+        return _json(await tokenization.tokenize(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> Response:
+        return _json(await tokenization.detokenize(request))
+
+    return app

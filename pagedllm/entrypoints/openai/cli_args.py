@@ -1,0 +1,323 @@
+"""``pagedllm serve [MODEL] [flags]``: flags with vLLM's names and meanings, and ``main``.
+
+A bad flag value is one line on stderr (``pagedllm serve: error: ...``) and exit code 2,
+never a traceback. Sizes take human-readable values as vLLM: ``8192``, ``32k`` (x1000),
+``32K`` (x1024), ``1M`` (x1024^2), ``25.6k``.
+
+Module import stays light (argparse only): the engine, FastAPI and uvicorn are imported
+by ``main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import logging
+import os
+import re
+import signal
+import sys
+import types
+from typing import Any, NoReturn, Optional
+
+#: Environment variables read (in this order) when ``--api-key`` is not given.
+API_KEY_ENV_VARS = ("PAGEDLLM_API_KEY", "VLLM_API_KEY")
+
+_SUFFIXES = {
+    "": 1,
+    "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+    "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4,
+}  # fmt: skip
+_HUMAN_INT = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)\s*")
+
+_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash")
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+# Defaults shown in --help; they equal EngineArgs' (kept here so --help imports no torch).
+_DEFAULT_BLOCK_SIZE = 16
+_DEFAULT_MAX_NUM_SEQS = 256
+_DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+def human_readable_int(value: str) -> int:
+    """``"8192"`` -> 8192, ``"32k"`` -> 32000, ``"32K"`` -> 32768, ``"1M"`` -> 1048576.
+
+    Lower-case suffixes are powers of 1000 and upper-case ones powers of 1024 (vLLM's
+    convention); a fraction is allowed when the result is a whole number.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else, or a result below 1.
+    """
+    match = _HUMAN_INT.fullmatch(value)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {value!r}: expected a positive integer, optionally with a suffix "
+            f"k/m/g (x1000) or K/M/G (x1024), e.g. 8192, 32k, 1M"
+        )
+    number, suffix = match.groups()
+    multiplier = _SUFFIXES[suffix]
+    if "." in number:
+        whole, fraction = number.split(".")
+        numerator = int(whole + fraction) * multiplier
+        denominator = 10 ** len(fraction)
+        if numerator % denominator:
+            raise argparse.ArgumentTypeError(f"invalid value {value!r}: it is not a whole number of tokens/bytes")
+        result = numerator // denominator
+    else:
+        result = int(number) * multiplier
+    if result < 1:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: must be at least 1")
+    return result
+
+
+def max_model_len_type(value: str) -> Optional[int]:
+    """``--max-model-len``: a human-readable int, or ``auto`` / ``-1`` for the model's own."""
+    if value.strip().lower() in ("auto", "-1"):
+        return None
+    return human_readable_int(value)
+
+
+def positive_int(value: str) -> int:
+    try:
+        result = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: expected a positive integer") from None
+    if result < 1:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: must be at least 1")
+    return result
+
+
+def port_type(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port {value!r}: expected an integer in [0, 65535]") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {value!r}: expected an integer in [0, 65535]")
+    return port
+
+
+def fraction_type(value: str) -> float:
+    try:
+        result = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: expected a number in (0, 1]") from None
+    if not 0.0 < result <= 1.0:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: expected a number in (0, 1]")
+    return result
+
+
+def int_type(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: expected an integer") from None
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to a flag's help when X says something (not None/False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        default = action.default
+        if default in (None, False, argparse.SUPPRESS) or "default" in help_text.lower():
+            return help_text
+        return f"{help_text} (default: {default})"
+
+
+def _one_line_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
+def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``serve`` flags to ``parser`` and make its errors one line (exit code 2)."""
+    parser.error = types.MethodType(_one_line_error, parser)  # type: ignore[method-assign]
+    parser.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL",
+        help="Model directory (Hugging Face layout) or a model id in the local Hugging Face cache. "
+        "Default: the small model shipped with pagedllm.",
+    )  # fmt: skip
+    parser.add_argument("--model", default=None, help="Same as MODEL (vLLM's older form).")
+    parser.add_argument("--tokenizer", default=None, help="Tokenizer directory or id (default: the model's).")
+
+    server = parser.add_argument_group("server")
+    server.add_argument(
+        "--host", default="127.0.0.1",
+        help="Address to listen on. Use --host 0.0.0.0 to listen on all interfaces.",
+    )  # fmt: skip
+    server.add_argument("--port", type=port_type, default=8000, help="Port to listen on.")
+    server.add_argument(
+        "--served-model-name", nargs="+", default=None, metavar="NAME",
+        help="Model name(s) clients use in the 'model' field; the first is the one reported. "
+        "Default: MODEL as given (the shipped model: pagedllm-default).",
+    )  # fmt: skip
+    server.add_argument(
+        "--chat-template", default=None,
+        help="Chat template for /v1/chat/completions: a file path, or the Jinja template itself. "
+        "Default: the tokenizer's.",
+    )  # fmt: skip
+    server.add_argument(
+        "--api-key", default=None,
+        help="Require 'Authorization: Bearer <key>' on every route except /health and /metrics. "
+        f"Also read from ${API_KEY_ENV_VARS[0]}, then ${API_KEY_ENV_VARS[1]}.",
+    )  # fmt: skip
+    server.add_argument("--disable-log-requests", action="store_true", help="Do not log each request.")
+    server.add_argument(
+        "--uvicorn-log-level", default="info", choices=_LOG_LEVELS, help="Log level of the HTTP server (uvicorn)."
+    )
+    server.add_argument("--disable-uvicorn-access-log", action="store_true", help="Do not log each HTTP access.")
+
+    engine = parser.add_argument_group("engine")
+    engine.add_argument(
+        "--dtype", default="auto", choices=_DTYPES,
+        help="Compute dtype. 'auto': the checkpoint's, with float32 (and float16 on CPU) turned into the "
+        "platform's 16-bit type.",
+    )  # fmt: skip
+    engine.add_argument(
+        "--max-model-len", type=max_model_len_type, default=None,
+        help="Context length in tokens (prompt + output), e.g. 8192, 32k (=32000), 32K (=32768), 1M. "
+        "Default: the model's max_position_embeddings.",
+    )  # fmt: skip
+    engine.add_argument(
+        "--block-size", type=int_type, default=_DEFAULT_BLOCK_SIZE, choices=(8, 16, 32),
+        help="Tokens per KV-cache block.",
+    )  # fmt: skip
+    engine.add_argument(
+        "--max-num-seqs", type=positive_int, default=_DEFAULT_MAX_NUM_SEQS,
+        help="Most requests running at once.",
+    )  # fmt: skip
+    engine.add_argument(
+        "--max-num-batched-tokens", type=human_readable_int, default=None,
+        help="Token budget of one engine step (default: max(8192, --max-num-seqs)).",
+    )  # fmt: skip
+    engine.add_argument(
+        "--gpu-memory-utilization", type=fraction_type, default=_DEFAULT_GPU_MEMORY_UTILIZATION,
+        help="Fraction of device memory (on CPU: of the RAM available at start-up) for weights, "
+        "activations and KV cache.",
+    )  # fmt: skip
+    engine.add_argument(
+        "--kv-cache-memory-bytes", type=human_readable_int, default=None,
+        help="Exact KV-cache size in bytes (e.g. 512M, 4G); overrides --gpu-memory-utilization.",
+    )  # fmt: skip
+    engine.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="Automatic prefix caching: reuse the KV cache of shared prompt prefixes.",
+    )  # fmt: skip
+    engine.add_argument(
+        "--prefix-caching-hash-algo", default="sha256", choices=_HASH_ALGOS,
+        help="Hash of prefix-cache blocks: sha256 (default), sha256_cbor, or xxhash (faster, not "
+        "cryptographic).",
+    )  # fmt: skip
+    engine.add_argument("--seed", type=int_type, default=0, help="Global random seed.")
+    return parser
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``serve`` to the ``pagedllm`` command (sets ``func`` to ``main``)."""
+    parser = subparsers.add_parser(
+        "serve",
+        help="Start the OpenAI-compatible HTTP server.",
+        description="Start an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /tokenize, /detokenize, /health, /version, /metrics). Flags follow vLLM's.",
+        formatter_class=_HelpFormatter,
+    )
+    make_arg_parser(parser)
+    parser.set_defaults(func=main)
+    return parser
+
+
+def resolve_api_key(args: argparse.Namespace) -> Optional[str]:
+    """``--api-key``, else ``$PAGEDLLM_API_KEY``, else ``$VLLM_API_KEY``, else None."""
+    if args.api_key:
+        return args.api_key
+    for name in API_KEY_ENV_VARS:
+        if os.environ.get(name):
+            return os.environ[name]
+    return None
+
+
+def engine_args_from(args: argparse.Namespace) -> Any:
+    """The ``EngineArgs`` of the parsed flags (fields matched by name)."""
+    from pagedllm.config import EngineArgs
+
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(args, f.name)}
+    return EngineArgs(**values)
+
+
+def _fail(message: str, code: int) -> int:
+    one_line = " ".join(message.split())
+    print(f"pagedllm serve: error: {one_line}", file=sys.stderr)
+    return code
+
+
+def _raise_system_exit(signum: int, _: Any) -> NoReturn:
+    raise SystemExit(128 + signum)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the server until SIGINT/SIGTERM; returns the exit code.
+
+    Exit codes: 0 after a normal shutdown, 2 for a bad flag value (one line on stderr),
+    1 when the engine cannot start for another reason.
+    """
+    args.model = args.model_tag or args.model
+    args.api_key = resolve_api_key(args)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    if args.model is None:
+        from pagedllm.model_paths import default_model_path
+
+        if not (default_model_path() / "config.json").is_file():
+            return _fail(f"no MODEL given, and the shipped default model is missing from {default_model_path()}.", 2)
+    try:
+        from pagedllm.entrypoints.openai.serving_chat import load_chat_template
+
+        args.chat_template = load_chat_template(args.chat_template)
+        engine_args = engine_args_from(args)
+        engine_args.create_engine_config()  # check the flags before starting the engine process
+    except (ValueError, OSError) as exc:  # OSError: a model directory without a usable config.json
+        return _fail(str(exc), 2)
+    # NOTE: uvicorn re-raises SIGTERM after its graceful shutdown; turning it into
+    # SystemExit lets the engine be shut down by the `finally` below.
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    import asyncio
+
+    try:
+        return asyncio.run(_serve(args, engine_args))
+    except KeyboardInterrupt:
+        return 0
+
+
+async def _serve(args: argparse.Namespace, engine_args: Any) -> int:
+    import uvicorn
+
+    from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.entrypoints.openai.api_server import build_app
+
+    try:
+        served_name = (args.served_model_name or [None])[0]
+        engine = AsyncLLM.from_engine_args(engine_args, log_requests=False, served_model_name=served_name)
+    except ValueError as exc:
+        return _fail(str(exc), 2)
+    except Exception as exc:  # EngineStartupError and friends: one line, not a traceback
+        logging.getLogger(__name__).debug("Engine start-up failed", exc_info=True)
+        return _fail(f"the engine failed to start: {exc}", 1)
+    try:
+        app = build_app(engine, args)
+        # NOTE: torch and transformers leave millions of long-lived objects; without this,
+        # each full garbage collection pauses the event loop (and /health) for 100+ ms.
+        gc.collect()
+        gc.freeze()
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
+            timeout_graceful_shutdown=5,
+        )
+        await uvicorn.Server(config).serve()
+    finally:
+        engine.shutdown()
+    return 0

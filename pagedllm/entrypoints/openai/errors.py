@@ -1,0 +1,170 @@
+"""OpenAI's error JSON, and the FastAPI exception handlers that always answer with it.
+
+Every error body is ``{"error": {"message", "type", "param", "code"}}``:
+
+=====  ===========================  =================================================
+status type                         when
+=====  ===========================  =================================================
+400    ``invalid_request_error``    a body that does not validate, a bad prompt or
+                                    parameter (OpenAI's type; ``code`` is 400, or
+                                    ``context_length_exceeded``)
+401    ``invalid_request_error``    missing or wrong API key (``code``
+                                    ``invalid_api_key``, as OpenAI)
+404    ``NotFoundError``            unknown model or route (``code`` 404, as vLLM)
+500    ``InternalServerError``      the engine died, or a bug (``code`` 500, as vLLM)
+=====  ===========================  =================================================
+
+Bad input never yields a 500: request handlers raise ``OpenAIServingError`` (see
+``bad_request``) and FastAPI's validation errors are turned into 400s here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+INVALID_REQUEST = "invalid_request_error"
+
+_TYPE_BY_STATUS = {
+    400: INVALID_REQUEST,
+    401: INVALID_REQUEST,
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: INVALID_REQUEST,
+    415: INVALID_REQUEST,
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+#: Validation errors listed in one message, at most (a union field can yield many).
+_MAX_LISTED_ERRORS = 3
+
+
+class OpenAIServingError(Exception):
+    """An error to send to the client as OpenAI's error JSON with ``status_code``."""
+
+    def __init__(
+        self,
+        message: str,
+        status_code: int = 400,
+        err_type: Optional[str] = None,
+        param: Optional[str] = None,
+        code: Union[int, str, None] = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.err_type = err_type or _TYPE_BY_STATUS.get(status_code, "Error")
+        self.param = param
+        self.code = status_code if code is None else code
+
+    def to_response(self) -> JSONResponse:
+        return error_response(self.status_code, self.message, self.err_type, self.param, self.code)
+
+
+def bad_request(message: str, param: Optional[str] = None, code: Union[int, str, None] = None) -> OpenAIServingError:
+    """A 400 ``invalid_request_error`` (raise it)."""
+    return OpenAIServingError(message, 400, INVALID_REQUEST, param, code)
+
+
+def model_not_found(model: str) -> OpenAIServingError:
+    """A 404 for a model this server does not serve (vLLM's message, type and code)."""
+    return OpenAIServingError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model", 404)
+
+
+def from_value_error(exc: ValueError, fields: tuple[str, ...] = ()) -> OpenAIServingError:
+    """A 400 for a ``ValueError`` of ``SamplingParams`` or the engine's input checks.
+
+    Their messages start with the offending field's name; when it is one of ``fields``
+    it becomes ``param``.
+    """
+    message = str(exc)
+    first_word = message.split(" ", 1)[0]
+    return bad_request(message, param=first_word if first_word in fields else None)
+
+
+def error_body(
+    message: str, err_type: str, param: Optional[str] = None, code: Union[int, str, None] = None
+) -> dict[str, Any]:
+    return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=code)).model_dump()
+
+
+def error_response(
+    status_code: int,
+    message: str,
+    err_type: Optional[str] = None,
+    param: Optional[str] = None,
+    code: Union[int, str, None] = None,
+) -> JSONResponse:
+    err_type = err_type or _TYPE_BY_STATUS.get(status_code, "Error")
+    body = error_body(message, err_type, param, status_code if code is None else code)
+    return JSONResponse(body, status_code=status_code)
+
+
+def validation_error_message(errors: list[dict[str, Any]]) -> tuple[str, Optional[str]]:
+    """(one readable message, the first offending top-level field) of pydantic errors."""
+    if not errors:
+        return "Invalid request body.", None
+    parts = []
+    param = None
+    for error in errors[:_MAX_LISTED_ERRORS]:
+        loc = [str(item) for item in error.get("loc", ())]
+        if loc and loc[0] == "body":
+            loc = loc[1:]
+        msg = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+        if error.get("type") == "json_invalid":
+            detail = (error.get("ctx") or {}).get("error")
+            msg = f"the body is not valid JSON ({detail})" if detail else "the body is not valid JSON"
+            loc = []
+        elif error.get("type") in ("missing", "model_attributes_type", "dict_type") and not loc:
+            msg = "the body must be a JSON object, sent with Content-Type: application/json"
+        if param is None and loc and not loc[0].isdigit():
+            param = loc[0]
+        parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
+    if len(errors) > _MAX_LISTED_ERRORS:
+        parts.append(f"and {len(errors) - _MAX_LISTED_ERRORS} more")
+    return "Invalid request: " + "; ".join(parts), param
+
+
+async def _validation_error_handler(_: Request, exc: RequestValidationError) -> JSONResponse:
+    message, param = validation_error_message(list(exc.errors()))
+    return error_response(400, message, INVALID_REQUEST, param)
+
+
+async def _serving_error_handler(_: Request, exc: OpenAIServingError) -> JSONResponse:
+    return exc.to_response()
+
+
+async def _http_error_handler(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    response = error_response(exc.status_code, str(exc.detail))
+    if exc.headers:
+        response.headers.update(exc.headers)
+    return response
+
+
+async def _engine_dead_handler(_: Request, exc: EngineDeadError) -> JSONResponse:
+    return error_response(500, f"The engine is dead and cannot serve requests: {exc}")
+
+
+async def _unexpected_error_handler(_: Request, exc: Exception) -> JSONResponse:
+    logger.exception("Unhandled error while serving a request")
+    return error_response(500, f"Internal server error: {type(exc).__name__}: {exc}")
+
+
+def register_exception_handlers(app: FastAPI) -> None:
+    """Answer every error, expected or not, with OpenAI's error JSON."""
+    app.add_exception_handler(RequestValidationError, _validation_error_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(OpenAIServingError, _serving_error_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(EngineDeadError, _engine_dead_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _unexpected_error_handler)

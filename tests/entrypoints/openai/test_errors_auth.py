@@ -1,0 +1,191 @@
+"""Errors are OpenAI's JSON with the right status (400 / 401 / 404, never 500 for bad input),
+the server keeps serving after each, and the API key guards every route but /health and
+/metrics. Also: /v1/models, /version, /tokenize, /detokenize."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.entrypoints.openai.conftest import API_KEY, MAX_MODEL_LEN, MODEL_ALIAS, MODEL_NAME
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+# (id, path, request kwargs, expected param or None, substring of the message or None)
+BAD_REQUESTS = [
+    ("invalid-json", COMPLETIONS, {"content": b"{not json", "headers": {"Content-Type": "application/json"}}, None, "JSON"),
+    ("non-object-json", COMPLETIONS, {"json": [1, 2, 3]}, None, "JSON object"),
+    ("no-body", COMPLETIONS, {}, None, "JSON object"),
+    ("form-body", COMPLETIONS, {"data": {"prompt": "hi"}}, None, "JSON object"),
+    ("missing-prompt", COMPLETIONS, {"json": {"model": MODEL_NAME}}, "prompt", "prompt"),
+    ("wrong-type-max-tokens", COMPLETIONS, {"json": {"prompt": "hi", "max_tokens": "many"}}, "max_tokens", None),
+    ("wrong-type-prompt", COMPLETIONS, {"json": {"prompt": {"a": 1}}}, "prompt", None),
+    ("empty-prompt", COMPLETIONS, {"json": {"prompt": ""}}, None, "empty"),
+    ("empty-prompt-list", COMPLETIONS, {"json": {"prompt": []}}, None, "empty"),
+    ("empty-token-list", COMPLETIONS, {"json": {"prompt": [[]]}}, None, "empty"),
+    ("token-out-of-vocab", COMPLETIONS, {"json": {"prompt": [1, 5000]}}, None, "vocabulary"),
+    ("negative-token", COMPLETIONS, {"json": {"prompt": [1, -3]}}, None, "vocabulary"),
+    ("logprobs-21", COMPLETIONS, {"json": {"prompt": "hi", "logprobs": 21}}, "logprobs", None),
+    ("stream-options-no-stream", COMPLETIONS, {"json": {"prompt": "hi", "stream_options": {"include_usage": True}}}, None, "stream"),
+    ("temperature-negative", COMPLETIONS, {"json": {"prompt": "hi", "temperature": -1}}, "temperature", "temperature"),
+    ("top-p-zero", COMPLETIONS, {"json": {"prompt": "hi", "top_p": 0}}, "top_p", None),
+    ("n-zero", COMPLETIONS, {"json": {"prompt": "hi", "n": 0}}, "n", None),
+    ("max-tokens-zero", COMPLETIONS, {"json": {"prompt": "hi", "max_tokens": 0}}, "max_tokens", None),
+    ("logit-bias-key", COMPLETIONS, {"json": {"prompt": "hi", "logit_bias": {"abc": 1}}}, None, "logit_bias"),
+    ("logit-bias-token", COMPLETIONS, {"json": {"prompt": "hi", "logit_bias": {"99999": 1}}}, None, "logit_bias"),
+    ("presence-penalty", COMPLETIONS, {"json": {"prompt": "hi", "presence_penalty": 3}}, "presence_penalty", None),
+    ("suffix", COMPLETIONS, {"json": {"prompt": "hi", "suffix": "x"}}, None, "suffix"),
+    ("empty-cache-salt", COMPLETIONS, {"json": {"prompt": "hi", "cache_salt": ""}}, "cache_salt", None),
+    ("chat-missing-messages", CHAT, {"json": {"model": MODEL_NAME}}, "messages", None),
+    ("chat-messages-string", CHAT, {"json": {"messages": "hi"}}, "messages", None),
+    ("chat-messages-empty", CHAT, {"json": {"messages": []}}, "messages", None),
+    ("chat-missing-role", CHAT, {"json": {"messages": [{"content": "hi"}]}}, "messages", None),
+    ("chat-image-part", CHAT, {"json": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}}, "messages", "image_url"),
+    ("chat-top-logprobs-21", CHAT, {"json": {"messages": USER, "logprobs": True, "top_logprobs": 21}}, "top_logprobs", None),
+    ("chat-top-logprobs-without-logprobs", CHAT, {"json": {"messages": USER, "top_logprobs": 2}}, None, "logprobs"),
+    ("chat-stream-options-no-stream", CHAT, {"json": {"messages": USER, "stream_options": {"include_usage": True}}}, None, "stream"),
+    ("chat-reserved-template-kwarg", CHAT, {"json": {"messages": USER, "chat_template_kwargs": {"tokenize": True}}}, "chat_template_kwargs", None),
+    ("chat-broken-template", CHAT, {"json": {"messages": USER, "chat_template": "{{ messages[0]['content'] | nosuchfilter }}"}}, "messages", None),
+    ("chat-max-tokens-zero", CHAT, {"json": {"messages": USER, "max_completion_tokens": 0}}, "max_completion_tokens", None),
+    ("tokenize-wrong-type", "/tokenize", {"json": {"prompt": 5}}, None, None),
+    ("detokenize-out-of-vocab", "/detokenize", {"json": {"tokens": [1, 99999]}}, "tokens", "vocabulary"),
+]  # fmt: skip
+
+
+def _assert_error(response, status: int, err_type: str) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == err_type
+    assert isinstance(error["message"], str) and error["message"]
+    return error
+
+
+def _assert_still_serving(server) -> None:
+    response = server.post(COMPLETIONS, json={"model": MODEL_NAME, "prompt": "still there?", "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize("path, kwargs, param, fragment", [case[1:] for case in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_request_is_400_then_server_keeps_serving(server, path, kwargs, param, fragment):
+    error = _assert_error(server.post(path, **kwargs), 400, "invalid_request_error")
+    if param is not None:
+        assert error["param"] == param, error
+    if fragment is not None:
+        assert fragment.lower() in error["message"].lower(), error
+    _assert_still_serving(server)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_that_does_not_fit(server, stream):
+    too_long = [5] * (MAX_MODEL_LEN + 10)
+    error = _assert_error(server.post(COMPLETIONS, json={"prompt": too_long, "stream": stream}), 400, "invalid_request_error")
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in error["message"]
+    assert f"({MAX_MODEL_LEN + 10} in the messages, 16 in the completion)" in error["message"]
+    assert error["param"] == "prompt" and error["code"] == "context_length_exceeded"
+    _assert_still_serving(server)
+    fits_alone = [5] * (MAX_MODEL_LEN - 20)
+    error = _assert_error(
+        server.post(COMPLETIONS, json={"prompt": fits_alone, "max_tokens": 100, "stream": stream}), 400, "invalid_request_error"
+    )
+    assert (
+        f"However, you requested {MAX_MODEL_LEN + 80} tokens ({MAX_MODEL_LEN - 20} in the messages, "
+        f"100 in the completion)"
+    ) in error["message"]
+    _assert_still_serving(server)
+    error = _assert_error(
+        server.post(CHAT, json={"messages": USER, "max_completion_tokens": MAX_MODEL_LEN, "stream": stream}),
+        400,
+        "invalid_request_error",
+    )
+    assert f"{MAX_MODEL_LEN} in the completion" in error["message"]
+    assert error["param"] == "messages"
+    _assert_still_serving(server)
+
+
+def test_default_max_tokens_is_cut_to_the_context(server):
+    nearly_full = [5] * (MAX_MODEL_LEN - 4)
+    response = server.post(COMPLETIONS, json={"prompt": nearly_full, "ignore_eos": True, "temperature": 0})
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT, "/tokenize", "/detokenize"])
+def test_unknown_model_is_404(server, path):
+    body = {"model": "no-such-model", "prompt": "hi", "messages": USER, "tokens": [1]}
+    error = _assert_error(server.post(path, json=body), 404, "NotFoundError")
+    assert error["code"] == 404 and error["param"] == "model"
+    assert error["message"] == "The model `no-such-model` does not exist."
+    _assert_still_serving(server)
+
+
+def test_unknown_route_and_model_card_404(server):
+    _assert_error(server.get("/v1/no-such-route"), 404, "NotFoundError")
+    _assert_error(server.get("/v1/models/no-such-model"), 404, "NotFoundError")
+    _assert_still_serving(server)
+
+
+PROTECTED = [("POST", COMPLETIONS), ("POST", CHAT), ("GET", "/v1/models"), ("GET", f"/v1/models/{MODEL_NAME}"),
+             ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version"), ("GET", "/docs")]  # fmt: skip
+
+
+@pytest.mark.parametrize("method, path", PROTECTED)
+@pytest.mark.parametrize(
+    "authorization", [None, f"Bearer {API_KEY}x", "Bearer", f"Basic {API_KEY}", API_KEY], ids=["missing", "wrong", "empty", "basic", "no-scheme"]
+)
+def test_missing_or_wrong_key_is_401(server, method, path, authorization):
+    headers = {"Authorization": authorization} if authorization is not None else {}
+    import httpx
+
+    response = httpx.request(method, server.url + path, headers=headers, json={"prompt": "hi", "messages": USER, "tokens": [1]})
+    error = _assert_error(response, 401, "invalid_request_error")
+    assert error["code"] == "invalid_api_key"
+    _assert_still_serving(server)
+
+
+def test_health_and_metrics_need_no_key(server):
+    import httpx
+
+    assert httpx.get(server.url + "/health").status_code == 200
+    metrics = httpx.get(server.url + "/metrics")
+    assert metrics.status_code == 200
+    assert "pagedllm:num_requests_running" in metrics.text
+    assert metrics.headers["content-type"].startswith("text/plain")
+
+
+def test_openai_client_raises_typed_errors(server):
+    client = server.client()
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL_NAME, prompt="hi", logprobs=21)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=1).choices
+
+
+def test_models_and_version(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME, MODEL_ALIAS]
+    assert all(m.owned_by == "pagedllm" for m in models.data)
+    card = client.models.retrieve(MODEL_ALIAS)
+    assert card.id == MODEL_ALIAS and card.model_extra["max_model_len"] == MAX_MODEL_LEN
+    version = server.get("/version")
+    assert version.status_code == 200 and version.json()["version"]
+
+
+def test_tokenize_detokenize_roundtrip(server, tokenizer):
+    text = "Hello, tokenizer! 你好"
+    response = server.post("/tokenize", json={"model": MODEL_NAME, "prompt": text, "return_token_strs": True}).json()
+    assert response["tokens"] == tokenizer.encode(text)
+    assert response["count"] == len(response["tokens"]) and response["max_model_len"] == MAX_MODEL_LEN
+    assert len(response["token_strs"]) == response["count"]
+    assert server.post("/detokenize", json={"tokens": response["tokens"]}).json() == {"prompt": text}
+    chat = server.post("/tokenize", json={"messages": USER}).json()
+    expected = tokenizer.apply_chat_template(USER, add_generation_prompt=True, tokenize=False)
+    assert chat["tokens"] == tokenizer.encode(expected, add_special_tokens=False)
