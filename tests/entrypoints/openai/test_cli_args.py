@@ -132,27 +132,3 @@ def test_chat_template_file_or_literal(tmp_path):
         load_chat_template("missing.jinja")
     with pytest.raises(ValueError, match="syntax"):
         load_chat_template("{% for m in messages %}")
-
-
-def test_serve_without_model_uses_the_shipped_model(capsys):
-    """``pagedllm serve`` with no MODEL serves the model inside the package."""
-    from pagedllm.model_paths import DEFAULT_MODEL_NAME, default_model_path
-
-    if not (default_model_path() / "config.json").is_file():
-        args = _parse()
-        assert args.func(args) == 2
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1 and "default model" in err
-        return
-    from tests.entrypoints.openai.conftest import RemoteServer
-
-    server = RemoteServer(None)
-    try:
-        client = server.client()
-        assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL_NAME]
-        reply = client.chat.completions.create(
-            model=DEFAULT_MODEL_NAME, messages=[{"role": "user", "content": "Hello!"}], max_tokens=8
-        )
-        assert reply.choices[0].message.content is not None and reply.usage.completion_tokens >= 1
-    finally:
-        server.close()

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.entrypoints.openai.conftest import RemoteServer
+from tests.server_utils import RemoteServer
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,136 @@
+"""A real ``pagedllm serve`` process for tests.
+
+``RemoteServer`` runs ``python -m pagedllm.entrypoints.cli serve [MODEL]`` on 127.0.0.1 and
+a free port (engine in its own process, as in production), waits for ``/health`` and stops
+it (SIGTERM, then SIGKILL; leftover engine processes too).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import openai
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+STARTUP_TIMEOUT_S = 180.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RemoteServer:
+    """``pagedllm serve`` in a subprocess (see the module docstring).
+
+    Args:
+        model: checkpoint directory (None: no MODEL argument, the shipped default model).
+        flags: extra ``serve`` flags.
+        api_key: passed as ``--api-key`` when set.
+    """
+
+    def __init__(self, model: Optional[Path], *flags: str, api_key: Optional[str] = None) -> None:
+        self.port = _free_port()
+        self.api_key = api_key
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [
+            sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *([str(model)] if model else []),
+            "--port", str(self.port), "--dtype", "float32", "--kv-cache-memory-bytes", "16M",
+            "--disable-log-requests", "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning",
+            *flags,
+        ]  # fmt: skip
+        if api_key:
+            command += ["--api-key", api_key]
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        for name in ("PAGEDLLM_API_KEY", "VLLM_API_KEY"):
+            env.pop(name, None)
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm-serve-", suffix=".log", delete=False)
+        started = time.monotonic()
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self._children: list[psutil.Process] = []
+        try:
+            self._wait_until_healthy()
+        except BaseException:
+            self.close()
+            raise
+        self.startup_s = time.monotonic() - started
+
+    def _wait_until_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"pagedllm serve exited with {self.process.returncode}:\n{self.log_text()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    self._children = psutil.Process(self.process.pid).children(recursive=True)
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"pagedllm serve did not become healthy in {STARTUP_TIMEOUT_S} s:\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()[-5000:]
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "unused", max_retries=0, **kwargs)
+
+    def async_client(self, **kwargs) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=self.api_key or "unused", max_retries=0, **kwargs)
+
+    def post(self, path: str, **kwargs) -> httpx.Response:
+        headers = {**self.headers, **kwargs.pop("headers", {})}
+        return httpx.post(self.url + path, headers=headers, timeout=kwargs.pop("timeout", 60.0), **kwargs)
+
+    def get(self, path: str, **kwargs) -> httpx.Response:
+        headers = {**self.headers, **kwargs.pop("headers", {})}
+        return httpx.get(self.url + path, headers=headers, timeout=kwargs.pop("timeout", 60.0), **kwargs)
+
+    def engine_pids(self) -> list[int]:
+        """Pids of the engine-core process(es) (spawned children of the server)."""
+        return [
+            child.pid
+            for child in self._children
+            if child.is_running() and "spawn_main" in " ".join(child.cmdline())
+        ]
+
+    def metrics(self) -> dict[str, float]:
+        """``/metrics`` as ``{"name{label=value,...}": value}`` (the model_name label left out)."""
+        samples: dict[str, float] = {}
+        for family in text_string_to_metric_families(self.get("/metrics").text):
+            for sample in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return samples
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        for child in self._children:  # engine processes the server did not stop
+            try:
+                if child.is_running():
+                    child.kill()
+            except psutil.Error:
+                pass
+        self.log.close()
+        os.unlink(self.log.name)

@@ -1,0 +1,75 @@
+"""The README's examples, run as written (port aside) against `pagedllm serve` with no MODEL."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedllm.model_paths import default_model_path
+from tests.server_utils import RemoteServer
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def code_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_readme_starts_with_the_two_setup_commands():
+    first = code_blocks("bash")[0]
+    assert first.splitlines()[0].startswith("make serve")
+    assert first.splitlines()[1].startswith("make test")
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert "make test" in ci
+
+
+@pytest.fixture(scope="module")
+def default_server():
+    assert (default_model_path() / "config.json").is_file(), "the shipped model is missing"
+    server = RemoteServer(None)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def test_serve_without_model_serves_the_shipped_model(default_server):
+    client = default_server.client()
+    assert [m.id for m in client.models.list().data] == ["pagedllm-default"]
+    reply = client.chat.completions.create(
+        model="pagedllm-default", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8
+    )
+    assert reply.choices[0].message.content and reply.usage.completion_tokens >= 1
+
+
+def test_curl_example(default_server):
+    curl = next(b for b in code_blocks("bash") if b.lstrip().startswith("curl"))
+    result = subprocess.run(
+        ["bash", "-c", curl.replace("127.0.0.1:8000", f"127.0.0.1:{default_server.port}")],
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+    body = json.loads(result.stdout)
+    assert body["model"] == "pagedllm-default"
+    assert body["choices"][0]["text"]
+    assert body["usage"]["completion_tokens"] == 32 or body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_openai_example(default_server):
+    example = next(b for b in code_blocks("python") if "OpenAI(" in b)
+    code = example.replace("127.0.0.1:8000", f"127.0.0.1:{default_server.port}")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip()
+
+
+def test_llm_generate_example():
+    example = next(b for b in code_blocks("python") if "from pagedllm import LLM" in b)
+    env = dict(os.environ, PAGEDLLM_LOGGING_LEVEL="WARNING")
+    result = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=300, check=True, env=env)
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("'Once upon a time' -> '")
