@@ -5,7 +5,9 @@ from __future__ import annotations
 import enum
 from typing import Optional
 
-from pagedllm.engine.messages import EngineCoreRequest, FinishReason
+import time
+
+from pagedllm.engine.messages import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -67,6 +69,9 @@ class Request:
         # Index of the next prompt token whose logprob the front end has not received
         # (token 0 has none).
         self.num_prompt_logprobs_sent = 1
+        # QUEUED / SCHEDULED / PREEMPTED timestamps not yet sent to the front end (metrics).
+        self.events: list[EngineCoreEvent] = []
+        self.record_event(EngineCoreEventType.QUEUED)
 
     @property
     def num_tokens(self) -> int:
@@ -83,6 +88,16 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+
+    def record_event(self, event_type: EngineCoreEventType, timestamp: Optional[float] = None) -> None:
+        self.events.append(EngineCoreEvent(event_type, time.time() if timestamp is None else timestamp))
+
+    def take_events(self) -> Optional[list[EngineCoreEvent]]:
+        """The events recorded since the last call (None if there are none)."""
+        if not self.events:
+            return None
+        events, self.events = self.events, []
+        return events
 
     def get_finished_reason(self) -> Optional[FinishReason]:
         return RequestStatus.get_finished_reason(self.status)

@@ -19,6 +19,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.engine.messages import (
+    EngineCoreEventType,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -58,6 +59,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Choose this step's requests and token counts, allocating their blocks."""
+        now = time.time()
         token_budget = self.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -74,7 +76,7 @@ class Scheduler:
                 if new_blocks is not None:
                     break
                 victim = self.running.pop()
-                self._preempt(victim)
+                self._preempt(victim, now)
                 preempted_any = True
                 if victim is request:
                     break
@@ -103,6 +105,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            request.record_event(EngineCoreEventType.SCHEDULED, now)
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
@@ -137,8 +140,9 @@ class Scheduler:
             self.requests[req_id].num_computed_tokens += num_tokens
         return output
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, now: float) -> None:
         self.kv_cache_manager.free(request)
+        request.record_event(EngineCoreEventType.PREEMPTED, now)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -176,6 +180,7 @@ class Scheduler:
                     finish_reason=request.get_finished_reason(),
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    events=request.take_events(),
                 )
             )
             if request.is_finished:

@@ -49,7 +49,6 @@ from pagedllm.engine.core_proc import (
     EngineCoreRequestType,
     EngineFailure,
     ReadyInfo,
-    SchedulingEventLog,
     UtilityCall,
     UtilityResult,
     run_engine_core,
@@ -125,8 +124,7 @@ class EngineCoreClient(ABC):
 
 
 class InprocClient(EngineCoreClient):
-    """The EngineCore in this process; ``get_output()`` runs one step (with scheduling
-    events attached, as the background loop does).
+    """The EngineCore in this process; ``get_output()`` runs one step.
 
     Raises (constructor): what ``EngineCore`` raises (``ValueError`` for bad settings).
     """
@@ -136,22 +134,15 @@ class InprocClient(EngineCoreClient):
 
         self.engine_core = EngineCore(config)
         self.num_gpu_blocks = config.cache_config.num_gpu_blocks or 0
-        self.event_log = SchedulingEventLog(self.engine_core.scheduler)
 
     def get_output(self) -> EngineCoreOutputs:
-        self.event_log.before_step()
-        outputs = self.engine_core.step()
-        self.event_log.after_step(outputs)
-        return outputs
+        return self.engine_core.step()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.engine_core.add_request(request)
-        self.event_log.record_queued(request.request_id)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
-        request_ids = list(request_ids)
         self.engine_core.abort_requests(request_ids)
-        self.event_log.forget(request_ids)
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()

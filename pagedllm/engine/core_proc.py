@@ -40,9 +40,6 @@ import zmq
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.messages import (
-    EngineCoreEvent,
-    EngineCoreEventType,
-    EngineCoreOutputs,
     EngineCoreRequest,
 )
 
@@ -144,54 +141,6 @@ class EngineAddresses:
         )
 
 
-class SchedulingEventLog:
-    """Engine-side timestamps of QUEUED / SCHEDULED / PREEMPTED events per request.
-
-    The scheduler itself keeps no timestamps, so this watches its queues around each
-    step: a request that left ``waiting`` during a step was SCHEDULED; one that moved
-    from ``running`` to ``waiting`` was PREEMPTED (both stamped with the step's start
-    time). Events wait until the request's next ``EngineCoreOutput`` carries them
-    (``EngineCoreOutput.events``). Cost: O(waiting + running) set operations per step.
-    """
-
-    def __init__(self, scheduler: Any) -> None:
-        self.scheduler = scheduler
-        self._pending: dict[str, list[EngineCoreEvent]] = {}
-        self._waiting_before: set[str] = set()
-        self._running_before: set[str] = set()
-        self._step_start = 0.0
-
-    def record_queued(self, request_id: str) -> None:
-        self._add(request_id, EngineCoreEventType.QUEUED, time.time())
-
-    def forget(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self._pending.pop(request_id, None)
-
-    def before_step(self) -> None:
-        self._step_start = time.time()
-        self._waiting_before = {r.request_id for r in self.scheduler.waiting}
-        self._running_before = {r.request_id for r in self.scheduler.running}
-
-    def after_step(self, outputs: EngineCoreOutputs) -> None:
-        """Record this step's events and attach every pending one to ``outputs``."""
-        waiting_now = {r.request_id for r in self.scheduler.waiting}
-        for request_id in self._waiting_before - waiting_now:
-            self._add(request_id, EngineCoreEventType.SCHEDULED, self._step_start)
-        for request_id in self._running_before & waiting_now:
-            self._add(request_id, EngineCoreEventType.PREEMPTED, self._step_start)
-        for output in outputs.outputs:
-            events = self._pending.pop(output.request_id, None)
-            if events is not None:
-                output.events = events
-        if len(self._pending) > len(self.scheduler.requests):
-            live = self.scheduler.requests
-            self._pending = {k: v for k, v in self._pending.items() if k in live}
-
-    def _add(self, request_id: str, event_type: EngineCoreEventType, timestamp: float) -> None:
-        self._pending.setdefault(request_id, []).append(EngineCoreEvent(event_type, timestamp))
-
-
 def failure_from_exception(exc: BaseException) -> EngineFailure:
     return EngineFailure(
         exc_type=type(exc).__name__,
@@ -238,7 +187,6 @@ class EngineCoreProc:
                 raise
             self.input_socket = self._socket(zmq.PULL, addresses.input, bind=True)
             self.output_socket = self._socket(zmq.PUSH, addresses.output, bind=False)
-            self.event_log = SchedulingEventLog(self.engine_core.scheduler)
             num_blocks = config.cache_config.num_gpu_blocks or 0
             self._send(handshake, EngineCoreOutputType.READY, ReadyInfo(os.getpid(), num_blocks))
         finally:
@@ -301,11 +249,8 @@ class EngineCoreProc:
         if kind is EngineCoreRequestType.ADD:
             request = self._add_decoder.decode(payload)
             self.engine_core.add_request(request)
-            self.event_log.record_queued(request.request_id)
         elif kind is EngineCoreRequestType.ABORT:
-            request_ids = self._abort_decoder.decode(payload)
-            self.engine_core.abort_requests(request_ids)
-            self.event_log.forget(request_ids)
+            self.engine_core.abort_requests(self._abort_decoder.decode(payload))
         elif kind is EngineCoreRequestType.UTILITY:
             self._call_utility(self._utility_decoder.decode(payload))
         else:
@@ -328,10 +273,7 @@ class EngineCoreProc:
         self._send(self.output_socket, EngineCoreOutputType.UTILITY, result)
 
     def _step_and_send(self) -> None:
-        self.event_log.before_step()
-        outputs = self.engine_core.step()
-        self.event_log.after_step(outputs)
-        self._send(self.output_socket, EngineCoreOutputType.OUTPUTS, outputs)
+        self._send(self.output_socket, EngineCoreOutputType.OUTPUTS, self.engine_core.step())
 
     def report_failure(self, exc: BaseException) -> None:
         """Tell the front end why the loop stopped (best effort)."""

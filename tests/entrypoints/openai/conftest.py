@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator
 
+import openai
 import pytest
 
 from tests.server_utils import RemoteServer
