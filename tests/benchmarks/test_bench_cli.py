@@ -168,6 +168,28 @@ def test_throughput_prints_vllm_style_line(tiny_llama, capsys):
     assert "requests/s" in out and "output tokens/s" in out and "total tokens/s" in out
 
 
+def test_prefix_caching_ttft_and_throughput(tiny_llama, tmp_path):
+    ttft_json = tmp_path / "ttft.json"
+    rc = run_bench(["prefix-caching", "--model", str(tiny_llama), "--dtype", "float32", "--num-prompts", "6",
+                    "--dataset-name", "prefix_repetition", "--prefix-len", "256", "--suffix-len", "8",
+                    "--num-prefixes", "2", "--kv-cache-memory-bytes", KV_BYTES, "--num-threads", "1",
+                    "--output-json", str(ttft_json)])
+    assert rc == 0
+    r = json.loads(ttft_json.read_text())
+    assert r["mode"] == "ttft" and r["num_requests"] == 6 and r["num_warm_requests"] == 4
+    assert r["mean_ttft_caching_on_warm_s"] > 0 and r["warm_speedup"] == pytest.approx(
+        r["mean_ttft_caching_off_s"] / r["mean_ttft_caching_on_warm_s"])
+    tp_json = tmp_path / "tp.json"
+    rc = run_bench(["prefix-caching", "--mode", "throughput", "--repeats", "2", "--model", str(tiny_llama),
+                    "--dtype", "float32", "--num-prompts", "4", "--input-len", "20", "--output-len", "4",
+                    "--ignore-eos", "--kv-cache-memory-bytes", KV_BYTES, "--num-threads", "1",
+                    "--output-json", str(tp_json)])
+    assert rc == 0
+    r = json.loads(tp_json.read_text())
+    assert len(r["output_tokens_per_second_caching_on"]) == 2
+    assert r["on_over_off"] == pytest.approx(r["median_caching_on"] / r["median_caching_off"])
+
+
 @pytest.fixture(scope="module")
 def latency_json(tiny_llama, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "latency.json"
