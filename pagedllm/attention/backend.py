@@ -8,11 +8,15 @@ KV-cache layout, one tensor per layer::
 Token ``i`` of a request lives in block ``block_table[i // block_size]`` at offset
 ``i % block_size``; its flat slot is ``block_id * block_size + offset``.
 
-Decodes (one query each) are computed together: their context is gathered from the cache
-by block table into a padded [num_decodes, max_len] batch and masked by sequence length;
-the query heads that share a KV head are laid along SDPA's query axis (grouped-query
-attention without repeating K/V). Prefill chunks are computed one request at a time, each
-attending causally to its earlier context in the cache and to itself.
+Decodes (one query each) are computed together. On CPU, when the C++ kernel of
+``pagedllm.attention.cpu_kernels`` is available (built on first use; see that module), it
+reads K/V straight from the blocks by block table, threaded over (request, kv head).
+Otherwise — CUDA, no compiler, or ``PAGEDLLM_DISABLE_CPU_KERNELS=1`` — the portable path
+gathers the context from the cache by block table into a padded [num_decodes, max_len]
+batch masked by sequence length, with the query heads that share a KV head laid along
+SDPA's query axis (grouped-query attention without repeating K/V); it is also the
+reference the kernel is tested against. Prefill chunks are computed one request at a time,
+each attending causally to its earlier context in the cache and to itself.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention import cpu_kernels
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -71,15 +76,43 @@ def paged_attention(
     output = torch.empty_like(query)
     num_decodes = metadata.num_decodes
     if num_decodes:
-        output[:num_decodes] = _decode_attention(query[:num_decodes], kv_cache, metadata, scale)
+        _decode_attention(query[:num_decodes], kv_cache, metadata, scale, output[:num_decodes])
     if metadata.num_prefills:
         _prefill_attention(query, key, value, kv_cache, metadata, scale, output)
     return output
 
 
 def _decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Attention of the decode queries [num_decodes, num_heads, head_dim], into ``out``."""
+    if (
+        query.device.type == "cpu"
+        and query.stride(-1) == 1
+        and kv_cache.stride(-1) == 1
+        and cpu_kernels.is_available()
+    ):
+        cpu_kernels.paged_decode_attention(
+            out,
+            query,
+            kv_cache[0],
+            kv_cache[1],
+            metadata.decode_block_table,
+            metadata.decode_seq_lens,
+            scale,
+        )
+        return
+    out.copy_(_decode_attention_torch(query, kv_cache, metadata, scale))
+
+
+def _decode_attention_torch(
     query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
 ) -> torch.Tensor:
+    """The portable decode path (CPU and CUDA); the reference for the CPU kernel."""
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[-2]
     group = num_heads // num_kv_heads

@@ -1,0 +1,698 @@
+// Paged decode attention for CPU: one query token per request, K/V read from the paged cache.
+//
+// Registered as the operator torch.ops.pagedllm_cpu.paged_decode_attention (see __init__.py,
+// which builds this file with torch.utils.cpp_extension.load on first use).
+//
+//   out         [B, Hq, D]                          written in place, dtype of query
+//   query       [B, Hq, D]
+//   key_cache   [num_blocks, block_size, Hkv, D]    (kv_cache[0]; any strides, D contiguous)
+//   value_cache [num_blocks, block_size, Hkv, D]    (kv_cache[1])
+//   block_table [B, max_blocks] int64
+//   seq_lens    [B] int64, context length including the new token; cache positions
+//               >= seq_len are never read.
+//
+// Work: one (request, kv head) pair at a time; the G = Hq / Hkv query heads of that kv head
+// are computed together, so each K and V row is loaded once (G > 8 is split into sub-groups
+// of at most 8). Two passes in float32: the scores q.k of the whole context into a
+// per-thread buffer, softmax, then the weighted sum of V. The rows of a request are visited
+// 16 tokens at a time (a "tile", whatever the block size), through a cursor that walks the
+// block table and software-prefetches the rows of the blocks 32 tokens ahead into L2: blocks
+// lie anywhere in the cache, so the hardware prefetchers cannot run ahead (without this, 3x
+// slower). Items are handed out to the threads of ATen's pool from an atomic counter, so
+// uneven lengths balance; with enough requests an item is a whole request (its kv heads one
+// after the other on one core).
+//
+// Vector path (AVX-512F, when the compiler targets it; head_dim % 16 == 0, head_dim <= 256):
+//   scores: the tile's 16 K rows are transposed in registers so that one vector holds one
+//     element of 16 tokens; q . k is then a broadcast multiply-add per element, with no
+//     horizontal sums. For bfloat16 with AVX512-BF16 (head_dim % 32 == 0), pairs of elements
+//     go through vdpbf16ps (bf16 products are exact in float32).
+//   values: float32 multiply-add of each V row by its weight; for bfloat16 with AVX512-BF16,
+//     the weights are rounded to bfloat16 and two tokens' rows are interleaved for
+//     vdpbf16ps (accumulation stays float32; this is what bf16 attention kernels do).
+// Portable path (any other shape, or builds without AVX-512): plain loops.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define PAGEDLLM_AVX512 1
+#endif
+
+namespace {
+
+#if defined(__GNUC__)
+#define PAGEDLLM_INLINE inline __attribute__((always_inline))
+#define PAGEDLLM_NOINLINE __attribute__((noinline))
+#else
+#define PAGEDLLM_INLINE inline
+#define PAGEDLLM_NOINLINE
+#endif
+
+constexpr int kTile = 16;           // tokens per tile
+constexpr int kMaxGroup = 8;        // query heads per kv head in one vector-path sweep
+constexpr int64_t kMaxVecDim = 256; // largest head_dim of the vector path
+constexpr int64_t kPrefetchTokens = 32;
+
+struct Params {
+  int64_t batch, num_heads, num_kv_heads, group, head_dim, block_size, max_blocks, num_blocks;
+  int64_t q_sb, q_sh, o_sb, o_sh;
+  int64_t k_sb, k_st, k_sh, v_sb, v_st, v_sh;
+  int64_t bt_s0, bt_s1, sl_s0;
+  float scale;
+};
+
+template <typename T>
+struct Ptrs {
+  const T* q;
+  T* o;
+  const T* k;
+  const T* v;
+  const int64_t* block_table;
+  const int64_t* seq_lens;
+};
+
+// Per-thread scratch (64-byte aligned parts): scores [group][cap] float (cap >= every seq_len
+// rounded up to the tile, a multiple of 32), weights16 [group][cap] 16-bit, acc
+// [group * head_dim] float, q [group * head_dim] float, row [head_dim] float, inv_sum [group].
+struct Scratch {
+  float* scores;
+  int64_t cap;
+  uint16_t* weights16;
+  float* acc;
+  float* q;
+  float* row;
+  float* inv_sum;
+};
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+inline int64_t block_id(const Params& p, const int64_t* block_table, int64_t b, int64_t i) {
+  const int64_t blk = block_table[b * p.bt_s0 + i * p.bt_s1];
+  TORCH_CHECK(blk >= 0 && blk < p.num_blocks, "paged_decode_attention: block id ", blk, " out of range [0, ",
+              p.num_blocks, ") for request ", b);
+  return blk;
+}
+
+// Prefetch into L2 (prefetcht0, into L1, measured slower: too many misses in flight for L1).
+// GCC's dead-code elimination deletes loops whose only effect is __builtin_prefetch, so on x86
+// the instruction is emitted with asm volatile.
+inline void prefetch_l2(const void* ptr) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(ptr)));
+#elif defined(__GNUC__)
+  __builtin_prefetch(ptr, 0, 2);
+#else
+  (void)ptr;
+#endif
+}
+
+// The rows of one kv head of one request, in token order: walks the block table (checking
+// each block id) and prefetches the rows of the block kPrefetchTokens ahead. Constructing it
+// prefetches the first blocks.
+template <typename T>
+class RowCursor {
+ public:
+  RowCursor(const Params& p, const int64_t* block_table, int64_t b, const T* head, int64_t stride_block,
+            int64_t stride_token, int64_t n)
+      : p_(p), block_table_(block_table), b_(b), head_(head), stride_block_(stride_block),
+        stride_token_(stride_token), num_seq_blocks_((n + p.block_size - 1) / p.block_size),
+        ahead_(std::max<int64_t>(1, (kPrefetchTokens + p.block_size - 1) / p.block_size)),
+        row_bytes_(p.head_dim * static_cast<int64_t>(sizeof(T))), off_(p.block_size) {
+    for (int64_t i = 0; i < ahead_; ++i) prefetch_block(i);
+  }
+
+  PAGEDLLM_INLINE const T* next() {
+    if (off_ == p_.block_size) next_block();
+    return base_ + (off_++) * stride_token_;
+  }
+
+ private:
+  PAGEDLLM_NOINLINE void next_block() {
+    ++index_;
+    base_ = head_ + block_id(p_, block_table_, b_, index_) * stride_block_;
+    off_ = 0;
+    prefetch_block(index_ + ahead_);
+  }
+
+  void prefetch_block(int64_t i) const {
+    if (i >= num_seq_blocks_) return;
+    const int64_t blk = block_table_[b_ * p_.bt_s0 + i * p_.bt_s1];
+    if (blk < 0 || blk >= p_.num_blocks) return;  // reported when the block is read
+    const char* base = reinterpret_cast<const char*>(head_ + blk * stride_block_);
+    for (int64_t off = 0; off < p_.block_size; ++off) {
+      const char* row = base + off * stride_token_ * static_cast<int64_t>(sizeof(T));
+      for (int64_t l = 0; l < row_bytes_; l += 64) prefetch_l2(row + l);
+    }
+  }
+
+  const Params& p_;
+  const int64_t* block_table_;
+  int64_t b_;
+  const T* head_;
+  int64_t stride_block_, stride_token_, num_seq_blocks_, ahead_, row_bytes_;
+  int64_t index_ = -1;
+  int64_t off_;
+  const T* base_ = nullptr;
+};
+
+// Query heads [h * group + g0, h * group + g0 + count) against kv head h of request b.
+struct Work {
+  int64_t b, h, g0, count, n;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Portable path.
+
+template <typename T>
+void attend_portable(const Params& p, const Ptrs<T>& x, const Work& wk, const Scratch& w) {
+  const int64_t G = wk.count, D = p.head_dim, cap = w.cap, n = wk.n, b = wk.b, h = wk.h;
+  float *scores = w.scores, *acc = w.acc, *qf = w.q, *row = w.row, *inv_sum = w.inv_sum;
+  for (int64_t g = 0; g < G; ++g) {
+    const T* q = x.q + b * p.q_sb + (h * p.group + wk.g0 + g) * p.q_sh;
+    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(q[d]) * p.scale;
+  }
+  RowCursor<T> keys(p, x.block_table, b, x.k + h * p.k_sh, p.k_sb, p.k_st, n);
+  for (int64_t t = 0; t < n; ++t) {
+    const T* k = keys.next();
+    for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(k[d]);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * D;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < D; ++d) s += qg[d] * row[d];
+      scores[g * cap + t] = s;
+    }
+  }
+  RowCursor<T> values(p, x.block_table, b, x.v + h * p.v_sh, p.v_sb, p.v_st, n);
+  for (int64_t g = 0; g < G; ++g) {  // softmax, unnormalised; divided by the sum at the end
+    float* s = scores + g * cap;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+    float sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = std::exp(s[t] - m);
+      sum += s[t];
+    }
+    inv_sum[g] = 1.f / sum;
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t t = 0; t < n; ++t) {
+    const T* v = values.next();
+    for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(v[d]);
+    for (int64_t g = 0; g < G; ++g) {
+      const float wt = scores[g * cap + t];
+      float* a = acc + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] += wt * row[d];
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    T* o = x.o + b * p.o_sb + (h * p.group + wk.g0 + g) * p.o_sh;
+    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[g * D + d] * inv_sum[g]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512 path.
+
+#ifdef PAGEDLLM_AVX512
+
+#if defined(__AVX512BF16__)
+constexpr bool kHasBf16Dot = true;
+#else
+constexpr bool kHasBf16Dot = false;
+#endif
+
+alignas(64) const float kZeroRow[kMaxVecDim] = {};  // stands in for the rows past seq_len
+
+PAGEDLLM_INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+PAGEDLLM_INLINE __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+PAGEDLLM_INLINE __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  // Round to nearest even, as c10::BFloat16(float) (values here are finite).
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+inline void store16(c10::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// exp(x) for x <= 0 (arguments are score - max): Cody-Waite reduction, degree-7 Taylor
+// polynomial on |r| <= ln2/2 (relative error ~1e-7), scaled by 2^n with scalef.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // exp(-104) underflows to 0 via scalef
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.f / 5040.f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 720.f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 120.f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 24.f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 6.f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
+}
+
+// In-place transpose of a 16 x 16 matrix of 32-bit elements: r[i] lane j -> r[j] lane i.
+PAGEDLLM_INLINE void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // 32-bit interleave of row pairs
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // u[4R + p], 128-bit lane l = rows 4R..4R+3, element 4l + p
+  __m512i u[16];
+  for (int R = 0; R < 4; ++R) {
+    const __m512i* tt = t + 4 * R;
+    u[4 * R + 0] = _mm512_unpacklo_epi64(tt[0], tt[2]);
+    u[4 * R + 1] = _mm512_unpackhi_epi64(tt[0], tt[2]);
+    u[4 * R + 2] = _mm512_unpacklo_epi64(tt[1], tt[3]);
+    u[4 * R + 3] = _mm512_unpackhi_epi64(tt[1], tt[3]);
+  }
+  for (int q = 0; q < 4; ++q) {
+    // v0 = lanes [R0.l0, R0.l1, R1.l0, R1.l1], v1 = [R0.l2, R0.l3, R1.l2, R1.l3]; w0/w1 for R2, R3
+    const __m512i v0 = _mm512_shuffle_i32x4(u[q], u[4 + q], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i v1 = _mm512_shuffle_i32x4(u[q], u[4 + q], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], _MM_SHUFFLE(3, 2, 3, 2));
+    r[0 + q] = _mm512_shuffle_i32x4(v0, w0, _MM_SHUFFLE(2, 0, 2, 0));
+    r[4 + q] = _mm512_shuffle_i32x4(v0, w0, _MM_SHUFFLE(3, 1, 3, 1));
+    r[8 + q] = _mm512_shuffle_i32x4(v1, w1, _MM_SHUFFLE(2, 0, 2, 0));
+    r[12 + q] = _mm512_shuffle_i32x4(v1, w1, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+// Softmax numerators of s[0, n) in place; s[n, round_up(n, 16)) set to 0. Returns 1 / sum.
+inline float softmax_inplace(float* s, int64_t n) {
+  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; i += 16) mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(mv, tail_mask(n - i), s + i));
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  __m512 sv = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), mx)));
+    _mm512_storeu_ps(s + i, e);
+    sv = _mm512_add_ps(sv, e);
+  }
+  return 1.f / _mm512_reduce_add_ps(sv);
+}
+
+// Scores of one tile for G query heads, float32 products: qf [G][D] scaled queries.
+template <typename T, int G>
+PAGEDLLM_INLINE void qk_tile_f32(const float* qf, int64_t D, const T* const* rows, float* scores, int64_t cap) {
+  __m512 acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < D; c += 16) {
+    __m512i r[16];
+    for (int j = 0; j < 16; ++j) r[j] = _mm512_castps_si512(load16(rows[j] + c));
+    transpose16x16(r);  // r[e] = element c + e of the 16 tokens
+    for (int e = 0; e < 16; ++e) {
+      const __m512 kv = _mm512_castsi512_ps(r[e]);
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * D + c + e]), kv, acc[g]);
+    }
+  }
+  for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * cap, acc[g]);
+}
+
+// Values of one tile, float32: acc [G][D] += w[g][t] * v[t] for the first cnt rows.
+template <typename T, int G>
+PAGEDLLM_INLINE void pv_tile_f32(const T* const* rows, int cnt, const float* w, int64_t cap, float* acc, int64_t D) {
+  for (int64_t c = 0; c < D; c += 16) {
+    __m512 a[G];
+    for (int g = 0; g < G; ++g) a[g] = _mm512_load_ps(acc + g * D + c);
+    for (int j = 0; j < cnt; ++j) {
+      const __m512 vv = load16(rows[j] + c);
+      for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * cap + j]), vv, a[g]);
+    }
+    for (int g = 0; g < G; ++g) _mm512_store_ps(acc + g * D + c, a[g]);
+  }
+}
+
+#if defined(__AVX512BF16__)
+// Scores of one tile, bfloat16 pairs through vdpbf16ps: qp [G][D] bf16 queries (unscaled).
+template <int G>
+PAGEDLLM_INLINE void qk_tile_bf16(const uint16_t* qp, int64_t D, const c10::BFloat16* const* rows, float scale, float* scores,
+                         int64_t cap) {
+  __m512 acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < D; c += 32) {
+    __m512i r[16];
+    for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(rows[j] + c);
+    transpose16x16(r);  // r[e] = elements c + 2e, c + 2e + 1 of the 16 tokens
+    for (int e = 0; e < 16; ++e) {
+      for (int g = 0; g < G; ++g) {
+        int32_t pair;
+        std::memcpy(&pair, qp + g * D + c + 2 * e, sizeof(pair));
+        acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)r[e], (__m512bh)_mm512_set1_epi32(pair));
+      }
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * cap, _mm512_mul_ps(acc[g], sc));
+}
+
+// Values of one tile, bfloat16 through vdpbf16ps: token pairs (2j, 2j+1) are interleaved
+// element-wise; wp [G][cap] bf16 weights (pairs read as 32 bits). acc holds, per 32 elements
+// c..c+31, two vectors "lo" and "hi" in the order of unpacklo/hi_epi16 (undone at the end).
+template <int G>
+PAGEDLLM_INLINE void pv_tile_bf16(const c10::BFloat16* const* rows, int cnt, const uint16_t* wp, int64_t cap, float* acc,
+                         int64_t D) {
+  const int pairs = (cnt + 1) / 2;
+  for (int64_t c = 0; c < D; c += 32) {
+    __m512 lo[G], hi[G];
+    for (int g = 0; g < G; ++g) {
+      lo[g] = _mm512_load_ps(acc + g * D + c);
+      hi[g] = _mm512_load_ps(acc + g * D + c + 16);
+    }
+    for (int j = 0; j < pairs; ++j) {
+      const __m512i a = _mm512_loadu_si512(rows[2 * j] + c);
+      const __m512i b = _mm512_loadu_si512(rows[2 * j + 1] + c);
+      const __m512bh l = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      const __m512bh u = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      for (int g = 0; g < G; ++g) {
+        int32_t pair;
+        std::memcpy(&pair, wp + g * cap + 2 * j, sizeof(pair));
+        const __m512bh wv = (__m512bh)_mm512_set1_epi32(pair);
+        lo[g] = _mm512_dpbf16_ps(lo[g], l, wv);
+        hi[g] = _mm512_dpbf16_ps(hi[g], u, wv);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      _mm512_store_ps(acc + g * D + c, lo[g]);
+      _mm512_store_ps(acc + g * D + c + 16, hi[g]);
+    }
+  }
+}
+#endif
+
+template <typename T, int G>
+void attend_avx512(const Params& p, const Ptrs<T>& x, const Work& wk, const Scratch& w) {
+  const int64_t D = p.head_dim, cap = w.cap, n = wk.n, b = wk.b, h = wk.h;
+  float *scores = w.scores, *acc = w.acc;
+  constexpr bool kBf16 = std::is_same<T, c10::BFloat16>::value && kHasBf16Dot;
+  const bool bf16_dot = kBf16 && D % 32 == 0;
+  const T* zero_row = reinterpret_cast<const T*>(kZeroRow);
+  const T* q_head = x.q + b * p.q_sb + (h * p.group + wk.g0) * p.q_sh;
+  const T* rows[kTile];
+
+  // Pass 1: scores.
+  RowCursor<T> keys(p, x.block_table, b, x.k + h * p.k_sh, p.k_sb, p.k_st, n);
+  if (bf16_dot) {
+    uint16_t* qp = reinterpret_cast<uint16_t*>(w.q);
+    for (int g = 0; g < G; ++g) std::memcpy(qp + g * D, q_head + g * p.q_sh, D * sizeof(T));
+  } else {
+    const __m512 sc = _mm512_set1_ps(p.scale);
+    for (int g = 0; g < G; ++g)
+      for (int64_t c = 0; c < D; c += 16) _mm512_store_ps(w.q + g * D + c, _mm512_mul_ps(load16(q_head + g * p.q_sh + c), sc));
+  }
+  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+    const int cnt = static_cast<int>(std::min<int64_t>(kTile, n - t0));
+    for (int j = 0; j < kTile; ++j) rows[j] = j < cnt ? keys.next() : zero_row;
+#if defined(__AVX512BF16__)
+    if constexpr (kBf16) {
+      if (bf16_dot) {
+        qk_tile_bf16<G>(reinterpret_cast<const uint16_t*>(w.q), D, rows, p.scale, scores + t0, cap);
+        continue;
+      }
+    }
+#endif
+    qk_tile_f32<T, G>(w.q, D, rows, scores + t0, cap);
+  }
+
+  // Softmax (V rows start arriving meanwhile).
+  RowCursor<T> values(p, x.block_table, b, x.v + h * p.v_sh, p.v_sb, p.v_st, n);
+  float inv_sum[G];
+  for (int g = 0; g < G; ++g) inv_sum[g] = softmax_inplace(scores + g * cap, n);
+  const int64_t n_tiles = round_up(n, kTile);
+  if (bf16_dot) {  // weights to bfloat16 (round to nearest even)
+    for (int g = 0; g < G; ++g) {
+      for (int64_t i = 0; i < n_tiles; i += 16) {
+        const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(scores + g * cap + i));
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.weights16 + g * cap + i), _mm512_cvtepi32_epi16(r));
+      }
+    }
+  }
+
+  // Pass 2: weighted sum of the values.
+  for (int64_t i = 0; i < G * D; i += 16) _mm512_store_ps(acc + i, _mm512_setzero_ps());
+  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+    const int cnt = static_cast<int>(std::min<int64_t>(kTile, n - t0));
+    for (int j = 0; j < kTile; ++j) rows[j] = j < cnt ? values.next() : zero_row;
+#if defined(__AVX512BF16__)
+    if constexpr (kBf16) {
+      if (bf16_dot) {
+        pv_tile_bf16<G>(rows, cnt, w.weights16 + t0, cap, acc, D);
+        continue;
+      }
+    }
+#endif
+    pv_tile_f32<T, G>(rows, cnt, scores + t0, cap, acc, D);
+  }
+
+  for (int g = 0; g < G; ++g) {
+    T* o = x.o + b * p.o_sb + (h * p.group + wk.g0 + g) * p.o_sh;
+    const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+    const float* a = acc + g * D;
+    if (bf16_dot) {  // undo the unpacklo/hi_epi16 order
+      const __m512i idx0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+      const __m512i idx1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+      for (int64_t c = 0; c < D; c += 32) {
+        const __m512 lo = _mm512_load_ps(a + c), hi = _mm512_load_ps(a + c + 16);
+        store16(o + c, _mm512_mul_ps(_mm512_permutex2var_ps(lo, idx0, hi), inv));
+        store16(o + c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, idx1, hi), inv));
+      }
+    } else {
+      for (int64_t c = 0; c < D; c += 16) store16(o + c, _mm512_mul_ps(_mm512_load_ps(a + c), inv));
+    }
+  }
+}
+
+#endif  // PAGEDLLM_AVX512
+
+template <typename T>
+using AttendFn = void (*)(const Params&, const Ptrs<T>&, const Work&, const Scratch&);
+
+// Kernels by sub-group size (index 1..kMaxGroup); all entries portable when the vector path
+// does not apply.
+template <typename T>
+struct Kernels {
+  AttendFn<T> by_group[kMaxGroup + 1];
+  bool vector;
+};
+
+template <typename T>
+Kernels<T> pick_kernels(const Params& p, bool force_portable) {
+  Kernels<T> k;
+  k.vector = false;
+  for (auto& f : k.by_group) f = attend_portable<T>;
+#ifdef PAGEDLLM_AVX512
+  if (!force_portable && p.head_dim % 16 == 0 && p.head_dim <= kMaxVecDim) {
+    k.vector = true;
+    k.by_group[1] = attend_avx512<T, 1>;
+    k.by_group[2] = attend_avx512<T, 2>;
+    k.by_group[3] = attend_avx512<T, 3>;
+    k.by_group[4] = attend_avx512<T, 4>;
+    k.by_group[5] = attend_avx512<T, 5>;
+    k.by_group[6] = attend_avx512<T, 6>;
+    k.by_group[7] = attend_avx512<T, 7>;
+    k.by_group[8] = attend_avx512<T, 8>;
+  }
+#else
+  (void)p;
+  (void)force_portable;
+#endif
+  return k;
+}
+
+template <typename T>
+void run(const Params& p, const Ptrs<T>& x, bool force_portable) {
+  const Kernels<T> kernels = pick_kernels<T>(p, force_portable);
+  // Query-head sub-groups: the whole group on the portable path; on the vector path at most
+  // kMaxGroup, split evenly (G = 10 -> 5 + 5).
+  const int64_t num_sub = kernels.vector ? (p.group + kMaxGroup - 1) / kMaxGroup : 1;
+  const int64_t sub = (p.group + num_sub - 1) / num_sub;
+  // Items: whole requests when there are enough to balance the threads, else (request, kv head).
+  const int64_t threads = std::max(at::get_num_threads(), 1);
+  const int64_t heads_per_item = p.batch >= 4 * threads ? p.num_kv_heads : 1;
+  const int64_t items_per_request = p.num_kv_heads / heads_per_item;
+  const int64_t total = p.batch * items_per_request;
+  const int64_t cap = round_up(std::max<int64_t>(p.max_blocks * p.block_size, kTile), 32);
+  const int64_t num_tasks = std::min<int64_t>(threads, total);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, num_tasks, 1, [&](int64_t, int64_t) {
+    const int64_t G = sub, gd = round_up(G * p.head_dim, 16);
+    const int64_t sizes[] = {G * cap, G * cap / 2, gd, gd, p.head_dim, G};
+    int64_t total_floats = 16;
+    for (int64_t s : sizes) total_floats += round_up(s, 16);
+    std::vector<float> buf(total_floats);
+    float* ptr = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+    float* parts[6];
+    for (int i = 0; i < 6; ++i) {
+      parts[i] = ptr;
+      ptr += round_up(sizes[i], 16);
+    }
+    const Scratch w{parts[0], cap, reinterpret_cast<uint16_t*>(parts[1]), parts[2], parts[3], parts[4], parts[5]};
+    for (;;) {
+      const int64_t item = next.fetch_add(1, std::memory_order_relaxed);
+      if (item >= total) break;
+      const int64_t b = item / items_per_request, h0 = item % items_per_request * heads_per_item;
+      const int64_t n = x.seq_lens[b * p.sl_s0];
+      TORCH_CHECK(n >= 0 && n <= p.max_blocks * p.block_size, "paged_decode_attention: seq_len ", n, " of request ",
+                  b, " exceeds its block table (", p.max_blocks, " blocks of ", p.block_size, ")");
+      for (int64_t h = h0; h < h0 + heads_per_item; ++h) {
+        if (n == 0) {
+          for (int64_t g = 0; g < p.group; ++g) {
+            T* o = x.o + b * p.o_sb + (h * p.group + g) * p.o_sh;
+            std::fill(o, o + p.head_dim, static_cast<T>(0.f));
+          }
+          continue;
+        }
+        for (int64_t g0 = 0; g0 < p.group; g0 += sub) {
+          const int64_t count = std::min(sub, p.group - g0);
+          const Work wk{b, h, g0, count, n};
+          kernels.by_group[kernels.vector ? count : 0](p, x, wk, w);
+        }
+      }
+    }
+  });
+}
+
+void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                           double scale, bool force_portable) {
+  TORCH_CHECK(query.device().is_cpu() && out.device().is_cpu() && key_cache.device().is_cpu() &&
+                  value_cache.device().is_cpu() && block_table.device().is_cpu() && seq_lens.device().is_cpu(),
+              "paged_decode_attention: all tensors must be on CPU");
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "query and out must be [B, Hq, D]");
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4, "caches must be [num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key_cache and value_cache shapes differ");
+  TORCH_CHECK(out.sizes() == query.sizes(), "out and query shapes differ");
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(out.scalar_type() == dtype && key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
+              "query, out, key_cache and value_cache must have one dtype");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "block_table and seq_lens must be int64");
+  TORCH_CHECK(block_table.dim() == 2 && seq_lens.dim() == 1, "block_table [B, max_blocks], seq_lens [B]");
+
+  Params p;
+  p.batch = query.size(0);
+  p.num_heads = query.size(1);
+  p.head_dim = query.size(2);
+  p.num_blocks = key_cache.size(0);
+  p.block_size = key_cache.size(1);
+  p.num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == p.head_dim, "head_dim of query and caches differ");
+  TORCH_CHECK(p.num_kv_heads > 0 && p.num_heads % p.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(block_table.size(0) == p.batch && seq_lens.size(0) == p.batch, "block_table / seq_lens batch differs");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
+              "head_dim must be contiguous in query, out and caches");
+  TORCH_CHECK(p.block_size > 0, "block_size must be positive");
+  p.group = p.num_heads / p.num_kv_heads;
+  p.max_blocks = block_table.size(1);
+  p.q_sb = query.stride(0);
+  p.q_sh = query.stride(1);
+  p.o_sb = out.stride(0);
+  p.o_sh = out.stride(1);
+  p.k_sb = key_cache.stride(0);
+  p.k_st = key_cache.stride(1);
+  p.k_sh = key_cache.stride(2);
+  p.v_sb = value_cache.stride(0);
+  p.v_st = value_cache.stride(1);
+  p.v_sh = value_cache.stride(2);
+  p.bt_s0 = block_table.stride(0);
+  p.bt_s1 = block_table.stride(1);
+  p.sl_s0 = seq_lens.stride(0);
+  p.scale = static_cast<float>(scale);
+  if (p.batch == 0 || p.num_heads == 0) return;
+
+#define PAGEDLLM_RUN(T)                                                                             \
+  run<T>(p, Ptrs<T>{query.const_data_ptr<T>(), out.mutable_data_ptr<T>(), key_cache.const_data_ptr<T>(), \
+                    value_cache.const_data_ptr<T>(), block_table.const_data_ptr<int64_t>(),            \
+                    seq_lens.const_data_ptr<int64_t>()},                                       \
+         force_portable)
+  switch (dtype) {
+    case at::kFloat: PAGEDLLM_RUN(float); break;
+    case at::kBFloat16: PAGEDLLM_RUN(c10::BFloat16); break;
+    case at::kHalf: PAGEDLLM_RUN(c10::Half); break;
+    default: TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", dtype);
+  }
+#undef PAGEDLLM_RUN
+}
+
+void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                            double scale) {
+  decode_attention_impl(out, query, key_cache, value_cache, block_table, seq_lens, scale, false);
+}
+
+// The same with the portable loops whatever the build, to test them on any machine.
+void paged_decode_attention_portable(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                     const at::Tensor& value_cache, const at::Tensor& block_table,
+                                     const at::Tensor& seq_lens, double scale) {
+  decode_attention_impl(out, query, key_cache, value_cache, block_table, seq_lens, scale, true);
+}
+
+// Which vector path this build uses, for tests and logs.
+std::string build_info() {
+  std::string s;
+#ifdef PAGEDLLM_AVX512
+  s += "avx512";
+#if defined(__AVX512BF16__)
+  s += "+bf16";
+#endif
+#else
+  s += "portable";
+#endif
+#ifdef _OPENMP
+  s += ",openmp";
+#endif
+  return s;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedllm_cpu, m) {
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_table, Tensor seq_lens, float scale) -> ()");
+  m.def("paged_decode_attention_portable(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_table, Tensor seq_lens, float scale) -> ()");
+  m.def("build_info() -> str", &build_info);
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_attention_portable", &paged_decode_attention_portable);
+}

@@ -1,0 +1,269 @@
+"""The C++ CPU decode-attention kernel against the portable PyTorch path, and its fallbacks.
+
+Kernel tests skip (with the reason) where the extension cannot be built; the fallback tests
+run everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pagedllm.attention import backend, cpu_kernels
+from pagedllm.attention.metadata import AttentionMetadata
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+# (batch, num_heads, num_kv_heads, head_dim, block_size): group sizes 1..16 (above 8 the
+# vector path splits the group), head_dim multiple of 32, of 16 only (bf16 takes the float32
+# products), and not of 16 (portable loops), block sizes 1..32 (tiles of 16 tokens span
+# several blocks or part of one).
+SHAPES = [
+    (5, 4, 2, 64, 16),
+    (4, 14, 2, 64, 16),
+    (3, 8, 8, 128, 8),
+    (3, 8, 1, 32, 32),
+    (3, 10, 1, 64, 1),
+    (2, 16, 1, 16, 16),
+    (3, 6, 2, 80, 16),
+    (3, 4, 4, 24, 4),
+    (2, 9, 3, 48, 5),
+    (2, 20, 1, 24, 16),
+    (2, 2, 1, 256, 16),
+]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not cpu_kernels.is_available():
+        pytest.skip(f"C++ CPU kernels unavailable: {cpu_kernels._error or 'disabled by env'}")
+    return cpu_kernels
+
+
+def _seq_lens(batch: int, block_size: int, max_blocks: int, gen: torch.Generator) -> torch.Tensor:
+    """1, block and tile boundaries, the full table, then random lengths."""
+    cap = max_blocks * block_size
+    special = [1, cap, block_size, block_size + 1, 16, 17, 2 * block_size]
+    lens = [min(x, cap) for x in special] + torch.randint(1, cap + 1, (batch,), generator=gen).tolist()
+    return torch.tensor(lens[:batch], dtype=torch.int64)
+
+
+def _case(batch, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, max_blocks=None):
+    """Random cache, queries and padded block tables. Slots past each seq_len hold large
+    finite garbage; table entries past each request's blocks are padding (block 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max_blocks or max(2, 70 // block_size + 1)
+    num_blocks = batch * max_blocks + 3
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    seq_lens = _seq_lens(batch, block_size, max_blocks, gen)
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(batch, max_blocks + 2, dtype=torch.int64)  # 2 extra padding columns
+    for b, n in enumerate(seq_lens.tolist()):
+        used = math.ceil(n / block_size)
+        blocks = perm[b * max_blocks : b * max_blocks + used]
+        table[b, :used] = blocks
+        # Garbage in the unused tail of the last block.
+        tail = used * block_size - n
+        if tail:
+            kv_cache[:, blocks[-1], block_size - tail :] = 1e4
+    query = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)
+    return query, kv_cache, table, seq_lens
+
+
+def _metadata(table: torch.Tensor, seq_lens: torch.Tensor) -> AttentionMetadata:
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(len(seq_lens), dtype=torch.int64),
+        num_decodes=len(seq_lens),
+        decode_block_table=table,
+        decode_seq_lens=seq_lens,
+        prefill_query_start_loc=[0],
+        prefill_seq_lens=[],
+        prefill_block_table=table[:0],
+    )
+
+
+def _reference(query, kv_cache, table, seq_lens, scale):
+    return backend._decode_attention_torch(query, kv_cache, _metadata(table, seq_lens), scale)
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not actual.isnan().any()
+    err = ((actual.double() - expected.double()).abs().max() / expected.double().abs().max()).item()
+    assert err <= TOLERANCE[dtype], f"relative error {err:.3g} > {TOLERANCE[dtype]}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-Hq{}-Hkv{}-D{}-bs{}".format(*s))
+@pytest.mark.parametrize("path", ["vector", "portable"])
+def test_kernel_matches_torch_path(kernel, shape, dtype, path):
+    query, kv_cache, table, seq_lens = _case(*shape, dtype)
+    scale = shape[3] ** -0.5
+    expected = _reference(query, kv_cache, table, seq_lens, scale)
+    out = torch.full_like(query, float("nan"))
+    fn = kernel.paged_decode_attention if path == "vector" else kernel._paged_decode_attention_portable
+    fn(out, query, kv_cache[0], kv_cache[1], table, seq_lens, scale)
+    _assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernel_never_reads_past_seq_len(kernel, dtype):
+    """NaN beyond each seq_len in its last block, and invalid ids in the table's padding,
+    change nothing: those positions are never read."""
+    query, kv_cache, table, seq_lens = _case(6, 8, 2, 64, 16, dtype, seed=3)
+    expected = torch.empty_like(query)
+    kernel.paged_decode_attention(expected, query, kv_cache[0], kv_cache[1], table, seq_lens, 0.125)
+    poisoned, bad_table = kv_cache.clone(), table.clone()
+    for b, n in enumerate(seq_lens.tolist()):
+        used = math.ceil(n / 16)
+        last = table[b, used - 1]
+        poisoned[:, last, n - (used - 1) * 16 :] = float("nan")
+        bad_table[b, used:] = -1
+    for fn in (kernel.paged_decode_attention, kernel._paged_decode_attention_portable):
+        out = torch.empty_like(query)
+        fn(out, query, poisoned[0], poisoned[1], bad_table, seq_lens, 0.125)
+        if fn is kernel.paged_decode_attention:
+            assert torch.equal(out, expected)
+        else:
+            _assert_close(out, expected, dtype)
+
+
+def test_kernel_strided_query_and_out(kernel):
+    """Query and out may be row slices of larger tensors (as in paged_attention)."""
+    query, kv_cache, table, seq_lens = _case(4, 6, 2, 64, 16, torch.bfloat16, seed=5)
+    big_q = torch.randn(7, 6, 64).to(torch.bfloat16)
+    big_q[:4] = query
+    big_out = torch.zeros(7, 6, 64, dtype=torch.bfloat16)
+    kernel.paged_decode_attention(big_out[:4], big_q[:4], kv_cache[0], kv_cache[1], table, seq_lens, 0.125)
+    _assert_close(big_out[:4], _reference(query, kv_cache, table, seq_lens, 0.125), torch.bfloat16)
+    assert torch.count_nonzero(big_out[4:]) == 0
+
+
+def test_kernel_same_result_on_one_and_two_threads(kernel):
+    query, kv_cache, table, seq_lens = _case(9, 14, 2, 64, 16, torch.bfloat16, seed=7)
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = torch.empty_like(query)
+            kernel.paged_decode_attention(out, query, kv_cache[0], kv_cache[1], table, seq_lens, 0.125)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_kernel_rejects_bad_inputs(kernel):
+    query, kv_cache, table, seq_lens = _case(2, 4, 2, 32, 16, torch.float32)
+    out = torch.empty_like(query)
+    bad = table.clone()
+    bad[0, 0] = kv_cache.shape[1]
+    with pytest.raises(RuntimeError, match="block id"):
+        kernel.paged_decode_attention(out, query, kv_cache[0], kv_cache[1], bad, seq_lens, 1.0)
+    too_long = seq_lens.clone()
+    too_long[1] = table.shape[1] * 16 + 1
+    with pytest.raises(RuntimeError, match="seq_len"):
+        kernel.paged_decode_attention(out, query, kv_cache[0], kv_cache[1], table, too_long, 1.0)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernel.paged_decode_attention(out, query.double(), kv_cache[0], kv_cache[1], table, seq_lens, 1.0)
+
+
+def test_paged_attention_uses_kernel_on_cpu(kernel, monkeypatch):
+    query, kv_cache, table, seq_lens = _case(4, 4, 2, 32, 16, torch.float32, seed=11)
+    calls = []
+    real = cpu_kernels.paged_decode_attention
+    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda *a: calls.append(1) or real(*a))
+    out = torch.empty_like(query)
+    backend._decode_attention(query, kv_cache, _metadata(table, seq_lens), 0.2, out)
+    assert calls
+    _assert_close(out, _reference(query, kv_cache, table, seq_lens, 0.2), torch.float32)
+
+
+def _spy_paths(monkeypatch):
+    calls = {"kernel": 0, "torch": 0}
+    real_torch = backend._decode_attention_torch
+
+    def kernel_spy(*args):
+        calls["kernel"] += 1
+        raise AssertionError("kernel must not run")
+
+    def torch_spy(*args):
+        calls["torch"] += 1
+        return real_torch(*args)
+
+    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", kernel_spy)
+    monkeypatch.setattr(backend, "_decode_attention_torch", torch_spy)
+    return calls
+
+
+def test_disable_env_forces_fallback(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "1")
+    assert not cpu_kernels.is_available()
+    calls = _spy_paths(monkeypatch)
+    query, kv_cache, table, seq_lens = _case(3, 4, 2, 32, 16, torch.float32)
+    out = torch.empty_like(query)
+    backend._decode_attention(query, kv_cache, _metadata(table, seq_lens), 0.2, out)
+    assert calls == {"kernel": 0, "torch": 1}
+    with pytest.raises(RuntimeError, match="disabled"):
+        cpu_kernels.build_info()
+
+
+def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog):
+    monkeypatch.delenv(cpu_kernels.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    monkeypatch.setattr(cpu_kernels, "_error", None)
+    attempts = []
+
+    def failing_build():
+        attempts.append(1)
+        raise RuntimeError("no C++ compiler here")
+
+    monkeypatch.setattr(cpu_kernels, "_build_and_load", failing_build)
+    calls = _spy_paths(monkeypatch)
+    query, kv_cache, table, seq_lens = _case(3, 4, 2, 32, 16, torch.float32)
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        for _ in range(3):
+            out = torch.empty_like(query)
+            backend._decode_attention(query, kv_cache, _metadata(table, seq_lens), 0.2, out)
+    assert calls == {"kernel": 0, "torch": 3}
+    assert attempts == [1]
+    warnings = [r for r in caplog.records if r.name == cpu_kernels.__name__]
+    assert len(warnings) == 1 and "no C++ compiler here" in warnings[0].getMessage()
+
+
+def test_import_does_not_build():
+    code = (
+        "import pagedllm, pagedllm.attention.backend\n"
+        "from pagedllm.attention import cpu_kernels\n"
+        "import torch\n"
+        "assert not cpu_kernels._loaded and cpu_kernels._error is None\n"
+        "assert not hasattr(torch.ops.pagedllm_cpu, 'paged_decode_attention')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_engine_greedy_same_with_and_without_kernel(kernel, tiny_qwen2, monkeypatch):
+    """Decode through the kernel (spied) and through the fallback give the same tokens."""
+    from pagedllm import LLM, SamplingParams
+
+    prompts = [[5, 17, 99, 3], list(range(40, 75)), [7] * 20]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def generate():
+        llm = LLM(str(tiny_qwen2), dtype="float32", block_size=8, kv_cache_memory_bytes=4 << 20)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    calls = []
+    real = cpu_kernels.paged_decode_attention
+    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda *a: calls.append(1) or real(*a))
+    with_kernel = generate()
+    assert calls, "the engine did not use the kernel"
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "1")
+    assert generate() == with_kernel
