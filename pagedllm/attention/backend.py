@@ -82,6 +82,12 @@ def paged_attention(
     return output
 
 
+def prepare_kernels(device: torch.device) -> bool:
+    """Build (first time on this machine, ~15 s) or load the device's native kernels now,
+    at engine start-up, rather than in the first request. Returns whether they are used."""
+    return device.type == "cpu" and cpu_kernels.is_available()
+
+
 def _decode_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,

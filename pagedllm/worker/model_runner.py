@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from pagedllm.attention.backend import prepare_kernels
 from pagedllm.attention.metadata import AttentionMetadata, set_forward_context
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import SchedulerOutput
@@ -66,6 +67,7 @@ class ModelRunner:
         logger.info("Loaded %s (%.1f MB) in %.2f s", self.model_config.model_path,
                     self.weights_bytes / 1e6, time.perf_counter() - start)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        prepare_kernels(self.device)
         activation_peak = 0
         if self.cache_config.kv_cache_memory_bytes is None:
             activation_peak = self._profile_activation_peak()
