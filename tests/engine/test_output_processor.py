@@ -6,7 +6,6 @@ import asyncio
 import math
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from pagedllm.engine.messages import (
@@ -19,32 +18,9 @@ from pagedllm.engine.output_processor import OutputProcessor, RequestOutputColle
 from pagedllm.engine.parallel_sampling import ParentRequest
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
-
-CORPUS = """\
-The quick brown fox jumps over the lazy dog. Hello world! Hello there, general Kenobi.
-A journey of a thousand miles begins with a single step. All that glitters is not gold.
-Paged attention stores the key and value cache in blocks; the scheduler batches requests.
-Emoji 😀 🎉 👍 🚀 and text in 日本語 and 中文 too. Stop here, then go on.
-"""
+from tests.engine.text_tokenizer import build_tokenizer
 
 TEXT = "The quick brown fox jumps over the lazy dog. Hello world! 😀 日本語"
-
-
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A small byte-level BPE trained offline (see also test_detokenizer.py)."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=500,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([CORPUS] * 8, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", clean_up_tokenization_spaces=False
-    )
 
 
 @pytest.fixture(scope="module")
