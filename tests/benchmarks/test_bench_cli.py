@@ -27,9 +27,8 @@ from pagedllm.benchmarks.datasets import (
 )
 from pagedllm.benchmarks.roofline import ModelSpec
 
-fastapi = pytest.importorskip("fastapi")
-from fastapi import FastAPI, Request  # noqa: E402  (module level: FastAPI resolves the annotations)
-from fastapi.responses import StreamingResponse  # noqa: E402
+from fastapi import FastAPI, Request  # module level: FastAPI resolves the annotations
+from fastapi.responses import StreamingResponse
 
 ROOT = Path(__file__).resolve().parents[2]
 KV_BYTES = str(8 << 20)
@@ -120,7 +119,6 @@ def test_cli_parses_vllm_aliases():
 
 
 def test_top_level_pagedllm_command_has_bench():
-    pytest.importorskip("pagedllm.entrypoints.openai.cli_args")
     from pagedllm.entrypoints.cli import build_parser
 
     args = build_parser().parse_args(["bench", "latency", "--batch-size", "2"])
@@ -406,7 +404,6 @@ def test_serve_against_real_pagedllm_server(tiny_llama, tmp_path):
     import sys
     import urllib.request
 
-    pytest.importorskip("pagedllm.entrypoints.openai.cli_args")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -158,7 +158,7 @@ def _stop_string_case(client, prompt):
         if len(first) >= 2 and second.strip() and "\ufffd" not in first + second:
             stop = first[-2:] + second
             return text, stop
-    pytest.skip("no suitable multi-token stop string in this output")
+    pytest.fail("no suitable multi-token stop string in this output: choose another prompt")
 
 
 def test_multi_token_stop_string_never_leaks_into_stream(client):
