@@ -139,9 +139,3 @@ def main(args: argparse.Namespace) -> int:
     print_result(result)
     write_json(args.output_json, result)
     return 0
-
-
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_cli_args(p)
-    raise SystemExit(main(p.parse_args()))

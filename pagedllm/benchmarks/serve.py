@@ -406,9 +406,3 @@ def main(args: argparse.Namespace) -> int:
         print(f"{len(errors)} requests failed; first error: {errors[0]}")
     write_json(args.output_json, result)
     return 0 if result["completed"] > 0 else 1
-
-
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_cli_args(p)
-    raise SystemExit(main(p.parse_args()))

@@ -279,9 +279,3 @@ def main(args: argparse.Namespace) -> int:
     if args.output_json:
         print(f"Results written to {args.output_json}")
     return 0
-
-
-if __name__ == "__main__":  # python -m pagedllm.benchmarks.throughput ...
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_cli_args(p)
-    raise SystemExit(main(p.parse_args()))
