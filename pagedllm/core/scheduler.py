@@ -184,6 +184,7 @@ class Scheduler:
                 )
             )
             if request.is_finished:
+                self.running.remove(request)
                 self._free_request(request)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.time())
 
@@ -232,8 +233,7 @@ class Scheduler:
             self._free_request(request)
 
     def _free_request(self, request: Request) -> None:
-        if request in self.running:
-            self.running.remove(request)
+        """Release a finished request that the caller has taken out of its queue."""
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
