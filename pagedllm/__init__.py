@@ -1,22 +1,41 @@
-"""pagedllm: a high-throughput, memory-efficient LLM inference and serving engine."""
+"""pagedllm: a high-throughput, memory-efficient LLM inference and serving engine.
+
+The public names are imported on first use (PEP 562), so ``import pagedllm`` and the
+``pagedllm`` command stay light until torch is needed: ``pagedllm serve`` starts its
+engine process before it imports torch itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from pagedllm.logger import configure_logging
+from pagedllm.version import __version__
 
 configure_logging()
 
-from pagedllm.engine.llm_engine import LLMEngine  # noqa: E402
-from pagedllm.entrypoints.llm import LLM  # noqa: E402
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
-from pagedllm.version import __version__  # noqa: E402
+_LAZY = {
+    "LLM": "pagedllm.entrypoints.llm",
+    "LLMEngine": "pagedllm.engine.llm_engine",
+    "SamplingParams": "pagedllm.sampling_params",
+    "RequestOutputKind": "pagedllm.sampling_params",
+    "RequestOutput": "pagedllm.outputs",
+    "CompletionOutput": "pagedllm.outputs",
+    "Logprob": "pagedllm.outputs",
+}
 
-__all__ = [
-    "LLM",
-    "LLMEngine",
-    "SamplingParams",
-    "RequestOutputKind",
-    "RequestOutput",
-    "CompletionOutput",
-    "Logprob",
-    "__version__",
-]
+__all__ = [*_LAZY, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

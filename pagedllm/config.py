@@ -8,21 +8,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
-from transformers import AutoConfig, PretrainedConfig
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
 
-from pagedllm.platforms import current_platform
+# NOTE: torch and transformers are imported inside the functions that need them: this
+# module (``EngineArgs``) is on the import path of ``pagedllm serve`` before the engine
+# process is started, and that start must not wait for a 2-second torch import.
 
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 
+#: dtype names accepted by ``--dtype`` -> torch dtype attribute names.
 _DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
 }
 
 
@@ -62,16 +66,20 @@ def resolve_dtype(dtype: Any, hf_config: PretrainedConfig) -> torch.dtype:
     Raises:
         ValueError: for an unknown dtype name.
     """
+    import torch
+
+    from pagedllm.platforms import current_platform
+
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
         try:
-            return _DTYPES[str(dtype)]
+            return getattr(torch, _DTYPES[str(dtype)])
         except KeyError:
             raise ValueError(f"Unknown dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}.") from None
     config_dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
     if isinstance(config_dtype, str):
-        config_dtype = _DTYPES.get(config_dtype, torch.float32)
+        config_dtype = getattr(torch, _DTYPES.get(config_dtype, "float32"))
     if config_dtype in (None, torch.float32):
         return current_platform.half_dtype()
     if config_dtype == torch.float16 and not current_platform.is_cuda:
@@ -180,6 +188,8 @@ class EngineArgs:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        from transformers import AutoConfig
+
         model_path = resolve_model_path(self.model)
         tokenizer_path = resolve_model_path(self.tokenizer) if self.tokenizer else model_path
         hf_config = AutoConfig.from_pretrained(model_path)

@@ -1,4 +1,4 @@
-"""``pagedllm bench throughput|latency|serve|prefix-caching|roofline``.
+"""``pagedllm bench throughput|latency|serve|prefix-caching|roofline|startup``.
 
 ``register(subparsers)`` adds the ``bench`` parser to the ``pagedllm`` command (see
 ``pagedllm/entrypoints/cli.py``); each sub-subcommand sets ``func(args) -> int``.
@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any, Callable, Optional, Sequence
 
-from pagedllm.benchmarks import latency, prefix_caching, roofline, serve, throughput
+from pagedllm.benchmarks import latency, prefix_caching, roofline, serve, startup, throughput
 
 SUBCOMMANDS: dict[str, tuple[Any, str]] = {
     "throughput": (throughput, "offline throughput (all requests at once), optionally against transformers"),
@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[Any, str]] = {
     "serve": (serve, "load generator for an OpenAI-compatible server (TTFT, TPOT, ITL, E2E)"),
     "prefix-caching": (prefix_caching, "TTFT and throughput with automatic prefix caching off vs on"),
     "roofline": (roofline, "this machine's matmul and memory limits for a model; MFU / MBU of a result"),
+    "startup": (startup, "seconds from process start until `pagedllm serve` / `LLM(...)` is ready"),
 }
 
 
@@ -42,7 +43,7 @@ def add_bench_subcommands(bench: argparse.ArgumentParser) -> None:
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``bench`` (with its sub-subcommands) to the ``pagedllm`` command's subparsers."""
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, latency, serve, prefix-caching, roofline",
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, latency, serve, prefix-caching, roofline, startup",
                                   description="Benchmarks with vLLM's flag names.")
     add_bench_subcommands(bench)
     return bench

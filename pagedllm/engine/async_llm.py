@@ -49,6 +49,10 @@ class AsyncLLM:
         log_stats: compute request statistics and update ``metrics_registry``.
         log_requests: log each added / aborted request id at INFO level.
         served_model_name: the ``model_name`` label of the metrics (default: the model).
+        engine_core: an ``AsyncMPClient`` already started (``wait_for_ready=False``) from
+            the same settings; this instance owns it from now on. None starts one here.
+            The constructor loads the tokenizer while the engine loads the model, and
+            returns once the engine is ready.
 
     Raises (constructor):
         ValueError: bad settings, as the engine reports them (e.g. a KV-cache budget too
@@ -73,16 +77,24 @@ class AsyncLLM:
         log_stats: bool = True,
         log_requests: bool = False,
         served_model_name: Optional[str] = None,
+        engine_core: Optional[AsyncMPClient] = None,
     ) -> None:
         self.config = config
         self.model_config = config.model_config
         self.log_stats = log_stats
         self.log_requests = log_requests
         self.served_model_name = served_model_name or config.model_config.model
-        self.tokenizer = get_tokenizer(config.model_config.tokenizer_path)
+        if engine_core is None:
+            engine_core = AsyncMPClient(config, engine_in_thread=not multiprocess, wait_for_ready=False)
+        self.engine_core = engine_core
+        try:
+            self.tokenizer = get_tokenizer(config.model_config.tokenizer_path)
+            self.engine_core.wait_for_ready(config)
+        except BaseException:
+            self.engine_core.shutdown(timeout_s=0)
+            raise
         self.processor = Processor(config.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = AsyncMPClient(config, engine_in_thread=not multiprocess)
         self.metrics_registry = CollectorRegistry()
         self.stat_logger = PrometheusStatLogger(self.metrics_registry, self.served_model_name, config)
         self.stats_tracker = RequestStatsTracker()
@@ -101,19 +113,33 @@ class AsyncLLM:
         log_stats: bool = True,
         log_requests: bool = False,
         served_model_name: Optional[str] = None,
+        engine_core: Optional[AsyncMPClient] = None,
     ) -> "AsyncLLM":
         """Check the arguments, start the engine and return once it is ready.
 
+        ``engine_core``: see the class docstring; without it the engine process is
+        started first (from ``engine_args``), so that it loads the model while this
+        process resolves the configuration and loads the tokenizer.
+
         Raises:
             ValueError: bad arguments or settings (see the class docstring).
+            OSError: a model directory without a readable config.json.
             EngineStartupError: the engine process crashed while starting.
         """
+        if engine_core is None:
+            engine_core = AsyncMPClient(engine_args, engine_in_thread=not multiprocess, wait_for_ready=False)
+        try:
+            config = engine_args.create_engine_config()
+        except BaseException:
+            engine_core.shutdown(timeout_s=0)
+            raise
         return cls(
-            engine_args.create_engine_config(),
+            config,
             multiprocess,
             log_stats=log_stats,
             log_requests=log_requests,
             served_model_name=served_model_name,
+            engine_core=engine_core,
         )
 
     # -- state ---------------------------------------------------------------------------

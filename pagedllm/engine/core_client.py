@@ -12,8 +12,9 @@ in its own (vLLM V1's ``EngineCoreClient``).
 
 Failure handling (both background clients):
 
-- Start-up is a handshake (see ``core_proc``): the constructor returns once the engine
-  has loaded the model and sized its KV cache, or raises the engine's error
+- Start-up is a handshake (see ``core_proc``): ``wait_for_ready`` (called by the
+  constructor unless ``wait_for_ready=False``) returns once the engine has loaded the
+  model and sized its KV cache, or raises the engine's error
   (``ValueError`` for bad settings, e.g. a KV budget too small; else
   ``EngineStartupError``). It never hangs on a dead engine: it polls every 100 ms and
   checks that the process is alive.
@@ -42,7 +43,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.core_proc import (
     EngineAddresses,
     EngineCoreOutputType,
@@ -154,7 +155,7 @@ class InprocClient(EngineCoreClient):
 class _EngineHandle:
     """The background engine: a spawned process, or a daemon thread of this process."""
 
-    def __init__(self, config: EngineConfig, addresses: EngineAddresses, in_thread: bool) -> None:
+    def __init__(self, config: EngineConfig | EngineArgs, addresses: EngineAddresses, in_thread: bool) -> None:
         self.in_thread = in_thread
         self.worker: Union[threading.Thread, Any]
         if in_thread:
@@ -226,9 +227,15 @@ class _BackgroundClient(EngineCoreClient):
     The input channel is a plain (blocking-API) PUSH socket that *connects* with an
     unlimited high-water mark, so a send only enqueues and never blocks, even before the
     engine binds or after it died.
+
+    ``config`` may be the ``EngineArgs`` (the engine resolves them) and
+    ``wait_for_ready=False`` returns at once after starting the engine: the caller does
+    its own start-up work meanwhile and then calls ``wait_for_ready``.
     """
 
-    def __init__(self, config: EngineConfig, engine_in_thread: bool = False) -> None:
+    def __init__(
+        self, config: EngineConfig | EngineArgs, engine_in_thread: bool = False, wait_for_ready: bool = True
+    ) -> None:
         self._directory = tempfile.mkdtemp(prefix="pagedllm-engine-")
         self.addresses = EngineAddresses.in_dir(self._directory)
         self.ctx = zmq.Context()
@@ -238,23 +245,39 @@ class _BackgroundClient(EngineCoreClient):
         self._failure_decoder = msgspec.msgpack.Decoder(EngineFailure)
         self._dead_error: Optional[EngineDeadError] = None
         self._call_ids = itertools.count()
-        handshake = self._make_socket(self.ctx, zmq.PULL, self.addresses.handshake, bind=True)
+        self._handshake = self._make_socket(self.ctx, zmq.PULL, self.addresses.handshake, bind=True)
         self.output_socket = self._make_output_socket()
         self.input_socket = self._make_socket(self.ctx, zmq.PUSH, self.addresses.input, bind=False)
         self.handle = _EngineHandle(config, self.addresses, engine_in_thread)
-        sockets = [self.input_socket, self.output_socket]
+        sockets = [self._handshake, self.input_socket, self.output_socket]
         self._finalizer = weakref.finalize(self, _cleanup, self.handle, sockets, self.ctx, self._directory)
+        self.num_gpu_blocks: Optional[int] = None
+        self.engine_pid: Optional[int] = None
+        if wait_for_ready:
+            self.wait_for_ready(config if isinstance(config, EngineConfig) else None)
+
+    def wait_for_ready(self, config: Optional[EngineConfig] = None) -> None:
+        """Block until the engine reports READY; set ``num_gpu_blocks`` and ``engine_pid``
+        (and ``config.cache_config.num_gpu_blocks`` when a config is given).
+
+        Raises:
+            ValueError: the engine rejected its settings (message from the engine).
+            EngineStartupError: the engine crashed or raised another error while starting.
+        """
+        if self.engine_pid is not None:
+            return
         try:
-            info = self._wait_for_ready(handshake)
+            info = self._wait_for_ready(self._handshake)
         except BaseException:
-            handshake.close(linger=0)
             self._dead_error = EngineDeadError("The engine core failed to start.")
             self.handle.stop(_SHUTDOWN_TIMEOUT_S)
             self._finalizer()
             raise
-        handshake.close(linger=0)
+        finally:
+            self._handshake.close(linger=0)
         self.num_gpu_blocks = info.num_gpu_blocks
-        config.cache_config.num_gpu_blocks = info.num_gpu_blocks
+        if config is not None:
+            config.cache_config.num_gpu_blocks = info.num_gpu_blocks
         self.engine_pid = info.pid
 
     @staticmethod
@@ -337,8 +360,9 @@ class _BackgroundClient(EngineCoreClient):
             raise RuntimeError(f"EngineCore utility call failed: {result.error}")
         return result.result
 
-    def shutdown(self) -> None:
-        """Ask the engine to exit (SHUTDOWN), wait up to 5 s, then terminate it; idempotent."""
+    def shutdown(self, timeout_s: float = _SHUTDOWN_TIMEOUT_S) -> None:
+        """Ask the engine to exit (SHUTDOWN), wait up to ``timeout_s`` seconds, then
+        terminate it (0: at once, e.g. when start-up is abandoned); idempotent."""
         if not self._finalizer.alive:
             return
         if self.handle.is_alive():
@@ -346,7 +370,7 @@ class _BackgroundClient(EngineCoreClient):
                 self._send(EngineCoreRequestType.SHUTDOWN)
             except zmq.ZMQError:
                 pass
-            self.handle.stop(_SHUTDOWN_TIMEOUT_S)
+            self.handle.stop(timeout_s)
         if self._dead_error is None:
             self._dead_error = EngineDeadError("The engine core was shut down.")
         self._finalizer()
@@ -446,12 +470,14 @@ class AsyncMPClient(_BackgroundClient):
     is ready (model loaded): create the client before serving, not inside a request.
     """
 
-    def __init__(self, config: EngineConfig, engine_in_thread: bool = False) -> None:
+    def __init__(
+        self, config: EngineConfig | EngineArgs, engine_in_thread: bool = False, wait_for_ready: bool = True
+    ) -> None:
         self._reader: Optional[asyncio.Task] = None
         self._reader_loop: Optional[asyncio.AbstractEventLoop] = None
         self._outputs_queue: Optional[asyncio.Queue] = None
         self._utility_futures: dict[int, asyncio.Future] = {}
-        super().__init__(config, engine_in_thread)
+        super().__init__(config, engine_in_thread, wait_for_ready)
 
     def _make_output_socket(self) -> zmq.Socket:
         self.async_ctx = zmq.asyncio.Context.shadow(self.ctx)
@@ -556,7 +582,7 @@ class AsyncMPClient(_BackgroundClient):
     async def reset_prefix_cache_async(self) -> bool:
         return bool(await self.call_utility_async("reset_prefix_cache"))
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = _SHUTDOWN_TIMEOUT_S) -> None:
         reader = self._reader
         if reader is not None and not reader.done():
             try:
@@ -565,4 +591,4 @@ class AsyncMPClient(_BackgroundClient):
                 running = None
             if running is self._reader_loop:
                 reader.cancel()
-        super().shutdown()
+        super().shutdown(timeout_s)

@@ -38,7 +38,7 @@ from typing import Any, Optional
 import msgspec
 import zmq
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.messages import (
     EngineCoreRequest,
 )
@@ -153,7 +153,8 @@ class EngineCoreProc:
     """The EngineCore and its ZeroMQ loop (see the module docstring for the protocol).
 
     Args:
-        config: the engine configuration (the EngineCore is built from it here).
+        config: the engine configuration, or the ``EngineArgs`` to resolve it from (the
+            EngineCore is built from it here).
         addresses: the sockets' endpoints, chosen by the client.
         parent_pid: exit when the process's parent is no longer this pid (None: never
             check, e.g. when running in a thread of the front-end process).
@@ -163,7 +164,9 @@ class EngineCoreProc:
             on the handshake socket.
     """
 
-    def __init__(self, config: EngineConfig, addresses: EngineAddresses, parent_pid: Optional[int]) -> None:
+    def __init__(
+        self, config: EngineConfig | EngineArgs, addresses: EngineAddresses, parent_pid: Optional[int]
+    ) -> None:
         from pagedllm.engine.core import EngineCore  # torch import: keep it off the client's import path
 
         self.parent_pid = parent_pid
@@ -179,6 +182,8 @@ class EngineCoreProc:
         handshake = self._socket(zmq.PUSH, addresses.handshake, bind=False)
         try:
             try:
+                if isinstance(config, EngineArgs):
+                    config = config.create_engine_config()
                 self.engine_core = EngineCore(config)
             except BaseException as exc:
                 self._send(handshake, EngineCoreOutputType.FAILED, failure_from_exception(exc))
@@ -293,13 +298,16 @@ def _exit_on_signal(signum: int, frame: Any) -> None:
 
 
 def run_engine_core(
-    config: EngineConfig,
+    config: EngineConfig | EngineArgs,
     addresses: EngineAddresses,
     parent_pid: Optional[int],
     install_signal_handlers: bool = True,
 ) -> None:
     """Entry point of the engine process (``multiprocessing`` spawn) or thread.
 
+    ``config`` may be the unresolved ``EngineArgs``: the engine then resolves them itself
+    (an error is reported as a start-up FAILED), so the process can be started before the
+    front end has imported torch and transformers (``pagedllm serve``'s start-up).
     Builds the ``EngineCoreProc`` and serves until SHUTDOWN, SIGTERM or the parent's death.
     A process exits with status 1 after a start-up or run-time failure (reported to the
     client first), else 0; a thread just returns.

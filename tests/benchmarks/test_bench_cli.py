@@ -443,3 +443,21 @@ def test_serve_against_real_pagedllm_server(tiny_llama, tmp_path):
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_startup_measures_serve_and_llm(tiny_llama, tmp_path):
+    out = tmp_path / "startup.json"
+    assert run_bench(["startup", "--model", str(tiny_llama), "--dtype", "float32", "--kv-cache-memory-bytes",
+                      KV_BYTES, "--num-iters-warmup", "0", "--num-iters", "1", "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    (serve_s,) = result["serve_startup_s"]
+    (process_s,) = result["llm_process_s"]
+    (construction_s,) = result["llm_construction_s"]
+    assert 0.2 < serve_s < 120 and result["median_serve_startup_s"] == serve_s
+    # the constructor runs inside the measured process, after the interpreter started
+    assert 0.2 < construction_s < process_s < 120
+
+
+def test_startup_rejects_unknown_mode(tiny_llama):
+    with pytest.raises(SystemExit, match="unknown --mode"):
+        run_bench(["startup", "--model", str(tiny_llama), "--mode", "serve,warm"])

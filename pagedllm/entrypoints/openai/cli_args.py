@@ -271,12 +271,8 @@ def main(args: argparse.Namespace) -> int:
         if not (default_model_path() / "config.json").is_file():
             return _fail(f"no MODEL given, and the shipped default model is missing from {default_model_path()}.", 2)
     try:
-        from pagedllm.entrypoints.openai.serving_chat import load_chat_template
-
-        args.chat_template = load_chat_template(args.chat_template)
         engine_args = engine_args_from(args)
-        engine_args.create_engine_config()  # check the flags before starting the engine process
-    except (ValueError, OSError) as exc:  # OSError: a model directory without a usable config.json
+    except ValueError as exc:
         return _fail(str(exc), 2)
     # NOTE: uvicorn re-raises SIGTERM after its graceful shutdown; turning it into
     # SystemExit lets the engine be shut down by the `finally` below.
@@ -290,15 +286,26 @@ def main(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, engine_args: Any) -> int:
-    import uvicorn
+    # NOTE: start-up order: the engine process starts first (it imports torch and loads
+    # the model on its own), then this process imports torch/transformers/FastAPI,
+    # resolves and checks the configuration and loads the tokenizer meanwhile.
+    from pagedllm.engine.core_client import AsyncMPClient
 
-    from pagedllm.engine.async_llm import AsyncLLM
-    from pagedllm.entrypoints.openai.api_server import build_app
-
+    engine_core = AsyncMPClient(engine_args, wait_for_ready=False)
     try:
+        import uvicorn
+
+        from pagedllm.engine.async_llm import AsyncLLM
+        from pagedllm.entrypoints.openai.api_server import build_app
+        from pagedllm.entrypoints.openai.serving_chat import load_chat_template
+
+        args.chat_template = load_chat_template(args.chat_template)
         served_name = (args.served_model_name or [None])[0]
-        engine = AsyncLLM.from_engine_args(engine_args, log_requests=False, served_model_name=served_name)
-    except ValueError as exc:
+        engine = AsyncLLM.from_engine_args(
+            engine_args, log_requests=False, served_model_name=served_name, engine_core=engine_core
+        )
+    except (ValueError, OSError) as exc:  # OSError: a model directory without a usable config.json
+        engine_core.shutdown(timeout_s=0)
         return _fail(str(exc), 2)
     except Exception as exc:  # EngineStartupError and friends: one line, not a traceback
         logging.getLogger(__name__).debug("Engine start-up failed", exc_info=True)
