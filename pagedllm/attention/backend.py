@@ -9,7 +9,7 @@ Token ``i`` of a request lives in block ``block_table[i // block_size]`` at offs
 ``i % block_size``; its flat slot is ``block_id * block_size + offset``.
 
 Decodes (one query each) are computed together. On CPU, when the C++ kernel of
-``pagedllm.attention.cpu_kernels`` is available (built on first use; see that module), it
+``pagedllm.kernels.cpu`` is available (built on first use; see that module), it
 reads K/V straight from the blocks by block table, threaded over (request, kv head).
 Otherwise — CUDA, no compiler, or ``PAGEDLLM_DISABLE_CPU_KERNELS=1`` — the portable path
 gathers the context from the cache by block table into a padded [num_decodes, max_len]
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention import cpu_kernels
+from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.attention.metadata import AttentionMetadata
 
 

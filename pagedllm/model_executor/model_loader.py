@@ -59,4 +59,8 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"Checkpoint {model_config.model_path} lacks weights for: {sorted(missing)[:8]}")
+    for module in model.modules():
+        process = getattr(module, "process_weights_after_loading", None)
+        if process is not None:
+            process()
     return model.eval()

@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from pagedllm.attention import backend, cpu_kernels
+from pagedllm.attention import backend
+from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.attention.metadata import AttentionMetadata
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
@@ -240,7 +241,7 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog):
 def test_import_does_not_build():
     code = (
         "import pagedllm, pagedllm.attention.backend\n"
-        "from pagedllm.attention import cpu_kernels\n"
+        "from pagedllm.kernels import cpu as cpu_kernels\n"
         "import torch\n"
         "assert not cpu_kernels._loaded and cpu_kernels._error is None\n"
         "assert not hasattr(torch.ops.pagedllm_cpu, 'paged_decode_attention')\n"

@@ -7,6 +7,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from pagedllm.kernels import cpu as cpu_kernels
+
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, over the last dimension.
@@ -27,8 +29,14 @@ class RMSNorm(nn.Module):
         return normed.to(x.dtype).mul_(self.weight)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        """``x`` must be a tensor the caller no longer needs when ``residual`` is given (the
-        sum is written into it)."""
+        """With ``residual`` given, both ``x`` and ``residual`` are overwritten (the caller
+        must no longer need them): the results are written into their buffers. On CPU the
+        fused C++ kernels (``pagedllm.kernels.cpu``) do it in one pass."""
+        if cpu_kernels.usable(x):
+            if residual is None:
+                return cpu_kernels.rms_norm(x, self.weight, self.variance_epsilon)
+            cpu_kernels.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+            return x, residual
         if residual is None:
             return self._norm(x)
         x = x.add_(residual)

@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from pagedllm.kernels import cpu as cpu_kernels
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     factor = scaling["factor"]
@@ -81,7 +83,14 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(
     query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``query`` [T, Hq, D] and ``key`` [T, Hkv, D] by ``RotaryEmbedding``'s cos/sin."""
+    """Rotate ``query`` [T, Hq, D] and ``key`` [T, Hkv, D] by ``RotaryEmbedding``'s cos/sin.
+
+    On CPU the C++ kernel rotates them in place (they may be views of the fused qkv
+    output) and returns them; elsewhere new tensors are returned.
+    """
+    if cpu_kernels.usable(query):
+        cpu_kernels.rotary_embedding(query, key, cos.squeeze(1), sin.squeeze(1))
+        return query, key
     return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 

@@ -1,9 +1,10 @@
 """C++ CPU kernels, compiled on first use.
 
-``paged_attention.cpp`` (beside this file) is built with ``torch.utils.cpp_extension.load``
+``paged_attention.cpp`` and ``elementwise.cpp`` (beside this file; RMSNorm, SwiGLU, rotary
+embedding) are built with ``torch.utils.cpp_extension.load``
 the first time a kernel is asked for — never at import — and cached in torch's extensions
 directory (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). The extension
-name carries ``_KERNEL_VERSION`` and a hash of the source, the compiler flags and the CPU's
+name carries ``_KERNEL_VERSION`` and a hash of the sources, the compiler flags and the CPU's
 feature flags, so an edited source, or a cache shared with a different CPU (the build uses
 ``-march=native``), builds afresh instead of reusing a stale binary.
 
@@ -38,8 +39,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "PAGEDLLM_DISABLE_CPU_KERNELS"
-_KERNEL_VERSION = 1
-_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_KERNEL_VERSION = 2
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp")]
 
 _lock = threading.Lock()
 _loaded = False
@@ -74,7 +75,8 @@ def _build_flags(native: bool) -> tuple[list[str], list[str]]:
 
 def _extension_name(cflags: list[str]) -> str:
     h = hashlib.sha256()
-    h.update(_SOURCE.read_bytes())
+    for source in _SOURCES:
+        h.update(source.read_bytes())
     h.update(" ".join(cflags).encode())
     h.update(_cpu_signature().encode())
     h.update(torch.__version__.encode())
@@ -107,7 +109,7 @@ def _load_locked(name: str, cflags: list[str], ldflags: list[str]) -> None:
     def build() -> None:
         cpp_extension.load(
             name=name,
-            sources=[str(_SOURCE)],
+            sources=[str(source) for source in _SOURCES],
             extra_cflags=cflags,
             extra_ldflags=ldflags,
             is_python_module=False,
@@ -251,3 +253,57 @@ def _paged_decode_attention_portable(
     torch.ops.pagedllm_cpu.paged_decode_attention_portable(
         out, query, key_cache, value_cache, block_table.long(), seq_lens.long(), float(scale)
     )
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the kernels can run on ``x``: a CPU tensor, and the kernels available."""
+    return x.device.type == "cpu" and is_available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * to_dtype(x * rsqrt(mean(x^2) + eps))`` over the last dimension (HF's
+    LlamaRMSNorm; float32 math), for x [T, D] or [T, H, D] with the last dimension
+    contiguous (any outer strides). Returns a new contiguous tensor of x's shape.
+
+    Raises:
+        RuntimeError: unavailable kernels, or bad shapes / dtypes (weight [D], x's dtype).
+    """
+    _require()
+    x3 = x.unsqueeze(1) if x.dim() == 2 else x
+    out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    torch.ops.pagedllm_cpu.rms_norm(out, x3, weight, float(eps))
+    return out.view(x.shape)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place, for x and residual [T, D]: ``residual = to_dtype(x + residual)``, then
+    ``x = rms_norm(residual)`` (see ``rms_norm``).
+
+    Raises:
+        RuntimeError: unavailable kernels, or bad shapes / dtypes.
+    """
+    _require()
+    torch.ops.pagedllm_cpu.fused_add_rms_norm(x, residual, weight, float(eps))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of x [T, 2d] = [gate | up]: ``to_dtype(to_dtype(silu(gate)) * up)`` -> [T, d].
+
+    Raises:
+        RuntimeError: unavailable kernels, or bad shapes / dtypes.
+    """
+    _require()
+    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
+    torch.ops.pagedllm_cpu.silu_and_mul(out, x)
+    return out
+
+
+def rotary_embedding(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate query [T, Hq, D] and key [T, Hk, D] in place (neox layout, HF's
+    ``apply_rotary_pos_emb`` with its bf16 roundings) by cos / sin [T, D] of x's dtype.
+
+    Raises:
+        RuntimeError: unavailable kernels, or bad shapes / dtypes.
+    """
+    _require()
+    torch.ops.pagedllm_cpu.rotary_embedding(query, key, cos, sin)

@@ -1,0 +1,58 @@
+"""Layer-level behaviour of our Llama: the CPU MLP's row chunking and the pre-packed
+(oneDNN) linear weights give the same numbers as the plain computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from pagedllm.model_executor.layers import linear as linear_mod
+from pagedllm.model_executor.models import llama
+
+
+def tiny_config() -> LlamaConfig:
+    return LlamaConfig(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_hidden_layers=1,
+                       vocab_size=100)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mlp_row_chunks_equal_one_pass(monkeypatch, dtype):
+    torch.manual_seed(0)
+    mlp = llama.LlamaMLP(tiny_config()).to(dtype)
+    for p in mlp.parameters():
+        p.data.normal_(std=0.2)
+    x = torch.randn(300, 64, dtype=dtype)
+    whole = mlp(x)
+    row_bytes = mlp.gate_up_proj.output_size * x.element_size()
+    monkeypatch.setattr(llama, "_CPU_MLP_CHUNK_BYTES", 64 * row_bytes)  # 64-row chunks: 5 of them
+    assert mlp._cpu_chunk_rows(x) == 64
+    chunked = mlp(x)
+    assert torch.equal(chunked, whole)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 32, 300])
+def test_packed_linear_matches_plain(dtype, num_tokens):
+    layer = linear_mod.Linear(96, 200, bias=True).to(dtype)
+    torch.manual_seed(1)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    x = torch.randn(num_tokens, 96, dtype=dtype)
+    plain = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert linear_mod.can_pack(layer.weight.data)
+    layer.process_weights_after_loading()
+    assert layer.packed and layer.weight.is_mkldnn and layer.weight.shape == (200, 96)
+    packed = layer(x)
+    if dtype == torch.bfloat16:  # same bf16 products, float32 accumulation
+        torch.testing.assert_close(packed, plain, rtol=1.6e-2, atol=1e-2)
+    else:
+        torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-4)
+
+
+def test_packing_off_by_env(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_DISABLE_CPU_KERNELS", "1")
+    layer = linear_mod.Linear(16, 8)
+    layer.process_weights_after_loading()
+    assert not layer.packed and not layer.weight.is_mkldnn
+    assert not linear_mod.can_pack(torch.empty(8, 16, dtype=torch.float64))
