@@ -1,7 +1,7 @@
 """C++ CPU kernels, compiled on first use.
 
-``paged_attention.cpp`` and ``elementwise.cpp`` (beside this file; RMSNorm, SwiGLU, rotary
-embedding) are built with ``torch.utils.cpp_extension.load``
+``paged_attention.cpp``, ``elementwise.cpp`` (RMSNorm, SwiGLU, rotary embedding) and
+``sampling.cpp`` (greedy argmax), beside this file, are built with ``torch.utils.cpp_extension.load``
 the first time a kernel is asked for — never at import — and cached in torch's extensions
 directory (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). The extension
 name carries ``_KERNEL_VERSION`` and a hash of the sources, the compiler flags and the CPU's
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "PAGEDLLM_DISABLE_CPU_KERNELS"
 _KERNEL_VERSION = 2
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp")]
 
 _lock = threading.Lock()
 _loaded = False
@@ -307,3 +307,14 @@ def rotary_embedding(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, 
     """
     _require()
     torch.ops.pagedllm_cpu.rotary_embedding(query, key, cos, sin)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax(logits, dim=-1)`` for logits [B, V] (float32 / bfloat16 / float16, V
+    contiguous): first index of each row's maximum (or of its first NaN), [B] int64.
+
+    Raises:
+        RuntimeError: unavailable kernels, or bad shapes / dtypes.
+    """
+    _require()
+    return torch.ops.pagedllm_cpu.argmax_rows(logits)

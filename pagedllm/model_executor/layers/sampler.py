@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.sampling_params import _GREEDY_TEMPERATURE, SamplingParams
 
 _NEG_INF = float("-inf")
@@ -51,7 +52,8 @@ class SamplingMetadata:
         repetition_penalties: [B] float32 (1.0 disables).
         prompt_token_ids: [B, max_prompt_len] int64 padded with vocab_size; None if
             ``no_penalties``.
-        output_token_ids: per row, the tokens generated so far (before this step).
+        output_token_ids: per row, the tokens generated so far (before this step); empty
+            lists if ``no_penalties`` (nothing reads them then).
         min_tokens: row -> (min_tokens, token ids to block: EOS + stop_token_ids), only
             for rows that have generated fewer than min_tokens tokens. Every listed row
             is blocked; the runner drops a row once it has reached its minimum.
@@ -132,7 +134,7 @@ class SamplingMetadata:
                                         torch.float32),
             prompt_token_ids=(None if no_penalties else
                               _pad_token_ids(prompt_token_ids, vocab_size, device)),
-            output_token_ids=[list(ids) for ids in output_token_ids],
+            output_token_ids=([[] for _ in params] if no_penalties else [list(ids) for ids in output_token_ids]),
             min_tokens=_rows_under_min_tokens(params, output_token_ids, eos_token_id),
             logit_bias=[p.logit_bias or None for p in params],
             max_num_logprobs=max(requested) if requested else None,
@@ -178,7 +180,7 @@ class Sampler(torch.nn.Module):
         if (metadata.all_greedy and metadata.max_num_logprobs is None and metadata.no_penalties
                 and not metadata.min_tokens and not any(metadata.logit_bias)):
             # Plain greedy: nothing modifies the logits, so no copy is needed.
-            return SamplerOutput(sampled_token_ids=logits.float().argmax(dim=-1))
+            return SamplerOutput(sampled_token_ids=greedy_sample(logits))
         # NOTE: one copy up front, so every later step may work in place without
         # touching the caller's tensor.
         logits = logits.to(torch.float32, copy=True)
@@ -199,7 +201,7 @@ class Sampler(torch.nn.Module):
 
     @staticmethod
     def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        greedy = None if metadata.all_random else logits.argmax(dim=-1)
+        greedy = None if metadata.all_random else greedy_sample(logits)
         if metadata.all_greedy:
             assert greedy is not None
             return greedy
@@ -215,6 +217,14 @@ class Sampler(torch.nn.Module):
             probs = apply_min_p(probs, metadata.min_p)
         sampled = exponential_race(probs, metadata.generators)
         return sampled if greedy is None else torch.where(is_greedy, greedy, sampled)
+
+
+def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
+    """argmax of each row of logits [B, V] (any float dtype) -> [B] int64; the first index
+    on ties. On CPU the vectorised C++ kernel (PyTorch's CPU argmax of bf16 is scalar)."""
+    if logits.dim() == 2 and logits.stride(-1) == 1 and cpu_kernels.usable(logits):
+        return cpu_kernels.argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 def apply_logit_bias(logits: torch.Tensor,
