@@ -30,6 +30,11 @@ class AttentionMetadata:
             prefill request's queries, counted from the first prefill token.
         prefill_seq_lens: [num_prefills] context lengths (Python ints) including the chunk.
         prefill_block_table: [num_prefills, max_blocks] int64 block tables (padded with 0).
+        prefill_token_block_table, prefill_token_seq_lens: the prefill tokens seen as decode
+            queries: [num_prefill_tokens, max_blocks] int64 (each token's request's block
+            table) and [num_prefill_tokens] int64 (its position + 1: the causal context,
+            cached tokens included). Set only when the backend attends prefills with the
+            CPU decode kernel (``ModelRunner`` with the C++ kernels), else None.
     """
 
     slot_mapping: torch.Tensor
@@ -39,6 +44,8 @@ class AttentionMetadata:
     prefill_query_start_loc: list[int]
     prefill_seq_lens: list[int]
     prefill_block_table: torch.Tensor
+    prefill_token_block_table: Optional[torch.Tensor] = None
+    prefill_token_seq_lens: Optional[torch.Tensor] = None
 
     @property
     def num_prefills(self) -> int:

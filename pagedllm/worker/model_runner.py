@@ -67,7 +67,8 @@ class ModelRunner:
         logger.info("Loaded %s (%.1f MB) in %.2f s", self.model_config.model_path,
                     self.weights_bytes / 1e6, time.perf_counter() - start)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        prepare_kernels(self.device)
+        #: Prefill tokens are attended as decode queries by the CPU kernel (see backend).
+        self.prefill_as_decode = prepare_kernels(self.device)
         activation_peak = 0
         if self.cache_config.kv_cache_memory_bytes is None:
             activation_peak = self._profile_activation_peak()
@@ -195,6 +196,12 @@ class ModelRunner:
         slot_mapping = batch.block_table[token_rows, positions // bs] * bs + positions % bs
         seq_lens = computed + num_sched
         metadata = self._attention_metadata(rows, seq_lens, num_sched, len(decodes), slot_mapping)
+        if self.prefill_as_decode and prefills:
+            prefill_rows, prefill_positions = token_rows[len(decodes):], positions[len(decodes):]
+            metadata.prefill_token_block_table = self._to_device(
+                np.ascontiguousarray(batch.block_table[prefill_rows, : metadata.prefill_block_table.shape[1]])
+            )
+            metadata.prefill_token_seq_lens = self._to_device(prefill_positions + 1)
 
         with set_forward_context(metadata):
             hidden = self.model(self._to_device(input_ids), self._to_device(positions))

@@ -268,3 +268,53 @@ def test_engine_greedy_same_with_and_without_kernel(kernel, tiny_qwen2, monkeypa
     assert calls, "the engine did not use the kernel"
     monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "1")
     assert generate() == with_kernel
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefills_as_decode_queries_match_sdpa_path(kernel, dtype):
+    """A step with 2 decodes, a whole prompt and a chunk after 21 cached tokens: attending
+    the prefill tokens with the decode kernel (per-token tables and causal lengths, as the
+    model runner builds them) equals the per-request SDPA path."""
+    gen = torch.Generator().manual_seed(3)
+    block_size, num_heads, num_kv_heads, head_dim = 8, 6, 2, 64
+    # request: (tokens already in the cache, tokens scheduled now)
+    requests = [(30, 1), (9, 1), (0, 13), (21, 7)]
+    num_blocks = 40
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(math.ceil((c + n) / block_size) for c, n in requests)
+    table = torch.zeros(len(requests), width, dtype=torch.int64)
+    slots, token_req, positions = [], [], []
+    for r, (cached, new) in enumerate(requests):
+        used = math.ceil((cached + new) / block_size)
+        table[r, :used] = torch.tensor(perm[:used])
+        perm = perm[used:]
+        for p in range(cached, cached + new):
+            slots.append(int(table[r, p // block_size]) * block_size + p % block_size)
+            token_req.append(r)
+            positions.append(p)
+    num_tokens = len(slots)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    seq_lens = torch.tensor([c + n for c, n in requests])
+
+    def metadata(per_token: bool) -> AttentionMetadata:
+        md = AttentionMetadata(
+            slot_mapping=torch.tensor(slots),
+            num_decodes=2,
+            decode_block_table=table[:2],
+            decode_seq_lens=seq_lens[:2],
+            prefill_query_start_loc=[0, 13, 20],
+            prefill_seq_lens=seq_lens[2:].tolist(),
+            prefill_block_table=table[2:],
+        )
+        if per_token:
+            md.prefill_token_block_table = table[torch.tensor(token_req[2:])]
+            md.prefill_token_seq_lens = torch.tensor(positions[2:]) + 1
+        return md
+
+    scale = head_dim**-0.5
+    expected = backend.paged_attention(query, key, value, kv_cache.clone(), metadata(False), scale)
+    actual = backend.paged_attention(query, key, value, kv_cache.clone(), metadata(True), scale)
+    _assert_close(actual, expected, dtype)
