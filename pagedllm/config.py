@@ -153,11 +153,39 @@ def _derived_max_model_len(hf_config: PretrainedConfig) -> int:
     return int(getattr(hf_config, "max_position_embeddings", 2048))
 
 
+#: Default ``max_num_batched_tokens`` by (device type, usage context): vLLM's defaults
+#: (``EngineArgs._set_default_args`` in vLLM 0.32).
+_DEFAULT_MAX_NUM_BATCHED_TOKENS = {
+    ("cpu", "llm"): 4096,
+    ("cpu", "api_server"): 2048,
+    ("cuda", "llm"): 16384,
+    ("cuda", "api_server"): 8192,
+}
+
+
+def default_max_num_batched_tokens(usage_context: str) -> int:
+    """The step token budget used when none is given (see ``EngineArgs``).
+
+    Raises:
+        ValueError: for a usage context other than "llm" or "api_server".
+    """
+    from pagedllm.platforms import current_platform
+
+    try:
+        return _DEFAULT_MAX_NUM_BATCHED_TOKENS[(current_platform.device_type, usage_context)]
+    except KeyError:
+        raise ValueError(f"usage_context must be 'llm' or 'api_server', got {usage_context!r}.") from None
+
+
 @dataclass
 class EngineArgs:
     """Arguments of ``LLM`` / ``LLMEngine`` / ``pagedllm serve``, with vLLM's names and defaults.
 
-    ``max_num_batched_tokens`` defaults to max(8192, ``max_num_seqs``). ``gpu_memory_utilization``
+    ``max_num_batched_tokens`` defaults as in vLLM, by device and use (``usage_context``:
+    ``"llm"`` for ``LLM`` / offline, ``"api_server"`` for ``pagedllm serve``): 4096 / 2048
+    tokens on CPU, 16384 / 8192 on GPU, and never below ``max_num_seqs``. The server's
+    smaller step lets waiting requests start sooner while others decode (time to first
+    token); offline, fewer larger steps cost less. ``gpu_memory_utilization``
     is the fraction of the device memory (on CPU: of the RAM available at start-up) that
     weights, activations and KV cache may use together; ``kv_cache_memory_bytes`` overrides
     it with an exact KV-cache size in bytes.
@@ -175,6 +203,7 @@ class EngineArgs:
     seed: int = 0
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
+    usage_context: str = "llm"
 
     def create_engine_config(self) -> EngineConfig:
         """Check the arguments and resolve defaults.
@@ -200,7 +229,9 @@ class EngineArgs:
                 f"max_model_len ({max_model_len}) is larger than the model's maximum context "
                 f"length ({derived}, max_position_embeddings in config.json)."
             )
-        max_num_batched_tokens = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
+        max_num_batched_tokens = self.max_num_batched_tokens or max(
+            default_max_num_batched_tokens(self.usage_context), self.max_num_seqs
+        )
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}.")
         model_config = ModelConfig(

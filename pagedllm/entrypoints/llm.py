@@ -27,7 +27,7 @@ class LLM:
         max_model_len: context length in tokens (default: the model's).
         block_size: tokens per KV-cache block (8, 16 or 32).
         max_num_seqs: most requests running at once.
-        max_num_batched_tokens: token budget of one step.
+        max_num_batched_tokens: token budget of one step (default 4096 on CPU, 16384 on GPU).
         kv_cache_memory_bytes: exact KV-cache size; overrides gpu_memory_utilization.
         gpu_memory_utilization: fraction of device memory (CPU: available RAM) to use.
         seed: global random seed.

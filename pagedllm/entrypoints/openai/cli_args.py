@@ -190,7 +190,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )  # fmt: skip
     engine.add_argument(
         "--max-num-batched-tokens", type=human_readable_int, default=None,
-        help="Token budget of one engine step (default: max(8192, --max-num-seqs)).",
+        help="Token budget of one engine step (default, as vLLM: 2048 on CPU, 8192 on GPU, at least --max-num-seqs).",
     )  # fmt: skip
     engine.add_argument(
         "--gpu-memory-utilization", type=fraction_type, default=_DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -243,7 +243,7 @@ def engine_args_from(args: argparse.Namespace) -> Any:
     from pagedllm.config import EngineArgs
 
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(args, f.name)}
-    return EngineArgs(**values)
+    return EngineArgs(**values, usage_context="api_server")
 
 
 def _fail(message: str, code: int) -> int:

@@ -132,3 +132,24 @@ def test_chat_template_file_or_literal(tmp_path):
         load_chat_template("missing.jinja")
     with pytest.raises(ValueError, match="syntax"):
         load_chat_template("{% for m in messages %}")
+
+
+def test_default_step_token_budget_follows_vllm_on_cpu(tiny_llama):
+    """vLLM's CPU defaults: 2048 tokens a step for the server, 4096 for offline ``LLM``;
+    never below max_num_seqs; an explicit flag wins."""
+    from pagedllm.config import EngineArgs
+
+    def budget(engine_args: EngineArgs) -> int:
+        return engine_args.create_engine_config().scheduler_config.max_num_batched_tokens
+
+    args = _parse(str(tiny_llama))
+    args.model = args.model_tag
+    served = engine_args_from(args)
+    assert served.usage_context == "api_server" and budget(served) == 2048
+    assert budget(EngineArgs(model=str(tiny_llama))) == 4096
+    assert budget(EngineArgs(model=str(tiny_llama), max_num_seqs=5000)) == 5000
+    args = _parse(str(tiny_llama), "--max-num-batched-tokens", "3k")
+    args.model = args.model_tag
+    assert budget(engine_args_from(args)) == 3000
+    with pytest.raises(ValueError, match="usage_context"):
+        EngineArgs(model=str(tiny_llama), usage_context="batch").create_engine_config()
