@@ -63,7 +63,9 @@ class ModelRunner:
         memory_before_load = current_platform.total_memory_bytes()
         start = time.perf_counter()
         self.model = get_model(self.model_config, self.device)
-        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # Buffers too: the packed copy of tied output embeddings, rotary tables.
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        self.weights_bytes = sum(t.numel() * t.element_size() for t in tensors)
         logger.info("Loaded %s (%.1f MB) in %.2f s", self.model_config.model_path,
                     self.weights_bytes / 1e6, time.perf_counter() - start)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]

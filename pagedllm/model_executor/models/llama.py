@@ -6,7 +6,7 @@ with fused q/k/v and gate/up projections and attention over the paged KV cache.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -160,7 +160,9 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
         self._logits_packed = False
-        self._logits_weight: Optional[torch.Tensor] = None
+        # The packed copy of tied embeddings (see process_weights_after_loading); a buffer,
+        # so that the runner's weight-memory count includes it.
+        self.register_buffer("_logits_weight", None, persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
