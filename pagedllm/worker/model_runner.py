@@ -197,13 +197,7 @@ class ModelRunner:
         bs = self.block_size
         slot_mapping = batch.block_table[token_rows, positions // bs] * bs + positions % bs
         seq_lens = computed + num_sched
-        metadata = self._attention_metadata(rows, seq_lens, num_sched, len(decodes), slot_mapping)
-        if self.prefill_as_decode and prefills:
-            prefill_rows, prefill_positions = token_rows[len(decodes):], positions[len(decodes):]
-            metadata.prefill_token_block_table = self._to_device(
-                np.ascontiguousarray(batch.block_table[prefill_rows, : metadata.prefill_block_table.shape[1]])
-            )
-            metadata.prefill_token_seq_lens = self._to_device(prefill_positions + 1)
+        metadata = self._attention_metadata(rows, seq_lens, num_sched, len(decodes), slot_mapping, token_rows, positions)
 
         with set_forward_context(metadata):
             hidden = self.model(self._to_device(input_ids), self._to_device(positions))
@@ -234,8 +228,17 @@ class ModelRunner:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     def _attention_metadata(
-        self, rows: np.ndarray, seq_lens: np.ndarray, num_sched: np.ndarray, num_decodes: int, slot_mapping: np.ndarray
+        self,
+        rows: np.ndarray,
+        seq_lens: np.ndarray,
+        num_sched: np.ndarray,
+        num_decodes: int,
+        slot_mapping: np.ndarray,
+        token_rows: np.ndarray,
+        positions: np.ndarray,
     ) -> AttentionMetadata:
+        """The step's metadata; ``rows`` / ``seq_lens`` / ``num_sched`` per request (decodes
+        first), ``slot_mapping`` / ``token_rows`` / ``positions`` per token."""
         bs = self.block_size
         table = self.input_batch.block_table
 
@@ -244,6 +247,14 @@ class ModelRunner:
             return self._to_device(np.ascontiguousarray(table[part_rows, :width]))
 
         prefill_lens = seq_lens[num_decodes:]
+        per_token: dict[str, torch.Tensor] = {}
+        if self.prefill_as_decode and len(prefill_lens):
+            # Token t of a prefill is a decode query: its request's table, t's position + 1.
+            # (The first num_decodes tokens are the decodes', one each.)
+            per_token = {
+                "prefill_token_block_table": block_table_for(token_rows[num_decodes:], prefill_lens),
+                "prefill_token_seq_lens": self._to_device(positions[num_decodes:] + 1),
+            }
         return AttentionMetadata(
             slot_mapping=self._to_device(slot_mapping),
             num_decodes=num_decodes,
@@ -252,6 +263,7 @@ class ModelRunner:
             prefill_query_start_loc=[0, *np.cumsum(num_sched[num_decodes:]).tolist()],
             prefill_seq_lens=prefill_lens.tolist(),
             prefill_block_table=block_table_for(rows[num_decodes:], prefill_lens),
+            **per_token,
         )
 
     def _sample(

@@ -49,10 +49,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: bool) -> torch.Tensor:
-    """y = x W^T + b for x [..., in] and W [out, in] (plain, or ``pack_weight``'s output
-    when ``packed``) -> [..., out], x's dtype."""
-    if packed:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y = x W^T + b for x [..., in] and W [out, in] (plain, or ``pack_weight``'s output)
+    -> [..., out], x's dtype."""
+    if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
@@ -75,8 +75,6 @@ class Linear(nn.Module):
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        #: True once ``process_weights_after_loading`` packed the weight for oneDNN.
-        self.packed = False
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
@@ -92,10 +90,14 @@ class Linear(nn.Module):
         """Pack the loaded weight for the CPU matmul when possible (see the module docstring)."""
         if not self.packed and can_pack(self.weight.data):
             self.weight = nn.Parameter(pack_weight(self.weight.data), requires_grad=False)
-            self.packed = True
+
+    @property
+    def packed(self) -> bool:
+        """Whether the weight is packed for oneDNN (``process_weights_after_loading``)."""
+        return self.weight.is_mkldnn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self.weight, self.bias)
 
 
 class FusedLinear(Linear):

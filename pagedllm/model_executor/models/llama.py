@@ -159,7 +159,6 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
-        self._logits_packed = False
         # The packed copy of tied embeddings (see process_weights_after_loading); a buffer,
         # so that the runner's weight-memory count includes it.
         self.register_buffer("_logits_weight", None, persistent=False)
@@ -172,13 +171,12 @@ class LlamaForCausalLM(nn.Module):
         Tied embeddings get a packed copy (the lookup needs the plain rows): vocab x hidden
         more bytes, 272 MB for Qwen2.5-0.5B in bf16."""
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head
-        if self._logits_packed or not can_pack(weight.data):
+        if self._logits_weight is not None or weight.is_mkldnn or not can_pack(weight.data):
             return
         if self.tie_word_embeddings:
             self._logits_weight = pack_weight(weight.data)
         else:
             self.lm_head = nn.Parameter(pack_weight(self.lm_head.data), requires_grad=False)
-        self._logits_packed = True
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits in the model dtype (the sampler upcasts once)."""
@@ -186,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
             weight = self._logits_weight
         else:
             weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head
-        return linear(hidden_states, weight, None, self._logits_packed)
+        return linear(hidden_states, weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (HF names) into the parameters; returns the names loaded.
