@@ -38,13 +38,15 @@ _START_TIMEOUT_S = 300.0
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the shipped model)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
+                        help="compute dtype, as `pagedllm serve --dtype` (default: auto)")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="exact KV-cache size in bytes (default: sized from free memory, after a profile run)")
     parser.add_argument("--serve-args", default="", help="extra `pagedllm serve` flags, one string")
-    parser.add_argument("--mode", default="serve,llm", help="comma-separated: serve, llm")
-    parser.add_argument("--num-iters-warmup", type=int, default=1)
-    parser.add_argument("--num-iters", type=int, default=3)
-    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--mode", default="serve,llm", help="comma-separated: serve, llm (default: both)")
+    parser.add_argument("--num-iters-warmup", type=int, default=1, help="unrecorded starts first (default: 1)")
+    parser.add_argument("--num-iters", type=int, default=3, help="recorded starts of each mode (default: 3)")
+    parser.add_argument("--output-json", default=None, help="write the results here")
 
 
 def _free_port() -> int:

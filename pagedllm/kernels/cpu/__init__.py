@@ -4,7 +4,8 @@
 ``sampling.cpp`` (greedy argmax), beside this file, are built with ``torch.utils.cpp_extension.load``
 the first time a kernel is asked for — never at import — and cached in torch's extensions
 directory (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). The extension
-name carries ``_KERNEL_VERSION`` and a hash of the sources, the compiler flags and the CPU's
+name carries ``_KERNEL_VERSION`` and a hash of the sources and their folder, the compiler
+flags and the CPU's
 feature flags, so an edited source, or a cache shared with a different CPU (the build uses
 ``-march=native``), builds afresh instead of reusing a stale binary.
 
@@ -77,6 +78,9 @@ def _extension_name(cflags: list[str]) -> str:
     h = hashlib.sha256()
     for source in _SOURCES:
         h.update(source.read_bytes())
+    # The build directory's build.ninja names the sources by absolute path: two checkouts
+    # of the same code sharing one name would rebuild each other's extension on every load.
+    h.update(str(_SOURCES[0].parent.resolve()).encode())
     h.update(" ".join(cflags).encode())
     h.update(_cpu_signature().encode())
     h.update(torch.__version__.encode())
