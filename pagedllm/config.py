@@ -77,7 +77,11 @@ def resolve_dtype(dtype: Any, hf_config: PretrainedConfig) -> torch.dtype:
             return getattr(torch, _DTYPES[str(dtype)])
         except KeyError:
             raise ValueError(f"Unknown dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}.") from None
-    config_dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    # NOTE: transformers >= 4.56 names it ``dtype`` and warns on every ``torch_dtype`` read.
+    if hasattr(hf_config, "dtype"):
+        config_dtype = hf_config.dtype
+    else:
+        config_dtype = getattr(hf_config, "torch_dtype", None)
     if isinstance(config_dtype, str):
         config_dtype = getattr(torch, _DTYPES.get(config_dtype, "float32"))
     if config_dtype in (None, torch.float32):

@@ -149,8 +149,8 @@ def resolve_dtype_name(dtype: str, config: dict[str, Any]) -> str:
         return dtype
     from pagedllm.config import resolve_dtype
 
-    class _Config:  # resolve_dtype reads torch_dtype / dtype
-        torch_dtype = config.get("torch_dtype") or config.get("dtype")
+    class _Config:  # resolve_dtype reads dtype (or torch_dtype)
+        dtype = config.get("dtype") or config.get("torch_dtype")
 
     return str(resolve_dtype("auto", _Config())).replace("torch.", "")
 
