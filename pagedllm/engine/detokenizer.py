@@ -22,7 +22,7 @@ with the tokenizer's ``convert_tokens_to_string``, so the result equals
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from pagedllm.engine.messages import EngineCoreRequest
 
@@ -40,6 +40,35 @@ class _TokenizerInfo:
         self.special_tokens = frozenset(tokenizer.all_special_tokens)
         self.added_tokens = frozenset(tokenizer.get_added_vocab())
         self.is_fast = bool(getattr(tokenizer, "is_fast", False))
+        #: id -> bytes, for fast tokenizers whose decoder is exactly byte-level (else None).
+        self.token_bytes = _byte_level_table(tokenizer) if self.is_fast else None
+
+
+def _byte_level_table(tokenizer: Any) -> Optional[list[bytes]]:
+    """Each id's bytes when the fast tokenizer's decoder is a lone ``ByteLevel`` (GPT-2,
+    Llama 3, Qwen...): decoding is then the concatenation of these, read as UTF-8 with
+    U+FFFD for invalid bytes. A token with a character outside the byte map (an added
+    token's plain text) stands for its own UTF-8 bytes, as in the tokenizers library's
+    ``ByteLevel`` decoder. None for any other decoder."""
+    try:
+        from tokenizers import decoders
+
+        decoder = tokenizer.backend_tokenizer.decoder
+    except (AttributeError, ImportError):
+        return None
+    if not isinstance(decoder, decoders.ByteLevel):
+        return None
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte -> character map
+
+    char_to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
+    table: list[bytes] = []
+    for token in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))):
+        token = token or ""
+        try:
+            table.append(bytes(char_to_byte[c] for c in token))
+        except KeyError:
+            table.append(token.encode("utf-8"))
+    return table
 
 
 _INFO_CACHE: "weakref.WeakKeyDictionary[Any, _TokenizerInfo]" = weakref.WeakKeyDictionary()
@@ -147,6 +176,50 @@ class _WindowDecoder:
         return new_text[len(prefix_text):]
 
 
+def _incomplete_tail(data: bytes) -> int:
+    """Where the UTF-8 character cut off at the end of ``data`` starts (len(data) if none)."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # not a continuation byte: the last character's lead
+            needed = 2 if byte & 0xE0 == 0xC0 else 3 if byte & 0xF0 == 0xE0 else 4 if byte & 0xF8 == 0xF0 else 1
+            return len(data) - back if needed > back else len(data)
+    return len(data)
+
+
+class _ByteLevelDecoder:
+    """``_WindowDecoder``'s results for byte-level BPE tokenizers, without re-decoding a
+    window per token: each token appends its bytes; the text of all complete UTF-8
+    characters is emitted, an incomplete one at the end waits (as U+FFFD when flushed).
+    Same text as ``tokenizer.decode``: the tokenizers library also joins the bytes and
+    decodes them with U+FFFD for invalid sequences (Python's and Rust's replacement rules
+    are both the Unicode "maximal subpart" practice).
+
+    Args:
+        info: the tokenizer's facts, with ``token_bytes`` set.
+        skip_special_tokens: drop special tokens, as ``tokenizer.decode``.
+    """
+
+    def __init__(self, info: _TokenizerInfo, skip_special_tokens: bool) -> None:
+        assert info.token_bytes is not None
+        self.token_bytes = info.token_bytes
+        self.skip_ids = info.special_ids if skip_special_tokens else frozenset()
+        self.pending = b""
+
+    def decode_next(self, token_id: int) -> str:
+        """Append one token; return the text that became final (may be "")."""
+        if token_id in self.skip_ids or not 0 <= token_id < len(self.token_bytes):
+            return ""
+        data = self.pending + self.token_bytes[token_id]
+        cut = _incomplete_tail(data)
+        self.pending = data[cut:]
+        return data[:cut].decode("utf-8", "replace")
+
+    def flush(self) -> str:
+        """Emit whatever is still held back (an incomplete character becomes U+FFFD)."""
+        data, self.pending = self.pending, b""
+        return data.decode("utf-8", "replace")
+
+
 class IncrementalDetokenizer:
     """Generated text of one request, built token by token, with stop strings.
 
@@ -175,14 +248,18 @@ class IncrementalDetokenizer:
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.stop_string: Optional[str] = None
         self._last_output_text_offset = 0
-        self._decoder: Optional[_WindowDecoder] = None
+        self._decoder: Union[_WindowDecoder, _ByteLevelDecoder, None] = None
         if tokenizer is not None and params.detokenize:
-            self._decoder = _WindowDecoder(
-                tokenizer,
-                request.prompt_token_ids,
-                params.skip_special_tokens,
-                params.spaces_between_special_tokens,
-            )
+            info = _tokenizer_info(tokenizer)
+            if info.token_bytes is not None:
+                self._decoder = _ByteLevelDecoder(info, params.skip_special_tokens)
+            else:
+                self._decoder = _WindowDecoder(
+                    tokenizer,
+                    request.prompt_token_ids,
+                    params.skip_special_tokens,
+                    params.spaces_between_special_tokens,
+                )
         elif self.stop:
             raise ValueError("stop strings need detokenization (detokenize=True and a tokenizer).")
         # NOTE: with include_stop_str_in_output the text is cut after the stop string,

@@ -86,7 +86,8 @@ def test_multibyte_characters_never_emit_a_partial_character(tokenizer, text):
         pieces.append(detok.output_text[len(before):])
         assert "\ufffd" not in detok.output_text
     assert "".join(pieces) == text
-    assert any(p == "" for p in pieces)  # some tokens were held back
+    # some token really ended inside a character (its bytes had to be held back)
+    assert any(tokenizer.decode(ids[: i + 1]).endswith("\ufffd") for i in range(len(ids)))
 
 
 def test_prompt_context_and_special_tokens(tokenizer):
@@ -264,3 +265,36 @@ def test_no_text_without_detokenize(tokenizer):
     assert detok.output_text == "" and detok.output_token_ids == [5, 6, 7]
     with pytest.raises(ValueError, match="stop strings"):
         make_detok(tokenizer, detokenize=False, stop=["x"])
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_byte_level_fast_path_equals_window_decoder(tokenizer, skip_special_tokens):
+    """Byte-level BPE tokenizers take the byte-append decoder; it emits the same text as
+    the window decoder (every other tokenizer's path), piece by piece up to holding back
+    less, and the same text in total, on random ids (lone continuation bytes, cut
+    characters, special and added tokens) and on out-of-range ids."""
+    from pagedllm.engine import detokenizer as detok_mod
+
+    detok = make_detok(tokenizer, skip_special_tokens=skip_special_tokens)
+    assert isinstance(detok._decoder, detok_mod._ByteLevelDecoder)
+    rng = random.Random(7)
+    prompt_ids = tokenizer.encode("Once upon a time,")
+    for _ in range(200):
+        ids = [rng.randrange(len(tokenizer) + 2) for _ in range(rng.randint(1, 30))]  # +2: out of range
+        fast = detok_mod._ByteLevelDecoder(detok_mod._tokenizer_info(tokenizer), skip_special_tokens)
+        window = detok_mod._WindowDecoder(tokenizer, prompt_ids, skip_special_tokens, True)
+        fast_text = "".join(fast.decode_next(i) for i in ids) + fast.flush()
+        window_text = "".join(window.decode_next(i) for i in ids) + window.flush()
+        assert fast_text == window_text, ids
+        in_range = [i for i in ids if i < len(tokenizer)]
+        assert fast_text == tokenizer.decode(in_range, skip_special_tokens=skip_special_tokens)
+
+
+def test_slow_or_non_byte_level_tokenizers_keep_the_window_decoder(tokenizer):
+    from pagedllm.engine import detokenizer as detok_mod
+
+    class NotByteLevel:
+        is_fast = True
+        backend_tokenizer = None  # no ``decoder``: not a byte-level tokenizer
+
+    assert detok_mod._byte_level_table(NotByteLevel()) is None
