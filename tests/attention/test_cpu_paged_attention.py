@@ -107,8 +107,8 @@ def test_kernel_matches_torch_path(kernel, shape, dtype, path):
     scale = shape[3] ** -0.5
     expected = _reference(query, kv_cache, table, seq_lens, scale)
     out = torch.full_like(query, float("nan"))
-    fn = kernel.paged_decode_attention if path == "vector" else kernel._paged_decode_attention_portable
-    fn(out, query, kv_cache[0], kv_cache[1], table, seq_lens, scale)
+    kernel.paged_decode_attention(out, query, kv_cache[0], kv_cache[1], table, seq_lens, scale,
+                                  portable=path == "portable")
     _assert_close(out, expected, dtype)
 
 
@@ -125,10 +125,11 @@ def test_kernel_never_reads_past_seq_len(kernel, dtype):
         last = table[b, used - 1]
         poisoned[:, last, n - (used - 1) * 16 :] = float("nan")
         bad_table[b, used:] = -1
-    for fn in (kernel.paged_decode_attention, kernel._paged_decode_attention_portable):
+    for portable in (False, True):
         out = torch.empty_like(query)
-        fn(out, query, poisoned[0], poisoned[1], bad_table, seq_lens, 0.125)
-        if fn is kernel.paged_decode_attention:
+        kernel.paged_decode_attention(out, query, poisoned[0], poisoned[1], bad_table, seq_lens, 0.125,
+                                      portable=portable)
+        if not portable:
             assert torch.equal(out, expected)
         else:
             _assert_close(out, expected, dtype)

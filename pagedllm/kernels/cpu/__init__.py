@@ -220,6 +220,7 @@ def paged_decode_attention(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    portable: bool = False,
 ) -> None:
     """Decode attention (one query per request) over the paged KV cache, into ``out``.
 
@@ -232,31 +233,16 @@ def paged_decode_attention(
         seq_lens: [B] int64 (likewise), context length including the new token; cache
             positions at or beyond it are not read.
         scale: softmax scale.
+        portable: run the kernel's portable loops whatever the build (for tests).
 
     Raises:
         RuntimeError: if the kernels are unavailable, or on bad shapes, dtypes, block ids or
             lengths.
     """
     _require()
-    torch.ops.pagedllm_cpu.paged_decode_attention(
-        out, query, key_cache, value_cache, block_table.long(), seq_lens.long(), float(scale)
-    )
-
-
-def _paged_decode_attention_portable(
-    out: torch.Tensor,
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> None:
-    """``paged_decode_attention`` forced onto the kernel's portable loops (for tests)."""
-    _require()
-    torch.ops.pagedllm_cpu.paged_decode_attention_portable(
-        out, query, key_cache, value_cache, block_table.long(), seq_lens.long(), float(scale)
-    )
+    ops = torch.ops.pagedllm_cpu
+    op = ops.paged_decode_attention_portable if portable else ops.paged_decode_attention
+    op(out, query, key_cache, value_cache, block_table.long(), seq_lens.long(), float(scale))
 
 
 def usable(x: torch.Tensor) -> bool:
