@@ -52,6 +52,7 @@ from pagedllm.engine.core_proc import (
     ReadyInfo,
     UtilityCall,
     UtilityResult,
+    make_socket,
     run_engine_core,
 )
 from pagedllm.engine.exceptions import EngineDeadError, EngineStartupError
@@ -282,15 +283,7 @@ class _BackgroundClient(EngineCoreClient):
 
     @staticmethod
     def _make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
-        socket = ctx.socket(kind)
-        socket.setsockopt(zmq.SNDHWM, 0)
-        socket.setsockopt(zmq.RCVHWM, 0)
-        socket.setsockopt(zmq.LINGER, 0)
-        if bind:
-            socket.bind(address)
-        else:
-            socket.connect(address)
-        return socket
+        return make_socket(ctx, kind, address, bind, linger_ms=0)
 
     @abstractmethod
     def _make_output_socket(self) -> zmq.Socket:

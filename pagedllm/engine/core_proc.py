@@ -141,6 +141,20 @@ class EngineAddresses:
         )
 
 
+def make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool, linger_ms: int) -> zmq.Socket:
+    """A socket of ``kind`` bound or connected to ``address``, with no high-water mark (a
+    send only enqueues) and ``linger_ms`` of linger on close. Used by both ends."""
+    socket = ctx.socket(kind)
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.setsockopt(zmq.RCVHWM, 0)
+    socket.setsockopt(zmq.LINGER, linger_ms)
+    if bind:
+        socket.bind(address)
+    else:
+        socket.connect(address)
+    return socket
+
+
 def failure_from_exception(exc: BaseException) -> EngineFailure:
     return EngineFailure(
         exc_type=type(exc).__name__,
@@ -199,15 +213,7 @@ class EngineCoreProc:
                 handshake.close(linger=5000)
 
     def _socket(self, kind: int, address: str, bind: bool) -> zmq.Socket:
-        socket = self.ctx.socket(kind)
-        socket.setsockopt(zmq.LINGER, 2000)
-        socket.setsockopt(zmq.SNDHWM, 0)
-        socket.setsockopt(zmq.RCVHWM, 0)
-        if bind:
-            socket.bind(address)
-        else:
-            socket.connect(address)
-        return socket
+        return make_socket(self.ctx, kind, address, bind, linger_ms=2000)
 
     def _send(self, socket: zmq.Socket, kind: EngineCoreOutputType, payload: Any) -> None:
         socket.send_multipart((kind.value, self.encoder.encode(payload)), copy=False)
