@@ -81,3 +81,13 @@ def tiny_qwen3(checkpoint_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mistral(checkpoint_factory) -> Path:
     return checkpoint_factory("MistralForCausalLM", seed=3)
+
+
+@pytest.fixture(scope="session")
+def kernel():
+    """The C++ CPU kernels module, built or loaded; fails (with the reason) where they
+    cannot be built: the kernels are part of what CI checks, not optional there."""
+    from pagedllm.kernels import cpu as cpu_kernels
+
+    assert cpu_kernels.is_available(), f"C++ CPU kernels unavailable: {cpu_kernels._error or 'disabled by env'}"
+    return cpu_kernels

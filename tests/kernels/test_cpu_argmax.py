@@ -10,9 +10,7 @@ from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.model_executor.layers.sampler import greedy_sample
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    assert cpu_kernels.is_available(), f"C++ CPU kernels unavailable: {cpu_kernels._error or 'disabled by env'}"
+pytestmark = pytest.mark.usefixtures("kernel")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -17,9 +17,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 WIDTHS = [896, 64, 40, 7]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    assert cpu_kernels.is_available(), f"C++ CPU kernels unavailable: {cpu_kernels._error or 'disabled by env'}"
+pytestmark = pytest.mark.usefixtures("kernel")
 
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
