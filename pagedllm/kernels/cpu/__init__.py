@@ -1,7 +1,8 @@
 """C++ CPU kernels, compiled on first use.
 
 ``paged_attention.cpp``, ``elementwise.cpp`` (RMSNorm, SwiGLU, rotary embedding) and
-``sampling.cpp`` (greedy argmax), beside this file, are built with ``torch.utils.cpp_extension.load``
+``sampling.cpp`` (greedy argmax) and ``packed_linear.cpp`` (few-row matmul on oneDNN-packed
+bf16 weights), beside this file, are built with ``torch.utils.cpp_extension.load``
 the first time a kernel is asked for — never at import — and cached in torch's extensions
 directory (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). The extension
 name carries ``_KERNEL_VERSION`` and a hash of the sources and their folder, the compiler
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "PAGEDLLM_DISABLE_CPU_KERNELS"
 _KERNEL_VERSION = 2
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "packed_linear.cpp")]
 
 _lock = threading.Lock()
 _loaded = False
@@ -308,3 +309,24 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """
     _require()
     return torch.ops.pagedllm_cpu.argmax_rows(logits)
+
+
+def has_packed_linear() -> bool:
+    """Whether ``packed_linear`` can run here: the kernels available and built with
+    AVX512-BF16."""
+    return is_available() and "+bf16" in torch.ops.pagedllm_cpu.build_info()
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T + b`` for a few rows: x [M, K] bfloat16 (last dimension contiguous), weight
+    [N, K] bfloat16 packed by ``torch.ops.mkldnn._reorder_linear_weight`` into oneDNN's
+    64-output x 32-input blocks (``linear.py`` checks the layout per shape), bias [N] or None
+    -> [M, N] bfloat16, float32 accumulation. Faster than oneDNN's own matmul up to about 8
+    rows (see ``packed_linear.cpp``).
+
+    Raises:
+        RuntimeError: unavailable kernels, a build without AVX512-BF16, or bad shapes /
+            dtypes / layout.
+    """
+    _require()
+    return torch.ops.pagedllm_cpu.packed_linear(x, weight, bias)
