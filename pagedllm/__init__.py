@@ -2,7 +2,8 @@
 
 The public names are imported on first use (PEP 562), so ``import pagedllm`` and the
 ``pagedllm`` command stay light until torch is needed: ``pagedllm serve`` starts its
-engine process before it imports torch itself.
+engine process before it imports torch itself. Importing it sets the few environment
+defaults of ``pagedllm.env_override`` (for torch, which reads them when first used).
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from pagedllm import env_override
 from pagedllm.logger import configure_logging
 from pagedllm.version import __version__
 
+env_override.apply()
 configure_logging()
 
 _LAZY = {
