@@ -130,6 +130,11 @@ def _decode_attention_torch(
     values = _gather_context(kv_cache[1], metadata.decode_block_table).transpose(1, 2)
     max_len = keys.shape[2]
     valid = torch.arange(max_len, device=query.device)[None, :] < metadata.decode_seq_lens[:, None]
+    # The slots past a context hold whatever the block last held (or block-table padding):
+    # SDPA adds the mask to the scores and weights the values, and NaN + -inf or 0 * NaN
+    # would still be NaN.
+    stale = ~valid[:, None, :, None]
+    keys, values = keys.masked_fill(stale, 0), values.masked_fill(stale, 0)
     q = query.view(num_decodes, num_kv_heads, group, head_dim)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=valid[:, None, None, :], scale=scale)
     return out.reshape(num_decodes, num_heads, head_dim)

@@ -40,9 +40,7 @@ class SchedulerOutput:
     """One step's work: ``{request_id: num_scheduled_tokens}`` plus block-table diffs.
 
     ``finished_req_ids`` are requests the runner must drop (finished, aborted or
-    preempted since the previous step). ``new_block_ids_to_zero`` are blocks freshly
-    taken from the free pool this step (not prefix-cache hits): the runner clears their
-    stale contents so masked-out slots never hold NaN or Inf.
+    preempted since the previous step).
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -50,7 +48,6 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
-    new_block_ids_to_zero: list[int]
 
     @property
     def is_empty(self) -> bool:

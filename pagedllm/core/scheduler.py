@@ -64,7 +64,6 @@ class Scheduler:
         num_scheduled_tokens: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
-        new_block_ids_to_zero: list[int] = []
         preempted_any = False
 
         req_index = 0
@@ -83,7 +82,6 @@ class Scheduler:
             if new_blocks is None:
                 break
             new_ids = [b.block_id for b in new_blocks]
-            new_block_ids_to_zero.extend(new_ids)
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append(new_ids)
             cached.num_computed_tokens.append(request.num_computed_tokens)
@@ -110,7 +108,6 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             self.running.append(request)
-            new_block_ids_to_zero.extend(b.block_id for b in new_blocks)
             new_reqs.append(
                 NewRequestData(
                     req_id=request.request_id,
@@ -133,7 +130,6 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
             finished_req_ids=self.finished_req_ids,
-            new_block_ids_to_zero=new_block_ids_to_zero,
         )
         self.finished_req_ids = set()
         for req_id, num_tokens in num_scheduled_tokens.items():

@@ -88,15 +88,14 @@ class ModelRunner:
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer.
 
-        NOTE: allocated uninitialised (memory is committed only as blocks are used); blocks
-        are zeroed when first handed to a request, and block 0 (the block-table padding
-        value) now, so masked-out reads never meet NaN.
+        NOTE: allocated uninitialised (memory is committed only as blocks are used) and never
+        cleared: no attention path lets a slot past a request's context reach its output
+        (the CPU kernel does not read them; the portable one zeroes what it gathered there).
         """
         caches = []
         for layer in self.attention_layers:
             shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             cache = torch.empty(shape, dtype=self.model_config.dtype, device=self.device)
-            cache[:, 0].zero_()
             layer.kv_cache = cache
             caches.append(cache)
         return caches
@@ -164,10 +163,6 @@ class ModelRunner:
             state = batch.requests[req_id]
             batch.append_block_ids(state.row, block_ids)
             batch.num_computed_tokens[state.row] = num_computed
-        if so.new_block_ids_to_zero:
-            ids = torch.tensor(so.new_block_ids_to_zero, dtype=torch.int64, device=self.device)
-            for cache in self.kv_caches:
-                cache.index_fill_(1, ids, 0)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:

@@ -4,6 +4,7 @@ and logprobs match transformers' log-softmax (float32)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.helpers import check_block_accounting, kv_block_bytes, hf_greedy, hf_log_softmax, random_prompts
@@ -89,3 +90,41 @@ def test_logprobs_match_transformers(arch, request, tokenizer):
             assert entry[prompt[i]].rank == expected_rank
             assert len(entry) in (3, 4)  # top-3 plus the actual token unless it is among them
     check_block_accounting(llm)
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
+def test_bfloat16_logprobs_track_transformers(arch, request, tokenizer, monkeypatch):
+    """In bf16 (packed weights; decode steps of few rows through ``packed_linear`` where the
+    CPU has AVX512-BF16), generated tokens' logprobs are about as far from transformers'
+    float32 values as transformers' own bf16 model is (per-token errors of both scatter, up
+    to ~0.15 on these random models, so the bound is on their mean and maximum)."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.kernels import cpu as cpu_kernels
+
+    calls = []
+    if cpu_kernels.has_packed_linear():
+        real = cpu_kernels.packed_linear
+        monkeypatch.setattr(cpu_kernels, "packed_linear", lambda *a: calls.append(1) or real(*a))
+    path = request.getfixturevalue(arch)
+    prompts = random_prompts([7, 60, 130], len(tokenizer), seed=3)
+    llm = LLM(str(path), dtype="bfloat16", kv_cache_memory_bytes=16 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ours, theirs = [], []
+    for prompt, output in zip(prompts, outputs):
+        completion = output.outputs[0]
+        full = prompt + completion.token_ids
+        ref = hf_log_softmax(path, full)
+        with torch.inference_mode():
+            ref_bf16 = torch.log_softmax(hf_bf16(torch.tensor([full])).logits[0].float(), dim=-1)
+        for j, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            pos = len(prompt) - 1 + j
+            ours.append(abs(entry[token].logprob - ref[pos, token].item()))
+            theirs.append(abs(ref_bf16[pos, token].item() - ref[pos, token].item()))
+    assert len(ours) == 24
+    assert sum(ours) / len(ours) <= 1.5 * sum(theirs) / len(theirs) + 0.01, (ours, theirs)
+    assert max(ours) <= 2 * max(theirs) + 0.02, (ours, theirs)
+    if cpu_kernels.has_packed_linear():
+        assert calls, "bf16 decode steps should use packed_linear"
