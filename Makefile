@@ -19,8 +19,9 @@ $(STAMP): $(PY) pyproject.toml
 
 install: $(STAMP)
 
+# Extra `pagedllm serve` flags: make serve ARGS="--port 8001 --api-key secret"
 serve: $(STAMP)
-	$(VENV)/bin/pagedllm serve
+	$(VENV)/bin/pagedllm serve $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
