@@ -28,6 +28,7 @@ from pagedllm.model_executor.layers.sampler import (
 )
 from pagedllm.model_executor.model_loader import get_model
 from pagedllm.platforms import current_platform
+from pagedllm.worker.cpu_malloc import tune_malloc
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.kv_cache_sizing import kv_bytes_per_token, num_kv_blocks
 from pagedllm.worker.runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -59,6 +60,8 @@ class ModelRunner:
         self.scheduler_config = config.scheduler_config
         self.device = current_platform.device
         self.block_size = self.cache_config.block_size
+        if self.device.type == "cpu":
+            tune_malloc()  # step buffers stay in the heap (see cpu_malloc)
         torch.manual_seed(self.model_config.seed)
         memory_before_load = current_platform.total_memory_bytes()
         start = time.perf_counter()
