@@ -60,8 +60,6 @@ class ModelRunner:
         self.scheduler_config = config.scheduler_config
         self.device = current_platform.device
         self.block_size = self.cache_config.block_size
-        if self.device.type == "cpu":
-            tune_malloc()  # step buffers stay in the heap (see cpu_malloc)
         torch.manual_seed(self.model_config.seed)
         memory_before_load = current_platform.total_memory_bytes()
         start = time.perf_counter()
@@ -86,6 +84,10 @@ class ModelRunner:
             self.scheduler_config.max_num_seqs, self.model_config.max_model_len, self.block_size, self.device
         )
         self.sampler = Sampler()
+        if self.device.type == "cpu":
+            # From now on step buffers stay in the heap (see cpu_malloc); not before: the
+            # weights and the KV cache, allocated once, load faster as mappings of their own.
+            tune_malloc()
 
     # ------------------------------------------------------------------ set-up
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
