@@ -321,7 +321,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``x W^T + b`` for a few rows: x [M, K] bfloat16 (last dimension contiguous), weight
     [N, K] bfloat16 packed by ``torch.ops.mkldnn._reorder_linear_weight`` into oneDNN's
     64-output x 32-input blocks (``linear.py`` checks the layout per shape), bias [N] or None
-    -> [M, N] bfloat16, float32 accumulation. Faster than oneDNN's own matmul up to about 8
+    -> [M, N] bfloat16, float32 accumulation. Faster than oneDNN's own matmul from 1 to 16
     rows (see ``packed_linear.cpp``).
 
     Raises:

@@ -8,9 +8,10 @@
 //     ->  y = x W^T + b, [M, N] bfloat16 (float32 accumulation, one rounding at the end)
 //
 // Why: a decode step with one request reads every weight once per token, so its speed is
-// the memory bandwidth its matmuls reach. oneDNN's matmul for one row streamed the packed
-// weights of a Qwen2.5-0.5B-shaped model at about 28 GB/s on a 2-core Zen 4 machine; this
-// kernel reads the same bytes at about 46 GB/s (measured in one process, alternating).
+// the memory bandwidth its matmuls reach. On the 97 matmuls of a Qwen2.5-0.5B-shaped decode
+// step (2-core Zen 4 VM, alternating in one process), oneDNN's matmul streamed the packed
+// weights at 20-29 GB/s and this kernel at 28-46 GB/s: 1.3-1.6x at every row count from 1
+// to 16 (the VM's bandwidth varies from minute to minute; torch.sum reads 33-35 GB/s).
 //
 // The layout (oneDNN's "BA16a64b2a" for a K x N weight, checked by linear.py on each
 // shape before this kernel is used): N is cut into blocks of 64 outputs and K padded to a
