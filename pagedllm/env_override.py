@@ -9,6 +9,9 @@ where the user has not set it).
   34-35 GB/s). PyTorch reads the variable once, at its first allocation, so it has no effect
   when torch was imported and used before pagedllm. It changes nothing on machines where
   THP is off (``/sys/kernel/mm/transparent_hugepage/enabled`` = never), nor on GPU memory.
+  Where the kernel compacts memory on fault for such regions (``defrag`` = madvise, the
+  usual default), a first touch may stall on a fragmented machine: set
+  ``THP_MEM_ALLOC_ENABLE=0`` to opt out.
 """
 
 from __future__ import annotations
