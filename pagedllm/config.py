@@ -6,6 +6,7 @@ them and resolves defaults into an ``EngineConfig``.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -17,6 +18,8 @@ if TYPE_CHECKING:
 # NOTE: torch and transformers are imported inside the functions that need them: this
 # module (``EngineArgs``) is on the import path of ``pagedllm serve`` before the engine
 # process is started, and that start must not wait for a 2-second torch import.
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 
@@ -85,10 +88,18 @@ def resolve_dtype(dtype: Any, hf_config: PretrainedConfig) -> torch.dtype:
     if isinstance(config_dtype, str):
         config_dtype = getattr(torch, _DTYPES.get(config_dtype, "float32"))
     if config_dtype in (None, torch.float32):
-        return current_platform.half_dtype()
-    if config_dtype == torch.float16 and not current_platform.is_cuda:
-        return torch.bfloat16
-    return config_dtype
+        chosen, why = current_platform.half_dtype(), "16-bit for a float32 checkpoint, as vLLM"
+    elif config_dtype == torch.float16 and not current_platform.is_cuda:
+        chosen, why = torch.bfloat16, "float16 has no fast CPU path"
+    else:
+        chosen, why = config_dtype, "the checkpoint's"
+    logger.info(
+        "--dtype auto: %s (%s); on CPUs without native bf16 the matmuls keep 16-bit weights and "
+        "compute in float32 (see the 'linear layers' line)",
+        str(chosen).removeprefix("torch."),
+        why,
+    )
+    return chosen
 
 
 @dataclass

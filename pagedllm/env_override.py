@@ -12,16 +12,22 @@ where the user has not set it).
   Where the kernel compacts memory on fault for such regions (``defrag`` = madvise, the
   usual default), a first touch may stall on a fragmented machine: set
   ``THP_MEM_ALLOC_ENABLE=0`` to opt out.
+- With ``PAGEDLLM_CPU_ISA`` set below this CPU's level: ``ONEDNN_MAX_CPU_ISA``,
+  ``ATEN_CPU_CAPABILITY`` and ``MKL_ENABLE_INSTRUCTIONS`` capped at that level, so the whole
+  process runs as on such a CPU (``pagedllm.kernels.isa``).
 """
 
 from __future__ import annotations
 
 import os
 
+from pagedllm.kernels import isa
+
 DEFAULTS = {"THP_MEM_ALLOC_ENABLE": "1"}
 
 
 def apply() -> None:
-    """Set each of ``DEFAULTS`` that the environment does not already define."""
-    for name, value in DEFAULTS.items():
+    """Set each of ``DEFAULTS`` (and the ISA override's library caps) that the environment
+    does not already define."""
+    for name, value in {**DEFAULTS, **isa.override_library_env()}.items():
         os.environ.setdefault(name, value)

@@ -18,11 +18,19 @@ each with its own seed, so no two share weights):
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
+from pagedllm.kernels import isa
 from pagedllm.testing.checkpoints import build_tokenizer, make_checkpoint
+
+
+def supported_isas() -> list[str]:
+    """The levels kernel tests run at: every one this CPU supports, capped by the override."""
+    levels = isa.supported_isas()
+    return levels[: levels.index(isa.selected_isa()) + 1]
 
 LLAMA3_ROPE_SCALING = {
     "rope_type": "llama3",
@@ -85,9 +93,31 @@ def tiny_mistral(checkpoint_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def kernel():
-    """The C++ CPU kernels module, built or loaded; fails (with the reason) where they
-    cannot be built: the kernels are part of what CI checks, not optional there."""
+    """The C++ CPU kernels module at this process's level, built or loaded; fails (with the
+    reason) where they cannot be built: the kernels are part of what CI checks, not optional
+    there."""
     from pagedllm.kernels import cpu as cpu_kernels
 
     assert cpu_kernels.is_available(), f"C++ CPU kernels unavailable: {cpu_kernels._error or 'disabled by env'}"
     return cpu_kernels
+
+
+@pytest.fixture(scope="module", params=supported_isas())
+def isa_kernel(request, kernel):
+    """The kernels module switched to each instruction-set level this CPU supports in turn
+    (``portable``, ``avx2``, ... up to the host's): kernel tests run every path the host can."""
+    with kernel.using_isa(request.param):
+        assert kernel.build_info().split(",")[0] == request.param
+        yield kernel
+
+
+def pytest_report_header(config):
+    """The CPU's instruction-set level, the override, and the kernels' build (or why none)."""
+    from pagedllm.kernels import cpu as cpu_kernels
+
+    override = os.environ.get(isa.ENV) or "unset"
+    try:
+        built = f"built, {cpu_kernels.build_info()}" if cpu_kernels.is_available() else f"unavailable ({cpu_kernels._error or 'disabled by env'})"
+    except ValueError as exc:
+        built = f"unavailable ({exc})"
+    return f"pagedllm CPU ISA: detected {isa.detected_isa()}, {isa.ENV}={override}; C++ kernels: {built}; kernel tests run at: {', '.join(supported_isas())}"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
@@ -11,7 +13,10 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.model_executor.layers.linear import Linear, describe_path
 from pagedllm.model_executor.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
 
 
 def safetensors_files(model_path: Path) -> list[Path]:
@@ -63,4 +68,10 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         process = getattr(module, "process_weights_after_loading", None)
         if process is not None:
             process()
+    paths = Counter(describe_path(m.weight) for m in model.modules() if isinstance(m, Linear))
+    logger.info(
+        "Model dtype %s; linear layers: %s",
+        str(model_config.dtype).removeprefix("torch."),
+        ", ".join(f"{count} x {path}" for path, count in paths.items()),
+    )
     return model.eval()

@@ -16,6 +16,7 @@ import torch
 
 from pagedllm.attention import backend
 from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.kernels import isa
 from pagedllm.attention.metadata import AttentionMetadata
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
@@ -95,23 +96,23 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dty
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-Hq{}-Hkv{}-D{}-bs{}".format(*s))
 @pytest.mark.parametrize("path", ["vector", "portable"])
-def test_kernel_matches_torch_path(kernel, shape, dtype, path):
+def test_kernel_matches_torch_path(isa_kernel, shape, dtype, path):
     query, kv_cache, table, seq_lens = _case(*shape, dtype)
     scale = shape[3] ** -0.5
     expected = _reference(query, kv_cache, table, seq_lens, scale)
     out = torch.full_like(query, float("nan"))
-    kernel.paged_decode_attention(out, query, kv_cache[0], kv_cache[1], table, seq_lens, scale,
+    isa_kernel.paged_decode_attention(out, query, kv_cache[0], kv_cache[1], table, seq_lens, scale,
                                   portable=path == "portable")
     _assert_close(out, expected, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_kernel_never_reads_past_seq_len(kernel, dtype):
+def test_kernel_never_reads_past_seq_len(isa_kernel, dtype):
     """NaN beyond each seq_len in its last block, and invalid ids in the table's padding,
     change nothing: those positions are never read."""
     query, kv_cache, table, seq_lens = _case(6, 8, 2, 64, 16, dtype, seed=3)
     expected = torch.empty_like(query)
-    kernel.paged_decode_attention(expected, query, kv_cache[0], kv_cache[1], table, seq_lens, 0.125)
+    isa_kernel.paged_decode_attention(expected, query, kv_cache[0], kv_cache[1], table, seq_lens, 0.125)
     poisoned, bad_table = kv_cache.clone(), table.clone()
     for b, n in enumerate(seq_lens.tolist()):
         used = math.ceil(n / 16)
@@ -120,7 +121,7 @@ def test_kernel_never_reads_past_seq_len(kernel, dtype):
         bad_table[b, used:] = -1
     for portable in (False, True):
         out = torch.empty_like(query)
-        kernel.paged_decode_attention(out, query, poisoned[0], poisoned[1], bad_table, seq_lens, 0.125,
+        isa_kernel.paged_decode_attention(out, query, poisoned[0], poisoned[1], bad_table, seq_lens, 0.125,
                                       portable=portable)
         if not portable:
             assert torch.equal(out, expected)
@@ -128,18 +129,18 @@ def test_kernel_never_reads_past_seq_len(kernel, dtype):
             _assert_close(out, expected, dtype)
 
 
-def test_kernel_strided_query_and_out(kernel):
+def test_kernel_strided_query_and_out(isa_kernel):
     """Query and out may be row slices of larger tensors (as in paged_attention)."""
     query, kv_cache, table, seq_lens = _case(4, 6, 2, 64, 16, torch.bfloat16, seed=5)
     big_q = torch.randn(7, 6, 64).to(torch.bfloat16)
     big_q[:4] = query
     big_out = torch.zeros(7, 6, 64, dtype=torch.bfloat16)
-    kernel.paged_decode_attention(big_out[:4], big_q[:4], kv_cache[0], kv_cache[1], table, seq_lens, 0.125)
+    isa_kernel.paged_decode_attention(big_out[:4], big_q[:4], kv_cache[0], kv_cache[1], table, seq_lens, 0.125)
     _assert_close(big_out[:4], _reference(query, kv_cache, table, seq_lens, 0.125), torch.bfloat16)
     assert torch.count_nonzero(big_out[4:]) == 0
 
 
-def test_kernel_same_result_on_one_and_two_threads(kernel):
+def test_kernel_same_result_on_one_and_two_threads(isa_kernel):
     query, kv_cache, table, seq_lens = _case(9, 14, 2, 64, 16, torch.bfloat16, seed=7)
     outs = []
     threads = torch.get_num_threads()
@@ -147,26 +148,26 @@ def test_kernel_same_result_on_one_and_two_threads(kernel):
         for n in (1, 2):
             torch.set_num_threads(n)
             out = torch.empty_like(query)
-            kernel.paged_decode_attention(out, query, kv_cache[0], kv_cache[1], table, seq_lens, 0.125)
+            isa_kernel.paged_decode_attention(out, query, kv_cache[0], kv_cache[1], table, seq_lens, 0.125)
             outs.append(out)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1])
 
 
-def test_kernel_rejects_bad_inputs(kernel):
+def test_kernel_rejects_bad_inputs(isa_kernel):
     query, kv_cache, table, seq_lens = _case(2, 4, 2, 32, 16, torch.float32)
     out = torch.empty_like(query)
     bad = table.clone()
     bad[0, 0] = kv_cache.shape[1]
     with pytest.raises(RuntimeError, match="block id"):
-        kernel.paged_decode_attention(out, query, kv_cache[0], kv_cache[1], bad, seq_lens, 1.0)
+        isa_kernel.paged_decode_attention(out, query, kv_cache[0], kv_cache[1], bad, seq_lens, 1.0)
     too_long = seq_lens.clone()
     too_long[1] = table.shape[1] * 16 + 1
     with pytest.raises(RuntimeError, match="seq_len"):
-        kernel.paged_decode_attention(out, query, kv_cache[0], kv_cache[1], table, too_long, 1.0)
+        isa_kernel.paged_decode_attention(out, query, kv_cache[0], kv_cache[1], table, too_long, 1.0)
     with pytest.raises(RuntimeError, match="one dtype"):
-        kernel.paged_decode_attention(out, query.double(), kv_cache[0], kv_cache[1], table, seq_lens, 1.0)
+        isa_kernel.paged_decode_attention(out, query.double(), kv_cache[0], kv_cache[1], table, seq_lens, 1.0)
 
 
 def test_paged_attention_uses_kernel_on_cpu(kernel, monkeypatch):
@@ -211,15 +212,16 @@ def test_disable_env_forces_fallback(monkeypatch):
 
 def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog):
     monkeypatch.delenv(cpu_kernels.DISABLE_ENV, raising=False)
-    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    monkeypatch.setattr(cpu_kernels, "_active", None)
     monkeypatch.setattr(cpu_kernels, "_error", None)
+    monkeypatch.setattr(cpu_kernels, "_builds", {})
     attempts = []
 
-    def failing_build():
-        attempts.append(1)
+    def failing_build(name, cflags, ldflags):
+        attempts.append(name)
         raise RuntimeError("no C++ compiler here")
 
-    monkeypatch.setattr(cpu_kernels, "_build_and_load", failing_build)
+    monkeypatch.setattr(cpu_kernels, "_load_locked", failing_build)
     calls = _spy_paths(monkeypatch)
     query, kv_cache, table, seq_lens = _case(3, 4, 2, 32, 16, torch.float32)
     with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
@@ -227,7 +229,9 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog):
             out = torch.empty_like(query)
             backend._decode_attention(query, kv_cache, _metadata(table, seq_lens), 0.2, out)
     assert calls == {"kernel": 0, "torch": 3}
-    assert attempts == [1]
+    # each level from the selected one down to portable was tried once, and never again
+    levels = isa.LEVELS[: isa.LEVELS.index(isa.selected_isa()) + 1]
+    assert [name.split("_v3_")[1].rsplit("_", 1)[0] for name in attempts] == list(reversed(levels))
     warnings = [r for r in caplog.records if r.name == cpu_kernels.__name__]
     assert len(warnings) == 1 and "no C++ compiler here" in warnings[0].getMessage()
 
@@ -237,8 +241,9 @@ def test_import_does_not_build():
         "import pagedllm, pagedllm.attention.backend\n"
         "from pagedllm.kernels import cpu as cpu_kernels\n"
         "import torch\n"
-        "assert not cpu_kernels._loaded and cpu_kernels._error is None\n"
-        "assert not hasattr(torch.ops.pagedllm_cpu, 'paged_decode_attention')\n"
+        "assert cpu_kernels._active is None and cpu_kernels._error is None and not cpu_kernels._builds\n"
+        "for level in ('portable', 'avx2', 'avx512', 'avx512_bf16'):\n"
+        "    assert not hasattr(getattr(torch.ops, 'pagedllm_cpu_' + level), 'paged_decode_attention')\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

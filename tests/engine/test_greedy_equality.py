@@ -101,11 +101,17 @@ def test_bfloat16_logprobs_track_transformers(arch, request, tokenizer, monkeypa
     from transformers import AutoModelForCausalLM
 
     from pagedllm.kernels import cpu as cpu_kernels
+    from pagedllm.model_executor.layers import linear as linear_mod
 
     calls = []
-    if cpu_kernels.has_packed_linear():
-        real = cpu_kernels.packed_linear
-        monkeypatch.setattr(cpu_kernels, "packed_linear", lambda *a: calls.append(1) or real(*a))
+    real = cpu_kernels.packed_linear
+    if cpu_kernels.is_available():
+        # linear()'s calls, not the layout check's probes (made before a shape is accepted)
+        monkeypatch.setattr(
+            cpu_kernels,
+            "packed_linear",
+            lambda *a: calls.append(tuple(a[1].shape) in linear_mod._packed_linear_shapes) or real(*a),
+        )
     path = request.getfixturevalue(arch)
     prompts = random_prompts([7, 60, 130], len(tokenizer), seed=3)
     llm = LLM(str(path), dtype="bfloat16", kv_cache_memory_bytes=16 << 20)
@@ -126,5 +132,5 @@ def test_bfloat16_logprobs_track_transformers(arch, request, tokenizer, monkeypa
     assert len(ours) == 24
     assert sum(ours) / len(ours) <= 1.5 * sum(theirs) / len(theirs) + 0.01, (ours, theirs)
     assert max(ours) <= 2 * max(theirs) + 0.02, (ours, theirs)
-    if cpu_kernels.has_packed_linear():
-        assert calls, "bf16 decode steps should use packed_linear"
+    # The path this machine takes: packed_linear wherever its layout check accepted the shapes.
+    assert any(calls) == bool(linear_mod._packed_linear_shapes), (calls, linear_mod._packed_linear_shapes)

@@ -10,7 +10,7 @@ from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.model_executor.layers.sampler import greedy_sample
 
 
-pytestmark = pytest.mark.usefixtures("kernel")
+pytestmark = pytest.mark.usefixtures("isa_kernel")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -1,16 +1,24 @@
-"""C++ CPU kernels, compiled on first use.
+"""C++ CPU kernels, compiled on first use, once per instruction-set level.
 
-``paged_attention.cpp``, ``elementwise.cpp`` (RMSNorm, SwiGLU, rotary embedding) and
-``sampling.cpp`` (greedy argmax) and ``packed_linear.cpp`` (few-row matmul on oneDNN-packed
-bf16 weights), beside this file, are built with ``torch.utils.cpp_extension.load``
-the first time a kernel is asked for — never at import — and cached in torch's extensions
-directory (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). The extension
-name carries ``_KERNEL_VERSION`` and a hash of the sources and their folder, the compiler
-flags and the CPU's
-feature flags, so an edited source, or a cache shared with a different CPU (the build uses
-``-march=native``), builds afresh instead of reusing a stale binary.
+``paged_attention.cpp``, ``elementwise.cpp`` (RMSNorm, SwiGLU, rotary embedding),
+``sampling.cpp`` (greedy argmax), ``packed_linear.cpp`` (few-row matmul on oneDNN-packed
+bf16 weights) and ``linear_w16.cpp`` (matmul on 16-bit weights widened to float32, for CPUs
+without native bf16), beside this file, are built with ``torch.utils.cpp_extension.load`` the first
+time a kernel is asked for — never at import — and cached in torch's extensions directory
+(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``).
 
-If the build cannot happen (no C++ compiler, no ``ninja``, a compile error) or
+Runtime ISA dispatch: the level is chosen once per process, from the CPU's features or the
+``PAGEDLLM_CPU_ISA`` override (``pagedllm.kernels.isa``), and logged. Each level is its own
+build (``-mavx2 -mfma -mf16c`` for avx2, ``+ -mavx512f/bw/vl/dq`` for avx512,
+``+ -mavx512bf16`` for avx512_bf16, no ``-m`` flag for portable), whose operators live in a
+namespace of their own, ``torch.ops.pagedllm_cpu_<level>``; the sources pick their vector path
+from the compiler's feature macros. A build is therefore correct on any CPU of its level,
+whichever machine filled the cache. Tests load several levels side by side (``using_isa``).
+The extension name carries ``_KERNEL_VERSION``, the level and a hash of the sources and
+their folder, the compiler flags and torch's version, so an edited source builds afresh.
+
+If a level cannot be built (no C++ compiler, no ``ninja``, a compiler without the
+instruction set), the next lower one is tried; if none can, or
 ``PAGEDLLM_DISABLE_CPU_KERNELS=1`` is set, ``is_available()`` returns False — with one
 warning giving the reason — and callers use their portable PyTorch path.
 
@@ -19,13 +27,13 @@ Processes that build at the same time (an engine core and a test, say) are seria
 own lock file, which a killed build leaves behind and which would make every later load wait
 forever, is removed under it.
 
-The kernels are registered as torch operators, ``torch.ops.pagedllm_cpu.*``. Build flags:
-``-O3 -fopenmp -march=native`` (OpenMP makes ``at::parallel_for`` use ATen's thread pool;
+Common flags: ``-O3 -fopenmp`` (OpenMP makes ``at::parallel_for`` use ATen's thread pool;
 without it the kernel runs on one thread).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -35,57 +43,62 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
+
+from pagedllm.kernels import isa as isa_mod
 
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "PAGEDLLM_DISABLE_CPU_KERNELS"
-_KERNEL_VERSION = 2
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "packed_linear.cpp")]
+_KERNEL_VERSION = 3
+_DIR = Path(__file__).parent
+_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "packed_linear.cpp", "linear_w16.cpp")]
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+_AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512_FLAGS = [*_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+_ISA_FLAGS = {
+    "portable": [],
+    "avx2": _AVX2_FLAGS,
+    "avx512": _AVX512_FLAGS,
+    "avx512_bf16": [*_AVX512_FLAGS, "-mavx512bf16"],
+}
 
 _lock = threading.Lock()
-_loaded = False
-_error: str | None = None  # why the kernels are unavailable, once a load was tried
+_builds: dict[str, str | None] = {}  # level -> None (loaded) or why it could not be built
+_active: str | None = None  # the level whose operators the functions below call
+_error: str | None = None  # why no level could be loaded, once a load was tried
 
 
 def _disabled_by_env() -> bool:
     return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def _cpu_signature() -> str:
-    """The CPU's feature flags (Linux) or model name: part of the build's identity."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return f"{platform.machine()} {platform.processor()}"
-
-
-def _build_flags(native: bool) -> tuple[list[str], list[str]]:
+def _build_flags(level: str) -> tuple[list[str], list[str]]:
     # -fopenmp makes at::parallel_for use ATen's OpenMP pool (without it, it runs serially).
     # The extension's libgomp.so.1 dependency resolves to the one torch already loaded (same
-    # soname), so there is one OpenMP runtime in the process.
-    cflags = ["-O3", "-fopenmp"]
-    if native:
-        cflags.append("-march=native")
+    # soname), so there is one OpenMP runtime in the process. -fvisibility-inlines-hidden keeps
+    # each build's copies of inline header functions (compiled for its level) to itself.
+    cflags = ["-O3", "-fopenmp", "-fvisibility-inlines-hidden", f"-DPAGEDLLM_OPS=pagedllm_cpu_{level}"]
+    if _X86:
+        cflags += _ISA_FLAGS[level]
     return cflags, ["-fopenmp"]
 
 
-def _extension_name(cflags: list[str]) -> str:
+def _extension_name(level: str, cflags: list[str]) -> str:
     h = hashlib.sha256()
-    for source in _SOURCES:
-        h.update(source.read_bytes())
+    for source in sorted(_DIR.glob("*.[ch]*")):
+        if source.suffix in (".cpp", ".h"):
+            h.update(source.name.encode())
+            h.update(source.read_bytes())
     # The build directory's build.ninja names the sources by absolute path: two checkouts
     # of the same code sharing one name would rebuild each other's extension on every load.
-    h.update(str(_SOURCES[0].parent.resolve()).encode())
+    h.update(str(_DIR.resolve()).encode())
     h.update(" ".join(cflags).encode())
-    h.update(_cpu_signature().encode())
     h.update(torch.__version__.encode())
-    return f"pagedllm_cpu_kernels_v{_KERNEL_VERSION}_{h.hexdigest()[:12]}"
+    return f"pagedllm_cpu_kernels_v{_KERNEL_VERSION}_{level}_{h.hexdigest()[:12]}"
 
 
 def _ensure_ninja_on_path() -> None:
@@ -141,70 +154,116 @@ def _load_locked(name: str, cflags: list[str], ldflags: list[str]) -> None:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
-def _build_and_load() -> None:
-    errors = []
-    # -march=native first (AVX-512 and AVX512-BF16 paths on CPUs that have them); if the
-    # compiler rejects it, a portable build.
-    for native in (True, False):
-        cflags, ldflags = _build_flags(native)
-        name = _extension_name(cflags)
+def _ensure_built(level: str) -> bool:
+    """Build or load ``level``'s extension once (call under ``_lock``); whether it is loaded."""
+    if level not in _builds:
+        cflags, ldflags = _build_flags(level)
+        name = _extension_name(level, cflags)
         start = time.perf_counter()
         try:
             _load_locked(name, cflags, ldflags)
-        except Exception as exc:  # noqa: BLE001 - any build failure means "use the fallback"
-            errors.append(f"{type(exc).__name__}: {str(exc).strip()[-2000:]}")
-            if "Ninja is required" in str(exc):
-                break
-            continue
-        elapsed = time.perf_counter() - start
-        logger.log(
-            logging.INFO if elapsed > 2.0 else logging.DEBUG,  # built now vs loaded from cache
-            "pagedllm CPU kernels %s ready in %.1fs (%s)",
-            name,
-            elapsed,
-            torch.ops.pagedllm_cpu.build_info(),
-        )
-        return
-    raise RuntimeError("; ".join(errors))
+        except Exception as exc:  # noqa: BLE001 - any build failure means "try a lower level"
+            _builds[level] = f"{level}: {type(exc).__name__}: {str(exc).strip()[-2000:]}"
+        else:
+            _builds[level] = None
+            elapsed = time.perf_counter() - start
+            logger.log(
+                logging.INFO if elapsed > 2.0 else logging.DEBUG,  # built now vs loaded from cache
+                "pagedllm CPU kernels %s ready in %.1fs",
+                name,
+                elapsed,
+            )
+    return _builds[level] is None
 
 
 def is_available() -> bool:
-    """Whether the C++ CPU kernels can be used; builds/loads them on the first call.
+    """Whether the C++ CPU kernels can be used; builds/loads them on the first call, at the
+    level ``pagedllm.kernels.isa.selected_isa()`` names (or the next lower one that builds),
+    and logs the level with the CPU's own.
 
     Returns False (after logging one warning with the reason) when
-    ``PAGEDLLM_DISABLE_CPU_KERNELS`` is set or the extension cannot be built or loaded.
+    ``PAGEDLLM_DISABLE_CPU_KERNELS`` is set or no level can be built or loaded.
+
+    Raises:
+        ValueError: ``PAGEDLLM_CPU_ISA`` names an unknown level or one above this CPU's.
     """
-    global _loaded, _error
+    global _active, _error
     if _disabled_by_env():
         return False
-    if _loaded:
+    if _active is not None:
         return True
     if _error is not None:
         return False
     with _lock:
-        if _loaded or _error is not None:
-            return _loaded
-        try:
-            _build_and_load()
-            _loaded = True
-        except Exception as exc:  # noqa: BLE001
-            _error = str(exc)
-            logger.warning(
-                "pagedllm C++ CPU kernels unavailable, using the portable PyTorch attention "
-                "(slower). Reason: %s",
-                _error,
-            )
-    return _loaded
+        if _active is not None or _error is not None:
+            return _active is not None
+        selected = isa_mod.selected_isa()
+        for level in reversed(isa_mod.LEVELS[: isa_mod.LEVELS.index(selected) + 1]):
+            if _ensure_built(level):
+                _active = level
+                override = os.environ.get(isa_mod.ENV)
+                logger.info(
+                    "pagedllm CPU kernels: %s (this CPU supports up to %s%s)",
+                    level,
+                    isa_mod.detected_isa(),
+                    f"; {isa_mod.ENV}={override}" if override else "",
+                )
+                return True
+        _error = "; ".join(reason for reason in _builds.values() if reason)
+        logger.warning(
+            "pagedllm C++ CPU kernels unavailable, using the portable PyTorch code (slower). Reason: %s", _error
+        )
+    return False
 
 
-def build_info() -> str:
-    """The vector path of the loaded build, e.g. ``"avx512+bf16,openmp"``.
+def active_isa() -> str:
+    """The instruction-set level the kernels run at (see ``is_available``).
 
     Raises:
         RuntimeError: if the kernels are unavailable.
     """
     _require()
-    return torch.ops.pagedllm_cpu.build_info()
+    assert _active is not None
+    return _active
+
+
+@contextlib.contextmanager
+def using_isa(level: str) -> Iterator[None]:
+    """Run the kernels of ``level`` (building it if needed) inside the block, then return to
+    the process's level. For tests and benchmarks that compare the paths one host supports;
+    not thread-safe against kernels running elsewhere in the process.
+
+    Raises:
+        RuntimeError: if the kernels are unavailable, or ``level`` cannot be built.
+        ValueError: if ``level`` is unknown or above this CPU's.
+    """
+    global _active
+    if isa_mod.parse_override(level) is None:
+        raise ValueError(f"no instruction-set level given: {level!r}")
+    _require()
+    with _lock:
+        if not _ensure_built(level):
+            raise RuntimeError(f"pagedllm CPU kernels for {level} cannot be built: {_builds[level]}")
+        previous, _active = _active, level
+    try:
+        yield
+    finally:
+        _active = previous
+
+
+def _ops():
+    return getattr(torch.ops, f"pagedllm_cpu_{_active}")
+
+
+def build_info() -> str:
+    """The instruction-set level the running build was compiled for, and OpenMP, e.g.
+    ``"avx2,openmp"``.
+
+    Raises:
+        RuntimeError: if the kernels are unavailable.
+    """
+    _require()
+    return _ops().build_info()
 
 
 def _require() -> None:
@@ -241,7 +300,7 @@ def paged_decode_attention(
             lengths.
     """
     _require()
-    ops = torch.ops.pagedllm_cpu
+    ops = _ops()
     op = ops.paged_decode_attention_portable if portable else ops.paged_decode_attention
     op(out, query, key_cache, value_cache, block_table.long(), seq_lens.long(), float(scale))
 
@@ -262,7 +321,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _require()
     x3 = x.unsqueeze(1) if x.dim() == 2 else x
     out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
-    torch.ops.pagedllm_cpu.rms_norm(out, x3, weight, float(eps))
+    _ops().rms_norm(out, x3, weight, float(eps))
     return out.view(x.shape)
 
 
@@ -274,7 +333,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         RuntimeError: unavailable kernels, or bad shapes / dtypes.
     """
     _require()
-    torch.ops.pagedllm_cpu.fused_add_rms_norm(x, residual, weight, float(eps))
+    _ops().fused_add_rms_norm(x, residual, weight, float(eps))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -285,7 +344,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """
     _require()
     out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
-    torch.ops.pagedllm_cpu.silu_and_mul(out, x)
+    _ops().silu_and_mul(out, x)
     return out
 
 
@@ -297,7 +356,7 @@ def rotary_embedding(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, 
         RuntimeError: unavailable kernels, or bad shapes / dtypes.
     """
     _require()
-    torch.ops.pagedllm_cpu.rotary_embedding(query, key, cos, sin)
+    _ops().rotary_embedding(query, key, cos, sin)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -308,13 +367,12 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
         RuntimeError: unavailable kernels, or bad shapes / dtypes.
     """
     _require()
-    return torch.ops.pagedllm_cpu.argmax_rows(logits)
+    return _ops().argmax_rows(logits)
 
 
 def has_packed_linear() -> bool:
-    """Whether ``packed_linear`` can run here: the kernels available and built with
-    AVX512-BF16."""
-    return is_available() and "+bf16" in torch.ops.pagedllm_cpu.build_info()
+    """Whether ``packed_linear`` can run here: the kernels available at the avx512_bf16 level."""
+    return is_available() and _ops().build_info().startswith("avx512_bf16")
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -329,4 +387,18 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             dtypes / layout.
     """
     _require()
-    return torch.ops.pagedllm_cpu.packed_linear(x, weight, bias)
+    return _ops().packed_linear(x, weight, bias)
+
+
+def linear_w16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T + b`` with 16-bit weights widened to float32 (float32 products and sums): x
+    [M, K] float32 / bfloat16 / float16 (last dimension contiguous), weight [N, K] bfloat16
+    or float16 contiguous, bias [N] or None -> [M, N] in x's dtype. Up to 16 rows a
+    weight-streaming kernel (AVX2 and up); more rows, torch's float32 GEMM on weight chunks
+    widened into an L2-sized buffer (see ``linear_w16.cpp``).
+
+    Raises:
+        RuntimeError: unavailable kernels, or bad shapes / dtypes.
+    """
+    _require()
+    return _ops().linear_w16(x, weight, bias)

@@ -28,6 +28,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "library.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -309,14 +311,14 @@ void rotary_embedding(at::Tensor& query, at::Tensor& key, const at::Tensor& cos,
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
+PAGEDLLM_FRAGMENT(m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("rotary_embedding(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+PAGEDLLM_IMPL(CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);

@@ -39,6 +39,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "library.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -155,6 +157,6 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const st
 #endif
 }
 
-TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) { m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
+PAGEDLLM_FRAGMENT(m) { m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(pagedllm_cpu, CompositeExplicitAutograd, m) { m.impl("packed_linear", &packed_linear); }
+PAGEDLLM_IMPL(CompositeExplicitAutograd, m) { m.impl("packed_linear", &packed_linear); }

@@ -38,6 +38,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "library.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -54,14 +56,6 @@
 #endif
 
 namespace {
-
-#if defined(__GNUC__)
-#define PAGEDLLM_INLINE inline __attribute__((always_inline))
-#define PAGEDLLM_NOINLINE __attribute__((noinline))
-#else
-#define PAGEDLLM_INLINE inline
-#define PAGEDLLM_NOINLINE
-#endif
 
 constexpr int kTile = 16;           // tokens per tile
 constexpr int kMaxGroup = 8;        // query heads per kv head in one vector-path sweep
@@ -665,16 +659,17 @@ void paged_decode_attention_portable(at::Tensor& out, const at::Tensor& query, c
   decode_attention_impl(out, query, key_cache, value_cache, block_table, seq_lens, scale, true);
 }
 
-// Which vector path this build uses, for tests and logs.
+// Which instruction-set level this build was compiled for (a name of pagedllm/kernels/isa.py),
+// for tests and logs.
 std::string build_info() {
-  std::string s;
-#ifdef PAGEDLLM_AVX512
-  s += "avx512";
 #if defined(__AVX512BF16__)
-  s += "+bf16";
-#endif
+  std::string s = "avx512_bf16";
+#elif defined(__AVX512F__)
+  std::string s = "avx512";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  std::string s = "avx2";
 #else
-  s += "portable";
+  std::string s = "portable";
 #endif
 #ifdef _OPENMP
   s += ",openmp";
@@ -684,7 +679,7 @@ std::string build_info() {
 
 }  // namespace
 
-TORCH_LIBRARY(pagedllm_cpu, m) {
+PAGEDLLM_LIBRARY(m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_table, Tensor seq_lens, float scale) -> ()");
   m.def("paged_decode_attention_portable(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
@@ -692,7 +687,7 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("build_info() -> str", &build_info);
 }
 
-TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+PAGEDLLM_IMPL(CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("paged_decode_attention_portable", &paged_decode_attention_portable);
 }

@@ -17,6 +17,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "library.h"
+
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -117,6 +119,6 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) { m.def("argmax_rows(Tensor logits) -> Tensor"); }
+PAGEDLLM_FRAGMENT(m) { m.def("argmax_rows(Tensor logits) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("argmax_rows", &argmax_rows); }
+PAGEDLLM_IMPL(CPU, m) { m.impl("argmax_rows", &argmax_rows); }

@@ -17,10 +17,19 @@ Packed bf16 weights of a shape whose layout ``pack_weight`` has checked go, for 
 at most ``SMALL_M_ROWS`` rows, through ``pagedllm.kernels.cpu.packed_linear`` instead of
 oneDNN's matmul: a weight-streaming kernel that reads the same packed bytes 1.3-1.6x
 faster on 1-16 rows (the decode steps of few requests; see ``packed_linear.cpp``).
+
+16-bit weights that oneDNN cannot pack — bfloat16 on CPUs without native bf16 (AVX2, or
+AVX-512 without BF16), and float16 — stay in the checkpoint's layout and go through
+``pagedllm.kernels.cpu.linear_w16``, which widens them to float32 inside the kernel: decode
+streams half the bytes of float32 weights, prefill runs torch's float32 GEMM on widened
+chunks. Without it, torch's bf16 matmul on such CPUs is an emulated GEMM about 5x slower
+than float32 (``pagedllm bench roofline``; measured on an AVX2 host, 32 x 128/128: 12.4
+vs 61.3 tok/s).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from typing import Optional, Sequence, Union
@@ -99,6 +108,15 @@ def _check_packed_linear(n: int, k: int) -> None:
         (_packed_linear_shapes if ok else _packed_linear_rejected).add(shape)
 
 
+def packed_linear_reads(n: int, k: int) -> bool:
+    """Whether ``linear`` sends few-row bf16 inputs of a packed [n, k] weight to
+    ``packed_linear`` here (checking the shape first if needed): False where the kernels lack
+    AVX512-BF16, or where oneDNN packs bf16 weights in another layout (with AMX it uses blocks
+    of 32 outputs, not 64)."""
+    _check_packed_linear(n, k)
+    return (n, k) in _packed_linear_shapes
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y = x W^T + b for x [..., in] and W [out, in] (plain, or ``pack_weight``'s output)
     -> [..., out], x's dtype."""
@@ -108,7 +126,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
             return cpu_kernels.packed_linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if weight.dtype in _WIDENED_DTYPES and weight.device.type == "cpu" and widens_16bit_weights():
+        from pagedllm.kernels import cpu as cpu_kernels
+
+        return cpu_kernels.linear_w16(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+_WIDENED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.lru_cache(maxsize=1)
+def widens_16bit_weights() -> bool:
+    """Whether plain (unpacked) bf16 / fp16 CPU weights go through ``linear_w16`` here: the
+    C++ kernels are available (decided once per process)."""
+    from pagedllm.kernels import cpu as cpu_kernels
+
+    return cpu_kernels.is_available()
+
+
+def describe_path(weight: torch.Tensor) -> str:
+    """How ``linear`` multiplies by ``weight`` on this machine, for the start-up log."""
+    if weight.is_mkldnn:
+        few_rows = " (1-16 rows: packed_linear)" if tuple(weight.shape) in _packed_linear_shapes else ""
+        return f"oneDNN-packed {str(weight.dtype).removeprefix('torch.')}{few_rows}"
+    if weight.dtype in _WIDENED_DTYPES and weight.device.type == "cpu" and widens_16bit_weights():
+        return f"{str(weight.dtype).removeprefix('torch.')} widened to float32 in-kernel (linear_w16)"
+    return f"torch {str(weight.dtype).removeprefix('torch.')} matmul"
 
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
