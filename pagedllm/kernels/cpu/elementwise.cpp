@@ -1,7 +1,7 @@
 // Fused per-token kernels of a Llama-style layer for CPU: RMSNorm (alone and with the
 // residual add), SwiGLU and the rotary embedding, each one pass over memory.
 //
-// Registered beside the attention kernel as torch.ops.pagedllm_cpu.* (see __init__.py).
+// Registered beside the attention kernel as torch.ops.pagedllm_cpu_<level>.* (see __init__.py).
 // Every kernel computes in float32 and rounds to the tensor dtype exactly where Hugging Face
 // transformers' PyTorch code rounds, so bfloat16 results are bit-identical to it, except
 // RMSNorm's float32 mean of squares, whose summation order differs (see rms_row):
@@ -15,12 +15,11 @@
 // Rows are split over ATen's thread pool with a grain of about 32k elements, so the small
 // tensors of a decode step run on the calling thread without waking the pool.
 //
-// Vector path (AVX-512F builds): 16 floats at a time; bfloat16 is widened by a shift and
-// narrowed with round-to-nearest-even (vcvtneps2bf16 with AVX512-BF16, else the same
-// rounding in integer ops), float16 through vcvtph2ps / vcvtps2ph. exp() is Cephes' expf
-// polynomial (about 1 ulp in float32, as PyTorch's Sleef exp), so SiLU may differ from
-// PyTorch's in the last float32 bit, which changes a bfloat16 result only when it lies on a
-// rounding boundary. Tails shorter than 16 and other builds use the scalar loops.
+// Vector path (AVX-512 and AVX2 builds; simd.h): 16 or 8 floats at a time; bfloat16 is
+// widened by a shift and narrowed with round-to-nearest-even, float16 through F16C. exp() is
+// Cephes' expf polynomial (about 1 ulp in float32, as PyTorch's Sleef exp), so SiLU may differ
+// from PyTorch's in the last float32 bit, which changes a bfloat16 result only when it lies
+// on a rounding boundary. Tails shorter than a vector and portable builds use the scalar loops.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -35,10 +34,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define PAGEDLLM_AVX512 1
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -53,83 +49,24 @@ inline float to_f(T v) { return static_cast<float>(v); }
 template <typename T>
 inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
 
-#ifdef PAGEDLLM_AVX512
-// 16 elements of T <-> one float32 vector; vround<T> rounds to T's precision and back.
-template <typename T> inline __m512 vload(const T* p);
-template <typename T> inline void vstore(T* p, __m512 v);
-
-template <> inline __m512 vload<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <> inline void vstore<float>(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-
-template <> inline __m512 vload<c10::BFloat16>(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline __m256i to_bf16_bits(__m512 v) {
-#if defined(__AVX512BF16__)
-  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-#else
-  // round to nearest even: bits + 0x7fff + lsb of the kept half; NaN -> quiet NaN
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
-  return _mm512_cvtepi32_epi16(rounded);
-#endif
-}
-template <> inline void vstore<c10::BFloat16>(c10::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits(v));
-}
-
-template <> inline __m512 vload<c10::Half>(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-template <> inline void vstore<c10::Half>(c10::Half* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-
-template <typename T> inline __m512 vround(__m512 v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(v)), 16));
-  } else {
-    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-}
-
-// exp(x), Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, degree-5 polynomial, scaled by 2^n.
-inline __m512 vexp(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)), _mm512_set1_ps(88.3762626647949f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);
-}
+#ifdef PAGEDLLM_VEC
+using namespace pagedllm_simd;
+constexpr int64_t W = kVecWidth;
 #endif
 
-// One row: out[i] = w[i] * to_T(x[i] * inv_rms). Sum of squares in float32, 16 partial sums
+// One row: out[i] = w[i] * to_T(x[i] * inv_rms). Sum of squares in float32, one partial sum per lane
 // (vectorisable) instead of PyTorch's reduction order: the only difference from HF.
 template <typename T>
 inline void rms_row(T* out, const T* x, const T* w, int64_t d, float eps) {
   float sum = 0.f;
   int64_t i = 0;
-#ifdef PAGEDLLM_AVX512
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= d; i += 16) {
-    const __m512 v = vload<T>(x + i);
-    acc = _mm512_fmadd_ps(v, v, acc);
+#ifdef PAGEDLLM_VEC
+  VecF acc = vset1(0.f);
+  for (; i + W <= d; i += W) {
+    const VecF v = vload(x + i);
+    acc = vfmadd(v, v, acc);
   }
-  sum = _mm512_reduce_add_ps(acc);
+  sum = vreduce_add(acc);
 #endif
   for (; i < d; ++i) {
     const float v = to_f(x[i]);
@@ -137,11 +74,9 @@ inline void rms_row(T* out, const T* x, const T* w, int64_t d, float eps) {
   }
   const float inv = 1.0f / std::sqrt(sum / static_cast<float>(d) + eps);
   int64_t k = 0;
-#ifdef PAGEDLLM_AVX512
-  const __m512 vinv = _mm512_set1_ps(inv);
-  for (; k + 16 <= d; k += 16) {
-    vstore<T>(out + k, _mm512_mul_ps(vload<T>(w + k), vround<T>(_mm512_mul_ps(vload<T>(x + k), vinv))));
-  }
+#ifdef PAGEDLLM_VEC
+  const VecF vinv = vset1(inv);
+  for (; k + W <= d; k += W) vstore(out + k, vload(w + k) * vround<T>(vload(x + k) * vinv));
 #endif
   for (; k < d; ++k) {
     out[k] = static_cast<T>(to_f(w[k]) * round_to<T>(to_f(x[k]) * inv));
@@ -178,8 +113,8 @@ void fused_add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tens
       T* xr = xp + r * xs;
       T* rr = rp + r * rs;
       int64_t k = 0;
-#ifdef PAGEDLLM_AVX512
-      for (; k + 16 <= d; k += 16) vstore<T>(rr + k, _mm512_add_ps(vload<T>(xr + k), vload<T>(rr + k)));
+#ifdef PAGEDLLM_VEC
+      for (; k + W <= d; k += W) vstore(rr + k, vload(xr + k) + vload(rr + k));
 #endif
       for (; k < d; ++k) rr[k] = static_cast<T>(to_f(xr[k]) + to_f(rr[k]));
       rms_row<T>(xr, rr, wp, d, e);
@@ -199,12 +134,12 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
       const T* up = gate + d;
       T* o = op + r * os;
       int64_t k = 0;
-#ifdef PAGEDLLM_AVX512
-      const __m512 one = _mm512_set1_ps(1.0f);
-      for (; k + 16 <= d; k += 16) {
-        const __m512 g = vload<T>(gate + k);
-        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, vexp(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        vstore<T>(o + k, _mm512_mul_ps(vround<T>(silu), vload<T>(up + k)));
+#ifdef PAGEDLLM_VEC
+      const VecF one = vset1(1.0f), zero = vset1(0.f);
+      for (; k + W <= d; k += W) {
+        const VecF g = vload(gate + k);
+        const VecF silu = g / (one + vexp(zero - g));
+        vstore(o + k, vround<T>(silu) * vload(up + k));
       }
 #endif
       for (; k < d; ++k) {
@@ -218,15 +153,14 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
 template <typename T>
 inline void rotate_row(T* x, const T* cos, const T* sin, int64_t half) {
   int64_t i = 0;
-#ifdef PAGEDLLM_AVX512
-  for (; i + 16 <= half; i += 16) {
-    const __m512 x1 = vload<T>(x + i), x2 = vload<T>(x + i + half);
-    const __m512 a = _mm512_add_ps(vround<T>(_mm512_mul_ps(x1, vload<T>(cos + i))),
-                                   vround<T>(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), vload<T>(sin + i))));
-    const __m512 b = _mm512_add_ps(vround<T>(_mm512_mul_ps(x2, vload<T>(cos + i + half))),
-                                   vround<T>(_mm512_mul_ps(x1, vload<T>(sin + i + half))));
-    vstore<T>(x + i, a);
-    vstore<T>(x + i + half, b);
+#ifdef PAGEDLLM_VEC
+  const VecF zero = vset1(0.f);
+  for (; i + W <= half; i += W) {
+    const VecF x1 = vload(x + i), x2 = vload(x + i + half);
+    const VecF a = vround<T>(x1 * vload(cos + i)) + vround<T>((zero - x2) * vload(sin + i));
+    const VecF b = vround<T>(x2 * vload(cos + i + half)) + vround<T>(x1 * vload(sin + i + half));
+    vstore(x + i, a);
+    vstore(x + i + half, b);
   }
 #endif
   for (; i < half; ++i) {

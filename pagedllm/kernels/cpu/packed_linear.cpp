@@ -1,7 +1,7 @@
 // Matmul of a few rows against a bfloat16 weight in oneDNN's packed layout, for CPU decode
 // steps with few requests (batch-1 decode above all).
 //
-// Registered as torch.ops.pagedllm_cpu.packed_linear (see __init__.py):
+// Registered as torch.ops.pagedllm_cpu_<level>.packed_linear (see __init__.py):
 //
 //   x [M, K] bfloat16 (last dimension contiguous), weight [N, K] bfloat16 as returned by
 //   torch.ops.mkldnn._reorder_linear_weight, bias [N] (bfloat16 / float32) or None

@@ -1,6 +1,6 @@
 // Paged decode attention for CPU: one query token per request, K/V read from the paged cache.
 //
-// Registered as the operator torch.ops.pagedllm_cpu.paged_decode_attention (see __init__.py,
+// Registered as the operator torch.ops.pagedllm_cpu_<level>.paged_decode_attention (see __init__.py,
 // which builds this file with torch.utils.cpp_extension.load on first use).
 //
 //   out         [B, Hq, D]                          written in place, dtype of query
@@ -30,7 +30,10 @@
 //   values: float32 multiply-add of each V row by its weight; for bfloat16 with AVX512-BF16,
 //     the weights are rounded to bfloat16 and two tokens' rows are interleaved for
 //     vdpbf16ps (accumulation stays float32; this is what bf16 attention kernels do).
-// Portable path (any other shape, or builds without AVX-512): plain loops.
+// AVX2 path (AVX2 builds; head_dim % 8 == 0, head_dim <= 256; simd.h's 8-lane vectors):
+//   scores: one key row at a time, widened once and multiplied into G accumulators, each
+//     summed across lanes; softmax with Cephes' exp; values as the float32 AVX-512 path.
+// Portable path (any other shape, or portable builds): plain loops.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -49,6 +52,8 @@
 #include <string>
 #include <type_traits>
 #include <vector>
+
+#include "simd.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -496,6 +501,87 @@ void attend_avx512(const Params& p, const Ptrs<T>& x, const Work& wk, const Scra
 
 #endif  // PAGEDLLM_AVX512
 
+#if defined(PAGEDLLM_VEC) && !defined(PAGEDLLM_AVX512)
+// ---------------------------------------------------------------------------------------------
+// AVX2 path (simd.h's 8-lane VecF; head_dim % 8 == 0).
+
+// Softmax numerators of s[0, n) in place. Returns 1 / sum.
+inline float softmax_vec(float* s, int64_t n) {
+  using namespace pagedllm_simd;
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  if (n >= kVecWidth) {
+    VecF mv = vset1(mx);
+    for (; i + kVecWidth <= n; i += kVecWidth) mv = vmax(mv, vload(s + i));
+    mx = vreduce_max(mv);
+  }
+  for (; i < n; ++i) mx = std::max(mx, s[i]);
+  const VecF vmx = vset1(mx);
+  VecF sv = vset1(0.f);
+  float sum = 0.f;
+  for (i = 0; i + kVecWidth <= n; i += kVecWidth) {
+    const VecF e = vexp(vload(s + i) - vmx);
+    vstore(s + i, e);
+    sv = sv + e;
+  }
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - mx);
+    sum += s[i];
+  }
+  return 1.f / (vreduce_add(sv) + sum);
+}
+
+// Scores one key row at a time (each K vector, widened once, feeds the G query heads), then
+// the values a tile of 16 rows at a time with the G accumulators of a vector in registers.
+template <typename T, int G>
+void attend_vec(const Params& p, const Ptrs<T>& x, const Work& wk, const Scratch& w) {
+  using namespace pagedllm_simd;
+  constexpr int64_t kW = kVecWidth;
+  const int64_t D = p.head_dim, cap = w.cap, n = wk.n, b = wk.b, h = wk.h;
+  float *scores = w.scores, *acc = w.acc, *qf = w.q;
+  const T* q_head = x.q + b * p.q_sb + (h * p.group + wk.g0) * p.q_sh;
+  const VecF scale = vset1(p.scale);
+  for (int g = 0; g < G; ++g)
+    for (int64_t c = 0; c < D; c += kW) vstore(qf + g * D + c, vload(q_head + g * p.q_sh + c) * scale);
+
+  RowCursor<T> keys(p, x.block_table, b, x.k + h * p.k_sh, p.k_sb, p.k_st, n);
+  for (int64_t t = 0; t < n; ++t) {
+    const T* k = keys.next();
+    VecF a[G];
+    for (int g = 0; g < G; ++g) a[g] = vset1(0.f);
+    for (int64_t c = 0; c < D; c += kW) {
+      const VecF kv = vload(k + c);
+      for (int g = 0; g < G; ++g) a[g] = vfmadd(vload(qf + g * D + c), kv, a[g]);
+    }
+    for (int g = 0; g < G; ++g) scores[g * cap + t] = vreduce_add(a[g]);
+  }
+
+  RowCursor<T> values(p, x.block_table, b, x.v + h * p.v_sh, p.v_sb, p.v_st, n);
+  float inv_sum[G];
+  for (int g = 0; g < G; ++g) inv_sum[g] = softmax_vec(scores + g * cap, n);
+  std::fill(acc, acc + G * D, 0.f);
+  const T* rows[kTile];
+  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+    const int cnt = static_cast<int>(std::min<int64_t>(kTile, n - t0));
+    for (int j = 0; j < cnt; ++j) rows[j] = values.next();
+    for (int64_t c = 0; c < D; c += kW) {
+      VecF a[G];
+      for (int g = 0; g < G; ++g) a[g] = vload(acc + g * D + c);
+      for (int j = 0; j < cnt; ++j) {
+        const VecF vv = vload(rows[j] + c);
+        for (int g = 0; g < G; ++g) a[g] = vfmadd(vset1(scores[g * cap + t0 + j]), vv, a[g]);
+      }
+      for (int g = 0; g < G; ++g) vstore(acc + g * D + c, a[g]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    T* o = x.o + b * p.o_sb + (h * p.group + wk.g0 + g) * p.o_sh;
+    const VecF inv = vset1(inv_sum[g]);
+    for (int64_t c = 0; c < D; c += kW) vstore(o + c, vload(acc + g * D + c) * inv);
+  }
+}
+#endif
+
 template <typename T>
 using AttendFn = void (*)(const Params&, const Ptrs<T>&, const Work&, const Scratch&);
 
@@ -523,6 +609,18 @@ Kernels<T> pick_kernels(const Params& p, bool force_portable) {
     k.by_group[6] = attend_avx512<T, 6>;
     k.by_group[7] = attend_avx512<T, 7>;
     k.by_group[8] = attend_avx512<T, 8>;
+  }
+#elif defined(PAGEDLLM_VEC)
+  if (!force_portable && p.head_dim % pagedllm_simd::kVecWidth == 0 && p.head_dim <= kMaxVecDim) {
+    k.vector = true;
+    k.by_group[1] = attend_vec<T, 1>;
+    k.by_group[2] = attend_vec<T, 2>;
+    k.by_group[3] = attend_vec<T, 3>;
+    k.by_group[4] = attend_vec<T, 4>;
+    k.by_group[5] = attend_vec<T, 5>;
+    k.by_group[6] = attend_vec<T, 6>;
+    k.by_group[7] = attend_vec<T, 7>;
+    k.by_group[8] = attend_vec<T, 8>;
   }
 #else
   (void)p;

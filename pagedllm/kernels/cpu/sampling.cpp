@@ -1,14 +1,13 @@
 // Greedy sampling for CPU: the argmax of each row of the logits.
 //
-// Registered as torch.ops.pagedllm_cpu.argmax_rows (see __init__.py).
+// Registered as torch.ops.pagedllm_cpu_<level>.argmax_rows (see __init__.py).
 //
 //   logits [B, V] float32 / bfloat16 / float16, V contiguous  ->  [B] int64
 //
 // Same result as torch.argmax(logits, dim=-1): the first index of the maximum, or the first
 // NaN if a row has one. PyTorch's CPU argmax of 16-bit logits runs scalar (about 15 ms for
-// [256, 32000] bf16 on 2 cores); here each row is scanned 16 values at a time (AVX-512
-// builds) keeping, per lane, the largest value and its first index, and rows are split
-// over ATen's thread pool.
+// [256, 32000] bf16 on 2 cores); here each row is scanned 16 (AVX-512) or 8 (AVX2) values at
+// a time (simd.h), and rows are split over ATen's thread pool.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -23,71 +22,46 @@
 #include <cstdint>
 #include <limits>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
-template <typename T>
-inline float value_at(const T* p, int64_t i) { return static_cast<float>(p[i]); }
-
-#if defined(__AVX512F__)
-template <typename T> inline __m512 load16(const T* p);
-template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <> inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-template <> inline __m512 load16<c10::Half>(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-#endif
-
+// The first index of the row's maximum, or of its first NaN (torch.argmax's answer). Two
+// passes on the vector path: the maximum (stopping at a NaN), then its first index; the row
+// (128 KB for 32k float32 logits) is in L2 for the second.
 template <typename T>
 int64_t argmax_row(const T* x, int64_t n) {
-  int64_t best_index = 0;
   float best = -std::numeric_limits<float>::infinity();
   int64_t i = 0;
-#if defined(__AVX512F__)
-  if (n >= 16) {
-    __m512 vbest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    __m512i vindex = _mm512_setzero_si512();
-    __m512i current = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i step = _mm512_set1_epi32(16);
-    for (; i + 16 <= n; i += 16) {
-      const __m512 v = load16<T>(x + i);
-      const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      if (nan) return i + __builtin_ctz(nan);
-      const __mmask16 greater = _mm512_cmp_ps_mask(v, vbest, _CMP_GT_OQ);
-      vbest = _mm512_mask_mov_ps(vbest, greater, v);
-      vindex = _mm512_mask_mov_epi32(vindex, greater, current);
-      current = _mm512_add_epi32(current, step);
+#ifdef PAGEDLLM_VEC
+  using namespace pagedllm_simd;
+  if (n >= kVecWidth) {
+    VecF vbest = vset1(best);
+    for (; i + kVecWidth <= n; i += kVecWidth) {
+      const VecF v = vload(x + i);
+      if (const uint32_t nan = vnan_mask(v)) return i + __builtin_ctz(nan);
+      vbest = vmax(vbest, v);
     }
-    alignas(64) float lane_best[16];
-    alignas(64) int32_t lane_index[16];
-    _mm512_store_ps(lane_best, vbest);
-    _mm512_store_si512(reinterpret_cast<__m512i*>(lane_index), vindex);
-    best = lane_best[0];
-    best_index = lane_index[0];
-    for (int l = 1; l < 16; ++l) {
-      if (lane_best[l] > best || (lane_best[l] == best && lane_index[l] < best_index)) {
-        best = lane_best[l];
-        best_index = lane_index[l];
-      }
-    }
-    // A row of -inf only: every lane kept index l; the first is 0, as PyTorch's.
+    best = vreduce_max(vbest);
   }
 #endif
+  const int64_t vector_end = i;
+  int64_t tail_index = -1;  // set only by a tail value above everything before it
   for (; i < n; ++i) {
-    const float v = value_at(x, i);
+    const float v = static_cast<float>(x[i]);
     if (std::isnan(v)) return i;
-    if (v > best || i == 0) {
+    if (v > best) {
       best = v;
-      best_index = i;
+      tail_index = i;
     }
   }
-  return best_index;
+  if (tail_index >= 0) return tail_index;
+#ifdef PAGEDLLM_VEC
+  for (int64_t j = 0; j < vector_end; j += kVecWidth) {
+    if (const uint32_t hit = veq_mask(vload(x + j), best)) return j + __builtin_ctz(hit);
+  }
+#endif
+  return 0;  // an empty vector part and a tail of -inf only
 }
 
 at::Tensor argmax_rows(const at::Tensor& logits) {

@@ -1,0 +1,175 @@
+// One float32 vector type for the kernels that are written once for every vector ISA.
+//
+// VecF holds kVecWidth float32 lanes: 16 (one __m512) in AVX-512 builds, 8 (one __m256) in
+// AVX2 builds (with FMA and F16C); PAGEDLLM_VEC is undefined in portable builds, whose
+// kernels use their scalar loops. 16-bit types are widened exactly (bfloat16: shift left
+// by 16; float16: vcvtph2ps) and narrowed with round-to-nearest-even, as PyTorch's scalar
+// conversions (c10::BFloat16(float), c10::Half(float)); NaN stays NaN.
+//
+// vexp is Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, degree-5 polynomial, scaled by 2^n;
+// about 1 ulp in float32, as PyTorch's Sleef exp), the same arithmetic on both ISAs.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#include <immintrin.h>
+#define PAGEDLLM_VEC 1
+#endif
+
+#ifdef PAGEDLLM_VEC
+namespace pagedllm_simd {
+
+#if defined(__AVX512F__)
+constexpr int kVecWidth = 16;
+struct VecF {
+  __m512 v;
+};
+
+inline VecF vset1(float x) { return {_mm512_set1_ps(x)}; }
+inline VecF vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline VecF vload(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
+}
+inline VecF vload(const c10::Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+
+// float32 -> bfloat16 bits, round to nearest even; NaN -> quiet NaN.
+inline __m256i bf16_bits(VecF x) {
+#if defined(__AVX512BF16__)
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x.v));
+#else
+  const __m512i bits = _mm512_castps_si512(x.v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x.v, x.v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(rounded);
+#endif
+}
+inline void vstore(float* p, VecF x) { _mm512_storeu_ps(p, x.v); }
+inline void vstore(c10::BFloat16* p, VecF x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits(x)); }
+inline void vstore(c10::Half* p, VecF x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline VecF round_bf16(VecF x) { return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(x)), 16))}; }
+inline VecF round_half(VecF x) { return {_mm512_cvtph_ps(_mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))}; }
+
+inline VecF operator+(VecF a, VecF b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline VecF operator-(VecF a, VecF b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline VecF operator*(VecF a, VecF b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline VecF operator/(VecF a, VecF b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline VecF vfmadd(VecF a, VecF b, VecF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }   // a * b + c
+inline VecF vfnmadd(VecF a, VecF b, VecF c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; } // c - a * b
+inline VecF vmax(VecF a, VecF b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline VecF vmin(VecF a, VecF b) { return {_mm512_min_ps(a.v, b.v)}; }
+inline VecF vround_nearest(VecF a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+inline VecF vpow2_times(VecF y, VecF n) { return {_mm512_scalef_ps(y.v, n.v)}; }  // y * 2^n, n integral
+inline float vreduce_add(VecF a) { return _mm512_reduce_add_ps(a.v); }
+inline float vreduce_max(VecF a) { return _mm512_reduce_max_ps(a.v); }
+// Bit l set where lane l is NaN / equals s.
+inline uint32_t vnan_mask(VecF a) { return _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q); }
+inline uint32_t veq_mask(VecF a, float s) { return _mm512_cmp_ps_mask(a.v, _mm512_set1_ps(s), _CMP_EQ_OQ); }
+
+#else  // AVX2 + FMA + F16C
+constexpr int kVecWidth = 8;
+struct VecF {
+  __m256 v;
+};
+
+inline VecF vset1(float x) { return {_mm256_set1_ps(x)}; }
+inline VecF vload(const float* p) { return {_mm256_loadu_ps(p)}; }
+inline VecF vload(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))};
+}
+inline VecF vload(const c10::Half* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+
+// float32 -> bfloat16 bits (low 16 bits of each 32-bit lane), round to nearest even; NaN -> quiet NaN.
+inline __m256i bf16_bits32(VecF x) {
+  const __m256i bits = _mm256_castps_si256(x.v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x.v, x.v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+}
+inline void vstore(float* p, VecF x) { _mm256_storeu_ps(p, x.v); }
+inline void vstore(c10::BFloat16* p, VecF x) {
+  const __m256i r = bf16_bits32(x);  // values < 2^16: packus_epi32 keeps them; it packs per 128-bit lane
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+inline void vstore(c10::Half* p, VecF x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline VecF round_bf16(VecF x) { return {_mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits32(x), 16))}; }
+inline VecF round_half(VecF x) { return {_mm256_cvtph_ps(_mm256_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))}; }
+
+inline VecF operator+(VecF a, VecF b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline VecF operator-(VecF a, VecF b) { return {_mm256_sub_ps(a.v, b.v)}; }
+inline VecF operator*(VecF a, VecF b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline VecF operator/(VecF a, VecF b) { return {_mm256_div_ps(a.v, b.v)}; }
+inline VecF vfmadd(VecF a, VecF b, VecF c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline VecF vfnmadd(VecF a, VecF b, VecF c) { return {_mm256_fnmadd_ps(a.v, b.v, c.v)}; }
+inline VecF vmax(VecF a, VecF b) { return {_mm256_max_ps(a.v, b.v)}; }
+inline VecF vmin(VecF a, VecF b) { return {_mm256_min_ps(a.v, b.v)}; }
+inline VecF vround_nearest(VecF a) { return {_mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+// y * 2^n for integral n in [-128, 128] (vexp's range), as AVX-512's scalef: two powers of
+// two of at most 2^+-64 built from exponent bits, so the one rounding (to a denormal or to
+// infinity) happens in the last multiply.
+inline __m256 pow2_bits(__m256i e) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23)); }
+inline VecF vpow2_times(VecF y, VecF n) {
+  const __m256i ni = _mm256_cvtps_epi32(n.v);
+  const __m256i half = _mm256_srai_epi32(ni, 1);
+  return {_mm256_mul_ps(_mm256_mul_ps(y.v, pow2_bits(half)), pow2_bits(_mm256_sub_epi32(ni, half)))};
+}
+inline float vreduce_add(VecF a) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+inline float vreduce_max(VecF a) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+inline uint32_t vnan_mask(VecF a) { return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q))); }
+inline uint32_t veq_mask(VecF a, float s) {
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a.v, _mm256_set1_ps(s), _CMP_EQ_OQ)));
+}
+#endif
+
+// Round each lane to T's precision and back (identity for float).
+template <typename T>
+inline VecF vround(VecF x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return round_bf16(x);
+  } else {
+    return round_half(x);
+  }
+}
+
+// exp(x), Cephes expf; inputs clamped to +-88.376 (exp overflows / underflows beyond).
+inline VecF vexp(VecF x) {
+  x = vmin(vmax(x, vset1(-88.3762626647949f)), vset1(88.3762626647949f));
+  const VecF n = vround_nearest(x * vset1(1.44269504088896341f));
+  VecF r = vfnmadd(n, vset1(0.693359375f), x);
+  r = vfnmadd(n, vset1(-2.12194440e-4f), r);
+  VecF p = vset1(1.9875691500e-4f);
+  p = vfmadd(p, r, vset1(1.3981999507e-3f));
+  p = vfmadd(p, r, vset1(8.3334519073e-3f));
+  p = vfmadd(p, r, vset1(4.1665795894e-2f));
+  p = vfmadd(p, r, vset1(1.6666665459e-1f));
+  p = vfmadd(p, r, vset1(5.0000001201e-1f));
+  const VecF y = vfmadd(p * r, r, r) + vset1(1.0f);
+  return vpow2_times(y, n);
+}
+
+}  // namespace pagedllm_simd
+#endif  // PAGEDLLM_VEC

@@ -1,0 +1,99 @@
+"""``linear_w16`` (16-bit weights widened to float32 in the kernel) equals the float64 product
+within float32 summation error (float32 out) or one rounding (16-bit out), at every
+instruction-set level the host supports, on both of its paths (the few-row streaming kernel
+and the widening GEMM), ragged shapes, strided inputs and bias dtypes; ``linear`` routes
+plain 16-bit weights to it; bad input is refused with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.model_executor.layers import linear as linear_mod
+
+pytestmark = pytest.mark.usefixtures("isa_kernel")
+
+# (N, K): ragged N (not a multiple of the 2 / 4 output rows a tile takes, nor of the 64-row
+# chunks), K below, between and above multiples of 8 (the vector width), a model's K.
+SHAPES = [(1, 1), (37, 33), (130, 7), (200, 96), (67, 896), (90, 4864)]
+
+
+def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    k = x.shape[1]
+    # float32 sums of exact products (16-bit x 16-bit and float32 x 16-bit products of
+    # float32-representable values are exact in float64; the float32 product rounds once):
+    # |error| <= (k + 1) u sum|x_i w_i| (Higham 3.5), u = 2^-24.
+    magnitude = x.double().abs() @ w.double().abs().T + (0 if bias is None else bias.double().abs())
+    bound = (k + 2) * 2.0**-24 * magnitude
+    if got.dtype != torch.float32:  # then one rounding to the output dtype
+        bound = bound + exact.abs() * torch.finfo(got.dtype).eps
+    err = (got.double() - exact).abs()
+    assert bool((err <= bound + 1e-30).all()), float((err - bound).max())
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 17])  # tiles of 4, 2 and 1 rows; the GEMM
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_matches_float64_product(n, k, rows, w_dtype, x_dtype):
+    torch.manual_seed(n * 31 + k + rows)
+    w = torch.randn(n, k).to(w_dtype)
+    x = torch.randn(rows, k).to(x_dtype)
+    bias = torch.randn(n) if rows % 2 else None
+    got = cpu_kernels.linear_w16(x, w, bias)
+    assert got.shape == (rows, n) and got.dtype == x_dtype
+    _check(got, x, w, bias)
+
+
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_bias_dtypes_and_float16_out(bias_dtype):
+    torch.manual_seed(0)
+    w = torch.randn(70, 40).to(torch.bfloat16)
+    x = torch.randn(3, 40).to(torch.float16)
+    bias = torch.randn(70).to(bias_dtype)
+    got = cpu_kernels.linear_w16(x, w, bias)
+    assert got.dtype == torch.float16
+    _check(got, x, w, bias)
+
+
+def test_strided_inputs_equal_contiguous():
+    torch.manual_seed(0)
+    w = torch.randn(100, 40).to(torch.bfloat16)
+    wide = torch.randn(6, 63)
+    for x in (wide[:, 3:43], wide[::2, :40], torch.randn(40, 5).T):
+        expected = cpu_kernels.linear_w16(x.contiguous(), w)
+        assert torch.equal(cpu_kernels.linear_w16(x, w), expected)
+
+
+def test_bad_input_is_refused():
+    w = torch.randn(64, 32).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bfloat16 or float16"):
+        cpu_kernels.linear_w16(torch.randn(1, 32), torch.randn(64, 32))
+    with pytest.raises(RuntimeError, match="bfloat16 or float16"):
+        cpu_kernels.linear_w16(torch.randn(1, 32), w.T)  # not contiguous
+    with pytest.raises(RuntimeError, match=r"\[M, 32\]"):
+        cpu_kernels.linear_w16(torch.randn(1, 31), w)
+    with pytest.raises(RuntimeError, match=r"\[M, 32\]"):
+        cpu_kernels.linear_w16(torch.randn(1, 32, dtype=torch.float64), w)
+    with pytest.raises(RuntimeError, match=r"bias must be \[64\]"):
+        cpu_kernels.linear_w16(torch.randn(1, 32), w, torch.zeros(63))
+
+
+def test_linear_routes_plain_16bit_weights_to_it(monkeypatch):
+    """Plain (unpacked) bf16 / fp16 CPU weights, as a CPU without native bf16 keeps them, go
+    through ``linear_w16`` for every row count and for 3-D inputs; float32 ones do not."""
+    calls = []
+    real = cpu_kernels.linear_w16
+    monkeypatch.setattr(cpu_kernels, "linear_w16", lambda *a: calls.append(a[0].shape) or real(*a))
+    torch.manual_seed(1)
+    w = torch.randn(24, 16).to(torch.bfloat16)
+    for shape in ((1, 16), (40, 16), (2, 3, 16)):
+        x = torch.randn(shape).to(torch.bfloat16)
+        out = linear_mod.linear(x, w)
+        assert out.shape == (*shape[:-1], 24)
+        torch.testing.assert_close(out.float(), x.float() @ w.float().T, rtol=2**-8, atol=1e-2)
+    assert calls == [(1, 16), (40, 16), (6, 16)]
+    linear_mod.linear(torch.randn(2, 16), torch.randn(24, 16))
+    assert len(calls) == 3
