@@ -18,8 +18,14 @@ def bf16_kernel(kernel):
     if not kernel.has_packed_linear():
         pytest.skip(f"this CPU/build has no AVX512-BF16 ({kernel.build_info()}): packed_linear is not used here")
     if not linear_mod.packed_linear_reads(200, 96):
-        pytest.skip("oneDNN packs bf16 weights in another layout on this CPU (AMX): packed_linear is not used here")
+        pytest.skip("oneDNN packs bf16 weights in a layout packed_linear does not read on this CPU: it is not used here")
     return kernel
+
+
+@pytest.fixture(scope="module")
+def block_n(bf16_kernel):
+    """The outputs per block of oneDNN's packed bf16 layout here: 64, or 32 with AMX."""
+    return linear_mod._packed_linear_shapes[(200, 96)]
 
 
 def _pack(w: torch.Tensor) -> torch.Tensor:
@@ -37,14 +43,14 @@ SHAPES = [(64, 32), (200, 96), (37, 33), (130, 7), (1152, 896), (896, 4864)]
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
 @pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32])
-def test_matches_float64_product_like_onednn(bf16_kernel, n, k, rows, bias_dtype):
+def test_matches_float64_product_like_onednn(bf16_kernel, block_n, n, k, rows, bias_dtype):
     torch.manual_seed(n * 31 + k + rows)
     w = torch.randn(n, k).to(torch.bfloat16)
     x = torch.randn(rows, k).to(torch.bfloat16)
     bias = None if bias_dtype is None else torch.randn(n).to(bias_dtype)
     exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
     packed = _pack(w)
-    got = bf16_kernel.packed_linear(x, packed, bias)
+    got = bf16_kernel.packed_linear(x, packed, bias, block_n)
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
     # float32 sums of exact bf16 products, rounded once: within one bf16 rounding (2^-8
     # relative) plus the float32 summation error; oneDNN's own error is the yardstick.
@@ -55,17 +61,17 @@ def test_matches_float64_product_like_onednn(bf16_kernel, n, k, rows, bias_dtype
     assert float(ours.max()) <= 1.5 * float(theirs.max()) + 1e-6
 
 
-def test_strided_and_odd_row_stride_inputs(bf16_kernel):
+def test_strided_and_odd_row_stride_inputs(bf16_kernel, block_n):
     torch.manual_seed(0)
     w = torch.randn(100, 40).to(torch.bfloat16)
     packed = _pack(w)
     wide = torch.randn(6, 63).to(torch.bfloat16)
     for x in (wide[:, 3:43], wide[::2, :40], torch.randn(40, 5).to(torch.bfloat16).T):
-        expected = bf16_kernel.packed_linear(x.contiguous(), packed, None)
-        assert torch.equal(bf16_kernel.packed_linear(x, packed, None), expected)
+        expected = bf16_kernel.packed_linear(x.contiguous(), packed, None, block_n)
+        assert torch.equal(bf16_kernel.packed_linear(x, packed, None, block_n), expected)
 
 
-def test_bad_input_is_refused(bf16_kernel):
+def test_bad_input_is_refused(bf16_kernel, block_n):
     w = torch.randn(64, 32).to(torch.bfloat16)
     packed = _pack(w)
     with pytest.raises(RuntimeError, match="oneDNN-packed"):
@@ -76,9 +82,27 @@ def test_bad_input_is_refused(bf16_kernel):
         bf16_kernel.packed_linear(torch.randn(1, 32), packed, None)
     with pytest.raises(RuntimeError, match=r"bias must be \[64\]"):
         bf16_kernel.packed_linear(torch.randn(1, 32).to(torch.bfloat16), packed, torch.zeros(63))
+    with pytest.raises(RuntimeError, match="block_n must be 64 or 32"):
+        bf16_kernel.packed_linear(torch.randn(1, 32).to(torch.bfloat16), packed, None, 16)
 
 
-def test_linear_routes_few_rows_to_the_kernel(bf16_kernel, monkeypatch):
+def test_the_other_block_width_does_not_match(bf16_kernel, block_n):
+    """The layout check can tell the blockings apart: read with the other width, a packed
+    weight of several blocks gives another product (or a size mismatch)."""
+    torch.manual_seed(5)
+    w = torch.randn(256, 64).to(torch.bfloat16)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    packed = _pack(w)
+    other = 96 - block_n
+    try:
+        got = bf16_kernel.packed_linear(x, packed, None, other)
+    except RuntimeError as exc:
+        assert "blocked layout" in str(exc)
+    else:
+        assert not torch.allclose(got.float(), _onednn(x, packed, None).float(), rtol=2**-7, atol=1e-2)
+
+
+def test_linear_routes_few_rows_to_the_kernel(bf16_kernel, block_n, monkeypatch):
     torch.manual_seed(3)
     w = torch.randn(72, 48).to(torch.bfloat16)
     bias = torch.randn(72).to(torch.bfloat16)

@@ -375,19 +375,22 @@ def has_packed_linear() -> bool:
     return is_available() and _ops().build_info().startswith("avx512_bf16")
 
 
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 64
+) -> torch.Tensor:
     """``x W^T + b`` for a few rows: x [M, K] bfloat16 (last dimension contiguous), weight
     [N, K] bfloat16 packed by ``torch.ops.mkldnn._reorder_linear_weight`` into oneDNN's
-    64-output x 32-input blocks (``linear.py`` checks the layout per shape), bias [N] or None
-    -> [M, N] bfloat16, float32 accumulation. Faster than oneDNN's own matmul from 1 to 16
-    rows (see ``packed_linear.cpp``).
+    ``block_n``-output x 32-input blocks (64 on AVX512-BF16, 32 where oneDNN uses AMX;
+    ``linear.py`` checks the layout per shape), bias [N] or None -> [M, N] bfloat16, float32
+    accumulation. Faster than oneDNN's own matmul from 1 to 16 rows (see
+    ``packed_linear.cpp``).
 
     Raises:
         RuntimeError: unavailable kernels, a build without AVX512-BF16, or bad shapes /
-            dtypes / layout.
+            dtypes / layout / block_n.
     """
     _require()
-    return _ops().packed_linear(x, weight, bias)
+    return _ops().packed_linear(x, weight, bias, block_n)
 
 
 def linear_w16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

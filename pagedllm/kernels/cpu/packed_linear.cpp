@@ -4,7 +4,8 @@
 // Registered as torch.ops.pagedllm_cpu_<level>.packed_linear (see __init__.py):
 //
 //   x [M, K] bfloat16 (last dimension contiguous), weight [N, K] bfloat16 as returned by
-//   torch.ops.mkldnn._reorder_linear_weight, bias [N] (bfloat16 / float32) or None
+//   torch.ops.mkldnn._reorder_linear_weight, bias [N] (bfloat16 / float32) or None,
+//   block_n (64 or 32: the layout's outputs per block, see below)
 //     ->  y = x W^T + b, [M, N] bfloat16 (float32 accumulation, one rounding at the end)
 //
 // Why: a decode step with one request reads every weight once per token, so its speed is
@@ -13,15 +14,15 @@
 // weights at 20-29 GB/s and this kernel at 28-46 GB/s: 1.3-1.6x at every row count from 1
 // to 16 (the VM's bandwidth varies from minute to minute; torch.sum reads 33-35 GB/s).
 //
-// The layout (oneDNN's "BA16a64b2a" for a K x N weight, checked by linear.py on each
-// shape before this kernel is used): N is cut into blocks of 64 outputs and K padded to a
-// multiple of 32, with zeros. Block nb holds, for each pair of inputs p = k / 2 in order,
-// 64 outputs x 2 inputs:
+// The layout (oneDNN's "BA16a64b2a" for a K x N weight on AVX512-BF16 CPUs, "BA16a32b2a"
+// where oneDNN uses AMX; linear.py checks which on each shape before this kernel is used):
+// N is cut into blocks of NB = 64 (or 32) outputs and K padded to a multiple of 32, with
+// zeros. Block nb holds, for each pair of inputs p = k / 2 in order, NB outputs x 2 inputs:
 //
-//   element (n, k)  at  (n / 64) * Kpad * 64  +  (k / 2) * 128  +  (n % 64) * 2  +  k % 2
+//   element (n, k)  at  (n / NB) * Kpad * NB  +  (k / 2) * 2 NB  +  (n % NB) * 2  +  k % 2
 //
-// so the weights of one block are one contiguous stream of Kpad * 128 bytes, and a pair of
-// inputs meets its 64 outputs in four 512-bit registers: exactly the operand order of
+// so the weights of one block are one contiguous stream of Kpad * 2 NB bytes, and a pair of
+// inputs meets its NB outputs in NB / 16 512-bit registers: exactly the operand order of
 // AVX512-BF16's vdpbf16ps (acc[i] += a[2i] * b[2i] + a[2i+1] * b[2i+1]). Each thread takes
 // whole blocks (one sequential stream per core; software prefetch measured slower). Rows
 // of x go four at a time, each weight register feeding four; a block's stream (at most
@@ -52,7 +53,6 @@
 
 namespace {
 
-constexpr int64_t kBlockN = 64;  // outputs per block
 constexpr int64_t kBlockK = 32;  // K is padded to a multiple of this
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
@@ -68,32 +68,28 @@ int64_t mkldnn_nbytes(const at::Tensor& packed) {
 }
 
 #if defined(__AVX512BF16__)
-// Rows [0, R) of x (as input pairs, row stride x_stride pairs) times one 64-output block w
-// (npairs pairs of inputs), plus bias, into y (row stride y_stride elements), n_valid <= 64
+// Rows [0, R) of x (as input pairs, row stride x_stride pairs) times one NB-output block w
+// (npairs pairs of inputs), plus bias, into y (row stride y_stride elements), n_valid <= NB
 // outputs written.
-template <int R>
+template <int NB, int R>
 void block_rows(const uint16_t* w, const uint16_t* x, int64_t x_stride, int64_t npairs, const float* bias,
                 c10::BFloat16* y, int64_t y_stride, int64_t n_valid) {
-  __m512 acc[R][4];
+  constexpr int V = NB / 16;  // registers per pair of inputs
+  __m512 acc[R][V];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < V; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t p = 0; p < npairs; ++p) {
-    const uint16_t* wp = w + p * 2 * kBlockN;
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(wp);
-    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(wp + 32);
-    const __m512bh b2 = (__m512bh)_mm512_loadu_si512(wp + 64);
-    const __m512bh b3 = (__m512bh)_mm512_loadu_si512(wp + 96);
+    const uint16_t* wp = w + p * 2 * NB;
+    __m512bh b[V];
+    for (int j = 0; j < V; ++j) b[j] = (__m512bh)_mm512_loadu_si512(wp + 32 * j);
     for (int r = 0; r < R; ++r) {
       int32_t pair;
       std::memcpy(&pair, x + r * x_stride * 2 + p * 2, sizeof(pair));
       const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
-      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, b2);
-      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a, b3);
+      for (int j = 0; j < V; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
     }
   }
-  for (int j = 0; j < 4; ++j) {
+  for (int j = 0; j < V; ++j) {
     const int64_t valid = n_valid - j * 16;
     if (valid <= 0) break;
     const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
@@ -109,15 +105,41 @@ void block_rows(const uint16_t* w, const uint16_t* x, int64_t x_stride, int64_t 
 
 }  // namespace
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+#if defined(__AVX512BF16__)
+// Every NB-output block of the weight against the rows of x, blocks split over the threads.
+template <int NB>
+void all_blocks(const uint16_t* w, const uint16_t* xp, int64_t m, int64_t x_stride, int64_t npairs, int64_t k_pad,
+                const float* bp, c10::BFloat16* yp, int64_t n) {
+  at::parallel_for(0, round_up(n, NB) / NB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const uint16_t* wb = w + nb * k_pad * NB;
+      const int64_t n0 = nb * NB, n_valid = std::min<int64_t>(NB, n - n0);
+      const float* b = bp ? bp + n0 : nullptr;
+      int64_t r = 0;
+      for (; r + 4 <= m; r += 4) block_rows<NB, 4>(wb, xp + r * x_stride * 2, x_stride, npairs, b, yp + r * n + n0, n, n_valid);
+      switch (m - r) {
+        case 3: block_rows<NB, 3>(wb, xp + r * x_stride * 2, x_stride, npairs, b, yp + r * n + n0, n, n_valid); break;
+        case 2: block_rows<NB, 2>(wb, xp + r * x_stride * 2, x_stride, npairs, b, yp + r * n + n0, n, n_valid); break;
+        case 1: block_rows<NB, 1>(wb, xp + r * x_stride * 2, x_stride, npairs, b, yp + r * n + n0, n, n_valid); break;
+        default: break;
+      }
+    }
+  });
+}
+#endif
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                         int64_t block_n) {
 #if defined(__AVX512BF16__)
   TORCH_CHECK(weight.is_mkldnn() && weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
               "packed_linear: weight must be a bfloat16 [N, K] oneDNN-packed tensor");
+  TORCH_CHECK(block_n == 64 || block_n == 32, "packed_linear: block_n must be 64 or 32, not ", block_n);
   const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kBFloat16,
               "packed_linear: x must be a bfloat16 CPU tensor [M, ", k, "]");
-  const int64_t k_pad = round_up(k, kBlockK), n_pad = round_up(n, kBlockN);
-  TORCH_CHECK(mkldnn_nbytes(weight) == n_pad * k_pad * 2, "packed_linear: weight is not in the 64-output, 32-input blocked layout");
+  const int64_t k_pad = round_up(k, kBlockK), n_pad = round_up(n, block_n);
+  TORCH_CHECK(mkldnn_nbytes(weight) == n_pad * k_pad * 2, "packed_linear: weight is not in the ", block_n,
+              "-output, 32-input blocked layout");
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "packed_linear: bias must be [", n, "]");
@@ -136,27 +158,18 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const st
   const auto* xp = reinterpret_cast<const uint16_t*>(xs.data_ptr());
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto* yp = y.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, n_pad / kBlockN, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t nb = begin; nb < end; ++nb) {
-      const uint16_t* wb = w + nb * k_pad * kBlockN;
-      const int64_t n0 = nb * kBlockN, n_valid = std::min(kBlockN, n - n0);
-      const float* b = bp ? bp + n0 : nullptr;
-      int64_t r = 0;
-      for (; r + 4 <= m; r += 4) block_rows<4>(wb, xp + r * x_stride * 2, x_stride, npairs, b, yp + r * n + n0, n, n_valid);
-      switch (m - r) {
-        case 3: block_rows<3>(wb, xp + r * x_stride * 2, x_stride, npairs, b, yp + r * n + n0, n, n_valid); break;
-        case 2: block_rows<2>(wb, xp + r * x_stride * 2, x_stride, npairs, b, yp + r * n + n0, n, n_valid); break;
-        case 1: block_rows<1>(wb, xp + r * x_stride * 2, x_stride, npairs, b, yp + r * n + n0, n, n_valid); break;
-        default: break;
-      }
-    }
-  });
+  if (block_n == 64) {
+    all_blocks<64>(w, xp, m, x_stride, npairs, k_pad, bp, yp, n);
+  } else {
+    all_blocks<32>(w, xp, m, x_stride, npairs, k_pad, bp, yp, n);
+  }
   return y;
 #else
+  (void)x, (void)weight, (void)bias, (void)block_n;
   TORCH_CHECK(false, "packed_linear: this build has no AVX512-BF16 (see build_info())");
 #endif
 }
 
-PAGEDLLM_FRAGMENT(m) { m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
+PAGEDLLM_FRAGMENT(m) { m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias, int block_n) -> Tensor"); }
 
 PAGEDLLM_IMPL(CompositeExplicitAutograd, m) { m.impl("packed_linear", &packed_linear); }

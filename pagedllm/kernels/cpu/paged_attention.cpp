@@ -593,34 +593,33 @@ struct Kernels {
   bool vector;
 };
 
+// The vector path of this build, as attend<T, G> for G = 1..kMaxGroup, and its vector width.
+#if defined(PAGEDLLM_AVX512)
+template <typename T, int G>
+void attend_vector(const Params& p, const Ptrs<T>& x, const Work& wk, const Scratch& w) { attend_avx512<T, G>(p, x, wk, w); }
+constexpr int64_t kVectorWidth = 16;
+#elif defined(PAGEDLLM_VEC)
+template <typename T, int G>
+void attend_vector(const Params& p, const Ptrs<T>& x, const Work& wk, const Scratch& w) { attend_vec<T, G>(p, x, wk, w); }
+constexpr int64_t kVectorWidth = pagedllm_simd::kVecWidth;
+#endif
+
 template <typename T>
 Kernels<T> pick_kernels(const Params& p, bool force_portable) {
   Kernels<T> k;
   k.vector = false;
   for (auto& f : k.by_group) f = attend_portable<T>;
-#ifdef PAGEDLLM_AVX512
-  if (!force_portable && p.head_dim % 16 == 0 && p.head_dim <= kMaxVecDim) {
+#if defined(PAGEDLLM_AVX512) || defined(PAGEDLLM_VEC)
+  if (!force_portable && p.head_dim % kVectorWidth == 0 && p.head_dim <= kMaxVecDim) {
     k.vector = true;
-    k.by_group[1] = attend_avx512<T, 1>;
-    k.by_group[2] = attend_avx512<T, 2>;
-    k.by_group[3] = attend_avx512<T, 3>;
-    k.by_group[4] = attend_avx512<T, 4>;
-    k.by_group[5] = attend_avx512<T, 5>;
-    k.by_group[6] = attend_avx512<T, 6>;
-    k.by_group[7] = attend_avx512<T, 7>;
-    k.by_group[8] = attend_avx512<T, 8>;
-  }
-#elif defined(PAGEDLLM_VEC)
-  if (!force_portable && p.head_dim % pagedllm_simd::kVecWidth == 0 && p.head_dim <= kMaxVecDim) {
-    k.vector = true;
-    k.by_group[1] = attend_vec<T, 1>;
-    k.by_group[2] = attend_vec<T, 2>;
-    k.by_group[3] = attend_vec<T, 3>;
-    k.by_group[4] = attend_vec<T, 4>;
-    k.by_group[5] = attend_vec<T, 5>;
-    k.by_group[6] = attend_vec<T, 6>;
-    k.by_group[7] = attend_vec<T, 7>;
-    k.by_group[8] = attend_vec<T, 8>;
+    k.by_group[1] = attend_vector<T, 1>;
+    k.by_group[2] = attend_vector<T, 2>;
+    k.by_group[3] = attend_vector<T, 3>;
+    k.by_group[4] = attend_vector<T, 4>;
+    k.by_group[5] = attend_vector<T, 5>;
+    k.by_group[6] = attend_vector<T, 6>;
+    k.by_group[7] = attend_vector<T, 7>;
+    k.by_group[8] = attend_vector<T, 8>;
   }
 #else
   (void)p;

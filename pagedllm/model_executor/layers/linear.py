@@ -13,7 +13,8 @@ counts of decode steps, measured on a 2-core AVX-512-BF16 machine (GFLOP/s, 896 
 -> packed). A packed ``weight`` keeps its shape but is an opaque ``torch._mkldnn``
 tensor: use it only through ``linear``. ``PAGEDLLM_DISABLE_CPU_KERNELS=1`` keeps the plain layout.
 
-Packed bf16 weights of a shape whose layout ``pack_weight`` has checked go, for inputs of
+Packed bf16 weights of a shape whose layout ``pack_weight`` has checked (oneDNN blocks them
+by 64 outputs on AVX512-BF16 and by 32 where it uses AMX) go, for inputs of
 at most ``SMALL_M_ROWS`` rows, through ``pagedllm.kernels.cpu.packed_linear`` instead of
 oneDNN's matmul: a weight-streaming kernel that reads the same packed bytes 1.3-1.6x
 faster on 1-16 rows (the decode steps of few requests; see ``packed_linear.cpp``).
@@ -47,8 +48,9 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 SMALL_M_ROWS = 16
 
 # [out, in] shapes whose oneDNN-packed bf16 layout ``packed_linear`` was checked to read
-# correctly (``_check_packed_linear``), and those found not to.
-_packed_linear_shapes: set[tuple[int, int]] = set()
+# correctly (``_check_packed_linear``) -> the layout's outputs per block (64, or 32 where
+# oneDNN uses AMX), and the shapes found not to.
+_packed_linear_shapes: dict[tuple[int, int], int] = {}
 _packed_linear_rejected: set[tuple[int, int]] = set()
 _check_lock = threading.Lock()
 
@@ -79,10 +81,11 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def _check_packed_linear(n: int, k: int) -> None:
     """Decide, once per [n, k] shape, whether ``linear`` may send few-row inputs to
-    ``packed_linear``: the kernels must be built with AVX512-BF16, and the kernel's product
-    with a random weight packed by oneDNN here must match oneDNN's matmul (a different
-    blocking than the one the kernel reads would not). The probe has the shape's K and at
-    most 1024 + n % 64 rows: oneDNN blocks N by 64 from 64 outputs up, so more rows only
+    ``packed_linear``, and with which block: the kernels must be built with AVX512-BF16, and
+    the kernel's product with a random weight packed by oneDNN here must match oneDNN's
+    matmul for one of the block widths it reads (64 outputs; 32 where oneDNN uses AMX). A
+    different blocking would not match. The probe has the shape's K and at most
+    1024 + n % 64 rows: oneDNN blocks N by 32 or 64 from 64 outputs up, so more rows only
     repeat the same blocks (and the kernel checks each weight's byte size)."""
     from pagedllm.kernels import cpu as cpu_kernels
 
@@ -90,29 +93,29 @@ def _check_packed_linear(n: int, k: int) -> None:
     with _check_lock:
         if shape in _packed_linear_shapes or shape in _packed_linear_rejected:
             return
-        ok = cpu_kernels.has_packed_linear()
-        if ok:
+        if cpu_kernels.has_packed_linear():
             generator = torch.Generator().manual_seed(0)
             rows = n if n <= 1024 else 1024 + n % 64
             probe = torch.randn(rows, k, generator=generator).to(torch.bfloat16)
             packed = torch.ops.mkldnn._reorder_linear_weight(probe, None)
             x = torch.randn(3, k, generator=generator).to(torch.bfloat16)
             expected = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "").float()
-            try:
-                got = cpu_kernels.packed_linear(x, packed).float()
-            except RuntimeError:
-                ok = False
-            else:
+            for block_n in (64, 32):
+                try:
+                    got = cpu_kernels.packed_linear(x, packed, None, block_n).float()
+                except RuntimeError:
+                    continue
                 # Both are float32 sums of the same products, each rounded once to bf16.
-                ok = bool(torch.allclose(got, expected, rtol=2**-7, atol=1e-2 * float(expected.abs().max())))
-        (_packed_linear_shapes if ok else _packed_linear_rejected).add(shape)
+                if torch.allclose(got, expected, rtol=2**-7, atol=1e-2 * float(expected.abs().max())):
+                    _packed_linear_shapes[shape] = block_n
+                    return
+        _packed_linear_rejected.add(shape)
 
 
 def packed_linear_reads(n: int, k: int) -> bool:
     """Whether ``linear`` sends few-row bf16 inputs of a packed [n, k] weight to
     ``packed_linear`` here (checking the shape first if needed): False where the kernels lack
-    AVX512-BF16, or where oneDNN packs bf16 weights in another layout (with AMX it uses blocks
-    of 32 outputs, not 64)."""
+    AVX512-BF16, or where oneDNN packs bf16 weights in a layout the kernel does not read."""
     _check_packed_linear(n, k)
     return (n, k) in _packed_linear_shapes
 
@@ -121,10 +124,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     """y = x W^T + b for x [..., in] and W [out, in] (plain, or ``pack_weight``'s output)
     -> [..., out], x's dtype."""
     if weight.is_mkldnn:
-        if x.dim() == 2 and x.shape[0] <= SMALL_M_ROWS and x.dtype == weight.dtype == torch.bfloat16 and weight.shape in _packed_linear_shapes:
-            from pagedllm.kernels import cpu as cpu_kernels
+        if x.dim() == 2 and x.shape[0] <= SMALL_M_ROWS and x.dtype == weight.dtype == torch.bfloat16:
+            block_n = _packed_linear_shapes.get(tuple(weight.shape))
+            if block_n is not None:
+                from pagedllm.kernels import cpu as cpu_kernels
 
-            return cpu_kernels.packed_linear(x, weight, bias)
+                return cpu_kernels.packed_linear(x, weight, bias, block_n)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if weight.dtype in _WIDENED_DTYPES and weight.device.type == "cpu" and widens_16bit_weights():
         from pagedllm.kernels import cpu as cpu_kernels
