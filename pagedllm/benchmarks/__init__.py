@@ -18,7 +18,8 @@ import numpy as np
 
 
 def machine_info() -> dict[str, Any]:
-    """CPU model, core count and library versions, recorded with every result."""
+    """CPU model, core count, the CPU's instruction-set level and the one the kernels were
+    asked to run at (``PAGEDLLM_CPU_ISA``), and library versions, recorded with every result."""
     info: dict[str, Any] = {
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "hostname": platform.node(),
@@ -32,6 +33,10 @@ def machine_info() -> dict[str, Any]:
                 break
     except OSError:
         pass
+    from pagedllm.kernels import isa
+
+    info["cpu_isa"] = isa.detected_isa()
+    info["cpu_isa_override"] = os.environ.get(isa.ENV) or None
     try:
         import torch
 

@@ -125,6 +125,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_result(r: dict[str, Any]) -> None:
     d = r["decode_token_latency_ms"]
+    m = r["machine"]
+    print(f"CPU ISA {m['cpu_isa']}" + (f" (run at {m['cpu_isa_override']})" if m["cpu_isa_override"] else ""))
     print(f"Batch {r['batch_size']} x ({r['input_len']} in, {r['output_len']} out), {r['num_iters']} iterations")
     print(f"Avg latency: {r['avg_latency']:.4f} s (start-up {r['init_time_s']:.2f} s)")
     print(f"Prefill: {r['prefill_time_s'] * 1000:.1f} ms ({r['prefill_tokens_per_s']:.1f} tokens/s, "

@@ -238,6 +238,9 @@ def run_hf(args: argparse.Namespace, requests: list[SampleRequest]) -> dict[str,
 
 
 def print_result(result: dict[str, Any]) -> None:
+    m = result.get("machine", {})
+    if "cpu_isa" in m:
+        print(f"[{result['backend']}] CPU ISA {m['cpu_isa']}" + (f" (run at {m['cpu_isa_override']})" if m["cpu_isa_override"] else ""))
     print(f"[{result['backend']}] Throughput: {result['requests_per_second']:.2f} requests/s, "
           f"{result['tokens_per_second']:.2f} total tokens/s, "
           f"{result['output_tokens_per_second']:.2f} output tokens/s")

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedllm.config import ModelConfig
-from pagedllm.model_executor.layers.linear import Linear, describe_path
+from pagedllm.model_executor.layers.linear import Linear
 from pagedllm.model_executor.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
         process = getattr(module, "process_weights_after_loading", None)
         if process is not None:
             process()
-    paths = Counter(describe_path(m.weight) for m in model.modules() if isinstance(m, Linear))
+    paths = Counter(m.describe_path() for m in model.modules() if isinstance(m, Linear))
     logger.info(
         "Model dtype %s; linear layers: %s",
         str(model_config.dtype).removeprefix("torch."),

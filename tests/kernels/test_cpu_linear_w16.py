@@ -97,3 +97,53 @@ def test_linear_routes_plain_16bit_weights_to_it(monkeypatch):
     assert calls == [(1, 16), (40, 16), (6, 16)]
     linear_mod.linear(torch.randn(2, 16), torch.randn(24, 16))
     assert len(calls) == 3
+
+
+def _fp16_layer(bias: bool = True) -> linear_mod.Linear:
+    torch.manual_seed(2)
+    layer = linear_mod.Linear(40, 24, bias=bias).to(torch.float16)
+    layer.weight.data.normal_()
+    if bias:
+        layer.bias.data.normal_()
+    return layer
+
+
+def test_layer_multiplies_many_rows_by_its_float32_copy(monkeypatch):
+    """A widened 16-bit layer keeps a float32 copy (``auto``, memory permitting): up to 16 rows
+    go through ``linear_w16`` on the 16-bit weight, more through the copy; same products."""
+    monkeypatch.delenv(linear_mod.FP32_COPY_ENV, raising=False)
+    monkeypatch.setattr(linear_mod, "_fp32_copy_budget", None)
+    layer = _fp16_layer()
+    layer.process_weights_after_loading()
+    assert layer.weight.dtype == torch.float16 and not layer.packed and layer.weight_fp32 is not None
+    assert layer.weight_fp32.dtype == torch.float32 and layer.weight_fp32.shape == (24, 40)
+    assert layer.describe_path().endswith("(linear_w16) (> 16 rows: float32 copy)")
+    calls = []
+    real = cpu_kernels.linear_w16
+    monkeypatch.setattr(cpu_kernels, "linear_w16", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, 16, 17, 64):
+        x = torch.randn(rows, 40).to(torch.float16)
+        out = layer(x)
+        assert out.dtype == torch.float16
+        _check(out, x, layer.weight.data, layer.bias.data)
+    assert calls == [1, 16]
+
+
+def test_float32_copy_modes(monkeypatch):
+    weight = torch.randn(24, 40).to(torch.bfloat16)
+    monkeypatch.setenv(linear_mod.FP32_COPY_ENV, "0")
+    assert linear_mod.fp32_weight_copy(weight) is None
+    monkeypatch.setenv(linear_mod.FP32_COPY_ENV, "auto")
+    monkeypatch.setattr(linear_mod, "_fp32_copy_budget", 24 * 40 * 4 - 1)  # one byte short
+    assert linear_mod.fp32_weight_copy(weight) is None
+    assert linear_mod._fp32_copy_budget == 24 * 40 * 4 - 1
+    monkeypatch.setattr(linear_mod, "_fp32_copy_budget", 24 * 40 * 4)
+    copy = linear_mod.fp32_weight_copy(weight)  # packed for oneDNN where it can be
+    assert copy.dtype == torch.float32 and copy.shape == (24, 40)
+    assert torch.equal(linear_mod.linear(torch.eye(40), copy), weight.float().T)
+    assert linear_mod._fp32_copy_budget == 0
+    monkeypatch.setenv(linear_mod.FP32_COPY_ENV, "1")  # whatever the budget
+    assert linear_mod.fp32_weight_copy(weight) is not None
+    monkeypatch.setenv(linear_mod.FP32_COPY_ENV, "yes")
+    with pytest.raises(ValueError, match="use auto, 0 or 1"):
+        linear_mod.fp32_weight_copy(weight)

@@ -11,17 +11,21 @@
 //
 // Few rows (M <= kStreamRows, decode steps): a weight-streaming kernel. Each thread takes
 // chunks of kChunkN output rows; in a chunk, 2 or 4 weight rows are read side by side, 8
-// inputs at a time, widened (bfloat16: zero-extend and shift left by 16, exact; float16:
-// F16C's vcvtph2ps, exact) and multiplied into 8-lane float32 accumulators with FMA, for 1-4
-// rows of x at once (each weight register feeds every row); the accumulators are summed
-// across lanes once per output. The chunk (kChunkN x K x 2 bytes, at most 640 KB for
-// K = 4864) stays in L2 while the next rows of x go through it. This is how llama.cpp runs
-// 16-bit GGUF weights on AVX2 (its ggml_vec_dot_bf16 / _f16 widen in registers too).
+// inputs at a time (prefetched 512 bytes ahead), widened (bfloat16: zero-extend and shift
+// left by 16, exact; float16: F16C's vcvtph2ps, exact) and multiplied into 8-lane float32
+// accumulators with FMA, for 1-4 rows of x at once (each weight register feeds every row);
+// the accumulators are summed across lanes once per output. The chunk (kChunkN x K x 2
+// bytes, at most 640 KB for K = 4864) stays in L2 while the next rows of x go through it.
+// This is how llama.cpp runs 16-bit GGUF weights on AVX2 (ggml_vec_dot_bf16 / _f16 widen
+// in registers too).
 //
-// More rows (prefill): compute-bound, so the weights are widened chunk by chunk into a
-// float32 buffer of about 1 MB (L2-sized) and multiplied by torch's float32 GEMM (MKL /
-// oneDNN), whose float32 throughput on AVX2 is ~5x what a bfloat16 GEMM gets without native
-// bf16 (measured by `pagedllm bench roofline` on a 2-core Zen 3: ~115 vs ~21 GFLOP/s).
+// More rows (prefill, large batches): compute-bound, so the weights are widened chunk by
+// chunk into a float32 buffer (16 MB: narrower chunks made MKL slower) and multiplied by
+// torch's float32 GEMM (MKL / oneDNN), whose float32 throughput on AVX2 is ~5x what a
+// bfloat16 GEMM gets without native bf16 (`pagedllm bench roofline` on a 2-core Zen 3:
+// ~115 vs ~21 GFLOP/s). Widening costs 8-27% over a float32 weight (128 to 32 rows), so
+// linear.py keeps a float32 copy for these rows where memory allows and this path serves
+// the rest.
 //
 // Builds without AVX2 (the portable level) use the widening GEMM for every M.
 
@@ -48,6 +52,12 @@ namespace {
 
 constexpr int64_t kStreamRows = 16;      // x rows up to which the streaming kernel runs
 constexpr int64_t kChunkN = 64;          // output rows per streaming work item
+// Software prefetch of each weight row 512 bytes ahead, once per 64-byte line: the rows of
+// a tile are 2-4 streams per core at once, more than the hardware prefetchers keep up with
+// (1 row of x, 0.5B-shape weights, AVX2 build: 11-12 -> 13.3-14.8 GB/s; 128 or 512
+// elements ahead and 6 rows at once measured no better).
+constexpr int64_t kPrefetchAhead = 256;  // elements
+constexpr int64_t kPrefetchEvery = 32;   // elements per cache line
 constexpr int64_t kGemmChunkBytes = 16 << 20;  // float32 weight buffer per GEMM chunk (larger: MKL less efficient on narrow N)
 
 #ifdef PAGEDLLM_W16_STREAM
@@ -76,6 +86,9 @@ PAGEDLLM_INLINE void dot_tile(const float* x, int64_t ldx, const W* w, int64_t k
   int64_t i = 0;
   for (; i + 8 <= k; i += 8) {
     __m256 wv[NO];
+    if (i % kPrefetchEvery == 0) {
+      for (int j = 0; j < NO; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * k + i + kPrefetchAhead), _MM_HINT_T0);
+    }
     for (int j = 0; j < NO; ++j) wv[j] = widen8(w + j * k + i);
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_loadu_ps(x + r * ldx + i);

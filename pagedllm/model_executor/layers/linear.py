@@ -150,12 +150,58 @@ def widens_16bit_weights() -> bool:
     return cpu_kernels.is_available()
 
 
+def _widened(weight: torch.Tensor) -> bool:
+    """Whether ``linear`` sends this (plain) weight to ``linear_w16``."""
+    return not weight.is_mkldnn and weight.dtype in _WIDENED_DTYPES and weight.device.type == "cpu" and widens_16bit_weights()
+
+
+#: ``auto`` (default): float32 copies of widened 16-bit weights while they fit in a quarter of
+#: the memory available when the first is made; ``1``: always; ``0``: never.
+FP32_COPY_ENV = "PAGEDLLM_CPU_FP32_WEIGHT_COPY"
+_FP32_COPY_SHARE = 0.25
+_fp32_copy_budget: Optional[int] = None  # bytes left for copies under "auto"
+
+
+def fp32_weight_copy(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """A float32 copy of a 16-bit weight [out, in] (oneDNN-packed where it can be), for
+    matmuls of more than ``SMALL_M_ROWS`` rows, or None where ``PAGEDLLM_CPU_FP32_WEIGHT_COPY``
+    does not allow it (``auto``: while the copies fit in a quarter of the memory available
+    when the first is made).
+
+    Why: above 16 rows the matmul is compute-bound, and ``linear_w16`` widening the weights
+    chunk by chunk for torch's float32 GEMM was 8-27% slower than a float32 weight (0.5B-shape
+    layers, 128 to 32 rows, AVX2 build under ``PAGEDLLM_CPU_ISA=avx2``); decode steps of up to
+    16 rows keep streaming the 16-bit weight (half the bytes). The copy costs twice the 16-bit
+    weight's memory, counted in the weight memory that sizes the KV cache.
+
+    Raises:
+        ValueError: for a value of the variable other than auto / 0 / 1.
+    """
+    global _fp32_copy_budget
+    mode = os.environ.get(FP32_COPY_ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"{FP32_COPY_ENV}={mode!r}: use auto, 0 or 1")
+    if mode == "0":
+        return None
+    nbytes = weight.numel() * 4
+    if mode == "auto":
+        if _fp32_copy_budget is None:
+            from pagedllm.platforms import current_platform
+
+            _fp32_copy_budget = int(current_platform.total_memory_bytes() * _FP32_COPY_SHARE)
+        if nbytes > _fp32_copy_budget:
+            return None
+        _fp32_copy_budget -= nbytes
+    copy = weight.float()
+    return pack_weight(copy) if can_pack(copy) else copy
+
+
 def describe_path(weight: torch.Tensor) -> str:
     """How ``linear`` multiplies by ``weight`` on this machine, for the start-up log."""
     if weight.is_mkldnn:
         few_rows = " (1-16 rows: packed_linear)" if tuple(weight.shape) in _packed_linear_shapes else ""
         return f"oneDNN-packed {str(weight.dtype).removeprefix('torch.')}{few_rows}"
-    if weight.dtype in _WIDENED_DTYPES and weight.device.type == "cpu" and widens_16bit_weights():
+    if _widened(weight):
         return f"{str(weight.dtype).removeprefix('torch.')} widened to float32 in-kernel (linear_w16)"
     return f"torch {str(weight.dtype).removeprefix('torch.')} matmul"
 
@@ -172,7 +218,11 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
 
 
 class Linear(nn.Module):
-    """y = x W^T + b. Weight [output_size, input_size], the module's dtype."""
+    """y = x W^T + b. Weight [output_size, input_size], the module's dtype.
+
+    ``weight_fp32`` (a buffer, None unless set by ``process_weights_after_loading``): a float32
+    copy of a 16-bit weight that ``linear_w16`` widens, for inputs of more than
+    ``SMALL_M_ROWS`` rows (see ``fp32_weight_copy``)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -185,21 +235,35 @@ class Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
+        self.register_buffer("weight_fp32", None, persistent=False)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Optional[ShardId] = None) -> None:
         default_weight_loader(param, loaded_weight)
 
     def process_weights_after_loading(self) -> None:
-        """Pack the loaded weight for the CPU matmul when possible (see the module docstring)."""
-        if not self.packed and can_pack(self.weight.data):
+        """Pack the loaded weight for the CPU matmul when possible, else give a widened 16-bit
+        weight its float32 copy where allowed (see the module docstring)."""
+        if self.packed or self.weight_fp32 is not None:
+            return
+        if can_pack(self.weight.data):
             self.weight = nn.Parameter(pack_weight(self.weight.data), requires_grad=False)
+        elif _widened(self.weight):
+            self.weight_fp32 = fp32_weight_copy(self.weight.data)
 
     @property
     def packed(self) -> bool:
         """Whether the weight is packed for oneDNN (``process_weights_after_loading``)."""
         return self.weight.is_mkldnn
 
+    def describe_path(self) -> str:
+        """How this layer multiplies on this machine, for the start-up log."""
+        copy = f" (> {SMALL_M_ROWS} rows: float32 copy)" if self.weight_fp32 is not None else ""
+        return describe_path(self.weight) + copy
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_fp32 is not None and x.numel() > SMALL_M_ROWS * x.shape[-1]:
+            bias = None if self.bias is None else self.bias.float()
+            return linear(x.float(), self.weight_fp32, bias).to(x.dtype)
         return linear(x, self.weight, self.bias)
 
 
