@@ -1,8 +1,9 @@
-"""``linear_w16`` (16-bit weights widened to float32 in the kernel) equals the float64 product
-within float32 summation error (float32 out) or one rounding (16-bit out), at every
-instruction-set level the host supports, on both of its paths (the few-row streaming kernel
-and the widening GEMM), ragged shapes, strided inputs and bias dtypes; ``linear`` routes
-plain 16-bit weights to it; bad input is refused with a clear error."""
+"""``linear_w16`` (16-bit weights in ``pack_w16``'s blocks, widened to float32 in the kernel)
+equals the float64 product within float32 summation error (float32 out) or one rounding
+(16-bit out), at every instruction-set level the host supports, on both of its paths (the
+few-row streaming kernel and the widening GEMM), ragged shapes, strided inputs and bias
+dtypes; layers whose weights oneDNN cannot pack use it, with a float32 copy for many rows;
+bad input is refused with a clear error."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def test_matches_float64_product(n, k, rows, w_dtype, x_dtype):
     w = torch.randn(n, k).to(w_dtype)
     x = torch.randn(rows, k).to(x_dtype)
     bias = torch.randn(n) if rows % 2 else None
-    got = cpu_kernels.linear_w16(x, w, bias)
+    got = cpu_kernels.linear_w16(x, cpu_kernels.pack_w16(w), bias, n)
     assert got.shape == (rows, n) and got.dtype == x_dtype
     _check(got, x, w, bias)
 
@@ -53,50 +54,63 @@ def test_bias_dtypes_and_float16_out(bias_dtype):
     w = torch.randn(70, 40).to(torch.bfloat16)
     x = torch.randn(3, 40).to(torch.float16)
     bias = torch.randn(70).to(bias_dtype)
-    got = cpu_kernels.linear_w16(x, w, bias)
+    got = cpu_kernels.linear_w16(x, cpu_kernels.pack_w16(w), bias, 70)
     assert got.dtype == torch.float16
     _check(got, x, w, bias)
 
 
+def test_pack_layout():
+    """Element (n, k) of W at [n // 16, k, n % 16]; the last block's padding is zero."""
+    w = torch.randn(37, 5).to(torch.bfloat16)
+    packed = cpu_kernels.pack_w16(w)
+    assert packed.shape == (3, 5, 16) and packed.dtype == torch.bfloat16
+    n, k = torch.meshgrid(torch.arange(37), torch.arange(5), indexing="ij")
+    assert torch.equal(packed[n // 16, k, n % 16], w)
+    assert not packed[2, :, 5:].any()
+    assert torch.equal(cpu_kernels.pack_w16(w.T.contiguous().T), packed)  # any strides in
+
+
 def test_strided_inputs_equal_contiguous():
     torch.manual_seed(0)
-    w = torch.randn(100, 40).to(torch.bfloat16)
+    w = cpu_kernels.pack_w16(torch.randn(100, 40).to(torch.bfloat16))
     wide = torch.randn(6, 63)
     for x in (wide[:, 3:43], wide[::2, :40], torch.randn(40, 5).T):
-        expected = cpu_kernels.linear_w16(x.contiguous(), w)
-        assert torch.equal(cpu_kernels.linear_w16(x, w), expected)
+        expected = cpu_kernels.linear_w16(x.contiguous(), w, None, 100)
+        assert torch.equal(cpu_kernels.linear_w16(x, w, None, 100), expected)
 
 
 def test_bad_input_is_refused():
-    w = torch.randn(64, 32).to(torch.bfloat16)
+    w = cpu_kernels.pack_w16(torch.randn(64, 32).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="bfloat16 or float16"):
-        cpu_kernels.linear_w16(torch.randn(1, 32), torch.randn(64, 32))
-    with pytest.raises(RuntimeError, match="bfloat16 or float16"):
-        cpu_kernels.linear_w16(torch.randn(1, 32), w.T)  # not contiguous
+        cpu_kernels.pack_w16(torch.randn(64, 32))
+    with pytest.raises(RuntimeError, match="packed by pack_w16"):
+        cpu_kernels.linear_w16(torch.randn(1, 32), torch.randn(64, 32).to(torch.bfloat16), None, 64)
+    with pytest.raises(RuntimeError, match="does not match the packed weight's 4 blocks"):
+        cpu_kernels.linear_w16(torch.randn(1, 32), w, None, 65)
     with pytest.raises(RuntimeError, match=r"\[M, 32\]"):
-        cpu_kernels.linear_w16(torch.randn(1, 31), w)
+        cpu_kernels.linear_w16(torch.randn(1, 31), w, None, 64)
     with pytest.raises(RuntimeError, match=r"\[M, 32\]"):
-        cpu_kernels.linear_w16(torch.randn(1, 32, dtype=torch.float64), w)
+        cpu_kernels.linear_w16(torch.randn(1, 32, dtype=torch.float64), w, None, 64)
     with pytest.raises(RuntimeError, match=r"bias must be \[64\]"):
-        cpu_kernels.linear_w16(torch.randn(1, 32), w, torch.zeros(63))
+        cpu_kernels.linear_w16(torch.randn(1, 32), w, torch.zeros(63), 64)
+    with pytest.raises(ValueError, match="needs out_features"):
+        linear_mod.linear(torch.randn(1, 32), w)
 
 
-def test_linear_routes_plain_16bit_weights_to_it(monkeypatch):
-    """Plain (unpacked) bf16 / fp16 CPU weights, as a CPU without native bf16 keeps them, go
-    through ``linear_w16`` for every row count and for 3-D inputs; float32 ones do not."""
+def test_linear_routes_packed_16bit_weights_to_it(monkeypatch):
+    """``pack_w16`` weights go through ``linear_w16`` for every row count and for 3-D inputs."""
     calls = []
     real = cpu_kernels.linear_w16
     monkeypatch.setattr(cpu_kernels, "linear_w16", lambda *a: calls.append(a[0].shape) or real(*a))
     torch.manual_seed(1)
     w = torch.randn(24, 16).to(torch.bfloat16)
+    packed = cpu_kernels.pack_w16(w)
     for shape in ((1, 16), (40, 16), (2, 3, 16)):
         x = torch.randn(shape).to(torch.bfloat16)
-        out = linear_mod.linear(x, w)
+        out = linear_mod.linear(x, packed, out_features=24)
         assert out.shape == (*shape[:-1], 24)
         torch.testing.assert_close(out.float(), x.float() @ w.float().T, rtol=2**-8, atol=1e-2)
     assert calls == [(1, 16), (40, 16), (6, 16)]
-    linear_mod.linear(torch.randn(2, 16), torch.randn(24, 16))
-    assert len(calls) == 3
 
 
 def _fp16_layer(bias: bool = True) -> linear_mod.Linear:
@@ -114,8 +128,10 @@ def test_layer_multiplies_many_rows_by_its_float32_copy(monkeypatch):
     monkeypatch.delenv(linear_mod.FP32_COPY_ENV, raising=False)
     monkeypatch.setattr(linear_mod, "_fp32_copy_budget", None)
     layer = _fp16_layer()
+    weight = layer.weight.data.clone()
     layer.process_weights_after_loading()
-    assert layer.weight.dtype == torch.float16 and not layer.packed and layer.weight_fp32 is not None
+    assert layer.weight.shape == (2, 40, 16) and layer.weight.dtype == torch.float16 and not layer.packed
+    assert layer.weight_fp32 is not None
     assert layer.weight_fp32.dtype == torch.float32 and layer.weight_fp32.shape == (24, 40)
     assert layer.describe_path().endswith("(linear_w16) (> 16 rows: float32 copy)")
     calls = []
@@ -125,7 +141,7 @@ def test_layer_multiplies_many_rows_by_its_float32_copy(monkeypatch):
         x = torch.randn(rows, 40).to(torch.float16)
         out = layer(x)
         assert out.dtype == torch.float16
-        _check(out, x, layer.weight.data, layer.bias.data)
+        _check(out, x, weight, layer.bias.data)
     assert calls == [1, 16]
 
 
@@ -138,9 +154,7 @@ def test_float32_copy_modes(monkeypatch):
     assert linear_mod.fp32_weight_copy(weight) is None
     assert linear_mod._fp32_copy_budget == 24 * 40 * 4 - 1
     monkeypatch.setattr(linear_mod, "_fp32_copy_budget", 24 * 40 * 4)
-    copy = linear_mod.fp32_weight_copy(weight)  # packed for oneDNN where it can be
-    assert copy.dtype == torch.float32 and copy.shape == (24, 40)
-    assert torch.equal(linear_mod.linear(torch.eye(40), copy), weight.float().T)
+    assert torch.equal(linear_mod.fp32_weight_copy(weight), weight.float())
     assert linear_mod._fp32_copy_budget == 0
     monkeypatch.setenv(linear_mod.FP32_COPY_ENV, "1")  # whatever the budget
     assert linear_mod.fp32_weight_copy(weight) is not None

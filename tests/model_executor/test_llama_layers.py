@@ -39,7 +39,7 @@ def test_mlp_row_chunks_equal_one_pass(monkeypatch, dtype):
 def test_linear_layer_takes_this_machines_path_and_matches_plain(kernel, dtype, num_tokens):
     """After loading, a layer's weight is oneDNN-packed where oneDNN can pack its dtype on
     this CPU (float32; bf16 with native bf16), else a plain 16-bit weight multiplied by
-    ``linear_w16`` (bf16 without native bf16, and fp16); either way the product is the plain
+    ``linear_w16`` in blocks of 16 outputs (bf16 without native bf16, and fp16); either way the product is the plain
     one up to float32 summation order and the output's rounding."""
     layer = linear_mod.Linear(96, 200, bias=True).to(dtype)
     torch.manual_seed(1)
@@ -50,9 +50,11 @@ def test_linear_layer_takes_this_machines_path_and_matches_plain(kernel, dtype, 
     packable = linear_mod.can_pack(layer.weight.data)
     assert packable == (dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
     layer.process_weights_after_loading()
-    assert layer.packed == layer.weight.is_mkldnn == packable and layer.weight.shape == (200, 96)
-    if not packable:
-        assert linear_mod.describe_path(layer.weight).endswith("(linear_w16)")
+    assert layer.packed == layer.weight.is_mkldnn == packable
+    if packable:
+        assert layer.weight.shape == (200, 96)
+    else:  # pack_w16's blocks of 16 outputs
+        assert layer.weight.shape == (13, 96, 16) and "(linear_w16)" in layer.describe_path()
     out = layer(x)
     assert out.dtype == dtype
     if dtype == torch.float32:

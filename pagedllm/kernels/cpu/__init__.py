@@ -393,15 +393,27 @@ def packed_linear(
     return _ops().packed_linear(x, weight, bias, block_n)
 
 
-def linear_w16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def pack_w16(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] bfloat16 / float16 re-laid out for ``linear_w16``: a new tensor
+    [ceil(N / 16), K, 16] of the same dtype, blocks of 16 outputs with each input's 16 weights
+    together, the last block padded with zeros (see ``linear_w16.cpp``).
+
+    Raises:
+        RuntimeError: unavailable kernels, or a bad shape / dtype.
+    """
+    _require()
+    return _ops().pack_w16(weight)
+
+
+def linear_w16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     """``x W^T + b`` with 16-bit weights widened to float32 (float32 products and sums): x
-    [M, K] float32 / bfloat16 / float16 (last dimension contiguous), weight [N, K] bfloat16
-    or float16 contiguous, bias [N] or None -> [M, N] in x's dtype. Up to 16 rows a
-    weight-streaming kernel (AVX2 and up); more rows, torch's float32 GEMM on weight chunks
-    widened into an L2-sized buffer (see ``linear_w16.cpp``).
+    [M, K] float32 / bfloat16 / float16 (last dimension contiguous), weight ``pack_w16``'s
+    output for W [n, K], bias [n] or None -> [M, n] in x's dtype. Up to 16 rows a
+    weight-streaming kernel (AVX2 and up); more rows, torch's float32 GEMM on chunks of
+    widened weights (see ``linear_w16.cpp``).
 
     Raises:
         RuntimeError: unavailable kernels, or bad shapes / dtypes.
     """
     _require()
-    return _ops().linear_w16(x, weight, bias)
+    return _ops().linear_w16(x, weight, bias, n)

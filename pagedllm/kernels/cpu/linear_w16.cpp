@@ -2,30 +2,39 @@
 // without AVX512-BF16): the weights stay 16-bit in memory and are widened to float32 in
 // registers, so decode reads half the bytes of a float32 model and computes in float32.
 //
-// Registered as torch.ops.pagedllm_cpu_<level>.linear_w16 (see __init__.py):
+// Registered as torch.ops.pagedllm_cpu_<level>.pack_w16 / linear_w16 (see __init__.py):
 //
-//   x [M, K] float32 / bfloat16 / float16 (last dimension contiguous),
-//   weight [N, K] bfloat16 / float16, contiguous (the checkpoint's layout, unchanged),
-//   bias [N] (any float dtype) or None
+//   pack_w16(weight [N, K] bfloat16 / float16)  ->  [ceil(N / 16), K, 16], same dtype
+//   linear_w16(x [M, K] float32 / bfloat16 / float16 (last dimension contiguous),
+//              packed weight, bias [N] (any float dtype) or None, N)
 //     ->  y = x W^T + b, [M, N] in x's dtype; float32 products and sums, one rounding at the end
 //
-// Few rows (M <= kStreamRows, decode steps): a weight-streaming kernel. Each thread takes
-// chunks of kChunkN output rows; in a chunk, 2 or 4 weight rows are read side by side, 8
-// inputs at a time (prefetched 512 bytes ahead), widened (bfloat16: zero-extend and shift
-// left by 16, exact; float16: F16C's vcvtph2ps, exact) and multiplied into 8-lane float32
-// accumulators with FMA, for 1-4 rows of x at once (each weight register feeds every row);
-// the accumulators are summed across lanes once per output. The chunk (kChunkN x K x 2
-// bytes, at most 640 KB for K = 4864) stays in L2 while the next rows of x go through it.
-// This is how llama.cpp runs 16-bit GGUF weights on AVX2 (ggml_vec_dot_bf16 / _f16 widen
-// in registers too).
+// The layout: N is cut into blocks of 16 outputs (the last one padded with zeros); block b
+// holds, for each input k in order, the 16 weights (b * 16 + j, k):
 //
-// More rows (prefill, large batches): compute-bound, so the weights are widened chunk by
-// chunk into a float32 buffer (16 MB: narrower chunks made MKL slower) and multiplied by
-// torch's float32 GEMM (MKL / oneDNN), whose float32 throughput on AVX2 is ~5x what a
-// bfloat16 GEMM gets without native bf16 (`pagedllm bench roofline` on a 2-core Zen 3:
-// ~115 vs ~21 GFLOP/s). Widening costs 8-27% over a float32 weight (128 to 32 rows), so
-// linear.py keeps a float32 copy for these rows where memory allows and this path serves
-// the rest.
+//   element (n, k)  at  (n / 16) * K * 16  +  k * 16  +  n % 16
+//
+// so a block is one contiguous stream of K * 32 bytes, and input k meets its 16 outputs in
+// two 8-lane registers once widened (bfloat16: zero-extend and shift left by 16, exact;
+// float16: F16C's vcvtph2ps, exact).
+//
+// Few rows (M <= kStreamRows, decode steps): each thread takes a contiguous range of
+// blocks, one sequential stream per core, prefetched kPrefetchAhead elements (4 KB) ahead;
+// per input k, x[r][k] is broadcast and multiplied into the 16 outputs' accumulators with
+// FMA, for 1-4 rows of x at once (each weight register feeds every row; one or two rows
+// alternate two accumulator sets over k, so that enough FMAs are in flight). A block (at
+// most 156 KB for K = 4864) stays in L2 while the next rows of x go through it. On the
+// 0.5B-shape decode matmuls (AVX2 build, 2 threads, 2-core Xeon VM where torch.sum reads
+// 15-20 GB/s): 15.3-18.0 GB/s, against 13-14.7 GB/s for a row-major dot-product kernel
+// (4 weight rows read side by side) and 17-19 GB/s for torch's float32 GEMV on twice the
+// bytes. llama.cpp's AVX2 path for 16-bit GGUF weights widens in registers the same way.
+//
+// More rows (prefill, large batches): compute-bound, so chunks of blocks are widened into a
+// float32 [K, columns] buffer (16 MB: narrower chunks made MKL slower) and multiplied by
+// torch's float32 GEMM (MKL / oneDNN), whose float32 throughput on AVX2 is ~5x a bfloat16
+// GEMM without native bf16 (`pagedllm bench roofline` on a 2-core Zen 3: ~115 vs ~21
+// GFLOP/s). Widening cost 8-27% over a float32 weight (128 to 32 rows), so linear.py keeps a
+// float32 copy for these rows where memory allows, and this path serves the rest.
 //
 // Builds without AVX2 (the portable level) use the widening GEMM for every M.
 
@@ -33,6 +42,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -50,15 +60,40 @@
 
 namespace {
 
-constexpr int64_t kStreamRows = 16;      // x rows up to which the streaming kernel runs
-constexpr int64_t kChunkN = 64;          // output rows per streaming work item
-// Software prefetch of each weight row 512 bytes ahead, once per 64-byte line: the rows of
-// a tile are 2-4 streams per core at once, more than the hardware prefetchers keep up with
-// (1 row of x, 0.5B-shape weights, AVX2 build: 11-12 -> 13.3-14.8 GB/s; 128 or 512
-// elements ahead and 6 rows at once measured no better).
-constexpr int64_t kPrefetchAhead = 256;  // elements
-constexpr int64_t kPrefetchEvery = 32;   // elements per cache line
-constexpr int64_t kGemmChunkBytes = 16 << 20;  // float32 weight buffer per GEMM chunk (larger: MKL less efficient on narrow N)
+constexpr int64_t kBlock = 16;             // outputs per block
+constexpr int64_t kStreamRows = 16;        // x rows up to which the streaming kernel runs
+constexpr int64_t kGemmChunkBytes = 16 << 20;  // float32 weight buffer per GEMM chunk
+// Software prefetch 4 KB ahead in a block's stream, once per 64-byte line: without it
+// 11-12 GB/s, 1 KB ahead 14-15.6, 4 KB 16.7-18.1, 16 KB 15.6-18.5 (same measurement).
+constexpr int64_t kPrefetchAhead = 2048;   // elements
+
+template <typename T>
+void pack_rows(const T* w, int64_t n, int64_t k, T* out) {
+  at::parallel_for(0, (n + kBlock - 1) / kBlock, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      T* ob = out + b * k * kBlock;
+      for (int64_t j = 0; j < kBlock && b * kBlock + j < n; ++j) {
+        const T* row = w + (b * kBlock + j) * k;
+        for (int64_t i = 0; i < k; ++i) ob[i * kBlock + j] = row[i];
+      }
+    }
+  });
+}
+
+at::Tensor pack_w16(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 &&
+                  (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf),
+              "pack_w16: weight must be a bfloat16 or float16 CPU tensor [N, K]");
+  const at::Tensor w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1);
+  at::Tensor out = at::zeros({(n + kBlock - 1) / kBlock, k, kBlock}, w.options());
+  if (w.scalar_type() == at::kBFloat16) {
+    pack_rows(w.const_data_ptr<c10::BFloat16>(), n, k, out.mutable_data_ptr<c10::BFloat16>());
+  } else {
+    pack_rows(w.const_data_ptr<c10::Half>(), n, k, out.mutable_data_ptr<c10::Half>());
+  }
+  return out;
+}
 
 #ifdef PAGEDLLM_W16_STREAM
 // 8 weights -> float32, exactly.
@@ -70,99 +105,96 @@ PAGEDLLM_INLINE __m256 widen8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-PAGEDLLM_INLINE float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
-// out[r][j] = x[r] . w[n0 + j] for R rows of x (float32, row stride ldx) and NO weight rows
-// (row stride k): dot products over K, float32.
-template <typename W, int R, int NO>
-PAGEDLLM_INLINE void dot_tile(const float* x, int64_t ldx, const W* w, int64_t k, float out[R][NO]) {
-  __m256 acc[R][NO];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NO; ++j) acc[r][j] = _mm256_setzero_ps();
+// Rows [0, R) of x (float32, row stride ldx) times one block wb (K x 16): y[r][j] for the
+// first n_valid outputs, plus bias. U accumulator sets take alternate inputs.
+template <typename W, typename Y, int R, int U>
+void block_rows(const float* x, int64_t ldx, const W* wb, int64_t k, const float* bias, Y* y, int64_t ldy,
+                int64_t n_valid) {
+  __m256 acc[U][R][2];
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < R; ++r) acc[u][r][0] = acc[u][r][1] = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 <= k; i += 8) {
-    __m256 wv[NO];
-    if (i % kPrefetchEvery == 0) {
-      for (int j = 0; j < NO; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + j * k + i + kPrefetchAhead), _MM_HINT_T0);
+  for (; i + U <= k; i += U) {
+    if (i % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(wb + i * kBlock + kPrefetchAhead), _MM_HINT_T0);
+    for (int u = 0; u < U; ++u) {
+      const __m256 w0 = widen8(wb + (i + u) * kBlock), w1 = widen8(wb + (i + u) * kBlock + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_set1_ps(x[r * ldx + i + u]);
+        acc[u][r][0] = _mm256_fmadd_ps(xv, w0, acc[u][r][0]);
+        acc[u][r][1] = _mm256_fmadd_ps(xv, w1, acc[u][r][1]);
+      }
     }
-    for (int j = 0; j < NO; ++j) wv[j] = widen8(w + j * k + i);
+  }
+  for (; i < k; ++i) {  // U = 2 and K odd: the last input
+    const __m256 w0 = widen8(wb + i * kBlock), w1 = widen8(wb + i * kBlock + 8);
     for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * ldx + i);
-      for (int j = 0; j < NO; ++j) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
+      const __m256 xv = _mm256_set1_ps(x[r * ldx + i]);
+      acc[0][r][0] = _mm256_fmadd_ps(xv, w0, acc[0][r][0]);
+      acc[0][r][1] = _mm256_fmadd_ps(xv, w1, acc[0][r][1]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NO; ++j) out[r][j] = hsum(acc[r][j]);
-  for (; i < k; ++i) {
-    for (int j = 0; j < NO; ++j) {
-      const float wf = static_cast<float>(w[j * k + i]);
-      for (int r = 0; r < R; ++r) out[r][j] += x[r * ldx + i] * wf;
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[kBlock];
+    __m256 lo = acc[0][r][0], hi = acc[0][r][1];
+    for (int u = 1; u < U; ++u) {
+      lo = _mm256_add_ps(lo, acc[u][r][0]);
+      hi = _mm256_add_ps(hi, acc[u][r][1]);
     }
-  }
-}
-
-// Rows [0, R) of x times weight rows [n0, n1): y[r][n] = dot + bias[n].
-template <typename W, typename Y, int R, int NO>
-void rows_times_chunk(const float* x, int64_t ldx, const W* w, int64_t k, const float* bias, Y* y, int64_t ldy,
-                      int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + NO <= n1; n += NO) {
-    float out[R][NO];
-    dot_tile<W, R, NO>(x, ldx, w + n * k, k, out);
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NO; ++j) y[r * ldy + n + j] = static_cast<Y>(out[r][j] + (bias ? bias[n + j] : 0.f));
-  }
-  for (; n < n1; ++n) {
-    float out[R][1];
-    dot_tile<W, R, 1>(x, ldx, w + n * k, k, out);
-    for (int r = 0; r < R; ++r) y[r * ldy + n] = static_cast<Y>(out[r][0] + (bias ? bias[n] : 0.f));
+    _mm256_store_ps(out, lo);
+    _mm256_store_ps(out + 8, hi);
+    for (int64_t j = 0; j < n_valid; ++j) y[r * ldy + j] = static_cast<Y>(out[j] + (bias ? bias[j] : 0.f));
   }
 }
 
 template <typename W, typename Y>
-void stream(const at::Tensor& x32, const at::Tensor& weight, const float* bias, at::Tensor& y) {
-  const int64_t m = x32.size(0), k = x32.size(1), n = weight.size(0);
+void stream(const at::Tensor& x32, const at::Tensor& packed, const float* bias, int64_t n, at::Tensor& y) {
+  const int64_t m = x32.size(0), k = x32.size(1);
   const float* xp = x32.const_data_ptr<float>();
-  const W* wp = weight.const_data_ptr<W>();
+  const W* wp = packed.const_data_ptr<W>();
   Y* yp = y.mutable_data_ptr<Y>();
-  const int64_t chunks = (n + kChunkN - 1) / kChunkN;
-  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c) {
-      const int64_t n0 = c * kChunkN, n1 = std::min(n, n0 + kChunkN);
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const W* wb = wp + b * k * kBlock;
+      const int64_t n0 = b * kBlock, n_valid = std::min(kBlock, n - n0);
+      const float* bb = bias ? bias + n0 : nullptr;
       int64_t r = 0;
-      // Register budget (16 ymm): R x NO accumulators + NO weights + one x vector.
-      for (; r + 4 <= m; r += 4) rows_times_chunk<W, Y, 4, 2>(xp + r * k, k, wp, k, bias, yp + r * n, n, n0, n1);
-      for (; r + 2 <= m; r += 2) rows_times_chunk<W, Y, 2, 4>(xp + r * k, k, wp, k, bias, yp + r * n, n, n0, n1);
-      for (; r < m; ++r) rows_times_chunk<W, Y, 1, 4>(xp + r * k, k, wp, k, bias, yp + r * n, n, n0, n1);
+      // Register budget (16 ymm): 2 R U accumulators, 2 weights, one broadcast.
+      for (; r + 4 <= m; r += 4) block_rows<W, Y, 4, 1>(xp + r * k, k, wb, k, bb, yp + r * n + n0, n, n_valid);
+      switch (m - r) {
+        case 3: block_rows<W, Y, 3, 1>(xp + r * k, k, wb, k, bb, yp + r * n + n0, n, n_valid); break;
+        case 2: block_rows<W, Y, 2, 2>(xp + r * k, k, wb, k, bb, yp + r * n + n0, n, n_valid); break;
+        case 1: block_rows<W, Y, 1, 2>(xp + r * k, k, wb, k, bb, yp + r * n + n0, n, n_valid); break;
+        default: break;
+      }
     }
   });
 }
 #endif
 
-// y32 [M, N] = x32 [M, K] W^T (+ bias), W widened to float32 one L2-sized chunk of rows at a time.
-void widening_gemm(const at::Tensor& x32, const at::Tensor& weight, const at::Tensor& bias_f, at::Tensor& y32) {
-  const int64_t n = weight.size(0), k = weight.size(1);
-  const int64_t rows = std::max<int64_t>(64, kGemmChunkBytes / (4 * std::max<int64_t>(k, 1)) / 16 * 16);
-  at::Tensor wbuf = at::empty({std::min(rows, n), k}, x32.options());
-  for (int64_t n0 = 0; n0 < n; n0 += rows) {
-    const int64_t nc = std::min(rows, n - n0);
-    at::Tensor w32 = wbuf.narrow(0, 0, nc);
-    w32.copy_(weight.narrow(0, n0, nc));
-    at::Tensor out = y32.narrow(1, n0, nc);
-    at::mm_out(out, x32, w32.t());
+// y32 [M, N] = x32 [M, K] W^T (+ bias), chunks of blocks widened into a float32 [K, columns]
+// buffer for torch's float32 GEMM.
+void widening_gemm(const at::Tensor& x32, const at::Tensor& packed, const at::Tensor& bias_f, int64_t n,
+                   at::Tensor& y32) {
+  const int64_t nb = packed.size(0), k = packed.size(1);
+  const int64_t chunk = std::max<int64_t>(4, kGemmChunkBytes / (4 * kBlock * std::max<int64_t>(k, 1)));
+  at::Tensor wbuf = at::empty({k, std::min(chunk, nb) * kBlock}, x32.options());
+  for (int64_t b0 = 0; b0 < nb; b0 += chunk) {
+    const int64_t bc = std::min(chunk, nb - b0), cols = std::min(bc * kBlock, n - b0 * kBlock);
+    at::Tensor w32 = wbuf.narrow(1, 0, bc * kBlock);
+    w32.view({k, bc, kBlock}).copy_(packed.narrow(0, b0, bc).permute({1, 0, 2}));
+    at::Tensor out = y32.narrow(1, b0 * kBlock, cols);
+    at::mm_out(out, x32, w32.narrow(1, 0, cols));
   }
   if (bias_f.defined()) y32.add_(bias_f);
 }
 
-at::Tensor linear_w16(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.is_contiguous() &&
-                  (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf),
-              "linear_w16: weight must be a contiguous bfloat16 or float16 CPU tensor [N, K]");
-  const int64_t n = weight.size(0), k = weight.size(1);
+at::Tensor linear_w16(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous() &&
+                  (packed.scalar_type() == at::kBFloat16 || packed.scalar_type() == at::kHalf),
+              "linear_w16: weight must be a bfloat16 or float16 CPU tensor packed by pack_w16 ([N / 16, K, 16])");
+  const int64_t k = packed.size(1);
+  TORCH_CHECK(n > (packed.size(0) - 1) * kBlock && n <= packed.size(0) * kBlock, "linear_w16: N = ", n,
+              " does not match the packed weight's ", packed.size(0), " blocks of 16 outputs");
   const auto xt = x.scalar_type();
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == k &&
                   (xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf),
@@ -178,9 +210,9 @@ at::Tensor linear_w16(const at::Tensor& x, const at::Tensor& weight, const std::
   if (m <= kStreamRows) {
     at::Tensor y = at::empty({m, n}, x.options());
     const float* bp = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
-    const bool bf16_w = weight.scalar_type() == at::kBFloat16;
+    const bool bf16_w = packed.scalar_type() == at::kBFloat16;
 #define PAGEDLLM_STREAM(Y) \
-  (bf16_w ? stream<c10::BFloat16, Y>(x32, weight, bp, y) : stream<c10::Half, Y>(x32, weight, bp, y))
+  (bf16_w ? stream<c10::BFloat16, Y>(x32, packed, bp, n, y) : stream<c10::Half, Y>(x32, packed, bp, n, y))
     switch (xt) {
       case at::kFloat: PAGEDLLM_STREAM(float); break;
       case at::kBFloat16: PAGEDLLM_STREAM(c10::BFloat16); break;
@@ -191,12 +223,18 @@ at::Tensor linear_w16(const at::Tensor& x, const at::Tensor& weight, const std::
   }
 #endif
   at::Tensor y32 = at::empty({m, n}, x32.options());
-  widening_gemm(x32, weight, bias_f, y32);
+  widening_gemm(x32, packed, bias_f, n, y32);
   return xt == at::kFloat ? y32 : y32.to(xt);
 }
 
 }  // namespace
 
-PAGEDLLM_FRAGMENT(m) { m.def("linear_w16(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
+PAGEDLLM_FRAGMENT(m) {
+  m.def("pack_w16(Tensor weight) -> Tensor");
+  m.def("linear_w16(Tensor x, Tensor weight, Tensor? bias, int n) -> Tensor");
+}
 
-PAGEDLLM_IMPL(CompositeExplicitAutograd, m) { m.impl("linear_w16", &linear_w16); }
+PAGEDLLM_IMPL(CompositeExplicitAutograd, m) {
+  m.impl("pack_w16", &pack_w16);
+  m.impl("linear_w16", &linear_w16);
+}

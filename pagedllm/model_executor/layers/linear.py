@@ -20,10 +20,11 @@ oneDNN's matmul: a weight-streaming kernel that reads the same packed bytes 1.3-
 faster on 1-16 rows (the decode steps of few requests; see ``packed_linear.cpp``).
 
 16-bit weights that oneDNN cannot pack — bfloat16 on CPUs without native bf16 (AVX2, or
-AVX-512 without BF16), and float16 — stay in the checkpoint's layout and go through
-``pagedllm.kernels.cpu.linear_w16``, which widens them to float32 inside the kernel: decode
-streams half the bytes of float32 weights, prefill runs torch's float32 GEMM on widened
-chunks. Without it, torch's bf16 matmul on such CPUs is an emulated GEMM about 5x slower
+AVX-512 without BF16), and float16 — stay 16-bit, re-laid out in blocks of 16 outputs
+(``pack_w16``), and go through ``pagedllm.kernels.cpu.linear_w16``, which widens them to
+float32 inside the kernel: decode streams half the bytes of float32 weights; inputs of more
+than 16 rows use a float32 copy where memory allows (``fp32_weight_copy``), else torch's
+float32 GEMM on widened chunks. Without it, torch's bf16 matmul on such CPUs is an emulated GEMM about 5x slower
 than float32 (``pagedllm bench roofline``; measured on an AVX2 host, 32 x 128/128: 12.4
 vs 61.3 tok/s).
 """
@@ -120,9 +121,16 @@ def packed_linear_reads(n: int, k: int) -> bool:
     return (n, k) in _packed_linear_shapes
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """y = x W^T + b for x [..., in] and W [out, in] (plain, or ``pack_weight``'s output)
-    -> [..., out], x's dtype."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, out_features: Optional[int] = None
+) -> torch.Tensor:
+    """y = x W^T + b for x [..., in] and W [out, in] (plain, ``pack_weight``'s output, or
+    ``pack_w16``'s [ceil(out / 16), in, 16], which needs ``out_features``) -> [..., out], x's
+    dtype.
+
+    Raises:
+        ValueError: a ``pack_w16`` weight without ``out_features``.
+    """
     if weight.is_mkldnn:
         if x.dim() == 2 and x.shape[0] <= SMALL_M_ROWS and x.dtype == weight.dtype == torch.bfloat16:
             block_n = _packed_linear_shapes.get(tuple(weight.shape))
@@ -131,10 +139,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
                 return cpu_kernels.packed_linear(x, weight, bias, block_n)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    if weight.dtype in _WIDENED_DTYPES and weight.device.type == "cpu" and widens_16bit_weights():
+    if weight.dim() == 3:
+        if out_features is None:
+            raise ValueError("linear: a pack_w16 weight needs out_features")
         from pagedllm.kernels import cpu as cpu_kernels
 
-        return cpu_kernels.linear_w16(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+        y = cpu_kernels.linear_w16(x.reshape(-1, x.shape[-1]), weight, bias, out_features)
+        return y.view(*x.shape[:-1], out_features)
     return F.linear(x, weight, bias)
 
 
@@ -143,16 +154,32 @@ _WIDENED_DTYPES = (torch.bfloat16, torch.float16)
 
 @functools.lru_cache(maxsize=1)
 def widens_16bit_weights() -> bool:
-    """Whether plain (unpacked) bf16 / fp16 CPU weights go through ``linear_w16`` here: the
+    """Whether 16-bit CPU weights that oneDNN cannot pack go through ``linear_w16`` here: the
     C++ kernels are available (decided once per process)."""
     from pagedllm.kernels import cpu as cpu_kernels
 
     return cpu_kernels.is_available()
 
 
-def _widened(weight: torch.Tensor) -> bool:
-    """Whether ``linear`` sends this (plain) weight to ``linear_w16``."""
-    return not weight.is_mkldnn and weight.dtype in _WIDENED_DTYPES and weight.device.type == "cpu" and widens_16bit_weights()
+def should_widen(weight: torch.Tensor) -> bool:
+    """Whether a loaded plain weight [out, in] is to be multiplied by ``linear_w16``: 16-bit,
+    on CPU, oneDNN cannot pack it here (``can_pack``), and the kernels are available."""
+    return (
+        not weight.is_mkldnn
+        and weight.dim() == 2
+        and weight.dtype in _WIDENED_DTYPES
+        and weight.device.type == "cpu"
+        and not can_pack(weight)
+        and widens_16bit_weights()
+    )
+
+
+def pack_w16(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] in ``linear_w16``'s blocked layout (see
+    ``pagedllm.kernels.cpu.pack_w16``). Call only when ``should_widen(weight)``."""
+    from pagedllm.kernels import cpu as cpu_kernels
+
+    return cpu_kernels.pack_w16(weight)
 
 
 #: ``auto`` (default): float32 copies of widened 16-bit weights while they fit in a quarter of
@@ -163,7 +190,7 @@ _fp32_copy_budget: Optional[int] = None  # bytes left for copies under "auto"
 
 
 def fp32_weight_copy(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """A float32 copy of a 16-bit weight [out, in] (oneDNN-packed where it can be), for
+    """A float32 copy of a 16-bit weight [out, in], plain, for
     matmuls of more than ``SMALL_M_ROWS`` rows, or None where ``PAGEDLLM_CPU_FP32_WEIGHT_COPY``
     does not allow it (``auto``: while the copies fit in a quarter of the memory available
     when the first is made).
@@ -192,8 +219,9 @@ def fp32_weight_copy(weight: torch.Tensor) -> Optional[torch.Tensor]:
         if nbytes > _fp32_copy_budget:
             return None
         _fp32_copy_budget -= nbytes
-    copy = weight.float()
-    return pack_weight(copy) if can_pack(copy) else copy
+    # Plain, not oneDNN-packed: as fast for these row counts (128 rows, 0.5B-shape layers:
+    # 0.195-0.201 s either way) and 0.7 s less start-up for the 0.5B shape.
+    return weight.float()
 
 
 def describe_path(weight: torch.Tensor) -> str:
@@ -201,7 +229,7 @@ def describe_path(weight: torch.Tensor) -> str:
     if weight.is_mkldnn:
         few_rows = " (1-16 rows: packed_linear)" if tuple(weight.shape) in _packed_linear_shapes else ""
         return f"oneDNN-packed {str(weight.dtype).removeprefix('torch.')}{few_rows}"
-    if _widened(weight):
+    if weight.dim() == 3:
         return f"{str(weight.dtype).removeprefix('torch.')} widened to float32 in-kernel (linear_w16)"
     return f"torch {str(weight.dtype).removeprefix('torch.')} matmul"
 
@@ -220,8 +248,9 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
 class Linear(nn.Module):
     """y = x W^T + b. Weight [output_size, input_size], the module's dtype.
 
-    ``weight_fp32`` (a buffer, None unless set by ``process_weights_after_loading``): a float32
-    copy of a 16-bit weight that ``linear_w16`` widens, for inputs of more than
+    After ``process_weights_after_loading`` on CPU, ``weight`` may be packed (oneDNN's layout,
+    or ``pack_w16``'s [ceil(out / 16), in, 16] for ``linear_w16``); ``weight_fp32`` (a buffer,
+    else None) is a float32 copy of a ``linear_w16`` weight for inputs of more than
     ``SMALL_M_ROWS`` rows (see ``fp32_weight_copy``)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
@@ -241,14 +270,16 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded_weight)
 
     def process_weights_after_loading(self) -> None:
-        """Pack the loaded weight for the CPU matmul when possible, else give a widened 16-bit
-        weight its float32 copy where allowed (see the module docstring)."""
-        if self.packed or self.weight_fp32 is not None:
+        """Pack the loaded weight for the CPU matmul: for oneDNN where it can (``can_pack``),
+        else a 16-bit weight for ``linear_w16``, with its float32 copy where allowed (see the
+        module docstring)."""
+        if self.packed or self.weight.dim() == 3:
             return
         if can_pack(self.weight.data):
             self.weight = nn.Parameter(pack_weight(self.weight.data), requires_grad=False)
-        elif _widened(self.weight):
+        elif should_widen(self.weight.data):
             self.weight_fp32 = fp32_weight_copy(self.weight.data)
+            self.weight = nn.Parameter(pack_w16(self.weight.data), requires_grad=False)
 
     @property
     def packed(self) -> bool:
@@ -264,7 +295,7 @@ class Linear(nn.Module):
         if self.weight_fp32 is not None and x.numel() > SMALL_M_ROWS * x.shape[-1]:
             bias = None if self.bias is None else self.bias.float()
             return linear(x.float(), self.weight_fp32, bias).to(x.dtype)
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.output_size)
 
 
 class FusedLinear(Linear):

@@ -22,7 +22,9 @@ from pagedllm.model_executor.layers.linear import (
     can_pack,
     default_weight_loader,
     linear,
+    pack_w16,
     pack_weight,
+    should_widen,
 )
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_rotary, get_rope_parameters
 
@@ -167,16 +169,23 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def process_weights_after_loading(self) -> None:
-        """Pack the output projection for the CPU matmul when possible (``linear.pack_weight``).
+        """Pack the output projection for the CPU matmul when possible: for oneDNN
+        (``linear.pack_weight``), else a 16-bit one for ``linear_w16`` (``linear.pack_w16``).
         Tied embeddings get a packed copy (the lookup needs the plain rows): vocab x hidden
         more bytes, 272 MB for Qwen2.5-0.5B in bf16."""
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head
-        if self._logits_weight is not None or weight.is_mkldnn or not can_pack(weight.data):
+        if self._logits_weight is not None or weight.is_mkldnn or weight.dim() == 3:
+            return
+        if can_pack(weight.data):
+            packed = pack_weight(weight.data)
+        elif should_widen(weight.data):
+            packed = pack_w16(weight.data)
+        else:
             return
         if self.tie_word_embeddings:
-            self._logits_weight = pack_weight(weight.data)
+            self._logits_weight = packed
         else:
-            self.lm_head = nn.Parameter(pack_weight(self.lm_head.data), requires_grad=False)
+            self.lm_head = nn.Parameter(packed, requires_grad=False)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits in the model dtype (the sampler upcasts once)."""
@@ -184,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
             weight = self._logits_weight
         else:
             weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head
-        return linear(hidden_states, weight)
+        return linear(hidden_states, weight, out_features=self.config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (HF names) into the parameters; returns the names loaded.
