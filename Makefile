@@ -24,7 +24,7 @@ serve: $(STAMP)
 	$(VENV)/bin/pagedllm serve $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info
