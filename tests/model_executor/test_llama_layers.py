@@ -65,7 +65,11 @@ def test_linear_layer_takes_this_machines_path_and_matches_plain(kernel, dtype, 
 
 def test_packing_off_by_env(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_DISABLE_CPU_KERNELS", "1")
-    layer = linear_mod.Linear(16, 8)
-    layer.process_weights_after_loading()
-    assert not layer.packed and not layer.weight.is_mkldnn
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):  # no oneDNN packing, no linear_w16
+        layer = linear_mod.Linear(16, 8).to(dtype)
+        layer.weight.data.normal_()
+        layer.process_weights_after_loading()
+        assert not layer.packed and layer.weight.shape == (8, 16) and layer.weight_fp32 is None
+        x = torch.randn(3, 16, dtype=dtype)
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
     assert not linear_mod.can_pack(torch.empty(8, 16, dtype=torch.float64))

@@ -31,7 +31,6 @@ vs 61.3 tok/s).
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from typing import Optional, Sequence, Union
@@ -152,15 +151,6 @@ def linear(
 _WIDENED_DTYPES = (torch.bfloat16, torch.float16)
 
 
-@functools.lru_cache(maxsize=1)
-def widens_16bit_weights() -> bool:
-    """Whether 16-bit CPU weights that oneDNN cannot pack go through ``linear_w16`` here: the
-    C++ kernels are available (decided once per process)."""
-    from pagedllm.kernels import cpu as cpu_kernels
-
-    return cpu_kernels.is_available()
-
-
 def should_widen(weight: torch.Tensor) -> bool:
     """Whether a loaded plain weight [out, in] is to be multiplied by ``linear_w16``: 16-bit,
     on CPU, oneDNN cannot pack it here (``can_pack``), and the kernels are available."""
@@ -170,8 +160,14 @@ def should_widen(weight: torch.Tensor) -> bool:
         and weight.dtype in _WIDENED_DTYPES
         and weight.device.type == "cpu"
         and not can_pack(weight)
-        and widens_16bit_weights()
+        and _kernels_available()
     )
+
+
+def _kernels_available() -> bool:
+    from pagedllm.kernels import cpu as cpu_kernels
+
+    return cpu_kernels.is_available()
 
 
 def pack_w16(weight: torch.Tensor) -> torch.Tensor:
