@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 # process is started, and that start must not wait for a 2-second torch import.
 
 logger = logging.getLogger(__name__)
+_logged_dtype_choices: set = set()
 
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 
@@ -90,15 +91,12 @@ def resolve_dtype(dtype: Any, hf_config: PretrainedConfig) -> torch.dtype:
     if config_dtype in (None, torch.float32):
         chosen, why = current_platform.half_dtype(), "16-bit for a float32 checkpoint, as vLLM"
     elif config_dtype == torch.float16 and not current_platform.is_cuda:
-        chosen, why = torch.bfloat16, "float16 has no fast CPU path"
+        chosen, why = torch.bfloat16, "for a float16 checkpoint on CPU, as vLLM: float16 activations overflow sooner"
     else:
         chosen, why = config_dtype, "the checkpoint's"
-    logger.info(
-        "--dtype auto: %s (%s); on CPUs without native bf16 the matmuls keep 16-bit weights and "
-        "compute in float32 (see the 'linear layers' line)",
-        str(chosen).removeprefix("torch."),
-        why,
-    )
+    if (chosen, why) not in _logged_dtype_choices:  # resolved by the front end and the engine
+        _logged_dtype_choices.add((chosen, why))
+        logger.info("--dtype auto: %s (%s)", str(chosen).removeprefix("torch."), why)
     return chosen
 
 
@@ -232,6 +230,9 @@ class EngineArgs:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        from pagedllm.kernels import isa
+
+        isa.selected_isa()  # a bad PAGEDLLM_CPU_ISA fails here, before anything is loaded
         from transformers import AutoConfig
 
         model_path = resolve_model_path(self.model)

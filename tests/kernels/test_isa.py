@@ -82,3 +82,11 @@ def test_override_above_the_host_fails_clearly(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_error", None)
     with pytest.raises(ValueError, match="PAGEDLLM_CPU_ISA='avx2' asks for more than this CPU supports"):
         cpu_kernels.is_available()
+
+
+def test_engine_args_refuse_a_bad_override_before_loading(monkeypatch):
+    from pagedllm.config import EngineArgs
+
+    monkeypatch.setenv(isa.ENV, "sse9")
+    with pytest.raises(ValueError, match="PAGEDLLM_CPU_ISA='sse9' is not one of"):
+        EngineArgs().create_engine_config()

@@ -70,6 +70,7 @@ _lock = threading.Lock()
 _builds: dict[str, str | None] = {}  # level -> None (loaded) or why it could not be built
 _active: str | None = None  # the level whose operators the functions below call
 _error: str | None = None  # why no level could be loaded, once a load was tried
+_disabled_logged = False
 
 
 def _disabled_by_env() -> bool:
@@ -187,8 +188,11 @@ def is_available() -> bool:
     Raises:
         ValueError: ``PAGEDLLM_CPU_ISA`` names an unknown level or one above this CPU's.
     """
-    global _active, _error
+    global _active, _error, _disabled_logged
     if _disabled_by_env():
+        if not _disabled_logged:
+            _disabled_logged = True
+            logger.info("pagedllm C++ CPU kernels disabled by %s: portable PyTorch code", DISABLE_ENV)
         return False
     if _active is not None:
         return True

@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.kernels import isa
+
 ShardId = Union[str, int]
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -57,15 +59,23 @@ _check_lock = threading.Lock()
 
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether ``weight`` ([out, in], on CPU) can use oneDNN's pre-packed matmul here:
-    torch built with oneDNN, float32 or bfloat16 (bf16 only where oneDNN supports it on
-    this CPU), and ``PAGEDLLM_DISABLE_CPU_KERNELS`` unset."""
+    torch built with oneDNN, float32 or bfloat16 (bf16 only with native bf16: the
+    avx512_bf16 level, and oneDNN supporting it), and ``PAGEDLLM_DISABLE_CPU_KERNELS`` unset.
+
+    Raises:
+        ValueError: an invalid ``PAGEDLLM_CPU_ISA``.
+    """
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in _PACKABLE_DTYPES:
         return False
     if os.environ.get("PAGEDLLM_DISABLE_CPU_KERNELS", "") not in ("", "0"):
         return False
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return False
-    return weight.dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    # oneDNN also "supports" bf16 on AVX-512 without BF16, by emulation: slower there than
+    # linear_w16 (tiny bf16 model, 16 x 120/64: 1,617 vs 2,431 tok/s under PAGEDLLM_CPU_ISA).
+    return weight.dtype != torch.bfloat16 or (
+        isa.selected_isa() == "avx512_bf16" and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
