@@ -24,9 +24,9 @@ AVX-512 without BF16), and float16 — stay 16-bit, re-laid out in blocks of 16 
 (``pack_w16``), and go through ``pagedllm.kernels.cpu.linear_w16``, which widens them to
 float32 inside the kernel: decode streams half the bytes of float32 weights; inputs of more
 than 16 rows use a float32 copy where memory allows (``fp32_weight_copy``), else torch's
-float32 GEMM on widened chunks. Without it, torch's bf16 matmul on such CPUs is an emulated GEMM about 5x slower
-than float32 (``pagedllm bench roofline``; measured on an AVX2 host, 32 x 128/128: 12.4
-vs 61.3 tok/s).
+float32 GEMM on widened chunks. Without it, torch's bf16 matmul on such CPUs is an emulated
+GEMM about 5x slower than float32 (``pagedllm bench roofline``; measured on an AVX2 host,
+32 x 128/128: 12.4 vs 61.3 tok/s).
 """
 
 from __future__ import annotations
