@@ -227,7 +227,27 @@ def fp32_weight_copy(weight: torch.Tensor) -> Optional[torch.Tensor]:
         _fp32_copy_budget -= nbytes
     # Plain, not oneDNN-packed: as fast for these row counts (128 rows, 0.5B-shape layers:
     # 0.195-0.201 s either way) and 0.7 s less start-up for the 0.5B shape.
-    return weight.float()
+    copy = _fp32_arena_take(weight.numel()).view(weight.shape)
+    copy.copy_(weight)
+    return copy
+
+
+_FP32_ARENA_BYTES = 256 << 20
+_fp32_arena: Optional[torch.Tensor] = None  # float32 storage the copies are carved from
+_fp32_arena_used = 0  # elements of it taken
+
+
+def _fp32_arena_take(numel: int) -> torch.Tensor:
+    """``numel`` fresh float32 elements for a weight copy, carved from 256 MB arenas: one
+    allocation per arena instead of one per layer faulted its pages in twice as fast (0.39 vs
+    0.81 s for the 0.5B shape's 1.4 GB of copies). Pages never touched cost no memory."""
+    global _fp32_arena, _fp32_arena_used
+    if _fp32_arena is None or _fp32_arena_used + numel > _fp32_arena.numel():
+        _fp32_arena = torch.empty(max(_FP32_ARENA_BYTES // 4, numel), dtype=torch.float32)
+        _fp32_arena_used = 0
+    out = _fp32_arena[_fp32_arena_used : _fp32_arena_used + numel]
+    _fp32_arena_used += numel
+    return out
 
 
 def describe_path(weight: torch.Tensor) -> str:
