@@ -53,8 +53,9 @@
 #include <cstdint>
 #include <optional>
 
+#include "simd.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
 #define PAGEDLLM_W16_STREAM 1
 #endif
 
@@ -96,14 +97,7 @@ at::Tensor pack_w16(const at::Tensor& weight) {
 }
 
 #ifdef PAGEDLLM_W16_STREAM
-// 8 weights -> float32, exactly.
-PAGEDLLM_INLINE __m256 widen8(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-PAGEDLLM_INLINE __m256 widen8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
+using pagedllm_simd::widen8;  // 8 weights -> float32, exactly
 
 // Rows [0, R) of x (float32, row stride ldx) times one block wb (K x 16): y[r][j] for the
 // first n_valid outputs, plus bias. U accumulator sets take alternate inputs.

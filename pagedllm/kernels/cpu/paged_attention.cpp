@@ -239,14 +239,9 @@ constexpr bool kHasBf16Dot = false;
 
 alignas(64) const float kZeroRow[kMaxVecDim] = {};  // stands in for the rows past seq_len
 
-PAGEDLLM_INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-PAGEDLLM_INLINE __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-PAGEDLLM_INLINE __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+// 16 elements of T widened to float32 (simd.h's AVX-512 VecF).
+template <typename T>
+PAGEDLLM_INLINE __m512 load16(const T* p) { return pagedllm_simd::vload(p).v; }
 
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(c10::BFloat16* p, __m512 v) {

@@ -24,6 +24,14 @@
 #ifdef PAGEDLLM_VEC
 namespace pagedllm_simd {
 
+// 8 16-bit values -> 8 float32 lanes, exactly (AVX2 and up; also used beside VecF by
+// kernels that work in 8-lane registers on every level, such as linear_w16).
+inline __m256 widen8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 widen8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
 #if defined(__AVX512F__)
 constexpr int kVecWidth = 16;
 struct VecF {
@@ -83,11 +91,8 @@ struct VecF {
 
 inline VecF vset1(float x) { return {_mm256_set1_ps(x)}; }
 inline VecF vload(const float* p) { return {_mm256_loadu_ps(p)}; }
-inline VecF vload(const c10::BFloat16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return {_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))};
-}
-inline VecF vload(const c10::Half* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+inline VecF vload(const c10::BFloat16* p) { return {widen8(p)}; }
+inline VecF vload(const c10::Half* p) { return {widen8(p)}; }
 
 // float32 -> bfloat16 bits (low 16 bits of each 32-bit lane), round to nearest even; NaN -> quiet NaN.
 inline __m256i bf16_bits32(VecF x) {
