@@ -29,6 +29,10 @@ class Platform:
     def is_cuda(self) -> bool:
         return self.device_type == "cuda"
 
+    @property
+    def is_cpu(self) -> bool:
+        return self.device_type == "cpu"
+
     def total_memory_bytes(self) -> int:
         """Device memory in bytes: the GPU's total, or on CPU the RAM available now."""
         if self.is_cuda:

@@ -16,6 +16,10 @@ LIGHT_MODULES = [
     "pagedllm.config",
     "pagedllm.engine.core_client",
     "pagedllm.engine.core_proc",
+    "pagedllm.core.scheduler",
+    "pagedllm.messages.engine_core",
+    "pagedllm.messages.sched_output",
+    "pagedllm.messages.runner_output",
 ]
 
 

@@ -40,7 +40,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def run_iteration(engine: Any, tokenizer: Any, args: argparse.Namespace, seed: int, tag: str) -> dict[str, Any]:
     """One batch through the engine; per-step timings."""
-    from pagedllm import SamplingParams
+    from pagedllm.sampling_params import SamplingParams
     from pagedllm.sampling_params import RequestOutputKind
 
     requests = random_dataset(tokenizer, args.batch_size, args.input_len, args.output_len, seed=seed)

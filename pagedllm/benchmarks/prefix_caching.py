@@ -52,7 +52,7 @@ def _engines(args: argparse.Namespace) -> dict[bool, Any]:
 
 def measure_ttft(args: argparse.Namespace) -> dict[str, Any]:
     """Mean TTFT (seconds) of requests sent one at a time, caching off vs on (warm)."""
-    from pagedllm import SamplingParams
+    from pagedllm.sampling_params import SamplingParams
 
     engines = _engines(args)
     requests = get_samples(args, engines[False].get_tokenizer())

@@ -72,7 +72,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def build_llm(args: argparse.Namespace):
     """(LLM, seconds its construction took)."""
-    from pagedllm import LLM
+    from pagedllm.entrypoints.llm import LLM
 
     start = time.perf_counter()
     llm = LLM(**engine_kwargs(args))
@@ -135,7 +135,7 @@ def _result(backend: str, args: argparse.Namespace, requests: list[SampleRequest
 def run_pagedllm(args: argparse.Namespace, requests: Optional[list[SampleRequest]] = None,
                  llm: Any = None) -> dict[str, Any]:
     """Time ``LLM.generate`` over the dataset; returns the result dict."""
-    from pagedllm import SamplingParams
+    from pagedllm.sampling_params import SamplingParams
 
     init_time = 0.0
     if llm is None:

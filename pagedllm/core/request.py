@@ -7,7 +7,7 @@ from typing import Optional
 
 import time
 
-from pagedllm.engine.messages import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
+from pagedllm.messages.engine_core import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
 from pagedllm.sampling_params import SamplingParams
 
 

@@ -17,8 +17,8 @@ from typing import Iterable, Optional
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
-from pagedllm.engine.messages import (
+from pagedllm.messages.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedllm.messages.engine_core import (
     EngineCoreEventType,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -26,7 +26,7 @@ from pagedllm.engine.messages import (
     LogprobsLists,
     SchedulerStats,
 )
-from pagedllm.worker.runner_output import ModelRunnerOutput
+from pagedllm.messages.runner_output import ModelRunnerOutput
 
 
 class Scheduler:

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.core_client import AsyncMPClient
 from pagedllm.engine.exceptions import EngineDeadError
-from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputCollector
 from pagedllm.engine.parallel_sampling import ParentRequest
 from pagedllm.engine.processor import Processor, PromptType

@@ -13,7 +13,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

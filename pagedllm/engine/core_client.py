@@ -56,7 +56,7 @@ from pagedllm.engine.core_proc import (
     run_engine_core,
 )
 from pagedllm.engine.exceptions import EngineDeadError, EngineStartupError
-from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ import msgspec
 import zmq
 
 from pagedllm.config import EngineArgs, EngineConfig
-from pagedllm.engine.messages import (
+from pagedllm.messages.engine_core import (
     EngineCoreRequest,
 )
 

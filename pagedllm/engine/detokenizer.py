@@ -24,7 +24,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Optional, Union
 
-from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.messages.engine_core import EngineCoreRequest
 
 #: Tokens of context decoded before the first unread token (vLLM uses 5 as well).
 _CONTEXT_TOKENS = 5

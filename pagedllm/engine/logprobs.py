@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pagedllm.engine.messages import EngineCoreRequest, LogprobsLists
+from pagedllm.messages.engine_core import EngineCoreRequest, LogprobsLists
 from pagedllm.outputs import Logprob, PositionLogprobs, PromptLogprobs, SampleLogprobs
 
 

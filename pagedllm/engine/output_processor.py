@@ -21,7 +21,7 @@ from typing import Any, Iterable, Optional, Union
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.logprobs import LogprobsProcessor, TokenTextCache
-from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from pagedllm.messages.engine_core import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagedllm.engine.parallel_sampling import ParentRequest, merge_delta_completion
 from pagedllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind

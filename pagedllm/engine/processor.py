@@ -13,7 +13,7 @@ from typing import Optional, Union
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from pagedllm.config import ModelConfig
-from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.messages.engine_core import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 
 #: A prompt: text, token ids, or vLLM's dict forms {"prompt": str} / {"prompt_token_ids": [...]},

@@ -46,7 +46,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.messages import SchedulerStats
+from pagedllm.messages.engine_core import SchedulerStats
 from pagedllm.metrics.stats import IterationStats
 
 PREFIX = "pagedllm:"

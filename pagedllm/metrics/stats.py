@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pagedllm.engine.messages import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
+from pagedllm.messages.engine_core import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from pagedllm.core.sched_output import NewRequestData
+from pagedllm.messages.sched_output import NewRequestData
 from pagedllm.sampling_params import SamplingParams
 
 

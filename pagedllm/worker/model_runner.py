@@ -18,8 +18,8 @@ import torch
 from pagedllm.attention.backend import prepare_kernels
 from pagedllm.attention.metadata import AttentionMetadata, set_forward_context
 from pagedllm.config import EngineConfig
-from pagedllm.core.sched_output import SchedulerOutput
-from pagedllm.engine.messages import LogprobsLists
+from pagedllm.messages.sched_output import SchedulerOutput
+from pagedllm.messages.engine_core import LogprobsLists
 from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.sampler import (
     Sampler,
@@ -31,7 +31,7 @@ from pagedllm.platforms import current_platform
 from pagedllm.worker.cpu_malloc import tune_malloc
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.kv_cache_sizing import kv_bytes_per_token, num_kv_blocks
-from pagedllm.worker.runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from pagedllm.messages.runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 

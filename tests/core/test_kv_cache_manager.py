@@ -10,7 +10,7 @@ import pytest
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_cache_utils import HASH_FUNCTIONS
 from pagedllm.core.request import Request
-from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.messages.engine_core import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 
 BS = 16
@@ -116,7 +116,7 @@ def test_disabled_caching_never_hits():
 _CBOR_SCRIPT = """
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
-from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.messages.engine_core import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 m = KVCacheManager(8, 16, hash_algo="sha256_cbor")
 r = Request(EngineCoreRequest("x", list(range(40)), SamplingParams(), 0, 0.0, "salt"), 4096)

@@ -6,9 +6,9 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.messages.engine_core import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.runner_output import ModelRunnerOutput
+from pagedllm.messages.runner_output import ModelRunnerOutput
 
 
 def make_scheduler(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, block_size=4, caching=False):

@@ -14,7 +14,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.core_client import InprocClient, MPClient
 from pagedllm.engine.core_proc import EngineCoreRequestType
 from pagedllm.engine.exceptions import EngineDeadError
-from pagedllm.engine.messages import EngineCoreEventType, EngineCoreOutputs
+from pagedllm.messages.engine_core import EngineCoreEventType, EngineCoreOutputs
 from pagedllm.engine.processor import Processor
 from pagedllm.tokenizer import get_tokenizer
 from pagedllm.worker.kv_cache_sizing import kv_bytes_per_token

@@ -8,7 +8,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.messages.engine_core import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 from tests.engine.text_tokenizer import CORPUS, build_tokenizer
 

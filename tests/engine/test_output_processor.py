@@ -8,7 +8,7 @@ import math
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from pagedllm.engine.messages import (
+from pagedllm.messages.engine_core import (
     EngineCoreOutput,
     EngineCoreRequest,
     FinishReason,

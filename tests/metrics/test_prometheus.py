@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedllm import SamplingParams
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.engine.messages import (
+from pagedllm.messages.engine_core import (
     EngineCoreEvent,
     EngineCoreEventType,
     EngineCoreOutput,

@@ -2,18 +2,20 @@
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.model_executor.custom_op import CustomOp
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(CustomOp):
     """[..., 2d] -> [..., d]: silu(x[..., :d]) * x[..., d:]."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and cpu_kernels.usable(x):
-            return cpu_kernels.silu_and_mul(x)
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         # NOTE: multiplying in place into silu's fresh output saves one [T, d] buffer,
         # ~30% of this op's time on CPU.
         return F.silu(gate).mul_(up)
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and cpu_kernels.is_available():
+            return cpu_kernels.silu_and_mul(x)
+        return self.forward_native(x)

@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.model_executor.custom_op import CustomOp
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(CustomOp):
     """y = x / sqrt(mean(x^2) + eps) * weight, over the last dimension.
 
     With ``residual`` given, first adds it (in the input dtype) and returns
@@ -28,16 +29,19 @@ class RMSNorm(nn.Module):
         # ``normed`` is a fresh tensor (``.to`` returns it as is for float32): safe to scale in place.
         return normed.to(x.dtype).mul_(self.weight)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+    def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """With ``residual`` given, both ``x`` and ``residual`` are overwritten (the caller
-        must no longer need them): the results are written into their buffers. On CPU the
-        fused C++ kernels (``pagedllm.kernels.cpu``) do it in one pass."""
-        if cpu_kernels.usable(x):
-            if residual is None:
-                return cpu_kernels.rms_norm(x, self.weight, self.variance_epsilon)
-            cpu_kernels.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
-            return x, residual
+        must no longer need them): the results are written into their buffers."""
         if residual is None:
             return self._norm(x)
         x = x.add_(residual)
         return self._norm(x), x
+
+    def forward_cpu(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """As ``forward_native``, in one pass by the fused C++ kernels (``pagedllm.kernels.cpu``)."""
+        if not cpu_kernels.is_available():
+            return self.forward_native(x, residual)
+        if residual is None:
+            return cpu_kernels.rms_norm(x, self.weight, self.variance_epsilon)
+        cpu_kernels.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+        return x, residual

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pagedllm.engine.messages import LogprobsLists
+from pagedllm.messages.engine_core import LogprobsLists
 
 
 @dataclass
