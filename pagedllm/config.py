@@ -7,9 +7,9 @@ them and resolves defaults into an ``EngineConfig``.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 if TYPE_CHECKING:
     import torch
@@ -156,10 +156,29 @@ class SchedulerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How the model spreads over devices: parallel sizes (1 today) and the executor.
+
+    ``distributed_executor_backend``: ``"uni"`` (one worker in the engine's process),
+    ``"mp"`` or ``"ray"`` (not supported yet), an ``Executor`` subclass, or None: ``"uni"``
+    for a world size of 1 (see ``Executor.get_class``).
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: Union[str, type, None] = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 def _derived_max_model_len(hf_config: PretrainedConfig) -> int:
@@ -217,6 +236,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
     usage_context: str = "llm"
+    distributed_executor_backend: Union[str, type, None] = None
 
     def create_engine_config(self) -> EngineConfig:
         """Check the arguments and resolve defaults.
@@ -271,4 +291,5 @@ class EngineArgs:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
         )
-        return EngineConfig(model_config, cache_config, scheduler_config)
+        parallel_config = ParallelConfig(distributed_executor_backend=self.distributed_executor_backend)
+        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config)

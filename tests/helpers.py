@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM
+from pagedllm.worker.model_runner import ModelRunner
 
 
 @lru_cache(maxsize=8)
@@ -57,6 +58,11 @@ def check_block_accounting(llm: LLM, expect_idle: bool = True) -> None:
         assert not core.kv_cache_manager.req_to_blocks
 
 
+def model_runner(llm: LLM) -> ModelRunner:
+    """The ``ModelRunner`` of ``llm``'s one worker (in-process engine, uni executor)."""
+    return llm.llm_engine.engine_core.model_executor.driver_worker.model_runner
+
+
 def kv_block_bytes(llm: LLM) -> int:
     """Bytes of one KV-cache block of ``llm``'s model."""
-    return llm.llm_engine.engine_core.model_runner.kv_cache_bytes_per_token() * llm.llm_engine.config.cache_config.block_size
+    return model_runner(llm).kv_cache_bytes_per_token() * llm.llm_engine.config.cache_config.block_size

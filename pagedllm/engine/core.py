@@ -13,32 +13,43 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.executor.abstract import Executor
 from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest
-from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    """Scheduler + model runner.
+    """Scheduler + the executor that runs the model.
 
     Args:
-        config: the resolved engine configuration. Building the core loads the model and
-            sizes the KV cache (``config.cache_config.num_gpu_blocks`` is set).
+        config: the resolved engine configuration. Building the core starts the executor
+            (``Executor.get_class(config)``), which loads the model, and sizes the KV cache
+            (``config.cache_config.num_gpu_blocks`` is set).
+
+    Raises (constructor): what ``Executor.get_class`` raises for an unsupported executor;
+    ``ValueError`` when the KV cache cannot hold one ``max_model_len`` sequence.
     """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_runner = ModelRunner(config)
+        self.model_executor = Executor.get_class(config)(config)
+        num_gpu_blocks = self._initialize_kv_caches()
         cache_config = config.cache_config
-        assert cache_config.num_gpu_blocks is not None
         self.kv_cache_manager = KVCacheManager(
-            num_blocks=cache_config.num_gpu_blocks,
+            num_blocks=num_gpu_blocks,
             block_size=cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
             hash_algo=cache_config.prefix_caching_hash_algo,
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+
+    def _initialize_kv_caches(self) -> int:
+        """Size the KV cache on the workers, allocate it there; returns the number of blocks."""
+        num_gpu_blocks = self.model_executor.determine_num_available_blocks()
+        self.model_executor.initialize_kv_cache(num_gpu_blocks)
+        self.config.cache_config.num_gpu_blocks = num_gpu_blocks
+        return num_gpu_blocks
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a validated, tokenized request."""
@@ -53,7 +64,7 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.model_runner.execute_model(scheduler_output)
+        runner_output = self.model_executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if outputs.scheduler_stats is not None:
             outputs.scheduler_stats.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
@@ -65,3 +76,7 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Returns False while any block is in use."""
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop the executor and release the model and the KV cache; idempotent."""
+        self.model_executor.shutdown()

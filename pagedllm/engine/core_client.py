@@ -150,7 +150,7 @@ class InprocClient(EngineCoreClient):
         return self.engine_core.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        pass
+        self.engine_core.shutdown()
 
 
 class _EngineHandle:

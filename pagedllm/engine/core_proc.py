@@ -294,6 +294,7 @@ class EngineCoreProc:
             logger.exception("EngineCore: could not report the failure")
 
     def close(self) -> None:
+        self.engine_core.shutdown()
         for socket in (self.input_socket, self.output_socket):
             socket.close()
         self.ctx.term()

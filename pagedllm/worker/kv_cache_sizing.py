@@ -7,6 +7,7 @@ bytes per block = bytes per token x block_size.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from pagedllm.config import CacheConfig, ModelConfig
 
@@ -19,16 +20,35 @@ def kv_bytes_per_token(model_config: ModelConfig) -> int:
     return 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * itemsize
 
 
-def num_kv_blocks(
-    model_config: ModelConfig,
-    cache_config: CacheConfig,
-    memory_bytes: int,
-    weights_bytes: int,
-    activation_peak_bytes: int,
-) -> int:
-    """Number of blocks: ``kv_cache_memory_bytes`` if set, else
-    ``gpu_memory_utilization x memory_bytes - weights - activation peak``, divided by the
-    bytes per block.
+@dataclass(frozen=True)
+class KVCacheBudget:
+    """The bytes the KV cache may take on one device, and how they were derived (the words
+    of ``num_kv_blocks``' error message)."""
+
+    num_bytes: int
+    derivation: str
+
+
+def kv_cache_budget(
+    cache_config: CacheConfig, memory_bytes: int, weights_bytes: int, activation_peak_bytes: int
+) -> KVCacheBudget:
+    """``kv_cache_memory_bytes`` if set, else ``gpu_memory_utilization x memory_bytes -
+    weights - activation peak`` (all in bytes; negative when the weights and activations
+    alone exceed the share)."""
+    if cache_config.kv_cache_memory_bytes is not None:
+        budget = cache_config.kv_cache_memory_bytes
+        return KVCacheBudget(budget, f"kv_cache_memory_bytes = {budget:,}")
+    budget = int(cache_config.gpu_memory_utilization * memory_bytes) - weights_bytes - activation_peak_bytes
+    return KVCacheBudget(
+        budget,
+        f"gpu_memory_utilization {cache_config.gpu_memory_utilization} x {memory_bytes:,} bytes of "
+        f"device memory - {weights_bytes:,} bytes of weights - {activation_peak_bytes:,} bytes of "
+        f"activation peak = {budget:,}",
+    )
+
+
+def num_kv_blocks(model_config: ModelConfig, cache_config: CacheConfig, budget: KVCacheBudget) -> int:
+    """Number of blocks: the budget (see ``kv_cache_budget``) divided by the bytes per block.
 
     Raises:
         ValueError: if the budget cannot hold one sequence of ``max_model_len`` tokens;
@@ -36,17 +56,7 @@ def num_kv_blocks(
     """
     per_token = kv_bytes_per_token(model_config)
     per_block = per_token * cache_config.block_size
-    if cache_config.kv_cache_memory_bytes is not None:
-        budget = cache_config.kv_cache_memory_bytes
-        source = f"kv_cache_memory_bytes = {budget:,}"
-    else:
-        budget = int(cache_config.gpu_memory_utilization * memory_bytes) - weights_bytes - activation_peak_bytes
-        source = (
-            f"gpu_memory_utilization {cache_config.gpu_memory_utilization} x {memory_bytes:,} bytes of "
-            f"device memory - {weights_bytes:,} bytes of weights - {activation_peak_bytes:,} bytes of "
-            f"activation peak = {budget:,}"
-        )
-    num_blocks = max(budget, 0) // per_block
+    num_blocks = max(budget.num_bytes, 0) // per_block
     max_len = model_config.max_model_len
     blocks_per_seq = -(-max_len // cache_config.block_size)
     if num_blocks < blocks_per_seq:
@@ -56,7 +66,7 @@ def num_kv_blocks(
             f"({model_config.num_kv_heads}) x head_dim ({model_config.head_dim}) x dtype bytes "
             f"({model_config.dtype.itemsize}) = {per_token:,}; one sequence needs {blocks_per_seq} blocks "
             f"of {cache_config.block_size} tokens = {blocks_per_seq * per_block:,} bytes, but the budget "
-            f"({source}) holds {num_blocks} blocks. Lower max_model_len, or raise "
+            f"({budget.derivation}) holds {num_blocks} blocks. Lower max_model_len, or raise "
             f"kv_cache_memory_bytes / gpu_memory_utilization."
         )
     logger.info(

@@ -30,7 +30,7 @@ from pagedllm.model_executor.model_loader import get_model
 from pagedllm.platforms import current_platform
 from pagedllm.worker.cpu_malloc import tune_malloc
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
-from pagedllm.worker.kv_cache_sizing import kv_bytes_per_token, num_kv_blocks
+from pagedllm.worker.kv_cache_sizing import kv_bytes_per_token
 from pagedllm.messages.runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -51,19 +51,25 @@ def _seed_for_step(seed: int, num_output_tokens: int) -> int:
 class ModelRunner:
     """Owns the model, the KV caches and the persistent batch on one device.
 
+    Its ``Worker`` sets it up in steps: ``load_model``, ``profile_run`` (when the KV cache
+    is sized from the memory left), ``initialize_kv_cache``; then ``execute_model`` runs
+    each step.
+
     Args:
-        config: the engine configuration; ``cache_config.num_gpu_blocks`` is set here.
+        config: the engine configuration.
+        device: the device the model runs on.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
         self.model_config = config.model_config
         self.cache_config = config.cache_config
         self.scheduler_config = config.scheduler_config
-        self.device = current_platform.device
+        self.device = device
         self.block_size = self.cache_config.block_size
-        torch.manual_seed(self.model_config.seed)
-        memory_before_load = current_platform.total_memory_bytes()
+
+    def load_model(self) -> None:
+        """Load the weights; ``weights_bytes`` counts parameters and buffers (bytes)."""
         start = time.perf_counter()
         self.model = get_model(self.model_config, self.device)
         # Buffers too: the packed copy of tied output embeddings, rotary tables.
@@ -74,13 +80,9 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         #: Prefill tokens are attended as decode queries by the CPU kernel (see backend).
         self.prefill_as_decode = prepare_kernels(self.device)
-        activation_peak = 0
-        if self.cache_config.kv_cache_memory_bytes is None:
-            activation_peak = self._profile_activation_peak()
-        num_blocks = num_kv_blocks(
-            self.model_config, self.cache_config, memory_before_load, self.weights_bytes, activation_peak
-        )
-        self.cache_config.num_gpu_blocks = num_blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV-cache blocks per layer and the persistent batch."""
         self.kv_caches = self._allocate_kv_caches(num_blocks)
         self.input_batch = InputBatch(
             self.scheduler_config.max_num_seqs, self.model_config.max_model_len, self.block_size, self.device
@@ -108,7 +110,7 @@ class ModelRunner:
         return caches
 
     @torch.inference_mode()
-    def _profile_activation_peak(self) -> int:
+    def profile_run(self) -> int:
         """Peak activation memory (bytes) of a forward over ``max_num_batched_tokens`` tokens.
 
         CUDA: measured with ``torch.cuda.max_memory_allocated`` over a full-size dummy run.

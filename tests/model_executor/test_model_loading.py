@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.helpers import hf_greedy, random_prompts
+from tests.helpers import hf_greedy, model_runner, random_prompts
 
 
 def greedy(n=8):
@@ -45,7 +45,7 @@ def test_model_id_from_the_local_hf_cache(tiny_llama, tmp_path, monkeypatch):
 @pytest.mark.parametrize("dtype, torch_dtype", [("bfloat16", torch.bfloat16), ("float16", torch.float16), ("auto", torch.bfloat16)])
 def test_dtypes(tiny_llama, dtype, torch_dtype):
     llm = LLM(str(tiny_llama), dtype=dtype, kv_cache_memory_bytes=4 << 20)
-    runner = llm.llm_engine.engine_core.model_runner
+    runner = model_runner(llm)
     assert runner.kv_caches[0].dtype == torch_dtype
     assert next(runner.model.parameters()).dtype == torch_dtype
     out = llm.generate([5, 6, 7], greedy(), use_tqdm=False)[0].outputs[0].token_ids

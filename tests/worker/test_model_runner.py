@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.helpers import random_prompts
+from tests.helpers import model_runner, random_prompts
 
 
 @pytest.mark.parametrize("kernels", [True, False])
@@ -19,7 +19,7 @@ def test_stale_nan_in_fresh_blocks_never_reaches_outputs(kernels, tiny_qwen2, to
     prompts = random_prompts([5, 21, 40], len(tokenizer), seed=7)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     llm = LLM(str(tiny_qwen2), dtype="float32", kv_cache_memory_bytes=4 << 20, block_size=16)
-    runner = llm.llm_engine.engine_core.model_runner
+    runner = model_runner(llm)
     assert runner.prefill_as_decode is kernels
     clean = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
     llm.llm_engine.reset_prefix_cache()

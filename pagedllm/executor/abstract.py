@@ -1,0 +1,125 @@
+"""The Executor: how the EngineCore reaches its workers, wherever they run.
+
+The engine core talks to one ``Executor``; the executor fans each call out to its workers
+(``collective_rpc``) and gathers one result per worker. ``UniProcExecutor`` holds one
+``Worker`` in the engine's own process; a multiprocess or Ray executor (tensor / pipeline
+parallelism) will answer the same calls from workers elsewhere.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Optional, Union
+
+from pagedllm.config import EngineConfig
+from pagedllm.messages.runner_output import ModelRunnerOutput
+from pagedllm.messages.sched_output import SchedulerOutput
+
+#: ``distributed_executor_backend`` names that vLLM has and pagedllm does not yet.
+UNSUPPORTED_BACKENDS = ("mp", "ray")
+
+
+def run_method(obj: Any, method: Union[str, Callable], args: tuple, kwargs: dict) -> Any:
+    """``obj.method(*args, **kwargs)`` for a method name, or ``method(obj, *args, **kwargs)``
+    for a callable (it receives the worker as its first argument)."""
+    if isinstance(method, str):
+        return getattr(obj, method)(*args, **kwargs)
+    return method(obj, *args, **kwargs)
+
+
+class Executor(ABC):
+    """Runs the workers of one engine and gathers their answers.
+
+    Building an executor starts its workers and loads the model on them; the engine core
+    then sizes the KV cache (``determine_num_available_blocks``), allocates it
+    (``initialize_kv_cache``) and runs steps (``execute_model``).
+
+    Args:
+        config: the engine configuration (``parallel_config`` chooses the executor).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._init_executor()
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type[Executor]:
+        """The executor class for ``config.parallel_config.distributed_executor_backend``:
+        an ``Executor`` subclass is used as given; ``"uni"`` (or None with a world size of
+        1) is ``UniProcExecutor``.
+
+        Raises:
+            NotImplementedError: for ``"mp"`` / ``"ray"``, or a world size above 1.
+            ValueError: for any other name.
+            TypeError: for a class that is not an ``Executor``.
+        """
+        parallel_config = config.parallel_config
+        backend = parallel_config.distributed_executor_backend
+        if isinstance(backend, type):
+            if not issubclass(backend, Executor):
+                raise TypeError(f"distributed_executor_backend must be an Executor subclass, got {backend!r}.")
+            return backend
+        if parallel_config.world_size > 1:
+            raise NotImplementedError(
+                f"A world size of {parallel_config.world_size} (tensor_parallel_size "
+                f"{parallel_config.tensor_parallel_size} x pipeline_parallel_size "
+                f"{parallel_config.pipeline_parallel_size}) is not supported yet: pagedllm runs one worker."
+            )
+        if backend in UNSUPPORTED_BACKENDS:
+            raise NotImplementedError(
+                f"distributed_executor_backend {backend!r} is not supported yet; use 'uni' (the default)."
+            )
+        if backend not in (None, "uni"):
+            raise ValueError(
+                f"Unknown distributed_executor_backend {backend!r}; choose 'uni' (or None), or pass an Executor subclass."
+            )
+        from pagedllm.executor.uniproc_executor import UniProcExecutor  # it imports this module
+
+        return UniProcExecutor
+
+    @abstractmethod
+    def _init_executor(self) -> None:
+        """Start the workers, set up their devices and load the model."""
+
+    @abstractmethod
+    def collective_rpc(
+        self,
+        method: Union[str, Callable],
+        args: tuple = (),
+        kwargs: Optional[dict] = None,
+        timeout: Optional[float] = None,
+    ) -> list:
+        """Call ``method`` on every worker and wait for all of them.
+
+        Args:
+            method: a ``Worker`` method name, or a callable taking the worker first.
+            args, kwargs: its arguments (the same for every worker).
+            timeout: seconds to wait; None waits for ever.
+
+        Returns:
+            one result per worker, in rank order.
+        """
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every worker; the driver's (rank 0) output."""
+        return self.collective_rpc("execute_model", args=(scheduler_output,))[0]
+
+    def determine_available_memory(self) -> int:
+        """Bytes every worker can give the KV cache (the smallest worker's)."""
+        return min(self.collective_rpc("determine_available_memory"))
+
+    def determine_num_available_blocks(self) -> int:
+        """KV-cache blocks every worker can hold (the smallest worker's).
+
+        Raises:
+            ValueError: if a worker cannot hold one sequence of ``max_model_len`` tokens.
+        """
+        return min(self.collective_rpc("determine_num_available_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV-cache blocks on every worker."""
+        self.collective_rpc("initialize_kv_cache", args=(num_blocks,))
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the workers and release their memory; idempotent."""
