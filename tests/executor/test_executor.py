@@ -1,0 +1,108 @@
+"""The executor layer: choosing the executor (``Executor.get_class``), and
+``UniProcExecutor`` driving its one ``Worker`` (collective_rpc by name and by callable, KV
+sizing and allocation, shutdown)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.config import EngineArgs
+from pagedllm.executor.abstract import Executor
+from pagedllm.executor.uniproc_executor import UniProcExecutor
+from pagedllm.worker.kv_cache_sizing import kv_bytes_per_token
+from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.worker import Worker
+
+KV_BYTES = 4 << 20
+
+
+def make_config(path, **kwargs):
+    return EngineArgs(model=str(path), dtype="float32", **kwargs).create_engine_config()
+
+
+class _OtherExecutor(Executor):
+    def _init_executor(self) -> None:
+        pass
+
+    def collective_rpc(self, method, args=(), kwargs=None, timeout=None) -> list:
+        return []
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("backend", [None, "uni"])
+def test_get_class_uni_for_world_size_one(tiny_llama, backend):
+    config = make_config(tiny_llama, distributed_executor_backend=backend)
+    assert config.parallel_config.world_size == 1
+    assert Executor.get_class(config) is UniProcExecutor
+
+
+def test_get_class_takes_an_executor_subclass(tiny_llama):
+    assert Executor.get_class(make_config(tiny_llama, distributed_executor_backend=_OtherExecutor)) is _OtherExecutor
+    with pytest.raises(TypeError, match="must be an Executor subclass"):
+        Executor.get_class(make_config(tiny_llama, distributed_executor_backend=Worker))
+
+
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_get_class_multiprocess_backends_not_supported_yet(tiny_llama, backend):
+    with pytest.raises(NotImplementedError, match=f"distributed_executor_backend '{backend}' is not supported yet"):
+        Executor.get_class(make_config(tiny_llama, distributed_executor_backend=backend))
+
+
+def test_get_class_world_size_above_one_not_supported_yet(tiny_llama):
+    config = make_config(tiny_llama)
+    config.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(NotImplementedError, match="world size of 2 .* is not supported yet"):
+        Executor.get_class(config)
+
+
+def test_get_class_unknown_backend(tiny_llama):
+    with pytest.raises(ValueError, match="Unknown distributed_executor_backend 'threads'"):
+        Executor.get_class(make_config(tiny_llama, distributed_executor_backend="threads"))
+
+
+def test_uniproc_executor_drives_its_worker(tiny_llama):
+    config = make_config(tiny_llama, kv_cache_memory_bytes=KV_BYTES)
+    executor = UniProcExecutor(config)
+    worker = executor.driver_worker
+    assert isinstance(worker.model_runner, ModelRunner)
+    assert worker.model_runner.weights_bytes > 0  # loaded by the executor's start-up
+    block_bytes = kv_bytes_per_token(config.model_config) * config.cache_config.block_size
+    assert executor.determine_available_memory() == KV_BYTES
+    assert executor.collective_rpc("determine_available_memory") == [KV_BYTES]
+    assert executor.determine_num_available_blocks() == KV_BYTES // block_bytes == 512
+
+    assert executor.collective_rpc(lambda w, x, y=0: (w.rank, x, y), args=(5,), kwargs={"y": 6}) == [(0, 5, 6)]
+    assert executor.collective_rpc("determine_available_memory", timeout=1.0) == [KV_BYTES]
+
+    executor.initialize_kv_cache(300)
+    caches = worker.model_runner.kv_caches
+    assert len(caches) == config.model_config.num_layers
+    assert caches[0].shape == (2, 300, 16, config.model_config.num_kv_heads, config.model_config.head_dim)
+
+    executor.shutdown()
+    assert not hasattr(worker, "model_runner")
+    executor.shutdown()  # idempotent
+    with pytest.raises(AttributeError, match="model_runner"):
+        executor.collective_rpc("load_model")
+
+
+def test_worker_profiles_once_for_a_memory_share(tiny_llama, monkeypatch):
+    """Without kv_cache_memory_bytes the budget is utilization x memory at start-up -
+    weights - activation peak, profiled once for both questions."""
+    peaks = []
+
+    def fake_profile_run(runner: ModelRunner) -> int:
+        peaks.append(3 << 20)
+        return peaks[-1]
+
+    monkeypatch.setattr(ModelRunner, "profile_run", fake_profile_run)
+    config = make_config(tiny_llama, gpu_memory_utilization=0.5)
+    executor = UniProcExecutor(config)
+    worker = executor.driver_worker
+    expected = int(0.5 * worker.memory_before_load) - worker.model_runner.weights_bytes - (3 << 20)
+    assert executor.determine_available_memory() == expected
+    block_bytes = kv_bytes_per_token(config.model_config) * config.cache_config.block_size
+    assert executor.determine_num_available_blocks() == expected // block_bytes
+    assert peaks == [3 << 20]
