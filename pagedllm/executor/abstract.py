@@ -15,11 +15,14 @@ from pagedllm.config import EngineConfig
 from pagedllm.messages.runner_output import ModelRunnerOutput
 from pagedllm.messages.sched_output import SchedulerOutput
 
+#: What ``collective_rpc`` calls: a ``Worker`` method name, or a callable taking the worker first.
+RpcMethod = Union[str, Callable]
+
 #: ``distributed_executor_backend`` names that vLLM has and pagedllm does not yet.
 UNSUPPORTED_BACKENDS = ("mp", "ray")
 
 
-def run_method(obj: Any, method: Union[str, Callable], args: tuple, kwargs: dict) -> Any:
+def run_method(obj: Any, method: RpcMethod, args: tuple, kwargs: dict) -> Any:
     """``obj.method(*args, **kwargs)`` for a method name, or ``method(obj, *args, **kwargs)``
     for a callable (it receives the worker as its first argument)."""
     if isinstance(method, str):
@@ -83,11 +86,7 @@ class Executor(ABC):
 
     @abstractmethod
     def collective_rpc(
-        self,
-        method: Union[str, Callable],
-        args: tuple = (),
-        kwargs: Optional[dict] = None,
-        timeout: Optional[float] = None,
+        self, method: RpcMethod, args: tuple = (), kwargs: Optional[dict] = None, timeout: Optional[float] = None
     ) -> list:
         """Call ``method`` on every worker and wait for all of them.
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import Optional
 
-from pagedllm.executor.abstract import Executor, run_method
+from pagedllm.executor.abstract import Executor, RpcMethod, run_method
 from pagedllm.worker.worker import Worker
 
 
@@ -18,11 +18,7 @@ class UniProcExecutor(Executor):
         self.collective_rpc("load_model")
 
     def collective_rpc(
-        self,
-        method: Union[str, Callable],
-        args: tuple = (),
-        kwargs: Optional[dict] = None,
-        timeout: Optional[float] = None,
+        self, method: RpcMethod, args: tuple = (), kwargs: Optional[dict] = None, timeout: Optional[float] = None
     ) -> list:
         """``[driver_worker.method(*args, **kwargs)]``; ``timeout`` is not enforced (the
         call runs in this thread and cannot be interrupted)."""
