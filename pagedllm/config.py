@@ -34,13 +34,26 @@ _DTYPES = {
 }
 
 
-def resolve_model_path(model: Optional[str]) -> Path:
-    """A local directory for ``model``: a path, or a model id already in the local HF cache.
+#: Files of a Hub repo that a model needs (weights, configs, tokenizer, chat template):
+#: downloads skip everything else (other weight formats, images, training files).
+HUB_ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja")
 
-    ``None`` means the small model that ships inside the package. Nothing is downloaded.
+
+def resolve_model_path(
+    model: Optional[str], revision: Optional[str] = None, download_dir: Optional[str] = None
+) -> Path:
+    """A local directory for ``model``: a directory, or a Hugging Face Hub id downloaded (or
+    found in the cache) as vLLM does.
+
+    ``None`` means the small model that ships inside the package. A Hub id is fetched with
+    ``huggingface_hub.snapshot_download`` (only ``HUB_ALLOW_PATTERNS``), at ``revision``
+    (branch, tag or commit; default ``main``), into ``download_dir`` (default: the Hugging
+    Face cache, ``$HF_HOME/hub``). ``huggingface_hub`` honours ``HF_TOKEN`` (gated and
+    private repos), ``HF_ENDPOINT`` (a mirror) and ``HF_HUB_OFFLINE=1`` (cache only).
 
     Raises:
-        ValueError: if ``model`` is neither a directory nor cached locally.
+        ValueError: if ``model`` is neither a directory nor a Hub id that could be fetched;
+            the message says why (not found, access denied, offline and not cached, no network).
     """
     if model is None:
         from pagedllm.model_paths import default_model_path
@@ -49,16 +62,41 @@ def resolve_model_path(model: Optional[str]) -> Path:
     path = Path(model).expanduser()
     if path.is_dir():
         return path
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ValueError(f"Model {model!r} is not a directory with config.json and *.safetensors.")
     from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
+    where = f"{model!r}" + (f" at revision {revision!r}" if revision else "")
     try:
-        return Path(snapshot_download(model, local_files_only=True))
-    except Exception as exc:  # huggingface_hub raises several types here
+        return Path(
+            snapshot_download(model, revision=revision, cache_dir=download_dir, allow_patterns=list(HUB_ALLOW_PATTERNS))
+        )
+    except GatedRepoError as exc:
+        reason = "is gated: accept its terms on the Hub and set HF_TOKEN to a token with access"
+        raise ValueError(f"Model {where} {reason}.") from exc
+    except RevisionNotFoundError as exc:
+        raise ValueError(f"Model {model!r} has no revision {revision!r} on {constants.ENDPOINT}.") from exc
+    except RepositoryNotFoundError as exc:
         raise ValueError(
-            f"Model {model!r} is not a local directory and is not in the local Hugging Face "
-            f"cache ({constants.HF_HUB_CACHE}); pagedllm does not download models. Pass a "
-            f"directory with config.json and *.safetensors."
+            f"Model {model!r} is not a local directory, and {constants.ENDPOINT} has no such model "
+            "(or it is private: set HF_TOKEN)."
         ) from exc
+    except LocalEntryNotFoundError as exc:
+        why = "HF_HUB_OFFLINE is set" if constants.is_offline_mode() else f"{constants.ENDPOINT} could not be reached"
+        raise ValueError(
+            f"Model {where} is not a local directory and not in the Hugging Face cache "
+            f"({download_dir or constants.HF_HUB_CACHE}), and {why}."
+        ) from exc
+    except HfHubHTTPError as exc:
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(f"Model {where} could not be downloaded from {constants.ENDPOINT}: {first_line}") from exc
 
 
 def resolve_dtype(dtype: Any, hf_config: PretrainedConfig) -> torch.dtype:
@@ -225,6 +263,9 @@ class EngineArgs:
 
     model: Optional[str] = None
     tokenizer: Optional[str] = None
+    revision: Optional[str] = None
+    tokenizer_revision: Optional[str] = None
+    download_dir: Optional[str] = None
     dtype: Any = "auto"
     max_model_len: Optional[int] = None
     block_size: int = 16
@@ -255,8 +296,12 @@ class EngineArgs:
         isa.selected_isa()  # a bad PAGEDLLM_CPU_ISA fails here, before anything is loaded
         from transformers import AutoConfig
 
-        model_path = resolve_model_path(self.model)
-        tokenizer_path = resolve_model_path(self.tokenizer) if self.tokenizer else model_path
+        model_path = resolve_model_path(self.model, self.revision, self.download_dir)
+        tokenizer_path = (
+            resolve_model_path(self.tokenizer, self.tokenizer_revision, self.download_dir)
+            if self.tokenizer
+            else model_path
+        )
         hf_config = AutoConfig.from_pretrained(model_path)
         derived = _derived_max_model_len(hf_config)
         max_model_len = self.max_model_len or derived

@@ -37,9 +37,12 @@ class RemoteServer:
         model: checkpoint directory (None: no MODEL argument, the shipped default model).
         flags: extra ``serve`` flags.
         api_key: passed as ``--api-key`` when set.
+        env: the server's environment instead of this process's.
     """
 
-    def __init__(self, model: Optional[Path], *flags: str, api_key: Optional[str] = None) -> None:
+    def __init__(
+        self, model: Optional[Path], *flags: str, api_key: Optional[str] = None, env: Optional[dict[str, str]] = None
+    ) -> None:
         self.port = _free_port()
         self.api_key = api_key
         self.url = f"http://127.0.0.1:{self.port}"
@@ -51,7 +54,7 @@ class RemoteServer:
         ]  # fmt: skip
         if api_key:
             command += ["--api-key", api_key]
-        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        env = dict(env if env is not None else os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         for name in ("PAGEDLLM_API_KEY", "VLLM_API_KEY"):
             env.pop(name, None)
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm-serve-", suffix=".log", delete=False)

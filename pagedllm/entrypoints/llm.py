@@ -20,9 +20,12 @@ class LLM:
     """Load a model once, then generate for many prompts with continuous batching.
 
     Args (vLLM's names and defaults):
-        model: a Hugging Face directory or a model id in the local HF cache; None loads
+        model: a Hugging Face directory or a Hub id (downloaded on first use, as vLLM:
+            ``HF_TOKEN``, ``HF_ENDPOINT`` and ``HF_HUB_OFFLINE`` are honoured); None loads
             the small model that ships with pagedllm.
-        tokenizer: tokenizer directory or id (default: the model's).
+        tokenizer: tokenizer directory or Hub id (default: the model's).
+        revision / tokenizer_revision: Hub branch, tag or commit (default: main).
+        download_dir: where downloads go (default: the Hugging Face cache).
         dtype: "auto", "float32", "bfloat16" or "float16".
         max_model_len: context length in tokens (default: the model's).
         block_size: tokens per KV-cache block (8, 16 or 32).
@@ -53,10 +56,16 @@ class LLM:
         seed: int = 0,
         enable_prefix_caching: bool = True,
         prefix_caching_hash_algo: str = "sha256",
+        revision: Optional[str] = None,
+        tokenizer_revision: Optional[str] = None,
+        download_dir: Optional[str] = None,
     ) -> None:
         engine_args = EngineArgs(
             model=model,
             tokenizer=tokenizer,
+            revision=revision,
+            tokenizer_revision=tokenizer_revision,
+            download_dir=download_dir,
             dtype=dtype,
             max_model_len=max_model_len,
             block_size=block_size,

@@ -36,9 +36,10 @@ def test_model_id_from_the_local_hf_cache(tiny_llama, tmp_path, monkeypatch):
     (cache / "models--acme--tiny" / "refs").mkdir()
     (cache / "models--acme--tiny" / "refs" / "main").write_text("0123456789abcdef")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # as HF_HUB_OFFLINE=1
     llm = LLM("acme/tiny", dtype="float32", kv_cache_memory_bytes=4 << 20)
     assert llm.generate([5, 6, 7], greedy(), use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(tiny_llama, [5, 6, 7], 8)
-    with pytest.raises(ValueError, match="not a local directory and is not in the local Hugging Face cache"):
+    with pytest.raises(ValueError, match="not a local directory and not in the Hugging Face cache .*, and HF_HUB_OFFLINE is set"):
         LLM("acme/missing", kv_cache_memory_bytes=4 << 20)
 
 

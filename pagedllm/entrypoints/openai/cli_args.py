@@ -136,11 +136,17 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.error = types.MethodType(_one_line_error, parser)  # type: ignore[method-assign]
     parser.add_argument(
         "model_tag", nargs="?", default=None, metavar="MODEL",
-        help="Model directory (Hugging Face layout) or a model id in the local Hugging Face cache. "
-        "Default: the small model shipped with pagedllm.",
+        help="Model directory (Hugging Face layout) or a Hugging Face Hub id, downloaded on first use "
+        "(HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE are honoured). Default: the small model shipped with pagedllm.",
     )  # fmt: skip
     parser.add_argument("--model", default=None, help="Same as MODEL (vLLM's older form).")
-    parser.add_argument("--tokenizer", default=None, help="Tokenizer directory or id (default: the model's).")
+    parser.add_argument("--tokenizer", default=None, help="Tokenizer directory or Hub id (default: the model's).")
+    parser.add_argument("--revision", default=None, help="Model revision on the Hub: branch, tag or commit (default: main).")
+    parser.add_argument("--tokenizer-revision", default=None, help="Tokenizer revision on the Hub (default: main).")
+    parser.add_argument(
+        "--download-dir", default=None,
+        help="Directory for downloaded models (default: the Hugging Face cache, $HF_HOME/hub).",
+    )  # fmt: skip
 
     server = parser.add_argument_group("server")
     server.add_argument(
@@ -246,6 +252,20 @@ def engine_args_from(args: argparse.Namespace) -> Any:
     return EngineArgs(**values, usage_context="api_server")
 
 
+def _fetch_models(engine_args: Any) -> None:
+    """Download the model and tokenizer named by Hub id (or find them in the cache) before the
+    engine process starts, so a missing model fails here at once and the download happens once.
+
+    Raises:
+        ValueError: the model or tokenizer cannot be found (see ``resolve_model_path``).
+    """
+    from pagedllm.config import resolve_model_path
+
+    resolve_model_path(engine_args.model, engine_args.revision, engine_args.download_dir)
+    if engine_args.tokenizer:
+        resolve_model_path(engine_args.tokenizer, engine_args.tokenizer_revision, engine_args.download_dir)
+
+
 def _fail(message: str, code: int) -> int:
     one_line = " ".join(message.split())
     print(f"pagedllm serve: error: {one_line}", file=sys.stderr)
@@ -272,6 +292,7 @@ def main(args: argparse.Namespace) -> int:
             return _fail(f"no MODEL given, and the shipped default model is missing from {default_model_path()}.", 2)
     try:
         engine_args = engine_args_from(args)
+        _fetch_models(engine_args)
     except ValueError as exc:
         return _fail(str(exc), 2)
     # NOTE: uvicorn re-raises SIGTERM after its graceful shutdown; turning it into
