@@ -174,7 +174,13 @@ class ModelConfig:
 
 @dataclass
 class CacheConfig:
-    """The paged KV cache: block size (tokens), memory budget (bytes), prefix caching."""
+    """The paged KV cache: block size (tokens), memory budget (bytes), prefix caching.
+
+    ``kv_cache_memory_bytes`` is an exact budget, from ``kv_cache_memory_source`` (the
+    argument, or ``PAGEDLLM_CPU_KVCACHE_SPACE`` / ``VLLM_CPU_KVCACHE_SPACE`` in GiB on CPU).
+    Without it the budget is what ``gpu_memory_utilization`` leaves, and on CPU at most
+    ``max_kv_cache_tokens`` tokens: what the configuration can use at once.
+    """
 
     block_size: int
     gpu_memory_utilization: float
@@ -182,6 +188,8 @@ class CacheConfig:
     enable_prefix_caching: bool
     prefix_caching_hash_algo: str
     num_gpu_blocks: Optional[int] = None  # set once the budget is measured
+    kv_cache_memory_source: str = "kv_cache_memory_bytes"
+    max_kv_cache_tokens: Optional[int] = None
 
 
 @dataclass
@@ -245,6 +253,47 @@ def default_max_num_batched_tokens(usage_context: str) -> int:
         return _DEFAULT_MAX_NUM_BATCHED_TOKENS[(current_platform.device_type, usage_context)]
     except KeyError:
         raise ValueError(f"usage_context must be 'llm' or 'api_server', got {usage_context!r}.") from None
+
+
+#: Environment variables giving the CPU KV-cache size in GiB (vLLM-CPU's is the second).
+CPU_KVCACHE_SPACE_ENV_VARS = ("PAGEDLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE")
+
+
+def _cpu_kvcache_space_env() -> tuple[Optional[int], str]:
+    """(bytes, source) from the first of ``CPU_KVCACHE_SPACE_ENV_VARS`` set to a positive
+    number of GiB on CPU, else ``(None, "")``. 0 means unset, as in vLLM-CPU.
+
+    Raises:
+        ValueError: a value that is not a number.
+    """
+    import os
+
+    from pagedllm.platforms import current_platform
+
+    if not current_platform.is_cpu:
+        return None, ""
+    for name in CPU_KVCACHE_SPACE_ENV_VARS:
+        value = os.environ.get(name, "").strip()
+        if not value:
+            continue
+        try:
+            gib = float(value)
+        except ValueError:
+            raise ValueError(f"{name} must be a number of GiB, got {value!r}.") from None
+        if gib > 0:
+            return int(gib * 2**30), f"{name}={value} GiB"
+    return None, ""
+
+
+def _cpu_max_kv_cache_tokens(max_num_seqs: int, max_model_len: int, enable_prefix_caching: bool) -> Optional[int]:
+    """On CPU, the most KV-cache tokens the configuration can use: ``max_num_seqs`` sequences
+    of ``max_model_len`` tokens, twice that with prefix caching (finished requests' blocks
+    stay cached while as many again run). None on GPU, where vLLM fills the device."""
+    from pagedllm.platforms import current_platform
+
+    if not current_platform.is_cpu:
+        return None
+    return max_num_seqs * max_model_len * (2 if enable_prefix_caching else 1)
 
 
 @dataclass
@@ -324,12 +373,17 @@ class EngineArgs:
             max_model_len=max_model_len,
             seed=self.seed,
         )
+        kv_cache_memory_bytes, source = self.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+        if kv_cache_memory_bytes is None:
+            kv_cache_memory_bytes, source = _cpu_kvcache_space_env()
         cache_config = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
             enable_prefix_caching=self.enable_prefix_caching,
             prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+            kv_cache_memory_source=source,
+            max_kv_cache_tokens=_cpu_max_kv_cache_tokens(self.max_num_seqs, max_model_len, self.enable_prefix_caching),
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,

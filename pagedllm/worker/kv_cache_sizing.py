@@ -32,12 +32,12 @@ class KVCacheBudget:
 def kv_cache_budget(
     cache_config: CacheConfig, memory_bytes: int, weights_bytes: int, activation_peak_bytes: int
 ) -> KVCacheBudget:
-    """``kv_cache_memory_bytes`` if set, else ``gpu_memory_utilization x memory_bytes -
-    weights - activation peak`` (all in bytes; negative when the weights and activations
-    alone exceed the share)."""
+    """``kv_cache_memory_bytes`` if set (by argument or environment), else
+    ``gpu_memory_utilization x memory_bytes - weights - activation peak`` (all in bytes;
+    negative when the weights and activations alone exceed the share)."""
     if cache_config.kv_cache_memory_bytes is not None:
         budget = cache_config.kv_cache_memory_bytes
-        return KVCacheBudget(budget, f"kv_cache_memory_bytes = {budget:,}")
+        return KVCacheBudget(budget, f"{cache_config.kv_cache_memory_source} = {budget:,}")
     budget = int(cache_config.gpu_memory_utilization * memory_bytes) - weights_bytes - activation_peak_bytes
     return KVCacheBudget(
         budget,
@@ -48,7 +48,9 @@ def kv_cache_budget(
 
 
 def num_kv_blocks(model_config: ModelConfig, cache_config: CacheConfig, budget: KVCacheBudget) -> int:
-    """Number of blocks: the budget (see ``kv_cache_budget``) divided by the bytes per block.
+    """Number of blocks: the budget (see ``kv_cache_budget``) divided by the bytes per block,
+    and, unless the size was given exactly, no more than ``max_kv_cache_tokens`` hold (CPU).
+    The log line gives the size and where it came from.
 
     Raises:
         ValueError: if the budget cannot hold one sequence of ``max_model_len`` tokens;
@@ -57,6 +59,16 @@ def num_kv_blocks(model_config: ModelConfig, cache_config: CacheConfig, budget: 
     per_token = kv_bytes_per_token(model_config)
     per_block = per_token * cache_config.block_size
     num_blocks = max(budget.num_bytes, 0) // per_block
+    derivation = budget.derivation
+    max_tokens = cache_config.max_kv_cache_tokens
+    if cache_config.kv_cache_memory_bytes is None and max_tokens is not None:
+        demand_blocks = -(-max_tokens // cache_config.block_size)
+        if demand_blocks < num_blocks:
+            num_blocks = demand_blocks
+            derivation = (
+                f"what the configuration can use: {max_tokens:,} tokens (max_num_seqs x max_model_len"
+                f"{', x 2 for prefix caching' if cache_config.enable_prefix_caching else ''}), below {derivation}"
+            )
     max_len = model_config.max_model_len
     blocks_per_seq = -(-max_len // cache_config.block_size)
     if num_blocks < blocks_per_seq:
@@ -70,11 +82,13 @@ def num_kv_blocks(model_config: ModelConfig, cache_config: CacheConfig, budget: 
             f"kv_cache_memory_bytes / gpu_memory_utilization."
         )
     logger.info(
-        "KV cache: %d blocks of %d tokens (%.2f GiB); maximum concurrency for %d tokens per request: %.2fx",
+        "KV cache: %d blocks of %d tokens (%.2f GiB); maximum concurrency for %d tokens per request: %.2fx. "
+        "Budget from %s.",
         num_blocks,
         cache_config.block_size,
         num_blocks * per_block / 2**30,
         max_len,
         num_blocks / blocks_per_seq,
+        derivation,
     )
     return int(num_blocks)

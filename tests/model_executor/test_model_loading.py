@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.worker.kv_cache_sizing import kv_bytes_per_token
 from tests.helpers import hf_greedy, model_runner, random_prompts
 
 
@@ -103,3 +104,46 @@ def test_unsupported_block_size(tiny_llama, block_size):
 def test_max_model_len_above_the_model_maximum(tiny_llama):
     with pytest.raises(ValueError, match=r"max_model_len \(4096\) is larger than the model's maximum context length \(2048"):
         LLM(str(tiny_llama), max_model_len=4096)
+
+
+def _kv_log(tiny_llama, caplog, monkeypatch, env: dict, **kwargs):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        logging.getLogger("pagedllm").propagate = True
+        try:
+            llm = LLM(str(tiny_llama), dtype="float32", **kwargs)
+        finally:
+            logging.getLogger("pagedllm").propagate = False
+    line = [r.message for r in caplog.records if r.message.startswith("KV cache:")][-1]
+    config = llm.llm_engine.config
+    return config.cache_config.num_gpu_blocks, line, kv_bytes_per_token(config.model_config) * 16
+
+
+@pytest.mark.parametrize("prefix_caching, factor", [(True, 2), (False, 1)])
+def test_cpu_default_kv_cache_is_what_the_configuration_can_use(tiny_llama, caplog, monkeypatch, prefix_caching, factor):
+    """On CPU a small model does not reserve most of the RAM: the default budget is
+    max_num_seqs x max_model_len tokens (twice that with prefix caching)."""
+    num_blocks, line, _ = _kv_log(
+        tiny_llama, caplog, monkeypatch, {}, max_num_seqs=4, max_model_len=512, enable_prefix_caching=prefix_caching
+    )
+    assert num_blocks == 4 * 512 * factor // 16
+    assert "Budget from what the configuration can use: " + f"{4 * 512 * factor:,} tokens" in line
+
+
+@pytest.mark.parametrize("name", ["PAGEDLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE"])
+def test_cpu_kvcache_space_env_in_gib(tiny_llama, caplog, monkeypatch, name):
+    num_blocks, line, per_block = _kv_log(tiny_llama, caplog, monkeypatch, {name: "0.01"}, max_model_len=512)
+    assert num_blocks == int(0.01 * 2**30) // per_block
+    assert f"Budget from {name}=0.01 GiB = {int(0.01 * 2**30):,}." in line
+    # The argument wins over the environment.
+    num_blocks, line, _ = _kv_log(
+        tiny_llama, caplog, monkeypatch, {name: "0.01"}, max_model_len=512, kv_cache_memory_bytes=4 << 20
+    )
+    assert num_blocks == (4 << 20) // per_block
+
+
+def test_bad_cpu_kvcache_space_env(tiny_llama, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CPU_KVCACHE_SPACE", "lots")
+    with pytest.raises(ValueError, match="PAGEDLLM_CPU_KVCACHE_SPACE must be a number of GiB, got 'lots'"):
+        LLM(str(tiny_llama))
