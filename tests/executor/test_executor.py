@@ -99,6 +99,7 @@ def test_worker_profiles_once_for_a_memory_share(tiny_llama, monkeypatch):
 
     monkeypatch.setattr(ModelRunner, "profile_run", fake_profile_run)
     config = make_config(tiny_llama, gpu_memory_utilization=0.5)
+    config.cache_config.max_kv_cache_tokens = None  # the CPU cap by demand: test_model_loading.py
     executor = UniProcExecutor(config)
     worker = executor.driver_worker
     expected = int(0.5 * worker.memory_before_load) - worker.model_runner.weights_bytes - (3 << 20)
