@@ -1,7 +1,8 @@
 """Per-request block tables on top of the ``BlockPool`` (no torch).
 
 Token ``i`` of a request lives in ``block_table[i // block_size]`` at offset
-``i % block_size``; a request holds ``ceil(num_tokens / block_size)`` blocks, never more::
+``i % block_size``; a request holds ``ceil(num_tokens / block_size)`` blocks, never more
+(plus those of the lookahead slots it asked for, see ``allocate_slots``)::
 
     tokens:      0 .. 15 | 16 .. 31 | 32 .. 37
     block_table: [  B4   ,    B9    ,    B1    ]   (B1 partly filled)
@@ -93,18 +94,27 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Optional[list[KVCacheBlock]] = None,
+        num_lookahead_tokens: int = 0,
     ) -> Optional[list[KVCacheBlock]]:
-        """Make room for ``num_new_tokens`` more tokens of ``request``.
+        """Make room for ``num_new_tokens`` more tokens of ``request``, plus
+        ``num_lookahead_tokens`` slots after them (for speculative tokens).
 
         ``new_computed_blocks`` are prefix-cache hits being added at admission (their
-        tokens count as computed). Returns the newly allocated blocks (possibly empty),
-        or None, changing nothing, when too few blocks are free.
+        tokens count as computed). Lookahead slots get blocks but are never cached: only
+        full blocks of the request's own tokens are hashed. With block_size 4, 4 computed
+        tokens (c), 3 new (n) and 4 lookahead slots (L)::
+
+            | c c c c | n n n L | L L L . |
+              cached    not cached (holds a lookahead slot), not cached
+
+        Returns the newly allocated blocks (possibly empty), or None, changing nothing,
+        when too few blocks are free.
         """
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed_tokens = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_tokens_after = num_computed_tokens + num_new_tokens
-        num_required = cdiv(num_tokens_after, self.block_size)
+        num_required = cdiv(num_tokens_after + num_lookahead_tokens, self.block_size)
         num_new_blocks = num_required - len(blocks) - len(new_computed_blocks)
         # Hits that sit in the free queue stop being available once touched.
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)

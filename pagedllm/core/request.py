@@ -85,9 +85,9 @@ class Request:
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)
 
-    def append_output_token_ids(self, token_ids: list[int]) -> None:
-        self.output_token_ids.extend(token_ids)
-        self.all_token_ids.extend(token_ids)
+    def append_output_token_id(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
     def record_event(self, event_type: EngineCoreEventType, timestamp: Optional[float] = None) -> None:
         self.events.append(EngineCoreEvent(event_type, time.time() if timestamp is None else timestamp))

@@ -152,7 +152,9 @@ class Scheduler:
         """Append sampled tokens, apply the engine's stop rules, free finished requests.
 
         The engine stops on EOS (unless ``ignore_eos``), ``stop_token_ids``, ``max_tokens``
-        and ``max_model_len``; stop strings are the front end's job.
+        and ``max_model_len``; stop strings are the front end's job. A request may bring
+        several tokens in one step (speculative decoding): they are taken in order up to the
+        first that stops it, and the rest (with their logprobs) are dropped.
         """
         outputs: list[EngineCoreOutput] = []
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -164,14 +166,13 @@ class Scheduler:
             prompt_logprobs = self._unsent_prompt_logprobs(request, runner_output.prompt_logprobs_dict.get(req_id))
             if not new_token_ids and prompt_logprobs is None:
                 continue
-            request.append_output_token_ids(new_token_ids)
-            if new_token_ids:
-                self._check_stop(request)
+            new_token_ids = self._append_until_stop(request, new_token_ids)
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,
                     new_token_ids=new_token_ids,
-                    new_logprobs=runner_output.logprobs_for(index) if new_token_ids else None,
+                    new_logprobs=(runner_output.logprobs_for(index, len(new_token_ids))
+                                  if new_token_ids else None),
                     new_prompt_logprobs=prompt_logprobs,
                     finish_reason=request.get_finished_reason(),
                     stop_reason=request.stop_reason,
@@ -201,19 +202,34 @@ class Scheduler:
             return lists
         return LogprobsLists(lists.token_ids[skip:], lists.logprobs[skip:], lists.ranks[skip:])
 
-    def _check_stop(self, request: Request) -> None:
+    def _append_until_stop(self, request: Request, token_ids: list[int]) -> list[int]:
+        """Append ``token_ids`` to the request one by one, up to the first that finishes it.
+
+        Returns:
+            the appended tokens: ``token_ids`` itself, or its prefix ending at the stopping
+            token.
+        """
+        for i, token_id in enumerate(token_ids):
+            request.append_output_token_id(token_id)
+            if self._check_stop(request, token_id):
+                return token_ids if i + 1 == len(token_ids) else token_ids[: i + 1]
+        return token_ids
+
+    def _check_stop(self, request: Request, last: int) -> bool:
+        """Finish the request if ``last``, its newest output token, stops it; True if so."""
         params = request.sampling_params
-        last = request.output_token_ids[-1]
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and last == request.eos_token_id:
                 request.status = RequestStatus.FINISHED_STOPPED
-                return
+                return True
             if last in params.stop_token_ids:  # type: ignore[operator]
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = last
-                return
+                return True
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish (e.g. abort) requests wherever they are; unknown ids are ignored."""

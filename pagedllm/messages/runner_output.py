@@ -15,10 +15,12 @@ class ModelRunnerOutput:
     Attributes:
         req_ids: the scheduled requests, in the runner's batch order.
         req_id_to_index: request id -> index into the per-request lists below.
-        sampled_token_ids: per request, the tokens sampled this step (empty when the
-            request's prompt is not fully computed yet).
-        logprobs: per sampled token, in ``req_ids`` order over the requests that sampled
-            and asked for logprobs; ``logprobs_index`` maps a request index to its row.
+        sampled_token_ids: per request, the tokens sampled this step, in order: one per
+            request today, several when a step samples several positions of a request
+            (speculative decoding); empty when the request's prompt is not fully computed.
+        logprobs: one row per sampled token (all requests' tokens, in ``req_ids`` order);
+            ``logprobs_index`` maps the index of a request that asked for logprobs to the
+            row of its first token, its other tokens following it.
         prompt_logprobs_dict: request id -> (index of the first prompt token covered, the
             logprobs of the prompt tokens this step's chunk predicts).
     """
@@ -30,15 +32,17 @@ class ModelRunnerOutput:
     logprobs_index: dict[int, int] = field(default_factory=dict)
     prompt_logprobs_dict: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
 
-    def logprobs_for(self, index: int) -> Optional[LogprobsLists]:
-        """The logprobs of request ``index``'s sampled token, or None if it asked for none."""
+    def logprobs_for(self, index: int, num_tokens: int) -> Optional[LogprobsLists]:
+        """The logprobs of the first ``num_tokens`` tokens request ``index`` sampled, or
+        None if it asked for none."""
         row = self.logprobs_index.get(index)
         if row is None or self.logprobs is None:
             return None
+        end = row + num_tokens
         return LogprobsLists(
-            token_ids=[self.logprobs.token_ids[row]],
-            logprobs=[self.logprobs.logprobs[row]],
-            ranks=[self.logprobs.ranks[row]],
+            token_ids=self.logprobs.token_ids[row:end],
+            logprobs=self.logprobs.logprobs[row:end],
+            ranks=self.logprobs.ranks[row:end],
         )
 
 

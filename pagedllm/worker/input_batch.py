@@ -3,6 +3,12 @@
 Token ids and block tables live in preallocated numpy arrays so each step's inputs are
 built by vectorised indexing instead of per-token Python loops. A request is added once
 (or again after a preemption) and then only updated with diffs.
+
+The requests' sampling settings live here too, per row (numpy columns, plus sparse dicts
+for the rare per-request extras: logit bias, min_tokens, seeds). ``sampling_metadata``
+turns them into the sampler's ``SamplingMetadata`` for the rows sampled in a step, and
+keeps it while the batch and those rows stay the same: a steady decode batch rebuilds
+nothing, only the per-step seeds and min_tokens rows are refreshed.
 """
 
 from __future__ import annotations
@@ -14,7 +20,14 @@ import numpy as np
 import torch
 
 from pagedllm.messages.sched_output import NewRequestData
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.model_executor.sampling_metadata import SamplingMetadata, min_tokens_blocked_ids
+from pagedllm.sampling_params import _GREEDY_TEMPERATURE, SamplingParams
+
+
+def seed_for_step(seed: int, num_output_tokens: int) -> int:
+    """A generator seed that depends only on the request's seed and its output position, so
+    a seeded request samples the same tokens whatever its batch, and after a preemption."""
+    return (seed * 0x9E3779B97F4A7C15 + num_output_tokens) % (2**63)
 
 
 @dataclass
@@ -24,16 +37,31 @@ class CachedRequestState:
     req_id: str
     row: int
     num_prompt_tokens: int
-    prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: Optional[int]
-    generator: Optional[torch.Generator]
+
+
+@dataclass
+class _SamplingView:
+    """A ``SamplingMetadata`` for given rows, with what each step refreshes in it.
+
+    ``seeded`` lists (metadata row, generator, request seed); ``min_tokens`` lists
+    (metadata row, min_tokens, blocked ids); ``outputs`` are the rows' output token lists
+    (the requests' own lists, which grow in place), for penalties only.
+    """
+
+    version: int
+    rows: np.ndarray
+    metadata: SamplingMetadata
+    seeded: list[tuple[int, torch.Generator, int]]
+    min_tokens: list[tuple[int, int, set[int]]]
+    outputs: list[list[int]]
 
 
 class InputBatch:
     """Rows of token ids [max_num_reqs, max_model_len] and block tables
-    [max_num_reqs, max_blocks_per_req], both int64 numpy arrays."""
+    [max_num_reqs, max_blocks_per_req], both int64 numpy arrays, and the rows' sampling
+    settings."""
 
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device) -> None:
         self.max_model_len = max_model_len
@@ -42,11 +70,32 @@ class InputBatch:
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int64)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.requests: dict[str, CachedRequestState] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self._init_sampling_state(max_num_reqs)
+
+    def _init_sampling_state(self, max_num_reqs: int) -> None:
+        """Per-row sampling columns (see ``SamplingMetadata``; 0.0 temperature = greedy,
+        top_k 0 = off, -1 logprobs = none) and sparse row -> value dicts."""
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.presence_penalties = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalties = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition_penalties = np.ones(max_num_reqs, dtype=np.float32)
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.logit_bias: dict[int, dict[int, float]] = {}
+        self.min_tokens: dict[int, tuple[int, set[int]]] = {}
+        self.generators: dict[int, tuple[torch.Generator, int]] = {}
+        self.output_token_ids: dict[int, list[int]] = {}
+        # Bumped whenever a row changes hands: a cached view is stale after it.
+        self._version = 0
+        self._view: Optional[_SamplingView] = None
 
     def add_request(self, new: NewRequestData) -> None:
         """Give a new (or resumed) request a row.
@@ -60,28 +109,48 @@ class InputBatch:
         n = len(new.token_ids)
         self.token_ids[row, :n] = new.token_ids
         self.num_tokens[row] = n
+        self.num_prompt_tokens[row] = new.num_prompt_tokens
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
         self.append_block_ids(row, new.block_ids)
-        params = new.sampling_params
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device)
-        self.requests[new.req_id] = CachedRequestState(
+        state = CachedRequestState(
             req_id=new.req_id,
             row=row,
             num_prompt_tokens=new.num_prompt_tokens,
-            prompt_token_ids=new.token_ids[: new.num_prompt_tokens],
             output_token_ids=list(new.output_token_ids),
-            sampling_params=params,
-            eos_token_id=new.eos_token_id,
-            generator=generator,
+            sampling_params=new.sampling_params,
         )
+        self.requests[new.req_id] = state
+        self._add_sampling_state(row, state, new.eos_token_id)
+
+    def _add_sampling_state(self, row: int, state: CachedRequestState, eos_token_id: Optional[int]) -> None:
+        params = state.sampling_params
+        self.temperature[row] = 0.0 if params.is_greedy else params.temperature
+        self.top_p[row] = params.top_p
+        self.top_k[row] = max(params.top_k, 0)
+        self.min_p[row] = params.min_p
+        self.presence_penalties[row] = params.presence_penalty
+        self.frequency_penalties[row] = params.frequency_penalty
+        self.repetition_penalties[row] = params.repetition_penalty
+        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        if params.logit_bias:
+            self.logit_bias[row] = params.logit_bias
+        if params.min_tokens > 0:
+            self.min_tokens[row] = (params.min_tokens, min_tokens_blocked_ids(params, eos_token_id))
+        if params.seed is not None:
+            self.generators[row] = (torch.Generator(device=self.device), params.seed)
+        self.output_token_ids[row] = state.output_token_ids
+        self._version += 1
 
     def remove_request(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)
-        if state is not None:
-            self._free_rows.append(state.row)
+        if state is None:
+            return
+        row = state.row
+        for sparse in (self.logit_bias, self.min_tokens, self.generators, self.output_token_ids):
+            sparse.pop(row, None)
+        self._free_rows.append(row)
+        self._version += 1
 
     def append_block_ids(self, row: int, block_ids: list[int]) -> None:
         start = self.num_blocks[row]
@@ -93,3 +162,91 @@ class InputBatch:
         self.token_ids[row, self.num_tokens[row]] = token_id
         self.num_tokens[row] += 1
         state.output_token_ids.append(token_id)
+
+    # ------------------------------------------------------------------ sampling
+    def sampling_metadata(self, rows: np.ndarray, num_output_tokens: np.ndarray,
+                          vocab_size: int) -> SamplingMetadata:
+        """The sampler's metadata for one sampled position per entry of ``rows``.
+
+        Reused from the previous step when no request was added or removed since and
+        ``rows`` are the same; its seeds, min_tokens rows and (for penalties) output
+        tokens are then refreshed from ``num_output_tokens``.
+
+        Args:
+            rows: [S] int64 batch rows, in sampling order; a row appears once per position
+                sampled for its request (several for speculative decoding), consecutively.
+            num_output_tokens: [S] int64, per entry the number of output tokens before the
+                sampled one (it sets the seeded rows' seed, min_tokens and penalties).
+            vocab_size: V, the logits' last dimension.
+
+        Returns:
+            a ``SamplingMetadata`` whose row j describes entry j (tensors on the batch's
+            device); valid until the next call.
+        """
+        view = self._view
+        if view is None or view.version != self._version or not np.array_equal(view.rows, rows):
+            view = self._view = self._make_view(rows, vocab_size)
+        metadata = view.metadata
+        for j, generator, seed in view.seeded:
+            generator.manual_seed(seed_for_step(seed, int(num_output_tokens[j])))
+        if view.min_tokens:
+            metadata.min_tokens = {j: (m, blocked) for j, m, blocked in view.min_tokens
+                                   if num_output_tokens[j] < m}
+        if not metadata.no_penalties:
+            metadata.output_token_ids = [
+                out if n == len(out) else out[:n]
+                for out, n in zip(view.outputs, num_output_tokens.tolist())
+            ]
+        return metadata
+
+    def _make_view(self, rows: np.ndarray, vocab_size: int) -> _SamplingView:
+        """Gather the rows' sampling columns into a new ``SamplingMetadata``."""
+        temperature = self.temperature[rows]
+        greedy = temperature < _GREEDY_TEMPERATURE
+        top_p, top_k, min_p = self.top_p[rows], self.top_k[rows], self.min_p[rows]
+        penalties = [self.presence_penalties[rows], self.frequency_penalties[rows],
+                     self.repetition_penalties[rows]]
+        no_penalties = not (penalties[0].any() or penalties[1].any() or (penalties[2] != 1.0).any())
+        num_logprobs = int(self.num_logprobs[rows].max()) if len(rows) else -1
+        row_list = rows.tolist()
+        metadata = SamplingMetadata(
+            temperature=self._to_device(temperature),
+            all_greedy=bool(greedy.all()),
+            all_random=not greedy.any(),
+            top_p=self._to_device(top_p) if (top_p < 1.0).any() else None,
+            top_k=self._to_device(np.where(top_k > 0, top_k, vocab_size)) if top_k.any() else None,
+            min_p=self._to_device(min_p) if min_p.any() else None,
+            generators={},
+            no_penalties=no_penalties,
+            presence_penalties=self._to_device(penalties[0]),
+            frequency_penalties=self._to_device(penalties[1]),
+            repetition_penalties=self._to_device(penalties[2]),
+            prompt_token_ids=None if no_penalties else self._padded_prompts(rows, vocab_size),
+            output_token_ids=[[] for _ in row_list],
+            min_tokens={},
+            logit_bias=[self.logit_bias.get(row) for row in row_list] if self.logit_bias else [None] * len(row_list),
+            max_num_logprobs=num_logprobs if num_logprobs >= 0 else None,
+        )
+        seeded = []
+        for row, (generator, seed) in self.generators.items():
+            for k, j in enumerate(np.flatnonzero(rows == row).tolist()):
+                # NOTE: further positions of a request need generators of their own; each
+                # is seeded for its own output position, every step.
+                gen = generator if k == 0 else torch.Generator(device=self.device)
+                metadata.generators[j] = gen
+                seeded.append((j, gen, seed))
+        min_tokens = [(j, m, blocked) for row, (m, blocked) in self.min_tokens.items()
+                      for j in np.flatnonzero(rows == row).tolist()]
+        outputs = [] if no_penalties else [self.output_token_ids[row] for row in row_list]
+        return _SamplingView(self._version, rows.copy(), metadata, seeded, min_tokens, outputs)
+
+    def _padded_prompts(self, rows: np.ndarray, vocab_size: int) -> torch.Tensor:
+        """[S, max_prompt_len] int64 prompt ids of ``rows``, padded with ``vocab_size``."""
+        num_prompt = self.num_prompt_tokens[rows]
+        width = int(num_prompt.max())
+        ids = self.token_ids[rows, :width]
+        ids[np.arange(width) >= num_prompt[:, None]] = vocab_size
+        return self._to_device(ids)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device)

@@ -21,11 +21,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.messages.sched_output import SchedulerOutput
 from pagedllm.messages.engine_core import LogprobsLists
 from pagedllm.model_executor.layers.attention import Attention
-from pagedllm.model_executor.layers.sampler import (
-    Sampler,
-    SamplingMetadata,
-    compute_logprobs_with_topk,
-)
+from pagedllm.model_executor.layers.sampler import Sampler, compute_logprobs_with_topk
 from pagedllm.model_executor.model_loader import get_model
 from pagedllm.platforms import current_platform
 from pagedllm.worker.cpu_malloc import tune_malloc
@@ -40,12 +36,6 @@ logger = logging.getLogger(__name__)
 #: the run is compute-bound, and on a 2-core AVX2 CPU 256 tokens of the 0.5B shape took 1.8 s
 #: of start-up (the peak measured with 64, 128 and 256 tokens: 760, 810 and 587 MB).
 _CPU_PROFILE_TOKENS = 64
-
-
-def _seed_for_step(seed: int, num_output_tokens: int) -> int:
-    """A generator seed that depends only on the request's seed and its output position, so
-    a seeded request samples the same tokens whatever its batch, and after a preemption."""
-    return (seed * 0x9E3779B97F4A7C15 + num_output_tokens) % (2**63)
 
 
 class ModelRunner:
@@ -207,18 +197,19 @@ class ModelRunner:
             hidden = self.model(self._to_device(input_ids), self._to_device(positions))
 
         batch.num_computed_tokens[rows] = seq_lens
-        sample_mask = seq_lens == batch.num_tokens[rows]
         prompt_logprobs = self._prompt_logprobs(hidden, states, computed, seq_lens, starts)
-        sampled = self._sample(hidden, states, sample_mask, cu)
+        logits_indices, sample_reqs = self._logits_indices(rows, seq_lens, cu)
+        sample_rows = rows[sample_reqs]
+        num_output_tokens = np.maximum(positions[logits_indices] + 1 - batch.num_prompt_tokens[sample_rows], 0)
+        tokens, logprobs = self._sample(hidden, logits_indices, sample_rows, num_output_tokens)
         sampled_token_ids: list[list[int]] = [[] for _ in order]
         logprobs_index: dict[int, int] = {}
-        token_list, logprobs = sampled
-        for j, i in enumerate(np.flatnonzero(sample_mask).tolist()):
-            token = token_list[j]
-            sampled_token_ids[i] = [token]
-            batch.append_token(states[i], token)
-            if states[i].sampling_params.logprobs is not None:
+        for j, (i, token) in enumerate(zip(sample_reqs.tolist(), tokens)):
+            state = states[i]
+            if not sampled_token_ids[i] and state.sampling_params.logprobs is not None:
                 logprobs_index[i] = j
+            sampled_token_ids[i].append(token)
+            batch.append_token(state, token)
         return ModelRunnerOutput(
             req_ids=order,
             req_id_to_index={r: i for i, r in enumerate(order)},
@@ -270,29 +261,29 @@ class ModelRunner:
             **per_token,
         )
 
+    def _logits_indices(
+        self, rows: np.ndarray, seq_lens: np.ndarray, cu: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The flattened-token positions whose logits are sampled this step, and for each the
+        index of its request in the step's order (non-decreasing; a request may have several
+        consecutive positions, e.g. draft tokens to verify).
+
+        One position per request whose known tokens are now all computed: its last one.
+        """
+        sample_reqs = np.flatnonzero(seq_lens == self.input_batch.num_tokens[rows])
+        return cu[sample_reqs] - 1, sample_reqs
+
     def _sample(
-        self, hidden: torch.Tensor, states: list[CachedRequestState], sample_mask: np.ndarray, cu: np.ndarray
+        self, hidden: torch.Tensor, logits_indices: np.ndarray, sample_rows: np.ndarray,
+        num_output_tokens: np.ndarray,
     ) -> tuple[list[int], Optional[LogprobsLists]]:
-        sample_idx = np.flatnonzero(sample_mask)
-        if len(sample_idx) == 0:
+        """Sample one token at each of ``logits_indices`` (flattened-token positions of
+        ``hidden``), for the batch rows ``sample_rows`` that have ``num_output_tokens``
+        output tokens before it; returns the tokens and, when asked for, their logprobs."""
+        if len(logits_indices) == 0:
             return [], None
-        logits = self.model.compute_logits(hidden[self._to_device(cu[sample_idx] - 1)])
-        sample_states = [states[i] for i in sample_idx.tolist()]
-        generators = {}
-        for j, state in enumerate(sample_states):
-            if state.generator is not None:
-                seed = state.sampling_params.seed
-                state.generator.manual_seed(_seed_for_step(seed, len(state.output_token_ids)))  # type: ignore[arg-type]
-                generators[j] = state.generator
-        metadata = SamplingMetadata.from_params(
-            [s.sampling_params for s in sample_states],
-            [s.prompt_token_ids for s in sample_states],
-            [s.output_token_ids for s in sample_states],
-            vocab_size=logits.shape[-1],
-            device=self.device,
-            generators=generators,
-            eos_token_id=sample_states[0].eos_token_id,
-        )
+        logits = self.model.compute_logits(hidden[self._to_device(logits_indices)])
+        metadata = self.input_batch.sampling_metadata(sample_rows, num_output_tokens, logits.shape[-1])
         out = self.sampler(logits, metadata)
         tokens = out.sampled_token_ids.tolist()
         if out.logprobs is None:
