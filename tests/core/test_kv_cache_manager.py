@@ -132,3 +132,30 @@ def test_sha256_cbor_hashes_are_identical_across_processes():
         for seed in ("random", "random")
     ]
     assert runs[0] == runs[1] and len(runs[0].split(",")) == 2
+
+
+def test_lookahead_slots_get_blocks_that_are_never_cached():
+    manager = KVCacheManager(16, BS)
+    request = make_request("a", list(range(40)))  # 2 full blocks + 8 tokens
+    blocks = manager.allocate_slots(request, 40, num_lookahead_tokens=30)
+    assert len(blocks) == 5  # ceil(70 / 16): 3 for the tokens, 2 more for the lookahead
+    request.num_computed_tokens = 40
+    # Only the two full blocks of real tokens are hashed; the block that the tokens
+    # share with lookahead slots, and the lookahead-only ones, are not.
+    assert [b.block_hash is not None for b in blocks] == [True, True, False, False, False]
+    assert len(manager.block_pool.cached_block_hash_to_block) == 2
+    # The reserved slots cover the next decode steps: no new block until token 70.
+    request.append_output_token_id(1)
+    assert manager.allocate_slots(request, 1, num_lookahead_tokens=29) == []
+    manager.free(request)
+    manager.block_pool.check_integrity()
+    assert manager.block_pool.get_num_free_blocks() == 16
+
+
+def test_lookahead_counts_against_free_blocks():
+    manager = KVCacheManager(4, BS)
+    request = make_request("a", list(range(40)))
+    assert manager.allocate_slots(request, 40, num_lookahead_tokens=25) is None  # needs 5
+    assert "a" not in manager.req_to_blocks
+    assert len(manager.allocate_slots(request, 40, num_lookahead_tokens=24)) == 4
+    manager.block_pool.check_integrity()

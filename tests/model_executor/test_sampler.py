@@ -9,7 +9,9 @@ from collections import Counter
 import pytest
 import torch
 
+from pagedllm.model_executor.layers.logits_processors import LogitsProcessor, apply_token_bitmask
 from pagedllm.model_executor.layers.sampler import (
+    Argmax,
     Sampler,
     SamplingMetadata,
     apply_logit_bias,
@@ -17,6 +19,7 @@ from pagedllm.model_executor.layers.sampler import (
     apply_penalties,
     compute_logprobs_with_topk,
 )
+from pagedllm.platforms import current_platform
 from pagedllm.sampling_params import SamplingParams
 
 #: chi-square critical values at alpha = 0.001 (df -> value), from standard tables.
@@ -338,3 +341,102 @@ def test_from_params_skips_unused_options():
                         prompts=[[1, 2, 3], [4]])
     assert meta.top_k.tolist() == [3, 10]
     assert meta.max_num_logprobs == 0
+
+
+# --- the processor pipeline -----------------------------------------------------------------
+
+
+class BanToken(LogitsProcessor):
+    """A custom processor: token ``token_id`` is never sampled."""
+
+    def __init__(self, token_id):
+        self.token_id = token_id
+        self.calls = 0
+
+    def is_active(self, metadata):
+        return True
+
+    def apply(self, logits, metadata):
+        self.calls += 1
+        logits[:, self.token_id] = -math.inf
+        return logits
+
+
+def test_default_processors_run_in_vllm_order():
+    names = [type(p).__name__ for p in Sampler().logits_processors]
+    assert names == ["LogitBiasLogitsProcessor", "MinTokensLogitsProcessor",
+                     "PenaltiesLogitsProcessor", "AllowedTokenBitmaskLogitsProcessor",
+                     "TemperatureLogitsProcessor", "TopKTopPLogitsProcessor"]
+    assert [p.argmax_invariant for p in Sampler().logits_processors] == [False] * 4 + [True] * 2
+
+
+def test_a_custom_processor_is_applied_and_disables_the_greedy_fast_path():
+    torch.manual_seed(10)
+    logits = torch.randn(3, 20)
+    top = logits.argmax(-1)
+    sampler = Sampler()
+    ban = BanToken(int(top[0]))
+    sampler.logits_processors.insert(0, ban)
+    meta = metadata_for([SamplingParams(temperature=0.0)] * 3, 20)
+    out = sampler(logits, meta).sampled_token_ids
+    assert ban.calls == 1
+    assert int(out[0]) == int(logits[0].topk(2).indices[1])  # the runner-up
+    assert int(out[0]) != int(top[0]) and int(out[1]) != int(top[0])
+    # Random rows never draw the banned token either.
+    meta = metadata_for([SamplingParams(temperature=5.0)] * 3, 20)
+    draws = torch.cat([sampler(torch.zeros(3, 20), meta).sampled_token_ids for _ in range(200)])
+    assert int(top[0]) not in draws.tolist() and len(set(draws.tolist())) > 10
+
+
+def test_the_plain_greedy_fast_path_leaves_inactive_processors_alone():
+    class Counting(BanToken):
+        def is_active(self, metadata):
+            return False
+
+    sampler = Sampler()
+    counting = Counting(0)
+    sampler.logits_processors.append(counting)
+    logits = torch.tensor([[5.0, 1.0], [0.0, 2.0]])
+    out = sampler(logits, metadata_for([SamplingParams(temperature=0.0)] * 2, 2))
+    assert out.sampled_token_ids.tolist() == [0, 1] and counting.calls == 0
+
+
+def _bitmask(allowed_rows, vocab):
+    words = -(-vocab // 32)
+    mask = torch.zeros(len(allowed_rows), words, dtype=torch.int64)
+    for row, allowed in enumerate(allowed_rows):
+        for t in allowed:
+            mask[row, t // 32] |= 1 << (t % 32)
+    # int32 words, bit 31 included (two's complement).
+    return torch.where(mask >= 2**31, mask - 2**32, mask).to(torch.int32)
+
+
+def test_token_bitmask_exact_values():
+    vocab = 70  # not a multiple of 32; tokens 31 and 63 use the sign bit
+    allowed = [{0, 31, 32, 63, 69}, set(range(vocab))]
+    logits = apply_token_bitmask(torch.zeros(2, vocab), _bitmask(allowed, vocab))
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [0, 31, 32, 63, 69]
+    assert torch.isfinite(logits[1]).all()
+
+
+def test_allowed_token_bitmask_constrains_greedy_and_random_rows():
+    torch.manual_seed(11)
+    vocab = 40
+    logits = torch.randn(2, vocab)
+    meta = metadata_for([SamplingParams(temperature=0.0), SamplingParams(temperature=2.0)], vocab)
+    meta.allowed_token_bitmask = _bitmask([{3, 17, 35}, {1, 2, 33}], vocab)
+    seen = set()
+    for _ in range(100):
+        out = Sampler()(logits, meta).sampled_token_ids.tolist()
+        assert out[0] == max((3, 17, 35), key=lambda t: float(logits[0, t]))
+        seen.add(out[1])
+    assert seen == {1, 2, 33}
+
+
+def test_argmax_op_is_chosen_once_from_the_platform():
+    op = Argmax()
+    expected = op.forward_cpu if current_platform.is_cpu else op.forward_cuda
+    assert op._forward_method == expected
+    logits = torch.randn(4, 33).to(torch.bfloat16)
+    assert torch.equal(op(logits), logits.float().argmax(-1))
+    assert torch.equal(op.forward_native(logits), logits.float().argmax(-1))

@@ -1,10 +1,14 @@
 """The KV cache is never cleared: blocks handed to a request, and the block tables' padding,
 may hold anything a block held before (here NaN). The CPU kernel reads no slot past a
 request's context, and the portable attention zeroes the values it gathered there, so the
-greedy output equals a clean cache's either way."""
+greedy output equals a clean cache's either way.
+
+The runner also samples several positions of a request in one step (``logits_indices``), as
+speculative decoding will."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -28,3 +32,43 @@ def test_stale_nan_in_fresh_blocks_never_reaches_outputs(kernels, tiny_qwen2, to
     again = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
     assert again == clean
     assert bool(runner.kv_caches[0].isnan().any())  # nothing cleared the unused slots
+
+
+def _sample_last_positions(original, k):
+    """A ``_logits_indices`` that samples the last ``k`` scheduled positions of every
+    request that samples (as a speculative-decoding step verifying k - 1 drafts)."""
+
+    def logits_indices(rows, seq_lens, cu):
+        indices, reqs = original(rows, seq_lens, cu)
+        starts = cu - np.diff(cu, prepend=0)
+        many = [(i - n + 1 + m, r) for i, r in zip(indices.tolist(), reqs.tolist())
+                for n in [min(k, int(cu[r] - starts[r]))] for m in range(n)]
+        return np.array([i for i, _ in many], dtype=np.int64), np.array([r for _, r in many], dtype=np.int64)
+
+    return logits_indices
+
+
+def test_several_logits_indices_per_request_sample_each_position(tiny_qwen2, tokenizer, monkeypatch):
+    """Prompt + its first 3 greedy tokens, sampled at the last 4 positions in one step, gives
+    the 4 greedy tokens (each position predicts the next), for every request of the batch."""
+    prompts = random_prompts([9, 13], len(tokenizer), seed=3)
+    llm = LLM(str(tiny_qwen2), dtype="float32", kv_cache_memory_bytes=4 << 20, block_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
+    sequential = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    greedy = [o.outputs[0].token_ids for o in sequential]
+
+    runner = llm.llm_engine.engine_core.model_runner
+    monkeypatch.setattr(runner, "_logits_indices", _sample_last_positions(runner._logits_indices, 4))
+    extended = [{"prompt_token_ids": p + g[:3]} for p, g in zip(prompts, greedy)]
+    at_once = llm.generate(extended, params, use_tqdm=False)
+    for seq, one_step, tokens in zip(sequential, at_once, greedy):
+        out = one_step.outputs[0]
+        assert out.token_ids == tokens and out.finish_reason == "length"
+        assert len(out.logprobs) == 4
+        for want, got, token in zip(seq.outputs[0].logprobs, out.logprobs, tokens):
+            assert got[token].logprob == pytest.approx(want[token].logprob, abs=1e-4)
+
+    # max_tokens 2: the first two tokens are kept, the other two dropped.
+    short = llm.generate(extended, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                         use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in short] == [g[:2] for g in greedy]

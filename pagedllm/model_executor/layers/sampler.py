@@ -41,10 +41,10 @@ from pagedllm.model_executor.sampling_metadata import SamplingMetadata
 from pagedllm.sampling_params import _GREEDY_TEMPERATURE
 
 __all__ = [
+    "Argmax",
     "Sampler",
     "SamplerOutput",
     "SamplingMetadata",
-    "LogitsProcessor",
     "apply_logit_bias",
     "apply_min_tokens",
     "apply_penalties",
