@@ -57,7 +57,7 @@ def test_several_logits_indices_per_request_sample_each_position(tiny_qwen2, tok
     sequential = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     greedy = [o.outputs[0].token_ids for o in sequential]
 
-    runner = llm.llm_engine.engine_core.model_runner
+    runner = model_runner(llm)
     monkeypatch.setattr(runner, "_logits_indices", _sample_last_positions(runner._logits_indices, 4))
     extended = [{"prompt_token_ids": p + g[:3]} for p, g in zip(prompts, greedy)]
     at_once = llm.generate(extended, params, use_tqdm=False)
