@@ -12,11 +12,25 @@ from typing import Optional, Union
 
 import msgspec
 
+#: ``max_tokens`` when a request does not set it (vLLM's and OpenAI's completions default).
+DEFAULT_MAX_TOKENS = 16
+
 #: Largest ``logprobs`` / ``prompt_logprobs`` a request may ask for (OpenAI's limit).
 MAX_LOGPROBS = 20
 
 #: Below this temperature a request is treated as greedy (avoids dividing by ~0).
 _GREEDY_TEMPERATURE = 1e-5
+
+
+def check_max_tokens(max_tokens: Optional[int], field: str = "max_tokens") -> None:
+    """The bound of ``max_tokens`` (None, or at least 1), for ``SamplingParams`` and for the
+    request field ``field`` that sets it.
+
+    Raises:
+        ValueError: ``"{field} must be at least 1, got {max_tokens!r}."``.
+    """
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"{field} must be at least 1, got {max_tokens!r}.")
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -85,7 +99,7 @@ class SamplingParams(
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
-    max_tokens: Optional[int] = 16
+    max_tokens: Optional[int] = DEFAULT_MAX_TOKENS
     min_tokens: int = 0
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
@@ -125,8 +139,7 @@ class SamplingParams(
             raise bad("top_k", "-1 (disabled) or at least 1")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "in [0, 1]")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad("max_tokens", "at least 1")
+        check_max_tokens(self.max_tokens)
         if self.min_tokens < 0:
             raise bad("min_tokens", "non-negative")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

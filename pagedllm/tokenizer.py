@@ -1,7 +1,8 @@
-"""Tokenizer loading (HF transformers' fast tokenizers)."""
+"""Tokenizer loading (HF transformers' fast tokenizers) and GPT-2's byte map."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -17,3 +18,13 @@ def get_tokenizer(path: Path | str) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as exc:
         raise ValueError(f"Cannot load a tokenizer from {path}: {exc}") from exc
+
+
+@functools.lru_cache(maxsize=1)
+def byte_level_char_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the printable character that stands for each byte
+    in a token's string -> that byte (256 entries; shared by every byte-level tokenizer:
+    GPT-2, Llama 3, Qwen ...)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # byte -> character
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}

@@ -19,15 +19,14 @@ import logging
 import time
 from typing import AsyncGenerator, Iterable, Optional, Union
 
-import msgspec
 from prometheus_client import CollectorRegistry
 
 from pagedllm.config import EngineArgs, EngineConfig
-from pagedllm.engine.core_client import AsyncMPClient
+from pagedllm.engine.core_client import AsyncMPClient, EngineCoreClient
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputCollector
-from pagedllm.engine.parallel_sampling import ParentRequest
+from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 from pagedllm.metrics.stats import IterationStats, RequestStatsTracker
@@ -85,7 +84,7 @@ class AsyncLLM:
         self.log_requests = log_requests
         self.served_model_name = served_model_name or config.model_config.model
         if engine_core is None:
-            engine_core = AsyncMPClient(config, engine_in_thread=not multiprocess, wait_for_ready=False)
+            engine_core = _make_async_client(config, multiprocess)
         self.engine_core = engine_core
         try:
             self.tokenizer = get_tokenizer(config.model_config.tokenizer_path)
@@ -127,7 +126,7 @@ class AsyncLLM:
             EngineStartupError: the engine process crashed while starting.
         """
         if engine_core is None:
-            engine_core = AsyncMPClient(engine_args, engine_in_thread=not multiprocess, wait_for_ready=False)
+            engine_core = _make_async_client(engine_args, multiprocess)
         try:
             config = engine_args.create_engine_config()
         except BaseException:
@@ -186,33 +185,44 @@ class AsyncLLM:
     async def add_request(
         self,
         request_id: str,
-        prompt: PromptType,
+        prompt: Union[PromptType, EngineCoreRequest],
         sampling_params: Optional[SamplingParams] = None,
         cache_salt: Optional[str] = None,
         arrival_time: Optional[float] = None,
+        prompt_text: Optional[str] = None,
     ) -> RequestOutputCollector:
         """Validate, tokenize and send a request; returns the collector its outputs go to.
 
+        ``prompt`` may be an ``EngineCoreRequest`` already built by ``self.processor.process``
+        (the OpenAI server does so to report errors before anything starts): it is sent
+        as is, with its own id and params (``sampling_params``, ``cache_salt`` and
+        ``arrival_time`` are then ignored), and ``prompt_text`` is its prompt's text.
+
         ``n > 1`` fans out into ``n`` engine requests ``f"{i}_{request_id}"`` joined
-        into one output stream (``ParentRequest``).
+        into one output stream (``parallel_sampling.fan_out``).
 
         Raises:
-            ValueError: bad prompt or parameters, or a request id already in use (nothing
-                is queued then).
+            ValueError: bad prompt or parameters, a request id already in use, or an
+                ``EngineCoreRequest`` whose id is not ``request_id`` (nothing is queued then).
             EngineDeadError: the engine is dead.
         """
         self._check_alive()
         if request_id in self._collectors:
             raise ValueError(f"Request id {request_id!r} is already running.")
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        arrival_time = arrival_time if arrival_time is not None else time.time()
-        request, prompt_text = self.processor.process(request_id, prompt, params, arrival_time, cache_salt)
+        if isinstance(prompt, EngineCoreRequest):
+            if prompt.request_id != request_id:
+                raise ValueError(f"The request's id {prompt.request_id!r} is not {request_id!r}.")
+            request = prompt
+        else:
+            params = sampling_params if sampling_params is not None else SamplingParams()
+            arrival_time = arrival_time if arrival_time is not None else time.time()
+            request, prompt_text = self.processor.process(request_id, prompt, params, arrival_time, cache_salt)
+        params = request.sampling_params
         self._ensure_output_handler()
         collector = RequestOutputCollector(params.output_kind)
-        children = self._fan_out(request, params)
         added: list[str] = []
         try:
-            for child, parent, index in children:
+            for child, parent, index in fan_out(request):
                 self.output_processor.add_request(child, prompt_text, parent, index, collector)
                 added.append(child.request_id)
                 self._track(child, request_id, params)
@@ -230,35 +240,22 @@ class AsyncLLM:
             )
         return collector
 
-    @staticmethod
-    def _fan_out(
-        request: EngineCoreRequest, params: SamplingParams
-    ) -> list[tuple[EngineCoreRequest, Optional[ParentRequest], int]]:
-        if params.n == 1:
-            return [(request, None, 0)]
-        parent = ParentRequest(request.request_id, params)
-        children = []
-        for index in range(params.n):
-            child_id, child_params = parent.get_child_info(index)
-            child = msgspec.structs.replace(request, request_id=child_id, sampling_params=child_params)
-            children.append((child, parent, index))
-        return children
-
     def _track(self, request: EngineCoreRequest, parent_id: str, params: SamplingParams) -> None:
         if not self.log_stats:
             return
         num_prompt = len(request.prompt_token_ids)
-        max_tokens = params.max_tokens or self.model_config.max_model_len - num_prompt
+        max_tokens = self.processor.max_tokens_limit(num_prompt, params.max_tokens)
         self.stats_tracker.add_request(
             request.request_id, request.arrival_time, num_prompt, parent_id, params.n, max_tokens
         )
 
     async def generate(
         self,
-        prompt: PromptType,
+        prompt: Union[PromptType, EngineCoreRequest],
         sampling_params: Optional[SamplingParams],
         request_id: str,
         cache_salt: Optional[str] = None,
+        prompt_text: Optional[str] = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Generate for one prompt; yields ``RequestOutput``s as the engine produces them.
 
@@ -268,7 +265,9 @@ class AsyncLLM:
         busy are merged, so a slow consumer sees fewer, larger outputs, never stale ones.
         The last output has ``finished == True``.
 
-        ``prompt``: text, token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``.
+        ``prompt``: text, token ids, or ``{"prompt": ...}`` / ``{"prompt_token_ids": ...}``,
+        or an ``EngineCoreRequest`` from ``self.processor.process`` (with ``prompt_text``;
+        see ``add_request``).
         ``cache_salt``: isolates this request's prefix-cache entries.
 
         If the consumer stops early (``aclose()``, ``break``, or the task is cancelled,
@@ -279,7 +278,7 @@ class AsyncLLM:
             ValueError: bad prompt or parameters (before anything is queued).
             EngineDeadError: the engine is or becomes dead.
         """
-        collector = await self.add_request(request_id, prompt, sampling_params, cache_salt)
+        collector = await self.add_request(request_id, prompt, sampling_params, cache_salt, prompt_text=prompt_text)
         finished = False
         try:
             while not finished:
@@ -403,3 +402,10 @@ class AsyncLLM:
                 handler.cancel()
         self.engine_core.shutdown()
         self._fail_all(self.engine_core.dead_error or EngineDeadError("The engine was shut down."))
+
+
+def _make_async_client(config: EngineConfig | EngineArgs, multiprocess: bool) -> AsyncMPClient:
+    """An async engine-core client (``make_client``), started but not waited for."""
+    client = EngineCoreClient.make_client(config, multiprocess, asyncio_mode=True, wait_for_ready=False)
+    assert isinstance(client, AsyncMPClient)
+    return client

@@ -80,12 +80,27 @@ class EngineCoreClient(ABC):
     num_gpu_blocks: int = 0
 
     @staticmethod
-    def make_client(config: EngineConfig, multiprocess: bool, asyncio_mode: bool) -> "EngineCoreClient":
-        """The client for a front end: async ones always run the core in the background
-        (a process, or a thread when ``multiprocess`` is False)."""
+    def make_client(
+        config: EngineConfig | EngineArgs, multiprocess: bool, asyncio_mode: bool, wait_for_ready: bool = True
+    ) -> "EngineCoreClient":
+        """The client for a front end: ``LLMEngine`` asks for a sync in-process one
+        (``InprocClient``), ``AsyncLLM`` for an async one. Async clients always run the core
+        in the background (a process, or a thread when ``multiprocess`` is False).
+
+        ``config`` may be ``EngineArgs`` and ``wait_for_ready`` False only for background
+        clients (see ``_BackgroundClient``); an ``InprocClient`` is ready when built.
+
+        Raises:
+            ValueError: bad settings (from the engine), as the client constructors.
+            EngineStartupError: a background engine crashed while starting.
+        """
         if asyncio_mode:
-            return AsyncMPClient(config, engine_in_thread=not multiprocess)
-        return MPClient(config) if multiprocess else InprocClient(config)
+            return AsyncMPClient(config, engine_in_thread=not multiprocess, wait_for_ready=wait_for_ready)
+        if multiprocess:
+            return MPClient(config, wait_for_ready=wait_for_ready)
+        if not isinstance(config, EngineConfig):
+            raise ValueError("An in-process engine core needs a resolved EngineConfig.")
+        return InprocClient(config)
 
     @property
     def is_dead(self) -> bool:
@@ -374,18 +389,21 @@ class MPClient(_BackgroundClient):
 
     Args:
         config: the engine configuration (``cache_config.num_gpu_blocks`` is filled in
-            from the engine once it is ready).
+            from the engine once it is ready), or ``EngineArgs`` (see ``_BackgroundClient``).
         engine_in_thread: run the engine loop in a thread of this process instead.
+        wait_for_ready: False returns at once (see ``_BackgroundClient``).
 
     Raises (constructor):
         ValueError: the engine rejected its settings (message from the engine).
         EngineStartupError: the engine crashed or raised another error while starting.
     """
 
-    def __init__(self, config: EngineConfig, engine_in_thread: bool = False) -> None:
+    def __init__(
+        self, config: EngineConfig | EngineArgs, engine_in_thread: bool = False, wait_for_ready: bool = True
+    ) -> None:
         self._pending_outputs: collections.deque[EngineCoreOutputs] = collections.deque()
         self._utility_results: dict[int, UtilityResult] = {}
-        super().__init__(config, engine_in_thread)
+        super().__init__(config, engine_in_thread, wait_for_ready)
 
     def _make_output_socket(self) -> zmq.Socket:
         return self._make_socket(self.ctx, zmq.PULL, self.addresses.output, bind=True)

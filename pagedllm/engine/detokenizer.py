@@ -25,6 +25,7 @@ import weakref
 from typing import Any, Optional, Union
 
 from pagedllm.messages.engine_core import EngineCoreRequest
+from pagedllm.tokenizer import byte_level_char_to_byte
 
 #: Tokens of context decoded before the first unread token (vLLM uses 5 as well).
 _CONTEXT_TOKENS = 5
@@ -58,9 +59,7 @@ def _byte_level_table(tokenizer: Any) -> Optional[list[bytes]]:
         return None
     if not isinstance(decoder, decoders.ByteLevel):
         return None
-    from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte -> character map
-
-    char_to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
+    char_to_byte = byte_level_char_to_byte()
     table: list[bytes] = []
     for token in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))):
         token = token or ""

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+import msgspec
+
+from pagedllm.messages.engine_core import EngineCoreRequest
 from pagedllm.outputs import CompletionOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -90,6 +93,25 @@ class ParentRequest:
             outputs = new
         self._sent_final = self.finished
         return [outputs[i] for i in sorted(outputs)]
+
+
+def fan_out(request: EngineCoreRequest) -> list[tuple[EngineCoreRequest, Optional[ParentRequest], int]]:
+    """The engine requests of one validated request, as ``(request, parent, index)``.
+
+    ``n == 1``: the request itself, without a parent. ``n > 1``: ``n`` children (see
+    ``ParentRequest``) sharing one ``ParentRequest``; they share the prompt token ids
+    (no copy). ``LLMEngine`` and ``AsyncLLM`` both send requests through here.
+    """
+    params = request.sampling_params
+    if params.n == 1:
+        return [(request, None, 0)]
+    parent = ParentRequest(request.request_id, params)
+    children: list[tuple[EngineCoreRequest, Optional[ParentRequest], int]] = []
+    for index in range(params.n):
+        child_id, child_params = parent.get_child_info(index)
+        child = msgspec.structs.replace(request, request_id=child_id, sampling_params=child_params)
+        children.append((child, parent, index))
+    return children
 
 
 def merge_delta_completion(into: CompletionOutput, delta: CompletionOutput) -> None:

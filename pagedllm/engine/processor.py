@@ -1,6 +1,12 @@
 """Front-end input processing: validate a prompt and its SamplingParams, tokenize, and
 build the ``EngineCoreRequest``.
 
+This is the one validation point of a request, for the offline ``LLM`` / ``LLMEngine``
+and the OpenAI server (which calls ``resolve_max_tokens`` and ``process`` itself and
+hands the finished ``EngineCoreRequest`` to ``AsyncLLM``): the ``max_tokens`` default and
+bound (``resolve_max_tokens``) and the context-fit check (``check_context_fit``, run once,
+inside ``process``).
+
 Errors here are ``ValueError``s whose messages name the problem; nothing reaches the
 engine, so other requests are unaffected.
 """
@@ -14,7 +20,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from pagedllm.config import ModelConfig
 from pagedllm.messages.engine_core import EngineCoreRequest
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams, check_max_tokens
 
 #: A prompt: text, token ids, or vLLM's dict forms {"prompt": str} / {"prompt_token_ids": [...]},
 #: either with an optional "cache_salt".
@@ -31,6 +37,37 @@ def _generation_config_eos_ids(model_config: ModelConfig) -> set[int]:
     if eos is None:
         return set()
     return {eos} if isinstance(eos, int) else set(eos)
+
+
+class ContextLengthError(ValueError):
+    """A prompt and its ``max_tokens`` do not fit in ``max_model_len``.
+
+    Attributes:
+        num_prompt_tokens: the prompt's length in tokens.
+        num_completion_tokens: the ``max_tokens`` asked for (None: the rest of the context).
+        max_model_len: the context length in tokens.
+
+    The message is the engine's; the OpenAI server words it as vLLM's server does from
+    these attributes.
+    """
+
+    def __init__(self, num_prompt_tokens: int, num_completion_tokens: Optional[int], max_model_len: int) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_completion_tokens = num_completion_tokens
+        self.max_model_len = max_model_len
+        if num_prompt_tokens >= max_model_len:
+            message = (
+                f"The prompt is {num_prompt_tokens} tokens long, but this model's maximum context length "
+                f"is {max_model_len} tokens (max_model_len), which leaves no room to generate."
+            )
+        else:
+            message = (
+                f"This model's maximum context length is {max_model_len} tokens. However, you "
+                f"requested {num_prompt_tokens + (num_completion_tokens or 0)} tokens ({num_prompt_tokens} "
+                f"in the prompt, {num_completion_tokens} for the completion). Please reduce the prompt "
+                f"or max_tokens."
+            )
+        super().__init__(message)
 
 
 class Processor:
@@ -69,13 +106,54 @@ class Processor:
             f"A prompt must be a string, a list of token ids, or a dict; got {type(prompt).__name__}."
         )
 
+    def resolve_max_tokens(
+        self,
+        num_prompt_tokens: int,
+        max_tokens: Optional[int],
+        default: Optional[int] = DEFAULT_MAX_TOKENS,
+        field: str = "max_tokens",
+    ) -> int:
+        """The ``max_tokens`` of a request whose ``field`` is ``max_tokens`` (None: unset).
+
+        Unset takes ``default`` (None: the rest of the context), cut to the room the prompt
+        leaves; when the prompt leaves none, it is ``default`` (or 1), so that
+        ``check_context_fit`` reports the request. An explicit value is returned as is.
+
+        Raises:
+            ValueError: an explicit value below 1 (the message names ``field``).
+        """
+        check_max_tokens(max_tokens, field)
+        if max_tokens is not None:
+            return max_tokens
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            return default or 1
+        return room if default is None else min(default, room)
+
+    def max_tokens_limit(self, num_prompt_tokens: int, max_tokens: Optional[int]) -> int:
+        """The most tokens a request may generate: ``max_tokens``, or (None) the rest of
+        the context."""
+        return max_tokens if max_tokens is not None else self.max_model_len - num_prompt_tokens
+
+    def check_context_fit(self, num_prompt_tokens: int, max_tokens: Optional[int]) -> None:
+        """The prompt leaves room to generate, and prompt + ``max_tokens`` (when set) fits
+        in ``max_model_len``.
+
+        Raises:
+            ContextLengthError: it does not fit (the message gives the numbers and the limit).
+        """
+        if num_prompt_tokens >= self.max_model_len or (
+            max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len
+        ):
+            raise ContextLengthError(num_prompt_tokens, max_tokens, self.max_model_len)
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Check the prompt against the vocabulary and the context length.
 
         Raises:
-            ValueError: empty prompt, out-of-vocabulary token id, prompt that does not fit,
-                or prompt + max_tokens over max_model_len (message gives both numbers and
-                the limit).
+            ValueError: empty prompt, out-of-vocabulary token id, stop token id or
+                ``logit_bias`` key outside the vocabulary.
+            ContextLengthError: see ``check_context_fit``.
         """
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
@@ -85,17 +163,7 @@ class Processor:
             raise ValueError(
                 f"Token id {bad[0]} is out of vocabulary: token ids must be in [0, {self.vocab_size})."
             )
-        if num_prompt >= self.max_model_len:
-            raise ValueError(
-                f"The prompt is {num_prompt} tokens long, but this model's maximum context length "
-                f"is {self.max_model_len} tokens (max_model_len), which leaves no room to generate."
-            )
-        if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {num_prompt + params.max_tokens} tokens ({num_prompt} in the prompt, "
-                f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens."
-            )
+        self.check_context_fit(num_prompt, params.max_tokens)
         bad_stop = [t for t in params.stop_token_ids or [] if not 0 <= t < self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids contains {bad_stop[0]}, outside [0, {self.vocab_size}).")

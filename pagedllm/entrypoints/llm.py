@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
+from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -133,16 +134,14 @@ class LLM:
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        if chat_template is None and tokenizer.chat_template is None:
-            raise ValueError("The tokenizer has no chat template; pass chat_template=...")
         prompts = [
-            tokenizer.apply_chat_template(
+            apply_chat_template(
+                tokenizer,
                 conversation,
-                chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message,
-                tokenize=False,
-                **(chat_template_kwargs or {}),
+                chat_template,
+                add_generation_prompt,
+                continue_final_message,
+                chat_template_kwargs,
             )
             for conversation in conversations
         ]

@@ -3,6 +3,10 @@
 - ``cli_args``: the ``serve`` flags (vLLM's names) and ``main``, which runs uvicorn.
 - ``api_server``: the FastAPI app (``build_app``), auth, ``/health``, ``/metrics``.
 - ``protocol``: request and response bodies; ``errors``: OpenAI's error JSON.
-- ``serving_completion``, ``serving_chat``, ``serving_models``, ``serving_tokenization``:
-  one class per group of endpoints, on top of ``AsyncLLM``.
+- ``serving_engine``: ``OpenAIServing``, the base of the generating endpoints
+  (validation through the engine's ``Processor``, the engine call, SSE streams).
+- ``serving_completion``, ``serving_chat``: the generating endpoints, on top of ``AsyncLLM``;
+  ``serving_tokenization`` (``/tokenize``, ``/detokenize``) and ``serving_models`` need no engine.
+- ``renderer``: ``PromptRenderer`` (tokenize, chat template), shared by all of them;
+  ``logprobs``: logprob helpers of the responses.
 """

@@ -35,7 +35,8 @@ from pagedllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
+from pagedllm.entrypoints.openai.renderer import PromptRenderer
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -174,24 +175,21 @@ def build_app(engine: Any, args: Any) -> FastAPI:
 
     ``args`` is the parsed ``pagedllm serve`` namespace (any object with these
     attributes; missing ones take their defaults): ``served_model_name`` (list or None:
-    the engine's model name), ``chat_template`` (file or Jinja text, or None),
-    ``api_key`` (None: no auth), ``disable_log_requests``.
+    the engine's model name), ``chat_template`` (the template text, already loaded by
+    ``chat_utils.load_chat_template``, or None), ``api_key`` (None: no auth),
+    ``disable_log_requests``.
 
     The caller owns the engine (``shutdown`` it after the server stops).
-
-    Raises:
-        ValueError: a bad ``chat_template``.
     """
     served_names = list(getattr(args, "served_model_name", None) or [engine.model_config.model])
-    chat_template = load_chat_template(getattr(args, "chat_template", None))
     api_key = getattr(args, "api_key", None)
     log_requests = not getattr(args, "disable_log_requests", False)
-    tokenizer = engine.get_tokenizer()
+    renderer = PromptRenderer(engine.get_tokenizer(), getattr(args, "chat_template", None))
     model_config = engine.model_config
     models = OpenAIServingModels(served_names, str(getattr(model_config, "model_path", model_config.model)), model_config.max_model_len)
-    completion = OpenAIServingCompletion(engine, models, tokenizer, log_requests=log_requests)
-    chat = OpenAIServingChat(engine, models, tokenizer, chat_template=chat_template, log_requests=log_requests)
-    tokenization = OpenAIServingTokenization(engine, models, tokenizer, chat_template=chat_template, log_requests=False)
+    completion = OpenAIServingCompletion(engine, models, renderer, log_requests=log_requests)
+    chat = OpenAIServingChat(engine, models, renderer, log_requests=log_requests)
+    tokenization = OpenAIServingTokenization(models, renderer, model_config.max_model_len, engine.processor.vocab_size)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

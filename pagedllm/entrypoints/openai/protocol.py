@@ -181,10 +181,11 @@ PromptLogprobsJSON = list[Optional[dict[int, LogprobInfo]]]
 
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``. ``prompt`` is a string, a list of strings, a list of token
-    ids, or a list of token-id lists; ``max_tokens`` null means the default, 16."""
+    ids, or a list of token-id lists; ``max_tokens`` unset or null means the default, 16
+    (``DEFAULT_MAX_TOKENS``, cut to the room the prompt leaves; see ``Processor``)."""
 
     prompt: Union[list[int], list[list[int]], str, list[str]]
-    max_tokens: Optional[int] = 16
+    max_tokens: Optional[int] = None
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: Optional[str] = None

@@ -1,7 +1,7 @@
 """``POST /v1/chat/completions``: messages -> chat template -> one prompt -> n choices.
 
 The prompt is the model's chat template (or ``--chat-template``, or the request's
-``chat_template``) rendered by ``tokenizer.apply_chat_template``; text content parts are
+``chat_template``) rendered by ``PromptRenderer.render_chat``; text content parts are
 joined with newlines first, so templates that expect string content work too.
 ``max_completion_tokens`` (or ``max_tokens``) defaults to the rest of the context.
 
@@ -11,14 +11,10 @@ choice then gets content chunks, and exactly one chunk with its ``finish_reason`
 
 from __future__ import annotations
 
-import logging
 import time
-from pathlib import Path
-from typing import Any, AsyncGenerator, Optional, Sequence, Union
+from typing import AsyncGenerator, Optional, Sequence, Union
 
-import jinja2
-
-from pagedllm.entrypoints.openai.errors import bad_request
+from pagedllm.entrypoints.chat_utils import load_chat_template
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -28,102 +24,27 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
-    ChatMessage,
     ChatResponseMessage,
     DeltaMessage,
     make_usage,
 )
-from pagedllm.entrypoints.openai.serving_completion import (
-    OpenAIServing,
-    PromptInput,
-    clamp_logprob,
-    prompt_logprobs_json,
-    random_id,
-    sse,
-    top_entries,
-)
-from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.logprobs import clamp_logprob, prompt_logprobs_json, top_entries
+from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, PromptInput, random_id, sse
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
-logger = logging.getLogger(__name__)
-
-#: Keyword arguments of ``apply_chat_template`` a request's ``chat_template_kwargs`` may not set.
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"conversation", "chat_template", "tokenize", "add_generation_prompt", "continue_final_message",
-     "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs"}
-)  # fmt: skip
-
-
-def render_chat_prompt(
-    tokenizer: Any,
-    messages: Sequence[ChatMessage],
-    chat_template: Optional[str],
-    add_generation_prompt: bool,
-    continue_final_message: bool,
-    chat_template_kwargs: Optional[dict[str, Any]],
-) -> str:
-    """The prompt text of a conversation.
-
-    ``chat_template`` None means the tokenizer's own. With ``continue_final_message`` the
-    last (assistant) message is left open and no generation prompt is added.
-
-    Raises:
-        OpenAIServingError: 400 when there is no template or it fails on these messages.
-    """
-    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
-        raise bad_request(
-            "This model has no chat template; start the server with --chat-template "
-            "(a file or a Jinja string) or pass chat_template in the request.",
-            param="messages",
-        )
-    kwargs = dict(chat_template_kwargs or {})
-    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
-    if reserved:
-        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}.", param="chat_template_kwargs")
-    conversation = [message.to_template_dict() for message in messages]
-    try:
-        return tokenizer.apply_chat_template(
-            conversation,
-            chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message,
-            tokenize=False,
-            **kwargs,
-        )
-    except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
-        raise bad_request(f"Cannot apply the chat template to these messages: {exc}", param="messages") from None
-
-
 class OpenAIServingChat(OpenAIServing):
-    """``POST /v1/chat/completions``.
-
-    Args:
-        chat_template: the server's ``--chat-template`` text, or None for the tokenizer's.
-        (others: see ``OpenAIServing``)
-    """
-
-    def __init__(
-        self,
-        engine: Any,
-        models: OpenAIServingModels,
-        tokenizer: Any,
-        *,
-        chat_template: Optional[str] = None,
-        log_requests: bool = True,
-    ) -> None:
-        super().__init__(engine, models, tokenizer, log_requests=log_requests)
-        self.chat_template = chat_template
+    """``POST /v1/chat/completions`` (constructor: see ``OpenAIServing``; the server's
+    ``--chat-template`` is the renderer's)."""
 
     def render_prompt(self, request: ChatCompletionRequest) -> PromptInput:
-        text = render_chat_prompt(
-            self.tokenizer,
+        text = self.renderer.render_chat(
             request.messages,
-            request.chat_template or self.chat_template,
+            request.chat_template,
             request.add_generation_prompt,
             request.continue_final_message,
             request.chat_template_kwargs,
         )
-        return PromptInput(text, self.encode(text, request.add_special_tokens))
+        return PromptInput(text, self.renderer.encode(text, request.add_special_tokens))
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest
@@ -136,12 +57,19 @@ class OpenAIServingChat(OpenAIServing):
         """
         model_name = self.models.resolve(request.model)
         prompt = self.render_prompt(request)
-        param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        max_tokens = self.max_tokens_for(len(prompt.token_ids), request.requested_max_tokens, None, param, "messages")
-        params = self.sampling_params(request, max_tokens, request.num_top_logprobs, request.prompt_logprobs)
-        self.validate_prompt(prompt, params)
         request_id = random_id("chatcmpl")
-        stream = self.generate(request_id, [prompt], [params], request.cache_salt)
+        engine_request = self.engine_request(
+            f"{request_id}-0",
+            request,
+            prompt,
+            requested_max_tokens=request.requested_max_tokens,
+            default_max_tokens=None,
+            max_tokens_param="max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens",
+            prompt_param="messages",
+            logprobs=request.num_top_logprobs,
+            prompt_logprobs=request.prompt_logprobs,
+        )
+        stream = self.generate(request_id, [prompt], [engine_request])
         if request.stream:
             stream = await self.start_stream(stream)
             events = self._stream(request, request_id, model_name, prompt, stream)
@@ -251,32 +179,4 @@ class OpenAIServingChat(OpenAIServing):
         )
 
 
-def load_chat_template(value: Optional[str]) -> Optional[str]:
-    """``--chat-template``: the text of a file, or the value itself when it is Jinja.
-
-    As vLLM: a value naming a readable file is read; otherwise a value containing any of
-    ``{``, ``}`` or a newline is taken as the template itself.
-
-    Raises:
-        ValueError: neither a file nor a template, or a template with a syntax error.
-    """
-    if value is None:
-        return None
-    text: Optional[str] = None
-    try:
-        path = Path(value).expanduser()
-        if path.is_file():
-            text = path.read_text(encoding="utf-8")
-    except OSError:  # e.g. a long literal template is not a valid file name
-        text = None
-    if text is None:
-        if not any(char in value for char in "{}\n"):
-            raise ValueError(
-                f"--chat-template {value!r} is neither a readable file nor a Jinja template."
-            )
-        text = value
-    try:
-        jinja2.Environment().parse(text)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ValueError(f"--chat-template has a Jinja syntax error (line {exc.lineno}): {exc.message}") from None
-    return text
+__all__ = ["OpenAIServingChat", "load_chat_template"]

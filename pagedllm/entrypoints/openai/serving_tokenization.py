@@ -1,13 +1,13 @@
 """``POST /tokenize`` and ``POST /detokenize`` (vLLM's extra endpoints).
 
 ``/tokenize`` takes a ``prompt`` (completions form) or ``messages`` (chat form, rendered
-with the chat template exactly as ``/v1/chat/completions`` does) and returns the token
-ids; ``/detokenize`` turns token ids back into text.
+with the chat template exactly as ``/v1/chat/completions`` does: the same
+``PromptRenderer``) and returns the token ids; ``/detokenize`` turns token ids back into
+text. Neither touches the engine, so this class needs no engine: only the model names,
+the renderer and two sizes.
 """
 
 from __future__ import annotations
-
-from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.errors import bad_request
 from pagedllm.entrypoints.openai.protocol import (
@@ -17,48 +17,42 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagedllm.entrypoints.openai.serving_chat import render_chat_prompt
-from pagedllm.entrypoints.openai.serving_completion import OpenAIServing
+from pagedllm.entrypoints.openai.renderer import PromptRenderer
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 
 
-class OpenAIServingTokenization(OpenAIServing):
+class OpenAIServingTokenization:
     """``/tokenize`` and ``/detokenize``.
 
     Args:
-        chat_template: the server's ``--chat-template`` text, or None for the tokenizer's.
-        (others: see ``OpenAIServing``)
+        models: the served model names.
+        renderer: tokenizer and chat template (shared with the generating endpoints).
+        max_model_len: the context length in tokens (reported by ``/tokenize``).
+        vocab_size: token ids ``/detokenize`` accepts are in ``[0, vocab_size)`` (the
+            engine's ``Processor.vocab_size``).
     """
 
-    def __init__(
-        self,
-        engine: Any,
-        models: OpenAIServingModels,
-        tokenizer: Any,
-        *,
-        chat_template: Optional[str] = None,
-        log_requests: bool = True,
-    ) -> None:
-        super().__init__(engine, models, tokenizer, log_requests=log_requests)
-        self.chat_template = chat_template
-        processor = getattr(engine, "processor", None)
-        self.vocab_size: int = getattr(processor, "vocab_size", None) or len(tokenizer)
+    def __init__(self, models: OpenAIServingModels, renderer: PromptRenderer, max_model_len: int, vocab_size: int) -> None:
+        self.models = models
+        self.renderer = renderer
+        self.tokenizer = renderer.tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         """Raises: OpenAIServingError (400 bad template use, 404 unknown model)."""
         self.models.resolve(request.model)
         if isinstance(request, TokenizeChatRequest):
-            text = render_chat_prompt(
-                self.tokenizer,
+            text = self.renderer.render_chat(
                 request.messages,
-                request.chat_template or self.chat_template,
+                request.chat_template,
                 request.add_generation_prompt,
                 request.continue_final_message,
                 request.chat_template_kwargs,
             )
         else:
             text = request.prompt
-        token_ids = self.encode(text, request.add_special_tokens)
+        token_ids = self.renderer.encode(text, request.add_special_tokens)
         token_strs = None
         if request.return_token_strs:
             token_strs = [str(piece) for piece in self.tokenizer.convert_ids_to_tokens(token_ids)]
