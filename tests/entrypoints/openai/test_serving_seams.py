@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import pathlib
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 
@@ -74,22 +75,17 @@ def test_serving_classes_share_one_base_and_tokenization_is_not_one():
     assert not issubclass(OpenAIServingTokenization, OpenAIServing)
 
 
-def test_server_and_offline_report_a_too_long_prompt_from_one_check(parts, monkeypatch):
-    checks = []
-    original = Processor.check_context_fit
-
-    def spy(self, num_prompt_tokens, max_tokens):
-        checks.append((num_prompt_tokens, max_tokens))
-        return original(self, num_prompt_tokens, max_tokens)
-
-    monkeypatch.setattr(Processor, "check_context_fit", spy)
+def test_server_and_offline_report_a_too_long_prompt_from_one_check(parts):
     too_long = [5] * (MAX_MODEL_LEN + 10)
-    with pytest.raises(ContextLengthError) as offline:
-        parts.processor.process("offline", too_long, SamplingParams())
     engine, completion = _serving(parts, OpenAIServingCompletion)
-    with pytest.raises(OpenAIServingError) as server:
-        _run(completion.create_completion(CompletionRequest(prompt=too_long)))
-    assert checks == [(MAX_MODEL_LEN + 10, DEFAULT_MAX_TOKENS)] * 2  # once each
+    original = Processor.check_context_fit
+    with mock.patch.object(Processor, "check_context_fit", autospec=True, side_effect=original) as spy:
+        with pytest.raises(ContextLengthError) as offline:
+            parts.processor.process("offline", too_long, SamplingParams())
+        with pytest.raises(OpenAIServingError) as server:
+            _run(completion.create_completion(CompletionRequest(prompt=too_long)))
+    expected = mock.call(parts.processor, MAX_MODEL_LEN + 10, DEFAULT_MAX_TOKENS)
+    assert spy.call_args_list == [expected, expected]  # once each
     assert (offline.value.num_prompt_tokens, offline.value.num_completion_tokens) == (MAX_MODEL_LEN + 10, 16)
     error = server.value
     assert error.status_code == 400 and error.code == "context_length_exceeded" and error.param == "prompt"
