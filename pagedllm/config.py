@@ -63,7 +63,7 @@ def resolve_model_path(
     if path.is_dir():
         return path
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
-        raise ValueError(f"Model {model!r} is not a directory with config.json and *.safetensors.")
+        raise ValueError(f"Model {model!r} is not a local directory with config.json and *.safetensors.")
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,

@@ -82,7 +82,7 @@ def test_revision_and_download_dir(repo_dir, tiny_qwen2, hub_env, tmp_path):
         ("acme/nothing", {"HF_TOKEN": "secret"}, "has no such model"),
         ("acme/tiny", {"HF_TOKEN": "wrong"}, "could not be downloaded from .*401 Unauthorized"),
         ("acme/tiny", {"HF_HUB_OFFLINE": "1"}, "not in the Hugging Face cache .*, and HF_HUB_OFFLINE is set"),
-        ("./no/such/dir", {}, "is not a directory with config.json"),
+        ("./no/such/dir", {}, "is not a local directory with config.json"),
     ],
 )
 def test_missing_model_is_a_clear_error_in_under_2_s(repo_dir, hub_env, model, extra_env, message):
