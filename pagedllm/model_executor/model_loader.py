@@ -6,14 +6,14 @@ import json
 import logging
 from collections import Counter
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from pagedllm.config import ModelConfig
-from pagedllm.model_executor.layers.linear import Linear
+from pagedllm.model_executor.layers.quantization import QuantizationConfig, get_quantization_config
 from pagedllm.model_executor.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -44,31 +44,54 @@ def iterate_weights(model_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def get_quant_config(model_config: ModelConfig) -> Optional[QuantizationConfig]:
+    """The weight format of config.json's ``quantization_config`` (None when absent).
+
+    Raises:
+        ValueError: for a format pagedllm does not support (the message lists those it does).
+    """
+    config = getattr(model_config.hf_config, "quantization_config", None)
+    if config is None:
+        return None
+    config = config if isinstance(config, dict) else config.to_dict()
+    return get_quantization_config(config.get("quant_method")).from_config(config)
+
+
+def process_weights_after_loading(model: nn.Module) -> Counter[str]:
+    """Let every layer's ``quant_method`` prepare its loaded weights (re-layouts for this
+    machine's matmul ...); returns how many layers take each matmul path
+    (``describe_path``), for the start-up log."""
+    paths: Counter[str] = Counter()
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+            paths[method.describe_path(module)] += 1
+    return paths
+
+
 def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     """Instantiate the architecture named in config.json on ``device`` in ``model_config.dtype``
     and load the checkpoint into it.
 
     Raises:
-        ValueError: unsupported architecture, missing files, unknown tensor names, shape
-            mismatches, or parameters the checkpoint does not provide.
+        ValueError: unsupported architecture or quantization method, missing files, unknown
+            tensor names, shape mismatches, or parameters the checkpoint does not provide.
     """
     model_cls = get_model_class(model_config.architecture)
+    quant_config = get_quant_config(model_config)
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
     try:
         with torch.device(device):
-            model = model_cls(model_config.hf_config)
+            model = model_cls(model_config.hf_config, quant_config)
     finally:
         torch.set_default_dtype(old_dtype)
     loaded = model.load_weights(iterate_weights(model_config.model_path))
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"Checkpoint {model_config.model_path} lacks weights for: {sorted(missing)[:8]}")
-    for module in model.modules():
-        process = getattr(module, "process_weights_after_loading", None)
-        if process is not None:
-            process()
-    paths = Counter(m.describe_path() for m in model.modules() if isinstance(m, Linear))
+    paths = process_weights_after_loading(model)
     logger.info(
         "Model dtype %s; linear layers: %s",
         str(model_config.dtype).removeprefix("torch."),

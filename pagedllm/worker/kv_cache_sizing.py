@@ -1,7 +1,8 @@
 """How many KV-cache blocks fit in the memory budget.
 
 bytes per token = 2 (K and V) x num_layers x num_kv_heads x head_dim x dtype bytes;
-bytes per block = bytes per token x block_size.
+bytes per block = bytes per token x block_size. ``num_kv_heads`` is this rank's (the KV heads
+its attention layers hold; all of them at tensor-parallel size 1).
 """
 
 from __future__ import annotations
@@ -10,14 +11,20 @@ import logging
 from dataclasses import dataclass
 
 from pagedllm.config import CacheConfig, ModelConfig
+from pagedllm.distributed import get_tensor_model_parallel_world_size, kv_heads_per_rank
 
 logger = logging.getLogger(__name__)
 
 
+def num_kv_heads_per_rank(model_config: ModelConfig) -> int:
+    """KV heads of one layer on this tensor-parallel rank."""
+    return kv_heads_per_rank(model_config.num_kv_heads, get_tensor_model_parallel_world_size())
+
+
 def kv_bytes_per_token(model_config: ModelConfig) -> int:
-    """KV-cache bytes one token occupies across all layers."""
+    """KV-cache bytes one token occupies across all layers on this rank."""
     itemsize = model_config.dtype.itemsize
-    return 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * itemsize
+    return 2 * model_config.num_layers * num_kv_heads_per_rank(model_config) * model_config.head_dim * itemsize
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,7 @@ def num_kv_blocks(model_config: ModelConfig, cache_config: CacheConfig, budget: 
         raise ValueError(
             f"The KV cache cannot hold one sequence of max_model_len = {max_len} tokens. "
             f"KV bytes per token = 2 x num_layers ({model_config.num_layers}) x num_kv_heads "
-            f"({model_config.num_kv_heads}) x head_dim ({model_config.head_dim}) x dtype bytes "
+            f"({num_kv_heads_per_rank(model_config)}) x head_dim ({model_config.head_dim}) x dtype bytes "
             f"({model_config.dtype.itemsize}) = {per_token:,}; one sequence needs {blocks_per_seq} blocks "
             f"of {cache_config.block_size} tokens = {blocks_per_seq * per_block:,} bytes, but the budget "
             f"({budget.derivation}) holds {num_blocks} blocks. Lower max_model_len, or raise "

@@ -10,7 +10,7 @@ import torch
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.model_executor.layers.activation import SiluAndMul
 from pagedllm.model_executor.layers.layernorm import RMSNorm
-from pagedllm.model_executor.layers.rotary_embedding import _rotate, apply_rotary
+from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, _rotate
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 #: 896 (Qwen2.5-0.5B), 64 (a head), 40 (a vector and a tail), 7 (tail only)
@@ -108,7 +108,7 @@ def test_rotary_in_place_matches_hf(dtype, head_dim):
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
     expected_q, expected_k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    out_q, out_k = apply_rotary(q, k, cos, sin)
+    out_q, out_k = RotaryEmbedding(head_dim, 8, 10000.0)(q, k, cos, sin)
     assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()  # in place
     if dtype == torch.float32:  # PyTorch may fuse multiply-adds: last-bit differences
         torch.testing.assert_close(out_q, expected_q, rtol=1e-6, atol=1e-6)

@@ -113,9 +113,9 @@ def test_linear_routes_packed_16bit_weights_to_it(monkeypatch):
     assert calls == [(1, 16), (40, 16), (6, 16)]
 
 
-def _fp16_layer(bias: bool = True) -> linear_mod.Linear:
+def _fp16_layer(bias: bool = True) -> linear_mod.ReplicatedLinear:
     torch.manual_seed(2)
-    layer = linear_mod.Linear(40, 24, bias=bias).to(torch.float16)
+    layer = linear_mod.ReplicatedLinear(40, 24, bias=bias).to(torch.float16)
     layer.weight.data.normal_()
     if bias:
         layer.bias.data.normal_()
@@ -129,11 +129,11 @@ def test_layer_multiplies_many_rows_by_its_float32_copy(monkeypatch):
     monkeypatch.setattr(linear_mod, "_fp32_copy_budget", None)
     layer = _fp16_layer()
     weight = layer.weight.data.clone()
-    layer.process_weights_after_loading()
-    assert layer.weight.shape == (2, 40, 16) and layer.weight.dtype == torch.float16 and not layer.packed
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.weight.shape == (2, 40, 16) and layer.weight.dtype == torch.float16 and not layer.weight.is_mkldnn
     assert layer.weight_fp32 is not None
     assert layer.weight_fp32.dtype == torch.float32 and layer.weight_fp32.shape == (24, 40)
-    assert layer.describe_path().endswith("(linear_w16) (> 16 rows: float32 copy)")
+    assert layer.quant_method.describe_path(layer).endswith("(linear_w16) (> 16 rows: float32 copy)")
     calls = []
     real = cpu_kernels.linear_w16
     monkeypatch.setattr(cpu_kernels, "linear_w16", lambda *a: calls.append(a[0].shape[0]) or real(*a))

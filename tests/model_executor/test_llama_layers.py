@@ -20,14 +20,14 @@ def tiny_config() -> LlamaConfig:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mlp_row_chunks_equal_one_pass(monkeypatch, dtype):
     torch.manual_seed(0)
-    mlp = llama.LlamaMLP(tiny_config()).to(dtype)
+    mlp = llama.LlamaMLP(tiny_config(), None, "mlp").to(dtype)
     for p in mlp.parameters():
         p.data.normal_(std=0.2)
     x = torch.randn(300, 64, dtype=dtype)
     whole = mlp(x)
-    row_bytes = mlp.gate_up_proj.output_size * x.element_size()
+    row_bytes = mlp.gate_up_proj.output_size_per_partition * x.element_size()
     monkeypatch.setattr(llama, "_CPU_MLP_CHUNK_BYTES", 64 * row_bytes)  # 64-row chunks: 5 of them
-    assert mlp._cpu_chunk_rows(x) == 64
+    assert mlp._chunk_rows(x) == 64
     chunked = mlp(x)
     if dtype == torch.float32:  # BLAS may block K differently for another M: last-bit differences
         torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
@@ -42,7 +42,7 @@ def test_linear_layer_takes_this_machines_path_and_matches_plain(kernel, dtype, 
     this CPU (float32; bf16 with native bf16), else a plain 16-bit weight multiplied by
     ``linear_w16`` in blocks of 16 outputs (bf16 without native bf16, and fp16); either way the product is the plain
     one up to float32 summation order and the output's rounding."""
-    layer = linear_mod.Linear(96, 200, bias=True).to(dtype)
+    layer = linear_mod.ReplicatedLinear(96, 200, bias=True).to(dtype)
     torch.manual_seed(1)
     layer.weight.data.normal_()
     layer.bias.data.normal_()
@@ -51,12 +51,12 @@ def test_linear_layer_takes_this_machines_path_and_matches_plain(kernel, dtype, 
     packable = linear_mod.can_pack(layer.weight.data)
     native_bf16 = isa.selected_isa() == "avx512_bf16" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert packable == (dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16))
-    layer.process_weights_after_loading()
-    assert layer.packed == layer.weight.is_mkldnn == packable
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.weight.is_mkldnn == packable
     if packable:
         assert layer.weight.shape == (200, 96)
     else:  # pack_w16's blocks of 16 outputs
-        assert layer.weight.shape == (13, 96, 16) and "(linear_w16)" in layer.describe_path()
+        assert layer.weight.shape == (13, 96, 16) and "(linear_w16)" in layer.quant_method.describe_path(layer)
     out = layer(x)
     assert out.dtype == dtype
     if dtype == torch.float32:
@@ -68,10 +68,10 @@ def test_linear_layer_takes_this_machines_path_and_matches_plain(kernel, dtype, 
 def test_packing_off_by_env(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_DISABLE_CPU_KERNELS", "1")
     for dtype in (torch.float32, torch.bfloat16, torch.float16):  # no oneDNN packing, no linear_w16
-        layer = linear_mod.Linear(16, 8).to(dtype)
+        layer = linear_mod.ReplicatedLinear(16, 8, bias=False).to(dtype)
         layer.weight.data.normal_()
-        layer.process_weights_after_loading()
-        assert not layer.packed and layer.weight.shape == (8, 16) and layer.weight_fp32 is None
+        layer.quant_method.process_weights_after_loading(layer)
+        assert not layer.weight.is_mkldnn and layer.weight.shape == (8, 16) and layer.weight_fp32 is None
         x = torch.randn(3, 16, dtype=dtype)
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
     assert not linear_mod.can_pack(torch.empty(8, 16, dtype=torch.float64))

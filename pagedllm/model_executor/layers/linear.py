@@ -1,12 +1,19 @@
-"""Linear layers whose parameters know how to load themselves from a checkpoint.
+"""Linear layers (vLLM's shapes): ``ReplicatedLinear``, ``ColumnParallelLinear``,
+``MergedColumnParallelLinear``, ``QKVParallelLinear`` and ``RowParallelLinear``, each holding a
+``quant_method`` (a ``LinearMethodBase``) that creates, prepares and applies its weight.
 
-Several checkpoint matrices may be fused into one layer (q/k/v into ``qkv_proj``,
-gate/up into ``gate_up_proj``); each parameter carries a ``weight_loader`` that copies a
-checkpoint tensor into its shard. Output rows of a fused layer are the shards stacked in
-order: ``[q | k | v]`` or ``[gate | up]``.
+Sharding: a column-parallel layer holds this rank's rows of W (output features), a
+row-parallel one this rank's columns (input features; its outputs are summed over the ranks
+by ``tensor_model_parallel_all_reduce``); ranks and sizes come from
+``pagedllm.distributed.parallel_state`` (one process today: every layer holds all of W).
+Several checkpoint matrices may be fused into one layer (q/k/v into ``qkv_proj``, gate/up
+into ``gate_up_proj``); each parameter carries a ``weight_loader`` that copies this rank's
+part of a checkpoint tensor into its shard. Output rows of a fused layer are the shards
+stacked in order: ``[q | k | v]`` or ``[gate | up]`` (per rank).
 
-On CPU, once loaded, weights are re-laid out in oneDNN's blocked format for the matmul
-(``pack_weight``; ``process_weights_after_loading``). The product is bit-identical in bf16
+``UnquantizedLinearMethod`` keeps weights in the model dtype. On CPU, once loaded, they are
+re-laid out in oneDNN's blocked format for the matmul (``pack_weight``;
+``process_weights_after_loading``). The product is bit-identical in bf16
 and equal up to float32 summation order in float32, and much faster for the small row
 counts of decode steps, measured on a 2-core AVX-512-BF16 machine (GFLOP/s, 896 -> 9728):
 1 row 42 -> 109, 32 rows 231 -> 402, 512 rows 406 -> 417 (``torch.nn.functional.linear``
@@ -33,13 +40,25 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Optional, Sequence, Union
+from abc import abstractmethod
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed import (
+    divide,
+    kv_heads_per_rank,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
 from pagedllm.kernels import isa
+from pagedllm.model_executor.layers.quantization import QuantizationConfig, QuantizeMethodBase
+from pagedllm.model_executor.utils import default_weight_loader, load_weight_part, set_weight_attrs
+from pagedllm.platforms import current_platform
 
 ShardId = Union[str, int]
 
@@ -58,14 +77,14 @@ _check_lock = threading.Lock()
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` ([out, in], on CPU) can use oneDNN's pre-packed matmul here:
+    """Whether ``weight`` ([out, in], a CPU tensor) can use oneDNN's pre-packed matmul here:
     torch built with oneDNN, float32 or bfloat16 (bf16 only with native bf16: the
     avx512_bf16 level, and oneDNN supporting it), and ``PAGEDLLM_DISABLE_CPU_KERNELS`` unset.
 
     Raises:
         ValueError: an invalid ``PAGEDLLM_CPU_ISA``.
     """
-    if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in _PACKABLE_DTYPES:
+    if weight.dim() != 2 or weight.dtype not in _PACKABLE_DTYPES:
         return False
     if os.environ.get("PAGEDLLM_DISABLE_CPU_KERNELS", "") not in ("", "0"):
         return False
@@ -162,13 +181,12 @@ _WIDENED_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def should_widen(weight: torch.Tensor) -> bool:
-    """Whether a loaded plain weight [out, in] is to be multiplied by ``linear_w16``: 16-bit,
-    on CPU, oneDNN cannot pack it here (``can_pack``), and the kernels are available."""
+    """Whether a loaded plain CPU weight [out, in] is to be multiplied by ``linear_w16``:
+    16-bit, oneDNN cannot pack it here (``can_pack``), and the kernels are available."""
     return (
         not weight.is_mkldnn
         and weight.dim() == 2
         and weight.dtype in _WIDENED_DTYPES
-        and weight.device.type == "cpu"
         and not can_pack(weight)
         and _kernels_available()
     )
@@ -219,8 +237,6 @@ def fp32_weight_copy(weight: torch.Tensor) -> Optional[torch.Tensor]:
     nbytes = weight.numel() * 4
     if mode == "auto":
         if _fp32_copy_budget is None:
-            from pagedllm.platforms import current_platform
-
             _fp32_copy_budget = int(current_platform.total_memory_bytes() * _FP32_COPY_SHARE)
         if nbytes > _fp32_copy_budget:
             return None
@@ -250,107 +266,355 @@ def _fp32_arena_take(numel: int) -> torch.Tensor:
     return out
 
 
-def describe_path(weight: torch.Tensor) -> str:
-    """How ``linear`` multiplies by ``weight`` on this machine, for the start-up log."""
-    if weight.is_mkldnn:
-        few_rows = " (1-16 rows: packed_linear)" if tuple(weight.shape) in _packed_linear_shapes else ""
-        return f"oneDNN-packed {str(weight.dtype).removeprefix('torch.')}{few_rows}"
-    if weight.dim() == 3:
-        return f"{str(weight.dtype).removeprefix('torch.')} widened to float32 in-kernel (linear_w16)"
-    return f"torch {str(weight.dtype).removeprefix('torch.')} matmul"
+class LinearMethodBase(QuantizeMethodBase):
+    """How a linear layer stores and applies its weight W (y = x W^T + b)."""
+
+    @abstractmethod
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        """Register on ``layer`` what stores this rank's [sum(output_partition_sizes),
+        input_size_per_partition] part of the [output_size, input_size] matrix, each parameter
+        with ``extra_weight_attrs`` (``weight_loader`` ...) as attributes."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [..., input_size_per_partition] -> [..., layer.output_size_per_partition], x's dtype."""
 
 
-def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
-    """Copy a checkpoint tensor into ``param`` (casting dtype).
+class UnquantizedLinearMethod(LinearMethodBase):
+    """W in the model dtype, ``weight`` [out, in]; a ``weight_fp32`` buffer (else None).
 
-    Raises:
-        ValueError: if the shapes differ.
+    ``process_weights_after_loading`` picks the matmul once, from ``current_platform``: on CPU
+    oneDNN's packed layout where it can (``can_pack``), else ``pack_w16``'s [ceil(out / 16),
+    in, 16] for ``linear_w16`` with a float32 copy in ``weight_fp32`` for inputs of more
+    than ``SMALL_M_ROWS`` rows (``fp32_weight_copy``; see the module docstring); elsewhere
+    the plain weight and torch's matmul.
     """
-    if param.shape != loaded_weight.shape:
-        raise ValueError(f"Checkpoint tensor shape {tuple(loaded_weight.shape)} != parameter shape {tuple(param.shape)}.")
-    param.data.copy_(loaded_weight)
+
+    #: Whether a ``linear_w16`` weight also gets a float32 copy (``fp32_weight_copy``).
+    float32_copy = True
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        weight = nn.Parameter(
+            torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype), requires_grad=False
+        )
+        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, **extra_weight_attrs})
+        layer.register_parameter("weight", weight)
+        layer.register_buffer("weight_fp32", None, persistent=False)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Re-lay out the loaded weight for this machine's matmul (see the class docstring);
+        a second call changes nothing."""
+        weight = layer.weight.data
+        if not current_platform.is_cpu or weight.is_mkldnn or weight.dim() != 2:
+            return
+        if can_pack(weight):
+            layer.weight = nn.Parameter(pack_weight(weight), requires_grad=False)
+        elif should_widen(weight):
+            if self.float32_copy:
+                layer.weight_fp32 = fp32_weight_copy(weight)
+            layer.weight = nn.Parameter(pack_w16(weight), requires_grad=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        weight_fp32 = layer.weight_fp32
+        if weight_fp32 is not None and x.numel() > SMALL_M_ROWS * x.shape[-1]:
+            return linear(x.float(), weight_fp32, None if bias is None else bias.float()).to(x.dtype)
+        return linear(x, layer.weight, bias, layer.output_size_per_partition)
+
+    def describe_path(self, layer: nn.Module) -> str:
+        weight = layer.weight
+        dtype = str(weight.dtype).removeprefix("torch.")
+        if weight.is_mkldnn:
+            few_rows = " (1-16 rows: packed_linear)" if tuple(weight.shape) in _packed_linear_shapes else ""
+            path = f"oneDNN-packed {dtype}{few_rows}"
+        elif weight.dim() == 3:
+            path = f"{dtype} widened to float32 in-kernel (linear_w16)"
+        else:
+            path = f"torch {dtype} matmul"
+        copy = f" (> {SMALL_M_ROWS} rows: float32 copy)" if layer.weight_fp32 is not None else ""
+        return path + copy
 
 
-class Linear(nn.Module):
-    """y = x W^T + b. Weight [output_size, input_size], the module's dtype.
+class LinearBase(nn.Module):
+    """A linear layer y = x W^T + b (W [output_size, input_size]) whose ``quant_method``
+    creates, prepares and applies its weight.
 
-    After ``process_weights_after_loading`` on CPU, ``weight`` may be packed (oneDNN's layout,
-    or ``pack_w16``'s [ceil(out / 16), in, 16] for ``linear_w16``); ``weight_fp32`` (a buffer,
-    else None) is a float32 copy of a ``linear_w16`` weight for inputs of more than
-    ``SMALL_M_ROWS`` rows (see ``fp32_weight_copy``)."""
+    Args:
+        input_size, output_size: features of the whole matrix (all ranks together).
+        params_dtype: dtype of the parameters (None: torch's default dtype).
+        quant_config: picks ``quant_method`` via ``get_quant_method(self, prefix)``; None,
+            or a None answer: ``UnquantizedLinearMethod``.
+        prefix: the layer's name in the model (``model.layers.0.mlp.down_proj``).
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    Subclasses set ``input_size_per_partition`` and ``output_size_per_partition`` (this
+    rank's features) through ``_create_weights``.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        params_dtype: Optional[torch.dtype] = None,
+        quant_config: Optional[QuantizationConfig] = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        if bias:
-            self.bias: Optional[nn.Parameter] = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        else:
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        method = None if quant_config is None else quant_config.get_quant_method(self, prefix)
+        self.quant_method: QuantizeMethodBase = method or UnquantizedLinearMethod()
+
+    def _create_weights(
+        self, input_size_per_partition: int, output_partition_sizes: list[int], bias: bool, bias_sharded: bool
+    ) -> None:
+        """Let ``quant_method`` create the weight of this rank's part, and add a bias [this
+        rank's outputs if ``bias_sharded``, else all of them] in ``params_dtype``."""
+        self.input_size_per_partition = input_size_per_partition
+        self.output_partition_sizes = output_partition_sizes
+        self.output_size_per_partition = sum(output_partition_sizes)
+        self.quant_method.create_weights(
+            self, input_size_per_partition, output_partition_sizes, self.input_size, self.output_size,
+            self.params_dtype, weight_loader=self.weight_loader,
+        )
+        if not bias:
             self.register_parameter("bias", None)
-        self.register_buffer("weight_fp32", None, persistent=False)
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Optional[ShardId] = None) -> None:
-        default_weight_loader(param, loaded_weight)
-
-    def process_weights_after_loading(self) -> None:
-        """Pack the loaded weight for the CPU matmul: for oneDNN where it can (``can_pack``),
-        else a 16-bit weight for ``linear_w16``, with its float32 copy where allowed (see the
-        module docstring)."""
-        if self.packed or self.weight.dim() == 3:
             return
-        if can_pack(self.weight.data):
-            self.weight = nn.Parameter(pack_weight(self.weight.data), requires_grad=False)
-        elif should_widen(self.weight.data):
-            self.weight_fp32 = fp32_weight_copy(self.weight.data)
-            self.weight = nn.Parameter(pack_w16(self.weight.data), requires_grad=False)
+        size = self.output_size_per_partition if bias_sharded else self.output_size
+        self.bias = nn.Parameter(torch.empty(size, dtype=self.params_dtype), requires_grad=False)
+        set_weight_attrs(self.bias, {"weight_loader": self.weight_loader, **({"output_dim": 0} if bias_sharded else {})})
 
-    @property
-    def packed(self) -> bool:
-        """Whether the weight is packed for oneDNN (``process_weights_after_loading``)."""
-        return self.weight.is_mkldnn
-
-    def describe_path(self) -> str:
-        """How this layer multiplies on this machine, for the start-up log."""
-        copy = f" (> {SMALL_M_ROWS} rows: float32 copy)" if self.weight_fp32 is not None else ""
-        return describe_path(self.weight) + copy
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        """Copy this rank's part of a checkpoint tensor into ``param`` (one of this layer's)."""
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_fp32 is not None and x.numel() > SMALL_M_ROWS * x.shape[-1]:
-            bias = None if self.bias is None else self.bias.float()
-            return linear(x.float(), self.weight_fp32, bias).to(x.dtype)
-        return linear(x, self.weight, self.bias, self.output_size)
+        """x [..., input_size_per_partition] -> [..., output_size_per_partition], x's dtype."""
+        return self.quant_method.apply(self, x, self.bias)
 
 
-class FusedLinear(Linear):
-    """Several linear maps of the same input, fused into one matmul.
+class ReplicatedLinear(LinearBase):
+    """A linear layer every rank holds whole: [..., input_size] -> [..., output_size]."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        params_dtype: Optional[torch.dtype] = None,
+        quant_config: Optional[QuantizationConfig] = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(input_size, output_size, params_dtype, quant_config, prefix)
+        self._create_weights(input_size, [output_size], bias, bias_sharded=False)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        """Copy a checkpoint tensor into ``param``.
+
+        Raises:
+            ValueError: if the shapes differ.
+        """
+        default_weight_loader(param, loaded_weight)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks: this rank holds rows [rank x out / tp_size, ...)
+    of W (and of the bias) and computes those outputs.
 
     Args:
-        input_size: features in.
-        shard_sizes: output features of each fused map, in output order.
-        shard_ids: the id of each shard as the model's checkpoint mapping names it.
+        gather_output: whether ``forward`` concatenates the ranks' outputs (all_gather) into
+            [..., output_size]; else it returns this rank's [..., output_size_per_partition].
+        output_sizes: the sizes of fused matrices stacked in W (default ``[output_size]``),
+            each split evenly across ranks: this rank's W is their parts, stacked.
+
+    Raises:
+        ValueError: an output size not divisible by the tensor-parallel size.
     """
 
-    def __init__(self, input_size: int, shard_sizes: Sequence[int], shard_ids: Sequence[ShardId], bias: bool = False) -> None:
-        super().__init__(input_size, sum(shard_sizes), bias)
-        offsets = [0]
-        for size in shard_sizes:
-            offsets.append(offsets[-1] + size)
-        self.shard_slices = {sid: slice(offsets[i], offsets[i + 1]) for i, sid in enumerate(shard_ids)}
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        quant_config: Optional[QuantizationConfig] = None,
+        prefix: str = "",
+        output_sizes: Optional[Sequence[int]] = None,
+    ) -> None:
+        super().__init__(input_size, output_size, params_dtype, quant_config, prefix)
+        self.gather_output = gather_output
+        self.output_sizes = list(output_sizes or [output_size])
+        #: The name of each fused matrix for ``weight_loader`` (``loaded_shard_id``).
+        self.shard_ids: list[ShardId] = list(range(len(self.output_sizes)))
+        self._create_weights(input_size, [divide(size, self.tp_size) for size in self.output_sizes], bias, bias_sharded=True)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Optional[ShardId] = None) -> None:
-        if shard_id is None:
+    def _shard_part(self, index: int) -> tuple[int, int]:
+        """(this rank's part, number of parts) of fused matrix ``index``'s checkpoint rows."""
+        return self.tp_rank, self.tp_size
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: Optional[ShardId] = None) -> None:
+        """Copy this rank's rows of a checkpoint tensor into ``param``: of fused matrix
+        ``loaded_shard_id`` (one of ``shard_ids``), or (None) of the whole W, whose fused
+        matrices are then stacked in the checkpoint tensor in order.
+
+        Raises:
+            ValueError: a wrong shape or an unknown shard id.
+        """
+        output_dim = getattr(param, "output_dim", None)
+        if output_dim is None:  # not split by output (a quantized format's scalar, say)
             default_weight_loader(param, loaded_weight)
             return
-        default_weight_loader(param.data[self.shard_slices[shard_id]], loaded_weight)
+        if loaded_shard_id is None and len(self.shard_ids) > 1:
+            self._load_fused(param, loaded_weight, output_dim)
+            return
+        index = 0 if loaded_shard_id is None else self._shard_index(loaded_shard_id)
+        offset = sum(self.output_partition_sizes[:index])
+        param_data = param.data.narrow(output_dim, offset, self.output_partition_sizes[index])
+        load_weight_part(param_data, loaded_weight, output_dim, *self._shard_part(index))
+
+    def _shard_index(self, shard_id: ShardId) -> int:
+        if shard_id not in self.shard_ids:
+            raise ValueError(f"Unknown shard id {shard_id!r}; this layer's are {self.shard_ids}.")
+        return self.shard_ids.index(shard_id)
+
+    def _load_fused(self, param: nn.Parameter, loaded_weight: torch.Tensor, output_dim: int) -> None:
+        """Load a checkpoint tensor holding every fused matrix, stacked, shard by shard."""
+        rows = [size * self._shard_part(i)[1] for i, size in enumerate(self.output_partition_sizes)]
+        if loaded_weight.shape[output_dim] != sum(rows):
+            raise ValueError(
+                f"Checkpoint tensor shape {tuple(loaded_weight.shape)}: dimension {output_dim} should be "
+                f"{' + '.join(map(str, rows))} (the fused matrices {self.shard_ids})."
+            )
+        for shard_id, part in zip(self.shard_ids, loaded_weight.split(rows, dim=output_dim)):
+            self.weight_loader(param, part, shard_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., input_size] -> [..., output_size] with ``gather_output``, else
+        [..., output_size_per_partition]; x's dtype."""
+        out = self.quant_method.apply(self, x, self.bias)
+        if self.gather_output and self.tp_size > 1:
+            out = tensor_model_parallel_all_gather(out)
+        return out
 
 
-class QKVLinear(FusedLinear):
-    """Fused q/k/v projection: output ``[q (num_heads*head_dim) | k | v (num_kv_heads*head_dim)]``."""
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel matrices of the same input fused into one matmul (gate/up):
+    ``output_sizes`` are their output features, in output order; shard ids are their
+    indices (0, 1, ...)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
-        sizes = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
-        super().__init__(hidden_size, sizes, ("q", "k", "v"), bias)
-        self.q_size, self.kv_size = sizes[0], sizes[1]
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        bias: bool = True,
+        gather_output: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        quant_config: Optional[QuantizationConfig] = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(input_size, sum(output_sizes), bias, gather_output, params_dtype, quant_config, prefix, output_sizes)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection of ``hidden_size`` inputs. Per rank, output
+    ``[q (num_heads x head_size) | k | v (num_kv_heads x head_size)]``: ``total_num_heads /
+    tp_size`` query heads, and ``total_num_kv_heads / tp_size`` KV heads, or one KV head
+    replicated on ``tp_size / total_num_kv_heads`` ranks when there are at least as many
+    ranks as KV heads. Shard ids "q", "k", "v".
+
+    Raises:
+        ValueError: head counts that do not split across the ranks.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: Optional[int] = None,
+        bias: bool = True,
+        params_dtype: Optional[torch.dtype] = None,
+        quant_config: Optional[QuantizationConfig] = None,
+        prefix: str = "",
+    ) -> None:
+        tp_size = get_tensor_model_parallel_world_size()
+        self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads or total_num_heads
+        self.num_heads = divide(total_num_heads, tp_size)
+        self.num_kv_heads = kv_heads_per_rank(self.total_num_kv_heads, tp_size)
+        self.num_kv_head_replicas = max(1, tp_size // self.total_num_kv_heads)
+        self.q_size = self.num_heads * head_size
+        self.kv_size = self.num_kv_heads * head_size
+        # Sizes over all ranks, replicas counted, so that each splits evenly (vLLM's convention).
+        sizes = [self.q_size * tp_size, self.kv_size * tp_size, self.kv_size * tp_size]
+        super().__init__(hidden_size, sum(sizes), bias, False, params_dtype, quant_config, prefix, sizes)
+        self.shard_ids = ["q", "k", "v"]
+
+    def _shard_part(self, index: int) -> tuple[int, int]:
+        if index == 0:
+            return self.tp_rank, self.tp_size
+        return self.tp_rank // self.num_kv_head_replicas, self.tp_size // self.num_kv_head_replicas
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks: this rank holds columns [rank x in / tp_size, ...)
+    of W and takes x [..., input_size_per_partition] (a column-parallel layer's output); the
+    bias (whole) is added on rank 0 only.
+
+    Args:
+        reduce_results: whether ``forward`` sums the ranks' partial outputs (all_reduce).
+
+    Raises:
+        ValueError: an input size not divisible by the tensor-parallel size.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        reduce_results: bool = True,
+        params_dtype: Optional[torch.dtype] = None,
+        quant_config: Optional[QuantizationConfig] = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(input_size, output_size, params_dtype, quant_config, prefix)
+        self.reduce_results = reduce_results
+        self._create_weights(divide(input_size, self.tp_size), [output_size], bias, bias_sharded=False)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        """Copy this rank's columns of a checkpoint tensor into ``param`` (the whole bias).
+
+        Raises:
+            ValueError: a wrong shape.
+        """
+        load_weight_part(param.data, loaded_weight, getattr(param, "input_dim", None), self.tp_rank, self.tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., input_size_per_partition] -> [..., output_size], x's dtype (this rank's
+        partial sum unless ``reduce_results``)."""
+        out = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+        if self.reduce_results and self.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)
+        return out

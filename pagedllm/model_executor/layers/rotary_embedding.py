@@ -3,6 +3,9 @@
 
 ``rope_scaling`` of type ``llama3`` rescales the inverse frequencies by wavelength
 (Llama 3.1; formula as in HF ``_compute_llama3_parameters``).
+
+``RotaryEmbedding`` is a ``CustomOp``: on CPU the C++ kernel rotates queries and keys in
+place; elsewhere (and without the kernels) PyTorch returns new tensors.
 """
 
 from __future__ import annotations
@@ -11,9 +14,9 @@ import math
 from typing import Optional
 
 import torch
-from torch import nn
 
 from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.model_executor.custom_op import CustomOp
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -43,8 +46,9 @@ def get_rope_parameters(config) -> tuple[float, Optional[dict]]:
     return float(theta), (None if rope_type == "default" else params)
 
 
-class RotaryEmbedding(nn.Module):
-    """Applies RoPE to queries and keys given each token's position.
+class RotaryEmbedding(CustomOp):
+    """Applies RoPE to queries and keys given each token's position: ``cos_sin(positions)``
+    once per forward pass, then ``self(query, key, cos, sin)`` in every layer.
 
     Args:
         head_dim: rotary dimension (the full head dimension).
@@ -70,7 +74,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin, each [T, 1, head_dim] in ``dtype``, for positions [T] (int64).
 
         Computed once per forward pass and shared by every layer.
@@ -79,19 +83,21 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
         return cos, sin
 
+    def forward_native(
+        self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``query`` [T, Hq, D] and ``key`` [T, Hkv, D] by ``cos_sin``'s cos/sin: new tensors."""
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
-def apply_rotary(
-    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``query`` [T, Hq, D] and ``key`` [T, Hkv, D] by ``RotaryEmbedding``'s cos/sin.
-
-    On CPU the C++ kernel rotates them in place (they may be views of the fused qkv
-    output) and returns them; elsewhere new tensors are returned.
-    """
-    if cpu_kernels.usable(query):
+    def forward_cpu(
+        self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``forward_native``, by the C++ kernel in place (``query`` and ``key`` may be
+        views of the fused qkv output), returning them."""
+        if not cpu_kernels.is_available():
+            return self.forward_native(query, key, cos, sin)
         cpu_kernels.rotary_embedding(query, key, cos.squeeze(1), sin.squeeze(1))
         return query, key
-    return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

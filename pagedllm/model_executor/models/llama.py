@@ -1,12 +1,13 @@
 """The Llama family: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
 
 Architecture as in the HF transformers implementations of the same names; our own code,
-with fused q/k/v and gate/up projections and attention over the paged KV cache.
+with fused q/k/v and gate/up projections (tensor-parallel layers: this rank's heads and
+MLP columns) and attention over the paged KV cache.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -15,38 +16,51 @@ from transformers import PretrainedConfig
 from pagedllm.model_executor.layers.activation import SiluAndMul
 from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.layernorm import RMSNorm
-from pagedllm.model_executor.layers.linear import (
-    FusedLinear,
-    Linear,
-    QKVLinear,
-    can_pack,
-    default_weight_loader,
-    linear,
-    pack_w16,
-    pack_weight,
-    should_widen,
-)
-from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_rotary, get_rope_parameters
+from pagedllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.model_executor.layers.quantization import QuantizationConfig
+from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
+from pagedllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.model_executor.utils import default_weight_loader
+from pagedllm.platforms import current_platform
 
 #: Bytes of one [rows, 2 x intermediate] chunk of the MLP on CPU (see ``LlamaMLP.forward``).
 _CPU_MLP_CHUNK_BYTES = 16 << 20
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool) -> None:
+    """Self-attention over this rank's heads: ``qkv_proj.num_heads`` query heads and
+    ``qkv_proj.num_kv_heads`` KV heads (all of them at tensor-parallel size 1)."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        qkv_bias: bool,
+        qk_norm: bool,
+        rotary_emb: RotaryEmbedding,
+        quant_config: Optional[QuantizationConfig],
+        prefix: str,
+    ) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
-        self.qkv_proj = QKVLinear(hidden, self.head_dim, self.num_heads, self.num_kv_heads, bias=qkv_bias)
+        total_num_heads = config.num_attention_heads
+        total_num_kv_heads = getattr(config, "num_key_value_heads", None) or total_num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // total_num_heads
+        self.qkv_proj = QKVParallelLinear(
+            hidden, self.head_dim, total_num_heads, total_num_kv_heads, bias=qkv_bias,
+            quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         # ``attention_bias`` (Llama, Qwen3) puts a bias on q, k, v and o; Qwen2 has q/k/v bias only.
         o_bias = bool(getattr(config, "attention_bias", False))
-        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        self.o_proj = RowParallelLinear(
+            total_num_heads * self.head_dim, hidden, bias=o_bias, quant_config=quant_config, prefix=f"{prefix}.o_proj"
+        )
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
@@ -58,18 +72,27 @@ class LlamaAttention(nn.Module):
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        q, k = self.rotary_emb(q, k, *rope)
         out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.contiguous())
         return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    """SwiGLU MLP; this rank's ``intermediate_size / tp_size`` columns."""
+
+    def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig], prefix: str) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = FusedLinear(config.hidden_size, [config.intermediate_size] * 2, (0, 1), bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=bias,
+            quant_config=quant_config, prefix=f"{prefix}.gate_up_proj",
+        )
+        self.down_proj = RowParallelLinear(
+            config.intermediate_size, config.hidden_size, bias=bias, quant_config=quant_config, prefix=f"{prefix}.down_proj"
+        )
         self.act_fn = SiluAndMul()
+        #: Whether long inputs go through in row chunks (on CPU; see ``forward``).
+        self.chunk_rows = current_platform.is_cpu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]. On CPU, long inputs go through in row chunks
@@ -77,7 +100,7 @@ class LlamaMLP(nn.Module):
         with fresh pages every time, and the page faults of an 80 MB [4096, 2 x 4864] bf16
         intermediate cost more than the matmuls gain from the extra rows."""
         num_tokens = x.shape[0]
-        chunk = self._cpu_chunk_rows(x)
+        chunk = self._chunk_rows(x)
         if chunk >= num_tokens:
             return self.down_proj(self.act_fn(self.gate_up_proj(x)))
         out = torch.empty((num_tokens, self.down_proj.output_size), dtype=x.dtype, device=x.device)
@@ -86,18 +109,26 @@ class LlamaMLP(nn.Module):
             out[rows] = self.down_proj(self.act_fn(self.gate_up_proj(x[rows])))
         return out
 
-    def _cpu_chunk_rows(self, x: torch.Tensor) -> int:
-        if x.device.type != "cpu":
+    def _chunk_rows(self, x: torch.Tensor) -> int:
+        if not self.chunk_rows:
             return x.shape[0]
-        row_bytes = self.gate_up_proj.output_size * x.element_size()
+        row_bytes = self.gate_up_proj.output_size_per_partition * x.element_size()
         return max(64, _CPU_MLP_CHUNK_BYTES // row_bytes // 64 * 64)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        qkv_bias: bool,
+        qk_norm: bool,
+        rotary_emb: RotaryEmbedding,
+        quant_config: Optional[QuantizationConfig],
+        prefix: str,
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, qkv_bias, qk_norm, rotary_emb, quant_config, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(config, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -113,21 +144,24 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, quant_config: Optional[QuantizationConfig], prefix: str
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rope_theta, rope_scaling = get_rope_parameters(config)
+        # One table for every layer (each attention layer holds this same module).
         self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta, rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, qkv_bias, qk_norm, self.rotary_emb, quant_config, f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
-        rope = self.rotary_emb(positions, hidden_states.dtype)
+        rope = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(rope, hidden_states, residual)
@@ -140,63 +174,45 @@ class LlamaForCausalLM(nn.Module):
     and ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` (model dtype).
 
     Class attributes ``qkv_bias`` and ``qk_norm`` select the Qwen2 / Qwen3 variants.
+
+    Args:
+        config: the HF config.
+        quant_config: picks each linear layer's and the lm_head's method (None: unquantized).
     """
 
     qkv_bias = False
     qk_norm = False
 
-    # checkpoint name part -> (fused parameter name part, shard id)
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    # (fused parameter name part, checkpoint name part, shard id)
+    stacked_params_mapping = [
+        (".qkv_proj.", ".q_proj.", "q"),
+        (".qkv_proj.", ".k_proj.", "k"),
+        (".qkv_proj.", ".v_proj.", "v"),
+        (".gate_up_proj.", ".gate_proj.", 0),
+        (".gate_up_proj.", ".up_proj.", 1),
+    ]
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig] = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.qkv_bias or bool(getattr(config, "attention_bias", False)), self.qk_norm)
+        qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
+        self.model = LlamaModel(config, qkv_bias, self.qk_norm, quant_config, "model")
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config, prefix="lm_head")
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
-        # The packed copy of tied embeddings (see process_weights_after_loading); a buffer,
-        # so that the runner's weight-memory count includes it.
-        self.register_buffer("_logits_weight", None, persistent=False)
+        if self.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def process_weights_after_loading(self) -> None:
-        """Pack the output projection for the CPU matmul when possible: for oneDNN
-        (``linear.pack_weight``), else a 16-bit one for ``linear_w16`` (``linear.pack_w16``).
-        Tied embeddings get a packed copy (the lookup needs the plain rows): vocab x hidden
-        more bytes, 272 MB for Qwen2.5-0.5B in bf16."""
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head
-        if self._logits_weight is not None or weight.is_mkldnn or weight.dim() == 3:
-            return
-        if can_pack(weight.data):
-            packed = pack_weight(weight.data)
-        elif should_widen(weight.data):
-            packed = pack_w16(weight.data)
-        else:
-            return
-        if self.tie_word_embeddings:
-            self._logits_weight = packed
-        else:
-            self.lm_head = nn.Parameter(packed, requires_grad=False)
-
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits in the model dtype (the sampler upcasts once)."""
-        if self._logits_weight is not None:
-            weight = self._logits_weight
-        else:
-            weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head
-        return linear(hidden_states, weight, out_features=self.config.vocab_size)
+        return self.lm_head.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (HF names) into the parameters; returns the names loaded.
+        """Copy checkpoint tensors (HF names) into the parameters through their
+        ``weight_loader`` (this rank's part; q/k/v and gate/up into their fused layers);
+        returns the names loaded.
 
         Raises:
             ValueError: for a checkpoint tensor with no matching parameter, or a shape mismatch.
@@ -204,16 +220,12 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-            if name == "lm_head.weight":
-                if self.tie_word_embeddings:
-                    continue
-                name = "lm_head"
             shard_id = None
-            for ckpt_part, (fused_part, sid) in self.packed_modules_mapping.items():
-                if f".{ckpt_part}." in name:
-                    name, shard_id = name.replace(f".{ckpt_part}.", f".{fused_part}."), sid
+            for fused_part, ckpt_part, sid in self.stacked_params_mapping:
+                if ckpt_part in name:
+                    name, shard_id = name.replace(ckpt_part, fused_part), sid
                     break
             param = params.get(name)
             if param is None:
@@ -221,6 +233,8 @@ class LlamaForCausalLM(nn.Module):
             loader = getattr(param, "weight_loader", None)
             if loader is None:
                 default_weight_loader(param, tensor)
+            elif shard_id is None:
+                loader(param, tensor)
             else:
                 loader(param, tensor, shard_id)
             loaded.add(name)
