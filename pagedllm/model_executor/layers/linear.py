@@ -303,14 +303,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
     float32_copy = True
 
     def create_weights(
-        self,
-        layer: nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-        **extra_weight_attrs: Any,
+        self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any,
     ) -> None:
         weight = nn.Parameter(
             torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype), requires_grad=False
@@ -413,18 +407,11 @@ class LinearBase(nn.Module):
 
 
 class ReplicatedLinear(LinearBase):
-    """A linear layer every rank holds whole: [..., input_size] -> [..., output_size]."""
+    """A linear layer every rank holds whole: [..., input_size] -> [..., output_size].
+    ``kwargs``: ``LinearBase``'s (params_dtype, quant_config, prefix)."""
 
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = True,
-        params_dtype: Optional[torch.dtype] = None,
-        quant_config: Optional[QuantizationConfig] = None,
-        prefix: str = "",
-    ) -> None:
-        super().__init__(input_size, output_size, params_dtype, quant_config, prefix)
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, **kwargs: Any) -> None:
+        super().__init__(input_size, output_size, **kwargs)
         self._create_weights(input_size, [output_size], bias, bias_sharded=False)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -445,6 +432,7 @@ class ColumnParallelLinear(LinearBase):
             [..., output_size]; else it returns this rank's [..., output_size_per_partition].
         output_sizes: the sizes of fused matrices stacked in W (default ``[output_size]``),
             each split evenly across ranks: this rank's W is their parts, stacked.
+        kwargs: ``LinearBase``'s (params_dtype, quant_config, prefix).
 
     Raises:
         ValueError: an output size not divisible by the tensor-parallel size.
@@ -456,12 +444,10 @@ class ColumnParallelLinear(LinearBase):
         output_size: int,
         bias: bool = True,
         gather_output: bool = False,
-        params_dtype: Optional[torch.dtype] = None,
-        quant_config: Optional[QuantizationConfig] = None,
-        prefix: str = "",
         output_sizes: Optional[Sequence[int]] = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(input_size, output_size, params_dtype, quant_config, prefix)
+        super().__init__(input_size, output_size, **kwargs)
         self.gather_output = gather_output
         self.output_sizes = list(output_sizes or [output_size])
         #: The name of each fused matrix for ``weight_loader`` (``loaded_shard_id``).
@@ -520,19 +506,10 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel matrices of the same input fused into one matmul (gate/up):
     ``output_sizes`` are their output features, in output order; shard ids are their
-    indices (0, 1, ...)."""
+    indices (0, 1, ...). ``kwargs``: ``ColumnParallelLinear``'s (gather_output ...)."""
 
-    def __init__(
-        self,
-        input_size: int,
-        output_sizes: Sequence[int],
-        bias: bool = True,
-        gather_output: bool = False,
-        params_dtype: Optional[torch.dtype] = None,
-        quant_config: Optional[QuantizationConfig] = None,
-        prefix: str = "",
-    ) -> None:
-        super().__init__(input_size, sum(output_sizes), bias, gather_output, params_dtype, quant_config, prefix, output_sizes)
+    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = True, **kwargs: Any) -> None:
+        super().__init__(input_size, sum(output_sizes), bias, output_sizes=output_sizes, **kwargs)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -540,7 +517,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     ``[q (num_heads x head_size) | k | v (num_kv_heads x head_size)]``: ``total_num_heads /
     tp_size`` query heads, and ``total_num_kv_heads / tp_size`` KV heads, or one KV head
     replicated on ``tp_size / total_num_kv_heads`` ranks when there are at least as many
-    ranks as KV heads. Shard ids "q", "k", "v".
+    ranks as KV heads. Shard ids "q", "k", "v". ``kwargs``: ``LinearBase``'s (params_dtype,
+    quant_config, prefix).
 
     Raises:
         ValueError: head counts that do not split across the ranks.
@@ -553,9 +531,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_num_heads: int,
         total_num_kv_heads: Optional[int] = None,
         bias: bool = True,
-        params_dtype: Optional[torch.dtype] = None,
-        quant_config: Optional[QuantizationConfig] = None,
-        prefix: str = "",
+        **kwargs: Any,
     ) -> None:
         tp_size = get_tensor_model_parallel_world_size()
         self.head_size = head_size
@@ -568,7 +544,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_size = self.num_kv_heads * head_size
         # Sizes over all ranks, replicas counted, so that each splits evenly (vLLM's convention).
         sizes = [self.q_size * tp_size, self.kv_size * tp_size, self.kv_size * tp_size]
-        super().__init__(hidden_size, sum(sizes), bias, False, params_dtype, quant_config, prefix, sizes)
+        super().__init__(hidden_size, sum(sizes), bias, output_sizes=sizes, **kwargs)
         self.shard_ids = ["q", "k", "v"]
 
     def _shard_part(self, index: int) -> tuple[int, int]:
@@ -584,22 +560,16 @@ class RowParallelLinear(LinearBase):
 
     Args:
         reduce_results: whether ``forward`` sums the ranks' partial outputs (all_reduce).
+        kwargs: ``LinearBase``'s (params_dtype, quant_config, prefix).
 
     Raises:
         ValueError: an input size not divisible by the tensor-parallel size.
     """
 
     def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = True,
-        reduce_results: bool = True,
-        params_dtype: Optional[torch.dtype] = None,
-        quant_config: Optional[QuantizationConfig] = None,
-        prefix: str = "",
+        self, input_size: int, output_size: int, bias: bool = True, reduce_results: bool = True, **kwargs: Any
     ) -> None:
-        super().__init__(input_size, output_size, params_dtype, quant_config, prefix)
+        super().__init__(input_size, output_size, **kwargs)
         self.reduce_results = reduce_results
         self._create_weights(divide(input_size, self.tp_size), [output_size], bias, bias_sharded=False)
 

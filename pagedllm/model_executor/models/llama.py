@@ -117,15 +117,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self,
-        config: PretrainedConfig,
-        qkv_bias: bool,
-        qk_norm: bool,
-        rotary_emb: RotaryEmbedding,
-        quant_config: Optional[QuantizationConfig],
-        prefix: str,
-    ) -> None:
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, rotary_emb: RotaryEmbedding,
+                 quant_config: Optional[QuantizationConfig], prefix: str) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, qkv_bias, qk_norm, rotary_emb, quant_config, f"{prefix}.self_attn")
         self.mlp = LlamaMLP(config, quant_config, f"{prefix}.mlp")
