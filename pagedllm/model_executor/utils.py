@@ -47,7 +47,7 @@ def load_weight_part(
         if loaded_weight.shape[dim] != size * num_parts:
             raise ValueError(
                 f"Checkpoint tensor shape {tuple(loaded_weight.shape)}: dimension {dim} should be "
-                f"{num_parts} x {size} = {num_parts * size} (this rank's part of {size})."
+                f"{num_parts * size} ({num_parts} rank parts of {size})."
             )
         loaded_weight = loaded_weight.narrow(dim, part * size, size)
     default_weight_loader(param_data, loaded_weight)

@@ -61,6 +61,7 @@ class VocabParallelEmbedding(nn.Module):
         self._create_weights()
 
     def _create_weights(self) -> None:
+        """Register ``weight``, this rank's [num_embeddings_per_partition, embedding_dim] rows."""
         weight = torch.empty(self.num_embeddings_per_partition, self.embedding_dim, dtype=self.params_dtype)
         self.weight = nn.Parameter(weight, requires_grad=False)
         set_weight_attrs(self.weight, {"output_dim": 0, "weight_loader": self.weight_loader})
@@ -100,6 +101,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         quant_config: Optional[QuantizationConfig] = None,
         prefix: str = "",
     ) -> None:
+        # Chosen before the base class's __init__, which creates the weight through it.
         method = None if quant_config is None else quant_config.get_quant_method(self, prefix)
         self.quant_method: QuantizeMethodBase = method or UnquantizedEmbeddingMethod()
         super().__init__(num_embeddings, embedding_dim, params_dtype)
