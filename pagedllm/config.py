@@ -220,11 +220,20 @@ class ParallelConfig:
 
 
 @dataclass
+class AttentionConfig:
+    """The attention backend by name (``--attention-backend``); None: ``$PAGEDLLM_ATTENTION_BACKEND``,
+    else chosen by platform (``pagedllm.attention.selector``, which checks the name at start-up)."""
+
+    backend: Optional[str] = None
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    attention_config: AttentionConfig = field(default_factory=AttentionConfig)
 
 
 def _derived_max_model_len(hf_config: PretrainedConfig) -> int:
@@ -307,7 +316,8 @@ class EngineArgs:
     token); offline, fewer larger steps cost less. ``gpu_memory_utilization``
     is the fraction of the device memory (on CPU: of the RAM available at start-up) that
     weights, activations and KV cache may use together; ``kv_cache_memory_bytes`` overrides
-    it with an exact KV-cache size in bytes.
+    it with an exact KV-cache size in bytes. ``attention_backend`` names the attention
+    backend (e.g. ``"TORCH_SDPA"``); None chooses by platform.
     """
 
     model: Optional[str] = None
@@ -325,6 +335,7 @@ class EngineArgs:
     seed: int = 0
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
+    attention_backend: Optional[str] = None
     usage_context: str = "llm"
     distributed_executor_backend: Union[str, type, None] = None
 
@@ -391,4 +402,5 @@ class EngineArgs:
             max_model_len=max_model_len,
         )
         parallel_config = ParallelConfig(distributed_executor_backend=self.distributed_executor_backend)
-        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config)
+        attention_config = AttentionConfig(self.attention_backend)
+        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, attention_config)

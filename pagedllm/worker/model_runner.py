@@ -8,15 +8,15 @@ inputs are built from the persistent ``InputBatch`` with numpy indexing.
 from __future__ import annotations
 
 import logging
-import resource
 import time
 from typing import Optional
 
 import numpy as np
 import torch
 
-from pagedllm.attention.backend import prepare_kernels
-from pagedllm.attention.metadata import AttentionMetadata, set_forward_context
+from pagedllm.attention.backends.abstract import AttentionMetadata, CommonAttentionMetadata
+from pagedllm.attention.metadata import set_forward_context
+from pagedllm.attention.selector import get_attn_backend, set_attn_backend
 from pagedllm.config import EngineConfig
 from pagedllm.messages.sched_output import SchedulerOutput
 from pagedllm.messages.engine_core import LogprobsLists
@@ -24,18 +24,12 @@ from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.sampler import Sampler, compute_logprobs_with_topk
 from pagedllm.model_executor.model_loader import get_model
 from pagedllm.platforms import current_platform
-from pagedllm.worker.cpu_malloc import tune_malloc
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.kv_cache_sizing import kv_bytes_per_token
 from pagedllm.messages.runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
-#: Tokens in the CPU profiling run; the measured activation peak is scaled linearly to
-#: ``max_num_batched_tokens`` (activations grow linearly with tokens per step). 64, not more:
-#: the run is compute-bound, and on a 2-core AVX2 CPU 256 tokens of the 0.5B shape took 1.8 s
-#: of start-up (the peak measured with 64, 128 and 256 tokens: 760, 810 and 587 MB).
-_CPU_PROFILE_TOKENS = 64
 
 
 class ModelRunner:
@@ -59,17 +53,28 @@ class ModelRunner:
         self.block_size = self.cache_config.block_size
 
     def load_model(self) -> None:
-        """Load the weights; ``weights_bytes`` counts parameters and buffers (bytes)."""
+        """Choose the attention backend (once; it builds the CPU kernels now if it is
+        CPU_ATTN), then load the weights; ``weights_bytes`` counts parameters and buffers
+        (bytes).
+
+        Raises:
+            ValueError: no attention backend can run, or the named one is unknown or cannot
+                run here (see ``pagedllm.attention.selector.get_attn_backend``).
+        """
+        self.attn_backend = get_attn_backend(
+            self.model_config.head_dim, self.model_config.dtype, self.block_size, self.config.attention_config.backend
+        )
+        logger.info("Attention backend: %s", self.attn_backend.get_name())
+        self.attn_metadata_builder = self.attn_backend.get_builder_cls()(self.block_size, self.device)
         start = time.perf_counter()
-        self.model = get_model(self.model_config, self.device)
+        with set_attn_backend(self.attn_backend):
+            self.model = get_model(self.model_config, self.device)
         # Buffers too: the packed copy of tied output embeddings, rotary tables.
         tensors = [*self.model.parameters(), *self.model.buffers()]
         self.weights_bytes = sum(t.numel() * t.element_size() for t in tensors)
         logger.info("Loaded %s (%.1f MB) in %.2f s", self.model_config.model_path,
                     self.weights_bytes / 1e6, time.perf_counter() - start)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        #: Prefill tokens are attended as decode queries by the CPU kernel (see backend).
-        self.prefill_as_decode = prepare_kernels(self.device)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` KV-cache blocks per layer and the persistent batch."""
@@ -78,72 +83,54 @@ class ModelRunner:
             self.scheduler_config.max_num_seqs, self.model_config.max_model_len, self.block_size, self.device
         )
         self.sampler = Sampler()
-        if self.device.type == "cpu":
-            # From now on step buffers stay in the heap (see cpu_malloc); not before: the
-            # weights and the KV cache, allocated once, load faster as mappings of their own.
-            tune_malloc()
+        current_platform.prepare_for_steps()
 
     # ------------------------------------------------------------------ set-up
-    def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer.
+    def _allocate_kv_caches(self, num_blocks: int, initial: float | None = None) -> list[torch.Tensor]:
+        """One tensor per layer, of its backend's ``get_kv_cache_shape``, bound to the layer.
 
-        NOTE: allocated uninitialised (memory is committed only as blocks are used) and never
-        cleared: no attention path lets a slot past a request's context reach its output
-        (the CPU kernel does not read them; the portable one zeroes what it gathered there).
+        NOTE: allocated uninitialised unless ``initial`` is given (memory is committed only
+        as blocks are used) and never cleared: no backend lets a slot past a request's
+        context reach its output (see ``pagedllm.attention.paged_kv_cache``).
         """
         caches = []
         for layer in self.attention_layers:
-            shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            shape = layer.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             cache = torch.empty(shape, dtype=self.model_config.dtype, device=self.device)
+            if initial is not None:
+                cache.fill_(initial)
             layer.kv_cache = cache
             caches.append(cache)
         return caches
 
     @torch.inference_mode()
     def profile_run(self) -> int:
-        """Peak activation memory (bytes) of a forward over ``max_num_batched_tokens`` tokens.
-
-        CUDA: measured with ``torch.cuda.max_memory_allocated`` over a full-size dummy run.
-        CPU: the growth of the process's peak RSS over a ``_CPU_PROFILE_TOKENS``-token dummy
-        run, scaled linearly (a full-size run would dominate start-up time on CPU).
-        """
-        max_tokens = self.scheduler_config.max_num_batched_tokens
-        if current_platform.is_cuda:
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            self._dummy_run(max_tokens)
-            return torch.cuda.max_memory_allocated() - base
-        num_tokens = min(max_tokens, _CPU_PROFILE_TOKENS)
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        self._dummy_run(num_tokens)
-        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return int(max(after - before, 0) * max_tokens / num_tokens)
+        """Peak activation memory (bytes) of a forward over ``max_num_batched_tokens``
+        tokens, as the platform measures it (``Platform.profile_activation_peak``)."""
+        return current_platform.profile_activation_peak(self._dummy_run, self.scheduler_config.max_num_batched_tokens)
 
     def _dummy_run(self, num_tokens: int) -> None:
         """Forward ``num_tokens`` tokens as prefills of at most ``max_model_len`` tokens each,
-        with a temporary KV cache just large enough."""
+        with a temporary KV cache just large enough (for the platform's memory profiling)."""
         seq_len = min(num_tokens, self.model_config.max_model_len)
         num_seqs = -(-num_tokens // seq_len)
         blocks_per_seq = -(-seq_len // self.block_size)
-        num_blocks = num_seqs * blocks_per_seq
-        for layer in self.attention_layers:
-            layer.kv_cache = torch.zeros(
-                (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim),
-                dtype=self.model_config.dtype, device=self.device,
+        self._allocate_kv_caches(num_seqs * blocks_per_seq, initial=0.0)
+        lens = np.array([seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else []))
+        positions = np.concatenate([np.arange(n) for n in lens])
+        seq_starts = np.repeat(np.arange(len(lens)) * blocks_per_seq * self.block_size, lens)
+        metadata = self.attn_metadata_builder.build(
+            CommonAttentionMetadata(
+                query_start_loc=np.concatenate(([0], np.cumsum(lens))),
+                seq_lens=lens,
+                num_computed_tokens=np.zeros_like(lens),
+                block_table=np.arange(num_seqs * blocks_per_seq).reshape(num_seqs, blocks_per_seq),
+                slot_mapping=seq_starts + positions,
+                num_decodes=0,
             )
-        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
-        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
-        slots = torch.cat([torch.arange(n) + i * blocks_per_seq * self.block_size for i, n in enumerate(lens)])
-        metadata = AttentionMetadata(
-            slot_mapping=slots.to(self.device),
-            num_decodes=0,
-            decode_block_table=torch.zeros((0, 1), dtype=torch.int64, device=self.device),
-            decode_seq_lens=torch.zeros(0, dtype=torch.int64, device=self.device),
-            prefill_query_start_loc=[0, *np.cumsum(lens).tolist()],
-            prefill_seq_lens=lens,
-            prefill_block_table=torch.arange(num_blocks, device=self.device).view(num_seqs, blocks_per_seq),
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = self._to_device(positions)
         with set_forward_context(metadata):
             hidden = self.model(input_ids, positions)
         self.model.compute_logits(hidden[: self.scheduler_config.max_num_seqs])
@@ -191,7 +178,7 @@ class ModelRunner:
         bs = self.block_size
         slot_mapping = batch.block_table[token_rows, positions // bs] * bs + positions % bs
         seq_lens = computed + num_sched
-        metadata = self._attention_metadata(rows, seq_lens, num_sched, len(decodes), slot_mapping, token_rows, positions)
+        metadata = self._attention_metadata(rows, seq_lens, computed, cu, len(decodes), slot_mapping)
 
         with set_forward_context(metadata):
             hidden = self.model(self._to_device(input_ids), self._to_device(positions))
@@ -226,40 +213,24 @@ class ModelRunner:
         self,
         rows: np.ndarray,
         seq_lens: np.ndarray,
-        num_sched: np.ndarray,
+        computed: np.ndarray,
+        cu: np.ndarray,
         num_decodes: int,
         slot_mapping: np.ndarray,
-        token_rows: np.ndarray,
-        positions: np.ndarray,
     ) -> AttentionMetadata:
-        """The step's metadata; ``rows`` / ``seq_lens`` / ``num_sched`` per request (decodes
-        first), ``slot_mapping`` / ``token_rows`` / ``positions`` per token."""
-        bs = self.block_size
-        table = self.input_batch.block_table
-
-        def block_table_for(part_rows: np.ndarray, part_lens: np.ndarray) -> torch.Tensor:
-            width = int(-(-part_lens.max() // bs)) if len(part_lens) else 1
-            return self._to_device(np.ascontiguousarray(table[part_rows, :width]))
-
-        prefill_lens = seq_lens[num_decodes:]
-        per_token: dict[str, torch.Tensor] = {}
-        if self.prefill_as_decode and len(prefill_lens):
-            # Token t of a prefill is a decode query: its request's table, t's position + 1.
-            # (The first num_decodes tokens are the decodes', one each.)
-            per_token = {
-                "prefill_token_block_table": block_table_for(token_rows[num_decodes:], prefill_lens),
-                "prefill_token_seq_lens": self._to_device(positions[num_decodes:] + 1),
-            }
-        return AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping),
+        """The step's metadata, by the backend's builder; ``rows`` / ``seq_lens`` /
+        ``computed`` / ``cu`` (cumulative scheduled tokens) per request (decodes first),
+        ``slot_mapping`` per token."""
+        width = int(-(-seq_lens.max() // self.block_size))
+        common = CommonAttentionMetadata(
+            query_start_loc=np.concatenate(([0], cu)),
+            seq_lens=seq_lens,
+            num_computed_tokens=computed,
+            block_table=self.input_batch.block_table[rows, :width],
+            slot_mapping=slot_mapping,
             num_decodes=num_decodes,
-            decode_block_table=block_table_for(rows[:num_decodes], seq_lens[:num_decodes]),
-            decode_seq_lens=self._to_device(seq_lens[:num_decodes]),
-            prefill_query_start_loc=[0, *np.cumsum(num_sched[num_decodes:]).tolist()],
-            prefill_seq_lens=prefill_lens.tolist(),
-            prefill_block_table=block_table_for(rows[num_decodes:], prefill_lens),
-            **per_token,
         )
+        return self.attn_metadata_builder.build(common)
 
     def _logits_indices(
         self, rows: np.ndarray, seq_lens: np.ndarray, cu: np.ndarray

@@ -1,7 +1,8 @@
 """The KV cache is never cleared: blocks handed to a request, and the block tables' padding,
 may hold anything a block held before (here NaN). The CPU kernel reads no slot past a
 request's context, and the portable attention zeroes the values it gathered there, so the
-greedy output equals a clean cache's either way.
+greedy output equals a clean cache's either way (the backend chosen automatically: CPU_ATTN
+with the kernels, TORCH_SDPA without).
 
 The runner also samples several positions of a request in one step (``logits_indices``), as
 speculative decoding will."""
@@ -24,7 +25,7 @@ def test_stale_nan_in_fresh_blocks_never_reaches_outputs(kernels, tiny_qwen2, to
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     llm = LLM(str(tiny_qwen2), dtype="float32", kv_cache_memory_bytes=4 << 20, block_size=16)
     runner = model_runner(llm)
-    assert runner.prefill_as_decode is kernels
+    assert runner.attn_backend.get_name() == ("CPU_ATTN" if kernels else "TORCH_SDPA")
     clean = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
     llm.llm_engine.reset_prefix_cache()
     for cache in runner.kv_caches:

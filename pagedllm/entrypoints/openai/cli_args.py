@@ -216,6 +216,11 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Hash of prefix-cache blocks: sha256 (default), sha256_cbor, or xxhash (faster, not "
         "cryptographic).",
     )  # fmt: skip
+    engine.add_argument(
+        "--attention-backend", default=None, metavar="NAME",
+        help="Attention backend: CPU_ATTN (C++ CPU kernel), TORCH_SDPA (portable PyTorch) or a registered "
+        "one. Default: $PAGEDLLM_ATTENTION_BACKEND, else chosen by platform.",
+    )  # fmt: skip
     engine.add_argument("--seed", type=int_type, default=0, help="Global random seed.")
     return parser
 

@@ -24,7 +24,7 @@ class MallInfo2(ctypes.Structure):
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = MallInfo2
 if sys.argv[1] == "tuned":
-    from pagedllm.worker.cpu_malloc import tune_malloc
+    from pagedllm.platforms.cpu_malloc import tune_malloc
     assert tune_malloc() and tune_malloc()
 mapped, arena = [], []
 for step in range(12):  # a step: a 64 MiB buffer, small allocations meanwhile, then freed
@@ -54,7 +54,7 @@ def test_large_step_buffers_stay_in_the_heap():
 
 def test_cpu_engine_applies_it(tiny_llama):
     from pagedllm import LLM
-    from pagedllm.worker import cpu_malloc
+    from pagedllm.platforms import cpu_malloc
 
     LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=4 << 20)
     assert cpu_malloc._done

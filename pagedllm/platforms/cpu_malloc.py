@@ -11,9 +11,9 @@ The process keeps the heap it has used at its peak instead of shrinking after it
 
 Measured with ``pagedllm bench throughput`` on tiny-llama, 256 x (128 in, 128 out), bf16,
 2-core Zen 4, three alternating pairs: 7,165 / 6,742 / 7,346 -> 7,977 / 7,741 / 8,136
-output tok/s. The runner applies it after loading the weights and allocating the KV cache,
-which keep mappings of their own (loading the 0.5B shape's weights under it took 1.0-1.6 s
-instead of 0.7-0.8 s).
+output tok/s. ``CpuPlatform.prepare_for_steps`` applies it once the runner has loaded the
+weights and allocated the KV cache, which keep mappings of their own (loading the 0.5B
+shape's weights under it took 1.0-1.6 s instead of 0.7-0.8 s).
 
 Source: glibc's ``mallopt(3)`` (``M_MMAP_THRESHOLD``, ``M_TRIM_THRESHOLD``).
 """

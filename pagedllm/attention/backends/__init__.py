@@ -1,0 +1,1 @@
+"""Attention backends: the interface (``abstract``) and its implementations."""

@@ -1,0 +1,197 @@
+"""The attention-backend interface: what the model runner and the ``Attention`` layer may
+rely on, whichever backend runs.
+
+A backend is a class-level bundle (vLLM's shape):
+
+- ``AttentionBackend``: name, supported block sizes and dtypes, KV-cache shape, and the
+  classes below; ``validate_configuration`` says why it cannot run here, if it cannot.
+- ``AttentionMetadataBuilder``: turns the step's batch (``CommonAttentionMetadata``, plain
+  numpy arrays the runner has anyway) into the backend's own ``AttentionMetadata`` subclass,
+  once per step. The runner knows nothing of what is inside.
+- ``AttentionImpl``: one per attention layer; ``forward`` writes the step's K/V into the
+  layer's paged cache through ``slot_mapping`` and attends.
+
+Token order in a step: the ``num_decodes`` decode requests first, one query token each;
+then the prefill requests (query length > 1, possibly a chunk of a longer prompt), each a
+contiguous run of tokens.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, Optional, TypeVar
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """The step's batch as the runner has it, on the host; input of every builder.
+
+    Attributes:
+        query_start_loc: [num_reqs + 1] int64; request r's query tokens are
+            ``query_start_loc[r]:query_start_loc[r + 1]`` of the step's tokens.
+        seq_lens: [num_reqs] int64; context length of each request, this step's tokens
+            included.
+        num_computed_tokens: [num_reqs] int64; tokens already in the cache before this step.
+        block_table: [num_reqs, max_blocks] int64; each request's block ids, at least
+            ``ceil(seq_len / block_size)`` columns (padding past them: any valid block id).
+        slot_mapping: [num_tokens] int64; cache slot of each token's K/V
+            (``block_id * block_size + offset``).
+        num_decodes: the first ``num_decodes`` requests have one query token each.
+    """
+
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    num_computed_tokens: np.ndarray
+    block_table: np.ndarray
+    slot_mapping: np.ndarray
+    num_decodes: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_prefills(self) -> int:
+        return self.num_reqs - self.num_decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.slot_mapping)
+
+
+@dataclass
+class AttentionMetadata:
+    """What every backend's metadata carries; backends subclass it with their own fields.
+
+    Attributes:
+        slot_mapping: [num_tokens] int64 on the device; where each token's K/V is written.
+        num_decodes: decode requests (the first ``num_decodes`` tokens, one each).
+        num_prefills: prefill requests (the tokens after the decodes).
+    """
+
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    num_prefills: int
+
+
+M = TypeVar("M", bound=AttentionMetadata)
+
+
+class AttentionMetadataBuilder(ABC, Generic[M]):
+    """Builds one backend's metadata from the step's batch, once per step.
+
+    Args:
+        block_size: tokens per KV-cache block.
+        device: where the metadata's tensors go.
+    """
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+
+    @abstractmethod
+    def build(self, common: CommonAttentionMetadata) -> M:
+        """The metadata for the step ``common`` describes (host arrays in, device tensors out)."""
+
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array as a tensor on ``device`` (no copy on CPU)."""
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+
+class AttentionImpl(ABC, Generic[M]):
+    """One attention layer's computation, for one backend.
+
+    Args:
+        num_heads: query heads; head_size: channels per head; scale: softmax scale;
+        num_kv_heads: key/value heads (``num_heads`` is a multiple of it).
+    """
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: M,
+    ) -> torch.Tensor:
+        """Write this step's K/V into ``kv_cache`` at ``attn_metadata.slot_mapping``, then
+        attend: each query sees its request's context up to and including itself.
+
+        Args:
+            layer: the calling ``Attention`` layer.
+            query: [num_tokens, num_heads, head_size].
+            key, value: [num_tokens, num_kv_heads, head_size], the cache's dtype.
+            kv_cache: the layer's cache, of the backend's ``get_kv_cache_shape``.
+            attn_metadata: built by this backend's builder for the step.
+
+        Returns:
+            [num_tokens, num_heads, head_size], the dtype of ``query``.
+        """
+
+
+class AttentionBackend(ABC):
+    """A way to run paged attention; registered by name in ``pagedllm.attention.selector``."""
+
+    @staticmethod
+    @abstractmethod
+    def get_name() -> str:
+        """The name ``--attention-backend`` takes, upper case (e.g. ``"TORCH_SDPA"``)."""
+
+    @staticmethod
+    def get_supported_block_sizes() -> tuple[int, ...]:
+        """Block sizes this backend can page with; empty: any."""
+        return ()
+
+    @staticmethod
+    def get_supported_dtypes() -> tuple[torch.dtype, ...]:
+        """Query / KV-cache dtypes this backend computes in."""
+        return (torch.float32, torch.bfloat16, torch.float16)
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        """One layer's KV-cache shape: ``[2, num_blocks, block_size, num_kv_heads,
+        head_size]`` (0 = keys, 1 = values; see ``pagedllm.attention.paged_kv_cache``)."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    @abstractmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]:
+        """The metadata builder class."""
+
+    @staticmethod
+    @abstractmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        """The per-layer implementation class."""
+
+    @classmethod
+    def validate_configuration(cls, head_size: int, dtype: torch.dtype, block_size: Optional[int]) -> list[str]:
+        """Why this backend cannot run here with these settings (empty: it can). Subclasses
+        add their own reasons (device, kernels) to these.
+
+        Args:
+            head_size: channels per head; dtype: the model's compute dtype;
+            block_size: tokens per block, or None when not yet known (not checked).
+        """
+        reasons = []
+        if dtype not in cls.get_supported_dtypes():
+            names = ", ".join(str(d).removeprefix("torch.") for d in cls.get_supported_dtypes())
+            reasons.append(f"dtype {str(dtype).removeprefix('torch.')} is not supported (supported: {names})")
+        sizes = cls.get_supported_block_sizes()
+        if block_size is not None and sizes and block_size not in sizes:
+            reasons.append(f"block size {block_size} is not supported (supported: {', '.join(map(str, sizes))})")
+        return reasons

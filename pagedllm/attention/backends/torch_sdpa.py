@@ -1,0 +1,161 @@
+"""``TORCH_SDPA``: paged attention in portable PyTorch (CPU and CUDA); the reference the
+other backends are tested against.
+
+Decodes (one query each) are computed together: their contexts are gathered from the cache
+by block table into a padded [num_decodes, max_len] batch masked by sequence length, with
+the query heads that share a KV head laid along SDPA's query axis (grouped-query attention
+without repeating K/V).
+
+Prefills (a whole prompt, or a chunk after tokens already cached) are computed together
+too: their contexts are gathered the same way, their queries padded to the longest chunk
+(a padding row repeats its request's last query and is dropped), and one SDPA call with a
+causal mask offset by each request's cached length (``enable_gqa``). The chunk's K/V are in
+the cache by then.
+
+Masks and gather indices are built once per step by the builder, not per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+from pagedllm.attention.paged_kv_cache import gather_context, write_to_kv_cache
+
+
+@dataclass
+class TorchSDPAMetadata(AttentionMetadata):
+    """Attributes (device tensors; the ``prefill_*`` ones None without prefills):
+        decode_block_table: [num_decodes, nb] int64 block tables.
+        decode_valid: [num_decodes, nb * block_size] bool; position < seq_len.
+        prefill_block_table: [num_prefills, nb'] int64 block tables.
+        prefill_valid: [num_prefills, max_seq_len] bool; position < seq_len.
+        prefill_query_index: [num_prefills, max_query_len] int64; the token (counted from
+            the first prefill token) of each padded query row.
+        prefill_mask: [num_prefills, 1, max_query_len, max_seq_len] bool; causal mask of
+            each padded query row over its request's context.
+        prefill_output_index: [num_prefill_tokens] int64; the padded rows, flattened, that
+            are real tokens, in token order.
+    """
+
+    decode_block_table: torch.Tensor
+    decode_valid: torch.Tensor
+    prefill_block_table: Optional[torch.Tensor] = None
+    prefill_valid: Optional[torch.Tensor] = None
+    prefill_query_index: Optional[torch.Tensor] = None
+    prefill_mask: Optional[torch.Tensor] = None
+    prefill_output_index: Optional[torch.Tensor] = None
+
+
+class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
+    def build(self, common: CommonAttentionMetadata) -> TorchSDPAMetadata:
+        """Decode tables and masks; prefill tables, padded query indices and causal masks."""
+        num_decodes = common.num_decodes
+        decode_table, decode_valid = self._tables(common.block_table[:num_decodes], common.seq_lens[:num_decodes])
+        metadata = TorchSDPAMetadata(
+            slot_mapping=self.to_device(common.slot_mapping),
+            num_decodes=num_decodes,
+            num_prefills=common.num_prefills,
+            decode_block_table=decode_table,
+            decode_valid=decode_valid,
+        )
+        if common.num_prefills:
+            self._add_prefills(metadata, common)
+        return metadata
+
+    def _tables(self, block_table: np.ndarray, seq_lens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block tables cut to the longest context, and [B, nb * block_size] valid positions."""
+        width = int(-(-seq_lens.max() // self.block_size)) if len(seq_lens) else 1
+        table = self.to_device(np.ascontiguousarray(block_table[:, :width]))
+        lens = self.to_device(seq_lens)
+        valid = torch.arange(width * self.block_size, device=self.device)[None, :] < lens[:, None]
+        return table, valid
+
+    def _add_prefills(self, metadata: TorchSDPAMetadata, common: CommonAttentionMetadata) -> None:
+        num_decodes = common.num_decodes
+        starts = common.query_start_loc[num_decodes:] - common.query_start_loc[num_decodes]
+        query_lens = np.diff(starts)
+        seq_lens = common.seq_lens[num_decodes:]
+        max_query_len, max_seq_len = int(query_lens.max()), int(seq_lens.max())
+        table, valid = self._tables(common.block_table[num_decodes:], seq_lens)
+        row = np.minimum(np.arange(max_query_len)[None, :], query_lens[:, None] - 1)  # padding repeats the last
+        query_pos = self.to_device((seq_lens - query_lens)[:, None] + row)
+        metadata.prefill_block_table = table
+        metadata.prefill_valid = valid[:, :max_seq_len]
+        metadata.prefill_query_index = self.to_device(starts[:-1, None] + row)
+        metadata.prefill_mask = (torch.arange(max_seq_len, device=self.device) <= query_pos[:, :, None])[:, None]
+        real = np.arange(max_query_len)[None, :] < query_lens[:, None]
+        metadata.prefill_output_index = self.to_device(np.flatnonzero(real))
+
+
+class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
+    def forward(
+        self,
+        layer: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: TorchSDPAMetadata,
+    ) -> torch.Tensor:
+        """See ``AttentionImpl.forward``."""
+        write_to_kv_cache(kv_cache, key, value, attn_metadata.slot_mapping)
+        num_decodes = attn_metadata.num_decodes
+        if not attn_metadata.num_prefills:
+            return self._decode(query, kv_cache, attn_metadata)
+        output = torch.empty_like(query)
+        if num_decodes:
+            output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, attn_metadata)
+        output[num_decodes:] = self._prefill(query[num_decodes:], kv_cache, attn_metadata)
+        return output
+
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, md: TorchSDPAMetadata) -> torch.Tensor:
+        """[num_decodes, num_heads, head_size] queries -> their attention output."""
+        num_decodes = query.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        keys = gather_context(kv_cache[0], md.decode_block_table, md.decode_valid)
+        values = gather_context(kv_cache[1], md.decode_block_table, md.decode_valid)
+        q = query.view(num_decodes, self.num_kv_heads, group, self.head_size)
+        mask = md.decode_valid[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        return out.reshape(num_decodes, self.num_heads, self.head_size)
+
+    def _prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, md: TorchSDPAMetadata) -> torch.Tensor:
+        """[num_prefill_tokens, num_heads, head_size] queries -> their attention output."""
+        assert md.prefill_block_table is not None and md.prefill_valid is not None
+        assert md.prefill_query_index is not None and md.prefill_output_index is not None
+        keys = gather_context(kv_cache[0], md.prefill_block_table, md.prefill_valid)
+        values = gather_context(kv_cache[1], md.prefill_block_table, md.prefill_valid)
+        q = query[md.prefill_query_index].transpose(1, 2)  # [P, num_heads, max_query_len, D]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=md.prefill_mask, scale=self.scale, enable_gqa=True
+        )
+        return out.transpose(1, 2).reshape(-1, self.num_heads, self.head_size)[md.prefill_output_index]
+
+
+class TorchSDPABackend(AttentionBackend):
+    """Portable PyTorch paged attention; runs wherever PyTorch does."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "TORCH_SDPA"
+
+    @staticmethod
+    def get_builder_cls() -> type[TorchSDPAMetadataBuilder]:
+        return TorchSDPAMetadataBuilder
+
+    @staticmethod
+    def get_impl_cls() -> type[TorchSDPAImpl]:
+        return TorchSDPAImpl

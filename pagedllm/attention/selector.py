@@ -1,0 +1,106 @@
+"""Which attention backend runs: a registry by name, and the choice.
+
+The choice, made once per engine (``get_attn_backend``): the name given
+(``--attention-backend``), else ``$PAGEDLLM_ATTENTION_BACKEND``, else automatic — the first
+backend of ``current_platform.attn_backend_preference`` that can run with the model's head
+size and dtype and the block size (on CPU: ``CPU_ATTN`` when the C++ kernels build, else
+``TORCH_SDPA``). Another backend (a CUDA one, a test's) joins with ``register_attn_backend``
+and is then chosen by name.
+
+``Attention`` layers built inside ``set_attn_backend(backend)`` (the model runner's model
+loading) hold that backend's impl; outside it (a model built directly), the automatic choice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator, Optional
+
+import torch
+
+from pagedllm.attention.backends.abstract import AttentionBackend
+from pagedllm.attention.backends.cpu_attn import CpuAttnBackend
+from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend
+from pagedllm.platforms import current_platform
+
+#: Environment variable naming the backend when ``--attention-backend`` is not given.
+ENV = "PAGEDLLM_ATTENTION_BACKEND"
+
+_registry: dict[str, type[AttentionBackend]] = {}
+_model_backend: Optional[type[AttentionBackend]] = None
+
+
+def register_attn_backend(backend: type[AttentionBackend]) -> type[AttentionBackend]:
+    """Make ``backend`` selectable by its ``get_name()`` (replacing one of the same name);
+    returns it, so it can decorate the class."""
+    _registry[backend.get_name().upper()] = backend
+    return backend
+
+
+def registered_attn_backends() -> list[str]:
+    """The names of the registered backends."""
+    return list(_registry)
+
+
+def get_attn_backend(
+    head_size: int, dtype: torch.dtype, block_size: Optional[int], name: Optional[str] = None
+) -> type[AttentionBackend]:
+    """The backend to run: ``name`` (case-insensitive), else ``$PAGEDLLM_ATTENTION_BACKEND``,
+    else the platform's first that can run.
+
+    Args:
+        head_size: channels per attention head; dtype: the model's compute dtype;
+        block_size: tokens per KV-cache block (None: not checked).
+        name: a registered backend's name, or None.
+
+    Raises:
+        ValueError: an unknown name (the message lists the registered ones), a named backend
+            that cannot run here, or (automatic) none that can — each with the reasons.
+    """
+    name = name or os.environ.get(ENV) or None
+    if name is not None:
+        backend = _registry.get(name.upper())
+        if backend is None:
+            raise ValueError(
+                f"Unknown attention backend {name!r}; registered backends: {', '.join(_registry)}."
+            )
+        reasons = backend.validate_configuration(head_size, dtype, block_size)
+        if reasons:
+            raise ValueError(f"Attention backend {backend.get_name()} cannot run here: {'; '.join(reasons)}.")
+        return backend
+    rejected = []
+    for candidate in current_platform.attn_backend_preference:
+        backend = _registry.get(candidate)
+        if backend is None:  # registered later, if at all (e.g. a CUDA backend)
+            continue
+        reasons = backend.validate_configuration(head_size, dtype, block_size)
+        if not reasons:
+            return backend
+        rejected.append(f"{candidate}: {'; '.join(reasons)}")
+    raise ValueError(f"No attention backend can run here ({' | '.join(rejected)}).")
+
+
+@contextlib.contextmanager
+def set_attn_backend(backend: type[AttentionBackend]) -> Iterator[None]:
+    """``Attention`` layers constructed inside the block use ``backend``."""
+    global _model_backend
+    previous, _model_backend = _model_backend, backend
+    try:
+        yield
+    finally:
+        _model_backend = previous
+
+
+def get_current_attn_backend(head_size: int, dtype: torch.dtype) -> type[AttentionBackend]:
+    """The backend an ``Attention`` layer being constructed uses: the one of
+    ``set_attn_backend``, else ``get_attn_backend(head_size, dtype, None)``.
+
+    Raises:
+        ValueError: as ``get_attn_backend``.
+    """
+    return _model_backend or get_attn_backend(head_size, dtype, None)
+
+
+for _builtin in (CpuAttnBackend, TorchSDPABackend):
+    register_attn_backend(_builtin)

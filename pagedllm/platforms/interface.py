@@ -1,0 +1,63 @@
+"""``Platform``: the device-specific facts and hooks behind one interface.
+
+Everything else in pagedllm asks ``current_platform`` (``pagedllm.platforms``) instead of
+testing for CUDA itself; a new device is a new subclass.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class Platform:
+    """The device pagedllm runs on. Subclasses: ``CpuPlatform``, ``CudaPlatform``.
+
+    Attributes:
+        device_type: ``"cuda"`` or ``"cpu"``.
+        attn_backend_preference: names of the attention backends the automatic selection
+            tries, best first (``pagedllm.attention.selector``); the first that can run wins.
+    """
+
+    device_type: str = ""
+    attn_backend_preference: tuple[str, ...] = ()
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.device_type)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device_type == "cuda"
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.device_type == "cpu"
+
+    def total_memory_bytes(self) -> int:
+        """Memory in bytes that weights, activations and the KV cache share."""
+        raise NotImplementedError
+
+    def half_dtype(self) -> torch.dtype:
+        """The 16-bit dtype to use when a float32 checkpoint is loaded with dtype "auto"."""
+        return torch.bfloat16
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (no-op where work is synchronous)."""
+
+    def profile_activation_peak(self, dummy_run: Callable[[int], None], max_num_tokens: int) -> int:
+        """Peak activation memory (bytes) of a forward over ``max_num_tokens`` tokens.
+
+        Args:
+            dummy_run: runs a forward over the number of tokens it is given.
+            max_num_tokens: the step token budget (``max_num_batched_tokens``).
+        """
+        raise NotImplementedError
+
+    def prepare_for_steps(self) -> None:
+        """Process-wide settings for the step loop, applied once by the model runner after
+        the weights and the KV cache are allocated. Default: none."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
