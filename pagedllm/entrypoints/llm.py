@@ -37,6 +37,8 @@ class LLM:
         seed: global random seed.
         enable_prefix_caching: automatic prefix caching (on by default).
         prefix_caching_hash_algo: "sha256", "sha256_cbor" or "xxhash".
+        attention_backend: "CPU_ATTN", "TORCH_SDPA" or another registered name (default:
+            $PAGEDLLM_ATTENTION_BACKEND, else chosen by platform).
 
     Raises:
         ValueError: for bad arguments, an unsupported architecture or a KV budget that
@@ -60,6 +62,7 @@ class LLM:
         revision: Optional[str] = None,
         tokenizer_revision: Optional[str] = None,
         download_dir: Optional[str] = None,
+        attention_backend: Optional[str] = None,
     ) -> None:
         engine_args = EngineArgs(
             model=model,
@@ -77,6 +80,7 @@ class LLM:
             seed=seed,
             enable_prefix_caching=enable_prefix_caching,
             prefix_caching_hash_algo=prefix_caching_hash_algo,
+            attention_backend=attention_backend,
         )
         self.llm_engine = LLMEngine.from_engine_args(engine_args)
         self._request_counter = itertools.count()

@@ -1,4 +1,5 @@
-"""The C++ CPU decode-attention kernel against the portable PyTorch path, and its fallbacks.
+"""The C++ CPU decode-attention kernel against a float64 reference, the CPU_ATTN backend
+over it, and the fallback to TORCH_SDPA where the kernels are unavailable.
 
 Kernel tests fail (with the reason) where the extension cannot be built (the ``kernel``
 fixture of tests/conftest.py); the fallback tests run everywhere.
@@ -14,10 +15,12 @@ import sys
 import pytest
 import torch
 
-from pagedllm.attention import backend
+from pagedllm.attention import selector
+from pagedllm.attention.backends.cpu_attn import CpuAttnBackend, CpuAttnMetadata
+from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.kernels import isa
-from pagedllm.attention.metadata import AttentionMetadata
+from tests.attention.reference import reference_decode_attention
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -71,20 +74,8 @@ def _case(batch, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, m
     return query, kv_cache, table, seq_lens
 
 
-def _metadata(table: torch.Tensor, seq_lens: torch.Tensor) -> AttentionMetadata:
-    return AttentionMetadata(
-        slot_mapping=torch.zeros(len(seq_lens), dtype=torch.int64),
-        num_decodes=len(seq_lens),
-        decode_block_table=table,
-        decode_seq_lens=seq_lens,
-        prefill_query_start_loc=[0],
-        prefill_seq_lens=[],
-        prefill_block_table=table[:0],
-    )
-
-
 def _reference(query, kv_cache, table, seq_lens, scale):
-    return backend._decode_attention_torch(query, kv_cache, _metadata(table, seq_lens), scale)
+    return reference_decode_attention(query, kv_cache, table, seq_lens, scale)
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -170,48 +161,35 @@ def test_kernel_rejects_bad_inputs(isa_kernel):
         isa_kernel.paged_decode_attention(out, query.double(), kv_cache[0], kv_cache[1], table, seq_lens, 1.0)
 
 
-def test_paged_attention_uses_kernel_on_cpu(kernel, monkeypatch):
+def test_cpu_attn_impl_uses_kernel(kernel, monkeypatch):
     query, kv_cache, table, seq_lens = _case(4, 4, 2, 32, 16, torch.float32, seed=11)
     calls = []
     real = cpu_kernels.paged_decode_attention
     monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda *a: calls.append(1) or real(*a))
-    out = torch.empty_like(query)
-    backend._decode_attention(query, kv_cache, _metadata(table, seq_lens), 0.2, out)
+    impl = CpuAttnBackend.get_impl_cls()(4, 32, 0.2, 2)
+    expected = _reference(query, kv_cache, table, seq_lens, 0.2)
+    metadata = CpuAttnMetadata(slot_mapping=torch.zeros(0, dtype=torch.int64), num_decodes=4, num_prefills=0,
+                               block_table=table, seq_lens=seq_lens)
+    empty = torch.empty(0, 2, 32)
+    out = impl.forward(None, query, empty, empty, kv_cache, metadata)
     assert calls
-    _assert_close(out, _reference(query, kv_cache, table, seq_lens, 0.2), torch.float32)
+    _assert_close(out, expected, torch.float32)
 
 
-def _spy_paths(monkeypatch):
-    calls = {"kernel": 0, "torch": 0}
-    real_torch = backend._decode_attention_torch
-
-    def kernel_spy(*args):
-        calls["kernel"] += 1
-        raise AssertionError("kernel must not run")
-
-    def torch_spy(*args):
-        calls["torch"] += 1
-        return real_torch(*args)
-
-    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", kernel_spy)
-    monkeypatch.setattr(backend, "_decode_attention_torch", torch_spy)
-    return calls
-
-
-def test_disable_env_forces_fallback(monkeypatch):
+def test_disable_env_selects_torch_sdpa(monkeypatch):
     monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "1")
+    monkeypatch.delenv(selector.ENV, raising=False)
     assert not cpu_kernels.is_available()
-    calls = _spy_paths(monkeypatch)
-    query, kv_cache, table, seq_lens = _case(3, 4, 2, 32, 16, torch.float32)
-    out = torch.empty_like(query)
-    backend._decode_attention(query, kv_cache, _metadata(table, seq_lens), 0.2, out)
-    assert calls == {"kernel": 0, "torch": 1}
+    assert selector.get_attn_backend(64, torch.float32, 16) is TorchSDPABackend
+    with pytest.raises(ValueError, match="CPU_ATTN cannot run here: .*disabled"):
+        selector.get_attn_backend(64, torch.float32, 16, "CPU_ATTN")
     with pytest.raises(RuntimeError, match="disabled"):
         cpu_kernels.build_info()
 
 
 def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog):
     monkeypatch.delenv(cpu_kernels.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(selector.ENV, raising=False)
     monkeypatch.setattr(cpu_kernels, "_active", None)
     monkeypatch.setattr(cpu_kernels, "_error", None)
     monkeypatch.setattr(cpu_kernels, "_builds", {})
@@ -222,24 +200,22 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog):
         raise RuntimeError("no C++ compiler here")
 
     monkeypatch.setattr(cpu_kernels, "_load_locked", failing_build)
-    calls = _spy_paths(monkeypatch)
-    query, kv_cache, table, seq_lens = _case(3, 4, 2, 32, 16, torch.float32)
     with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
         for _ in range(3):
-            out = torch.empty_like(query)
-            backend._decode_attention(query, kv_cache, _metadata(table, seq_lens), 0.2, out)
-    assert calls == {"kernel": 0, "torch": 3}
+            assert selector.get_attn_backend(32, torch.float32, 16) is TorchSDPABackend
     # each level from the selected one down to portable was tried once, and never again
     levels = isa.LEVELS[: isa.LEVELS.index(isa.selected_isa()) + 1]
     tag = f"_v{cpu_kernels._KERNEL_VERSION}_"
     assert [name.split(tag)[1].rsplit("_", 1)[0] for name in attempts] == list(reversed(levels))
     warnings = [r for r in caplog.records if r.name == cpu_kernels.__name__]
     assert len(warnings) == 1 and "no C++ compiler here" in warnings[0].getMessage()
+    with pytest.raises(ValueError, match="no C\\+\\+ compiler here"):
+        selector.get_attn_backend(32, torch.float32, 16, "CPU_ATTN")
 
 
 def test_import_does_not_build():
     code = (
-        "import pagedllm, pagedllm.attention.backend\n"
+        "import pagedllm, pagedllm.attention.selector, pagedllm.model_executor.layers.attention\n"
         "from pagedllm.kernels import cpu as cpu_kernels\n"
         "import torch\n"
         "assert cpu_kernels._active is None and cpu_kernels._error is None and not cpu_kernels._builds\n"
@@ -268,53 +244,3 @@ def test_engine_greedy_same_with_and_without_kernel(kernel, tiny_qwen2, monkeypa
     assert calls, "the engine did not use the kernel"
     monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "1")
     assert generate() == with_kernel
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_prefills_as_decode_queries_match_sdpa_path(kernel, dtype):
-    """A step with 2 decodes, a whole prompt and a chunk after 21 cached tokens: attending
-    the prefill tokens with the decode kernel (per-token tables and causal lengths, as the
-    model runner builds them) equals the per-request SDPA path."""
-    gen = torch.Generator().manual_seed(3)
-    block_size, num_heads, num_kv_heads, head_dim = 8, 6, 2, 64
-    # request: (tokens already in the cache, tokens scheduled now)
-    requests = [(30, 1), (9, 1), (0, 13), (21, 7)]
-    num_blocks = 40
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    width = max(math.ceil((c + n) / block_size) for c, n in requests)
-    table = torch.zeros(len(requests), width, dtype=torch.int64)
-    slots, token_req, positions = [], [], []
-    for r, (cached, new) in enumerate(requests):
-        used = math.ceil((cached + new) / block_size)
-        table[r, :used] = torch.tensor(perm[:used])
-        perm = perm[used:]
-        for p in range(cached, cached + new):
-            slots.append(int(table[r, p // block_size]) * block_size + p % block_size)
-            token_req.append(r)
-            positions.append(p)
-    num_tokens = len(slots)
-    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
-    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
-    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
-    seq_lens = torch.tensor([c + n for c, n in requests])
-
-    def metadata(per_token: bool) -> AttentionMetadata:
-        md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots),
-            num_decodes=2,
-            decode_block_table=table[:2],
-            decode_seq_lens=seq_lens[:2],
-            prefill_query_start_loc=[0, 13, 20],
-            prefill_seq_lens=seq_lens[2:].tolist(),
-            prefill_block_table=table[2:],
-        )
-        if per_token:
-            md.prefill_token_block_table = table[torch.tensor(token_req[2:])]
-            md.prefill_token_seq_lens = torch.tensor(positions[2:]) + 1
-        return md
-
-    scale = head_dim**-0.5
-    expected = backend.paged_attention(query, key, value, kv_cache.clone(), metadata(False), scale)
-    actual = backend.paged_attention(query, key, value, kv_cache.clone(), metadata(True), scale)
-    _assert_close(actual, expected, dtype)

@@ -1,5 +1,5 @@
-"""Greedy outputs are token-identical to HF transformers under every scheduling regime,
-and logprobs match transformers' log-softmax (float32)."""
+"""Greedy outputs are token-identical to HF transformers under every scheduling regime and
+with each attention backend forced, and logprobs match transformers' log-softmax (float32)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ SCENARIOS = {
     "max_num_seqs_2": {"max_num_seqs": 2},
     # 32 blocks of 8 tokens: exactly one max_model_len sequence; the batch needs ~80.
     "preemption": {"max_model_len": 256, "block_size": 8, "kv_blocks": 32},
+    # Each attention backend forced, with steps mixing decodes and prefill chunks.
+    "attention_cpu_attn": {"attention_backend": "CPU_ATTN", "max_num_batched_tokens": 64},
+    "attention_torch_sdpa": {"attention_backend": "TORCH_SDPA", "max_num_batched_tokens": 64},
 }
 
 _references: dict = {}

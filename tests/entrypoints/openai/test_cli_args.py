@@ -18,7 +18,7 @@ FLAGS = [
     "--host", "--port", "--served-model-name", "--dtype", "--max-model-len", "--block-size",
     "--max-num-seqs", "--max-num-batched-tokens", "--gpu-memory-utilization", "--kv-cache-memory-bytes",
     "--enable-prefix-caching", "--no-enable-prefix-caching", "--prefix-caching-hash-algo", "--seed",
-    "--chat-template", "--api-key", "--disable-log-requests", "--uvicorn-log-level",
+    "--chat-template", "--api-key", "--disable-log-requests", "--uvicorn-log-level", "--attention-backend",
 ]  # fmt: skip
 
 
@@ -42,6 +42,7 @@ def test_defaults_and_flags():
     args = _parse(
         "some/model", "--max-model-len", "32k", "--served-model-name", "a", "b", "--no-enable-prefix-caching",
         "--kv-cache-memory-bytes", "512M", "--block-size", "32", "--prefix-caching-hash-algo", "xxhash",
+        "--attention-backend", "TORCH_SDPA",
     )  # fmt: skip
     args.model = args.model_tag
     engine_args = engine_args_from(args)
@@ -50,6 +51,8 @@ def test_defaults_and_flags():
     assert engine_args.kv_cache_memory_bytes == 512 * 1024**2
     assert engine_args.block_size == 32 and engine_args.enable_prefix_caching is False
     assert engine_args.prefix_caching_hash_algo == "xxhash"
+    assert engine_args.attention_backend == "TORCH_SDPA"
+    assert engine_args_from(_parse()).attention_backend is None
     assert args.served_model_name == ["a", "b"]
     assert _parse("--max-model-len", "auto").max_model_len is None
 

@@ -1,0 +1,24 @@
+"""A float64 paged-attention reference, one query at a time, written for clarity only."""
+
+from __future__ import annotations
+
+import torch
+
+
+def reference_decode_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Query b [Hq, D] attends to the first ``seq_lens[b]`` positions of the context that
+    ``block_table[b]`` pages in ``kv_cache`` [2, num_blocks, block_size, Hkv, D]; float64
+    softmax, returned in the query's dtype, [B, Hq, D]."""
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = query.shape[1] // num_kv_heads
+    outs = []
+    for b, n in enumerate(seq_lens.tolist()):
+        pos = torch.arange(n)
+        blocks = block_table[b, pos // block_size]
+        keys = kv_cache[0, blocks, pos % block_size].double().repeat_interleave(group, dim=1)  # [n, Hq, D]
+        values = kv_cache[1, blocks, pos % block_size].double().repeat_interleave(group, dim=1)
+        weights = (torch.einsum("hd,nhd->hn", query[b].double(), keys) * scale).softmax(-1)
+        outs.append(torch.einsum("hn,nhd->hd", weights, values))
+    return torch.stack(outs).to(query.dtype)
