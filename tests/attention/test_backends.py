@@ -52,9 +52,7 @@ def test_unknown_name_lists_the_registered(no_env):
 
 
 class _Only16(TorchSDPABackend):
-    @staticmethod
-    def get_name() -> str:
-        return "ONLY_16_TEST"
+    name = "ONLY_16_TEST"
 
     @staticmethod
     def get_supported_block_sizes() -> tuple[int, ...]:
@@ -152,13 +150,8 @@ class _RecordingImpl(TorchSDPAImpl):
 
 
 class _RecordingBackend(TorchSDPABackend):
-    @staticmethod
-    def get_name() -> str:
-        return "RECORDING_TEST"
-
-    @staticmethod
-    def get_impl_cls() -> type[_RecordingImpl]:
-        return _RecordingImpl
+    name = "RECORDING_TEST"
+    impl_cls = _RecordingImpl
 
 
 def test_registered_backend_is_used_by_the_model(tiny_llama, no_env, monkeypatch):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, Optional, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic, Optional, TypeVar
 
 import numpy as np
 import torch
@@ -120,15 +120,8 @@ class AttentionImpl(ABC, Generic[M]):
         self.num_kv_heads = num_kv_heads
 
     @abstractmethod
-    def forward(
-        self,
-        layer: nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: M,
-    ) -> torch.Tensor:
+    def forward(self, layer: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: M) -> torch.Tensor:
         """Write this step's K/V into ``kv_cache`` at ``attn_metadata.slot_mapping``, then
         attend: each query sees its request's context up to and including itself.
 
@@ -144,13 +137,32 @@ class AttentionImpl(ABC, Generic[M]):
         """
 
 
-class AttentionBackend(ABC):
-    """A way to run paged attention; registered by name in ``pagedllm.attention.selector``."""
+class AttentionBackend:
+    """A way to run paged attention; registered by name in ``pagedllm.attention.selector``.
 
-    @staticmethod
-    @abstractmethod
-    def get_name() -> str:
-        """The name ``--attention-backend`` takes, upper case (e.g. ``"TORCH_SDPA"``)."""
+    A subclass sets ``name`` (what ``--attention-backend`` takes, upper case), ``builder_cls``
+    and ``impl_cls``, and overrides the ``get_supported_*`` / ``validate_configuration``
+    methods where it is narrower than the defaults.
+    """
+
+    name: ClassVar[str]
+    builder_cls: ClassVar[type[AttentionMetadataBuilder]]
+    impl_cls: ClassVar[type[AttentionImpl]]
+
+    @classmethod
+    def get_name(cls) -> str:
+        """The backend's name, e.g. ``"TORCH_SDPA"``."""
+        return cls.name
+
+    @classmethod
+    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        """The metadata builder class."""
+        return cls.builder_cls
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        """The per-layer implementation class."""
+        return cls.impl_cls
 
     @staticmethod
     def get_supported_block_sizes() -> tuple[int, ...]:
@@ -167,16 +179,6 @@ class AttentionBackend(ABC):
         """One layer's KV-cache shape: ``[2, num_blocks, block_size, num_kv_heads,
         head_size]`` (0 = keys, 1 = values; see ``pagedllm.attention.paged_kv_cache``)."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-    @staticmethod
-    @abstractmethod
-    def get_builder_cls() -> type[AttentionMetadataBuilder]:
-        """The metadata builder class."""
-
-    @staticmethod
-    @abstractmethod
-    def get_impl_cls() -> type[AttentionImpl]:
-        """The per-layer implementation class."""
 
     @classmethod
     def validate_configuration(cls, head_size: int, dtype: torch.dtype, block_size: Optional[int]) -> list[str]:

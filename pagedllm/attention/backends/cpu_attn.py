@@ -19,13 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.attention.backends.abstract import (
-    AttentionBackend,
-    AttentionImpl,
-    AttentionMetadata,
-    AttentionMetadataBuilder,
-    CommonAttentionMetadata,
-)
+from pagedllm.attention.backends.abstract import AttentionBackend, AttentionImpl, AttentionMetadata
+from pagedllm.attention.backends.abstract import AttentionMetadataBuilder, CommonAttentionMetadata
 from pagedllm.attention.paged_kv_cache import write_to_kv_cache
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.platforms import current_platform
@@ -62,15 +57,8 @@ class CpuAttnMetadataBuilder(AttentionMetadataBuilder[CpuAttnMetadata]):
 
 
 class CpuAttnImpl(AttentionImpl[CpuAttnMetadata]):
-    def forward(
-        self,
-        layer: nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: CpuAttnMetadata,
-    ) -> torch.Tensor:
+    def forward(self, layer: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: CpuAttnMetadata) -> torch.Tensor:
         """See ``AttentionImpl.forward``; head_size must be contiguous in query and cache.
 
         Raises:
@@ -87,17 +75,9 @@ class CpuAttnImpl(AttentionImpl[CpuAttnMetadata]):
 class CpuAttnBackend(AttentionBackend):
     """The C++ CPU kernel; runs on CPU where ``pagedllm.kernels.cpu`` builds."""
 
-    @staticmethod
-    def get_name() -> str:
-        return "CPU_ATTN"
-
-    @staticmethod
-    def get_builder_cls() -> type[CpuAttnMetadataBuilder]:
-        return CpuAttnMetadataBuilder
-
-    @staticmethod
-    def get_impl_cls() -> type[CpuAttnImpl]:
-        return CpuAttnImpl
+    name = "CPU_ATTN"
+    builder_cls = CpuAttnMetadataBuilder
+    impl_cls = CpuAttnImpl
 
     @classmethod
     def validate_configuration(cls, head_size: int, dtype: torch.dtype, block_size: Optional[int]) -> list[str]:

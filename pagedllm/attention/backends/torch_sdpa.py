@@ -25,13 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention.backends.abstract import (
-    AttentionBackend,
-    AttentionImpl,
-    AttentionMetadata,
-    AttentionMetadataBuilder,
-    CommonAttentionMetadata,
-)
+from pagedllm.attention.backends.abstract import AttentionBackend, AttentionImpl, AttentionMetadata
+from pagedllm.attention.backends.abstract import AttentionMetadataBuilder, CommonAttentionMetadata
 from pagedllm.attention.paged_kv_cache import gather_context, write_to_kv_cache
 
 
@@ -101,15 +96,8 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
 
 
 class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
-    def forward(
-        self,
-        layer: nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: TorchSDPAMetadata,
-    ) -> torch.Tensor:
+    def forward(self, layer: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: TorchSDPAMetadata) -> torch.Tensor:
         """See ``AttentionImpl.forward``."""
         write_to_kv_cache(kv_cache, key, value, attn_metadata.slot_mapping)
         num_decodes = attn_metadata.num_decodes
@@ -148,14 +136,6 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
 class TorchSDPABackend(AttentionBackend):
     """Portable PyTorch paged attention; runs wherever PyTorch does."""
 
-    @staticmethod
-    def get_name() -> str:
-        return "TORCH_SDPA"
-
-    @staticmethod
-    def get_builder_cls() -> type[TorchSDPAMetadataBuilder]:
-        return TorchSDPAMetadataBuilder
-
-    @staticmethod
-    def get_impl_cls() -> type[TorchSDPAImpl]:
-        return TorchSDPAImpl
+    name = "TORCH_SDPA"
+    builder_cls = TorchSDPAMetadataBuilder
+    impl_cls = TorchSDPAImpl
