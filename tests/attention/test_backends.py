@@ -17,6 +17,7 @@ from pagedllm.attention.backends.cpu_attn import CpuAttnBackend
 from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAImpl
 from pagedllm.kernels import cpu as cpu_kernels
 from tests.attention.reference import reference_decode_attention
+from tests.helpers import model_runner
 
 BACKENDS = ["CPU_ATTN", "TORCH_SDPA"]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
@@ -165,7 +166,7 @@ def test_registered_backend_is_used_by_the_model(tiny_llama, no_env, monkeypatch
     def generate(name):
         llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=4 << 20, attention_backend=name)
         outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        return llm.llm_engine.engine_core.model_runner, outputs
+        return model_runner(llm), outputs
 
     runner, recorded = generate("recording_test")
     assert runner.attn_backend is _RecordingBackend
