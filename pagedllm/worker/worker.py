@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.distributed import initialize_model_parallel
 from pagedllm.messages.runner_output import ModelRunnerOutput
 from pagedllm.messages.sched_output import SchedulerOutput
 from pagedllm.platforms import current_platform
@@ -35,8 +36,14 @@ class Worker:
         self._kv_cache_budget: Optional[KVCacheBudget] = None
 
     def init_device(self) -> None:
-        """Pick the device, seed torch, and measure the device memory free before the
-        weights load (bytes; the KV-cache budget is a share of it); builds the runner."""
+        """Join the model-parallel group (a single process today), pick the device, seed
+        torch, and measure the device memory free before the weights load (bytes; the
+        KV-cache budget is a share of it); builds the runner.
+
+        Raises:
+            NotImplementedError: a tensor-parallel size above 1 (not supported yet).
+        """
+        initialize_model_parallel(self.config.parallel_config.tensor_parallel_size)
         self.device = current_platform.device
         torch.manual_seed(self.config.model_config.seed)
         self.memory_before_load = current_platform.total_memory_bytes()

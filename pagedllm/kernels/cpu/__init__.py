@@ -309,11 +309,6 @@ def paged_decode_attention(
     op(out, query, key_cache, value_cache, block_table.long(), seq_lens.long(), float(scale))
 
 
-def usable(x: torch.Tensor) -> bool:
-    """Whether the kernels can run on ``x``: a CPU tensor, and the kernels available."""
-    return x.device.type == "cpu" and is_available()
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * to_dtype(x * rsqrt(mean(x^2) + eps))`` over the last dimension (HF's
     LlamaRMSNorm; float32 math), for x [T, D] or [T, H, D] with the last dimension
