@@ -69,7 +69,7 @@ class ModelRunner:
         start = time.perf_counter()
         with set_attn_backend(self.attn_backend):
             self.model = get_model(self.model_config, self.device)
-        # Buffers too: the packed copy of tied output embeddings, rotary tables.
+        # Buffers too: the layers' float32 weight copies, rotary tables.
         tensors = [*self.model.parameters(), *self.model.buffers()]
         self.weights_bytes = sum(t.numel() * t.element_size() for t in tensors)
         logger.info("Loaded %s (%.1f MB) in %.2f s", self.model_config.model_path,

@@ -9,16 +9,15 @@ from collections import Counter
 import pytest
 import torch
 
-from pagedllm.model_executor.layers.logits_processors import LogitsProcessor, apply_token_bitmask
-from pagedllm.model_executor.layers.sampler import (
-    Argmax,
-    Sampler,
-    SamplingMetadata,
+from pagedllm.model_executor.layers.logits_processors import (
+    LogitsProcessor,
     apply_logit_bias,
     apply_min_tokens,
     apply_penalties,
-    compute_logprobs_with_topk,
+    apply_token_bitmask,
 )
+from pagedllm.model_executor.layers.sampler import Argmax, Sampler, compute_logprobs_with_topk
+from pagedllm.model_executor.sampling_metadata import SamplingMetadata
 from pagedllm.platforms import current_platform
 from pagedllm.sampling_params import SamplingParams
 

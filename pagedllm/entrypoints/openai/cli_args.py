@@ -323,7 +323,7 @@ async def _serve(args: argparse.Namespace, engine_args: Any) -> int:
 
         from pagedllm.engine.async_llm import AsyncLLM
         from pagedllm.entrypoints.openai.api_server import build_app
-        from pagedllm.entrypoints.openai.serving_chat import load_chat_template
+        from pagedllm.entrypoints.chat_utils import load_chat_template
 
         args.chat_template = load_chat_template(args.chat_template)
         served_name = (args.served_model_name or [None])[0]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from typing import AsyncGenerator, Optional, Sequence, Union
 
-from pagedllm.entrypoints.chat_utils import load_chat_template
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -179,4 +178,3 @@ class OpenAIServingChat(OpenAIServing):
         )
 
 
-__all__ = ["OpenAIServingChat", "load_chat_template"]

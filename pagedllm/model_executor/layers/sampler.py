@@ -30,29 +30,10 @@ import torch
 
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.model_executor.custom_op import CustomOp
-from pagedllm.model_executor.layers.logits_processors import (
-    LogitsProcessor,
-    apply_logit_bias,
-    apply_min_tokens,
-    apply_penalties,
-    default_logits_processors,
-)
+from pagedllm.model_executor.layers.logits_processors import LogitsProcessor, default_logits_processors
 from pagedllm.model_executor.sampling_metadata import SamplingMetadata
 from pagedllm.sampling_params import _GREEDY_TEMPERATURE
 
-__all__ = [
-    "Argmax",
-    "Sampler",
-    "SamplerOutput",
-    "SamplingMetadata",
-    "apply_logit_bias",
-    "apply_min_tokens",
-    "apply_penalties",
-    "apply_min_p",
-    "compute_logprobs_with_topk",
-    "exponential_race",
-    "greedy_sample",
-]
 
 
 @dataclass

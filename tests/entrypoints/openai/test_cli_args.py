@@ -12,7 +12,7 @@ import pytest
 
 from pagedllm.entrypoints.cli import build_parser
 from pagedllm.entrypoints.openai.cli_args import engine_args_from, human_readable_int, resolve_api_key
-from pagedllm.entrypoints.openai.serving_chat import load_chat_template
+from pagedllm.entrypoints.chat_utils import load_chat_template
 
 FLAGS = [
     "--host", "--port", "--served-model-name", "--dtype", "--max-model-len", "--block-size",
