@@ -149,6 +149,7 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     seed: int
+    quantization: Optional[str] = None  # --quantization: None = the checkpoint's own format
 
     @property
     def architecture(self) -> str:
@@ -337,6 +338,7 @@ class EngineArgs:
     prefix_caching_hash_algo: str = "sha256"
     attention_backend: Optional[str] = None
     usage_context: str = "llm"
+    quantization: Optional[str] = None
     distributed_executor_backend: Union[str, type, None] = None
 
     def create_engine_config(self) -> EngineConfig:
@@ -383,6 +385,7 @@ class EngineArgs:
             dtype=resolve_dtype(self.dtype, hf_config),
             max_model_len=max_model_len,
             seed=self.seed,
+            quantization=self.quantization,
         )
         kv_cache_memory_bytes, source = self.kv_cache_memory_bytes, "kv_cache_memory_bytes"
         if kv_cache_memory_bytes is None:

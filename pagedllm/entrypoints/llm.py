@@ -27,6 +27,8 @@ class LLM:
         tokenizer: tokenizer directory or Hub id (default: the model's).
         revision / tokenizer_revision: Hub branch, tag or commit (default: main).
         download_dir: where downloads go (default: the Hugging Face cache).
+        quantization: "int8" quantizes the weights at load (weight-only, per-channel
+            scales); None keeps the checkpoint's own format.
         dtype: "auto", "float32", "bfloat16" or "float16".
         max_model_len: context length in tokens (default: the model's).
         block_size: tokens per KV-cache block (8, 16 or 32).
@@ -63,6 +65,7 @@ class LLM:
         tokenizer_revision: Optional[str] = None,
         download_dir: Optional[str] = None,
         attention_backend: Optional[str] = None,
+        quantization: Optional[str] = None,
     ) -> None:
         engine_args = EngineArgs(
             model=model,
@@ -70,6 +73,7 @@ class LLM:
             revision=revision,
             tokenizer_revision=tokenizer_revision,
             download_dir=download_dir,
+            quantization=quantization,
             dtype=dtype,
             max_model_len=max_model_len,
             block_size=block_size,

@@ -45,16 +45,25 @@ def iterate_weights(model_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def get_quant_config(model_config: ModelConfig) -> Optional[QuantizationConfig]:
-    """The weight format of config.json's ``quantization_config`` (None when absent).
+    """The weight format: config.json's ``quantization_config``, or ``--quantization``'s
+    format applied at load time to an unquantized checkpoint (None: neither).
 
     Raises:
-        ValueError: for a format pagedllm does not support (the message lists those it does).
+        ValueError: for a format pagedllm does not support (the message lists those it
+            does), or a ``--quantization`` that differs from the checkpoint's format.
     """
     config = getattr(model_config.hf_config, "quantization_config", None)
+    requested = model_config.quantization
     if config is None:
-        return None
+        return None if requested is None else get_quantization_config(requested).from_config({})
     config = config if isinstance(config, dict) else config.to_dict()
-    return get_quantization_config(config.get("quant_method")).from_config(config)
+    method = config.get("quant_method")
+    if requested is not None and requested != method:
+        raise ValueError(
+            f"--quantization {requested} does not match the checkpoint, which is quantized as {method!r} "
+            f"(config.json's quantization_config); leave --quantization out to use the checkpoint's format."
+        )
+    return get_quantization_config(method).from_config(config)
 
 
 def process_weights_after_loading(model: nn.Module) -> Counter[str]:

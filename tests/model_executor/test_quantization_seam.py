@@ -96,16 +96,16 @@ def test_registry_by_name():
     assert get_quantization_config(None) is UnquantizedConfig
     assert get_quantization_config("unquantized") is UnquantizedConfig
     assert UnquantizedConfig.from_config({}).get_quant_method(object(), "lm_head") is None
-    with pytest.raises(ValueError, match="Quantization method 'gptq' is not supported. Supported: unquantized."):
+    with pytest.raises(ValueError, match="Quantization method 'gptq' is not supported. Supported: int8, unquantized."):
         get_quantization_config("gptq")
 
 
 def _model_config(quantization_config) -> SimpleNamespace:
-    return SimpleNamespace(hf_config=SimpleNamespace(quantization_config=quantization_config))
+    return SimpleNamespace(hf_config=SimpleNamespace(quantization_config=quantization_config), quantization=None)
 
 
 def test_the_loader_reads_config_jsons_quantization_config(monkeypatch):
-    assert model_loader.get_quant_config(SimpleNamespace(hf_config=SimpleNamespace())) is None
+    assert model_loader.get_quant_config(SimpleNamespace(hf_config=SimpleNamespace(), quantization=None)) is None
     with pytest.raises(ValueError, match="'awq' is not supported"):
         model_loader.get_quant_config(_model_config({"quant_method": "awq", "bits": 4}))
     monkeypatch.setitem(quantization.QUANTIZATION_METHODS, "recording", RecordingConfig)

@@ -222,6 +222,11 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "one. Default: $PAGEDLLM_ATTENTION_BACKEND, else chosen by platform.",
     )  # fmt: skip
     engine.add_argument("--seed", type=int_type, default=0, help="Global random seed.")
+    engine.add_argument(
+        "--quantization", "-q", default=None, choices=("int8",),
+        help="Quantize the weights at load: int8 = weight-only int8, one scale per output channel "
+        "(about half the bytes of bf16 per decode step). Default: the checkpoint's own format.",
+    )  # fmt: skip
     return parser
 
 

@@ -3,7 +3,7 @@
 ``paged_attention.cpp``, ``elementwise.cpp`` (RMSNorm, SwiGLU, rotary embedding),
 ``sampling.cpp`` (greedy argmax), ``packed_linear.cpp`` (few-row matmul on oneDNN-packed
 bf16 weights) and ``linear_w16.cpp`` (matmul on 16-bit weights widened to float32, for CPUs
-without native bf16), beside this file, are built with ``torch.utils.cpp_extension.load`` the first
+without native bf16, and on int8 weights with per-output scales), beside this file, are built with ``torch.utils.cpp_extension.load`` the first
 time a kernel is asked for — never at import — and cached in torch's extensions directory
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``).
 
@@ -52,7 +52,7 @@ from pagedllm.kernels import isa as isa_mod
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "PAGEDLLM_DISABLE_CPU_KERNELS"
-_KERNEL_VERSION = 3
+_KERNEL_VERSION = 4
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / name for name in ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "packed_linear.cpp", "linear_w16.cpp")]
 
@@ -416,3 +416,30 @@ def linear_w16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """
     _require()
     return _ops().linear_w16(x, weight, bias, n)
+
+
+def pack_w8(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] int8 re-laid out for ``linear_w8``: [ceil(N / 16), K, 16] int8, the
+    layout of ``pack_w16`` (see ``linear_w16.cpp``).
+
+    Raises:
+        RuntimeError: unavailable kernels, or a bad shape / dtype.
+    """
+    _require()
+    return _ops().pack_w8(weight)
+
+
+def linear_w8(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    """``(x Q^T) * scale + b`` for int8 weights Q [n, K] with one float32 scale per output
+    (W = scale[:, None] * Q): x [M, K] float32 / bfloat16 / float16, weight ``pack_w8``'s
+    output, scale [n] float32 contiguous, bias [n] or None -> [M, n] in x's dtype; float32
+    products and sums. Up to 16 rows a weight-streaming kernel (AVX2 and up) reading one byte
+    per weight; more rows, torch's float32 GEMM on chunks of widened weights.
+
+    Raises:
+        RuntimeError: unavailable kernels, or bad shapes / dtypes.
+    """
+    _require()
+    return _ops().linear_w8(x, weight, scale, bias, n)

@@ -9,6 +9,13 @@
 //              packed weight, bias [N] (any float dtype) or None, N)
 //     ->  y = x W^T + b, [M, N] in x's dtype; float32 products and sums, one rounding at the end
 //
+// and the same for int8 weights with one float32 scale per output (weight-only
+// quantization, W = scale[n] * Q[n, k]; decode streams a quarter of float32's bytes):
+//
+//   pack_w8(weight [N, K] int8)  ->  [ceil(N / 16), K, 16] int8
+//   linear_w8(x, packed weight, scale [N] float32, bias [N] or None, N)
+//     ->  y = (x Q^T) * scale + b, float32 sums, the scale applied once per output
+//
 // The layout: N is cut into blocks of 16 outputs (the last one padded with zeros); block b
 // holds, for each input k in order, the 16 weights (b * 16 + j, k):
 //
@@ -16,7 +23,7 @@
 //
 // so a block is one contiguous stream of K * 32 bytes, and input k meets its 16 outputs in
 // two 8-lane registers once widened (bfloat16: zero-extend and shift left by 16, exact;
-// float16: F16C's vcvtph2ps, exact).
+// float16: F16C's vcvtph2ps, exact; int8: sign-extend and convert, exact).
 //
 // Few rows (M <= kStreamRows, decode steps): each thread takes a contiguous range of
 // blocks, one sequential stream per core, prefetched kPrefetchAhead elements (4 KB) ahead;
@@ -81,29 +88,42 @@ void pack_rows(const T* w, int64_t n, int64_t k, T* out) {
   });
 }
 
+at::Tensor pack_blocks(const at::Tensor& weight) {
+  const at::Tensor w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1);
+  at::Tensor out = at::zeros({(n + kBlock - 1) / kBlock, k, kBlock}, w.options());
+  switch (w.scalar_type()) {
+    case at::kBFloat16:
+      pack_rows(w.const_data_ptr<c10::BFloat16>(), n, k, out.mutable_data_ptr<c10::BFloat16>());
+      break;
+    case at::kHalf: pack_rows(w.const_data_ptr<c10::Half>(), n, k, out.mutable_data_ptr<c10::Half>()); break;
+    default: pack_rows(w.const_data_ptr<int8_t>(), n, k, out.mutable_data_ptr<int8_t>()); break;
+  }
+  return out;
+}
+
 at::Tensor pack_w16(const at::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 &&
                   (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf),
               "pack_w16: weight must be a bfloat16 or float16 CPU tensor [N, K]");
-  const at::Tensor w = weight.contiguous();
-  const int64_t n = w.size(0), k = w.size(1);
-  at::Tensor out = at::zeros({(n + kBlock - 1) / kBlock, k, kBlock}, w.options());
-  if (w.scalar_type() == at::kBFloat16) {
-    pack_rows(w.const_data_ptr<c10::BFloat16>(), n, k, out.mutable_data_ptr<c10::BFloat16>());
-  } else {
-    pack_rows(w.const_data_ptr<c10::Half>(), n, k, out.mutable_data_ptr<c10::Half>());
-  }
-  return out;
+  return pack_blocks(weight);
+}
+
+at::Tensor pack_w8(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.scalar_type() == at::kChar,
+              "pack_w8: weight must be an int8 CPU tensor [N, K]");
+  return pack_blocks(weight);
 }
 
 #ifdef PAGEDLLM_W16_STREAM
 using pagedllm_simd::widen8;  // 8 weights -> float32, exactly
 
 // Rows [0, R) of x (float32, row stride ldx) times one block wb (K x 16): y[r][j] for the
-// first n_valid outputs, plus bias. U accumulator sets take alternate inputs.
+// first n_valid outputs, times scale[j] (if given), plus bias. U accumulator sets take
+// alternate inputs.
 template <typename W, typename Y, int R, int U>
-void block_rows(const float* x, int64_t ldx, const W* wb, int64_t k, const float* bias, Y* y, int64_t ldy,
-                int64_t n_valid) {
+void block_rows(const float* x, int64_t ldx, const W* wb, int64_t k, const float* scale, const float* bias, Y* y,
+                int64_t ldy, int64_t n_valid) {
   __m256 acc[U][R][2];
   for (int u = 0; u < U; ++u)
     for (int r = 0; r < R; ++r) acc[u][r][0] = acc[u][r][1] = _mm256_setzero_ps();
@@ -136,12 +156,15 @@ void block_rows(const float* x, int64_t ldx, const W* wb, int64_t k, const float
     }
     _mm256_store_ps(out, lo);
     _mm256_store_ps(out + 8, hi);
-    for (int64_t j = 0; j < n_valid; ++j) y[r * ldy + j] = static_cast<Y>(out[j] + (bias ? bias[j] : 0.f));
+    for (int64_t j = 0; j < n_valid; ++j) {
+      y[r * ldy + j] = static_cast<Y>((scale ? out[j] * scale[j] : out[j]) + (bias ? bias[j] : 0.f));
+    }
   }
 }
 
 template <typename W, typename Y>
-void stream(const at::Tensor& x32, const at::Tensor& packed, const float* bias, int64_t n, at::Tensor& y) {
+void stream(const at::Tensor& x32, const at::Tensor& packed, const float* scale, const float* bias, int64_t n,
+            at::Tensor& y) {
   const int64_t m = x32.size(0), k = x32.size(1);
   const float* xp = x32.const_data_ptr<float>();
   const W* wp = packed.const_data_ptr<W>();
@@ -151,13 +174,14 @@ void stream(const at::Tensor& x32, const at::Tensor& packed, const float* bias, 
       const W* wb = wp + b * k * kBlock;
       const int64_t n0 = b * kBlock, n_valid = std::min(kBlock, n - n0);
       const float* bb = bias ? bias + n0 : nullptr;
+      const float* sb = scale ? scale + n0 : nullptr;
       int64_t r = 0;
       // Register budget (16 ymm): 2 R U accumulators, 2 weights, one broadcast.
-      for (; r + 4 <= m; r += 4) block_rows<W, Y, 4, 1>(xp + r * k, k, wb, k, bb, yp + r * n + n0, n, n_valid);
+      for (; r + 4 <= m; r += 4) block_rows<W, Y, 4, 1>(xp + r * k, k, wb, k, sb, bb, yp + r * n + n0, n, n_valid);
       switch (m - r) {
-        case 3: block_rows<W, Y, 3, 1>(xp + r * k, k, wb, k, bb, yp + r * n + n0, n, n_valid); break;
-        case 2: block_rows<W, Y, 2, 2>(xp + r * k, k, wb, k, bb, yp + r * n + n0, n, n_valid); break;
-        case 1: block_rows<W, Y, 1, 2>(xp + r * k, k, wb, k, bb, yp + r * n + n0, n, n_valid); break;
+        case 3: block_rows<W, Y, 3, 1>(xp + r * k, k, wb, k, sb, bb, yp + r * n + n0, n, n_valid); break;
+        case 2: block_rows<W, Y, 2, 2>(xp + r * k, k, wb, k, sb, bb, yp + r * n + n0, n, n_valid); break;
+        case 1: block_rows<W, Y, 1, 2>(xp + r * k, k, wb, k, sb, bb, yp + r * n + n0, n, n_valid); break;
         default: break;
       }
     }
@@ -165,10 +189,10 @@ void stream(const at::Tensor& x32, const at::Tensor& packed, const float* bias, 
 }
 #endif
 
-// y32 [M, N] = x32 [M, K] W^T (+ bias), chunks of blocks widened into a float32 [K, columns]
-// buffer for torch's float32 GEMM.
-void widening_gemm(const at::Tensor& x32, const at::Tensor& packed, const at::Tensor& bias_f, int64_t n,
-                   at::Tensor& y32) {
+// y32 [M, N] = x32 [M, K] W^T (* scale) (+ bias), chunks of blocks widened into a float32
+// [K, columns] buffer for torch's float32 GEMM.
+void widening_gemm(const at::Tensor& x32, const at::Tensor& packed, const at::Tensor& scale,
+                   const at::Tensor& bias_f, int64_t n, at::Tensor& y32) {
   const int64_t nb = packed.size(0), k = packed.size(1);
   const int64_t chunk = std::max<int64_t>(4, kGemmChunkBytes / (4 * kBlock * std::max<int64_t>(k, 1)));
   at::Tensor wbuf = at::empty({k, std::min(chunk, nb) * kBlock}, x32.options());
@@ -179,23 +203,23 @@ void widening_gemm(const at::Tensor& x32, const at::Tensor& packed, const at::Te
     at::Tensor out = y32.narrow(1, b0 * kBlock, cols);
     at::mm_out(out, x32, w32.narrow(1, 0, cols));
   }
+  if (scale.defined()) y32.mul_(scale);
   if (bias_f.defined()) y32.add_(bias_f);
 }
 
-at::Tensor linear_w16(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous() &&
-                  (packed.scalar_type() == at::kBFloat16 || packed.scalar_type() == at::kHalf),
-              "linear_w16: weight must be a bfloat16 or float16 CPU tensor packed by pack_w16 ([N / 16, K, 16])");
+// y = x W^T (* scale) (+ bias) for a weight packed by pack_blocks; ``op`` names the caller in errors.
+at::Tensor linear_blocks(const char* op, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                         const std::optional<at::Tensor>& bias, int64_t n) {
   const int64_t k = packed.size(1);
-  TORCH_CHECK(n > (packed.size(0) - 1) * kBlock && n <= packed.size(0) * kBlock, "linear_w16: N = ", n,
+  TORCH_CHECK(n > (packed.size(0) - 1) * kBlock && n <= packed.size(0) * kBlock, op, ": N = ", n,
               " does not match the packed weight's ", packed.size(0), " blocks of 16 outputs");
   const auto xt = x.scalar_type();
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == k &&
                   (xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf),
-              "linear_w16: x must be a float32 / bfloat16 / float16 CPU tensor [M, ", k, "]");
+              op, ": x must be a float32 / bfloat16 / float16 CPU tensor [M, ", k, "]");
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "linear_w16: bias must be [", n, "]");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, op, ": bias must be [", n, "]");
     bias_f = bias->to(at::kFloat).contiguous();
   }
   const int64_t m = x.size(0);
@@ -204,9 +228,12 @@ at::Tensor linear_w16(const at::Tensor& x, const at::Tensor& packed, const std::
   if (m <= kStreamRows) {
     at::Tensor y = at::empty({m, n}, x.options());
     const float* bp = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
-    const bool bf16_w = packed.scalar_type() == at::kBFloat16;
-#define PAGEDLLM_STREAM(Y) \
-  (bf16_w ? stream<c10::BFloat16, Y>(x32, packed, bp, n, y) : stream<c10::Half, Y>(x32, packed, bp, n, y))
+    const float* sp = scale.defined() ? scale.const_data_ptr<float>() : nullptr;
+    const auto wt = packed.scalar_type();
+#define PAGEDLLM_STREAM(Y)                                                                 \
+  (wt == at::kBFloat16 ? stream<c10::BFloat16, Y>(x32, packed, sp, bp, n, y)               \
+   : wt == at::kHalf   ? stream<c10::Half, Y>(x32, packed, sp, bp, n, y)                   \
+                       : stream<int8_t, Y>(x32, packed, sp, bp, n, y))
     switch (xt) {
       case at::kFloat: PAGEDLLM_STREAM(float); break;
       case at::kBFloat16: PAGEDLLM_STREAM(c10::BFloat16); break;
@@ -217,8 +244,26 @@ at::Tensor linear_w16(const at::Tensor& x, const at::Tensor& packed, const std::
   }
 #endif
   at::Tensor y32 = at::empty({m, n}, x32.options());
-  widening_gemm(x32, packed, bias_f, n, y32);
+  widening_gemm(x32, packed, scale, bias_f, n, y32);
   return xt == at::kFloat ? y32 : y32.to(xt);
+}
+
+at::Tensor linear_w16(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous() &&
+                  (packed.scalar_type() == at::kBFloat16 || packed.scalar_type() == at::kHalf),
+              "linear_w16: weight must be a bfloat16 or float16 CPU tensor packed by pack_w16 ([N / 16, K, 16])");
+  return linear_blocks("linear_w16", x, packed, at::Tensor(), bias, n);
+}
+
+at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                     const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kChar,
+              "linear_w8: weight must be an int8 CPU tensor packed by pack_w8 ([N / 16, K, 16])");
+  TORCH_CHECK(scale.device().is_cpu() && scale.dim() == 1 && scale.size(0) == n && scale.scalar_type() == at::kFloat &&
+                  scale.is_contiguous(),
+              "linear_w8: scale must be a contiguous float32 CPU tensor [", n, "]");
+  return linear_blocks("linear_w8", x, packed, scale, bias, n);
 }
 
 }  // namespace
@@ -226,9 +271,13 @@ at::Tensor linear_w16(const at::Tensor& x, const at::Tensor& packed, const std::
 PAGEDLLM_FRAGMENT(m) {
   m.def("pack_w16(Tensor weight) -> Tensor");
   m.def("linear_w16(Tensor x, Tensor weight, Tensor? bias, int n) -> Tensor");
+  m.def("pack_w8(Tensor weight) -> Tensor");
+  m.def("linear_w8(Tensor x, Tensor weight, Tensor scale, Tensor? bias, int n) -> Tensor");
 }
 
 PAGEDLLM_IMPL(CompositeExplicitAutograd, m) {
   m.impl("pack_w16", &pack_w16);
   m.impl("linear_w16", &linear_w16);
+  m.impl("pack_w8", &pack_w8);
+  m.impl("linear_w8", &linear_w8);
 }

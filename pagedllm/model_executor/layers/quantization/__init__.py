@@ -5,13 +5,16 @@ Only "unquantized" exists today; gptq, awq, fp8 ... register here.
 
 from __future__ import annotations
 
-from typing import Optional
+import importlib
+from typing import Optional, Union
 
 from pagedllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from pagedllm.model_executor.layers.quantization.unquantized import UnquantizedConfig
 
-QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {
-    UnquantizedConfig.get_name(): UnquantizedConfig,
+#: Format name -> its config class, or "module:ConfigClass" under this package (imported on use).
+QUANTIZATION_METHODS: dict[str, Union[str, type[QuantizationConfig]]] = {
+    UnquantizedConfig.get_name(): "unquantized:UnquantizedConfig",
+    "int8": "int8:Int8Config",
 }
 
 
@@ -23,11 +26,15 @@ def get_quantization_config(name: Optional[str]) -> type[QuantizationConfig]:
     """
     key = "unquantized" if name is None else name
     try:
-        return QUANTIZATION_METHODS[key]
+        entry = QUANTIZATION_METHODS[key]
     except KeyError:
         raise ValueError(
             f"Quantization method {key!r} is not supported. Supported: {', '.join(sorted(QUANTIZATION_METHODS))}."
         ) from None
+    if isinstance(entry, str):
+        module_name, class_name = entry.split(":")
+        entry = getattr(importlib.import_module(f"{__name__}.{module_name}"), class_name)
+    return entry
 
 
 __all__ = ["QUANTIZATION_METHODS", "QuantizationConfig", "QuantizeMethodBase", "get_quantization_config"]

@@ -1,0 +1,78 @@
+"""The "int8" format: weight-only int8 quantization of a 16/32-bit checkpoint at load time
+(``--quantization int8``), symmetric with one scale per output channel:
+
+    scale[n] = max_k |W[n, k]| / 127,   Q[n, k] = round(W[n, k] / scale[n]) in [-127, 127],
+
+so W ~ scale[:, None] * Q (the per-channel absmax scheme of LLM.int8(), Dettmers et al. 2022,
+without its outlier decomposition; llama.cpp's Q8_0 uses blocks of 32 instead of channels).
+Activations stay in the model dtype. On CPU the matmul is ``pagedllm.kernels.cpu.linear_w8``:
+decode steps stream one byte per weight (half of bf16's) and sum in float32. The lm_head
+keeps the model dtype (its error reaches the logits directly), as vLLM's weight-only methods do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from pagedllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from pagedllm.platforms import current_platform
+
+
+def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] (any float dtype) -> (Q [N, K] int8 in [-127, 127], scale [N] float32) with
+    W ~ scale[:, None] * Q; an all-zero row gets scale 1 (its Q is 0)."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale.contiguous()
+
+
+class Int8Config(QuantizationConfig):
+    """Every linear layer gets ``Int8LinearMethod``; the lm_head keeps its own method."""
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "int8"
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Int8Config":
+        return cls()
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
+        return Int8LinearMethod() if isinstance(layer, LinearBase) else None
+
+
+class Int8LinearMethod(UnquantizedLinearMethod):
+    """Loads W like the unquantized method, then keeps only Q and ``weight_scale`` [out]
+    float32: ``weight`` becomes ``pack_w8``'s [ceil(out / 16), in, 16] int8 on CPU with the
+    kernels, else the plain [out, in] int8 (torch matmul on W rebuilt per call)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Quantize the loaded weight (see the module docstring); a second call changes nothing."""
+        if layer.weight.dtype == torch.int8:
+            return
+        q, scale = quantize_int8_per_channel(layer.weight.data)
+        if current_platform.is_cpu and cpu_kernels.is_available():
+            q = cpu_kernels.pack_w8(q)
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        n = layer.output_size_per_partition
+        if layer.weight.dim() == 3:
+            y = cpu_kernels.linear_w8(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale, bias, n)
+            return y.view(*x.shape[:-1], n)
+        weight = layer.weight.to(x.dtype) * layer.weight_scale[:, None].to(x.dtype)
+        return F.linear(x, weight, bias)
+
+    def describe_path(self, layer: nn.Module) -> str:
+        if layer.weight.dim() == 3:
+            return "int8 weight-only, per-channel scales (linear_w8)"
+        return "int8 weight-only, per-channel scales (torch matmul on dequantized W)"
