@@ -138,9 +138,24 @@ def resolve_dtype(dtype: Any, hf_config: PretrainedConfig) -> torch.dtype:
     return chosen
 
 
+#: ``--generation-config`` values that are not a folder (vLLM's): the model's own
+#: generation_config.json, or vLLM's neutral sampling defaults.
+GENERATION_CONFIG_MODES = ("auto", "vllm")
+
+#: generation_config.json fields that set default sampling parameters (vLLM's list);
+#: ``max_new_tokens`` becomes ``max_tokens``.
+_GENERATION_CONFIG_SAMPLING_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
+_logged_generation_defaults: set = set()
+
+
 @dataclass
 class ModelConfig:
-    """The model: where it is, its HF config, the compute dtype and context length (tokens)."""
+    """The model: where it is, its HF config, the compute dtype and context length (tokens).
+
+    ``generation_config`` (vLLM's ``--generation-config``): "auto" (the model's
+    generation_config.json sets default sampling parameters), "vllm" (it does not), or a
+    folder holding the generation_config.json to use instead.
+    """
 
     model: str
     model_path: Path
@@ -150,6 +165,7 @@ class ModelConfig:
     max_model_len: int
     seed: int
     quantization: Optional[str] = None  # --quantization: None = the checkpoint's own format
+    generation_config: str = "auto"
 
     @property
     def architecture(self) -> str:
@@ -171,6 +187,54 @@ class ModelConfig:
     @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
+
+    # ------------------------------------------------------------ generation config
+
+    @property
+    def generation_config_dir(self) -> Path:
+        """The folder whose generation_config.json is read: the model's, or the one
+        ``generation_config`` names."""
+        if self.generation_config in GENERATION_CONFIG_MODES:
+            return self.model_path
+        return Path(self.generation_config).expanduser()
+
+    def try_get_generation_config(self) -> dict[str, Any]:
+        """The fields of generation_config.json that differ from transformers' defaults
+        (``GenerationConfig.to_diff_dict``), read from ``generation_config_dir``; empty when
+        there is none. Read for ``eos_token_id`` and the sampling defaults (as vLLM's
+        ``ModelConfig.try_get_generation_config``; "vllm" still reads it, for eos ids)."""
+        from transformers import GenerationConfig
+
+        try:
+            return GenerationConfig.from_pretrained(self.generation_config_dir).to_diff_dict()
+        except OSError:
+            return {}
+
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        """Default sampling parameters set by the generation config (vLLM's method and rule).
+
+        The fields ``repetition_penalty``, ``temperature``, ``top_k``, ``top_p``, ``min_p``
+        and ``max_new_tokens`` (as ``max_tokens``) that generation_config.json sets; empty
+        with ``generation_config="vllm"``. ``do_sample`` is not read: as vLLM, a file with
+        ``do_sample: false`` and a ``temperature`` samples at that temperature. The first
+        call logs the values (vLLM's warning, so a user sees why outputs changed).
+        """
+        if self.generation_config == "vllm":
+            return {}
+        config = self.try_get_generation_config()
+        params = {name: config[name] for name in _GENERATION_CONFIG_SAMPLING_FIELDS if config.get(name) is not None}
+        if "max_new_tokens" in params:
+            params["max_tokens"] = params.pop("max_new_tokens")
+        key = (str(self.generation_config_dir), tuple(sorted(params.items())))
+        if params and key not in _logged_generation_defaults:
+            _logged_generation_defaults.add(key)
+            logger.warning(
+                "Default sampling parameters have been overridden by the model's Hugging Face generation "
+                "config (%s): %s. Requests that do not set these fields use them; pass --generation-config "
+                "vllm (offline: generation_config=\"vllm\") to use vLLM's defaults instead.",
+                self.generation_config_dir / "generation_config.json", params,
+            )  # fmt: skip
+        return params
 
 
 @dataclass
@@ -306,6 +370,21 @@ def _cpu_max_kv_cache_tokens(max_num_seqs: int, max_model_len: int, enable_prefi
     return max_num_seqs * max_model_len * (2 if enable_prefix_caching else 1)
 
 
+def _check_generation_config(value: str) -> None:
+    """``generation_config`` is "auto", "vllm", or a folder with a generation_config.json.
+
+    Raises:
+        ValueError: anything else (vLLM would silently use no defaults for such a folder).
+    """
+    if value in GENERATION_CONFIG_MODES:
+        return
+    if not (Path(value).expanduser() / "generation_config.json").is_file():
+        raise ValueError(
+            f"generation_config must be 'auto', 'vllm' or a folder holding generation_config.json; "
+            f"{value!r} is none of these."
+        )
+
+
 @dataclass
 class EngineArgs:
     """Arguments of ``LLM`` / ``LLMEngine`` / ``pagedllm serve``, with vLLM's names and defaults.
@@ -318,7 +397,8 @@ class EngineArgs:
     is the fraction of the device memory (on CPU: of the RAM available at start-up) that
     weights, activations and KV cache may use together; ``kv_cache_memory_bytes`` overrides
     it with an exact KV-cache size in bytes. ``attention_backend`` names the attention
-    backend (e.g. ``"TORCH_SDPA"``); None chooses by platform.
+    backend (e.g. ``"TORCH_SDPA"``); None chooses by platform. ``generation_config``: see
+    ``ModelConfig`` (default "auto", as vLLM).
     """
 
     model: Optional[str] = None
@@ -337,6 +417,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
     attention_backend: Optional[str] = None
+    generation_config: str = "auto"
     usage_context: str = "llm"
     quantization: Optional[str] = None
     distributed_executor_backend: Union[str, type, None] = None
@@ -353,6 +434,7 @@ class EngineArgs:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        _check_generation_config(self.generation_config)
         from pagedllm.kernels import isa
 
         isa.selected_isa()  # a bad PAGEDLLM_CPU_ISA fails here, before anything is loaded
@@ -386,6 +468,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             seed=self.seed,
             quantization=self.quantization,
+            generation_config=self.generation_config,
         )
         kv_cache_memory_bytes, source = self.kv_cache_memory_bytes, "kv_cache_memory_bytes"
         if kv_cache_memory_bytes is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import enum
-from typing import Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import msgspec
 
@@ -17,6 +17,12 @@ DEFAULT_MAX_TOKENS = 16
 
 #: Largest ``logprobs`` / ``prompt_logprobs`` a request may ask for (OpenAI's limit).
 MAX_LOGPROBS = 20
+
+#: Largest ``n``: each completion is its own engine request (a cap on one request's load).
+MAX_N = 128
+
+#: ``seed`` bounds: what msgpack (the engine-core transport) carries, int64 to uint64.
+SEED_RANGE = (-(2**63), 2**64)
 
 #: Below this temperature a request is treated as greedy (avoids dividing by ~0).
 _GREEDY_TEMPERATURE = 1e-5
@@ -31,6 +37,17 @@ def check_max_tokens(max_tokens: Optional[int], field: str = "max_tokens") -> No
     """
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"{field} must be at least 1, got {max_tokens!r}.")
+
+
+def check_logprobs(logprobs: Optional[int], field: str = "logprobs") -> None:
+    """The bound of ``logprobs`` / ``prompt_logprobs`` (None, or 0 to ``MAX_LOGPROBS``), for
+    ``SamplingParams`` and for the request field ``field`` that sets it (chat's ``top_logprobs``).
+
+    Raises:
+        ValueError: ``"{field} must be between 0 and 20, got {logprobs!r}."``.
+    """
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"{field} must be between 0 and {MAX_LOGPROBS}, got {logprobs!r}.")
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -53,7 +70,7 @@ class SamplingParams(
     """Sampling settings of one request.
 
     Fields (defaults as in vLLM):
-        n: number of completions returned for the prompt.
+        n: number of completions returned for the prompt, 1 to ``MAX_N``.
         presence_penalty: subtracted once from the logit of every token already in
             the output (OpenAI definition), in [-2, 2].
         frequency_penalty: subtracted from a token's logit once per occurrence in the
@@ -63,9 +80,10 @@ class SamplingParams(
             arXiv:1909.05858, as implemented by HF transformers); 1 disables.
         temperature: logits are divided by it; 0 means greedy.
         top_p: keep the smallest set of tokens whose probability sums to >= top_p.
-        top_k: keep the k most likely tokens; -1 disables.
+        top_k: keep the k most likely tokens; 0 or -1 disables (as vLLM; 0 is stored as -1).
         min_p: drop tokens whose probability is below min_p x the top probability.
-        seed: per-request RNG seed; the output then does not depend on the batch.
+        seed: per-request RNG seed; the output then does not depend on the batch
+            (in ``SEED_RANGE``).
         stop: strings that end generation (matched on the detokenized text).
         stop_token_ids: token ids that end generation.
         ignore_eos: keep generating after the EOS token.
@@ -82,9 +100,13 @@ class SamplingParams(
         include_stop_str_in_output: keep the matched stop string in the text.
         output_kind: see ``RequestOutputKind``.
 
+    These are the only range rules of a request's sampling fields: the OpenAI server
+    builds a ``SamplingParams`` and answers its ``ValueError`` with a 400, so offline and
+    online accept the same values.
+
     Raises:
         ValueError: from ``__post_init__`` if any field is out of range; the message
-            names the field and the value.
+            starts with the field's name and gives the value.
     """
 
     n: int = 1
@@ -118,13 +140,32 @@ class SamplingParams(
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self._verify()
+        if self.top_k == 0:
+            self.top_k = -1
+
+    @classmethod
+    def from_optional(cls, defaults: Optional[Mapping[str, Any]] = None, **fields: Any) -> "SamplingParams":
+        """``SamplingParams(**fields)`` where a field that is None takes ``defaults[name]``
+        (the model's, see ``ModelConfig.get_diff_sampling_param``), else the class default.
+
+        As vLLM's server builds a request's params: a field the request leaves out, or
+        sends as null, takes the model's default. ``LLM.get_default_sampling_params`` is
+        ``from_optional(defaults)``.
+
+        Raises:
+            ValueError: see the class.
+        """
+        values = {name: value for name, value in fields.items() if value is not None}
+        for name, value in (defaults or {}).items():
+            values.setdefault(name, value)
+        return cls(**values)
 
     def _verify(self) -> None:
         def bad(field: str, rule: str) -> ValueError:
             return ValueError(f"{field} must be {rule}, got {getattr(self, field)!r}.")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "an integer >= 1")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"an integer from 1 to {MAX_N}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", "in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -135,10 +176,12 @@ class SamplingParams(
             raise bad("temperature", "non-negative")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
-            raise bad("top_k", "-1 (disabled) or at least 1")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", "0 or -1 (disabled), or at least 1")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "in [0, 1]")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise bad("seed", "in [-2**63, 2**64)")
         check_max_tokens(self.max_tokens)
         if self.min_tokens < 0:
             raise bad("min_tokens", "non-negative")
@@ -146,10 +189,8 @@ class SamplingParams(
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})."
             )
-        for field in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, field)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise bad(field, f"between 0 and {MAX_LOGPROBS}")
+        check_logprobs(self.logprobs)
+        check_logprobs(self.prompt_logprobs, "prompt_logprobs")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty.")
         if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):

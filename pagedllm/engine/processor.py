@@ -3,9 +3,10 @@ build the ``EngineCoreRequest``.
 
 This is the one validation point of a request, for the offline ``LLM`` / ``LLMEngine``
 and the OpenAI server (which calls ``resolve_max_tokens`` and ``process`` itself and
-hands the finished ``EngineCoreRequest`` to ``AsyncLLM``): the ``max_tokens`` default and
-bound (``resolve_max_tokens``) and the context-fit check (``check_context_fit``, run once,
-inside ``process``).
+hands the finished ``EngineCoreRequest`` to ``AsyncLLM``): the model's default sampling
+parameters (``default_sampling_params``, from its generation_config.json), the
+``max_tokens`` default and bound (``resolve_max_tokens``) and the context-fit check
+(``check_context_fit``, run once, inside ``process``).
 
 Errors here are ``ValueError``s whose messages name the problem; nothing reaches the
 engine, so other requests are unaffected.
@@ -16,9 +17,9 @@ from __future__ import annotations
 import time
 from typing import Optional, Union
 
-from transformers import GenerationConfig, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from pagedllm.config import ModelConfig
+from pagedllm.config import GENERATION_CONFIG_MODES, ModelConfig
 from pagedllm.messages.engine_core import EngineCoreRequest
 from pagedllm.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams, check_max_tokens
 
@@ -29,14 +30,25 @@ PromptType = Union[str, list[int], dict]
 
 def _generation_config_eos_ids(model_config: ModelConfig) -> set[int]:
     """The ``eos_token_id`` entries of generation_config.json (an int or a list), if any."""
-    try:
-        generation_config = GenerationConfig.from_pretrained(model_config.model_path)
-    except OSError:
-        return set()
-    eos = generation_config.eos_token_id
+    eos = model_config.try_get_generation_config().get("eos_token_id")
     if eos is None:
         return set()
     return {eos} if isinstance(eos, int) else set(eos)
+
+
+def _default_sampling_params(model_config: ModelConfig) -> dict:
+    """``model_config.get_diff_sampling_param()``, checked once by ``SamplingParams``.
+
+    Raises:
+        ValueError: a value out of range (the message names the file and the field).
+    """
+    defaults = model_config.get_diff_sampling_param()
+    try:
+        SamplingParams.from_optional(defaults)
+    except ValueError as exc:
+        path = model_config.generation_config_dir / "generation_config.json"
+        raise ValueError(f"{path} sets an invalid default sampling parameter: {exc}") from None
+    return defaults
 
 
 class ContextLengthError(ValueError):
@@ -74,8 +86,19 @@ class Processor:
     """Turns user prompts into validated ``EngineCoreRequest``s.
 
     Args:
-        model_config: for ``max_model_len`` and the vocabulary size.
+        model_config: for ``max_model_len``, the vocabulary size and the generation config.
         tokenizer: the model's tokenizer.
+
+    Attributes:
+        default_sampling_params: the model's default sampling parameters (field -> value,
+            ``ModelConfig.get_diff_sampling_param``): the server fills a request's absent
+            or null fields from them (``SamplingParams.from_optional``) and
+            ``LLM.get_default_sampling_params`` returns them, as vLLM.
+        override_max_tokens: with a ``--generation-config`` folder, its ``max_new_tokens``
+            also caps every request's ``max_tokens`` (vLLM's ``override_max_tokens``); else None.
+
+    Raises:
+        ValueError: the generation config sets an invalid default.
     """
 
     def __init__(self, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -84,6 +107,12 @@ class Processor:
         self.vocab_size = min(model_config.vocab_size, len(tokenizer))
         self.eos_token_id: Optional[int] = tokenizer.eos_token_id
         self.extra_eos_token_ids = sorted(_generation_config_eos_ids(model_config) - {self.eos_token_id})
+        self.default_sampling_params = _default_sampling_params(model_config)
+        self.override_max_tokens: Optional[int] = (
+            None
+            if model_config.generation_config in GENERATION_CONFIG_MODES
+            else self.default_sampling_params.get("max_tokens")
+        )
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """(prompt text or None, token ids) of a prompt in any accepted form.
@@ -115,20 +144,28 @@ class Processor:
     ) -> int:
         """The ``max_tokens`` of a request whose ``field`` is ``max_tokens`` (None: unset).
 
-        Unset takes ``default`` (None: the rest of the context), cut to the room the prompt
-        leaves; when the prompt leaves none, it is ``default`` (or 1), so that
-        ``check_context_fit`` reports the request. An explicit value is returned as is.
+        Unset takes ``default``; a ``default`` of None means the model's default
+        (``max_new_tokens`` of its generation config), else the rest of the context. It is
+        cut to the room the prompt leaves; when the prompt leaves none, it is that default
+        (or 1), so that ``check_context_fit`` reports the request. An explicit value is
+        kept (the fit check reports one that does not fit). Either is capped by
+        ``override_max_tokens`` when set. As vLLM's ``get_max_tokens``.
 
         Raises:
             ValueError: an explicit value below 1 (the message names ``field``).
         """
         check_max_tokens(max_tokens, field)
-        if max_tokens is not None:
-            return max_tokens
-        room = self.max_model_len - num_prompt_tokens
-        if room < 1:
-            return default or 1
-        return room if default is None else min(default, room)
+        if max_tokens is None:
+            if default is None:
+                default = self.default_sampling_params.get("max_tokens")
+            room = self.max_model_len - num_prompt_tokens
+            if room < 1:
+                max_tokens = default or 1
+            else:
+                max_tokens = room if default is None else min(default, room)
+        if self.override_max_tokens is not None:
+            max_tokens = min(max_tokens, self.override_max_tokens)
+        return max_tokens
 
     def max_tokens_limit(self, num_prompt_tokens: int, max_tokens: Optional[int]) -> int:
         """The most tokens a request may generate: ``max_tokens``, or (None) the rest of

@@ -1,6 +1,7 @@
 """Chat templates, for the offline ``LLM.chat`` and the OpenAI server alike: loading a
 ``--chat-template`` once (``load_chat_template``) and rendering a conversation into a
-prompt (``apply_chat_template``)."""
+prompt (``apply_chat_template``, which applies the one set of rules on the rendering
+options: ``resolve_chat_options``)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,54 @@ from typing import Any, Optional
 import jinja2
 
 
+#: Keyword arguments of ``apply_chat_template`` that ``chat_template_kwargs`` may not set.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "chat_template", "tokenize", "add_generation_prompt", "continue_final_message",
+     "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs"}
+)  # fmt: skip
+
+
 class MissingChatTemplateError(ValueError):
     """Neither the caller nor the tokenizer has a chat template."""
+
+
+class ChatOptionsError(ValueError):
+    """Rendering options that cannot go together; ``param`` names the offending option."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def resolve_chat_options(
+    add_generation_prompt: Optional[bool],
+    continue_final_message: bool,
+    chat_template_kwargs: Optional[dict[str, Any]],
+) -> tuple[bool, dict[str, Any]]:
+    """(add_generation_prompt, template kwargs) of a chat to render: the rules of every way
+    of rendering one (``LLM.chat``, ``/v1/chat/completions``, ``/tokenize``).
+
+    ``add_generation_prompt`` None (a request that leaves it out) means "true unless
+    ``continue_final_message``". Both true is refused, as vLLM and transformers refuse it
+    (the final message cannot be continued after a new assistant header).
+
+    Raises:
+        ChatOptionsError: both are true, or ``chat_template_kwargs`` sets one of
+            ``RESERVED_TEMPLATE_KWARGS``.
+    """
+    if continue_final_message and add_generation_prompt:
+        raise ChatOptionsError(
+            "continue_final_message and add_generation_prompt cannot both be true: set "
+            "add_generation_prompt to false to continue the final message.",
+            param="continue_final_message",
+        )
+    kwargs = dict(chat_template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise ChatOptionsError(f"chat_template_kwargs may not set {', '.join(reserved)}.", param="chat_template_kwargs")
+    if add_generation_prompt is None:
+        add_generation_prompt = not continue_final_message
+    return add_generation_prompt, kwargs
 
 
 def load_chat_template(value: Optional[str]) -> Optional[str]:
@@ -49,28 +96,30 @@ def apply_chat_template(
     tokenizer: Any,
     conversation: list[dict[str, Any]],
     chat_template: Optional[str],
-    add_generation_prompt: bool,
+    add_generation_prompt: Optional[bool],
     continue_final_message: bool,
     chat_template_kwargs: Optional[dict[str, Any]] = None,
 ) -> str:
     """The prompt text of a conversation (a list of ``{"role", "content", ...}`` dicts).
 
     ``chat_template`` None means the tokenizer's own. With ``continue_final_message`` the
-    last (assistant) message is left open and no generation prompt is added.
-    ``chat_template_kwargs`` are passed to the template.
+    last (assistant) message is left open. ``chat_template_kwargs`` are passed to the
+    template. The options follow ``resolve_chat_options``.
 
     Raises:
+        ChatOptionsError: see ``resolve_chat_options``.
         MissingChatTemplateError: no ``chat_template`` and the tokenizer has none.
         jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError: the template
             failed on these messages.
     """
+    add_generation_prompt, kwargs = resolve_chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise MissingChatTemplateError("The tokenizer has no chat template; pass chat_template=...")
     return tokenizer.apply_chat_template(
         conversation,
         chat_template=chat_template,
-        add_generation_prompt=add_generation_prompt and not continue_final_message,
+        add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         tokenize=False,
-        **(chat_template_kwargs or {}),
+        **kwargs,
     )

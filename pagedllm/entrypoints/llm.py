@@ -41,6 +41,9 @@ class LLM:
         prefix_caching_hash_algo: "sha256", "sha256_cbor" or "xxhash".
         attention_backend: "CPU_ATTN", "TORCH_SDPA" or another registered name (default:
             $PAGEDLLM_ATTENTION_BACKEND, else chosen by platform).
+        generation_config: "auto" (the model's generation_config.json sets the default
+            sampling parameters: ``get_default_sampling_params``), "vllm" (vLLM's
+            defaults), or a folder with a generation_config.json.
 
     Raises:
         ValueError: for bad arguments, an unsupported architecture or a KV budget that
@@ -66,6 +69,7 @@ class LLM:
         download_dir: Optional[str] = None,
         attention_backend: Optional[str] = None,
         quantization: Optional[str] = None,
+        generation_config: str = "auto",
     ) -> None:
         engine_args = EngineArgs(
             model=model,
@@ -85,12 +89,21 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             prefix_caching_hash_algo=prefix_caching_hash_algo,
             attention_backend=attention_backend,
+            generation_config=generation_config,
         )
         self.llm_engine = LLMEngine.from_engine_args(engine_args)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's default ``SamplingParams`` (vLLM's method): what its generation config
+        sets (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
+        ``max_new_tokens`` as ``max_tokens``), vLLM's defaults for the rest; plain
+        ``SamplingParams()`` with ``generation_config="vllm"``. ``generate`` and ``chat``
+        use it when given no ``sampling_params``."""
+        return SamplingParams.from_optional(self.llm_engine.processor.default_sampling_params)
 
     def generate(
         self,
@@ -102,13 +115,16 @@ class LLM:
         in input order.
 
         ``prompts`` is one prompt or a list: strings, token-id lists, or vLLM's dicts.
-        ``sampling_params`` is one ``SamplingParams`` for all prompts or one per prompt.
+        ``sampling_params`` is one ``SamplingParams`` for all prompts or one per prompt;
+        None means ``get_default_sampling_params()`` (as vLLM).
 
         Raises:
             ValueError: for a bad prompt or parameters; no request of this call is left
                 in the engine.
         """
         prompt_list = self._as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         request_ids = []
         try:
@@ -137,8 +153,9 @@ class LLM:
         tokenizer's chat template (or ``chat_template``).
 
         Raises:
-            ValueError: if the tokenizer has no chat template and none is given, or as
-                ``generate``.
+            ValueError: if the tokenizer has no chat template and none is given, if
+                ``continue_final_message`` is set without ``add_generation_prompt=False``
+                (``chat_utils.resolve_chat_options``, as vLLM), or as ``generate``.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
@@ -174,10 +191,8 @@ class LLM:
 
     @staticmethod
     def _as_params_list(
-        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None], num_prompts: int
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams]], num_prompts: int
     ) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams()] * num_prompts
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num_prompts
         params = list(sampling_params)

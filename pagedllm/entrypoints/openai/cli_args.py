@@ -227,6 +227,13 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Quantize the weights at load: int8 = weight-only int8, one scale per output channel "
         "(about half the bytes of bf16 per decode step). Default: the checkpoint's own format.",
     )  # fmt: skip
+    engine.add_argument(
+        "--generation-config", default="auto", metavar="{auto,vllm,FOLDER}",
+        help="Default sampling parameters of requests that do not set them: 'auto' takes the model's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), "
+        "'vllm' uses vLLM's defaults, a FOLDER reads its generation_config.json (its max_new_tokens also "
+        "caps every request).",
+    )  # fmt: skip
     return parser
 
 

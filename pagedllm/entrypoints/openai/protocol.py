@@ -2,27 +2,112 @@
 
 Field names, types and defaults follow OpenAI's API reference for ``/v1/completions`` and
 ``/v1/chat/completions``; the extra sampling fields (``top_k``, ``min_p``, ``ignore_eos``
-...) and ``/tokenize`` / ``/detokenize`` follow vLLM's OpenAI server. Unknown fields are
-ignored, as both servers do.
+...) and ``/tokenize`` / ``/detokenize`` follow vLLM's OpenAI server.
+
+- Sampling fields carry no range rules here: ``SamplingParams`` holds them, for offline
+  and online alike (its ``ValueError`` becomes a 400 naming the field).
+- A sampling field that is absent or null takes the model's default (its
+  generation_config.json), else vLLM's, as vLLM's server does.
+- Fields vLLM acts on but pagedllm does not yet (``NOT_SUPPORTED_YET``) get a 400 naming
+  the field when they ask for something; truly unknown fields are ignored, as OpenAI
+  does, with one debug log line.
 
 A body that does not validate becomes a 400 ``invalid_request_error`` (see ``errors``).
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Mapping, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
-from pagedllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import DEFAULT_MAX_TOKENS, RequestOutputKind, SamplingParams, check_logprobs
 
-#: Largest ``n`` a request may ask for (each choice is a separate engine request).
-MAX_N = 128
+logger = logging.getLogger(__name__)
+
+#: Request fields of vLLM's server that pagedllm does not act on yet -> the feature they
+#: ask for. A request that sets one to anything but a neutral value (absent, null, false,
+#: empty, and the values in ``_NEUTRAL_VALUES``) gets a 400 naming the field.
+NOT_SUPPORTED_YET = {
+    "guided_json": "structured outputs",
+    "guided_regex": "structured outputs",
+    "guided_choice": "structured outputs",
+    "guided_grammar": "structured outputs",
+    "guided_decoding_backend": "structured outputs",
+    "guided_whitespace_pattern": "structured outputs",
+    "structured_outputs": "structured outputs",
+    "response_format": "structured outputs",
+    "use_beam_search": "beam search",
+    "length_penalty": "beam search",
+    "logits_processors": "custom logits processors",
+    "vllm_xargs": "custom logits processors",
+    "bad_words": "bad words",
+    "allowed_token_ids": "allowed token ids",
+    "truncate_prompt_tokens": "prompt truncation",
+    "priority": "priority scheduling",
+    "return_tokens_as_token_ids": "token-id strings in logprobs",
+    "kv_transfer_params": "disaggregated prefill",
+    "prompt_embeds": "prompt embeddings",
+    "tool_choice": "tool calling",
+    "functions": "tool calling",
+    "function_call": "tool calling",
+}
+
+#: Values of ``NOT_SUPPORTED_YET`` fields that ask for nothing, besides null / false / empty.
+_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},),
+    "length_penalty": (1.0,),
+    "priority": (0,),
+    "tool_choice": ("none", "auto"),
+    "function_call": ("none", "auto"),
+}
+
+
+def refuse_if_set(field: str, value: Any, feature: str) -> Any:
+    """``value``, when it asks for nothing (null, false, empty, or neutral for ``field``).
+
+    Raises:
+        ValueError: "``field`` is not supported yet (pagedllm has no ``feature`` yet) ...".
+    """
+    if value is None or value is False or value == [] or value == {} or value == "":
+        return value
+    if value in _NEUTRAL_VALUES.get(field, ()):
+        return value
+    raise ValueError(f"{field} is not supported yet (pagedllm has no {feature} yet); send the request without it.")
 
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class OpenAIRequest(OpenAIBaseModel):
+    """A request body: unknown fields are dropped (OpenAI's behaviour) with one debug line."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _log_unknown_fields(cls, data: Any, handler: Any) -> Any:
+        request = handler(data)
+        if isinstance(data, Mapping):
+            unknown = sorted(str(key) for key in data if key not in cls.model_fields)
+            if unknown:
+                logger.debug("%s: ignoring unknown fields %s", cls.__name__, ", ".join(unknown))
+        return request
+
+    @field_validator(*NOT_SUPPORTED_YET, check_fields=False)
+    @classmethod
+    def _refuse_not_yet(cls, value: Any, info: ValidationInfo) -> Any:
+        field = info.field_name or ""
+        return refuse_if_set(field, value, NOT_SUPPORTED_YET[field])
 
 
 # --------------------------------------------------------------------------- errors
@@ -72,15 +157,19 @@ def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
     )
 
 
-class SamplingRequest(OpenAIBaseModel):
-    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
+class SamplingRequest(OpenAIRequest):
+    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras).
+
+    The sampling fields that are None here (absent or null) take the model's default
+    (``to_sampling_params``).
+    """
 
     model: Optional[str] = None
     frequency_penalty: Optional[float] = 0.0
     logit_bias: Optional[dict[str, float]] = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = 1
     presence_penalty: Optional[float] = 0.0
-    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)
+    seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
@@ -97,8 +186,27 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: Optional[int] = None
     cache_salt: Optional[str] = None
+    # vLLM fields pagedllm does not act on yet (NOT_SUPPORTED_YET: a 400 when set)
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structured_outputs: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    logits_processors: Any = None
+    vllm_xargs: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    truncate_prompt_tokens: Any = None
+    priority: Any = None
+    return_tokens_as_token_ids: Any = None
+    kv_transfer_params: Any = None
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> "SamplingRequest":
@@ -111,13 +219,6 @@ class SamplingRequest(OpenAIBaseModel):
     def _default_n(cls, value: Any) -> Any:
         return 1 if value is None else value
 
-    @field_validator("cache_salt")
-    @classmethod
-    def _check_cache_salt(cls, value: Optional[str]) -> Optional[str]:
-        if value is not None and not value:
-            raise ValueError("cache_salt must be a non-empty string when given.")
-        return value
-
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -126,10 +227,34 @@ class SamplingRequest(OpenAIBaseModel):
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
+    @property
+    def requested_max_tokens(self) -> Optional[int]:
+        """The ``max_tokens`` the request sets (None: absent or null)."""
+        raise NotImplementedError
+
+    @property
+    def max_tokens_param(self) -> str:
+        """The request field that sets ``max_tokens`` (named in error messages)."""
+        return "max_tokens"
+
+    @property
+    def default_max_tokens(self) -> Optional[int]:
+        """What ``max_tokens`` is when the request does not set it (None: the model's
+        default, else the rest of the context; see ``Processor.resolve_max_tokens``)."""
+        return None
+
     def to_sampling_params(
-        self, max_tokens: int, logprobs: Optional[int], prompt_logprobs: Optional[int]
+        self,
+        max_tokens: int,
+        logprobs: Optional[int],
+        prompt_logprobs: Optional[int],
+        defaults: Optional[Mapping[str, Any]] = None,
     ) -> SamplingParams:
         """The engine's ``SamplingParams`` (DELTA outputs when streaming, else FINAL_ONLY).
+
+        A sampling field that is None (absent or null) takes ``defaults`` (the model's,
+        ``Processor.default_sampling_params``), else ``SamplingParams``' default: vLLM's
+        ``to_sampling_params`` rule.
 
         Raises:
             ValueError: a field out of range (the message starts with the field name) or
@@ -141,15 +266,16 @@ class SamplingRequest(OpenAIBaseModel):
                 logit_bias = {int(token_id): bias for token_id, bias in self.logit_bias.items()}
             except ValueError:
                 raise ValueError("logit_bias keys must be token ids (integers, as strings).") from None
-        return SamplingParams(
+        return SamplingParams.from_optional(
+            defaults,
             n=self.n,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k in (None, 0) else self.top_k,
-            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
@@ -181,25 +307,39 @@ PromptLogprobsJSON = list[Optional[dict[int, LogprobInfo]]]
 
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``. ``prompt`` is a string, a list of strings, a list of token
-    ids, or a list of token-id lists; ``max_tokens`` unset or null means the default, 16
-    (``DEFAULT_MAX_TOKENS``, cut to the room the prompt leaves; see ``Processor``)."""
+    ids, or a list of token-id lists. ``max_tokens`` absent means OpenAI's default, 16
+    (``DEFAULT_MAX_TOKENS``, cut to the room the prompt leaves); null means the model's
+    default, else the rest of the context (vLLM: ``max_tokens: int | None = 16``, and None
+    falls back to the rest of the context in ``get_max_tokens``)."""
 
     prompt: Union[list[int], list[list[int]], str, list[str]]
-    max_tokens: Optional[int] = None
+    max_tokens: Optional[int] = DEFAULT_MAX_TOKENS
     echo: bool = False
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Optional[int] = None
     suffix: Optional[str] = None
     best_of: Optional[int] = None
     # vLLM extras
     add_special_tokens: bool = True
+    prompt_embeds: Any = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _refuse_suffix(cls, value: Optional[str]) -> Optional[str]:
+        return refuse_if_set("suffix", value, "insertion (suffix)")
 
     @model_validator(mode="after")
-    def _check_unsupported(self) -> "CompletionRequest":
-        if self.suffix:
-            raise ValueError("suffix is not supported.")
+    def _check_best_of(self) -> "CompletionRequest":
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (it must be unset or equal to n).")
         return self
+
+    @property
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_tokens if "max_tokens" in self.model_fields_set else None
+
+    @property
+    def default_max_tokens(self) -> Optional[int]:
+        return None if "max_tokens" in self.model_fields_set else DEFAULT_MAX_TOKENS
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -288,43 +428,63 @@ class ChatMessage(OpenAIBaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``. ``max_completion_tokens`` (or the older
-    ``max_tokens``) defaults to the rest of the context."""
+    ``max_tokens``) defaults to the model's default, else the rest of the context.
+
+    ``add_generation_prompt`` left out means "true unless ``continue_final_message``";
+    both set true is a 400 (``chat_utils.resolve_generation_prompt``, the rule of every
+    way of rendering a chat)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Optional[int] = None
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
-    response_format: Optional[dict[str, Any]] = None
+    tool_choice: Any = None
     tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    functions: Any = None
+    function_call: Any = None
     # vLLM extras
+    echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, value: Optional[int]) -> Optional[int]:
+        check_logprobs(value, "top_logprobs")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _refuse_tools(cls, value: Optional[list[dict[str, Any]]], info: ValidationInfo) -> Any:
+        if info.data.get("tool_choice") == "none":
+            return value
+        return refuse_if_set("tools", value, "tool calling")
+
+    @field_validator("echo")
+    @classmethod
+    def _refuse_echo(cls, value: bool) -> bool:
+        return refuse_if_set("echo", value, "echo in chat completions")
+
     @model_validator(mode="after")
     def _check_chat_fields(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs can only be set when logprobs is true.")
-        if self.continue_final_message and self.add_generation_prompt and (
-            "add_generation_prompt" in self.model_fields_set
-        ):
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than {'type': 'text'} is not supported.")
-        if self.tools and self.tool_choice != "none":
-            raise ValueError("tool calling is not supported; send the request without tools.")
         return self
 
     @property
     def requested_max_tokens(self) -> Optional[int]:
-        """``max_completion_tokens``, else ``max_tokens``, else None (rest of the context)."""
+        """``max_completion_tokens``, else ``max_tokens``, else None."""
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     @property
     def num_top_logprobs(self) -> Optional[int]:
@@ -419,14 +579,17 @@ class ModelList(OpenAIBaseModel):
 # --------------------------------------------------------------------------- tokenization
 
 
-class TokenizeCompletionRequest(OpenAIBaseModel):
+class TokenizeCompletionRequest(OpenAIRequest):
     model: Optional[str] = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(OpenAIBaseModel):
+class TokenizeChatRequest(OpenAIRequest):
+    """The chat form of ``/tokenize``: rendered exactly as ``/v1/chat/completions`` renders
+    its messages (the same fields, defaults and rules)."""
+
     model: Optional[str] = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
@@ -447,7 +610,7 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: Optional[list[str]] = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(OpenAIRequest):
     model: Optional[str] = None
     tokens: list[int]
 

@@ -7,19 +7,16 @@ the renderer holds the loaded text.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Union
 
 import jinja2
 
-from pagedllm.entrypoints.chat_utils import MissingChatTemplateError, apply_chat_template
+from pagedllm.entrypoints.chat_utils import ChatOptionsError, MissingChatTemplateError, apply_chat_template
 from pagedllm.entrypoints.openai.errors import bad_request
-from pagedllm.entrypoints.openai.protocol import ChatMessage
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeChatRequest
 
-#: Keyword arguments of ``apply_chat_template`` a request's ``chat_template_kwargs`` may not set.
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"conversation", "chat_template", "tokenize", "add_generation_prompt", "continue_final_message",
-     "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs"}
-)  # fmt: skip
+#: A request carrying a conversation to render.
+ChatRequest = Union[ChatCompletionRequest, TokenizeChatRequest]
 
 
 class PromptRenderer:
@@ -39,36 +36,32 @@ class PromptRenderer:
         """The token ids of ``text``."""
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def render_chat(
-        self,
-        messages: Sequence[ChatMessage],
-        chat_template: Optional[str],
-        add_generation_prompt: bool,
-        continue_final_message: bool,
-        chat_template_kwargs: Optional[dict[str, Any]],
-    ) -> str:
-        """The prompt text of a conversation, as a request asks for it.
+    def render_chat(self, request: ChatRequest) -> str:
+        """The prompt text of a request's conversation, as the request asks for it.
 
-        ``chat_template``: the request's template, else the server's, else the tokenizer's.
+        The template is the request's ``chat_template``, else the server's, else the
+        tokenizer's; ``add_generation_prompt`` counts only when the request sets it (see
+        ``chat_utils.resolve_chat_options``).
 
         Raises:
-            OpenAIServingError: 400 when there is no template, ``chat_template_kwargs``
-                sets a reserved argument, or the template fails on these messages.
+            OpenAIServingError: 400 when the options contradict each other, there is no
+                template, or the template fails on these messages.
         """
-        kwargs = dict(chat_template_kwargs or {})
-        reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
-        if reserved:
-            raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}.", param="chat_template_kwargs")
-        conversation = [message.to_template_dict() for message in messages]
+        add_generation_prompt: Optional[bool] = None
+        if "add_generation_prompt" in request.model_fields_set:
+            add_generation_prompt = request.add_generation_prompt
+        conversation = [message.to_template_dict() for message in request.messages]
         try:
             return apply_chat_template(
                 self.tokenizer,
                 conversation,
-                chat_template or self.chat_template,
+                request.chat_template or self.chat_template,
                 add_generation_prompt,
-                continue_final_message,
-                kwargs,
+                request.continue_final_message,
+                request.chat_template_kwargs,
             )
+        except ChatOptionsError as exc:
+            raise bad_request(str(exc), param=exc.param) from None
         except MissingChatTemplateError:
             raise bad_request(
                 "This model has no chat template; start the server with --chat-template "

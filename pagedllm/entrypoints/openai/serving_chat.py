@@ -3,7 +3,8 @@
 The prompt is the model's chat template (or ``--chat-template``, or the request's
 ``chat_template``) rendered by ``PromptRenderer.render_chat``; text content parts are
 joined with newlines first, so templates that expect string content work too.
-``max_completion_tokens`` (or ``max_tokens``) defaults to the rest of the context.
+``max_completion_tokens`` (or ``max_tokens``) defaults to the model's default (its
+generation_config.json's ``max_new_tokens``), else the rest of the context.
 
 Streams start with one chunk per choice carrying ``delta.role == "assistant"``; each
 choice then gets content chunks, and exactly one chunk with its ``finish_reason``.
@@ -36,13 +37,7 @@ class OpenAIServingChat(OpenAIServing):
     ``--chat-template`` is the renderer's)."""
 
     def render_prompt(self, request: ChatCompletionRequest) -> PromptInput:
-        text = self.renderer.render_chat(
-            request.messages,
-            request.chat_template,
-            request.add_generation_prompt,
-            request.continue_final_message,
-            request.chat_template_kwargs,
-        )
+        text = self.renderer.render_chat(request)
         return PromptInput(text, self.renderer.encode(text, request.add_special_tokens))
 
     async def create_chat_completion(
@@ -61,9 +56,6 @@ class OpenAIServingChat(OpenAIServing):
             f"{request_id}-0",
             request,
             prompt,
-            requested_max_tokens=request.requested_max_tokens,
-            default_max_tokens=None,
-            max_tokens_param="max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens",
             prompt_param="messages",
             logprobs=request.num_top_logprobs,
             prompt_logprobs=request.prompt_logprobs,

@@ -31,7 +31,6 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.logprobs import clamp_logprob, prompt_logprobs_json, top_entries
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, PromptInput, random_id, sse
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, PromptLogprobs, RequestOutput
-from pagedllm.sampling_params import DEFAULT_MAX_TOKENS
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -57,9 +56,6 @@ class OpenAIServingCompletion(OpenAIServing):
                 f"{request_id}-{i}",
                 request,
                 prompt,
-                requested_max_tokens=request.max_tokens,
-                default_max_tokens=DEFAULT_MAX_TOKENS,
-                max_tokens_param="max_tokens",
                 prompt_param="prompt",
                 logprobs=request.logprobs,
                 prompt_logprobs=prompt_logprobs,

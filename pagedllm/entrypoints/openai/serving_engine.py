@@ -45,7 +45,7 @@ SSE_DONE = "data: [DONE]\n\n"
 SAMPLING_FIELDS = (
     "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
     "top_k", "min_p", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
-    "prompt_logprobs", "logit_bias", "max_completion_tokens",
+    "prompt_logprobs", "logit_bias", "max_completion_tokens", "cache_salt",
 )  # fmt: skip
 
 
@@ -185,9 +185,6 @@ class OpenAIServing:
         request_id: str,
         request: SamplingRequest,
         prompt: PromptInput,
-        requested_max_tokens: Optional[int],
-        default_max_tokens: Optional[int],
-        max_tokens_param: str,
         prompt_param: str,
         logprobs: Optional[int],
         prompt_logprobs: Optional[int],
@@ -195,18 +192,21 @@ class OpenAIServing:
         """Validate one prompt of a request and build its engine request (validation runs
         once, in the engine's ``Processor``).
 
-        ``requested_max_tokens`` (None: unset) takes ``default_max_tokens`` (None: the
-        rest of the context); ``max_tokens_param`` and ``prompt_param`` name the request
-        fields in error messages.
+        The request's ``max_tokens`` and its default are resolved by
+        ``Processor.resolve_max_tokens``; sampling fields it leaves out take the model's
+        defaults (``Processor.default_sampling_params``). ``prompt_param`` names the prompt
+        field in error messages.
 
         Raises:
             OpenAIServingError: 400 for a bad field, prompt, or a prompt that does not fit.
         """
         try:
             max_tokens = self.processor.resolve_max_tokens(
-                len(prompt.token_ids), requested_max_tokens, default_max_tokens, max_tokens_param
+                len(prompt.token_ids), request.requested_max_tokens, request.default_max_tokens, request.max_tokens_param
             )
-            params = request.to_sampling_params(max_tokens, logprobs, prompt_logprobs)
+            params = request.to_sampling_params(
+                max_tokens, logprobs, prompt_logprobs, self.processor.default_sampling_params
+            )
             engine_request, _ = self.processor.process(request_id, prompt.engine_prompt, params, None, request.cache_salt)
         except ContextLengthError as exc:
             raise self.context_error(exc, prompt_param) from None

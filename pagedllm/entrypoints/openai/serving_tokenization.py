@@ -40,16 +40,10 @@ class OpenAIServingTokenization:
         self.vocab_size = vocab_size
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
-        """Raises: OpenAIServingError (400 bad template use, 404 unknown model)."""
+        """Raises: OpenAIServingError (400 bad template use or options, 404 unknown model)."""
         self.models.resolve(request.model)
         if isinstance(request, TokenizeChatRequest):
-            text = self.renderer.render_chat(
-                request.messages,
-                request.chat_template,
-                request.add_generation_prompt,
-                request.continue_final_message,
-                request.chat_template_kwargs,
-            )
+            text = self.renderer.render_chat(request)
         else:
             text = request.prompt
         token_ids = self.renderer.encode(text, request.add_special_tokens)

@@ -1,0 +1,212 @@
+"""Issue 12 part 3: the values vLLM accepts, the same offline and online.
+
+- ``top_k`` 0 means disabled (as -1), in ``SamplingParams`` and on the server.
+- Every sampling field has one range rule (``SamplingParams``): a value it refuses
+  offline is a 400 naming the field online, and one it accepts is accepted online.
+- ``/v1/completions`` with ``max_tokens: null`` generates up to the rest of the context
+  (absent: OpenAI's 16), as vLLM.
+- Every way of rendering a chat refuses ``continue_final_message`` with
+  ``add_generation_prompt`` both true (``/tokenize`` too).
+- vLLM fields pagedllm does not act on yet are a 400 naming the field; unknown fields
+  are ignored with one debug log line.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from pagedllm import SamplingParams
+from pagedllm.entrypoints.chat_utils import ChatOptionsError, apply_chat_template
+from pagedllm.entrypoints.openai.protocol import NOT_SUPPORTED_YET, CompletionRequest, TokenizeChatRequest
+from tests.entrypoints.openai.conftest import MAX_MODEL_LEN, MODEL_NAME
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+CONTINUED = USER + [{"role": "assistant", "content": "Hello th"}]
+
+# SamplingParams field -> values it refuses (each must be a 400 naming the field online).
+REFUSED = {
+    "n": [0, 129],
+    "temperature": [-0.5],
+    "top_p": [0.0, 1.5],
+    "top_k": [-2],
+    "min_p": [-0.1, 1.5],
+    "presence_penalty": [2.5],
+    "frequency_penalty": [-2.5],
+    "repetition_penalty": [0.0],
+    "seed": [2**64, -(2**63) - 1],
+    "min_tokens": [-1],
+    "max_tokens": [0],
+    "logprobs": [21, -1],
+    "prompt_logprobs": [21],
+}
+# SamplingParams field -> edge values it accepts (each must be accepted online).
+ACCEPTED = {
+    "n": [128],
+    "top_k": [0, -1, 1],
+    "seed": [2**64 - 1, -(2**63)],
+    "temperature": [0.0],
+    "min_p": [1.0],
+    "logprobs": [20, 0],
+    "prompt_logprobs": [0],
+}
+
+
+def _cases(table):
+    return [(field, value) for field, values in table.items() for value in values]
+
+
+def _post(server, path, body):
+    return server.post(path, json={"model": MODEL_NAME, **body})
+
+
+def test_top_k_zero_means_disabled_offline_and_online(server):
+    assert SamplingParams(top_k=0).top_k == SamplingParams(top_k=-1).top_k == SamplingParams().top_k == -1
+    body = {"prompt": "hello", "max_tokens": 6, "temperature": 0.8, "seed": 11, "ignore_eos": True}
+    as_zero = _post(server, COMPLETIONS, {**body, "top_k": 0})
+    assert as_zero.status_code == 200, as_zero.text
+    assert as_zero.json()["choices"] == _post(server, COMPLETIONS, {**body, "top_k": -1}).json()["choices"]
+    chat = _post(server, CHAT, {"messages": USER, "max_tokens": 2, "top_k": 0})
+    assert chat.status_code == 200, chat.text
+
+
+@pytest.mark.parametrize("field, value", _cases(REFUSED))
+def test_a_value_refused_offline_is_a_400_naming_the_field_online(server, field, value):
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        SamplingParams(**{field: value})
+    response = _post(server, COMPLETIONS, {"prompt": "hi", field: value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and error["message"].startswith(f"{field} must be"), error
+
+
+@pytest.mark.parametrize("field, value", _cases(ACCEPTED))
+def test_a_value_accepted_offline_is_accepted_online(server, field, value):
+    SamplingParams(**{field: value})
+    body = {"prompt": "hi", "max_tokens": 1, field: value}
+    if field == "n":
+        body["temperature"] = 1.0
+    response = _post(server, COMPLETIONS, body)
+    assert response.status_code == 200, response.text
+
+
+def test_chat_top_logprobs_has_the_logprobs_rule_under_its_own_name(server):
+    response = _post(server, CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "top_logprobs"
+    assert "top_logprobs must be between 0 and 20, got 21" in response.json()["error"]["message"]
+
+
+def test_completions_max_tokens_null_is_the_rest_of_the_context(server):
+    prompt = [5] * (MAX_MODEL_LEN - 40)
+    body = {"prompt": prompt, "ignore_eos": True, "temperature": 0}
+    null = _post(server, COMPLETIONS, {**body, "max_tokens": None}).json()
+    assert null["usage"]["completion_tokens"] == 40
+    assert null["choices"][0]["finish_reason"] == "length"
+    absent = _post(server, COMPLETIONS, body).json()
+    assert absent["usage"]["completion_tokens"] == 16  # OpenAI's and vLLM's default when absent
+    chat_null = _post(server, CHAT, {"messages": USER, "max_tokens": None, "ignore_eos": True}).json()
+    assert chat_null["usage"]["completion_tokens"] == MAX_MODEL_LEN - chat_null["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize("path", [CHAT, "/tokenize"])
+def test_continue_final_message_with_add_generation_prompt_is_400_everywhere(server, path):
+    both = {"messages": CONTINUED, "continue_final_message": True, "add_generation_prompt": True, "max_tokens": 1}
+    response = _post(server, path, both)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "continue_final_message"
+    assert "cannot both be true" in error["message"]
+    without = {key: value for key, value in both.items() if key != "add_generation_prompt"}
+    implied = _post(server, path, without)  # left out: true unless continue_final_message
+    assert implied.status_code == 200, implied.text
+
+
+def test_tokenize_renders_a_continued_message_as_chat_completions_does(server, tokenizer):
+    body = {"messages": CONTINUED, "continue_final_message": True, "add_generation_prompt": False}
+    tokens = _post(server, "/tokenize", body).json()["tokens"]
+    assert tokenizer.decode(tokens).endswith("<|im_start|>assistant\nHello th")
+    chat = _post(server, CHAT, {**body, "max_tokens": 1, "ignore_eos": True}).json()
+    assert chat["usage"]["prompt_tokens"] == len(tokens)
+
+
+def test_offline_chat_applies_the_same_rule(tokenizer):
+    with pytest.raises(ChatOptionsError, match="cannot both be true"):
+        apply_chat_template(tokenizer, CONTINUED, None, True, True)
+    with pytest.raises(ChatOptionsError, match="chat_template_kwargs may not set tokenize"):
+        apply_chat_template(tokenizer, USER, None, True, False, {"tokenize": True})
+    implied = apply_chat_template(tokenizer, CONTINUED, None, None, True)
+    assert implied == apply_chat_template(tokenizer, CONTINUED, None, False, True)
+
+
+# (path, field, value that asks for the feature)
+NOT_YET = [
+    (COMPLETIONS, "guided_json", {"type": "object"}),
+    (COMPLETIONS, "guided_regex", "[a-z]+"),
+    (CHAT, "guided_choice", ["yes", "no"]),
+    (COMPLETIONS, "guided_grammar", "root ::= 'a'"),
+    (CHAT, "guided_decoding_backend", "xgrammar"),
+    (COMPLETIONS, "guided_whitespace_pattern", " "),
+    (CHAT, "structured_outputs", {"choice": ["a", "b"]}),
+    (CHAT, "response_format", {"type": "json_object"}),
+    (COMPLETIONS, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    (COMPLETIONS, "use_beam_search", True),
+    (COMPLETIONS, "length_penalty", 0.5),
+    (COMPLETIONS, "logits_processors", ["my.module:Processor"]),
+    (CHAT, "vllm_xargs", {"a": 1}),
+    (COMPLETIONS, "bad_words", ["bad"]),
+    (COMPLETIONS, "allowed_token_ids", [1, 2]),
+    (COMPLETIONS, "truncate_prompt_tokens", 8),
+    (CHAT, "priority", 3),
+    (CHAT, "return_tokens_as_token_ids", True),
+    (COMPLETIONS, "kv_transfer_params", {"do_remote_decode": True}),
+    (COMPLETIONS, "prompt_embeds", "AAAA"),
+    (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    (CHAT, "tool_choice", "required"),
+    (CHAT, "functions", [{"name": "f"}]),
+    (CHAT, "function_call", {"name": "f"}),
+    (CHAT, "echo", True),
+    (COMPLETIONS, "suffix", "tail"),
+]  # fmt: skip
+# Values of the same fields that ask for nothing: accepted.
+NEUTRAL = [
+    (CHAT, {"response_format": {"type": "text"}, "use_beam_search": False, "guided_json": None, "priority": 0}),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none", "echo": False}),
+    (COMPLETIONS, {"length_penalty": 1.0, "bad_words": [], "echo": True, "suffix": None}),
+]
+
+
+def _body(path, extra):
+    base = {"messages": USER} if path == CHAT else {"prompt": "hi"}
+    return {**base, "max_tokens": 1, **extra}
+
+
+def test_every_not_yet_field_is_tested():
+    fields = {field for _, field, _ in NOT_YET}
+    assert set(NOT_SUPPORTED_YET) <= fields
+
+
+@pytest.mark.parametrize("path, field, value", NOT_YET, ids=[f"{p.rsplit('/', 1)[-1]}-{f}" for p, f, _ in NOT_YET])
+def test_a_field_not_built_yet_is_a_400_naming_it(server, path, field, value):
+    response = _post(server, path, _body(path, {field: value}))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field
+    assert f"{field} is not supported yet" in error["message"]
+
+
+@pytest.mark.parametrize("path, extra", NEUTRAL)
+def test_neutral_values_and_unknown_fields_are_accepted(server, path, extra):
+    response = _post(server, path, _body(path, {**extra, "no_such_field": {"x": 1}}))
+    assert response.status_code == 200, response.text
+
+
+def test_unknown_fields_are_one_debug_line(caplog):
+    with caplog.at_level(logging.DEBUG, logger="pagedllm.entrypoints.openai.protocol"):
+        CompletionRequest.model_validate({"prompt": "hi", "frobnicate": 1, "zeta": [2]})
+        TokenizeChatRequest.model_validate({"messages": USER})
+    lines = [r.message for r in caplog.records]
+    assert lines == ["CompletionRequest: ignoring unknown fields frobnicate, zeta"]
