@@ -11,10 +11,17 @@ $(PY):
 
 # torch is installed first and pinned: 2.13.0 is the CPU build available on this machine's disk,
 # and installing it explicitly keeps other packages from pulling a multi-GB CUDA build.
+# Each step says what it does; pip shows its own progress. The last step builds the C++ CPU
+# kernels (about a minute and a half on 2 cores), which the first `pagedllm serve` would otherwise do.
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[test]"
+	@echo "==> [1/4] upgrading pip"
+	$(PY) -m pip install --upgrade pip
+	@echo "==> [2/4] installing torch (CPU build)"
+	$(PY) -m pip install --progress-bar on "torch==2.13.0"
+	@echo "==> [3/4] installing pagedllm and its test dependencies"
+	$(PY) -m pip install --progress-bar on -e ".[test]"
+	@echo "==> [4/4] building the C++ CPU kernels (once per machine)"
+	$(PY) -m pagedllm.kernels.cpu
 	touch $(STAMP)
 
 install: $(STAMP)

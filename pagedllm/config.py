@@ -420,6 +420,9 @@ class EngineArgs:
     generation_config: str = "auto"
     usage_context: str = "llm"
     quantization: Optional[str] = None
+    #: vLLM's ``disable_log_stats``: no periodic stats line (``pagedllm.metrics.loggers``);
+    #: ``LLM`` sets it by default, as vLLM's.
+    disable_log_stats: bool = False
     distributed_executor_backend: Union[str, type, None] = None
 
     def create_engine_config(self) -> EngineConfig:

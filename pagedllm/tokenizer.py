@@ -8,16 +8,27 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
+#: transformers' key for its "Token indices sequence length is longer than the specified
+#: maximum sequence length" warning, marked as already given on every tokenizer loaded here.
+_TOO_LONG_WARNING = "sequence-length-is-longer-than-the-specified-maximum"
+
+
 def get_tokenizer(path: Path | str) -> PreTrainedTokenizerBase:
     """Load the tokenizer saved at ``path`` (tokenizer.json / tokenizer_config.json).
+
+    transformers' warning about prompts longer than the tokenizer's ``model_max_length`` is
+    silenced: the engine checks lengths against ``max_model_len`` itself and answers a
+    prompt that does not fit with its own error.
 
     Raises:
         ValueError: if no tokenizer can be loaded from ``path``.
     """
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as exc:
         raise ValueError(f"Cannot load a tokenizer from {path}: {exc}") from exc
+    tokenizer.deprecation_warnings[_TOO_LONG_WARNING] = True
+    return tokenizer
 
 
 @functools.lru_cache(maxsize=1)

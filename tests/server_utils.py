@@ -38,10 +38,16 @@ class RemoteServer:
         flags: extra ``serve`` flags.
         api_key: passed as ``--api-key`` when set.
         env: the server's environment instead of this process's.
+        log_requests: log each request (by default the server runs with --disable-log-requests).
     """
 
     def __init__(
-        self, model: Optional[Path], *flags: str, api_key: Optional[str] = None, env: Optional[dict[str, str]] = None
+        self,
+        model: Optional[Path],
+        *flags: str,
+        api_key: Optional[str] = None,
+        env: Optional[dict[str, str]] = None,
+        log_requests: bool = False,
     ) -> None:
         self.port = _free_port()
         self.api_key = api_key
@@ -49,8 +55,8 @@ class RemoteServer:
         command = [
             sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *([str(model)] if model else []),
             "--port", str(self.port), "--dtype", "float32", "--kv-cache-memory-bytes", "16M",
-            "--disable-log-requests", "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning",
-            *flags,
+            *([] if log_requests else ["--disable-log-requests"]),
+            "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", *flags,
         ]  # fmt: skip
         if api_key:
             command += ["--api-key", api_key]

@@ -65,7 +65,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="model (sent as the request's model, and the tokenizer when it is a local "
                              "folder); default: the server's first /v1/models entry")
     parser.add_argument("--served-model-name", default=None, help="name to send instead of --model")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: --model)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer folder or Hub id (default: --model, else the served model's folder "
+                             "from /v1/models when it is on this machine, else its name)")
     add_dataset_args(parser, default_input_len=1024, default_output_len=128)
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="requests per second (Poisson arrivals); inf sends all at once")
@@ -296,24 +298,48 @@ def print_metrics(result: dict[str, Any], percentiles: list[float]) -> None:
     print("=" * 50)
 
 
-async def _first_model(client: Any, args: argparse.Namespace) -> str:
+async def _served_models(client: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The server's ``GET /v1/models`` cards (``id``, and ``root``: where the weights are);
+    empty when the server does not answer it."""
     base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-    response = await client.get(base + "/v1/models")
-    response.raise_for_status()
-    return response.json()["data"][0]["id"]
+    try:
+        response = await client.get(base + "/v1/models")
+        response.raise_for_status()
+        return list(response.json()["data"])
+    except Exception:  # noqa: BLE001 - any failure: the caller needs --model then
+        return []
 
 
-def _load_tokenizer(args: argparse.Namespace, model_name: str):
+def _tokenizer_source(args: argparse.Namespace, model_name: str, cards: list[dict[str, Any]]) -> Optional[str]:
+    """Where the prompts' tokenizer comes from: ``--tokenizer``; else ``--model`` when it is a
+    folder; else the served model's folder when the server runs on this machine (its
+    ``/v1/models`` card's ``root``); else ``--model`` or the model name as a Hub id (None:
+    the model pagedllm ships, when that is what is served)."""
+    from pagedllm.model_paths import DEFAULT_MODEL_NAME
+
+    if args.tokenizer:
+        return args.tokenizer
+    if args.model and os.path.isdir(args.model):
+        return args.model
+    card = next((c for c in cards if c.get("id") == model_name), cards[0] if cards else {})
+    root = card.get("root") or ""
+    if any(os.path.isfile(os.path.join(root, name)) for name in ("tokenizer.json", "tokenizer_config.json")):
+        return root
+    if args.model:
+        return args.model
+    return None if model_name == DEFAULT_MODEL_NAME else model_name
+
+
+def _load_tokenizer(source: Optional[str]):
     from pagedllm.config import resolve_model_path
     from pagedllm.tokenizer import get_tokenizer
 
-    source = args.tokenizer or args.model or model_name
     try:
         return get_tokenizer(resolve_model_path(source))
     except Exception as exc:
         raise ValueError(
             f"Cannot load a tokenizer from {source!r} (needed to build the prompts); pass --tokenizer "
-            f"with the served model's checkpoint folder."
+            f"with the served model's checkpoint folder or Hub id."
         ) from exc
 
 
@@ -333,8 +359,12 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout), limits=limits,
                                  trust_env=False) as client:
-        model_name = args.served_model_name or args.model or await _first_model(client, args)
-        tokenizer = _load_tokenizer(args, model_name)
+        cards = await _served_models(client, args)
+        model_name = args.served_model_name or args.model or (cards[0]["id"] if cards else None)
+        if model_name is None:
+            raise ValueError(f"Cannot read the model name from {args.base_url or args.host}/v1/models; pass --model.")
+        tokenizer_source = _tokenizer_source(args, model_name, cards)
+        tokenizer = _load_tokenizer(tokenizer_source)
         requests = get_samples(args, tokenizer)
         if args.prompt_format == "text":
             rng = np.random.default_rng(args.seed + 1)
@@ -378,7 +408,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "label": args.label or (args.base_url or f"http://{args.host}:{args.port}"),
         "endpoint": args.endpoint,
         "model_id": model_name,
-        "tokenizer_id": args.tokenizer or args.model,
+        "tokenizer_id": tokenizer_source or model_name,
         "num_prompts": len(requests),
         "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
         "burstiness": args.burstiness,

@@ -17,17 +17,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import AsyncGenerator, Iterable, Optional, Union
+from typing import AsyncGenerator, Callable, Iterable, Optional, Union
 
 from prometheus_client import CollectorRegistry
 
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.core_client import AsyncMPClient, EngineCoreClient
 from pagedllm.engine.exceptions import EngineDeadError
-from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputCollector
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.metrics.loggers import LoggingStatLogger
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 from pagedllm.metrics.stats import IterationStats, RequestStatsTracker
 from pagedllm.outputs import RequestOutput
@@ -45,7 +46,8 @@ class AsyncLLM:
         multiprocess: run the EngineCore in its own process (spawned; the default, as the
             server does). False runs the same loop in a thread of this process (tests,
             notebooks); the event loop then shares the GIL with the model.
-        log_stats: compute request statistics and update ``metrics_registry``.
+        log_stats: compute request statistics, update ``metrics_registry`` and feed the
+            periodic stats line (``do_log_stats``).
         log_requests: log each added / aborted request id at INFO level.
         served_model_name: the ``model_name`` label of the metrics (default: the model).
         engine_core: an ``AsyncMPClient`` already started (``wait_for_ready=False``) from
@@ -96,6 +98,7 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics_registry = CollectorRegistry()
         self.stat_logger = PrometheusStatLogger(self.metrics_registry, self.served_model_name, config)
+        self.logging_stat_logger = LoggingStatLogger()
         self.stats_tracker = RequestStatsTracker()
         self._collectors: dict[str, RequestOutputCollector] = {}
         self._output_handler: Optional[asyncio.Task] = None
@@ -316,7 +319,23 @@ class AsyncLLM:
             now, stats = time.time(), IterationStats()
             for child_id in child_ids:
                 self.stats_tracker.finish_request(child_id, "abort", now, stats)
-            self.stat_logger.record(None, stats)
+            self._record_stats(None, stats)
+
+    def abort_all(self, error: Exception) -> list[str]:
+        """End every running request: abort it in the engine and raise ``error`` in its
+        consumer (``generate``), instead of a last output. Returns the request ids ended.
+
+        The server uses it at shutdown, after the grace period (``--shutdown-timeout``).
+        """
+        request_ids = list(self._collectors)
+        self._end_all(request_ids, lambda: error)
+        return request_ids
+
+    def _end_all(self, request_ids: list[str], make_error: Callable[[], Exception]) -> None:
+        collectors = [self._collectors[request_id] for request_id in request_ids]
+        self._abort(request_ids)  # a dead engine is not sent the abort
+        for collector in collectors:
+            collector.put(make_error())
 
     async def reset_prefix_cache(self) -> None:
         """Forget every cached block.
@@ -375,14 +394,21 @@ class AsyncLLM:
                 self.stats_tracker.finish_request(output.request_id, str(output.finish_reason), now, stats)
         for request_id in processed.reqs_to_abort:  # finished by a stop string
             self.stats_tracker.finish_request(request_id, "stop", now, stats)
-        self.stat_logger.record(outputs.scheduler_stats, stats)
+        self._record_stats(outputs.scheduler_stats, stats)
+
+    def _record_stats(self, scheduler_stats: Optional[SchedulerStats], stats: IterationStats) -> None:
+        self.stat_logger.record(scheduler_stats, stats)
+        self.logging_stat_logger.record(scheduler_stats, stats)
+
+    async def do_log_stats(self) -> None:
+        """Log the stats line for the time since the previous call (vLLM's
+        ``do_log_stats``; see ``pagedllm.metrics.loggers``). Nothing to log without
+        ``log_stats``."""
+        if self.log_stats:
+            self.logging_stat_logger.log()
 
     def _fail_all(self, error: EngineDeadError) -> None:
-        collectors = list(self._collectors.values())
-        self.output_processor.abort_requests(list(self._collectors))
-        self._collectors.clear()
-        for collector in collectors:
-            collector.put(error.fresh())
+        self._end_all(list(self._collectors), error.fresh)
 
     # -- teardown ---------------------------------------------------------------------------
 

@@ -16,6 +16,9 @@ from pagedllm.engine.core_client import EngineCoreClient, InprocClient
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.messages.engine_core import EngineCoreOutputs
+from pagedllm.metrics.loggers import LoggingStatLogger, log_stats_interval
+from pagedllm.metrics.stats import IterationStats, RequestStatsTracker
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import get_tokenizer
@@ -26,18 +29,25 @@ class LLMEngine:
 
     Args:
         config: resolved engine configuration (see ``EngineArgs.create_engine_config``).
+        log_stats: log vLLM's stats line (``pagedllm.metrics.loggers``) every
+            ``log_stats_interval()`` seconds from ``step()``.
 
     Attributes:
         engine_core_client: the ``EngineCoreClient`` every engine call goes through.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = get_tokenizer(config.model_config.tokenizer_path)
         self.processor = Processor(config.model_config, self.tokenizer)
         self.engine_core_client = EngineCoreClient.make_client(config, multiprocess=False, asyncio_mode=False)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.stat_logger: Optional[LoggingStatLogger] = None
+        if log_stats:
+            self.stat_logger = LoggingStatLogger()
+            self.stats_tracker = RequestStatsTracker()
+            self._log_interval_s = log_stats_interval()
 
     @property
     def engine_core(self) -> EngineCore:
@@ -48,7 +58,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
-        return cls(engine_args.create_engine_config())
+        return cls(engine_args.create_engine_config(), log_stats=not engine_args.disable_log_stats)
 
     def add_request(
         self,
@@ -70,6 +80,8 @@ class LLMEngine:
         for child, parent, index in fan_out(request):
             self.output_processor.add_request(child, prompt_text, parent, index)
             self.engine_core_client.add_request(child)
+            if self.stat_logger is not None:
+                self.stats_tracker.add_request(child.request_id, request.arrival_time, len(child.prompt_token_ids))
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of requests that progressed."""
@@ -77,12 +89,30 @@ class LLMEngine:
         processed = self.output_processor.process_outputs(outputs.outputs)
         if processed.reqs_to_abort:
             self.engine_core_client.abort_requests(processed.reqs_to_abort)
+        if self.stat_logger is not None:
+            self._log_stats(outputs, processed.reqs_to_abort)
         return processed.request_outputs
+
+    def _log_stats(self, outputs: EngineCoreOutputs, stopped_ids: list[str]) -> None:
+        now = time.time()
+        stats = self.stats_tracker.update_from_outputs(outputs, now)
+        finished = [(o.request_id, str(o.finish_reason)) for o in outputs.outputs if o.finish_reason is not None]
+        for request_id, reason in finished + [(r, "stop") for r in stopped_ids]:
+            self.stats_tracker.finish_request(request_id, reason, now, stats)
+        assert self.stat_logger is not None
+        self.stat_logger.record(outputs.scheduler_stats, stats)
+        if time.monotonic() - self.stat_logger.last_log_time >= self._log_interval_s:
+            self.stat_logger.log()
 
     def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
         """Abort requests (by the ids given to ``add_request``) and free their blocks."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.engine_core_client.abort_requests(self.output_processor.abort_requests(ids))
+        child_ids = self.output_processor.abort_requests(ids)
+        self.engine_core_client.abort_requests(child_ids)
+        if self.stat_logger is not None:
+            now, stats = time.time(), IterationStats()
+            for child_id in child_ids:
+                self.stats_tracker.finish_request(child_id, "abort", now, stats)
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()

@@ -44,6 +44,8 @@ class LLM:
         generation_config: "auto" (the model's generation_config.json sets the default
             sampling parameters: ``get_default_sampling_params``), "vllm" (vLLM's
             defaults), or a folder with a generation_config.json.
+        disable_log_stats: no periodic stats line while generating (True by default, as
+            vLLM's ``LLM``; False logs it every ``$PAGEDLLM_LOG_STATS_INTERVAL`` s, default 10).
 
     Raises:
         ValueError: for bad arguments, an unsupported architecture or a KV budget that
@@ -70,6 +72,7 @@ class LLM:
         attention_backend: Optional[str] = None,
         quantization: Optional[str] = None,
         generation_config: str = "auto",
+        disable_log_stats: bool = True,
     ) -> None:
         engine_args = EngineArgs(
             model=model,
@@ -90,6 +93,7 @@ class LLM:
             prefix_caching_hash_algo=prefix_caching_hash_algo,
             attention_backend=attention_backend,
             generation_config=generation_config,
+            disable_log_stats=disable_log_stats,
         )
         self.llm_engine = LLMEngine.from_engine_args(engine_args)
         self._request_counter = itertools.count()
@@ -205,11 +209,36 @@ class LLM:
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         wanted = set(request_ids)
-        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        speed = _TokenSpeed(bar)
         while len(results) < len(wanted) and self.llm_engine.has_unfinished_requests():
             for output in self.llm_engine.step():
                 if output.finished and output.request_id in wanted:
                     results[output.request_id] = output
+                    speed.add(output)
                     bar.update(1)
         bar.close()
         return [results[r] for r in request_ids]
+
+
+class _TokenSpeed:
+    """Shows the prompt and generated tokens per second of finished requests on a progress
+    bar, as vLLM's: ``est. speed input: 1234.56 toks/s, output: 78.90 toks/s`` (tokens over
+    the bar's elapsed seconds)."""
+
+    def __init__(self, bar: tqdm) -> None:
+        self.bar = bar
+        self.num_input_tokens = 0
+        self.num_output_tokens = 0
+        self._show(0.0, 0.0)
+
+    def add(self, output: RequestOutput) -> None:
+        self.num_input_tokens += len(output.prompt_token_ids or ())
+        self.num_output_tokens += sum(len(completion.token_ids) for completion in output.outputs)
+        if self.bar.disable:
+            return
+        elapsed = self.bar.format_dict["elapsed"] or 1e-9
+        self._show(self.num_input_tokens / elapsed, self.num_output_tokens / elapsed)
+
+    def _show(self, input_speed: float, output_speed: float) -> None:
+        self.bar.postfix = f"est. speed input: {input_speed:.2f} toks/s, output: {output_speed:.2f} toks/s"

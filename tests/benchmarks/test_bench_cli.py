@@ -256,9 +256,10 @@ def test_model_spec_matches_peers_numbers():
 
 
 class FakeServer:
-    """A streaming /v1/completions that sends one chunk per token, ``gap`` seconds apart."""
+    """A streaming /v1/completions that sends one chunk per token, ``gap`` seconds apart;
+    ``/v1/models`` lists ``model_cards``."""
 
-    def __init__(self, gap: float = 0.003):
+    def __init__(self, gap: float = 0.003, model_cards: tuple = ({"id": "fake-model", "object": "model"},)):
         self.gap = gap
         self.bodies: list[dict] = []
         self.in_flight = 0
@@ -272,7 +273,7 @@ class FakeServer:
 
         @app.get("/v1/models")
         async def models():
-            return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+            return {"object": "list", "data": list(model_cards)}
 
         @app.post("/v1/completions")
         async def completions(request: Request):
@@ -362,6 +363,29 @@ def test_serve_against_fake_openai_server(tiny_llama, tmp_path):
         (r["total_input_tokens"] + r["total_output_tokens"]) / r["duration"])
 
 
+def test_serve_without_tokenizer_uses_the_shipped_model(tmp_path):
+    """``bench serve`` against the shipped model needs no --tokenizer: the name comes from
+    /v1/models, and the tokenizer is the one shipped with pagedllm (the server is remote:
+    its card's ``root`` is not a folder here)."""
+    out = tmp_path / "serve.json"
+    cards = ({"id": "pagedllm-default", "object": "model", "root": "/elsewhere/pagedllm-default"},)
+    with FakeServer(gap=0.001, model_cards=cards) as server:
+        rc = run_bench(["serve", "--base-url", f"http://127.0.0.1:{server.port}", "--num-prompts", "3",
+                        "--random-input-len", "12", "--random-output-len", "3", "--num-warmups", "0",
+                        "--disable-tqdm", "--output-json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["model_id"] == "pagedllm-default" and r["tokenizer_id"] == "pagedllm-default"
+    assert r["completed"] == 3 and all(b["model"] == "pagedllm-default" for b in server.bodies)
+
+
+def test_serve_without_model_name_or_models_route_fails_clearly(tmp_path):
+    with FakeServer(gap=0.001, model_cards=()) as server:
+        with pytest.raises(ValueError, match="Cannot read the model name .*; pass --model"):
+            run_bench(["serve", "--base-url", f"http://127.0.0.1:{server.port}", "--num-prompts", "1",
+                       "--disable-tqdm"])
+
+
 def test_serve_poisson_arrivals_and_token_ids(tiny_llama, tmp_path):
     out = tmp_path / "serve.json"
     rate, n, seed = 40.0, 8, 5
@@ -426,13 +450,14 @@ def test_serve_against_real_pagedllm_server(tiny_llama, tmp_path):
             except OSError:
                 time.sleep(0.3)
         out = tmp_path / "serve.json"
-        rc = run_bench(["serve", "--base-url", f"http://127.0.0.1:{port}", "--tokenizer", str(tiny_llama),
+        rc = run_bench(["serve", "--base-url", f"http://127.0.0.1:{port}",  # tokenizer: from /v1/models
                         "--num-prompts", "8", "--random-input-len", "24", "--random-output-len", "6",
                         "--max-concurrency", "4", "--ignore-eos", "--prompt-format", "token-ids",
                         "--disable-tqdm", "--output-json", str(out)])
         assert rc == 0
         r = json.loads(out.read_text())
         assert r["model_id"] == "tiny" and r["completed"] == 8 and not any(r["errors"])
+        assert r["tokenizer_id"] == str(tiny_llama)  # the served model's folder
         assert r["total_input_tokens"] == 8 * 24 and r["total_output_tokens"] == 8 * 6
         assert 0 < r["median_ttft_ms"] <= r["p99_ttft_ms"] and r["mean_tpot_ms"] > 0
     finally:

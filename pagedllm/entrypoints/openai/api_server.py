@@ -40,6 +40,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.metrics.loggers import log_stats_interval
 from pagedllm.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -170,6 +171,15 @@ def _to_response(result: Union[BaseModel, AsyncGenerator[str, None], Response]) 
     return SSEResponse(result)
 
 
+async def _log_stats_periodically(engine: Any) -> None:
+    """``engine.do_log_stats()`` every ``log_stats_interval()`` seconds, until cancelled
+    (vLLM's server does the same)."""
+    interval = log_stats_interval()
+    while True:
+        await asyncio.sleep(interval)
+        await engine.do_log_stats()
+
+
 def build_app(engine: Any, args: Any) -> FastAPI:
     """The FastAPI app serving ``engine`` (an ``AsyncLLM``).
 
@@ -177,7 +187,8 @@ def build_app(engine: Any, args: Any) -> FastAPI:
     attributes; missing ones take their defaults): ``served_model_name`` (list or None:
     the engine's model name), ``chat_template`` (the template text, already loaded by
     ``chat_utils.load_chat_template``, or None), ``api_key`` (None: no auth),
-    ``disable_log_requests``.
+    ``disable_log_requests``, ``disable_log_stats`` (False: while the app runs, the
+    engine's stats line is logged every ``log_stats_interval()`` seconds).
 
     The caller owns the engine (``shutdown`` it after the server stops).
     """
@@ -191,13 +202,20 @@ def build_app(engine: Any, args: Any) -> FastAPI:
     chat = OpenAIServingChat(engine, models, renderer, log_requests=log_requests)
     tokenization = OpenAIServingTokenization(models, renderer, model_config.max_model_len, engine.processor.vocab_size)
 
+    log_stats = not getattr(args, "disable_log_stats", False)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         logger.info(
             "pagedllm %s serving %s as %s (max_model_len %d)",
             __version__, model_config.model, ", ".join(served_names), model_config.max_model_len,
         )  # fmt: skip
-        yield
+        stats_task = asyncio.create_task(_log_stats_periodically(engine)) if log_stats else None
+        try:
+            yield
+        finally:
+            if stats_task is not None:
+                stats_task.cancel()
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
     app.state.engine = engine

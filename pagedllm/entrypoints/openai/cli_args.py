@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import gc
 import logging
 import os
 import re
 import signal
+import socket
 import sys
 import types
 from typing import Any, NoReturn, Optional
@@ -39,6 +41,8 @@ _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 _DEFAULT_BLOCK_SIZE = 16
 _DEFAULT_MAX_NUM_SEQS = 256
 _DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+#: ``--shutdown-timeout``: seconds running requests may take to finish on SIGTERM / Ctrl-C.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 
 
 def human_readable_int(value: str) -> int:
@@ -109,6 +113,16 @@ def fraction_type(value: str) -> float:
     return result
 
 
+def non_negative_seconds(value: str) -> float:
+    try:
+        result = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: expected a number of seconds") from None
+    if not 0.0 <= result < float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: expected a number of seconds >= 0")
+    return result
+
+
 def int_type(value: str) -> int:
     try:
         return int(value)
@@ -174,6 +188,16 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--uvicorn-log-level", default="info", choices=_LOG_LEVELS, help="Log level of the HTTP server (uvicorn)."
     )
     server.add_argument("--disable-uvicorn-access-log", action="store_true", help="Do not log each HTTP access.")
+    server.add_argument(
+        "--disable-log-stats", action="store_true",
+        help="Do not log the engine's statistics line (throughput, running and waiting requests, KV-cache "
+        "usage, prefix-cache hit rate) every $PAGEDLLM_LOG_STATS_INTERVAL seconds (default 10) while it works.",
+    )  # fmt: skip
+    server.add_argument(
+        "--shutdown-timeout", type=non_negative_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
+        help="On SIGTERM or Ctrl-C, stop accepting connections and let running requests finish for up to this "
+        "many seconds; then end each open stream with an error event and [DONE].",
+    )  # fmt: skip
 
     engine = parser.add_argument_group("engine")
     engine.add_argument(
@@ -289,15 +313,42 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def _raise_system_exit(signum: int, _: Any) -> NoReturn:
-    raise SystemExit(128 + signum)
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not listening yet), taken before the model loads
+    so that a busy port is reported at once (as vLLM); uvicorn serves on it later.
+
+    Raises:
+        OSError: the port is in use, or the address cannot be bound (a one-line message).
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise OSError(f"port {port} on {host} is already in use; stop the other server or choose --port") from None
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def _exit_on_sigterm(signum: int, _: Any) -> NoReturn:
+    raise SystemExit(0)
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the server until SIGINT/SIGTERM; returns the exit code.
+    """Run the server until SIGINT/SIGTERM or the engine's death; returns the exit code.
 
-    Exit codes: 0 after a normal shutdown, 2 for a bad flag value (one line on stderr),
-    1 when the engine cannot start for another reason.
+    Exit codes: 0 after a shutdown by SIGINT/SIGTERM, 2 for a bad flag value (one line on
+    stderr), 1 when the port is in use (one line, before the model loads), when the engine
+    cannot start for another reason, or when it died while serving (so that a supervisor
+    restarts the server, as vLLM).
     """
     args.model = args.model_tag or args.model
     args.api_key = resolve_api_key(args)
@@ -308,22 +359,32 @@ def main(args: argparse.Namespace) -> int:
         if not (default_model_path() / "config.json").is_file():
             return _fail(f"no MODEL given, and the shipped default model is missing from {default_model_path()}.", 2)
     try:
+        from pagedllm.metrics.loggers import log_stats_interval
+
+        log_stats_interval()
         engine_args = engine_args_from(args)
         _fetch_models(engine_args)
     except ValueError as exc:
         return _fail(str(exc), 2)
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        return _fail(str(exc), 1)
     # NOTE: uvicorn re-raises SIGTERM after its graceful shutdown; turning it into
-    # SystemExit lets the engine be shut down by the `finally` below.
-    signal.signal(signal.SIGTERM, _raise_system_exit)
+    # SystemExit(0) lets the engine be shut down by the `finally` of `_serve` (also when
+    # SIGTERM arrives while the model loads).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     import asyncio
 
     try:
-        return asyncio.run(_serve(args, engine_args))
+        return asyncio.run(_serve(args, engine_args, sock))
     except KeyboardInterrupt:
         return 0
+    finally:
+        sock.close()
 
 
-async def _serve(args: argparse.Namespace, engine_args: Any) -> int:
+async def _serve(args: argparse.Namespace, engine_args: Any, sock: socket.socket) -> int:
     # NOTE: start-up order: the engine process starts first (it imports torch and loads
     # the model on its own), then this process imports torch/transformers/FastAPI,
     # resolves and checks the configuration and loads the tokenizer meanwhile.
@@ -336,11 +397,15 @@ async def _serve(args: argparse.Namespace, engine_args: Any) -> int:
         from pagedllm.engine.async_llm import AsyncLLM
         from pagedllm.entrypoints.openai.api_server import build_app
         from pagedllm.entrypoints.chat_utils import load_chat_template
+        from pagedllm.entrypoints.openai.launcher import serve_http
 
         args.chat_template = load_chat_template(args.chat_template)
         served_name = (args.served_model_name or [None])[0]
         engine = AsyncLLM.from_engine_args(
-            engine_args, log_requests=False, served_model_name=served_name, engine_core=engine_core
+            engine_args,
+            log_requests=not args.disable_log_requests,
+            served_model_name=served_name,
+            engine_core=engine_core,
         )
     except (ValueError, OSError) as exc:  # OSError: a model directory without a usable config.json
         engine_core.shutdown(timeout_s=0)
@@ -356,13 +421,9 @@ async def _serve(args: argparse.Namespace, engine_args: Any) -> int:
         gc.freeze()
         config = uvicorn.Config(
             app,
-            host=args.host,
-            port=args.port,
             log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,
-            timeout_graceful_shutdown=5,
         )
-        await uvicorn.Server(config).serve()
+        return await serve_http(config, engine, sock, args.shutdown_timeout)
     finally:
         engine.shutdown()
-    return 0

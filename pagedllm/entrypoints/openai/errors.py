@@ -16,11 +16,16 @@ status type                         when
 
 Bad input never yields a 500: request handlers raise ``OpenAIServingError`` (see
 ``bad_request``) and FastAPI's validation errors are turned into 400s here.
+
+Every 4xx answer is logged at INFO with its request id and reason, and carries that id in
+its ``X-Request-Id`` header (as OpenAI's responses do): the endpoint's id (``cmpl-...``)
+when the request got that far, else the client's ``X-Request-Id``, else a new ``req-...``.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any, Optional, Union
 
 from fastapi import FastAPI, Request
@@ -67,6 +72,8 @@ class OpenAIServingError(Exception):
         self.err_type = err_type or _TYPE_BY_STATUS.get(status_code, "Error")
         self.param = param
         self.code = status_code if code is None else code
+        #: The endpoint's id of the request, when it had one (for the log).
+        self.request_id: Optional[str] = None
 
     def to_response(self) -> JSONResponse:
         return error_response(self.status_code, self.message, self.err_type, self.param, self.code)
@@ -136,20 +143,32 @@ def validation_error_message(errors: list[dict[str, Any]]) -> tuple[str, Optiona
     return "Invalid request: " + "; ".join(parts), param
 
 
-async def _validation_error_handler(_: Request, exc: RequestValidationError) -> JSONResponse:
+def _logged(request: Request, response: JSONResponse, message: str, request_id: Optional[str] = None) -> JSONResponse:
+    """``response`` with its request id in ``X-Request-Id``; a 4xx is logged at INFO."""
+    request_id = request_id or request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
+    response.headers["X-Request-Id"] = request_id
+    if 400 <= response.status_code < 500:
+        logger.info(
+            "Request %s (%s %s) answered %d: %s",
+            request_id, request.method, request.url.path, response.status_code, message,
+        )  # fmt: skip
+    return response
+
+
+async def _validation_error_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
     message, param = validation_error_message(list(exc.errors()))
-    return error_response(400, message, INVALID_REQUEST, param)
+    return _logged(request, error_response(400, message, INVALID_REQUEST, param), message)
 
 
-async def _serving_error_handler(_: Request, exc: OpenAIServingError) -> JSONResponse:
-    return exc.to_response()
+async def _serving_error_handler(request: Request, exc: OpenAIServingError) -> JSONResponse:
+    return _logged(request, exc.to_response(), exc.message, exc.request_id)
 
 
-async def _http_error_handler(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     response = error_response(exc.status_code, str(exc.detail))
     if exc.headers:
         response.headers.update(exc.headers)
-    return response
+    return _logged(request, response, str(exc.detail))
 
 
 async def _engine_dead_handler(_: Request, exc: EngineDeadError) -> JSONResponse:

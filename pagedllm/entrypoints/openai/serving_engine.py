@@ -209,10 +209,13 @@ class OpenAIServing:
             )
             engine_request, _ = self.processor.process(request_id, prompt.engine_prompt, params, None, request.cache_salt)
         except ContextLengthError as exc:
-            raise self.context_error(exc, prompt_param) from None
+            error = self.context_error(exc, prompt_param)
         except ValueError as exc:
-            raise from_value_error(exc, SAMPLING_FIELDS) from None
-        return engine_request
+            error = from_value_error(exc, SAMPLING_FIELDS)
+        else:
+            return engine_request
+        error.request_id = request_id
+        raise error from None
 
     # ------------------------------------------------------------------ engine
 
@@ -223,7 +226,7 @@ class OpenAIServing:
         ``engine_request``, ids ``{request_id}-{i}``). Nothing reaches the engine until it
         is iterated."""
         if self.log_requests:
-            logger.info(
+            logging.getLogger(type(self).__module__).info(  # the endpoint's own logger
                 "Received request %s: %d prompt(s) of %s tokens, params: %s",
                 request_id, len(prompts), [len(p.token_ids) for p in prompts], requests[0].sampling_params,
             )  # fmt: skip
@@ -291,7 +294,7 @@ class OpenAIServing:
         except ValueError as exc:
             yield sse_error(from_value_error(exc, SAMPLING_FIELDS))
         except Exception as exc:
-            if not isinstance(exc, EngineDeadError):
+            if not isinstance(exc, (EngineDeadError, OpenAIServingError)):
                 logger.exception("Stream %s failed", request_id)
             yield sse_error(exc)
         finally:

@@ -1,0 +1,107 @@
+"""``LoggingStatLogger``: the periodic one-line summary of the engine that vLLM logs
+(vLLM V1's ``LoggingStatLogger``), from the same statistics as the Prometheus metrics::
+
+    Avg prompt throughput: 120.3 tokens/s, Avg generation throughput: 48.0 tokens/s,
+    Running: 3 reqs, Waiting: 0 reqs, GPU KV cache usage: 4.2%, Prefix cache hit rate: 37.5%
+
+The server logs it every ``log_stats_interval()`` seconds (``PAGEDLLM_LOG_STATS_INTERVAL``,
+else vLLM's ``VLLM_LOG_STATS_INTERVAL``, default 10) unless ``--disable-log-stats``. The
+throughputs are averages over the time since the previous line; prompt tokens count when a
+request's first token arrives (as vLLM). The hit rate covers the prefix-cache lookups of the
+last ``PREFIX_CACHE_WINDOW`` engine steps that looked anything up. While the engine is idle
+(no tokens in this interval nor the previous one, nothing running or waiting) the line goes
+to DEBUG, so an idle server's log stays quiet.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+from typing import Optional
+
+from pagedllm.messages.engine_core import SchedulerStats
+from pagedllm.metrics.stats import IterationStats
+
+logger = logging.getLogger(__name__)
+
+#: Environment variables read (in this order) for the interval, in seconds.
+LOG_STATS_INTERVAL_ENV_VARS = ("PAGEDLLM_LOG_STATS_INTERVAL", "VLLM_LOG_STATS_INTERVAL")
+DEFAULT_LOG_STATS_INTERVAL_S = 10.0
+#: Engine steps with prefix-cache lookups that the hit rate covers.
+PREFIX_CACHE_WINDOW = 1000
+
+
+def log_stats_interval() -> float:
+    """Seconds between two stats lines: the first of ``LOG_STATS_INTERVAL_ENV_VARS`` set,
+    else 10 (vLLM's default).
+
+    Raises:
+        ValueError: the variable is not a positive number.
+    """
+    for name in LOG_STATS_INTERVAL_ENV_VARS:
+        value = os.environ.get(name)
+        if value:
+            try:
+                seconds = float(value)
+            except ValueError:
+                seconds = 0.0
+            if not seconds > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}.")
+            return seconds
+    return DEFAULT_LOG_STATS_INTERVAL_S
+
+
+class LoggingStatLogger:
+    """Accumulates engine statistics (``record``) and logs vLLM's summary line (``log``).
+
+    Times are ``time.monotonic()`` seconds; token counts are tokens.
+    """
+
+    def __init__(self) -> None:
+        self.last_log_time = time.monotonic()
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.last_scheduler_stats = SchedulerStats()
+        self._last_was_busy = False
+        self._prefix_window: collections.deque[tuple[int, int]] = collections.deque(maxlen=PREFIX_CACHE_WINDOW)
+
+    def record(self, scheduler_stats: Optional[SchedulerStats], iteration_stats: Optional[IterationStats]) -> None:
+        """Account one engine step's statistics (either may be None)."""
+        if scheduler_stats is not None:
+            self.last_scheduler_stats = scheduler_stats
+            if scheduler_stats.prefix_cache_queries:
+                self._prefix_window.append((scheduler_stats.prefix_cache_queries, scheduler_stats.prefix_cache_hits))
+        if iteration_stats is not None:
+            self.num_prompt_tokens += iteration_stats.num_prompt_tokens
+            self.num_generation_tokens += iteration_stats.num_generation_tokens
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hits / queried tokens over the window, 0-1 (0 before any lookup)."""
+        queries = sum(q for q, _ in self._prefix_window)
+        return sum(h for _, h in self._prefix_window) / queries if queries else 0.0
+
+    def log(self, now: Optional[float] = None) -> str:
+        """Log the line for the time since the previous call (INFO, or DEBUG while idle),
+        reset the token counts, and return the line."""
+        now = time.monotonic() if now is None else now
+        elapsed = max(now - self.last_log_time, 1e-9)
+        prompt_throughput = self.num_prompt_tokens / elapsed
+        generation_throughput = self.num_generation_tokens / elapsed
+        stats = self.last_scheduler_stats
+        busy = bool(self.num_prompt_tokens or self.num_generation_tokens or stats.num_running_reqs or stats.num_waiting_reqs)
+        level = logging.INFO if busy or self._last_was_busy else logging.DEBUG
+        line = (
+            f"Avg prompt throughput: {prompt_throughput:.1f} tokens/s, "
+            f"Avg generation throughput: {generation_throughput:.1f} tokens/s, "
+            f"Running: {stats.num_running_reqs} reqs, Waiting: {stats.num_waiting_reqs} reqs, "
+            f"GPU KV cache usage: {stats.kv_cache_usage * 100:.1f}%, "
+            f"Prefix cache hit rate: {self.prefix_cache_hit_rate * 100:.1f}%"
+        )
+        logger.log(level, "%s", line)
+        self._last_was_busy = busy
+        self.num_prompt_tokens = self.num_generation_tokens = 0
+        self.last_log_time = now
+        return line
