@@ -155,6 +155,9 @@ class ModelConfig:
     ``generation_config`` (vLLM's ``--generation-config``): "auto" (the model's
     generation_config.json sets default sampling parameters), "vllm" (it does not), or a
     folder holding the generation_config.json to use instead.
+
+    ``max_logprobs``: the most logprobs a request may ask for per token (vLLM's
+    ``--max-logprobs``; -1: the vocabulary size).
     """
 
     model: str
@@ -166,6 +169,7 @@ class ModelConfig:
     seed: int
     quantization: Optional[str] = None  # --quantization: None = the checkpoint's own format
     generation_config: str = "auto"
+    max_logprobs: int = 20
 
     @property
     def architecture(self) -> str:
@@ -245,6 +249,7 @@ class CacheConfig:
     argument, or ``PAGEDLLM_CPU_KVCACHE_SPACE`` / ``VLLM_CPU_KVCACHE_SPACE`` in GiB on CPU).
     Without it the budget is what ``gpu_memory_utilization`` leaves, and on CPU at most
     ``max_kv_cache_tokens`` tokens: what the configuration can use at once.
+    ``num_gpu_blocks_override`` (vLLM's) sets the number of blocks exactly, with no sizing.
     """
 
     block_size: int
@@ -255,6 +260,7 @@ class CacheConfig:
     num_gpu_blocks: Optional[int] = None  # set once the budget is measured
     kv_cache_memory_source: str = "kv_cache_memory_bytes"
     max_kv_cache_tokens: Optional[int] = None
+    num_gpu_blocks_override: Optional[int] = None
 
 
 @dataclass
@@ -270,6 +276,8 @@ class SchedulerConfig:
 class ParallelConfig:
     """How the model spreads over devices: parallel sizes (1 today) and the executor.
 
+    ``data_parallel_size`` counts engine replicas (vLLM's); it is not part of ``world_size``.
+
     ``distributed_executor_backend``: ``"uni"`` (one worker in the engine's process),
     ``"mp"`` or ``"ray"`` (not supported yet), an ``Executor`` subclass, or None: ``"uni"``
     for a world size of 1 (see ``Executor.get_class``).
@@ -278,6 +286,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: Union[str, type, None] = None
+    data_parallel_size: int = 1
 
     @property
     def world_size(self) -> int:
@@ -385,6 +394,23 @@ def _check_generation_config(value: str) -> None:
         )
 
 
+#: vLLM engine arguments accepted with only some of vLLM's values: argument -> (the values
+#: built here, why). ``EngineArgs`` refuses any other value at once: "... is not supported yet".
+PARTLY_BUILT_ARGS: dict[str, tuple[tuple, str]] = {
+    "tensor_parallel_size": ((1,), "pagedllm runs the model on one device"),
+    "pipeline_parallel_size": ((1,), "pagedllm runs the model on one device"),
+    "data_parallel_size": ((1,), "pagedllm runs one engine: start one server per replica"),
+    "distributed_executor_backend": ((None, "uni"), "pagedllm runs one worker, in the engine process"),
+    "load_format": (("auto", "safetensors"), "pagedllm loads *.safetensors checkpoints"),
+    "kv_cache_dtype": (("auto",), "the KV cache has the model's dtype"),
+    "tokenizer_mode": (("auto", "hf"), "pagedllm loads Hugging Face fast tokenizers"),
+    "enable_chunked_prefill": ((None, True), "pagedllm always cuts long prompts into chunks"),
+    "cpu_offload_gb": ((0,), "weights stay on the device"),
+    "enable_lora": ((False,), "LoRA adapters are not built"),
+    "speculative_config": ((None,), "speculative decoding is not built"),
+}
+
+
 @dataclass
 class EngineArgs:
     """Arguments of ``LLM`` / ``LLMEngine`` / ``pagedllm serve``, with vLLM's names and defaults.
@@ -399,6 +425,20 @@ class EngineArgs:
     it with an exact KV-cache size in bytes. ``attention_backend`` names the attention
     backend (e.g. ``"TORCH_SDPA"``); None chooses by platform. ``generation_config``: see
     ``ModelConfig`` (default "auto", as vLLM).
+
+    vLLM's other common arguments are accepted with vLLM's names and defaults, in three
+    kinds: partly built (``PARTLY_BUILT_ARGS``: e.g. ``tensor_parallel_size`` 1 only; another
+    value raises ``ValueError`` "... is not supported yet" when ``EngineArgs`` is built);
+    built (``trust_remote_code``: passed to transformers when reading config.json;
+    ``max_logprobs``: the most logprobs per token a request may ask for, 20, -1 for the
+    vocabulary size; ``num_gpu_blocks_override``: the exact number of KV-cache blocks);
+    and no-ops, that cannot matter here (``enforce_eager``, ``max_seq_len_to_capture``:
+    no CUDA graphs; ``swap_space``: preempted requests are recomputed, never swapped;
+    ``disable_custom_all_reduce``: one device; ``disable_sliding_window``: the models here
+    attend over the whole context already, which is what it asks).
+
+    Raises (constructor):
+        ValueError: a value of ``PARTLY_BUILT_ARGS`` that is not built; ``max_logprobs`` < -1.
     """
 
     model: Optional[str] = None
@@ -424,6 +464,46 @@ class EngineArgs:
     #: ``LLM`` sets it by default, as vLLM's.
     disable_log_stats: bool = False
     distributed_executor_backend: Union[str, type, None] = None
+    # vLLM's other engine arguments (names and defaults as vLLM's ``EngineArgs``).
+    # Partly built ones: see ``PARTLY_BUILT_ARGS``.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    load_format: str = "auto"
+    kv_cache_dtype: str = "auto"
+    tokenizer_mode: str = "auto"
+    enable_chunked_prefill: Optional[bool] = None
+    cpu_offload_gb: float = 0
+    enable_lora: bool = False
+    speculative_config: Optional[dict] = None
+    # Built: they act as in vLLM.
+    trust_remote_code: bool = False
+    max_logprobs: int = 20
+    num_gpu_blocks_override: Optional[int] = None
+    # No-ops here (CUDA graphs, swapping and custom all-reduce do not exist in pagedllm;
+    # its models attend over the whole context): accepted so vLLM launch lines run.
+    enforce_eager: bool = False
+    max_seq_len_to_capture: int = 8192
+    swap_space: float = 4
+    disable_custom_all_reduce: bool = False
+    disable_sliding_window: bool = False
+
+    def __post_init__(self) -> None:
+        """Refuse at once a value asking for something not built (``PARTLY_BUILT_ARGS``),
+        and a ``max_logprobs`` below -1.
+
+        Raises:
+            ValueError: "``name=value`` is not supported yet (why); supported: ...".
+        """
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (the vocabulary size) or more, got {self.max_logprobs}.")
+        for name, (supported, why) in PARTLY_BUILT_ARGS.items():
+            value = getattr(self, name)
+            if isinstance(value, type):  # an Executor subclass as distributed_executor_backend
+                continue
+            if value not in supported:
+                allowed = ", ".join(repr(v) for v in supported)
+                raise ValueError(f"{name}={value!r} is not supported yet ({why}); supported: {allowed}.")
 
     def create_engine_config(self) -> EngineConfig:
         """Check the arguments and resolve defaults.
@@ -449,7 +529,7 @@ class EngineArgs:
             if self.tokenizer
             else model_path
         )
-        hf_config = AutoConfig.from_pretrained(model_path)
+        hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=self.trust_remote_code)
         derived = _derived_max_model_len(hf_config)
         max_model_len = self.max_model_len or derived
         if max_model_len > derived:
@@ -472,7 +552,9 @@ class EngineArgs:
             seed=self.seed,
             quantization=self.quantization,
             generation_config=self.generation_config,
+            max_logprobs=self.max_logprobs,
         )
+        self._check_num_gpu_blocks_override(max_model_len)
         kv_cache_memory_bytes, source = self.kv_cache_memory_bytes, "kv_cache_memory_bytes"
         if kv_cache_memory_bytes is None:
             kv_cache_memory_bytes, source = _cpu_kvcache_space_env()
@@ -484,12 +566,33 @@ class EngineArgs:
             prefix_caching_hash_algo=self.prefix_caching_hash_algo,
             kv_cache_memory_source=source,
             max_kv_cache_tokens=_cpu_max_kv_cache_tokens(self.max_num_seqs, max_model_len, self.enable_prefix_caching),
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
         )
-        parallel_config = ParallelConfig(distributed_executor_backend=self.distributed_executor_backend)
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+            data_parallel_size=self.data_parallel_size,
+        )
         attention_config = AttentionConfig(self.attention_backend)
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, attention_config)
+
+    def _check_num_gpu_blocks_override(self, max_model_len: int) -> None:
+        """``num_gpu_blocks_override`` (None, or blocks enough for one ``max_model_len`` sequence).
+
+        Raises:
+            ValueError: a number of blocks that cannot hold one sequence.
+        """
+        if self.num_gpu_blocks_override is None:
+            return
+        blocks_per_seq = -(-max_model_len // self.block_size)
+        if self.num_gpu_blocks_override < blocks_per_seq:
+            raise ValueError(
+                f"num_gpu_blocks_override={self.num_gpu_blocks_override} cannot hold one sequence of "
+                f"max_model_len {max_model_len} tokens: that needs {blocks_per_seq} blocks of {self.block_size} tokens."
+            )

@@ -15,9 +15,6 @@ import msgspec
 #: ``max_tokens`` when a request does not set it (vLLM's and OpenAI's completions default).
 DEFAULT_MAX_TOKENS = 16
 
-#: Largest ``logprobs`` / ``prompt_logprobs`` a request may ask for (OpenAI's limit).
-MAX_LOGPROBS = 20
-
 #: Largest ``n``: each completion is its own engine request (a cap on one request's load).
 MAX_N = 128
 
@@ -40,14 +37,15 @@ def check_max_tokens(max_tokens: Optional[int], field: str = "max_tokens") -> No
 
 
 def check_logprobs(logprobs: Optional[int], field: str = "logprobs") -> None:
-    """The bound of ``logprobs`` / ``prompt_logprobs`` (None, or 0 to ``MAX_LOGPROBS``), for
-    ``SamplingParams`` and for the request field ``field`` that sets it (chat's ``top_logprobs``).
+    """The bound of ``logprobs`` / ``prompt_logprobs`` (None, or at least 0), for
+    ``SamplingParams`` and for the request field ``field`` that sets it (chat's
+    ``top_logprobs``). The upper bound is the engine's ``max_logprobs`` (``Processor``, as vLLM).
 
     Raises:
-        ValueError: ``"{field} must be between 0 and 20, got {logprobs!r}."``.
+        ValueError: ``"{field} must be non-negative, got {logprobs!r}."``.
     """
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise ValueError(f"{field} must be between 0 and {MAX_LOGPROBS}, got {logprobs!r}.")
+    if logprobs is not None and logprobs < 0:
+        raise ValueError(f"{field} must be non-negative, got {logprobs!r}.")
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -91,7 +89,8 @@ class SamplingParams(
         min_tokens: EOS, stop token ids and stop strings are ignored before this many
             tokens were generated.
         logprobs: number of top log-probabilities returned per generated token (the
-            sampled token's is always added), at most 20.
+            sampled token's is always added); at most the engine's ``max_logprobs``
+            (checked by the engine's ``Processor``, as vLLM).
         prompt_logprobs: the same for each prompt token.
         detokenize: produce text (else only token ids).
         skip_special_tokens: drop special tokens from the text.

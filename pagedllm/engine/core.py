@@ -45,8 +45,13 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
 
     def _initialize_kv_caches(self) -> int:
-        """Size the KV cache on the workers, allocate it there; returns the number of blocks."""
-        num_gpu_blocks = self.model_executor.determine_num_available_blocks()
+        """Size the KV cache on the workers (or take ``num_gpu_blocks_override``, as vLLM),
+        allocate it there; returns the number of blocks."""
+        num_gpu_blocks = self.config.cache_config.num_gpu_blocks_override
+        if num_gpu_blocks is None:
+            num_gpu_blocks = self.model_executor.determine_num_available_blocks()
+        else:
+            logger.info("KV cache: %d blocks, set by num_gpu_blocks_override", num_gpu_blocks)
         self.model_executor.initialize_kv_cache(num_gpu_blocks)
         self.config.cache_config.num_gpu_blocks = num_gpu_blocks
         return num_gpu_blocks

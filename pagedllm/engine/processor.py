@@ -105,6 +105,7 @@ class Processor:
         self.max_model_len = model_config.max_model_len
         self.tokenizer = tokenizer
         self.vocab_size = min(model_config.vocab_size, len(tokenizer))
+        self.max_logprobs = self.vocab_size if model_config.max_logprobs == -1 else model_config.max_logprobs
         self.eos_token_id: Optional[int] = tokenizer.eos_token_id
         self.extra_eos_token_ids = sorted(_generation_config_eos_ids(model_config) - {self.eos_token_id})
         self.default_sampling_params = _default_sampling_params(model_config)
@@ -189,7 +190,8 @@ class Processor:
 
         Raises:
             ValueError: empty prompt, out-of-vocabulary token id, stop token id or
-                ``logit_bias`` key outside the vocabulary.
+                ``logit_bias`` key outside the vocabulary; more ``logprobs`` or
+                ``prompt_logprobs`` than ``max_logprobs`` (vLLM's message).
             ContextLengthError: see ``check_context_fit``.
         """
         num_prompt = len(prompt_token_ids)
@@ -207,6 +209,12 @@ class Processor:
         bad_bias = [t for t in params.logit_bias or {} if not 0 <= t < self.vocab_size]
         if bad_bias:
             raise ValueError(f"logit_bias has token id {bad_bias[0]}, outside [0, {self.vocab_size}).")
+        for kind, num_logprobs in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+            if num_logprobs is not None and num_logprobs > self.max_logprobs:
+                raise ValueError(
+                    f"Requested {kind} logprobs of {num_logprobs}, which is greater than max allowed: "
+                    f"{self.max_logprobs} (--max-logprobs)."
+                )
 
     def process(
         self,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import itertools
 from typing import Any, Optional, Sequence, Union
 
@@ -16,6 +18,19 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
 
+#: ``LLM`` keywords: ``EngineArgs``' fields but ``model`` (a parameter of its own) and
+#: ``usage_context`` (always "llm" here).
+_ENGINE_KEYWORDS = tuple(f.name for f in dataclasses.fields(EngineArgs) if f.name not in ("model", "usage_context"))
+
+
+def _check_keywords(kwargs: dict[str, Any]) -> None:
+    """Raises TypeError for a keyword ``LLM`` does not take, naming the closest one."""
+    for name in kwargs:
+        if name not in _ENGINE_KEYWORDS:
+            close = difflib.get_close_matches(name, _ENGINE_KEYWORDS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}{hint}")
+
 
 class LLM:
     """Load a model once, then generate for many prompts with continuous batching.
@@ -24,77 +39,43 @@ class LLM:
         model: a Hugging Face directory or a Hub id (downloaded on first use, as vLLM:
             ``HF_TOKEN``, ``HF_ENDPOINT`` and ``HF_HUB_OFFLINE`` are honoured); None loads
             the small model that ships with pagedllm.
-        tokenizer: tokenizer directory or Hub id (default: the model's).
-        revision / tokenizer_revision: Hub branch, tag or commit (default: main).
-        download_dir: where downloads go (default: the Hugging Face cache).
-        quantization: "int8" quantizes the weights at load (weight-only, per-channel
-            scales); None keeps the checkpoint's own format.
-        dtype: "auto", "float32", "bfloat16" or "float16".
-        max_model_len: context length in tokens (default: the model's).
-        block_size: tokens per KV-cache block (8, 16 or 32).
-        max_num_seqs: most requests running at once.
-        max_num_batched_tokens: token budget of one step (default 4096 on CPU, 16384 on GPU).
-        kv_cache_memory_bytes: exact KV-cache size; overrides gpu_memory_utilization.
-        gpu_memory_utilization: fraction of device memory (CPU: available RAM) to use.
-        seed: global random seed.
-        enable_prefix_caching: automatic prefix caching (on by default).
-        prefix_caching_hash_algo: "sha256", "sha256_cbor" or "xxhash".
-        attention_backend: "CPU_ATTN", "TORCH_SDPA" or another registered name (default:
-            $PAGEDLLM_ATTENTION_BACKEND, else chosen by platform).
-        generation_config: "auto" (the model's generation_config.json sets the default
-            sampling parameters: ``get_default_sampling_params``), "vllm" (vLLM's
-            defaults), or a folder with a generation_config.json.
-        disable_log_stats: no periodic stats line while generating (True by default, as
-            vLLM's ``LLM``; False logs it every ``$PAGEDLLM_LOG_STATS_INTERVAL`` s, default 10).
+        **kwargs: any ``EngineArgs`` field (the one list of them), e.g.
+            tokenizer: tokenizer directory or Hub id (default: the model's).
+            revision / tokenizer_revision: Hub branch, tag or commit (default: main).
+            download_dir: where downloads go (default: the Hugging Face cache).
+            quantization: "int8" quantizes the weights at load (weight-only, per-channel
+                scales); None keeps the checkpoint's own format.
+            dtype: "auto", "float32", "bfloat16" or "float16".
+            max_model_len: context length in tokens (default: the model's).
+            block_size: tokens per KV-cache block (8, 16 or 32).
+            max_num_seqs: most requests running at once.
+            max_num_batched_tokens: token budget of one step (default 4096 on CPU, 16384 on GPU).
+            kv_cache_memory_bytes: exact KV-cache size; overrides gpu_memory_utilization.
+            gpu_memory_utilization: fraction of device memory (CPU: available RAM) to use.
+            seed: global random seed.
+            enable_prefix_caching: automatic prefix caching (on by default).
+            prefix_caching_hash_algo: "sha256", "sha256_cbor" or "xxhash".
+            attention_backend: "CPU_ATTN", "TORCH_SDPA" or another registered name (default:
+                $PAGEDLLM_ATTENTION_BACKEND, else chosen by platform).
+            generation_config: "auto" (the model's generation_config.json sets the default
+                sampling parameters: ``get_default_sampling_params``), "vllm" (vLLM's
+                defaults), or a folder with a generation_config.json.
+            disable_log_stats: no periodic stats line while generating (True by default, as
+                vLLM's ``LLM``; False logs it every ``$PAGEDLLM_LOG_STATS_INTERVAL`` s, default 10).
+            max_logprobs, num_gpu_blocks_override, trust_remote_code, tensor_parallel_size
+                (1), enforce_eager (no-op) ...: vLLM's other arguments, see ``EngineArgs``.
 
     Raises:
-        ValueError: for bad arguments, an unsupported architecture or a KV budget that
+        TypeError: a keyword that is not an ``EngineArgs`` field (the message suggests the
+            closest one).
+        ValueError: for bad arguments, a value not supported yet (e.g.
+            ``tensor_parallel_size=2``), an unsupported architecture or a KV budget that
             cannot hold one ``max_model_len`` sequence.
     """
 
-    def __init__(
-        self,
-        model: Optional[str] = None,
-        tokenizer: Optional[str] = None,
-        dtype: Any = "auto",
-        max_model_len: Optional[int] = None,
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: Optional[int] = None,
-        kv_cache_memory_bytes: Optional[int] = None,
-        gpu_memory_utilization: float = 0.9,
-        seed: int = 0,
-        enable_prefix_caching: bool = True,
-        prefix_caching_hash_algo: str = "sha256",
-        revision: Optional[str] = None,
-        tokenizer_revision: Optional[str] = None,
-        download_dir: Optional[str] = None,
-        attention_backend: Optional[str] = None,
-        quantization: Optional[str] = None,
-        generation_config: str = "auto",
-        disable_log_stats: bool = True,
-    ) -> None:
-        engine_args = EngineArgs(
-            model=model,
-            tokenizer=tokenizer,
-            revision=revision,
-            tokenizer_revision=tokenizer_revision,
-            download_dir=download_dir,
-            quantization=quantization,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            gpu_memory_utilization=gpu_memory_utilization,
-            seed=seed,
-            enable_prefix_caching=enable_prefix_caching,
-            prefix_caching_hash_algo=prefix_caching_hash_algo,
-            attention_backend=attention_backend,
-            generation_config=generation_config,
-            disable_log_stats=disable_log_stats,
-        )
+    def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
+        _check_keywords(kwargs)
+        engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(engine_args)
         self._request_counter = itertools.count()
 
@@ -111,22 +92,28 @@ class LLM:
 
     def generate(
         self,
-        prompts: Union[PromptType, Sequence[PromptType]],
+        prompts: Union[PromptType, Sequence[PromptType], None] = None,
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         use_tqdm: bool = True,
+        *,
+        prompt_token_ids: Union[list[int], list[list[int]], None] = None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt; returns one ``RequestOutput`` per prompt,
         in input order.
 
-        ``prompts`` is one prompt or a list: strings, token-id lists, or vLLM's dicts.
+        ``prompts`` is one prompt or a list: strings, token-id lists, or vLLM's dicts
+        (``{"prompt": ...}``, ``{"prompt_token_ids": [...]}``). ``prompt_token_ids`` is
+        vLLM's older keyword: one token-id list or a list of them, instead of ``prompts``
+        (or with them, one per prompt: the text is then kept as the prompt's text).
         ``sampling_params`` is one ``SamplingParams`` for all prompts or one per prompt;
         None means ``get_default_sampling_params()`` (as vLLM).
 
         Raises:
-            ValueError: for a bad prompt or parameters; no request of this call is left
-                in the engine.
+            ValueError: for a bad prompt or parameters, neither ``prompts`` nor
+                ``prompt_token_ids``, or both of different lengths; no request of this
+                call is left in the engine.
         """
-        prompt_list = self._as_prompt_list(prompts)
+        prompt_list = self._as_prompt_list(prompts, prompt_token_ids)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = self._as_params_list(sampling_params, len(prompt_list))
@@ -184,8 +171,24 @@ class LLM:
         """Forget every cached block (see ``LLMEngine.reset_prefix_cache``)."""
         self.llm_engine.reset_prefix_cache()
 
+    @classmethod
+    def _as_prompt_list(
+        cls, prompts: Union[PromptType, Sequence[PromptType], None], prompt_token_ids: Optional[list] = None
+    ) -> list[PromptType]:
+        if prompt_token_ids is None:
+            if prompts is None:
+                raise ValueError("generate() needs prompts (or prompt_token_ids).")
+            return cls._as_list(prompts)
+        id_lists = cls._as_list(prompt_token_ids)
+        if prompts is None:
+            return [{"prompt_token_ids": ids} for ids in id_lists]
+        texts = cls._as_list(prompts)
+        if len(texts) != len(id_lists):
+            raise ValueError(f"Got {len(texts)} prompts and {len(id_lists)} prompt_token_ids; they must pair up.")
+        return [{"prompt": text, "prompt_token_ids": ids} for text, ids in zip(texts, id_lists)]
+
     @staticmethod
-    def _as_prompt_list(prompts: Union[PromptType, Sequence[PromptType]]) -> list[PromptType]:
+    def _as_list(prompts: Union[PromptType, Sequence[PromptType]]) -> list[PromptType]:
         if isinstance(prompts, (str, dict)):
             return [prompts]
         prompts = list(prompts)

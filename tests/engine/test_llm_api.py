@@ -27,11 +27,21 @@ def test_prompt_forms_give_the_same_output(llm):
     by_text = llm.generate(text, greedy(), use_tqdm=False)
     by_ids = llm.generate(ids, greedy(), use_tqdm=False)
     by_dict = llm.generate([{"prompt_token_ids": ids}, {"prompt": text}], greedy(), use_tqdm=False)
+    by_one_dict = llm.generate({"prompt_token_ids": ids}, greedy(), use_tqdm=False)
+    by_keyword = llm.generate(sampling_params=greedy(), prompt_token_ids=[ids, ids[:2]], use_tqdm=False)
+    by_flat_keyword = llm.generate(sampling_params=greedy(), prompt_token_ids=ids, use_tqdm=False)
+    with_text = llm.generate(text, greedy(), prompt_token_ids=ids, use_tqdm=False)
     assert by_text[0].prompt == text and by_text[0].prompt_token_ids == ids
     expected = by_text[0].outputs[0].token_ids
     assert len(expected) == 16
-    for out in (by_ids[0], by_dict[0], by_dict[1]):
+    for out in (by_ids[0], by_dict[0], by_dict[1], by_one_dict[0], by_keyword[0], by_flat_keyword[0], with_text[0]):
         assert out.outputs[0].token_ids == expected
+    assert len(by_keyword) == 2 and by_keyword[1].prompt_token_ids == ids[:2]
+    assert with_text[0].prompt == text
+    with pytest.raises(ValueError, match="pair up"):
+        llm.generate([text, text], greedy(), prompt_token_ids=[ids], use_tqdm=False)
+    with pytest.raises(ValueError, match="needs prompts"):
+        llm.generate(sampling_params=greedy(), use_tqdm=False)
     assert by_text[0].outputs[0].text == llm.get_tokenizer().decode(expected)
     check_block_accounting(llm)
 
@@ -84,8 +94,8 @@ def test_bad_prompt_raises_and_other_requests_finish(tiny_llama, prompt, params,
         ({"top_k": -2}, "top_k"),
         ({"n": 0}, "n must be"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"logprobs": 21}, "logprobs"),
-        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"logprobs": -2}, "logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
     ],
 )
 def test_invalid_sampling_params(kwargs, message):
@@ -248,3 +258,78 @@ def test_paged_cache_runs_4x_more_sequences_than_contiguous(tiny_llama, tokenize
             assert held == -(-request.num_computed_tokens // 16), "more than one partial block held"
     assert core.scheduler.max_num_running_observed >= 4 * 2
     core.kv_cache_manager.block_pool.check_integrity()
+
+
+def test_vllm_keywords_are_accepted(tiny_llama):
+    """vLLM's engine keywords: built ones act (an exact block count, a logprobs limit named
+    in the error), no-ops are taken, and the values here (1, "auto", None) are accepted."""
+    llm = LLM(
+        str(tiny_llama), dtype="float32", max_model_len=256, num_gpu_blocks_override=20, max_logprobs=2,
+        tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1, distributed_executor_backend="uni",
+        trust_remote_code=True, enforce_eager=True, swap_space=8, max_seq_len_to_capture=1024,
+        disable_custom_all_reduce=True, disable_sliding_window=True, enable_chunked_prefill=True,
+        load_format="safetensors", kv_cache_dtype="auto", tokenizer_mode="auto", quantization=None,
+    )  # fmt: skip
+    assert llm.llm_engine.config.cache_config.num_gpu_blocks == 20
+    assert llm.llm_engine.engine_core.kv_cache_manager.block_pool.num_blocks == 20
+    (out,) = llm.generate([5, 6, 7], greedy(max_tokens=3, logprobs=2, prompt_logprobs=2), use_tqdm=False)
+    assert len(out.outputs[0].logprobs) == 3 and all(len(position) >= 2 for position in out.outputs[0].logprobs)
+    with pytest.raises(ValueError, match="Requested sample logprobs of 3, which is greater than max allowed: 2"):
+        llm.generate([5, 6, 7], greedy(logprobs=3), use_tqdm=False)
+    with pytest.raises(ValueError, match="Requested prompt logprobs of 5, which is greater than max allowed: 2"):
+        llm.generate([5, 6, 7], greedy(prompt_logprobs=5), use_tqdm=False)
+    check_block_accounting(llm)
+
+
+def test_more_logprobs_than_openai_when_max_logprobs_allows(llm, tiny_llama):
+    """The limit is the engine's ``max_logprobs`` (20 by default), not a fixed 20."""
+    with pytest.raises(ValueError, match="greater than max allowed: 20"):
+        llm.generate([5, 6], greedy(max_tokens=1, logprobs=21), use_tqdm=False)
+    wide = LLM(str(tiny_llama), dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 20, max_logprobs=-1)
+    (out,) = wide.generate([5, 6], greedy(max_tokens=1, logprobs=50), use_tqdm=False)
+    assert len(out.outputs[0].logprobs[0]) >= 50
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 is not supported yet"),
+        ({"pipeline_parallel_size": 4}, "pipeline_parallel_size=4 is not supported yet"),
+        ({"data_parallel_size": 2}, "data_parallel_size=2 is not supported yet"),
+        ({"distributed_executor_backend": "ray"}, "distributed_executor_backend='ray' is not supported yet"),
+        ({"load_format": "gguf"}, "load_format='gguf' is not supported yet"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not supported yet"),
+        ({"tokenizer_mode": "mistral"}, "tokenizer_mode='mistral' is not supported yet"),
+        ({"enable_chunked_prefill": False}, "enable_chunked_prefill=False is not supported yet"),
+        ({"enable_lora": True}, "enable_lora=True is not supported yet"),
+        ({"quantization": "awq"}, "Quantization method 'awq' is not supported yet. Supported: int8, unquantized."),
+        ({"max_logprobs": -2}, "max_logprobs must be -1"),
+        ({"num_gpu_blocks_override": 3}, "num_gpu_blocks_override=3 cannot hold one sequence"),
+    ],
+)
+def test_values_not_built_fail_before_the_model_loads(tiny_llama, kwargs, message, monkeypatch):
+    import pagedllm.model_executor.model_loader as model_loader
+
+    monkeypatch.setattr(model_loader, "iterate_weights", lambda *_: pytest.fail("the weights were read"))
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny_llama), dtype="float32", max_model_len=256, **kwargs)
+
+
+def test_unknown_keyword_is_a_type_error_with_a_suggestion():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'tensor_paralel_size'; did you mean 'tensor_parallel_size'"):
+        LLM(tensor_paralel_size=1)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'usage_context'"):
+        LLM(usage_context="api_server")
+
+
+def test_trust_remote_code_does_not_add_architectures(tiny_llama, tmp_path):
+    import json
+    import shutil
+
+    path = tmp_path / "custom"
+    shutil.copytree(tiny_llama, path)
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["MyCustomForCausalLM"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="'MyCustomForCausalLM' is not supported yet"):
+        LLM(str(path), dtype="float32", trust_remote_code=True, kv_cache_memory_bytes=1 << 20)

@@ -46,8 +46,12 @@ def test_get_class_takes_an_executor_subclass(tiny_llama):
 
 @pytest.mark.parametrize("backend", ["mp", "ray"])
 def test_get_class_multiprocess_backends_not_supported_yet(tiny_llama, backend):
+    with pytest.raises(ValueError, match=f"distributed_executor_backend='{backend}' is not supported yet"):
+        make_config(tiny_llama, distributed_executor_backend=backend)  # EngineArgs refuses it first
+    config = make_config(tiny_llama)
+    config.parallel_config.distributed_executor_backend = backend
     with pytest.raises(NotImplementedError, match=f"distributed_executor_backend '{backend}' is not supported yet"):
-        Executor.get_class(make_config(tiny_llama, distributed_executor_backend=backend))
+        Executor.get_class(config)
 
 
 def test_get_class_world_size_above_one_not_supported_yet(tiny_llama):
@@ -58,8 +62,10 @@ def test_get_class_world_size_above_one_not_supported_yet(tiny_llama):
 
 
 def test_get_class_unknown_backend(tiny_llama):
+    config = make_config(tiny_llama)
+    config.parallel_config.distributed_executor_backend = "threads"
     with pytest.raises(ValueError, match="Unknown distributed_executor_backend 'threads'"):
-        Executor.get_class(make_config(tiny_llama, distributed_executor_backend="threads"))
+        Executor.get_class(config)
 
 
 def test_uniproc_executor_drives_its_worker(tiny_llama):

@@ -23,6 +23,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Optional, Union
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.datastructures import Headers
@@ -188,7 +189,10 @@ def build_app(engine: Any, args: Any) -> FastAPI:
     the engine's model name), ``chat_template`` (the template text, already loaded by
     ``chat_utils.load_chat_template``, or None), ``api_key`` (None: no auth),
     ``disable_log_requests``, ``disable_log_stats`` (False: while the app runs, the
-    engine's stats line is logged every ``log_stats_interval()`` seconds).
+    engine's stats line is logged every ``log_stats_interval()`` seconds), ``response_role``,
+    ``return_tokens_as_token_ids``, ``root_path`` (FastAPI's, for a path-based proxy), and
+    CORS as vLLM (Starlette's ``CORSMiddleware``): ``allowed_origins``, ``allowed_methods``,
+    ``allowed_headers`` (lists, default ``["*"]``), ``allow_credentials``.
 
     The caller owns the engine (``shutdown`` it after the server stops).
     """
@@ -198,8 +202,14 @@ def build_app(engine: Any, args: Any) -> FastAPI:
     renderer = PromptRenderer(engine.get_tokenizer(), getattr(args, "chat_template", None))
     model_config = engine.model_config
     models = OpenAIServingModels(served_names, str(getattr(model_config, "model_path", model_config.model)), model_config.max_model_len)
-    completion = OpenAIServingCompletion(engine, models, renderer, log_requests=log_requests)
-    chat = OpenAIServingChat(engine, models, renderer, log_requests=log_requests)
+    token_ids = getattr(args, "return_tokens_as_token_ids", False)
+    completion = OpenAIServingCompletion(
+        engine, models, renderer, log_requests=log_requests, return_tokens_as_token_ids=token_ids
+    )
+    chat = OpenAIServingChat(
+        engine, models, renderer, log_requests=log_requests, return_tokens_as_token_ids=token_ids,
+        response_role=getattr(args, "response_role", "assistant"),
+    )  # fmt: skip
     tokenization = OpenAIServingTokenization(models, renderer, model_config.max_model_len, engine.processor.vocab_size)
 
     log_stats = not getattr(args, "disable_log_stats", False)
@@ -217,11 +227,21 @@ def build_app(engine: Any, args: Any) -> FastAPI:
             if stats_task is not None:
                 stats_task.cancel()
 
-    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
+    root_path = getattr(args, "root_path", None) or ""
+    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan, root_path=root_path)
     app.state.engine = engine
     register_exception_handlers(app)
     if api_key:
         app.add_middleware(AuthenticationMiddleware, api_key=api_key)
+    # NOTE: added last, so it runs first: CORS preflights are answered without an API key,
+    # and 401 answers carry the CORS headers a browser needs to read them.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=getattr(args, "allowed_origins", ["*"]),
+        allow_methods=getattr(args, "allowed_methods", ["*"]),
+        allow_headers=getattr(args, "allowed_headers", ["*"]),
+        allow_credentials=getattr(args, "allow_credentials", False),
+    )
 
     @app.get("/health")
     async def health() -> Response:

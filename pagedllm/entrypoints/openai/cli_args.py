@@ -1,7 +1,11 @@
 """``pagedllm serve [MODEL] [flags]``: flags with vLLM's names and meanings, and ``main``.
 
 A bad flag value is one line on stderr (``pagedllm serve: error: ...``) and exit code 2,
-never a traceback. Sizes take human-readable values as vLLM: ``8192``, ``32k`` (x1000),
+never a traceback. vLLM's common flags are all accepted (see ``_add_vllm_server_flags`` and
+``_add_vllm_engine_flags``): they act as in vLLM, are documented no-ops where they cannot
+matter, or, for a value asking for something not built, fail with "... is not supported
+yet". ``--config FILE.yaml``, ``--flag_with_underscores`` and "did you mean" for a
+misspelled flag: see ``pagedllm.entrypoints.arg_parsing``. Sizes take human-readable values as vLLM: ``8192``, ``32k`` (x1000),
 ``32K`` (x1024), ``1M`` (x1024^2), ``25.6k``.
 
 Module import stays light (argparse only): the engine, FastAPI and uvicorn are imported
@@ -14,14 +18,18 @@ import argparse
 import dataclasses
 import errno
 import gc
+import json
 import logging
 import os
 import re
 import signal
 import socket
+import stat
 import sys
 import types
 from typing import Any, NoReturn, Optional
+
+from pagedllm.entrypoints.arg_parsing import CONFIG_FLAG, make_flexible
 
 #: Environment variables read (in this order) when ``--api-key`` is not given.
 API_KEY_ENV_VARS = ("PAGEDLLM_API_KEY", "VLLM_API_KEY")
@@ -247,9 +255,10 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )  # fmt: skip
     engine.add_argument("--seed", type=int_type, default=0, help="Global random seed.")
     engine.add_argument(
-        "--quantization", "-q", default=None, choices=("int8",),
+        "--quantization", "-q", default=None,
         help="Quantize the weights at load: int8 = weight-only int8, one scale per output channel "
-        "(about half the bytes of bf16 per decode step). Default: the checkpoint's own format.",
+        "(about half the bytes of bf16 per decode step); vLLM's other methods (awq, gptq, fp8 ...) are not "
+        "supported yet. Default: the checkpoint's own format.",
     )  # fmt: skip
     engine.add_argument(
         "--generation-config", default="auto", metavar="{auto,vllm,FOLDER}",
@@ -258,13 +267,172 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "'vllm' uses vLLM's defaults, a FOLDER reads its generation_config.json (its max_new_tokens also "
         "caps every request).",
     )  # fmt: skip
+    _add_vllm_server_flags(server)
+    _add_vllm_engine_flags(engine)
+    make_flexible(parser)
     return parser
+
+
+class _NotBuilt(argparse.Action):
+    """A vLLM flag for a feature not built yet: giving it is a one-line error (exit 2)."""
+
+    def __init__(self, option_strings: list[str], dest: str, why: str, nargs: Any = None, **kwargs: Any) -> None:
+        super().__init__(
+            option_strings, dest, nargs=nargs, default=argparse.SUPPRESS, help=f"Not supported yet: {why}.", **kwargs
+        )
+        self.why = why
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option_string: Any = None) -> None:
+        parser.error(f"{option_string} is not supported yet ({self.why}).")
+
+
+def json_list_type(value: str) -> list[str]:
+    """``--allowed-origins`` and friends: a JSON list of strings (vLLM's form), or one bare string."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        return [value]
+    if not isinstance(parsed, list) or not all(isinstance(item, str) for item in parsed):
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: expected a JSON list of strings, e.g. '[\"*\"]'")
+    return parsed
+
+
+def json_object_type(value: str) -> dict:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: expected a JSON object")
+    return parsed
+
+
+def non_negative_float(value: str) -> float:
+    try:
+        result = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: expected a number") from None
+    if result < 0:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: must be at least 0")
+    return result
+
+
+def _add_vllm_server_flags(server: Any) -> None:
+    """vLLM's other ``vllm serve`` flags (names and defaults as vLLM's ``FrontendArgs``)."""
+    server.add_argument(
+        CONFIG_FLAG, default=None, metavar="FILE.yaml",
+        help="Read flags from a YAML file: keys are flag names without the leading dashes (e.g. "
+        "'tensor-parallel-size: 1'); flags on the command line win over the file.",
+    )  # fmt: skip
+    server.add_argument(
+        "--uds", default=None, metavar="PATH", help="Listen on this Unix domain socket instead of --host/--port."
+    )
+    server.add_argument("--root-path", default=None, help="FastAPI root_path, for a server behind a path-based proxy.")
+    server.add_argument("--ssl-keyfile", default=None, help="TLS: the server's private key file (PEM).")
+    server.add_argument("--ssl-certfile", default=None, help="TLS: the server's certificate file (PEM); serves HTTPS.")
+    server.add_argument("--ssl-ca-certs", default=None, help="TLS: CA certificates to check client certificates.")
+    server.add_argument(
+        "--ssl-cert-reqs", type=int_type, default=0,
+        help="TLS: whether client certificates are required (Python's ssl.CERT_NONE=0, CERT_OPTIONAL=1, "
+        "CERT_REQUIRED=2).",
+    )  # fmt: skip
+    for name, what in (("origins", "Origins"), ("methods", "HTTP methods"), ("headers", "Request headers")):
+        server.add_argument(
+            f"--allowed-{name}", type=json_list_type, default=["*"],
+            help=f"CORS: {what} allowed, as a JSON list, e.g. '[\"https://a.example\"]'.",
+        )  # fmt: skip
+    server.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies).")
+    server.add_argument(
+        "--response-role", default="assistant",
+        help="Role of the reply in chat completions when add_generation_prompt is true.",
+    )  # fmt: skip
+    server.add_argument(
+        "--return-tokens-as-token-ids", action="store_true",
+        help="Logprobs name tokens 'token_id:{id}' instead of their text.",
+    )  # fmt: skip
+    server.add_argument(
+        "--enable-log-requests", action="store_true",
+        help="Log each request: pagedllm does so unless --disable-log-requests is given.",
+    )  # fmt: skip
+    server.add_argument("--enable-auto-tool-choice", action=_NotBuilt, nargs=0, why="tool calling is not built")
+    server.add_argument("--tool-call-parser", action=_NotBuilt, why="tool calling is not built")
+    server.add_argument("--reasoning-parser", action=_NotBuilt, why="reasoning parsers are not built")
+    server.add_argument("--lora-modules", action=_NotBuilt, nargs="+", why="LoRA adapters are not built")
+
+
+def _add_vllm_engine_flags(engine: Any) -> None:
+    """vLLM's other engine flags (names and defaults as vLLM's ``EngineArgs``). A value that
+    asks for something not built is refused by ``EngineArgs`` ("... is not supported yet")."""
+    for flag, short, what in (
+        ("--tensor-parallel-size", "-tp", "Devices the model's layers are split over"),
+        ("--pipeline-parallel-size", "-pp", "Pipeline stages"),
+        ("--data-parallel-size", "-dp", "Engine replicas"),
+    ):
+        engine.add_argument(flag, short, type=positive_int, default=1, help=f"{what}: 1 (others are not supported yet).")
+    engine.add_argument(
+        "--distributed-executor-backend", default=None, choices=("ray", "mp", "uni", "external_launcher"),
+        help="How workers run: 'uni' (one worker in the engine process, the default here); others are not "
+        "supported yet.",
+    )  # fmt: skip
+    engine.add_argument(
+        "--trust-remote-code", action="store_true",
+        help="Let transformers run a checkpoint's own config code. The model must still be one of pagedllm's "
+        "architectures.",
+    )  # fmt: skip
+    engine.add_argument(
+        "--tokenizer-mode", default="auto", choices=("auto", "hf", "slow", "mistral", "custom"),
+        help="'auto' / 'hf': the Hugging Face fast tokenizer; the others are not supported yet.",
+    )  # fmt: skip
+    engine.add_argument(
+        "--load-format", default="auto",
+        choices=("auto", "safetensors", "pt", "npcache", "dummy", "tensorizer", "sharded_state", "gguf",
+                 "bitsandbytes", "mistral", "runai_streamer", "fastsafetensors"),
+        help="Checkpoint format: 'auto' / 'safetensors' (*.safetensors); the others are not supported yet.",
+    )  # fmt: skip
+    engine.add_argument(
+        "--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc"),
+        help="KV-cache dtype: 'auto' (the model's dtype); the others are not supported yet.",
+    )  # fmt: skip
+    engine.add_argument(
+        "--max-logprobs", type=int_type, default=20,
+        help="Most logprobs per token a request may ask for (logprobs, top_logprobs, prompt_logprobs); "
+        "-1: the vocabulary size. Requests asking more get a 400.",
+    )  # fmt: skip
+    engine.add_argument(
+        "--num-gpu-blocks-override", type=positive_int, default=None,
+        help="Number of KV-cache blocks, exactly (no memory sizing).",
+    )  # fmt: skip
+    engine.add_argument(
+        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+        help="Cut long prompts into chunks that fit --max-num-batched-tokens: always on here "
+        "(--no-enable-chunked-prefill is not supported yet).",
+    )  # fmt: skip
+    engine.add_argument("--cpu-offload-gb", type=non_negative_float, default=0, help="0 only (offloading is not supported yet).")
+    engine.add_argument("--enable-lora", action="store_true", help="Not supported yet: LoRA adapters are not built.")
+    engine.add_argument(
+        "--speculative-config", type=json_object_type, default=None,
+        help="Not supported yet: speculative decoding is not built.",
+    )  # fmt: skip
+    engine.add_argument("--enforce-eager", action="store_true", help="No-op: pagedllm captures no CUDA graphs.")
+    engine.add_argument(
+        "--max-seq-len-to-capture", type=positive_int, default=8192, help="No-op: pagedllm captures no CUDA graphs."
+    )
+    engine.add_argument(
+        "--swap-space", type=non_negative_float, default=4,
+        help="GiB of CPU swap space per device. No-op: preempted requests are recomputed, never swapped.",
+    )  # fmt: skip
+    engine.add_argument("--disable-custom-all-reduce", action="store_true", help="No-op: one device, no all-reduce.")
+    engine.add_argument(
+        "--disable-sliding-window", action="store_true",
+        help="No-op: pagedllm's models already attend over the whole context.",
+    )  # fmt: skip
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``serve`` to the ``pagedllm`` command (sets ``func`` to ``main``)."""
     parser = subparsers.add_parser(
         "serve",
+        usage="%(prog)s [MODEL] [options]",
         help="Start the OpenAI-compatible HTTP server.",
         description="Start an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
         "/v1/models, /tokenize, /detokenize, /health, /version, /metrics). Flags follow vLLM's.",
@@ -291,6 +459,16 @@ def engine_args_from(args: argparse.Namespace) -> Any:
 
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(args, f.name)}
     return EngineArgs(**values, usage_context="api_server")
+
+
+def uvicorn_tls_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn's TLS settings from ``--ssl-*`` (vLLM's flags): with a certificate it serves HTTPS."""
+    return {
+        "ssl_keyfile": args.ssl_keyfile,
+        "ssl_certfile": args.ssl_certfile,
+        "ssl_ca_certs": args.ssl_ca_certs,
+        "ssl_cert_reqs": args.ssl_cert_reqs,
+    }
 
 
 def _fetch_models(engine_args: Any) -> None:
@@ -338,6 +516,27 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def bind_unix_socket(path: str) -> socket.socket:
+    """A Unix domain socket bound to ``path`` (``--uds``, as vLLM: host and port are then
+    ignored), taken before the model loads. A stale socket file (nothing listening) is replaced.
+
+    Raises:
+        OSError: another server listens on ``path``, or it cannot be bound (a one-line message).
+    """
+    if os.path.exists(path) and stat.S_ISSOCK(os.stat(path).st_mode):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            if probe.connect_ex(path) == 0:
+                raise OSError(f"{path} is already in use by another server; stop it or choose another --uds")
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {path}: {exc.strerror}") from None
+    return sock
+
+
 def _exit_on_sigterm(signum: int, _: Any) -> NoReturn:
     raise SystemExit(0)
 
@@ -367,7 +566,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(str(exc), 2)
     try:
-        sock = bind_socket(args.host, args.port)
+        sock = bind_unix_socket(args.uds) if args.uds else bind_socket(args.host, args.port)
     except OSError as exc:
         return _fail(str(exc), 1)
     # NOTE: uvicorn re-raises SIGTERM after its graceful shutdown; turning it into
@@ -423,6 +622,7 @@ async def _serve(args: argparse.Namespace, engine_args: Any, sock: socket.socket
             app,
             log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,
+            **uvicorn_tls_kwargs(args),
         )
         return await serve_http(config, engine, sock, args.shutdown_timeout)
     finally:

@@ -6,14 +6,14 @@ joined with newlines first, so templates that expect string content work too.
 ``max_completion_tokens`` (or ``max_tokens``) defaults to the model's default (its
 generation_config.json's ``max_new_tokens``), else the rest of the context.
 
-Streams start with one chunk per choice carrying ``delta.role == "assistant"``; each
+Streams start with one chunk per choice carrying ``delta.role`` ("assistant"); each
 choice then gets content chunks, and exactly one chunk with its ``finish_reason``.
 """
 
 from __future__ import annotations
 
 import time
-from typing import AsyncGenerator, Optional, Sequence, Union
+from typing import Any, AsyncGenerator, Optional, Sequence, Union
 
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
@@ -29,12 +29,37 @@ from pagedllm.entrypoints.openai.protocol import (
     make_usage,
 )
 from pagedllm.entrypoints.openai.logprobs import clamp_logprob, prompt_logprobs_json, top_entries
+from pagedllm.entrypoints.openai.renderer import PromptRenderer
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, PromptInput, random_id, sse
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 class OpenAIServingChat(OpenAIServing):
     """``POST /v1/chat/completions`` (constructor: see ``OpenAIServing``; the server's
-    ``--chat-template`` is the renderer's)."""
+    ``--chat-template`` is the renderer's).
+
+    ``response_role`` (``--response-role``) is the reply's role when the request has
+    ``add_generation_prompt``; without it the reply continues the last message, in its
+    role (vLLM's rule).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        models: OpenAIServingModels,
+        renderer: PromptRenderer,
+        *,
+        log_requests: bool = True,
+        return_tokens_as_token_ids: bool = False,
+        response_role: str = "assistant",
+    ) -> None:
+        super().__init__(
+            engine, models, renderer, log_requests=log_requests, return_tokens_as_token_ids=return_tokens_as_token_ids
+        )
+        self.response_role = response_role
+
+    def _role(self, request: ChatCompletionRequest) -> str:
+        return self.response_role if request.add_generation_prompt else request.messages[-1].role
 
     def render_prompt(self, request: ChatCompletionRequest) -> PromptInput:
         text = self.renderer.render_chat(request)
@@ -98,7 +123,7 @@ class OpenAIServingChat(OpenAIServing):
         choices = [
             ChatCompletionResponseChoice(
                 index=output.index,
-                message=ChatResponseMessage(content=output.text),
+                message=ChatResponseMessage(role=self._role(request), content=output.text),
                 logprobs=self._logprobs(output.token_ids, output.logprobs, num_top) if num_top is not None else None,
                 finish_reason=output.finish_reason,
                 stop_reason=output.stop_reason,
@@ -138,7 +163,7 @@ class OpenAIServingChat(OpenAIServing):
             return sse(chunk.model_dump_json(exclude=None if final else exclude))
 
         for index in range(request.n):
-            role = DeltaMessage(role="assistant", content="")
+            role = DeltaMessage(role=self._role(request), content="")
             yield event([ChatCompletionResponseStreamChoice(index=index, delta=role)])
         async for _, output in stream:
             num_cached = output.num_cached_tokens or num_cached

@@ -150,12 +150,22 @@ class OpenAIServing:
         models: the served model names.
         renderer: tokenizer and chat template (shared with ``/tokenize``).
         log_requests: log one INFO line per request.
+        return_tokens_as_token_ids: logprobs name tokens ``"token_id:{id}"`` instead of
+            their text (vLLM's ``--return-tokens-as-token-ids``, for tokens that are not
+            JSON-encodable text).
     """
 
     def __init__(
-        self, engine: Any, models: OpenAIServingModels, renderer: PromptRenderer, *, log_requests: bool = True
+        self,
+        engine: Any,
+        models: OpenAIServingModels,
+        renderer: PromptRenderer,
+        *,
+        log_requests: bool = True,
+        return_tokens_as_token_ids: bool = False,
     ) -> None:
         self.engine = engine
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.processor = engine.processor
         self.models = models
         self.renderer = renderer
@@ -305,7 +315,10 @@ class OpenAIServing:
     # ------------------------------------------------------------------ token texts
 
     def token_text(self, token_id: int, logprob: Optional[Logprob] = None) -> str:
-        """A token's text alone (special tokens included), as logprobs report it."""
+        """A token's text alone (special tokens included), as logprobs report it, or
+        ``"token_id:{id}"`` with ``return_tokens_as_token_ids``."""
+        if self.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         text = self._token_texts.get(token_id)

@@ -29,6 +29,6 @@ def get_model_class(architecture: str) -> type[nn.Module]:
         return MODEL_REGISTRY[architecture]
     except KeyError:
         raise ValueError(
-            f"Model architecture {architecture!r} is not supported. "
+            f"Model architecture {architecture!r} is not supported yet. "
             f"Supported architectures: {', '.join(sorted(MODEL_REGISTRY))}."
         ) from None

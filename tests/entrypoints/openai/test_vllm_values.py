@@ -40,8 +40,8 @@ REFUSED = {
     "seed": [2**64, -(2**63) - 1],
     "min_tokens": [-1],
     "max_tokens": [0],
-    "logprobs": [21, -1],
-    "prompt_logprobs": [21],
+    "logprobs": [-1],
+    "prompt_logprobs": [-1],
 }
 # SamplingParams field -> edge values it accepts (each must be accepted online).
 ACCEPTED = {
@@ -94,10 +94,14 @@ def test_a_value_accepted_offline_is_accepted_online(server, field, value):
 
 
 def test_chat_top_logprobs_has_the_logprobs_rule_under_its_own_name(server):
-    response = _post(server, CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21})
+    response = _post(server, CHAT, {"messages": USER, "logprobs": True, "top_logprobs": -1})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "top_logprobs"
-    assert "top_logprobs must be between 0 and 20, got 21" in response.json()["error"]["message"]
+    assert "top_logprobs must be non-negative, got -1" in response.json()["error"]["message"]
+    # The upper bound is the engine's --max-logprobs (20 by default), offline and online.
+    too_many = _post(server, CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21})
+    assert too_many.status_code == 400
+    assert "Requested sample logprobs of 21, which is greater than max allowed: 20" in too_many.json()["error"]["message"]
 
 
 def test_completions_max_tokens_null_is_the_rest_of_the_context(server):

@@ -29,7 +29,7 @@ def get_quantization_config(name: Optional[str]) -> type[QuantizationConfig]:
         entry = QUANTIZATION_METHODS[key]
     except KeyError:
         raise ValueError(
-            f"Quantization method {key!r} is not supported. Supported: {', '.join(sorted(QUANTIZATION_METHODS))}."
+            f"Quantization method {key!r} is not supported yet. Supported: {', '.join(sorted(QUANTIZATION_METHODS))}."
         ) from None
     if isinstance(entry, str):
         module_name, class_name = entry.split(":")

@@ -1,0 +1,129 @@
+"""How ``pagedllm serve`` reads its command line, as vLLM's ``vllm serve`` does.
+
+- ``--config FILE.yaml``: a YAML mapping of flag names (``tensor-parallel-size`` or
+  ``tensor_parallel_size``, without dashes in front) to values. The command line wins over
+  the file, the file over the defaults (vLLM's order). ``true`` sets a switch, ``false``
+  turns a ``--x / --no-x`` switch off; a list fills a flag that takes several values.
+- ``--max_model_len`` means ``--max-model-len`` (vLLM accepts both spellings).
+- An unknown flag gets a "did you mean" suggestion (``difflib``) after the parser's usage
+  line, exit code 2.
+
+``make_flexible(parser)`` installs this on one parser (``pagedllm serve``'s); the module
+imports no more than the standard library (PyYAML only when ``--config`` is given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import sys
+import types
+from pathlib import Path
+from typing import Any, NoReturn, Optional, Sequence
+
+CONFIG_FLAG = "--config"
+
+
+def make_flexible(parser: argparse.ArgumentParser) -> None:
+    """Make ``parser.parse_known_args`` read ``--config``, accept underscores in flag names
+    and refuse unknown flags with a suggestion (see the module docstring). Argparse's
+    sub-command action calls ``parse_known_args``, so this holds for ``pagedllm serve``."""
+    parser.parse_known_args = types.MethodType(_parse_known_args, parser)  # type: ignore[method-assign]
+
+
+def _parse_known_args(
+    parser: argparse.ArgumentParser, args: Optional[Sequence[str]] = None, namespace: Optional[argparse.Namespace] = None
+) -> tuple[argparse.Namespace, list[str]]:
+    arg_list = [_dashed(arg) for arg in (sys.argv[1:] if args is None else args)]
+    namespace = namespace if namespace is not None else argparse.Namespace()
+    config_path = _config_path(arg_list)
+    if config_path is not None:
+        for dest, value in config_file_values(parser, config_path).items():
+            if not hasattr(namespace, dest):
+                setattr(namespace, dest, value)
+    namespace, extras = argparse.ArgumentParser.parse_known_args(parser, arg_list, namespace)
+    if extras:
+        refuse_unknown(parser, extras)
+    return namespace, extras
+
+
+def _dashed(arg: str) -> str:
+    """``--max_model_len=8k`` -> ``--max-model-len=8k``; other arguments unchanged."""
+    if not arg.startswith("--"):
+        return arg
+    name, sep, value = arg.partition("=")
+    return name.replace("_", "-") + sep + value
+
+
+def _config_path(args: list[str]) -> Optional[str]:
+    for index, arg in enumerate(args):
+        if arg == CONFIG_FLAG and index + 1 < len(args):
+            return args[index + 1]
+        if arg.startswith(CONFIG_FLAG + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def suggestion(parser: argparse.ArgumentParser, flag: str) -> Optional[str]:
+    """The parser's long flag closest to ``flag`` (``difflib``), or None when none is close."""
+    options = [option for option in parser._option_string_actions if option.startswith("--")]
+    close = difflib.get_close_matches(flag, options, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def refuse_unknown(parser: argparse.ArgumentParser, extras: Sequence[str], source: str = "") -> NoReturn:
+    """Print the usage line and ``unrecognized arguments: --x (did you mean --y?)``; exit 2."""
+    described = []
+    for arg in extras:
+        hint = suggestion(parser, arg.split("=", 1)[0]) if arg.startswith("-") else None
+        described.append(f"{arg} (did you mean {hint}?)" if hint else arg)
+    parser.print_usage(sys.stderr)
+    parser.exit(2, f"{parser.prog}: error: unrecognized arguments{source}: {' '.join(described)}\n")
+
+
+def config_file_values(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+    """``{dest: value}`` of the flags set in the YAML file ``path``, parsed (types, choices)
+    as the same flags on the command line would be.
+
+    Exits (``parser.error``, code 2) when the file cannot be read, is not a YAML mapping,
+    or names an unknown flag or a bad value.
+    """
+    try:
+        import yaml
+    except ImportError:
+        parser.error(f"{CONFIG_FLAG} needs PyYAML: pip install pyyaml")
+    try:
+        content = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        parser.error(f"{CONFIG_FLAG} {path}: cannot read it: {' '.join(str(exc).split())}")
+    if not isinstance(content, dict):
+        parser.error(f"{CONFIG_FLAG} {path}: expected a mapping of flag names to values, got {type(content).__name__}")
+    file_args: list[str] = []
+    actions = []
+    for key, value in content.items():
+        option = "--" + str(key).lstrip("-").replace("_", "-")
+        action = parser._option_string_actions.get(option)
+        if action is None or option == CONFIG_FLAG:
+            refuse_unknown(parser, [option], f" in {path}")
+        actions.append(action)
+        file_args += _as_args(option, action, value)
+    namespace, extras = argparse.ArgumentParser.parse_known_args(parser, file_args, argparse.Namespace())
+    if extras:
+        refuse_unknown(parser, extras, f" in {path}")
+    return {action.dest: getattr(namespace, action.dest) for action in actions}
+
+
+def _as_args(option: str, action: argparse.Action, value: Any) -> list[str]:
+    """The command-line form of ``option: value`` from a config file."""
+    if value is None:
+        return []
+    if isinstance(value, bool) and action.nargs == 0:
+        if value:
+            return [option]
+        return ["--no-" + option[2:]] if isinstance(action, argparse.BooleanOptionalAction) else []
+    if isinstance(value, list) and action.nargs in ("+", "*"):
+        return [option, *(str(item) for item in value)]
+    if isinstance(value, (list, dict)):
+        return [option, json.dumps(value)]
+    return [option, str(value)]
