@@ -230,7 +230,7 @@ def test_max_logprobs_limits_requests(server):
         too_many = server.post("/v1/completions", json={**body, **extra})
         assert too_many.status_code == 400, field
         error = too_many.json()["error"]
-        assert error["type"] == "BadRequestError" and "greater than max allowed: 3" in error["message"]
+        assert error["type"] == "invalid_request_error" and "greater than max allowed: 3" in error["message"]
     chat = {"model": body["model"], "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     response = server.post("/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 5})
     assert response.status_code == 400 and "Requested sample logprobs of 5" in response.json()["error"]["message"]

@@ -1,12 +1,14 @@
 """``pagedllm serve [MODEL] [flags]``: flags with vLLM's names and meanings, and ``main``.
 
 A bad flag value is one line on stderr (``pagedllm serve: error: ...``) and exit code 2,
-never a traceback. vLLM's common flags are all accepted (see ``_add_vllm_server_flags`` and
-``_add_vllm_engine_flags``): they act as in vLLM, are documented no-ops where they cannot
-matter, or, for a value asking for something not built, fail with "... is not supported
-yet". ``--config FILE.yaml``, ``--flag_with_underscores`` and "did you mean" for a
-misspelled flag: see ``pagedllm.entrypoints.arg_parsing``. Sizes take human-readable values as vLLM: ``8192``, ``32k`` (x1000),
+never a traceback. Sizes take human-readable values as vLLM: ``8192``, ``32k`` (x1000),
 ``32K`` (x1024), ``1M`` (x1024^2), ``25.6k``.
+
+vLLM's common flags are all accepted (``_add_vllm_server_flags``, ``_add_vllm_engine_flags``):
+they act as in vLLM, are documented no-ops where they cannot matter, or, for a value asking
+for something not built, fail at once with "... is not supported yet". ``--config
+FILE.yaml``, ``--flag_with_underscores`` and "did you mean" for a misspelled flag: see
+``pagedllm.entrypoints.arg_parsing``.
 
 Module import stays light (argparse only): the engine, FastAPI and uvicorn are imported
 by ``main``.
