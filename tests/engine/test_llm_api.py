@@ -321,15 +321,3 @@ def test_unknown_keyword_is_a_type_error_with_a_suggestion():
     with pytest.raises(TypeError, match="unexpected keyword argument 'usage_context'"):
         LLM(usage_context="api_server")
 
-
-def test_trust_remote_code_does_not_add_architectures(tiny_llama, tmp_path):
-    import json
-    import shutil
-
-    path = tmp_path / "custom"
-    shutil.copytree(tiny_llama, path)
-    config = json.loads((path / "config.json").read_text())
-    config["architectures"] = ["MyCustomForCausalLM"]
-    (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="'MyCustomForCausalLM' is not supported yet"):
-        LLM(str(path), dtype="float32", trust_remote_code=True, kv_cache_memory_bytes=1 << 20)

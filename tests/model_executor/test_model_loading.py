@@ -60,14 +60,15 @@ def test_unknown_dtype(tiny_llama):
         LLM(str(tiny_llama), dtype="int3", kv_cache_memory_bytes=4 << 20)
 
 
-def test_unknown_architecture_lists_supported_ones(tiny_llama, tmp_path):
+@pytest.mark.parametrize("trust_remote_code", [False, True])  # remote code adds no architecture
+def test_unknown_architecture_lists_supported_ones(tiny_llama, tmp_path, trust_remote_code):
     path = tmp_path / "gpt2ish"
     shutil.copytree(tiny_llama, path)
     config = json.loads((path / "config.json").read_text())
     config["architectures"] = ["LlamaForSequenceClassification"]
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="LlamaForSequenceClassification' is not supported.*LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
-        LLM(str(path), kv_cache_memory_bytes=4 << 20)
+    with pytest.raises(ValueError, match="LlamaForSequenceClassification' is not supported yet.*LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        LLM(str(path), kv_cache_memory_bytes=4 << 20, trust_remote_code=trust_remote_code)
 
 
 def test_kv_budget_too_small_explains_the_formula(tiny_llama):

@@ -29,7 +29,7 @@ import socket
 import stat
 import sys
 import types
-from typing import Any, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 from pagedllm.entrypoints.arg_parsing import CONFIG_FLAG, make_flexible
 
@@ -93,14 +93,19 @@ def max_model_len_type(value: str) -> Optional[int]:
     return human_readable_int(value)
 
 
-def positive_int(value: str) -> int:
+def _checked(value: str, cast: Callable[[str], Any], expected: str, ok: Callable[[Any], bool]) -> Any:
+    """``cast(value)`` when it converts and passes ``ok``, else "invalid value ...: expected ..."."""
     try:
-        result = int(value)
+        result = cast(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {value!r}: expected a positive integer") from None
-    if result < 1:
-        raise argparse.ArgumentTypeError(f"invalid value {value!r}: must be at least 1")
+        result = None
+    if result is None or not ok(result):
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: expected {expected}")
     return result
+
+
+def positive_int(value: str) -> int:
+    return _checked(value, int, "a positive integer", lambda n: n >= 1)
 
 
 def port_type(value: str) -> int:
@@ -114,13 +119,7 @@ def port_type(value: str) -> int:
 
 
 def fraction_type(value: str) -> float:
-    try:
-        result = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {value!r}: expected a number in (0, 1]") from None
-    if not 0.0 < result <= 1.0:
-        raise argparse.ArgumentTypeError(f"invalid value {value!r}: expected a number in (0, 1]")
-    return result
+    return _checked(value, float, "a number in (0, 1]", lambda x: 0.0 < x <= 1.0)
 
 
 def non_negative_seconds(value: str) -> float:
@@ -310,13 +309,7 @@ def json_object_type(value: str) -> dict:
 
 
 def non_negative_float(value: str) -> float:
-    try:
-        result = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {value!r}: expected a number") from None
-    if result < 0:
-        raise argparse.ArgumentTypeError(f"invalid value {value!r}: must be at least 0")
-    return result
+    return _checked(value, float, "a number >= 0", lambda x: x >= 0)
 
 
 def _add_vllm_server_flags(server: Any) -> None:

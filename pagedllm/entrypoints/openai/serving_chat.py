@@ -29,33 +29,20 @@ from pagedllm.entrypoints.openai.protocol import (
     make_usage,
 )
 from pagedllm.entrypoints.openai.logprobs import clamp_logprob, prompt_logprobs_json, top_entries
-from pagedllm.entrypoints.openai.renderer import PromptRenderer
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, PromptInput, random_id, sse
-from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 class OpenAIServingChat(OpenAIServing):
-    """``POST /v1/chat/completions`` (constructor: see ``OpenAIServing``; the server's
-    ``--chat-template`` is the renderer's).
+    """``POST /v1/chat/completions`` (constructor: ``OpenAIServing``'s arguments and
+    ``response_role``; the server's ``--chat-template`` is the renderer's).
 
     ``response_role`` (``--response-role``) is the reply's role when the request has
     ``add_generation_prompt``; without it the reply continues the last message, in its
     role (vLLM's rule).
     """
 
-    def __init__(
-        self,
-        engine: Any,
-        models: OpenAIServingModels,
-        renderer: PromptRenderer,
-        *,
-        log_requests: bool = True,
-        return_tokens_as_token_ids: bool = False,
-        response_role: str = "assistant",
-    ) -> None:
-        super().__init__(
-            engine, models, renderer, log_requests=log_requests, return_tokens_as_token_ids=return_tokens_as_token_ids
-        )
+    def __init__(self, *args: Any, response_role: str = "assistant", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.response_role = response_role
 
     def _role(self, request: ChatCompletionRequest) -> str:
