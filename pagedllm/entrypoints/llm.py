@@ -75,6 +75,7 @@ class LLM:
 
     def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
         _check_keywords(kwargs)
+        kwargs.setdefault("disable_log_stats", True)  # vLLM's LLM default (the server logs stats)
         engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(engine_args)
         self._request_counter = itertools.count()
