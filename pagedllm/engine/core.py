@@ -6,6 +6,7 @@ receiving ``EngineCoreRequest``s and returning ``EngineCoreOutputs`` either way.
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Iterable
 
@@ -43,6 +44,12 @@ class EngineCore:
             hash_algo=cache_config.prefix_caching_hash_algo,
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        # NOTE: the model, torch and transformers leave millions of long-lived objects; moved
+        # out of the collector's reach, full collections during steps stop scanning them (a
+        # tiny-model 256 x 128/128 run spent 0.39 s in them inside update_from_output, 0.16 s
+        # frozen). vLLM freezes its heap after start-up too.
+        gc.collect()
+        gc.freeze()
 
     def _initialize_kv_caches(self) -> int:
         """Size the KV cache on the workers (or take ``num_gpu_blocks_override``, as vLLM),

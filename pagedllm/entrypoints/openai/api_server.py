@@ -29,7 +29,12 @@ from pydantic import BaseModel
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pagedllm.entrypoints.openai.errors import INVALID_REQUEST, error_response, register_exception_handlers
+from pagedllm.entrypoints.openai.errors import (
+    INVALID_REQUEST,
+    error_response,
+    logged_response,
+    register_exception_handlers,
+)
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -142,7 +147,7 @@ class AuthenticationMiddleware:
         )
         response = error_response(401, message, INVALID_REQUEST, None, "invalid_api_key")
         response.headers["WWW-Authenticate"] = "Bearer"
-        await response(scope, receive, send)
+        await logged_response(Request(scope), response, message)(scope, receive, send)
 
     @staticmethod
     def _is_public(scope: Scope) -> bool:

@@ -143,7 +143,9 @@ def validation_error_message(errors: list[dict[str, Any]]) -> tuple[str, Optiona
     return "Invalid request: " + "; ".join(parts), param
 
 
-def _logged(request: Request, response: JSONResponse, message: str, request_id: Optional[str] = None) -> JSONResponse:
+def logged_response(
+    request: Request, response: JSONResponse, message: str, request_id: Optional[str] = None
+) -> JSONResponse:
     """``response`` with its request id in ``X-Request-Id``; a 4xx is logged at INFO."""
     request_id = request_id or request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
     response.headers["X-Request-Id"] = request_id
@@ -157,18 +159,18 @@ def _logged(request: Request, response: JSONResponse, message: str, request_id: 
 
 async def _validation_error_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
     message, param = validation_error_message(list(exc.errors()))
-    return _logged(request, error_response(400, message, INVALID_REQUEST, param), message)
+    return logged_response(request, error_response(400, message, INVALID_REQUEST, param), message)
 
 
 async def _serving_error_handler(request: Request, exc: OpenAIServingError) -> JSONResponse:
-    return _logged(request, exc.to_response(), exc.message, exc.request_id)
+    return logged_response(request, exc.to_response(), exc.message, exc.request_id)
 
 
 async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     response = error_response(exc.status_code, str(exc.detail))
     if exc.headers:
         response.headers.update(exc.headers)
-    return _logged(request, response, str(exc.detail))
+    return logged_response(request, response, str(exc.detail))
 
 
 async def _engine_dead_handler(_: Request, exc: EngineDeadError) -> JSONResponse:

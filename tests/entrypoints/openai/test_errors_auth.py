@@ -4,6 +4,8 @@ the server keeps serving after each, and the API key guards every route but /hea
 
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 
@@ -168,6 +170,17 @@ def test_openai_client_raises_typed_errors(server):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=1).choices
+
+
+def test_401_is_logged_with_its_request_id(server):
+    import httpx
+
+    response = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong", "X-Request-Id": "auth-7"})
+    assert response.status_code == 401 and response.headers["x-request-id"] == "auth-7"
+    deadline = time.monotonic() + 5
+    while "Request auth-7 (GET /v1/models) answered 401: Incorrect API key provided." not in server.log_text():
+        assert time.monotonic() < deadline, server.log_text()
+        time.sleep(0.05)
 
 
 def test_models_and_version(server, client):
