@@ -181,11 +181,11 @@ def test_bad_log_stats_interval():
 
 
 def test_sigterm_finishes_short_requests_and_ends_long_streams(tiny_llama):
-    grace = 2.0
+    grace = 1.0  # the long stream (2000 tokens) cannot finish in it, the short one (12) can
     server = RemoteServer(tiny_llama, "--max-model-len", "2048", "--shutdown-timeout", str(grace))
     try:
         url = server.url + "/v1/completions"
-        long_stream = StreamReader(url, LONG)
+        long_stream = StreamReader(url, {**LONG, "max_tokens": 2000})
         long_stream.start()
         assert long_stream.first.wait(30) and long_stream.error is None
         short_stream = StreamReader(url, {"prompt": "short", "max_tokens": 12, "ignore_eos": True})
