@@ -168,6 +168,7 @@ class ModelConfig:
     max_model_len: int
     seed: int
     quantization: Optional[str] = None  # --quantization: None = the checkpoint's own format
+    trust_remote_code: bool = False  # --trust-remote-code: config.json and tokenizer classes
     generation_config: str = "auto"
     max_logprobs: int = 20
 
@@ -551,6 +552,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             seed=self.seed,
             quantization=self.quantization,
+            trust_remote_code=self.trust_remote_code,
             generation_config=self.generation_config,
             max_logprobs=self.max_logprobs,
         )

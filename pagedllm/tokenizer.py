@@ -13,8 +13,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 _TOO_LONG_WARNING = "sequence-length-is-longer-than-the-specified-maximum"
 
 
-def get_tokenizer(path: Path | str) -> PreTrainedTokenizerBase:
-    """Load the tokenizer saved at ``path`` (tokenizer.json / tokenizer_config.json).
+def get_tokenizer(path: Path | str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """Load the tokenizer saved at ``path`` (tokenizer.json / tokenizer_config.json);
+    ``trust_remote_code`` lets transformers run a tokenizer class shipped with the checkpoint
+    (``--trust-remote-code``, as vLLM).
 
     transformers' warning about prompts longer than the tokenizer's ``model_max_length`` is
     silenced: the engine checks lengths against ``max_model_len`` itself and answers a
@@ -24,7 +26,7 @@ def get_tokenizer(path: Path | str) -> PreTrainedTokenizerBase:
         ValueError: if no tokenizer can be loaded from ``path``.
     """
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ValueError(f"Cannot load a tokenizer from {path}: {exc}") from exc
     tokenizer.deprecation_warnings[_TOO_LONG_WARNING] = True

@@ -89,7 +89,7 @@ class AsyncLLM:
             engine_core = _make_async_client(config, multiprocess)
         self.engine_core = engine_core
         try:
-            self.tokenizer = get_tokenizer(config.model_config.tokenizer_path)
+            self.tokenizer = get_tokenizer(config.model_config.tokenizer_path, config.model_config.trust_remote_code)
             self.engine_core.wait_for_ready(config)
         except BaseException:
             self.engine_core.shutdown(timeout_s=0)

@@ -39,7 +39,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
         self.config = config
         self.model_config = config.model_config
-        self.tokenizer = get_tokenizer(config.model_config.tokenizer_path)
+        self.tokenizer = get_tokenizer(config.model_config.tokenizer_path, config.model_config.trust_remote_code)
         self.processor = Processor(config.model_config, self.tokenizer)
         self.engine_core_client = EngineCoreClient.make_client(config, multiprocess=False, asyncio_mode=False)
         self.output_processor = OutputProcessor(self.tokenizer)
