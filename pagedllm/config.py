@@ -170,6 +170,7 @@ class ModelConfig:
     quantization: Optional[str] = None  # --quantization: None = the checkpoint's own format
     trust_remote_code: bool = False  # --trust-remote-code: config.json and tokenizer classes
     generation_config: str = "auto"
+    override_generation_config: Optional[dict] = None  # field -> value, over the generation config
     max_logprobs: int = 20
 
     @property
@@ -220,13 +221,14 @@ class ModelConfig:
 
         The fields ``repetition_penalty``, ``temperature``, ``top_k``, ``top_p``, ``min_p``
         and ``max_new_tokens`` (as ``max_tokens``) that generation_config.json sets; empty
-        with ``generation_config="vllm"``. ``do_sample`` is not read: as vLLM, a file with
-        ``do_sample: false`` and a ``temperature`` samples at that temperature. The first
-        call logs the values (vLLM's warning, so a user sees why outputs changed).
+        with ``generation_config="vllm"``; ``override_generation_config`` (vLLM's
+        ``--override-generation-config``) replaces any of them, whatever ``generation_config``
+        is. ``do_sample`` is not read: as vLLM, a file with ``do_sample: false`` and a
+        ``temperature`` samples at that temperature. The first call logs the values (vLLM's
+        warning, so a user sees why outputs changed).
         """
-        if self.generation_config == "vllm":
-            return {}
-        config = self.try_get_generation_config()
+        config = {} if self.generation_config == "vllm" else dict(self.try_get_generation_config())
+        config.update(self.override_generation_config or {})
         params = {name: config[name] for name in _GENERATION_CONFIG_SAMPLING_FIELDS if config.get(name) is not None}
         if "max_new_tokens" in params:
             params["max_tokens"] = params.pop("max_new_tokens")
@@ -459,6 +461,7 @@ class EngineArgs:
     prefix_caching_hash_algo: str = "sha256"
     attention_backend: Optional[str] = None
     generation_config: str = "auto"
+    override_generation_config: Optional[dict] = None  # field -> value, over the generation config
     usage_context: str = "llm"
     quantization: Optional[str] = None
     #: vLLM's ``disable_log_stats``: no periodic stats line (``pagedllm.metrics.loggers``);
@@ -554,6 +557,7 @@ class EngineArgs:
             quantization=self.quantization,
             trust_remote_code=self.trust_remote_code,
             generation_config=self.generation_config,
+            override_generation_config=self.override_generation_config,
             max_logprobs=self.max_logprobs,
         )
         self._check_num_gpu_blocks_override(max_model_len)

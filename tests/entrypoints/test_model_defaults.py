@@ -160,3 +160,21 @@ def test_server_with_generation_config_vllm_ignores_them(greedy_model):
         assert response["usage"]["completion_tokens"] == MAX_MODEL_LEN - response["usage"]["prompt_tokens"]
     finally:
         server.close()
+
+
+def test_override_generation_config(tiny_llama):
+    """vLLM's ``--override-generation-config``: its fields replace the generation config's,
+    also with ``generation_config="vllm"``; the command line takes a JSON object."""
+    import argparse
+
+    from pagedllm.entrypoints.openai.cli_args import json_object
+
+    llm = LLM(str(tiny_llama), generation_config="vllm", kv_cache_memory_bytes=4 << 20,
+              override_generation_config={"temperature": 0.25, "max_new_tokens": 3})
+    params = llm.get_default_sampling_params()
+    assert params.temperature == 0.25 and params.max_tokens == 3
+    assert json_object('{"top_p": 0.5}') == {"top_p": 0.5}
+    with pytest.raises(argparse.ArgumentTypeError, match="expected a JSON object"):
+        json_object("[1]")
+    with pytest.raises(argparse.ArgumentTypeError, match="invalid JSON"):
+        json_object("{temperature: 1}")

@@ -150,6 +150,21 @@ class _HelpFormatter(argparse.HelpFormatter):
         return f"{help_text} (default: {default})"
 
 
+def json_object(value: str) -> dict:
+    """A JSON object given on the command line (``'{"temperature": 0.5}'``).
+
+    Raises:
+        argparse.ArgumentTypeError: not JSON, or not an object.
+    """
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"invalid JSON {value!r}: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: expected a JSON object")
+    return parsed
+
+
 def _one_line_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
     parser.exit(2, f"{parser.prog}: error: {message}\n")
 
@@ -267,6 +282,11 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), "
         "'vllm' uses vLLM's defaults, a FOLDER reads its generation_config.json (its max_new_tokens also "
         "caps every request).",
+    )  # fmt: skip
+    engine.add_argument(
+        "--override-generation-config", type=json_object, default=None, metavar="JSON",
+        help="Sampling defaults that replace the generation config's, e.g. '{\"temperature\": 0.5}' "
+        "(same fields as --generation-config).",
     )  # fmt: skip
     _add_vllm_server_flags(server)
     _add_vllm_engine_flags(engine)
