@@ -60,6 +60,71 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2
 
 
+#: The constraint fields of ``StructuredOutputsParams``: a request sets exactly one.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+class StructuredOutputsParams(
+    msgspec.Struct,
+    omit_defaults=True,  # type: ignore[call-arg]
+    dict=True,  # type: ignore[call-arg]
+):
+    """A constraint on a request's output (constrained decoding), with vLLM's field names.
+
+    Exactly one of the constraint fields (``STRUCTURED_OUTPUT_KINDS``) is set:
+        json: a JSON schema (a dict, e.g. a Pydantic model's ``model_json_schema()``, or
+            its JSON text); the output is a JSON value that validates against it.
+        regex: a regular expression the whole output matches.
+        choice: the output is exactly one of these strings.
+        grammar: a grammar in the backend's syntax (EBNF / GBNF; Lark for guidance).
+        json_object: True: the output is any JSON object (OpenAI's ``json_object`` mode).
+        structural_tag: a structural-tag specification (JSON text), as xgrammar defines it.
+    Options:
+        whitespace_pattern: a regex for the whitespace allowed between JSON tokens.
+        disable_any_whitespace: JSON without any whitespace between tokens.
+        disable_additional_properties: schemas without ``additionalProperties`` allow no
+            extra keys (as if it were false).
+
+    Source: vLLM's ``StructuredOutputsParams`` (``vllm/sampling_params.py``).
+
+    Raises:
+        ValueError: from ``__post_init__`` when no constraint or more than one is set (the
+            message names the ones set), or ``choice`` is empty or not all strings.
+    """
+
+    json: Any = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Optional[str] = None
+    whitespace_pattern: Optional[str] = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        chosen = [kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False)]
+        if len(chosen) != 1:
+            found = ", ".join(chosen) if chosen else "none"
+            raise ValueError(
+                "structured outputs take exactly one of "
+                f"{', '.join(STRUCTURED_OUTPUT_KINDS)}; got {found}."
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(option, str) for option in self.choice)
+        ):
+            raise ValueError(f"choice must be a non-empty list of strings, got {self.choice!r}.")
+
+    @property
+    def kind(self) -> str:
+        """The name of the constraint field that is set (one of ``STRUCTURED_OUTPUT_KINDS``)."""
+        return next(kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False))
+
+
+#: The older name, used by vLLM's docs and many tutorials (``guided_decoding=``).
+GuidedDecodingParams = StructuredOutputsParams
+
+
 class SamplingParams(
     msgspec.Struct,
     omit_defaults=True,  # type: ignore[call-arg]
@@ -98,6 +163,9 @@ class SamplingParams(
         logit_bias: token id -> value added to its logit, in [-100, 100].
         include_stop_str_in_output: keep the matched stop string in the text.
         output_kind: see ``RequestOutputKind``.
+        structured_outputs: a ``StructuredOutputsParams`` constraint on the output, or None.
+        guided_decoding: the older name of ``structured_outputs`` (vLLM's docs and
+            tutorials); given alone, it is moved to ``structured_outputs``.
 
     These are the only range rules of a request's sampling fields: the OpenAI server
     builds a ``SamplingParams`` and answers its ``ValueError`` with a 400, so offline and
@@ -130,8 +198,14 @@ class SamplingParams(
     logit_bias: Optional[dict[int, float]] = None
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    guided_decoding: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None and self.structured_outputs != self.guided_decoding:
+                raise ValueError("set structured_outputs or guided_decoding (its older name), not both.")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -191,7 +191,8 @@ class Processor:
         Raises:
             ValueError: empty prompt, out-of-vocabulary token id, stop token id or
                 ``logit_bias`` key outside the vocabulary; more ``logprobs`` or
-                ``prompt_logprobs`` than ``max_logprobs`` (vLLM's message).
+                ``prompt_logprobs`` than ``max_logprobs`` (vLLM's message); a
+                ``structured_outputs`` constraint (not built yet).
             ContextLengthError: see ``check_context_fit``.
         """
         num_prompt = len(prompt_token_ids)
@@ -215,6 +216,8 @@ class Processor:
                     f"Requested {kind} logprobs of {num_logprobs}, which is greater than max allowed: "
                     f"{self.max_logprobs} (--max-logprobs)."
                 )
+        if params.structured_outputs is not None:
+            raise ValueError("structured_outputs is not supported yet (pagedllm has no constrained decoding yet).")
 
     def process(
         self,
