@@ -3,14 +3,35 @@
 from __future__ import annotations
 
 import random
+import shutil
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM
 from pagedllm.worker.model_runner import ModelRunner
+
+
+#: The checkpoint tensors of the linear layers that quantization formats replace.
+LINEAR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+                   "gate_proj.weight", "up_proj.weight", "down_proj.weight")  # fmt: skip
+
+
+def rewrite_linear_weights(src: Path, out: Path, transform: Callable[[torch.Tensor], torch.Tensor]) -> Path:
+    """A copy of checkpoint ``src`` in ``out`` with each linear weight W replaced by
+    ``transform(W.float())`` (in W's dtype): e.g. a quantization format's dequantized weights."""
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    for path in out.glob("*.safetensors"):
+        tensors = load_file(path)
+        for name, tensor in tensors.items():
+            if name.endswith(LINEAR_SUFFIXES):
+                tensors[name] = transform(tensor.float()).to(tensor.dtype)
+        save_file(tensors, path, metadata={"format": "pt"})
+    return out
 
 
 @lru_cache(maxsize=8)

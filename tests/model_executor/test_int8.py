@@ -10,29 +10,21 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model_executor.layers.quantization.int8 import quantize_int8_per_channel
-from tests.helpers import hf_greedy, model_runner, random_prompts
+from tests.helpers import hf_greedy, model_runner, random_prompts, rewrite_linear_weights
 
-LINEAR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
-                   "gate_proj.weight", "up_proj.weight", "down_proj.weight")  # fmt: skip
+
+def _int8_round_trip(weight: torch.Tensor) -> torch.Tensor:
+    q, scale = quantize_int8_per_channel(weight)
+    return q.float() * scale[:, None]
 
 
 @pytest.fixture(scope="module")
 def dequantized_llama(tiny_llama, tmp_path_factory):
     """tiny_llama with each linear weight W replaced by scale * Q (float32)."""
-    out = tmp_path_factory.mktemp("int8-dequantized")
-    shutil.copytree(tiny_llama, out, dirs_exist_ok=True)
-    for path in out.glob("*.safetensors"):
-        tensors = load_file(path)
-        for name, tensor in tensors.items():
-            if name.endswith(LINEAR_SUFFIXES):
-                q, scale = quantize_int8_per_channel(tensor.float())
-                tensors[name] = (q.float() * scale[:, None]).to(tensor.dtype)
-        save_file(tensors, path, metadata={"format": "pt"})
-    return out
+    return rewrite_linear_weights(tiny_llama, tmp_path_factory.mktemp("int8-dequantized"), _int8_round_trip)
 
 
 def test_quantize_per_channel_round_trip():
@@ -60,8 +52,8 @@ def test_int8_greedy_equals_hf_on_dequantized_weights(tiny_llama, dequantized_ll
 
 
 def test_unknown_format_and_mismatch_fail_at_load(tiny_llama, tmp_path):
-    with pytest.raises(ValueError, match=r"Quantization method 'int4' is not supported yet. Supported: int8, unquantized"):
-        LLM(str(tiny_llama), quantization="int4", kv_cache_memory_bytes=8 << 20)
+    with pytest.raises(ValueError, match=r"Quantization method 'int3' is not supported yet. Supported: int4, int8, unquantized"):
+        LLM(str(tiny_llama), quantization="int3", kv_cache_memory_bytes=8 << 20)
     checkpoint = tmp_path / "gptq-labelled"
     shutil.copytree(tiny_llama, checkpoint)
     config = json.loads((checkpoint / "config.json").read_text())

@@ -61,16 +61,14 @@
 #include <optional>
 
 #include "simd.h"
-
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define PAGEDLLM_W16_STREAM 1
-#endif
+#include "weight_blocks.h"
 
 namespace {
 
-constexpr int64_t kBlock = 16;             // outputs per block
-constexpr int64_t kStreamRows = 16;        // x rows up to which the streaming kernel runs
-constexpr int64_t kGemmChunkBytes = 16 << 20;  // float32 weight buffer per GEMM chunk
+using pagedllm_blocks::kBlock;
+using pagedllm_blocks::kGemmChunkBytes;
+using pagedllm_blocks::kStreamRows;
+
 // Software prefetch 4 KB ahead in a block's stream, once per 64-byte line: without it
 // 11-12 GB/s, 1 KB ahead 14-15.6, 4 KB 16.7-18.1, 16 KB 15.6-18.5 (same measurement).
 constexpr int64_t kPrefetchAhead = 2048;   // elements
@@ -115,7 +113,7 @@ at::Tensor pack_w8(const at::Tensor& weight) {
   return pack_blocks(weight);
 }
 
-#ifdef PAGEDLLM_W16_STREAM
+#ifdef PAGEDLLM_BLOCK_STREAM
 using pagedllm_simd::widen8;  // 8 weights -> float32, exactly
 
 // Rows [0, R) of x (float32, row stride ldx) times one block wb (K x 16): y[r][j] for the
@@ -224,7 +222,7 @@ at::Tensor linear_blocks(const char* op, const at::Tensor& x, const at::Tensor& 
   }
   const int64_t m = x.size(0);
   const at::Tensor x32 = x.to(at::kFloat).contiguous();
-#ifdef PAGEDLLM_W16_STREAM
+#ifdef PAGEDLLM_BLOCK_STREAM
   if (m <= kStreamRows) {
     at::Tensor y = at::empty({m, n}, x.options());
     const float* bp = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;

@@ -1,6 +1,7 @@
 """Weight formats by name: ``get_quantization_config("unquantized")`` -> its config class.
 
-Only "unquantized" exists today; gptq, awq, fp8 ... register here.
+"unquantized", and the load-time formats "int8" and "int4"; checkpoint formats (gptq, awq,
+fp8 ...) register here.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pagedllm.model_executor.layers.quantization.unquantized import UnquantizedC
 QUANTIZATION_METHODS: dict[str, Union[str, type[QuantizationConfig]]] = {
     UnquantizedConfig.get_name(): "unquantized:UnquantizedConfig",
     "int8": "int8:Int8Config",
+    "int4": "int4:Int4Config",
 }
 
 

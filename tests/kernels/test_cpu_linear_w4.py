@@ -1,0 +1,82 @@
+"""``linear_w4`` (4-bit weights with a float32 scale and zero point per group of inputs, in
+``pack_w4``'s blocks) equals the float64 product of the dequantized weight within float32
+summation error, at every instruction-set level the host supports, on both of its paths (the
+few-row streaming kernel and the dequantizing GEMM), for ragged shapes, group boundaries and
+with or without bias; bad input is refused with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.kernels import cpu as cpu_kernels
+
+pytestmark = pytest.mark.usefixtures("isa_kernel")
+
+# (N, K, group size): odd N, one group per row (channel-wise), groups of 2, 32 and 128.
+SHAPES = [(1, 2, 2), (37, 64, 32), (130, 8, 8), (200, 256, 128), (67, 896, 128), (17, 96, 32)]
+
+
+def _random_case(n: int, k: int, group: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    scale = torch.rand(n, k // group, generator=gen) * 0.01 + 1e-4
+    zero = torch.randint(0, 16, (n, k // group), generator=gen).float()
+    return q, scale, zero
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    group = q.shape[1] // scale.shape[1]
+    s = scale.double().repeat_interleave(group, dim=1)
+    z = zero.double().repeat_interleave(group, dim=1)
+    return s * (q.double() - z)
+
+
+@pytest.mark.parametrize("n,k,group", SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17])  # tiles of 2 and 1 rows; the GEMM
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_matches_float64_product(n, k, group, rows, x_dtype):
+    q, scale, zero = _random_case(n, k, group, n * 31 + k + rows)
+    x = torch.randn(rows, k).to(x_dtype)
+    bias = torch.randn(n) if rows % 2 else None
+    got = cpu_kernels.linear_w4(x, cpu_kernels.pack_w4(q), scale, zero, bias, n)
+    assert got.shape == (rows, n) and got.dtype == x_dtype
+    w = _dequantize(q, scale, zero)
+    exact = x.double() @ w.T + (0 if bias is None else bias.double())
+    # float32 sums of exact products (Higham 3.5), over x * Q and over x * zero, each scaled once.
+    s = scale.double().repeat_interleave(group, dim=1)
+    z = zero.double().repeat_interleave(group, dim=1)
+    magnitude = x.double().abs() @ (s * (q.double() + z)).T + (0 if bias is None else bias.double().abs())
+    bound = (k + 4) * 2.0**-24 * magnitude
+    if x_dtype != torch.float32:
+        bound = bound + exact.abs() * torch.finfo(x_dtype).eps
+    err = (got.double() - exact).abs()
+    assert bool((err <= bound + 1e-30).all()), float((err - bound).max())
+
+
+def test_pack_w4_layout():
+    q = torch.randint(0, 16, (20, 6), dtype=torch.uint8)
+    packed = cpu_kernels.pack_w4(q)
+    assert packed.shape == (2, 3, 16) and packed.dtype == torch.uint8
+    for n in range(20):
+        block = packed[n // 16, :, n % 16]
+        assert torch.equal(block & 0x0F, q[n, 0::2]) and torch.equal(block >> 4, q[n, 1::2])
+    assert not packed[1, :, 4:].any()  # the last block's padding
+
+
+def test_bad_input_is_refused():
+    q = cpu_kernels.pack_w4(torch.randint(0, 16, (32, 8), dtype=torch.uint8))
+    x = torch.randn(2, 8)
+    ones = torch.ones(32, 2)
+    with pytest.raises(RuntimeError, match="pack_w4: weight must be a uint8"):
+        cpu_kernels.pack_w4(torch.randn(4, 4))
+    with pytest.raises(RuntimeError, match="pack_w4: K = 5 must be even"):
+        cpu_kernels.pack_w4(torch.zeros(4, 5, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match=r"linear_w4: scale must be a contiguous float32 CPU tensor \[32, G\]"):
+        cpu_kernels.linear_w4(x, q, torch.ones(32, 3), torch.ones(32, 3), None, 32)
+    with pytest.raises(RuntimeError, match="linear_w4: zero must be"):
+        cpu_kernels.linear_w4(x, q, ones, torch.ones(32, 4), None, 32)
+    with pytest.raises(RuntimeError, match="linear_w4: N = 40 does not match"):
+        cpu_kernels.linear_w4(x, q, torch.ones(40, 2), torch.ones(40, 2), None, 40)
+    with pytest.raises(RuntimeError, match=r"linear_w4: x must be .* \[M, 8\]"):
+        cpu_kernels.linear_w4(torch.randn(2, 6), q, ones, ones, None, 32)
