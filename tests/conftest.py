@@ -68,6 +68,13 @@ def tiny_llama(checkpoint_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def llama_128(checkpoint_factory) -> Path:
+    """A random-weight Llama whose linear inputs (128, 256) are whole groups of 32 to 128
+    inputs (the quantization formats' groups)."""
+    return checkpoint_factory("LlamaForCausalLM", seed=5, hidden_size=128, intermediate_size=256)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama3_rope(checkpoint_factory) -> Path:
     return checkpoint_factory(
         "LlamaForCausalLM", seed=4, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE_SCALING

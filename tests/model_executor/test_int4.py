@@ -19,12 +19,6 @@ def _int4_round_trip(weight: torch.Tensor) -> torch.Tensor:
     return scale.repeat_interleave(group, 1) * (q.float() - zero.repeat_interleave(group, 1))
 
 
-@pytest.fixture(scope="module")
-def llama_128(checkpoint_factory):
-    """A random-weight Llama whose linear inputs (128, 256) are whole groups of 128."""
-    return checkpoint_factory("LlamaForCausalLM", seed=5, hidden_size=128, intermediate_size=256)
-
-
 def test_quantize_per_group_round_trip():
     torch.manual_seed(0)
     w = torch.randn(6, 64)

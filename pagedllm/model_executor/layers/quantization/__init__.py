@@ -1,7 +1,7 @@
 """Weight formats by name: ``get_quantization_config("unquantized")`` -> its config class.
 
-"unquantized", and the load-time formats "int8" and "int4"; checkpoint formats (gptq, awq,
-fp8 ...) register here.
+"unquantized"; the load-time formats "int8" and "int4"; the checkpoint formats "gptq", "awq"
+and "compressed-tensors" (their integer weights share ``packed_int``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ QUANTIZATION_METHODS: dict[str, Union[str, type[QuantizationConfig]]] = {
     UnquantizedConfig.get_name(): "unquantized:UnquantizedConfig",
     "int8": "int8:Int8Config",
     "int4": "int4:Int4Config",
+    "gptq": "gptq:GPTQConfig",
+    "awq": "awq:AWQConfig",
+    "compressed-tensors": "compressed_tensors:CompressedTensorsConfig",
 }
 
 

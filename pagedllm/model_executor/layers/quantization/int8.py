@@ -49,30 +49,45 @@ class Int8Config(QuantizationConfig):
         return Int8LinearMethod() if isinstance(layer, LinearBase) else None
 
 
+def store_int8(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """Replace ``layer.weight`` by int8 Q (W = scale[:, None] * Q): Q [out, in] int8, scale
+    [out] float32 in ``weight_scale``. On CPU with the kernels ``weight`` becomes
+    ``pack_w8``'s [ceil(out / 16), in, 16] int8, else Q itself."""
+    if current_platform.is_cpu and cpu_kernels.is_available():
+        q = cpu_kernels.pack_w8(q)
+    layer.weight = nn.Parameter(q, requires_grad=False)
+    layer.weight_scale = nn.Parameter(scale.float().contiguous(), requires_grad=False)
+
+
+def apply_int8(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x W^T + b`` for a layer prepared by ``store_int8``: x [..., in] -> [..., out] in x's
+    dtype (``linear_w8`` on CPU, else a torch matmul on W rebuilt per call)."""
+    n = layer.output_size_per_partition
+    if layer.weight.dim() == 3:
+        y = cpu_kernels.linear_w8(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale, bias, n)
+        return y.view(*x.shape[:-1], n)
+    weight = layer.weight.to(x.dtype) * layer.weight_scale[:, None].to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+def describe_int8(layer: nn.Module) -> str:
+    """The start-up log's name of an int8 layer's matmul path."""
+    if layer.weight.dim() == 3:
+        return "int8 weight-only, per-channel scales (linear_w8)"
+    return "int8 weight-only, per-channel scales (torch matmul on dequantized W)"
+
+
 class Int8LinearMethod(UnquantizedLinearMethod):
-    """Loads W like the unquantized method, then keeps only Q and ``weight_scale`` [out]
-    float32: ``weight`` becomes ``pack_w8``'s [ceil(out / 16), in, 16] int8 on CPU with the
-    kernels, else the plain [out, in] int8 (torch matmul on W rebuilt per call)."""
+    """Loads W like the unquantized method, then keeps only its int8 form (``store_int8``)."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Quantize the loaded weight (see the module docstring); a second call changes nothing."""
         if layer.weight.dtype == torch.int8:
             return
-        q, scale = quantize_int8_per_channel(layer.weight.data)
-        if current_platform.is_cpu and cpu_kernels.is_available():
-            q = cpu_kernels.pack_w8(q)
-        layer.weight = nn.Parameter(q, requires_grad=False)
-        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        store_int8(layer, *quantize_int8_per_channel(layer.weight.data))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        n = layer.output_size_per_partition
-        if layer.weight.dim() == 3:
-            y = cpu_kernels.linear_w8(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale, bias, n)
-            return y.view(*x.shape[:-1], n)
-        weight = layer.weight.to(x.dtype) * layer.weight_scale[:, None].to(x.dtype)
-        return F.linear(x, weight, bias)
+        return apply_int8(layer, x, bias)
 
     def describe_path(self, layer: nn.Module) -> str:
-        if layer.weight.dim() == 3:
-            return "int8 weight-only, per-channel scales (linear_w8)"
-        return "int8 weight-only, per-channel scales (torch matmul on dequantized W)"
+        return describe_int8(layer)

@@ -1,0 +1,158 @@
+"""compressed-tensors checkpoints (``quant_method: "compressed-tensors"``), the format
+llm-compressor writes: ``config_groups`` of schemes, each with ``targets`` (module class names
+such as ``Linear``, names, or ``re:`` patterns) and ``weights`` arguments, plus ``ignore``d
+modules (the lm_head, typically). Built here: weight-only integer schemes in the
+``pack-quantized`` format (W4A16, W8A16), per group or per channel, symmetric or not, with
+``actorder: "group"``'s ``weight_g_idx``. Per linear module:
+
+    weight_packed [out, in * bits / 32] int32   inputs packed, value i at bits [i * bits, ...),
+                                                stored as q + 2^(bits - 1) (q signed)
+    weight_scale [out, groups]                  (groups = 1 per channel)
+    weight_zero_point [out * bits / 32, groups] int32, outputs packed likewise (asymmetric only)
+    weight_shape [2]                            the unpacked [out, in]
+
+    W[n, k] = weight_scale[n, g] * (q[n, k] - zero_point[n, g])
+
+(compressed-tensors' ``PackedQuantizationCompressor``). Activation-quantized schemes (int8
+W8A8, FP8) and other formats are refused at load, named.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from pagedllm.model_executor.layers.linear import LinearBase
+from pagedllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from pagedllm.model_executor.layers.quantization.packed_int import (
+    PackedIntLinearMethod,
+    check_bits_and_group,
+    checkpoint_module_names,
+    name_matches,
+    unpack_int32,
+)
+
+#: The canonical role of each checkpoint tensor name (see ``packed_int``).
+_CANONICAL = {"weight_packed": "qweight", "weight_scale": "scales", "weight_zero_point": "qzeros", "weight_g_idx": "g_idx"}
+
+
+class WeightScheme:
+    """One config group's weight arguments: ``bits``, ``group_size`` (-1 per channel),
+    ``symmetric``, ``actorder`` ("group" adds ``weight_g_idx``), and its ``targets``."""
+
+    def __init__(self, targets: list[str], bits: int, group_size: int, symmetric: bool, actorder: bool) -> None:
+        self.targets = targets
+        self.bits = bits
+        self.group_size = group_size
+        self.symmetric = symmetric
+        self.actorder = actorder
+
+    @classmethod
+    def from_group(cls, name: str, group: dict[str, Any]) -> "WeightScheme":
+        """Parse config group ``name``.
+
+        Raises:
+            ValueError: activation quantization, float weights, a strategy, bit width or group
+                size not supported (the message names the group and what is supported).
+        """
+        weights = group.get("weights") or {}
+        supported = "supported: weight-only int schemes (W4A16, W8A16) per group or per channel"
+        if group.get("input_activations") or group.get("output_activations"):
+            raise ValueError(f"compressed-tensors: config group {name!r} quantizes activations; {supported}.")
+        if weights.get("type", "int") != "int":
+            raise ValueError(f"compressed-tensors: config group {name!r} has {weights.get('type')} weights; {supported}.")
+        strategy = weights.get("strategy", "tensor")
+        if strategy not in ("group", "channel"):
+            raise ValueError(f"compressed-tensors: config group {name!r} uses strategy {strategy!r}; {supported}.")
+        bits = int(weights.get("num_bits", 8))
+        group_size = int(weights.get("group_size") or 128) if strategy == "group" else -1
+        check_bits_and_group(f"compressed-tensors group {name!r}", bits, group_size)
+        actorder = weights.get("actorder") in ("group", True)
+        return cls(list(group.get("targets") or []), bits, group_size, bool(weights.get("symmetric", True)), actorder)
+
+    def matches(self, module_name: str) -> bool:
+        return any(target == "Linear" or name_matches(module_name, target) for target in self.targets)
+
+
+class CompressedTensorsConfig(QuantizationConfig):
+    """config.json's compressed-tensors ``quantization_config``: ``format``, ``config_groups``,
+    ``ignore``.
+
+    Raises (``from_config``):
+        ValueError: a format other than pack-quantized, or an unsupported scheme (named).
+    """
+
+    def __init__(self, schemes: list[WeightScheme], ignore: list[str]) -> None:
+        self.schemes = schemes
+        self.ignore = ignore
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "compressed-tensors"
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "CompressedTensorsConfig":
+        groups = config.get("config_groups") or {}
+        for name, group in groups.items():
+            fmt = group.get("format") or config.get("format")
+            if fmt != "pack-quantized":
+                raise ValueError(
+                    f"compressed-tensors: format {fmt!r} (config group {name!r}) is not supported; "
+                    "supported: pack-quantized."
+                )
+        schemes = [WeightScheme.from_group(name, group) for name, group in groups.items()]
+        return cls(schemes, list(config.get("ignore") or []))
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
+        """The layer's scheme, found from its checkpoint modules (all parts of a fused layer).
+
+        Raises:
+            ValueError: the parts of a fused layer are quantized differently.
+        """
+        if not isinstance(layer, LinearBase):
+            return None
+        found = set()
+        for name in checkpoint_module_names(prefix):
+            ignored = any(name_matches(name, pattern) for pattern in self.ignore)
+            found.add(None if ignored else next((s for s in self.schemes if s.matches(name)), None))
+        if len(found) > 1:
+            raise ValueError(f"compressed-tensors: the parts of fused layer {prefix} are quantized differently.")
+        scheme = found.pop()
+        return None if scheme is None else CompressedTensorsLinearMethod(scheme, prefix)
+
+
+class CompressedTensorsLinearMethod(PackedIntLinearMethod):
+    """One pack-quantized layer: converts its tensors to the canonical layout (see ``packed_int``)."""
+
+    format_name = "compressed-tensors"
+
+    def __init__(self, scheme: WeightScheme, prefix: str) -> None:
+        super().__init__(prefix, scheme.bits, scheme.group_size)
+        self.scheme = scheme
+
+    def canonical_name(self, name: str) -> str:
+        return _CANONICAL.get(name, name)
+
+    def checkpoint_tensors(self, num_groups: int, input_size: int) -> dict[str, tuple[list[int], dict[str, Any]]]:
+        per_output = {"output_dim": 0, "input_dim": 1}
+        tensors = {
+            "weight_packed": ([-1, input_size], per_output),
+            "weight_scale": ([-1, num_groups], per_output),
+            "weight_shape": ([2], {}),
+        }
+        if not self.scheme.symmetric:
+            tensors["weight_zero_point"] = ([-1, num_groups], per_output)
+        if self.scheme.actorder:
+            tensors["weight_g_idx"] = ([input_size], {"input_dim": 0})
+        return tensors
+
+    def convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        # Packed values are stored unsigned (q + 2^(bits - 1)), zero points too, so the
+        # unpacked zero point is already the canonical unsigned one.
+        if name == "weight_packed":
+            return unpack_int32(tensor, self.bits, dim=1)
+        if name == "weight_zero_point":
+            return unpack_int32(tensor, self.bits, dim=0).float()
+        return tensor if name == "weight_g_idx" else tensor.float()
