@@ -42,8 +42,8 @@ HUB_ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt
 def resolve_model_path(
     model: Optional[str], revision: Optional[str] = None, download_dir: Optional[str] = None
 ) -> Path:
-    """A local directory for ``model``: a directory, or a Hugging Face Hub id downloaded (or
-    found in the cache) as vLLM does.
+    """A local directory (or GGUF file) for ``model``: a directory, a ``.gguf`` file, or a
+    Hugging Face Hub id downloaded (or found in the cache) as vLLM does.
 
     ``None`` means the small model that ships inside the package. A Hub id is fetched with
     ``huggingface_hub.snapshot_download`` (only ``HUB_ALLOW_PATTERNS``), at ``revision``
@@ -60,10 +60,12 @@ def resolve_model_path(
 
         return default_model_path()
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return path
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
-        raise ValueError(f"Model {model!r} is not a local directory with config.json and *.safetensors.")
+        raise ValueError(
+            f"Model {model!r} is not a local directory with config.json and *.safetensors, nor a .gguf file."
+        )
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -97,6 +99,29 @@ def resolve_model_path(
     except HfHubHTTPError as exc:
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ValueError(f"Model {where} could not be downloaded from {constants.ENDPOINT}: {first_line}") from exc
+
+
+def load_hf_config(model_path: Path, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The model's Hugging Face config: config.json of a directory, or, for a ``.gguf`` file,
+    the one transformers builds from the file's metadata (architecture and hyper-parameters;
+    ``architectures`` filled in from the model type when the file does not name it).
+
+    Raises:
+        ValueError: no readable config (transformers' message).
+    """
+    from transformers import AutoConfig
+
+    try:
+        if model_path.suffix != ".gguf":
+            return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        hf_config = AutoConfig.from_pretrained(model_path.parent, gguf_file=model_path.name)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"Cannot read the model config of {model_path}: {exc}") from exc
+    if not getattr(hf_config, "architectures", None):
+        hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf_config.model_type, hf_config.model_type)]
+    return hf_config
 
 
 def resolve_dtype(dtype: Any, hf_config: PretrainedConfig) -> torch.dtype:
@@ -201,7 +226,7 @@ class ModelConfig:
         """The folder whose generation_config.json is read: the model's, or the one
         ``generation_config`` names."""
         if self.generation_config in GENERATION_CONFIG_MODES:
-            return self.model_path
+            return self.model_path.parent if self.model_path.is_file() else self.model_path
         return Path(self.generation_config).expanduser()
 
     def try_get_generation_config(self) -> dict[str, Any]:
@@ -525,15 +550,13 @@ class EngineArgs:
         from pagedllm.kernels import isa
 
         isa.selected_isa()  # a bad PAGEDLLM_CPU_ISA fails here, before anything is loaded
-        from transformers import AutoConfig
-
         model_path = resolve_model_path(self.model, self.revision, self.download_dir)
         tokenizer_path = (
             resolve_model_path(self.tokenizer, self.tokenizer_revision, self.download_dir)
             if self.tokenizer
             else model_path
         )
-        hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=self.trust_remote_code)
+        hf_config = load_hf_config(model_path, self.trust_remote_code)
         derived = _derived_max_model_len(hf_config)
         max_model_len = self.max_model_len or derived
         if max_model_len > derived:

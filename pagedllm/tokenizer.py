@@ -14,7 +14,8 @@ _TOO_LONG_WARNING = "sequence-length-is-longer-than-the-specified-maximum"
 
 
 def get_tokenizer(path: Path | str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """Load the tokenizer saved at ``path`` (tokenizer.json / tokenizer_config.json);
+    """Load the tokenizer saved at ``path`` (tokenizer.json / tokenizer_config.json, or a
+    ``.gguf`` file's ``tokenizer.ggml.*`` metadata);
     ``trust_remote_code`` lets transformers run a tokenizer class shipped with the checkpoint
     (``--trust-remote-code``, as vLLM).
 
@@ -25,10 +26,15 @@ def get_tokenizer(path: Path | str, trust_remote_code: bool = False) -> PreTrain
     Raises:
         ValueError: if no tokenizer can be loaded from ``path``.
     """
+    path = Path(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        if path.suffix == ".gguf":  # transformers builds the tokenizer from the file's metadata
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"Cannot load a tokenizer from {path}: {exc}") from exc
+        hint = " (pass --tokenizer / LLM(tokenizer=...) with a Hugging Face tokenizer folder)" if path.suffix == ".gguf" else ""
+        raise ValueError(f"Cannot load a tokenizer from {path}{hint}: {exc}") from exc
     tokenizer.deprecation_warnings[_TOO_LONG_WARNING] = True
     return tokenizer
 

@@ -13,7 +13,9 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.model_executor.gguf_weights import INT4_TYPES, iterate_gguf_weights, open_gguf, tensor_types
 from pagedllm.model_executor.layers.quantization import QuantizationConfig, get_quantization_config
+from pagedllm.model_executor.layers.quantization.gguf import GGUFConfig
 from pagedllm.model_executor.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -45,8 +47,9 @@ def iterate_weights(model_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def get_quant_config(model_config: ModelConfig) -> Optional[QuantizationConfig]:
-    """The weight format: config.json's ``quantization_config``, or ``--quantization``'s
-    format applied at load time to an unquantized checkpoint (None: neither).
+    """The weight format: config.json's ``quantization_config`` ("gguf" for a GGUF file, with
+    the linear modules it holds in Q4_0 / Q4_1), or ``--quantization``'s format applied at
+    load time to an unquantized checkpoint (None: neither).
 
     Raises:
         ValueError: for a format pagedllm does not support (the message lists those it
@@ -54,6 +57,11 @@ def get_quant_config(model_config: ModelConfig) -> Optional[QuantizationConfig]:
     """
     config = getattr(model_config.hf_config, "quantization_config", None)
     requested = model_config.quantization
+    if model_config.model_path.suffix == ".gguf":
+        reader = open_gguf(model_config.model_path)
+        types = tensor_types(reader, model_config.hf_config)
+        int4 = [name.removesuffix(".weight") for name, kind in types.items() if kind in INT4_TYPES]
+        config = {"quant_method": "gguf", "int4_modules": int4}
     if config is None:
         return None if requested is None else get_quantization_config(requested).from_config({})
     config = config if isinstance(config, dict) else config.to_dict()
@@ -96,7 +104,11 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
             model = model_cls(model_config.hf_config, quant_config)
     finally:
         torch.set_default_dtype(old_dtype)
-    loaded = model.load_weights(iterate_weights(model_config.model_path))
+    if isinstance(quant_config, GGUFConfig):
+        weights = iterate_gguf_weights(model_config.model_path, model_config.hf_config, quant_config.int4_modules)
+    else:
+        weights = iterate_weights(model_config.model_path)
+    loaded = model.load_weights(weights)
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"Checkpoint {model_config.model_path} lacks weights for: {sorted(missing)[:8]}")

@@ -5,6 +5,8 @@ one is refused with the supported ones listed)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from types import SimpleNamespace
 from typing import Any, Optional
 
@@ -96,17 +98,20 @@ def test_registry_by_name():
     assert get_quantization_config(None) is UnquantizedConfig
     assert get_quantization_config("unquantized") is UnquantizedConfig
     assert UnquantizedConfig.from_config({}).get_quant_method(object(), "lm_head") is None
-    with pytest.raises(ValueError, match="Quantization method 'gptq' is not supported yet. Supported: int8, unquantized."):
-        get_quantization_config("gptq")
+    with pytest.raises(ValueError, match="Quantization method 'bitsandbytes' is not supported yet. Supported: awq, "):
+        get_quantization_config("bitsandbytes")
 
 
 def _model_config(quantization_config) -> SimpleNamespace:
-    return SimpleNamespace(hf_config=SimpleNamespace(quantization_config=quantization_config), quantization=None)
+    return SimpleNamespace(
+        hf_config=SimpleNamespace(quantization_config=quantization_config), quantization=None, model_path=Path("m")
+    )
 
 
 def test_the_loader_reads_config_jsons_quantization_config(monkeypatch):
-    assert model_loader.get_quant_config(SimpleNamespace(hf_config=SimpleNamespace(), quantization=None)) is None
-    with pytest.raises(ValueError, match="'awq' is not supported"):
-        model_loader.get_quant_config(_model_config({"quant_method": "awq", "bits": 4}))
+    no_format = SimpleNamespace(hf_config=SimpleNamespace(), quantization=None, model_path=Path("m"))
+    assert model_loader.get_quant_config(no_format) is None
+    with pytest.raises(ValueError, match="'bitsandbytes' is not supported"):
+        model_loader.get_quant_config(_model_config({"quant_method": "bitsandbytes", "bits": 4}))
     monkeypatch.setitem(quantization.QUANTIZATION_METHODS, "recording", RecordingConfig)
     assert isinstance(model_loader.get_quant_config(_model_config({"quant_method": "recording"})), RecordingConfig)

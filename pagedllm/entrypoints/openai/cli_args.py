@@ -275,7 +275,8 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Weight format. Quantize a 16/32-bit checkpoint at load: int8 = weight-only int8, one scale "
         "per output channel (half the bytes of bf16 per decode step); int4 = weight-only 4-bit, symmetric "
         "groups of 128 (a quarter). Checkpoint formats, read from config.json (naming one here checks it): "
-        "gptq, awq, compressed-tensors (W4A16 / W8A16 pack-quantized). fp8 and GGUF are not supported yet. "
+        "gptq, awq, compressed-tensors (W4A16 / W8A16 pack-quantized); a .gguf MODEL is read as gguf. fp8 is not "
+        "supported yet. "
         "Default: the checkpoint's own format.",
     )  # fmt: skip
     engine.add_argument(

@@ -1,7 +1,7 @@
 """Weight formats by name: ``get_quantization_config("unquantized")`` -> its config class.
 
 "unquantized"; the load-time formats "int8" and "int4"; the checkpoint formats "gptq", "awq"
-and "compressed-tensors" (their integer weights share ``packed_int``).
+and "compressed-tensors", and "gguf" (their integer weights share ``packed_int``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ QUANTIZATION_METHODS: dict[str, Union[str, type[QuantizationConfig]]] = {
     "gptq": "gptq:GPTQConfig",
     "awq": "awq:AWQConfig",
     "compressed-tensors": "compressed_tensors:CompressedTensorsConfig",
+    "gguf": "gguf:GGUFConfig",
 }
 
 

@@ -18,7 +18,12 @@ from torch import nn
 
 from pagedllm.model_executor.layers.linear import LinearBase
 from pagedllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
-from pagedllm.model_executor.layers.quantization.packed_int import PackedIntLinearMethod, check_bits_and_group, unpack_int32
+from pagedllm.model_executor.layers.quantization.packed_int import (
+    PackedIntLinearMethod,
+    check_bits_and_group,
+    per_output_tensors,
+    unpack_int32,
+)
 
 #: Which output of its run of eight each nibble of an AWQ word holds (AutoAWQ's packing order).
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -66,12 +71,7 @@ class AWQLinearMethod(PackedIntLinearMethod):
         super().__init__(prefix, 4, config.group_size)
 
     def checkpoint_tensors(self, num_groups: int, input_size: int) -> dict[str, tuple[list[int], dict[str, Any]]]:
-        per_output = {"output_dim": 0, "input_dim": 1}
-        return {
-            "qweight": ([-1, input_size], per_output),
-            "qzeros": ([-1, num_groups], per_output),
-            "scales": ([-1, num_groups], per_output),
-        }
+        return per_output_tensors(("qweight", "scales", "qzeros"), num_groups, input_size)
 
     def convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if name == "qweight":

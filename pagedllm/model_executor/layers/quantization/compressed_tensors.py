@@ -31,6 +31,7 @@ from pagedllm.model_executor.layers.quantization.packed_int import (
     check_bits_and_group,
     checkpoint_module_names,
     name_matches,
+    per_output_tensors,
     unpack_int32,
 )
 
@@ -136,14 +137,10 @@ class CompressedTensorsLinearMethod(PackedIntLinearMethod):
         return _CANONICAL.get(name, name)
 
     def checkpoint_tensors(self, num_groups: int, input_size: int) -> dict[str, tuple[list[int], dict[str, Any]]]:
-        per_output = {"output_dim": 0, "input_dim": 1}
-        tensors = {
-            "weight_packed": ([-1, input_size], per_output),
-            "weight_scale": ([-1, num_groups], per_output),
-            "weight_shape": ([2], {}),
-        }
-        if not self.scheme.symmetric:
-            tensors["weight_zero_point"] = ([-1, num_groups], per_output)
+        tensors = per_output_tensors(("weight_packed", "weight_scale", "weight_zero_point"), num_groups, input_size)
+        tensors["weight_shape"] = ([2], {})
+        if self.scheme.symmetric:
+            del tensors["weight_zero_point"]
         if self.scheme.actorder:
             tensors["weight_g_idx"] = ([input_size], {"input_dim": 0})
         return tensors

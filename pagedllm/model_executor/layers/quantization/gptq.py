@@ -21,7 +21,12 @@ from torch import nn
 
 from pagedllm.model_executor.layers.linear import LinearBase
 from pagedllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
-from pagedllm.model_executor.layers.quantization.packed_int import PackedIntLinearMethod, check_bits_and_group, unpack_int32
+from pagedllm.model_executor.layers.quantization.packed_int import (
+    PackedIntLinearMethod,
+    check_bits_and_group,
+    per_output_tensors,
+    unpack_int32,
+)
 
 
 class GPTQConfig(QuantizationConfig):
@@ -68,13 +73,8 @@ class GPTQLinearMethod(PackedIntLinearMethod):
         self._g_idx: Optional[torch.Tensor] = None  # the first fused part's, while loading
 
     def checkpoint_tensors(self, num_groups: int, input_size: int) -> dict[str, tuple[list[int], dict[str, Any]]]:
-        per_output = {"output_dim": 0, "input_dim": 1}
-        return {
-            "qweight": ([-1, input_size], per_output),
-            "qzeros": ([-1, num_groups], per_output),
-            "scales": ([-1, num_groups], per_output),
-            "g_idx": ([input_size], {"input_dim": 0}),
-        }
+        tensors = per_output_tensors(("qweight", "scales", "qzeros"), num_groups, input_size)
+        return {**tensors, "g_idx": ([input_size], {"input_dim": 0})}
 
     def convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if name == "g_idx":

@@ -96,6 +96,15 @@ def check_bits_and_group(format_name: str, bits: int, group_size: int, supported
         raise ValueError(f"{format_name}: group_size {group_size} is not supported; supported: {SUPPORTED_GROUP_SIZES}.")
 
 
+def per_output_tensors(names: tuple[str, ...], num_groups: int, input_size: int) -> dict[str, tuple[list[int], dict[str, Any]]]:
+    """``checkpoint_tensors``' entries for the usual three: ``names`` of the weight, the
+    scales and the zero points, in the canonical [out, in] / [out, groups] layout."""
+    per_output = {"output_dim": 0, "input_dim": 1}
+    weight, scales, zeros = names
+    return {weight: ([-1, input_size], per_output), scales: ([-1, num_groups], per_output),
+            zeros: ([-1, num_groups], per_output)}  # fmt: skip
+
+
 class PackedIntLinearMethod(LinearMethodBase):
     """A layer whose checkpoint holds ``bits``-bit integer weights in groups of
     ``group_size`` inputs (-1: one group per output row). Subclasses name the checkpoint

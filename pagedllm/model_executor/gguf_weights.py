@@ -1,0 +1,156 @@
+"""Reading a GGUF file (llama.cpp's format, https://github.com/ggml-org/ggml/blob/master/docs/gguf.md)
+as a checkpoint, with the ``gguf`` package's reader (tensors are memory-mapped, not copied).
+
+Tensor names are mapped back to Hugging Face's (``blk.0.attn_q.weight`` ->
+``model.layers.0.self_attn.q_proj.weight``) with ``gguf``'s own name tables, and the rows of
+Llama's q / k weights are un-permuted (llama.cpp's converter interleaves each head's two
+rotary halves; see ``unpermute_rows``). Per tensor type:
+
+- F32 / F16 / BF16: the tensor itself;
+- Q4_0 and Q4_1 weights of linear layers that take them whole (``INT4_TYPES``): the
+  canonical 4-bit layout of ``packed_int`` (``qweight`` / ``scales`` / ``qzeros``, groups of
+  32), run by the ``linear_w4`` kernel with the same arithmetic:
+  Q4_0 W = d * (q - 8); Q4_1 W = d * q + m, i.e. zero point -m / d;
+- any other type (Q8_0, K-quants, ...), and embeddings / norms / the lm_head: dequantized
+  at load by ``gguf`` to float32 (a warning names the types that have no kernel yet).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from transformers import PretrainedConfig
+
+logger = logging.getLogger(__name__)
+
+#: GGUF ``general.architecture`` -> the ``gguf`` package's architecture name; only these load.
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+#: The ggml types read as 4-bit weights (blocks of 32 inputs), by name.
+INT4_TYPES = ("Q4_0", "Q4_1")
+
+_UNQUANTIZED_TYPES = ("F32", "F16", "BF16")
+_BLOCK = 32  # inputs per Q4_0 / Q4_1 block
+
+#: Hugging Face module names of one decoder layer (``{i}`` is the layer index).
+_LAYER_MODULES = (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+    "input_layernorm", "post_attention_layernorm",
+)  # fmt: skip
+
+
+def open_gguf(path: Path):
+    """The ``gguf.GGUFReader`` of ``path``.
+
+    Raises:
+        ValueError: the file is not a GGUF file (the reader's message).
+    """
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
+
+
+def gguf_to_hf_names(model_type: str, num_layers: int) -> dict[str, str]:
+    """GGUF tensor name -> Hugging Face name, for a model of ``model_type`` (config.json's)
+    with ``num_layers`` decoder layers.
+
+    Raises:
+        ValueError: an architecture this loader does not read (the message lists those it does).
+    """
+    import gguf
+
+    arch_name = GGUF_ARCHITECTURES.get(model_type)
+    if arch_name is None:
+        raise ValueError(f"GGUF model type {model_type!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}.")
+    arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == arch_name)
+    name_map = gguf.get_tensor_name_map(arch, num_layers)
+    modules = ["model.embed_tokens", "model.norm", "lm_head"]
+    modules += [f"model.layers.{i}.{module}" for i in range(num_layers) for module in _LAYER_MODULES]
+    names = {}
+    for module in modules:
+        gguf_module = name_map.get_name(module)
+        if gguf_module is not None:
+            names.update({f"{gguf_module}{suffix}": f"{module}{suffix}" for suffix in (".weight", ".bias")})
+    return names
+
+
+def tensor_types(reader, hf_config: PretrainedConfig) -> dict[str, str]:
+    """Hugging Face tensor name -> its ggml type name ("Q4_0", "F16" ...), for every tensor of
+    the file (read from the header only)."""
+    names = gguf_to_hf_names(hf_config.model_type, hf_config.num_hidden_layers)
+    return {names.get(t.name, t.name): t.tensor_type.name for t in reader.tensors}
+
+
+def unpermute_rows(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q / k row permutation: within each of ``num_heads`` heads, its rows are
+    stored as pairs (i, i + half) interleaved; this returns them in Hugging Face's order
+    (``convert_hf_to_gguf.py``'s ``LlamaModel.permute``, inverted). ``rows`` [out, ...]."""
+    half = rows.shape[0] // num_heads // 2
+    return rows.reshape(num_heads, half, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+
+def decode_int4_blocks(raw: np.ndarray, type_name: str, num_inputs: int) -> dict[str, torch.Tensor]:
+    """Q4_0 / Q4_1 rows (``raw`` [out, blocks * bytes per block] uint8) -> ``qweight`` [out,
+    in] uint8 (0-15), ``scales`` and ``qzeros`` [out, in / 32] float32 with W = scales *
+    (qweight - qzeros) per block (see the module docstring; Q4_1 blocks with d = 0, all
+    weights m, become q = 1, zero 0, scale m)."""
+    out = raw.shape[0]
+    header = 2 if type_name == "Q4_0" else 4
+    blocks = raw.reshape(out, num_inputs // _BLOCK, header + 16)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., header:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(out, num_inputs)  # element j, then j + 16
+    if type_name == "Q4_0":
+        zero = np.full_like(d, 8.0)
+    else:
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        flat = d == 0
+        zero = np.where(flat, 0.0, -m / np.where(flat, 1.0, d)).astype(np.float32)
+        q.reshape(out, -1, _BLOCK)[flat] = 1
+        d = np.where(flat, m, d)
+    return {"qweight": torch.from_numpy(np.ascontiguousarray(q)), "scales": torch.from_numpy(d),
+            "qzeros": torch.from_numpy(zero)}  # fmt: skip
+
+
+def iterate_gguf_weights(path: Path, hf_config: PretrainedConfig, int4_modules: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(Hugging Face name, tensor)`` for every tensor of the GGUF file: the 4-bit
+    layout for the weights of ``int4_modules`` (module names, e.g.
+    ``model.layers.0.self_attn.q_proj``), float tensors for the rest (see the module docstring).
+
+    Raises:
+        ValueError: an unreadable file or an unsupported architecture.
+    """
+    import gguf
+
+    reader = open_gguf(path)
+    names = gguf_to_hf_names(hf_config.model_type, hf_config.num_hidden_layers)
+    permuted = {"q_proj": hf_config.num_attention_heads, "k_proj": hf_config.num_key_value_heads}
+    dequantized: set[str] = set()
+    for tensor in reader.tensors:
+        name = names.get(tensor.name, tensor.name)
+        module, _, _ = name.rpartition(".")
+        type_name = tensor.tensor_type.name
+        heads = permuted.get(module.rpartition(".")[2]) if GGUF_ARCHITECTURES[hf_config.model_type] == "llama" else None
+        num_inputs = int(tensor.shape[0])  # GGUF lists dimensions innermost first
+        if module in int4_modules and type_name in INT4_TYPES and name.endswith(".weight"):
+            for key, value in decode_int4_blocks(np.asarray(tensor.data), type_name, num_inputs).items():
+                yield f"{module}.{key}", value if heads is None else unpermute_rows(value, heads)
+            continue
+        if type_name not in _UNQUANTIZED_TYPES:
+            dequantized.add(type_name)
+        values = torch.from_numpy(np.array(gguf.dequantize(np.asarray(tensor.data), tensor.tensor_type), copy=True))
+        values = values.reshape(tuple(reversed([int(d) for d in tensor.shape])))
+        yield name, values if heads is None or not name.endswith((".weight", ".bias")) else unpermute_rows(values, heads)
+    if dequantized:
+        logger.warning(
+            "%s: tensors of type %s have no kernel here yet and were dequantized at load to the model dtype.",
+            path.name, ", ".join(sorted(dequantized)),
+        )  # fmt: skip
