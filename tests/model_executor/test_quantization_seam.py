@@ -6,7 +6,6 @@ one is refused with the supported ones listed)."""
 from __future__ import annotations
 
 from pathlib import Path
-
 from types import SimpleNamespace
 from typing import Any, Optional
 
