@@ -7,11 +7,12 @@ Llama's q / k weights are un-permuted (llama.cpp's converter interleaves each he
 rotary halves; see ``unpermute_rows``). Per tensor type:
 
 - F32 / F16 / BF16: the tensor itself;
-- Q4_0 and Q4_1 weights of linear layers that take them whole (``INT4_TYPES``): the
-  canonical 4-bit layout of ``packed_int`` (``qweight`` / ``scales`` / ``qzeros``, groups of
-  32), run by the ``linear_w4`` kernel with the same arithmetic:
-  Q4_0 W = d * (q - 8); Q4_1 W = d * q + m, i.e. zero point -m / d;
-- any other type (Q8_0, K-quants, ...), and embeddings / norms / the lm_head: dequantized
+- Q4_0, Q4_1 and Q8_0 weights of linear layers that take them whole (``KERNEL_TYPES``):
+  ``packed_int``'s canonical layout (``qweight`` / ``scales`` / ``qzeros``, groups of 32), run
+  by the ``linear_w4`` / ``linear_w8g`` kernels with the same arithmetic:
+  Q4_0 W = d * (q - 8); Q4_1 W = d * q + m, i.e. zero point -m / d; Q8_0 W = d * q (q signed,
+  stored as q + 128 with zero point 128);
+- any other type (K-quants, Q5_x, ...), and embeddings / norms / the lm_head: dequantized
   at load by ``gguf`` to float32 (a warning names the types that have no kernel yet).
 """
 
@@ -30,8 +31,8 @@ logger = logging.getLogger(__name__)
 #: GGUF ``general.architecture`` -> the ``gguf`` package's architecture name; only these load.
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
-#: The ggml types read as 4-bit weights (blocks of 32 inputs), by name.
-INT4_TYPES = ("Q4_0", "Q4_1")
+#: The ggml types the kernels run (blocks of 32 inputs), by name -> bits per weight.
+KERNEL_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
 
 _UNQUANTIZED_TYPES = ("F32", "F16", "BF16")
 _BLOCK = 32  # inputs per Q4_0 / Q4_1 block
@@ -97,20 +98,24 @@ def unpermute_rows(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
     return rows.reshape(num_heads, half, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
 
 
-def decode_int4_blocks(raw: np.ndarray, type_name: str, num_inputs: int) -> dict[str, torch.Tensor]:
-    """Q4_0 / Q4_1 rows (``raw`` [out, blocks * bytes per block] uint8) -> ``qweight`` [out,
-    in] uint8 (0-15), ``scales`` and ``qzeros`` [out, in / 32] float32 with W = scales *
+def decode_blocks(raw: np.ndarray, type_name: str, num_inputs: int) -> dict[str, torch.Tensor]:
+    """Q4_0 / Q4_1 / Q8_0 rows (``raw`` [out, blocks * bytes per block] uint8) -> ``qweight``
+    [out, in] uint8, ``scales`` and ``qzeros`` [out, in / 32] float32 with W = scales *
     (qweight - qzeros) per block (see the module docstring; Q4_1 blocks with d = 0, all
     weights m, become q = 1, zero 0, scale m)."""
     out = raw.shape[0]
-    header = 2 if type_name == "Q4_0" else 4
-    blocks = raw.reshape(out, num_inputs // _BLOCK, header + 16)
+    header = 4 if type_name == "Q4_1" else 2
+    blocks = raw.reshape(out, num_inputs // _BLOCK, -1)
     d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
     qs = blocks[..., header:]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(out, num_inputs)  # element j, then j + 16
+    if type_name == "Q8_0":
+        q = (qs.view(np.int8).astype(np.int16) + 128).astype(np.uint8).reshape(out, num_inputs)
+        zero = np.full_like(d, 128.0)
+    else:
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(out, num_inputs)  # element j, then j + 16
     if type_name == "Q4_0":
         zero = np.full_like(d, 8.0)
-    else:
+    elif type_name == "Q4_1":
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
         flat = d == 0
         zero = np.where(flat, 0.0, -m / np.where(flat, 1.0, d)).astype(np.float32)
@@ -120,9 +125,9 @@ def decode_int4_blocks(raw: np.ndarray, type_name: str, num_inputs: int) -> dict
             "qzeros": torch.from_numpy(zero)}  # fmt: skip
 
 
-def iterate_gguf_weights(path: Path, hf_config: PretrainedConfig, int4_modules: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(Hugging Face name, tensor)`` for every tensor of the GGUF file: the 4-bit
-    layout for the weights of ``int4_modules`` (module names, e.g.
+def iterate_gguf_weights(path: Path, hf_config: PretrainedConfig, kernel_modules: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(Hugging Face name, tensor)`` for every tensor of the GGUF file: the canonical
+    integer layout for the weights of ``kernel_modules`` (module names, e.g.
     ``model.layers.0.self_attn.q_proj``), float tensors for the rest (see the module docstring).
 
     Raises:
@@ -140,8 +145,8 @@ def iterate_gguf_weights(path: Path, hf_config: PretrainedConfig, int4_modules: 
         type_name = tensor.tensor_type.name
         heads = permuted.get(module.rpartition(".")[2]) if GGUF_ARCHITECTURES[hf_config.model_type] == "llama" else None
         num_inputs = int(tensor.shape[0])  # GGUF lists dimensions innermost first
-        if module in int4_modules and type_name in INT4_TYPES and name.endswith(".weight"):
-            for key, value in decode_int4_blocks(np.asarray(tensor.data), type_name, num_inputs).items():
+        if module in kernel_modules and type_name in KERNEL_TYPES and name.endswith(".weight"):
+            for key, value in decode_blocks(np.asarray(tensor.data), type_name, num_inputs).items():
                 yield f"{module}.{key}", value if heads is None else unpermute_rows(value, heads)
             continue
         if type_name not in _UNQUANTIZED_TYPES:

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedllm.config import ModelConfig
-from pagedllm.model_executor.gguf_weights import INT4_TYPES, iterate_gguf_weights, open_gguf, tensor_types
+from pagedllm.model_executor.gguf_weights import KERNEL_TYPES, iterate_gguf_weights, open_gguf, tensor_types
 from pagedllm.model_executor.layers.quantization import QuantizationConfig, get_quantization_config
 from pagedllm.model_executor.layers.quantization.gguf import GGUFConfig
 from pagedllm.model_executor.models.registry import get_model_class
@@ -48,7 +48,7 @@ def iterate_weights(model_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def get_quant_config(model_config: ModelConfig) -> Optional[QuantizationConfig]:
     """The weight format: config.json's ``quantization_config`` ("gguf" for a GGUF file, with
-    the linear modules it holds in Q4_0 / Q4_1), or ``--quantization``'s format applied at
+    the linear modules it holds in types the kernels run), or ``--quantization``'s format applied at
     load time to an unquantized checkpoint (None: neither).
 
     Raises:
@@ -60,8 +60,8 @@ def get_quant_config(model_config: ModelConfig) -> Optional[QuantizationConfig]:
     if model_config.model_path.suffix == ".gguf":
         reader = open_gguf(model_config.model_path)
         types = tensor_types(reader, model_config.hf_config)
-        int4 = [name.removesuffix(".weight") for name, kind in types.items() if kind in INT4_TYPES]
-        config = {"quant_method": "gguf", "int4_modules": int4}
+        bits = {name.removesuffix(".weight"): KERNEL_TYPES[kind] for name, kind in types.items() if kind in KERNEL_TYPES}
+        config = {"quant_method": "gguf", "module_bits": bits}
     if config is None:
         return None if requested is None else get_quantization_config(requested).from_config({})
     config = config if isinstance(config, dict) else config.to_dict()
@@ -105,7 +105,7 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     finally:
         torch.set_default_dtype(old_dtype)
     if isinstance(quant_config, GGUFConfig):
-        weights = iterate_gguf_weights(model_config.model_path, model_config.hf_config, quant_config.int4_modules)
+        weights = iterate_gguf_weights(model_config.model_path, model_config.hf_config, quant_config.kernel_modules)
     else:
         weights = iterate_weights(model_config.model_path)
     loaded = model.load_weights(weights)

@@ -1,7 +1,7 @@
 """GGUF files load and run: ``LLM("model.gguf", tokenizer=HF_DIR)`` reads the architecture and
 hyper-parameters from the file's metadata, maps GGUF tensor names back to Hugging Face's
-(Llama's q / k rows un-permuted), runs Q4_0 / Q4_1 linear weights on the int4 kernel and
-dequantizes other types at load; greedy output equals transformers' own GGUF loading
+(Llama's q / k rows un-permuted), runs Q4_0 / Q4_1 / Q8_0 linear weights on the grouped
+integer kernels and dequantizes other types at load; greedy output equals transformers' own GGUF loading
 (which dequantizes everything) on the same file. The files are written by
 ``pagedllm.testing.gguf_writer`` with the ``gguf`` package's writer and quantizers."""
 
@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.model_executor.gguf_weights import decode_int4_blocks, unpermute_rows
+from pagedllm.model_executor.gguf_weights import decode_blocks, unpermute_rows
 from pagedllm.testing.gguf_writer import permute_rows, write_gguf
 from tests.helpers import model_runner, random_prompts
 
@@ -39,7 +39,8 @@ def qwen2_128(checkpoint_factory):
     [
         ("llama_128", "Q4_0", "F32", torch.uint8),
         ("llama_128", "Q4_1", "F16", torch.uint8),
-        ("llama_128", "Q8_0", "F32", torch.float32),  # no Q8_0 kernel yet: dequantized at load
+        ("llama_128", "Q8_0", "F32", torch.uint8),
+        ("llama_128", "Q5_0", "F32", torch.float32),  # no Q5_0 kernel: dequantized at load
         ("qwen2_128", "Q4_0", "F32", torch.uint8),
     ],
 )
@@ -57,7 +58,7 @@ def test_greedy_equals_transformers_gguf(request, tmp_path, model, linear_type, 
     assert runner.model_config.hf_config.num_hidden_layers == 2 and runner.model_config.architecture.endswith("ForCausalLM")
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
 def test_decoded_blocks_equal_gguf_dequantize(type_name):
     import gguf
 
@@ -66,7 +67,7 @@ def test_decoded_blocks_equal_gguf_dequantize(type_name):
     w = rng.standard_normal((24, 96)).astype(np.float32)
     w[3, :32] = 0.25  # a constant block (Q4_1 stores d = 0, m = 0.25)
     raw = gguf.quants.quantize(w, qtype)
-    tensors = decode_int4_blocks(raw, type_name, 96)
+    tensors = decode_blocks(raw, type_name, 96)
     group = tensors["scales"].repeat_interleave(32, 1)
     ours = group * (tensors["qweight"].float() - tensors["qzeros"].repeat_interleave(32, 1))
     assert torch.allclose(ours, torch.from_numpy(gguf.quants.dequantize(raw, qtype)), atol=1e-6)

@@ -152,13 +152,13 @@ def compressed_tensors(bits: int, strategy: str, sym: bool, group: int = 32):
 
 
 #: name -> (checkpoint writer, the dtype of the linear layers' weights once loaded: uint8 =
-#: linear_w4, int8 = linear_w8, float32 = dequantized at load, no kernel for the layout yet).
+#: linear_w4 / linear_w8g (grouped), int8 = linear_w8 (symmetric, per channel)).
 FORMATS = {
     "gptq-4bit-g32-sym": (lambda: gptq(4, 32, desc_act=False, sym=True), torch.uint8),
     "gptq-4bit-g32-act-order-asym": (lambda: gptq(4, 32, desc_act=True, sym=False), torch.uint8),
     "gptq_v2-4bit-g128": (lambda: gptq(4, 128, desc_act=False, sym=False, checkpoint_format="gptq_v2"), torch.uint8),
     "gptq-8bit-channel-sym": (lambda: gptq(8, -1, desc_act=False, sym=True), torch.int8),
-    "gptq-8bit-g64-asym": (lambda: gptq(8, 64, desc_act=False, sym=False), torch.float32),
+    "gptq-8bit-g64-asym": (lambda: gptq(8, 64, desc_act=False, sym=False), torch.uint8),
     "awq-4bit-g32": (lambda: awq(32), torch.uint8),
     "awq-4bit-g128": (lambda: awq(128), torch.uint8),
     "compressed-tensors-w4a16-g32-asym": (lambda: compressed_tensors(4, "group", sym=False), torch.uint8),

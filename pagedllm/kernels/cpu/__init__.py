@@ -3,8 +3,8 @@
 ``paged_attention.cpp``, ``elementwise.cpp`` (RMSNorm, SwiGLU, rotary embedding),
 ``sampling.cpp`` (greedy argmax), ``packed_linear.cpp`` (few-row matmul on oneDNN-packed
 bf16 weights), ``linear_w16.cpp`` (matmul on 16-bit weights widened to float32, for CPUs
-without native bf16, and on int8 weights with per-output scales) and ``linear_w4.cpp``
-(matmul on 4-bit weights with per-group scales and zero points), beside this file, are built with ``torch.utils.cpp_extension.load`` the first
+without native bf16, and on int8 weights with per-output scales) and ``linear_grouped.cpp``
+(matmul on 4- and 8-bit weights with per-group scales and zero points), beside this file, are built with ``torch.utils.cpp_extension.load`` the first
 time a kernel is asked for — never at import — and cached in torch's extensions directory
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``).
 
@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 DISABLE_ENV = "PAGEDLLM_DISABLE_CPU_KERNELS"
 _KERNEL_VERSION = 5
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "packed_linear.cpp", "linear_w16.cpp", "linear_w4.cpp")]
+_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "packed_linear.cpp", "linear_w16.cpp", "linear_grouped.cpp")]
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 _AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
@@ -485,7 +485,7 @@ def linear_w8(
 def pack_w4(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [N, K] uint8 of 4-bit values (0-15, K even) re-laid out for ``linear_w4``:
     [ceil(N / 16), K / 2, 16] uint8, blocks of 16 outputs with inputs 2i and 2i + 1 in the
-    low and high nibble of one byte (see ``linear_w4.cpp``).
+    low and high nibble of one byte (see ``linear_grouped.cpp``).
 
     Raises:
         RuntimeError: unavailable kernels, or a bad shape / dtype.
@@ -507,10 +507,30 @@ def linear_w4(
     scale and zero [n, K / group_size] float32 contiguous (group_size even), bias [n] or None
     -> [M, n] in x's dtype; float32 products and sums. Up to 16 rows a weight-streaming kernel
     (AVX2 and up) reading half a byte per weight; more rows, torch's float32 GEMM on chunks of
-    dequantized weights (see ``linear_w4.cpp``).
+    dequantized weights (see ``linear_grouped.cpp``).
 
     Raises:
         RuntimeError: unavailable kernels, or bad shapes / dtypes.
     """
     _require()
     return _ops().linear_w4(x, weight, scale, zero, bias, n)
+
+
+def linear_w8g(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bias: torch.Tensor | None,
+    n: int,
+) -> torch.Tensor:
+    """``linear_w4`` for 8-bit unsigned weights (W = scale * (Q - zero) per group, Q 0-255):
+    weight is Q [n, K] uint8 in ``pack_w8``'s layout ([ceil(n / 16), K, 16] uint8; pack its
+    bytes viewed as int8), scale and zero [n, K / group_size] float32 (see
+    ``linear_grouped.cpp``).
+
+    Raises:
+        RuntimeError: unavailable kernels, or bad shapes / dtypes.
+    """
+    _require()
+    return _ops().linear_w8g(x, weight, scale, zero, bias, n)

@@ -1,5 +1,5 @@
 // The blocked weight layout shared by linear_w16.cpp (16-bit and int8 weights) and
-// linear_w4.cpp (4-bit weights): N outputs cut into blocks of kBlock, each block one
+// linear_grouped.cpp (4- and 8-bit weights in groups): N outputs cut into blocks of kBlock, each block one
 // contiguous stream over the inputs. Up to kStreamRows rows of x go through the
 // weight-streaming kernels (AVX2 and up: PAGEDLLM_BLOCK_STREAM); more rows through torch's
 // float32 GEMM on chunks of kGemmChunkBytes of widened weights.

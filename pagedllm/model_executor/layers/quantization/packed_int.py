@@ -8,14 +8,13 @@ float32, ``qzeros`` [out, in / group] float32 (the unsigned zero point), and opt
 ``g_idx`` [in] (GPTQ's act-order groups), each with a ``weight_loader`` that converts the
 checkpoint tensor of that name (``convert``) before the layer's own loader slices and stacks
 it (tensor parallelism and fused q/k/v, gate/up work unchanged). Once loaded,
-``process_weights_after_loading`` hands 4-bit weights to the ``linear_w4`` kernel
-(``store_int4``), symmetric per-channel 8-bit weights to ``linear_w8``, and dequantizes any
-other 8-bit layout to the model dtype (with a warning: no kernel for it yet).
+``process_weights_after_loading`` hands symmetric per-channel 8-bit weights to ``linear_w8``
+(signed int8, one scale per output) and every other layout to ``linear_w4`` / ``linear_w8g``
+(``grouped.py``).
 """
 
 from __future__ import annotations
 
-import logging
 import re
 from abc import abstractmethod
 from typing import Any, Callable, Optional
@@ -23,15 +22,11 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from pagedllm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
-from pagedllm.model_executor.layers.quantization.int4 import apply_int4, describe_int4, store_int4
+from pagedllm.model_executor.layers.linear import LinearMethodBase
+from pagedllm.model_executor.layers.quantization.grouped import apply_grouped, describe_grouped, store_grouped
 from pagedllm.model_executor.layers.quantization.int8 import apply_int8, describe_int8, store_int8
 from pagedllm.model_executor.utils import set_weight_attrs
 
-logger = logging.getLogger(__name__)
-
-#: How 8-bit layouts without a kernel run once dequantized: as a model-dtype weight.
-_DEQUANTIZED = UnquantizedLinearMethod()
 
 #: Checkpoint module names of our fused layers (``qkv_proj`` holds q_proj, k_proj, v_proj).
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -199,36 +194,19 @@ class PackedIntLinearMethod(LinearMethodBase):
             perm = torch.argsort(g_idx.long(), stable=True)
             if not torch.equal(perm, torch.arange(perm.numel())):
                 q, layer.input_perm = q[:, perm].contiguous(), perm
-        if self.bits == 4:
-            store_int4(layer, q, scale, zero)
-        elif scale.shape[1] == 1 and bool((zero == 128).all()) and layer.input_perm is None:
+        if self.bits == 8 and scale.shape[1] == 1 and bool((zero == 128).all()):
             store_int8(layer, (q.to(torch.int16) - 128).to(torch.int8), scale[:, 0])
         else:
-            logger.warning(
-                "%s: layer %s has 8-bit weights with group scales or zero points: no kernel for them "
-                "yet, dequantized to %s at load.", self.format_name, self.prefix, layer.params_dtype,
-            )  # fmt: skip
-            group = q.shape[1] // scale.shape[1]
-            w = scale.repeat_interleave(group, 1) * (q.float() - zero.repeat_interleave(group, 1))
-            if layer.input_perm is not None:
-                w = w[:, layer.input_perm.argsort()]
-                layer.input_perm = None
-            layer.weight = nn.Parameter(w.to(layer.params_dtype), requires_grad=False)
-            layer.register_buffer("weight_fp32", None, persistent=False)
-            _DEQUANTIZED.process_weights_after_loading(layer)
+            store_grouped(layer, q, scale, zero, self.bits)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if layer.input_perm is not None:
             x = x.index_select(-1, layer.input_perm)
         if hasattr(layer, "weight_zero_point"):
-            return apply_int4(layer, x, bias)
-        if hasattr(layer, "weight_scale"):
-            return apply_int8(layer, x, bias)
-        return _DEQUANTIZED.apply(layer, x, bias)
+            return apply_grouped(layer, x, bias)
+        return apply_int8(layer, x, bias)
 
     def describe_path(self, layer: nn.Module) -> str:
         if hasattr(layer, "weight_zero_point"):
-            return describe_int4(layer, self.format_name)
-        if hasattr(layer, "weight_scale"):
-            return f"{self.format_name}: " + describe_int8(layer)
-        return f"{self.format_name}: dequantized at load, " + _DEQUANTIZED.describe_path(layer)
+            return describe_grouped(layer, self.format_name)
+        return f"{self.format_name}: " + describe_int8(layer)

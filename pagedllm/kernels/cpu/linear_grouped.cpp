@@ -1,17 +1,19 @@
-// Matmul against 4-bit weights with one float32 scale and zero point per group of inputs
-// (weight-only quantization, the arithmetic of GPTQ, AWQ and compressed-tensors' W4A16):
+// Matmul against 4- and 8-bit unsigned weights with one float32 scale and zero point per group
+// of inputs (weight-only quantization: the arithmetic of GPTQ, AWQ, compressed-tensors' W4A16 /
+// W8A16 and llama.cpp's Q4_0, Q4_1 and Q8_0 blocks):
 //
-//   W[n, k] = scale[n, g] * (Q[n, k] - zero[n, g]),   g = k / group_size,  Q in [0, 15]
+//   W[n, k] = scale[n, g] * (Q[n, k] - zero[n, g]),   g = k / group_size,  Q in [0, 2^bits)
 //
-// Registered as torch.ops.pagedllm_cpu_<level>.pack_w4 / linear_w4 (see __init__.py):
+// Registered as torch.ops.pagedllm_cpu_<level>.pack_w4 / linear_w4 / linear_w8g (see __init__.py):
 //
 //   pack_w4(q [N, K] uint8, values 0-15, K even)  ->  [ceil(N / 16), K / 2, 16] uint8
 //   linear_w4(x [M, K] float32 / bfloat16 / float16, packed weight, scale [N, G] float32,
 //             zero [N, G] float32, bias [N] or None, N)  ->  x W^T + b, [M, N] in x's dtype
+//   linear_w8g(x, weight [ceil(N / 16), K, 16] uint8 (pack_w8's layout), scale, zero, bias, N)
 //
-// The layout is linear_w16.cpp's blocks of 16 outputs, two inputs per byte: byte
-// (b, i, j) holds Q[b * 16 + j, 2 i] in its low nibble and Q[b * 16 + j, 2 i + 1] in its high
-// nibble, so a block is one contiguous stream of K * 8 bytes (a quarter of bfloat16's).
+// The layout is linear_w16.cpp's blocks of 16 outputs; 4-bit weights hold two inputs per byte:
+// byte (b, i, j) holds Q[b * 16 + j, 2 i] in its low nibble and Q[b * 16 + j, 2 i + 1] in its
+// high nibble, so a block is one contiguous stream of K * 8 bytes (a quarter of bfloat16's).
 //
 // Few rows (M <= kStreamRows, decode): per block, per group, the 16 outputs' sums
 // acc[j] = sum_k x[k] Q[n, k] are accumulated in float32 (FMA on nibbles widened to float32,
@@ -70,17 +72,24 @@ at::Tensor pack_w4(const at::Tensor& weight) {
   return out;
 }
 
+// Bytes of one block per input (a block holds 16 outputs).
+template <int Bits>
+constexpr int64_t block_bytes_per_input() {
+  return Bits == 4 ? kBlock / 2 : kBlock;
+}
+
 #ifdef PAGEDLLM_BLOCK_STREAM
-// 16 nibbles of one input (low or high half of 16 bytes, already masked) -> two 8-lane float32.
-inline void widen16(__m128i nibbles, __m256& w0, __m256& w1) {
-  w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles));
-  w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(nibbles, 8)));
+// 16 unsigned bytes of one input (for 4 bits: low or high nibbles, already masked) -> two
+// 8-lane float32.
+inline void widen16(__m128i bytes, __m256& w0, __m256& w1) {
+  w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+  w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
 }
 
 // Rows [0, R) of x (float32, row stride ldx; xsum [R][G] its per-group sums) times one block
-// wb (K / 2 x 16 bytes) with its groups' scale / zero rows (row stride G): y for the first
-// n_valid outputs, plus bias.
-template <typename Y, int R>
+// wb (K x 16 weights of Bits bits) with its groups' scale / zero rows (row stride G): y for
+// the first n_valid outputs, plus bias.
+template <int Bits, typename Y, int R>
 void block_rows(const float* x, int64_t ldx, const float* xsum, int64_t groups, const uint8_t* wb, int64_t k,
                 int64_t group_size, const float* scale, const float* zero, const float* bias, Y* y, int64_t ldy,
                 int64_t n_valid) {
@@ -96,12 +105,18 @@ void block_rows(const float* x, int64_t ldx, const float* xsum, int64_t groups, 
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t i = g * group_size; i < (g + 1) * group_size; i += 2) {
-      const uint8_t* p = wb + (i / 2) * kBlock;
+      // Inputs i and i + 1: one byte each (8 bits), or the two nibbles of one (4 bits).
+      const uint8_t* p = wb + i * block_bytes_per_input<Bits>();
       if (i % 8 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
       __m256 e0, e1, o0, o1;
-      widen16(_mm_and_si128(bytes, low4), e0, e1);
-      widen16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), o0, o1);
+      if constexpr (Bits == 4) {
+        widen16(_mm_and_si128(bytes, low4), e0, e1);
+        widen16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), o0, o1);
+      } else {
+        widen16(bytes, e0, e1);
+        widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kBlock)), o0, o1);
+      }
       for (int r = 0; r < R; ++r) {
         const __m256 xe = _mm256_set1_ps(x[r * ldx + i]), xo = _mm256_set1_ps(x[r * ldx + i + 1]);
         acc[r][0] = _mm256_fmadd_ps(xe, e0, acc[r][0]);
@@ -126,7 +141,7 @@ void block_rows(const float* x, int64_t ldx, const float* xsum, int64_t groups, 
   }
 }
 
-template <typename Y>
+template <int Bits, typename Y>
 void stream(const at::Tensor& x32, const at::Tensor& packed, int64_t group_size, const float* scale,
             const float* zero, const float* bias, int64_t n, at::Tensor& y) {
   const int64_t m = x32.size(0), k = x32.size(1), groups = k / group_size;
@@ -137,7 +152,7 @@ void stream(const at::Tensor& x32, const at::Tensor& packed, int64_t group_size,
   Y* yp = y.mutable_data_ptr<Y>();
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* wb = wp + b * (k / 2) * kBlock;
+      const uint8_t* wb = wp + b * k * block_bytes_per_input<Bits>();
       const int64_t n0 = b * kBlock, n_valid = std::min(kBlock, n - n0);
       const float* sb = scale + n0 * groups;
       const float* zb = zero + n0 * groups;
@@ -145,11 +160,11 @@ void stream(const at::Tensor& x32, const at::Tensor& packed, int64_t group_size,
       int64_t r = 0;
       // Register budget (16 ymm): 4 R accumulators and outputs, 4 widened weights, broadcasts.
       for (; r + 2 <= m; r += 2) {
-        block_rows<Y, 2>(xp + r * k, k, xs + r * groups, groups, wb, k, group_size, sb, zb, bb, yp + r * n + n0, n,
+        block_rows<Bits, Y, 2>(xp + r * k, k, xs + r * groups, groups, wb, k, group_size, sb, zb, bb, yp + r * n + n0, n,
                          n_valid);
       }
       if (r < m) {
-        block_rows<Y, 1>(xp + r * k, k, xs + r * groups, groups, wb, k, group_size, sb, zb, bb, yp + r * n + n0, n,
+        block_rows<Bits, Y, 1>(xp + r * k, k, xs + r * groups, groups, wb, k, group_size, sb, zb, bb, yp + r * n + n0, n,
                          n_valid);
       }
     }
@@ -159,9 +174,10 @@ void stream(const at::Tensor& x32, const at::Tensor& packed, int64_t group_size,
 
 // y32 [M, N] = x32 [M, K] W^T (+ bias), chunks of blocks dequantized into a float32
 // [K, columns] buffer for torch's float32 GEMM.
+template <int Bits>
 void dequantizing_gemm(const at::Tensor& x32, const at::Tensor& packed, int64_t group_size, const at::Tensor& scale,
                        const at::Tensor& zero, const at::Tensor& bias_f, int64_t n, at::Tensor& y32) {
-  const int64_t nb = packed.size(0), k = packed.size(1) * 2, groups = k / group_size;
+  const int64_t nb = packed.size(0), k = x32.size(1), groups = k / group_size;
   const int64_t chunk = std::max<int64_t>(4, kGemmChunkBytes / (4 * kBlock * std::max<int64_t>(k, 1)));
   at::Tensor wbuf = at::empty({k, std::min(chunk, nb) * kBlock}, x32.options());
   const uint8_t* wp = packed.const_data_ptr<uint8_t>();
@@ -178,10 +194,16 @@ void dequantizing_gemm(const at::Tensor& x32, const at::Tensor& packed, int64_t 
         float* odd = even + width;
         for (int64_t c = 0; c < cols; ++c) {
           const int64_t nn = b0 * kBlock + c;
-          const uint8_t byte = wp[((nn / kBlock) * (k / 2) + i) * kBlock + nn % kBlock];
+          const uint8_t* block = wp + (nn / kBlock) * k * block_bytes_per_input<Bits>() + nn % kBlock;
           const float s = sp[nn * groups + g], z = zp[nn * groups + g];
-          even[c] = s * (static_cast<float>(byte & 0x0F) - z);
-          odd[c] = s * (static_cast<float>(byte >> 4) - z);
+          if constexpr (Bits == 4) {
+            const uint8_t byte = block[i * kBlock];
+            even[c] = s * (static_cast<float>(byte & 0x0F) - z);
+            odd[c] = s * (static_cast<float>(byte >> 4) - z);
+          } else {
+            even[c] = s * (static_cast<float>(block[2 * i * kBlock]) - z);
+            odd[c] = s * (static_cast<float>(block[(2 * i + 1) * kBlock]) - z);
+          }
         }
       }
     });
@@ -191,28 +213,31 @@ void dequantizing_gemm(const at::Tensor& x32, const at::Tensor& packed, int64_t 
   if (bias_f.defined()) y32.add_(bias_f);
 }
 
-at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero,
-                     const std::optional<at::Tensor>& bias, int64_t n) {
+// x W^T + b for Bits-bit weights in blocks of 16 outputs; ``op`` names the caller in errors.
+template <int Bits>
+at::Tensor linear_grouped(const char* op, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                          const at::Tensor& zero, const std::optional<at::Tensor>& bias, int64_t n) {
   TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous() &&
                   packed.scalar_type() == at::kByte,
-              "linear_w4: weight must be a uint8 CPU tensor packed by pack_w4 ([N / 16, K / 2, 16])");
-  const int64_t k = packed.size(1) * 2;
-  TORCH_CHECK(n > (packed.size(0) - 1) * kBlock && n <= packed.size(0) * kBlock, "linear_w4: N = ", n,
+              op, Bits == 4 ? ": weight must be a uint8 CPU tensor packed by pack_w4 ([N / 16, K / 2, 16])"
+                            : ": weight must be a uint8 CPU tensor in pack_w8's layout ([N / 16, K, 16])");
+  const int64_t k = packed.size(1) * kBlock / block_bytes_per_input<Bits>();
+  TORCH_CHECK(n > (packed.size(0) - 1) * kBlock && n <= packed.size(0) * kBlock, op, ": N = ", n,
               " does not match the packed weight's ", packed.size(0), " blocks of 16 outputs");
   TORCH_CHECK(scale.device().is_cpu() && scale.dim() == 2 && scale.size(0) == n && scale.size(1) >= 1 &&
                   k % scale.size(1) == 0 && (k / scale.size(1)) % 2 == 0 && scale.scalar_type() == at::kFloat &&
                   scale.is_contiguous(),
-              "linear_w4: scale must be a contiguous float32 CPU tensor [", n,
-              ", G] with G dividing K = ", k, " into groups of an even size");
-  TORCH_CHECK(zero.sizes() == scale.sizes() && zero.scalar_type() == at::kFloat && zero.is_contiguous(),
-              "linear_w4: zero must be a contiguous float32 tensor shaped like scale");
+              op, ": scale must be a contiguous float32 CPU tensor [", n, ", G] with G dividing K = ", k,
+              " into groups of an even size");
+  TORCH_CHECK(zero.sizes() == scale.sizes() && zero.scalar_type() == at::kFloat && zero.is_contiguous(), op,
+              ": zero must be a contiguous float32 tensor shaped like scale");
   const auto xt = x.scalar_type();
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == k &&
                   (xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf),
-              "linear_w4: x must be a float32 / bfloat16 / float16 CPU tensor [M, ", k, "]");
+              op, ": x must be a float32 / bfloat16 / float16 CPU tensor [M, ", k, "]");
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "linear_w4: bias must be [", n, "]");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, op, ": bias must be [", n, "]");
     bias_f = bias->to(at::kFloat).contiguous();
   }
   const int64_t m = x.size(0), group_size = k / scale.size(1);
@@ -224,16 +249,26 @@ at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& packed, const at::Te
     const float* sp = scale.const_data_ptr<float>();
     const float* zp = zero.const_data_ptr<float>();
     switch (xt) {
-      case at::kFloat: stream<float>(x32, packed, group_size, sp, zp, bp, n, y); break;
-      case at::kBFloat16: stream<c10::BFloat16>(x32, packed, group_size, sp, zp, bp, n, y); break;
-      default: stream<c10::Half>(x32, packed, group_size, sp, zp, bp, n, y); break;
+      case at::kFloat: stream<Bits, float>(x32, packed, group_size, sp, zp, bp, n, y); break;
+      case at::kBFloat16: stream<Bits, c10::BFloat16>(x32, packed, group_size, sp, zp, bp, n, y); break;
+      default: stream<Bits, c10::Half>(x32, packed, group_size, sp, zp, bp, n, y); break;
     }
     return y;
   }
 #endif
   at::Tensor y32 = at::empty({m, n}, x32.options());
-  dequantizing_gemm(x32, packed, group_size, scale, zero, bias_f, n, y32);
+  dequantizing_gemm<Bits>(x32, packed, group_size, scale, zero, bias_f, n, y32);
   return xt == at::kFloat ? y32 : y32.to(xt);
+}
+
+at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero,
+                     const std::optional<at::Tensor>& bias, int64_t n) {
+  return linear_grouped<4>("linear_w4", x, packed, scale, zero, bias, n);
+}
+
+at::Tensor linear_w8g(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero,
+                      const std::optional<at::Tensor>& bias, int64_t n) {
+  return linear_grouped<8>("linear_w8g", x, packed, scale, zero, bias, n);
 }
 
 }  // namespace
@@ -241,9 +276,11 @@ at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& packed, const at::Te
 PAGEDLLM_FRAGMENT(m) {
   m.def("pack_w4(Tensor weight) -> Tensor");
   m.def("linear_w4(Tensor x, Tensor weight, Tensor scale, Tensor zero, Tensor? bias, int n) -> Tensor");
+  m.def("linear_w8g(Tensor x, Tensor weight, Tensor scale, Tensor zero, Tensor? bias, int n) -> Tensor");
 }
 
 PAGEDLLM_IMPL(CompositeExplicitAutograd, m) {
   m.impl("pack_w4", &pack_w4);
   m.impl("linear_w4", &linear_w4);
+  m.impl("linear_w8g", &linear_w8g);
 }

@@ -1,6 +1,6 @@
-"""``linear_w4`` (4-bit weights with a float32 scale and zero point per group of inputs, in
-``pack_w4``'s blocks) equals the float64 product of the dequantized weight within float32
-summation error, at every instruction-set level the host supports, on both of its paths (the
+"""``linear_w4`` and ``linear_w8g`` (4- and 8-bit weights with a float32 scale and zero point
+per group of inputs, in ``pack_w4``'s / ``pack_w8``'s blocks) equal the float64 product of the
+dequantized weight within float32 summation error, at every instruction-set level the host supports, on both of its paths (the
 few-row streaming kernel and the dequantizing GEMM), for ragged shapes, group boundaries and
 with or without bias; bad input is refused with a clear error."""
 
@@ -17,12 +17,19 @@ pytestmark = pytest.mark.usefixtures("isa_kernel")
 SHAPES = [(1, 2, 2), (37, 64, 32), (130, 8, 8), (200, 256, 128), (67, 896, 128), (17, 96, 32)]
 
 
-def _random_case(n: int, k: int, group: int, seed: int):
+def _random_case(n: int, k: int, group: int, seed: int, bits: int):
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=gen)
     scale = torch.rand(n, k // group, generator=gen) * 0.01 + 1e-4
-    zero = torch.randint(0, 16, (n, k // group), generator=gen).float()
+    zero = torch.randint(0, 2**bits, (n, k // group), generator=gen).float()
     return q, scale, zero
+
+
+def _linear(bits: int, x, q, scale, zero, bias, n):
+    if bits == 4:
+        return cpu_kernels.linear_w4(x, cpu_kernels.pack_w4(q), scale, zero, bias, n)
+    packed = cpu_kernels.pack_w8(q.view(torch.int8)).view(torch.uint8)
+    return cpu_kernels.linear_w8g(x, packed, scale, zero, bias, n)
 
 
 def _dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -33,13 +40,14 @@ def _dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tor
 
 
 @pytest.mark.parametrize("n,k,group", SHAPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17])  # tiles of 2 and 1 rows; the GEMM
+@pytest.mark.parametrize("rows", [1, 2, 3, 17])  # tiles of 2 and 1 rows; the GEMM
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_matches_float64_product(n, k, group, rows, x_dtype):
-    q, scale, zero = _random_case(n, k, group, n * 31 + k + rows)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_matches_float64_product(n, k, group, rows, x_dtype, bits):
+    q, scale, zero = _random_case(n, k, group, n * 31 + k + rows, bits)
     x = torch.randn(rows, k).to(x_dtype)
     bias = torch.randn(n) if rows % 2 else None
-    got = cpu_kernels.linear_w4(x, cpu_kernels.pack_w4(q), scale, zero, bias, n)
+    got = _linear(bits, x, q, scale, zero, bias, n)
     assert got.shape == (rows, n) and got.dtype == x_dtype
     w = _dequantize(q, scale, zero)
     exact = x.double() @ w.T + (0 if bias is None else bias.double())
@@ -80,3 +88,5 @@ def test_bad_input_is_refused():
         cpu_kernels.linear_w4(x, q, torch.ones(40, 2), torch.ones(40, 2), None, 40)
     with pytest.raises(RuntimeError, match=r"linear_w4: x must be .* \[M, 8\]"):
         cpu_kernels.linear_w4(torch.randn(2, 6), q, ones, ones, None, 32)
+    with pytest.raises(RuntimeError, match=r"linear_w8g: weight must be a uint8 CPU tensor in pack_w8's layout"):
+        cpu_kernels.linear_w8g(x, q.view(torch.int8), ones, ones, None, 32)
