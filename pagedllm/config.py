@@ -330,12 +330,37 @@ class AttentionConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Multi-LoRA serving (``--enable-lora``; vLLM's ``LoRAConfig`` names and defaults):
+    ``max_loras`` adapters in one step (device slots), ``max_lora_rank`` the largest rank,
+    ``max_cpu_loras`` adapters kept loaded in CPU memory (LRU; None: ``max_loras``).
+
+    Raises:
+        ValueError: a value below 1, or ``max_cpu_loras`` < ``max_loras`` (vLLM's rule).
+    """
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     attention_config: AttentionConfig = field(default_factory=AttentionConfig)
+    lora_config: Optional[LoRAConfig] = None  # None: LoRA off (no --enable-lora)
 
 
 def _derived_max_model_len(hf_config: PretrainedConfig) -> int:
@@ -434,7 +459,6 @@ PARTLY_BUILT_ARGS: dict[str, tuple[tuple, str]] = {
     "tokenizer_mode": (("auto", "hf"), "pagedllm loads Hugging Face fast tokenizers"),
     "enable_chunked_prefill": ((None, True), "pagedllm always cuts long prompts into chunks"),
     "cpu_offload_gb": ((0,), "weights stay on the device"),
-    "enable_lora": ((False,), "LoRA adapters are not built"),
     "speculative_config": ((None,), "speculative decoding is not built"),
 }
 
@@ -457,7 +481,8 @@ class EngineArgs:
     vLLM's other common arguments are accepted with vLLM's names and defaults, in three
     kinds: partly built (``PARTLY_BUILT_ARGS``: e.g. ``tensor_parallel_size`` 1 only; another
     value raises ``ValueError`` "... is not supported yet" when ``EngineArgs`` is built);
-    built (``trust_remote_code``: passed to transformers when reading config.json;
+    built (``enable_lora``, ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``: multi-LoRA
+    serving, see ``LoRAConfig``; ``trust_remote_code``: passed to transformers when reading config.json;
     ``max_logprobs``: the most logprobs per token a request may ask for, 20, -1 for the
     vocabulary size; ``num_gpu_blocks_override``: the exact number of KV-cache blocks);
     and no-ops, that cannot matter here (``enforce_eager``, ``max_seq_len_to_capture``:
@@ -503,9 +528,12 @@ class EngineArgs:
     tokenizer_mode: str = "auto"
     enable_chunked_prefill: Optional[bool] = None
     cpu_offload_gb: float = 0
-    enable_lora: bool = False
     speculative_config: Optional[dict] = None
     # Built: they act as in vLLM.
+    enable_lora: bool = False  # multi-LoRA serving: see ``LoRAConfig``
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
     trust_remote_code: bool = False
     max_logprobs: int = 20
     num_gpu_blocks_override: Optional[int] = None
@@ -609,7 +637,8 @@ class EngineArgs:
             data_parallel_size=self.data_parallel_size,
         )
         attention_config = AttentionConfig(self.attention_backend)
-        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, attention_config)
+        lora_config = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None
+        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, attention_config, lora_config)
 
     def _check_num_gpu_blocks_override(self, max_model_len: int) -> None:
         """``num_gpu_blocks_override`` (None, or blocks enough for one ``max_model_len`` sequence).

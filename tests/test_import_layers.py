@@ -23,12 +23,12 @@ FLOORS: list[tuple[str, ...]] = [
     ("executor",),
     ("worker",),
     ("core",),
-    ("model_executor",),
+    ("model_executor", "lora"),
     ("distributed",),
     ("attention",),
     ("config", "platforms", "env_override"),
     ("kernels",),
-    ("messages", "sampling_params", "outputs", "tokenizer", "model_paths", "logger", "version"),
+    ("messages", "sampling_params", "outputs", "tokenizer", "model_paths", "logger", "version", "lora.request"),
 ]
 """The layers, top first: entrypoints > engine > executor/worker > core > model_executor >
 attention > kernels, with the plain-data contracts at the bottom."""
@@ -37,9 +37,12 @@ FLOOR_OF = {name: level for level, names in enumerate(FLOORS) for name in names}
 
 
 def _layer(module: str) -> str | None:
-    """The layer of a dotted ``pagedllm.x.y`` module name (its first component after the
-    package), or None for the package itself."""
+    """The layer of a dotted ``pagedllm.x.y`` module name: ``x.y`` where ``FLOORS`` names that
+    module on its own (``lora.request``: plain data under a package of the model floor),
+    else ``x``; None for the package itself."""
     parts = module.split(".")
+    if ".".join(parts[1:3]) in FLOOR_OF:
+        return ".".join(parts[1:3])
     return parts[1] if len(parts) > 1 else None
 
 

@@ -15,6 +15,7 @@ from typing import Optional
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_cache_utils import (
     extend_block_hashes,
+    first_block_extra_keys,
     get_hash_fn,
     root_block_hash,
 )
@@ -63,7 +64,7 @@ class KVCacheManager:
             self.block_size,
             self.hash_fn,
             self.root_hash,
-            request.cache_salt,
+            first_block_extra_keys(request.cache_salt, request.lora_key),
             num_full_blocks,
         )
 

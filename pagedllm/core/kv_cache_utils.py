@@ -1,8 +1,8 @@
 """Prefix-caching block hashes (plain Python; no torch).
 
 A full block's hash chains its parent's hash, the block's token ids and extra keys that
-change the KV content (the per-request ``cache_salt``, part of the first block's key
-only; a LoRA adapter id later)::
+change the KV content (the per-request ``cache_salt`` and the LoRA adapter's identity, part
+of the first block's key only: every later hash chains it)::
 
     hash(block i) = H(hash(block i-1), tuple(token ids of block i), extra keys)
 
@@ -85,23 +85,34 @@ def hash_block_tokens(
     return BlockHash(hash_fn((parent_block_hash, tuple(block_token_ids), extra_keys)))
 
 
+def first_block_extra_keys(
+    cache_salt: Optional[str], lora_key: Optional[tuple[str, int, int]]
+) -> Optional[tuple[Any, ...]]:
+    """The extra keys of a request's first block: ``(cache_salt,)``, ``(cache_salt,
+    lora_key)`` with a LoRA adapter (its (name, int id, load generation): another adapter, or
+    the same one re-loaded with new weights, never shares blocks), or None with neither."""
+    if lora_key is not None:
+        return (cache_salt, lora_key)
+    return None if cache_salt is None else (cache_salt,)
+
+
 def extend_block_hashes(
     block_hashes: list[BlockHash],
     token_ids: Sequence[int],
     block_size: int,
     hash_fn: HashFn,
     root_hash: BlockHash,
-    cache_salt: Optional[str],
+    first_extra_keys: Optional[tuple[Any, ...]],
     num_full_blocks: int,
 ) -> None:
     """Append to ``block_hashes`` the hashes of blocks ``len(block_hashes)`` .. ``num_full_blocks - 1``.
 
     Only the missing blocks are hashed: a request's hashes are extended as its blocks
     fill, never recomputed. ``token_ids`` must hold at least ``num_full_blocks * block_size``
-    tokens.
+    tokens. ``first_extra_keys``: the first block's extra keys (``first_block_extra_keys``).
     """
     for i in range(len(block_hashes), num_full_blocks):
         parent = block_hashes[i - 1] if i > 0 else root_hash
-        extra = (cache_salt,) if i == 0 and cache_salt is not None else None
+        extra = first_extra_keys if i == 0 else None
         block = token_ids[i * block_size : (i + 1) * block_size]
         block_hashes.append(hash_block_tokens(hash_fn, parent, block, extra))

@@ -53,6 +53,9 @@ class Request:
         self.eos_token_id = request.eos_token_id
         self.arrival_time = request.arrival_time
         self.cache_salt = request.cache_salt
+        self.lora_request = request.lora_request
+        #: The adapter's identity (``LoRARequest.adapter_key``), None for the base model.
+        self.lora_key = None if request.lora_request is None else request.lora_request.adapter_key
         self.prompt_token_ids: list[int] = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -6,6 +6,11 @@ num_computed_tokens`` tokens still to compute, and one token budget
 served first (FCFS), then waiting ones; a prompt longer than the remaining budget is cut
 into chunks. When blocks run out, the newest running request is preempted: its blocks are
 freed and it returns to the front of the waiting queue to be recomputed (vLLM V1).
+
+With LoRA, at most ``max_loras`` distinct adapters are among the running requests (so a
+step never needs more device slots). A waiting request whose adapter would exceed that
+stays at the front of the queue; behind it only base-model requests may start, so the
+running adapters drain and it gets in (no starvation).
 """
 
 from __future__ import annotations
@@ -35,10 +40,14 @@ class Scheduler:
     Args:
         scheduler_config: ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``.
         kv_cache_manager: owns the blocks.
+        max_loras: distinct LoRA adapters allowed among the running requests (None: LoRA off).
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_loras: Optional[int] = None
+    ) -> None:
         self.config = scheduler_config
+        self.max_loras = max_loras
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
@@ -89,6 +98,8 @@ class Scheduler:
             token_budget -= num_new_tokens
             req_index += 1
 
+        running_loras = {r.lora_key for r in self.running if r.lora_key is not None}
+        lora_waiters: list[Request] = []  # skipped for want of a LoRA slot, in queue order
         while (
             not preempted_any
             and self.waiting
@@ -96,6 +107,9 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             request = self.waiting[0]
+            if request.lora_key is not None and (lora_waiters or not self._lora_fits(request.lora_key, running_loras)):
+                lora_waiters.append(self.waiting.popleft())
+                continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, hit_blocks)
@@ -108,6 +122,8 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             self.running.append(request)
+            if request.lora_key is not None:
+                running_loras.add(request.lora_key)
             new_reqs.append(
                 NewRequestData(
                     req_id=request.request_id,
@@ -118,10 +134,12 @@ class Scheduler:
                     eos_token_id=request.eos_token_id,
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                     num_computed_tokens=num_hit_tokens,
+                    lora_request=request.lora_request,
                 )
             )
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+        self.waiting.extendleft(reversed(lora_waiters))
 
         self.max_num_running_observed = max(self.max_num_running_observed, len(self.running))
         output = SchedulerOutput(
@@ -135,6 +153,10 @@ class Scheduler:
         for req_id, num_tokens in num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
         return output
+
+    def _lora_fits(self, lora_key: tuple[str, int, int], running_loras: set) -> bool:
+        """Whether a request of adapter ``lora_key`` may start next to ``running_loras``."""
+        return self.max_loras is None or lora_key in running_loras or len(running_loras) < self.max_loras
 
     def _preempt(self, request: Request, now: float) -> None:
         self.kv_cache_manager.free(request)
@@ -267,6 +289,9 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions - self._num_preemptions_reported,
         )
+        if self.max_loras is not None:
+            stats.running_lora_adapters = sorted({r.lora_request.lora_name for r in self.running if r.lora_request})
+            stats.waiting_lora_adapters = sorted({r.lora_request.lora_name for r in self.waiting if r.lora_request})
         kv.prefix_cache_queries = kv.prefix_cache_hits = 0
         self._num_preemptions_reported = self.num_preemptions
         return stats

@@ -28,6 +28,7 @@ from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest, 
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputCollector
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.loggers import LoggingStatLogger
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 from pagedllm.metrics.stats import IterationStats, RequestStatsTracker
@@ -94,7 +95,7 @@ class AsyncLLM:
         except BaseException:
             self.engine_core.shutdown(timeout_s=0)
             raise
-        self.processor = Processor(config.model_config, self.tokenizer)
+        self.processor = Processor(config.model_config, self.tokenizer, config.lora_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics_registry = CollectorRegistry()
         self.stat_logger = PrometheusStatLogger(self.metrics_registry, self.served_model_name, config)
@@ -193,13 +194,15 @@ class AsyncLLM:
         cache_salt: Optional[str] = None,
         arrival_time: Optional[float] = None,
         prompt_text: Optional[str] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> RequestOutputCollector:
         """Validate, tokenize and send a request; returns the collector its outputs go to.
 
         ``prompt`` may be an ``EngineCoreRequest`` already built by ``self.processor.process``
         (the OpenAI server does so to report errors before anything starts): it is sent
-        as is, with its own id and params (``sampling_params``, ``cache_salt`` and
-        ``arrival_time`` are then ignored), and ``prompt_text`` is its prompt's text.
+        as is, with its own id and params (``sampling_params``, ``cache_salt``,
+        ``arrival_time`` and ``lora_request`` are then ignored), and ``prompt_text`` is its
+        prompt's text. ``lora_request``: the LoRA adapter to run with (None: the base model).
 
         ``n > 1`` fans out into ``n`` engine requests ``f"{i}_{request_id}"`` joined
         into one output stream (``parallel_sampling.fan_out``).
@@ -219,7 +222,9 @@ class AsyncLLM:
         else:
             params = sampling_params if sampling_params is not None else SamplingParams()
             arrival_time = arrival_time if arrival_time is not None else time.time()
-            request, prompt_text = self.processor.process(request_id, prompt, params, arrival_time, cache_salt)
+            request, prompt_text = self.processor.process(
+                request_id, prompt, params, arrival_time, cache_salt, lora_request
+            )
         params = request.sampling_params
         self._ensure_output_handler()
         collector = RequestOutputCollector(params.output_kind)
@@ -259,6 +264,7 @@ class AsyncLLM:
         request_id: str,
         cache_salt: Optional[str] = None,
         prompt_text: Optional[str] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Generate for one prompt; yields ``RequestOutput``s as the engine produces them.
 
@@ -272,6 +278,7 @@ class AsyncLLM:
         or an ``EngineCoreRequest`` from ``self.processor.process`` (with ``prompt_text``;
         see ``add_request``).
         ``cache_salt``: isolates this request's prefix-cache entries.
+        ``lora_request``: the LoRA adapter to run with (None: the base model).
 
         If the consumer stops early (``aclose()``, ``break``, or the task is cancelled,
         e.g. a client disconnect), the request and all of its ``n`` completions are
@@ -281,7 +288,9 @@ class AsyncLLM:
             ValueError: bad prompt or parameters (before anything is queued).
             EngineDeadError: the engine is or becomes dead.
         """
-        collector = await self.add_request(request_id, prompt, sampling_params, cache_salt, prompt_text=prompt_text)
+        collector = await self.add_request(
+            request_id, prompt, sampling_params, cache_salt, prompt_text=prompt_text, lora_request=lora_request
+        )
         finished = False
         try:
             while not finished:

@@ -16,6 +16,7 @@ from pagedllm.engine.core_client import EngineCoreClient, InprocClient
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.lora.request import LoRARequest
 from pagedllm.messages.engine_core import EngineCoreOutputs
 from pagedllm.metrics.loggers import LoggingStatLogger, log_stats_interval
 from pagedllm.metrics.stats import IterationStats, RequestStatsTracker
@@ -40,7 +41,7 @@ class LLMEngine:
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = get_tokenizer(config.model_config.tokenizer_path, config.model_config.trust_remote_code)
-        self.processor = Processor(config.model_config, self.tokenizer)
+        self.processor = Processor(config.model_config, self.tokenizer, config.lora_config)
         self.engine_core_client = EngineCoreClient.make_client(config, multiprocess=False, asyncio_mode=False)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_logger: Optional[LoggingStatLogger] = None
@@ -67,15 +68,18 @@ class LLMEngine:
         params: Optional[SamplingParams] = None,
         arrival_time: Optional[float] = None,
         cache_salt: Optional[str] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> None:
         """Validate, tokenize and queue a request; ``n > 1`` fans out into ``n`` child requests.
+        ``lora_request``: the LoRA adapter to run it with (None: the base model).
 
         Raises:
-            ValueError: for a bad prompt or parameters (nothing is queued then).
+            ValueError: for a bad prompt, parameters or adapter (nothing is queued then).
+            FileNotFoundError: no adapter at ``lora_request.lora_path``.
         """
         params = params or SamplingParams()
         request, prompt_text = self.processor.process(
-            request_id, prompt, params, arrival_time or time.time(), cache_salt
+            request_id, prompt, params, arrival_time or time.time(), cache_salt, lora_request
         )
         for child, parent, index in fan_out(request):
             self.output_processor.add_request(child, prompt_text, parent, index)

@@ -19,7 +19,8 @@ from typing import Optional, Union
 
 from transformers import PreTrainedTokenizerBase
 
-from pagedllm.config import GENERATION_CONFIG_MODES, ModelConfig
+from pagedllm.config import GENERATION_CONFIG_MODES, LoRAConfig, ModelConfig
+from pagedllm.lora.request import LoRARequest, with_load_generation
 from pagedllm.messages.engine_core import EngineCoreRequest
 from pagedllm.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams, check_max_tokens
 
@@ -88,6 +89,7 @@ class Processor:
     Args:
         model_config: for ``max_model_len``, the vocabulary size and the generation config.
         tokenizer: the model's tokenizer.
+        lora_config: with LoRA on (``--enable-lora``), to check requests' adapters.
 
     Attributes:
         default_sampling_params: the model's default sampling parameters (field -> value,
@@ -101,7 +103,13 @@ class Processor:
         ValueError: the generation config sets an invalid default.
     """
 
-    def __init__(self, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(
+        self, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase, lora_config: Optional[LoRAConfig] = None
+    ) -> None:
+        self.hf_config = model_config.hf_config
+        self.lora_config = lora_config
+        # (adapter path, load generation) of the adapters that passed ``check_lora``.
+        self._checked_adapters: set[tuple[str, int]] = set()
         self.max_model_len = model_config.max_model_len
         self.tokenizer = tokenizer
         self.vocab_size = min(model_config.vocab_size, len(tokenizer))
@@ -226,14 +234,18 @@ class Processor:
         params: SamplingParams,
         arrival_time: Optional[float] = None,
         cache_salt: Optional[str] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> tuple[EngineCoreRequest, Optional[str]]:
         """Validate and tokenize; returns the engine request and the prompt text (if any).
 
         Raises:
-            ValueError: see ``tokenize_prompt`` and ``validate``.
+            ValueError: see ``tokenize_prompt``, ``validate`` and ``check_lora``.
+            FileNotFoundError: see ``check_lora``.
         """
         prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
         self.validate(prompt_token_ids, params)
+        if lora_request is not None:
+            lora_request = self.check_lora(lora_request)
         if cache_salt is None and isinstance(prompt, dict):
             cache_salt = prompt.get("cache_salt")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -250,5 +262,26 @@ class Processor:
             eos_token_id=self.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             cache_salt=cache_salt,
+            lora_request=lora_request,
         )
         return request, prompt_text
+
+    def check_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        """``lora_request`` with its ``load_generation`` set, after checking the adapter
+        against the model once per version of its weight file (``pagedllm.lora.peft_config``).
+
+        Raises:
+            ValueError: LoRA is off, or the adapter does not fit (the message says why).
+            FileNotFoundError: no adapter at its path.
+        """
+        if self.lora_config is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is not enabled "
+                             "(enable_lora=True / --enable-lora).")
+        from pagedllm.lora.peft_config import check_adapter
+
+        stamped = with_load_generation(lora_request)
+        version = (stamped.lora_path, stamped.load_generation)
+        if version not in self._checked_adapters:
+            check_adapter(stamped.lora_path, self.hf_config, self.lora_config.max_lora_rank)
+            self._checked_adapters.add(version)
+        return stamped

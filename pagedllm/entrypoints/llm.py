@@ -13,6 +13,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.chat_utils import apply_chat_template
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -96,6 +97,7 @@ class LLM:
         prompts: Union[PromptType, Sequence[PromptType], None] = None,
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         use_tqdm: bool = True,
+        lora_request: Union[LoRARequest, Sequence[LoRARequest], None] = None,
         *,
         prompt_token_ids: Union[list[int], list[list[int]], None] = None,
     ) -> list[RequestOutput]:
@@ -107,24 +109,28 @@ class LLM:
         vLLM's older keyword: one token-id list or a list of them, instead of ``prompts``
         (or with them, one per prompt: the text is then kept as the prompt's text).
         ``sampling_params`` is one ``SamplingParams`` for all prompts or one per prompt;
-        None means ``get_default_sampling_params()`` (as vLLM).
+        None means ``get_default_sampling_params()`` (as vLLM). ``lora_request``: one
+        ``LoRARequest`` for all prompts or one per prompt (None in a list: the base model);
+        needs ``enable_lora=True``.
 
         Raises:
-            ValueError: for a bad prompt or parameters, neither ``prompts`` nor
-                ``prompt_token_ids``, or both of different lengths; no request of this
+            ValueError: for a bad prompt, parameters or LoRA adapter, neither ``prompts``
+                nor ``prompt_token_ids``, or both of different lengths; no request of this
                 call is left in the engine.
+            FileNotFoundError: no LoRA adapter at a ``lora_path``.
         """
         prompt_list = self._as_prompt_list(prompts, prompt_token_ids)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = self._as_params_list(sampling_params, len(prompt_list))
+        lora_list = self._as_lora_list(lora_request, len(prompt_list))
         request_ids = []
         try:
-            for prompt, params in zip(prompt_list, params_list):
+            for prompt, params, lora in zip(prompt_list, params_list, lora_list):
                 params = params.clone()
                 params.output_kind = RequestOutputKind.FINAL_ONLY
                 request_id = str(next(self._request_counter))
-                self.llm_engine.add_request(request_id, prompt, params)
+                self.llm_engine.add_request(request_id, prompt, params, lora_request=lora)
                 request_ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(request_ids)
@@ -140,9 +146,10 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: Optional[dict[str, Any]] = None,
         use_tqdm: bool = True,
+        lora_request: Union[LoRARequest, Sequence[LoRARequest], None] = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, formatted with the
-        tokenizer's chat template (or ``chat_template``).
+        tokenizer's chat template (or ``chat_template``); ``lora_request`` as ``generate``'s.
 
         Raises:
             ValueError: if the tokenizer has no chat template and none is given, if
@@ -166,7 +173,7 @@ class LLM:
             {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
             for text in prompts
         ]
-        return self.generate(token_prompts, sampling_params, use_tqdm)
+        return self.generate(token_prompts, sampling_params, use_tqdm, lora_request)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (see ``LLMEngine.reset_prefix_cache``)."""
@@ -209,6 +216,17 @@ class LLM:
                 f"Got {len(params)} SamplingParams for {num_prompts} prompts; pass one, or one per prompt."
             )
         return params
+
+    @staticmethod
+    def _as_lora_list(
+        lora_request: Union[LoRARequest, Sequence[LoRARequest], None], num_prompts: int
+    ) -> list[Optional[LoRARequest]]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * num_prompts
+        loras = list(lora_request)
+        if len(loras) != num_prompts:
+            raise ValueError(f"Got {len(loras)} LoRA requests for {num_prompts} prompts; pass one, or one per prompt.")
+        return loras
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

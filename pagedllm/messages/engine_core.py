@@ -11,6 +11,7 @@ from typing import Optional
 
 import msgspec
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -32,7 +33,8 @@ class EngineCoreRequest(
 
     ``eos_token_id`` is None when the tokenizer has none. ``arrival_time`` is a
     ``time.time()`` value in seconds. ``cache_salt`` isolates the request's prefix-cache
-    entries from requests with another salt.
+    entries from requests with another salt. ``lora_request``: the adapter it runs with
+    (``load_generation`` set by the front end), or None for the base model.
     """
 
     request_id: str
@@ -41,6 +43,7 @@ class EngineCoreRequest(
     eos_token_id: Optional[int]
     arrival_time: float
     cache_salt: Optional[str] = None
+    lora_request: Optional[LoRARequest] = None
 
 
 class EngineCoreEventType(enum.IntEnum):
@@ -104,6 +107,8 @@ class SchedulerStats(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
     """Counters and gauges of the scheduler after one step (for metrics).
 
     Token counts are in tokens; ``kv_cache_usage`` is the fraction of blocks in use (0-1).
+    ``running_lora_adapters`` / ``waiting_lora_adapters``: names of the LoRA adapters of the
+    running / waiting requests (sorted; empty without LoRA).
     """
 
     num_running_reqs: int = 0
@@ -113,6 +118,8 @@ class SchedulerStats(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_scheduled_tokens: int = 0
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
 
 class EngineCoreOutputs(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -12,7 +13,8 @@ class NewRequestData:
     """A request the model runner has not seen (or is seeing again after a preemption).
 
     ``token_ids`` holds every known token (prompt, then any outputs generated before a
-    preemption); ``block_ids`` is the whole block table so far.
+    preemption); ``block_ids`` is the whole block table so far; ``lora_request`` is its
+    LoRA adapter (None: the base model).
     """
 
     req_id: str
@@ -23,6 +25,7 @@ class NewRequestData:
     eos_token_id: int | None
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

@@ -19,6 +19,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.messages.sched_output import NewRequestData
 from pagedllm.model_executor.sampling_metadata import SamplingMetadata, min_tokens_blocked_ids
 from pagedllm.sampling_params import _GREEDY_TEMPERATURE, SamplingParams
@@ -39,6 +40,7 @@ class CachedRequestState:
     num_prompt_tokens: int
     output_token_ids: list[int]
     sampling_params: SamplingParams
+    lora_request: Optional[LoRARequest] = None
 
 
 @dataclass
@@ -119,6 +121,7 @@ class InputBatch:
             num_prompt_tokens=new.num_prompt_tokens,
             output_token_ids=list(new.output_token_ids),
             sampling_params=new.sampling_params,
+            lora_request=new.lora_request,
         )
         self.requests[new.req_id] = state
         self._add_sampling_state(row, state, new.eos_token_id)

@@ -51,6 +51,7 @@ class ModelRunner:
         self.scheduler_config = config.scheduler_config
         self.device = device
         self.block_size = self.cache_config.block_size
+        self.lora_manager = None  # a LoRAModelManager with --enable-lora (load_model)
 
     def load_model(self) -> None:
         """Choose the attention backend (once; it builds the CPU kernels now if it is
@@ -69,12 +70,25 @@ class ModelRunner:
         start = time.perf_counter()
         with set_attn_backend(self.attn_backend):
             self.model = get_model(self.model_config, self.device)
-        # Buffers too: the layers' float32 weight copies, rotary tables.
+        # Buffers too: the layers' float32 weight copies, rotary tables; and LoRA slots.
         tensors = [*self.model.parameters(), *self.model.buffers()]
         self.weights_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        if self.config.lora_config is not None:
+            self.lora_manager = self._make_lora_manager()
+            self.weights_bytes += self.lora_manager.nbytes
         logger.info("Loaded %s (%.1f MB) in %.2f s", self.model_config.model_path,
                     self.weights_bytes / 1e6, time.perf_counter() - start)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def _make_lora_manager(self):
+        """Wrap the model's linear layers for multi-LoRA (``pagedllm.lora``)."""
+        from pagedllm.lora.model_manager import LoRAModelManager
+
+        lora = self.config.lora_config
+        return LoRAModelManager(
+            self.model, self.model_config.hf_config, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras,
+            self.model_config.dtype, self.device,
+        )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` KV-cache blocks per layer and the persistent batch."""
@@ -179,6 +193,9 @@ class ModelRunner:
         slot_mapping = batch.block_table[token_rows, positions // bs] * bs + positions % bs
         seq_lens = computed + num_sched
         metadata = self._attention_metadata(rows, seq_lens, computed, cu, len(decodes), slot_mapping)
+        if self.lora_manager is not None:
+            request_slots = self.lora_manager.activate([s.lora_request for s in states])
+            self.lora_manager.set_token_slots(request_slots[token_req])
 
         with set_forward_context(metadata):
             hidden = self.model(self._to_device(input_ids), self._to_device(positions))
