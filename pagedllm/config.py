@@ -547,13 +547,15 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         """Refuse at once a value asking for something not built (``PARTLY_BUILT_ARGS``),
-        and a ``max_logprobs`` below -1.
+        a ``max_logprobs`` below -1, and bad LoRA limits (``LoRAConfig``).
 
         Raises:
             ValueError: "``name=value`` is not supported yet (why); supported: ...".
         """
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (the vocabulary size) or more, got {self.max_logprobs}.")
+        if self.enable_lora:
+            LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # checks the values
         for name, (supported, why) in PARTLY_BUILT_ARGS.items():
             value = getattr(self, name)
             if isinstance(value, type):  # an Executor subclass as distributed_executor_backend

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -41,6 +42,17 @@ class LoRAStepMapping:
     """
 
     groups: list[tuple[int, Optional[torch.Tensor]]] = field(default_factory=list)
+
+    def set_token_slots(self, token_slots: np.ndarray, device: torch.device) -> None:
+        """Group the step's tokens by slot (``token_slots`` [T] int64, -1 = no adapter)."""
+        groups: list[tuple[int, Optional[torch.Tensor]]] = []
+        for slot in np.unique(token_slots):
+            if slot < 0:
+                continue
+            tokens = np.flatnonzero(token_slots == slot)
+            index = None if len(tokens) == len(token_slots) else torch.from_numpy(tokens).to(device)
+            groups.append((int(slot), index))
+        self.groups = groups
 
 
 class LoRALinearMethod(LinearMethodBase):

@@ -141,11 +141,4 @@ class LoRAModelManager:
     def set_token_slots(self, token_slots: np.ndarray) -> None:
         """Group this step's tokens by slot (``token_slots`` [T] int64, -1 = no adapter) for
         every wrapped layer."""
-        groups: list[tuple[int, Optional[torch.Tensor]]] = []
-        for slot in np.unique(token_slots):
-            if slot < 0:
-                continue
-            tokens = np.flatnonzero(token_slots == slot)
-            index = None if len(tokens) == len(token_slots) else torch.from_numpy(tokens).to(self.device)
-            groups.append((int(slot), index))
-        self.mapping.groups = groups
+        self.mapping.set_token_slots(token_slots, self.device)

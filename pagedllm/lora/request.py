@@ -27,7 +27,7 @@ class LoRARequest(msgspec.Struct, omit_defaults=True):  # type: ignore[call-arg]
             or ``.bin``).
         base_model_name: the model the adapter was trained on (reported by ``/v1/models``).
         load_generation: set by the engine, not by users: a fingerprint of the adapter's
-            weight file (path, size, modification time) when the request arrived, so that an
+            weight file (``with_load_generation``) when the request arrived, so that an
             adapter re-written on disk under the same name and id is loaded again and never
             shares prefix-cache blocks with the old weights (``adapter_key``).
 
@@ -74,13 +74,13 @@ def adapter_weight_file(lora_path: str) -> Path:
 
 def with_load_generation(request: LoRARequest) -> LoRARequest:
     """``request`` with ``load_generation`` set from its weight file as it is now (path,
-    size, modification time in ns; 63 bits of their SHA-256).
+    inode, size, modification and status-change times in ns; 63 bits of their SHA-256).
 
     Raises:
         FileNotFoundError: see ``adapter_weight_file``.
     """
     weights = adapter_weight_file(request.lora_path)
     stat = os.stat(weights)
-    stamp = f"{weights.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
+    stamp = f"{weights.resolve()}\0{stat.st_ino}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ctime_ns}".encode()
     generation = int.from_bytes(hashlib.sha256(stamp).digest()[:8], "big") >> 1
     return msgspec.structs.replace(request, load_generation=generation)

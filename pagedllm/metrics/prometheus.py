@@ -3,7 +3,7 @@ dashboard works after replacing ``vllm:`` with ``pagedllm:``).
 
 Every metric lives in the ``CollectorRegistry`` given to ``PrometheusStatLogger`` (one
 per ``AsyncLLM``: ``AsyncLLM.metrics_registry``); render it with
-``prometheus_client.generate_latest(registry)``. All but ``cache_config_info`` carry the
+``prometheus_client.generate_latest(registry)``. All but ``cache_config_info`` and ``lora_requests_info`` carry the
 label ``model_name``.
 
 =============================================  =========  ==========================================
@@ -32,6 +32,10 @@ pagedllm:request_generation_tokens              histogram  per finished engine r
 pagedllm:iteration_tokens_total                 histogram  tokens computed per engine step
 pagedllm:request_params_n                       histogram  per finished user request
 pagedllm:request_params_max_tokens              histogram  per finished user request (tokens)
+pagedllm:lora_requests_info                     gauge      with --enable-lora: the time (s since the
+                                                           epoch) of the last step; labels max_lora,
+                                                           running_lora_adapters, waiting_lora_adapters
+                                                           (comma-separated adapter names), as vLLM's
 =============================================  =========  ==========================================
 
 "Engine request": each of the ``n`` completions of a request counts once (as vLLM V1);
@@ -183,6 +187,22 @@ class PrometheusStatLogger:
             "request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets
         )
         self._log_cache_config(config)
+        self.max_lora = None if config.lora_config is None else str(config.lora_config.max_loras)
+        self.gauge_lora_info = None if self.max_lora is None else Gauge(
+            PREFIX + "lora_requests_info", "Running stats on lora requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=self.registry,
+        )  # fmt: skip
+
+    def _record_lora(self, stats: SchedulerStats) -> None:
+        """One sample for the adapters of this step (the previous label set is dropped)."""
+        if self.gauge_lora_info is None:
+            return
+        self.gauge_lora_info.clear()
+        self.gauge_lora_info.labels(
+            max_lora=self.max_lora,
+            waiting_lora_adapters=",".join(stats.waiting_lora_adapters),
+            running_lora_adapters=",".join(stats.running_lora_adapters),
+        ).set_to_current_time()
 
     def _log_cache_config(self, config: EngineConfig) -> None:
         cache = config.cache_config
@@ -214,6 +234,7 @@ class PrometheusStatLogger:
             self.counter_preemptions.inc(scheduler_stats.num_preemptions)
             self.counter_prefix_queries.inc(scheduler_stats.prefix_cache_queries)
             self.counter_prefix_hits.inc(scheduler_stats.prefix_cache_hits)
+            self._record_lora(scheduler_stats)
         if iteration_stats is None:
             return
         self.counter_prompt_tokens.inc(iteration_stats.num_prompt_tokens)

@@ -301,7 +301,7 @@ def test_more_logprobs_than_openai_when_max_logprobs_allows(llm, tiny_llama):
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not supported yet"),
         ({"tokenizer_mode": "mistral"}, "tokenizer_mode='mistral' is not supported yet"),
         ({"enable_chunked_prefill": False}, "enable_chunked_prefill=False is not supported yet"),
-        ({"enable_lora": True}, "enable_lora=True is not supported yet"),
+        ({"enable_lora": True, "max_loras": 0}, "max_loras must be at least 1"),
         ({"quantization": "awq"}, "Quantization method 'awq' is not supported yet. Supported: int8, unquantized."),
         ({"max_logprobs": -2}, "max_logprobs must be -1"),
         ({"num_gpu_blocks_override": 3}, "num_gpu_blocks_override=3 cannot hold one sequence"),

@@ -97,7 +97,7 @@ def test_help_documents_the_vllm_flags_and_the_no_ops(capsys):
         (["--tokenizer-mode", "slow"], "tokenizer_mode='slow' is not supported yet"),
         (["--no-enable-chunked-prefill"], "enable_chunked_prefill=False is not supported yet"),
         (["--cpu-offload-gb", "2"], "cpu_offload_gb=2.0 is not supported yet"),
-        (["--enable-lora"], "enable_lora=True is not supported yet"),
+        (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"], "max_cpu_loras (2) must be >= max_loras (4)."),
         (["--speculative-config", '{"method": "ngram"}'], "speculative_config={'method': 'ngram'} is not supported"),
         (["--max-logprobs", "-2"], "max_logprobs must be -1 (the vocabulary size) or more, got -2."),
     ],
@@ -115,7 +115,6 @@ def test_values_not_built_fail_at_once_in_one_line(argv, message, capsys):
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice is not supported yet (tool calling is not built)."),
         (["--tool-call-parser", "hermes"], "--tool-call-parser is not supported yet (tool calling is not built)."),
         (["--reasoning-parser", "deepseek_r1"], "--reasoning-parser is not supported yet"),
-        (["--lora-modules", "a=/x"], "--lora-modules is not supported yet"),
     ],
 )
 def test_server_features_not_built_fail_while_parsing(argv, message, capsys):

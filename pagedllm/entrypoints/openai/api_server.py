@@ -18,19 +18,21 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import secrets
 from contextlib import asynccontextmanager
 from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.entrypoints.openai.errors import (
     INVALID_REQUEST,
+    bad_request,
     error_response,
     logged_response,
     register_exception_handlers,
@@ -186,6 +188,38 @@ async def _log_stats_periodically(engine: Any) -> None:
         await engine.do_log_stats()
 
 
+#: Environment variables that enable ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+#: (ours, then vLLM's), as "1" or "true".
+RUNTIME_LORA_ENV = ("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+
+
+def runtime_lora_updating_allowed() -> bool:
+    """Whether adapters may be loaded and unloaded at run time (``RUNTIME_LORA_ENV``)."""
+    return any(os.environ.get(name, "").strip().lower() in ("1", "true") for name in RUNTIME_LORA_ENV)
+
+
+def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
+    """vLLM's runtime adapter routes: a JSON body in, the success text (200) or an OpenAI
+    error out (``OpenAIServingModels.load_lora_adapter`` / ``unload_lora_adapter``)."""
+
+    async def body_of(raw_request: Request) -> dict[str, Any]:
+        try:
+            body = await raw_request.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            raise bad_request("The request body must be a JSON object.")
+        return body
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(raw_request: Request) -> Response:
+        return PlainTextResponse(models.load_lora_adapter(await body_of(raw_request)))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(raw_request: Request) -> Response:
+        return PlainTextResponse(models.unload_lora_adapter(await body_of(raw_request)))
+
+
 def build_app(engine: Any, args: Any) -> FastAPI:
     """The FastAPI app serving ``engine`` (an ``AsyncLLM``).
 
@@ -206,7 +240,10 @@ def build_app(engine: Any, args: Any) -> FastAPI:
     log_requests = not getattr(args, "disable_log_requests", False)
     renderer = PromptRenderer(engine.get_tokenizer(), getattr(args, "chat_template", None))
     model_config = engine.model_config
-    models = OpenAIServingModels(served_names, str(getattr(model_config, "model_path", model_config.model)), model_config.max_model_len)
+    models = OpenAIServingModels(
+        served_names, str(getattr(model_config, "model_path", model_config.model)), model_config.max_model_len,
+        getattr(args, "lora_modules", None) or (), getattr(engine.processor, "check_lora", None),
+    )  # fmt: skip
     token_ids = getattr(args, "return_tokens_as_token_ids", False)
     completion = OpenAIServingCompletion(
         engine, models, renderer, log_requests=log_requests, return_tokens_as_token_ids=token_ids
@@ -278,6 +315,9 @@ def build_app(engine: Any, args: Any) -> FastAPI:
     @app.get("/v1/models/{model_id:path}")
     async def show_model(model_id: str) -> Response:
         return _json(models.show_model(model_id))
+
+    if runtime_lora_updating_allowed():
+        _add_lora_routes(app, models)
 
     @app.post("/v1/completions")
     @with_cancellation

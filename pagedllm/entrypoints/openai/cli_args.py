@@ -331,6 +331,25 @@ def json_object_type(value: str) -> dict:
     return parsed
 
 
+def lora_module_type(value: str) -> dict[str, Any]:
+    """One ``--lora-modules`` item (vLLM's forms): ``name=path`` or a JSON object with
+    ``name``, ``path`` and optionally ``base_model_name`` -> that dict."""
+    if value.lstrip().startswith("{"):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str) or not isinstance(parsed.get("path"), str):
+            raise argparse.ArgumentTypeError(
+                f"invalid LoRA module {value!r}: expected a JSON object with string 'name' and 'path'"
+            )
+        return {"name": parsed["name"], "path": parsed["path"], "base_model_name": parsed.get("base_model_name")}
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"invalid LoRA module {value!r}: expected name=path or a JSON object")
+    return {"name": name, "path": path, "base_model_name": None}
+
+
 def non_negative_float(value: str) -> float:
     return _checked(value, float, "a number >= 0", lambda x: x >= 0)
 
@@ -375,7 +394,11 @@ def _add_vllm_server_flags(server: Any) -> None:
     server.add_argument("--enable-auto-tool-choice", action=_NotBuilt, nargs=0, why="tool calling is not built")
     server.add_argument("--tool-call-parser", action=_NotBuilt, why="tool calling is not built")
     server.add_argument("--reasoning-parser", action=_NotBuilt, why="reasoning parsers are not built")
-    server.add_argument("--lora-modules", action=_NotBuilt, nargs="+", why="LoRA adapters are not built")
+    server.add_argument(
+        "--lora-modules", type=lora_module_type, nargs="+", default=None, metavar="name=path | JSON",
+        help="LoRA adapters to serve (with --enable-lora), each 'name=path' or a JSON object "
+        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request selects one by its name in 'model'.",
+    )  # fmt: skip
 
 
 def _add_vllm_engine_flags(engine: Any) -> None:
@@ -426,7 +449,16 @@ def _add_vllm_engine_flags(engine: Any) -> None:
         "(--no-enable-chunked-prefill is not supported yet).",
     )  # fmt: skip
     engine.add_argument("--cpu-offload-gb", type=non_negative_float, default=0, help="0 only (offloading is not supported yet).")
-    engine.add_argument("--enable-lora", action="store_true", help="Not supported yet: LoRA adapters are not built.")
+    engine.add_argument(
+        "--enable-lora", action="store_true",
+        help="Serve LoRA adapters (--lora-modules, or loaded at run time) over the base model, many in one batch.",
+    )  # fmt: skip
+    engine.add_argument("--max-loras", type=positive_int, default=1, help="LoRA adapters in one batch (device slots).")
+    engine.add_argument("--max-lora-rank", type=positive_int, default=16, help="Largest LoRA rank served.")
+    engine.add_argument(
+        "--max-cpu-loras", type=positive_int, default=None,
+        help="LoRA adapters kept loaded in CPU memory (LRU; default: --max-loras).",
+    )  # fmt: skip
     engine.add_argument(
         "--speculative-config", type=json_object_type, default=None,
         help="Not supported yet: speculative decoding is not built.",

@@ -217,11 +217,15 @@ class OpenAIServing:
             params = request.to_sampling_params(
                 max_tokens, logprobs, prompt_logprobs, self.processor.default_sampling_params
             )
-            engine_request, _ = self.processor.process(request_id, prompt.engine_prompt, params, None, request.cache_salt)
+            engine_request, _ = self.processor.process(
+                request_id, prompt.engine_prompt, params, None, request.cache_salt, self.models.lora_request(request.model)
+            )
         except ContextLengthError as exc:
             error = self.context_error(exc, prompt_param)
         except ValueError as exc:
             error = from_value_error(exc, SAMPLING_FIELDS)
+        except FileNotFoundError as exc:  # the adapter's files are gone since it was loaded
+            error = bad_request(str(exc), param="model")
         else:
             return engine_request
         error.request_id = request_id

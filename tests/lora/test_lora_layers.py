@@ -1,0 +1,50 @@
+"""``LoRALinearMethod`` adds each token's own adapter update over the wrapped method's
+product, for unquantized and int8 bases, with tokens of several slots and of none mixed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.lora.layers import LoRALinearMethod, LoRAStepMapping
+from pagedllm.model_executor.layers.linear import QKVParallelLinear
+from pagedllm.model_executor.layers.quantization.int8 import Int8Config
+
+
+@pytest.mark.parametrize("quant_config", [None, Int8Config()], ids=["unquantized", "int8"])
+def test_each_token_gets_its_slots_update(quant_config):
+    torch.manual_seed(0)
+    layer = QKVParallelLinear(32, head_size=8, total_num_heads=4, total_num_kv_heads=2, bias=False,
+                              quant_config=quant_config)  # out [q 32 | k 16 | v 16]
+    layer.weight.data.copy_(torch.randn(64, 32))
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(7, 32)
+    base = layer(x)
+    mapping = LoRAStepMapping()
+    method = LoRALinearMethod(layer.quant_method, layer, 2, 4, mapping, torch.float32, torch.device("cpu"))
+    layer.quant_method = method
+    q = (torch.randn(3, 32), torch.randn(32, 3))
+    v = (torch.randn(3, 32), torch.randn(16, 3))
+    k = (torch.randn(4, 32), torch.randn(16, 4))
+    method.set_slot(0, [q, None, v])
+    method.set_slot(1, [None, k, None])
+    token_slots = np.array([0, -1, 1, 0, 1, -1, 0])
+    mapping.set_token_slots(token_slots, torch.device("cpu"))
+    expected = base.clone()
+    for t, slot in enumerate(token_slots):
+        if slot == 0:
+            expected[t, :32] += q[1] @ (q[0] @ x[t])
+            expected[t, 48:] += v[1] @ (v[0] @ x[t])
+        elif slot == 1:
+            expected[t, 32:48] += k[1] @ (k[0] @ x[t])
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-4)
+    mapping.set_token_slots(np.full(7, 1), torch.device("cpu"))  # one slot for all: no gather
+    assert mapping.groups == [(1, None)]
+    expected_all = base.clone()
+    expected_all[:, 32:48] += x @ k[0].T @ k[1].T
+    torch.testing.assert_close(layer(x), expected_all, rtol=1e-5, atol=1e-4)
+    mapping.set_token_slots(np.full(7, -1), torch.device("cpu"))
+    torch.testing.assert_close(layer(x), base)
+    with pytest.raises(ValueError, match="rank <= 4"):
+        method.set_slot(0, [(torch.randn(5, 32), torch.randn(32, 5)), None, None])
