@@ -15,6 +15,7 @@ running adapters drain and it gets in (no starvation).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import Iterable, Optional
@@ -28,10 +29,13 @@ from pagedllm.messages.engine_core import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    FinishReason,
     LogprobsLists,
     SchedulerStats,
 )
 from pagedllm.messages.runner_output import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -183,6 +187,9 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
+            if req_id in runner_output.failed_req_ids:
+                outputs.append(self._abort_failed(request, runner_output.failed_req_ids[req_id]))
+                continue
             index = runner_output.req_id_to_index[req_id]
             new_token_ids = runner_output.sampled_token_ids[index]
             prompt_logprobs = self._unsent_prompt_logprobs(request, runner_output.prompt_logprobs_dict.get(req_id))
@@ -206,6 +213,15 @@ class Scheduler:
                 self.running.remove(request)
                 self._free_request(request)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.time())
+
+    def _abort_failed(self, request: Request, reason: str) -> EngineCoreOutput:
+        """Abort a running request the runner could not serve (logged with ``reason``)."""
+        logger.error("Request %s aborted: %s", request.request_id, reason)
+        self.running.remove(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._free_request(request)
+        return EngineCoreOutput(request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
+                                events=request.take_events())
 
     @staticmethod
     def _unsent_prompt_logprobs(

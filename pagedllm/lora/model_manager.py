@@ -107,30 +107,40 @@ class LoRAModelManager:
         for name, slices in per_layer.items():
             self.methods[name].set_slot(slot, slices)
 
-    def activate(self, requests: Sequence[Optional[LoRARequest]]) -> np.ndarray:
+    def activate(self, requests: Sequence[Optional[LoRARequest]]) -> tuple[np.ndarray, dict[AdapterKey, str]]:
         """Put the adapters of this step's requests in device slots (reusing a slot that
         holds one already; else the least recently used slot no request of this step needs).
 
         Returns:
-            the slot of each request [len(requests)] int64, -1 for no adapter.
+            the slot of each request [len(requests)] int64 (-1: no adapter, or one that
+            failed), and adapter key -> why it could not be loaded (its files are gone or
+            changed since the front end checked them; logged), for the runner to fail those.
 
         Raises:
             RuntimeError: more distinct adapters than slots (the scheduler prevents it).
-            FileNotFoundError, ValueError: an adapter that cannot be loaded.
         """
         keys = {r.adapter_key: r for r in requests if r is not None}
         if len(keys) > len(self.slots):
             raise RuntimeError(f"{len(keys)} LoRA adapters in one step, but max_loras is {len(self.slots)}.")
+        failed: dict[AdapterKey, str] = {}
         for key, request in keys.items():
             if key in self.slot_lru:
                 self.slot_lru.move_to_end(key)
                 continue
-            slot = self._free_slot(keys)
-            self._write_slot(slot, self._loaded(request))
+            try:
+                adapter = self._loaded(request)
+                slot = self._free_slot(keys)
+                self.slots[slot] = None  # until written whole
+                self._write_slot(slot, adapter)
+            except (OSError, ValueError) as exc:
+                failed[key] = f"LoRA adapter {request.lora_name!r} could not be loaded: {exc}"
+                logger.error("%s", failed[key])
+                continue
             self.slots[slot] = key
             self.slot_lru[key] = slot
-        return np.fromiter((-1 if r is None else self.slot_lru[r.adapter_key] for r in requests),
-                           dtype=np.int64, count=len(requests))
+        slots = np.fromiter((-1 if r is None or r.adapter_key in failed else self.slot_lru[r.adapter_key]
+                             for r in requests), dtype=np.int64, count=len(requests))
+        return slots, failed
 
     def _free_slot(self, needed: dict[AdapterKey, LoRARequest]) -> int:
         if None in self.slots:

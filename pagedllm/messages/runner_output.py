@@ -23,6 +23,8 @@ class ModelRunnerOutput:
             row of its first token, its other tokens following it.
         prompt_logprobs_dict: request id -> (index of the first prompt token covered, the
             logprobs of the prompt tokens this step's chunk predicts).
+        failed_req_ids: request id -> why the runner could not serve it (a LoRA adapter
+            whose files could not be loaded); the scheduler aborts these.
     """
 
     req_ids: list[str]
@@ -31,6 +33,7 @@ class ModelRunnerOutput:
     logprobs: Optional[LogprobsLists] = None
     logprobs_index: dict[int, int] = field(default_factory=dict)
     prompt_logprobs_dict: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
+    failed_req_ids: dict[str, str] = field(default_factory=dict)
 
     def logprobs_for(self, index: int, num_tokens: int) -> Optional[LogprobsLists]:
         """The logprobs of the first ``num_tokens`` tokens request ``index`` sampled, or

@@ -193,9 +193,7 @@ class ModelRunner:
         slot_mapping = batch.block_table[token_rows, positions // bs] * bs + positions % bs
         seq_lens = computed + num_sched
         metadata = self._attention_metadata(rows, seq_lens, computed, cu, len(decodes), slot_mapping)
-        if self.lora_manager is not None:
-            request_slots = self.lora_manager.activate([s.lora_request for s in states])
-            self.lora_manager.set_token_slots(request_slots[token_req])
+        failed_req_ids = self._activate_loras(states, token_req)
 
         with set_forward_context(metadata):
             hidden = self.model(self._to_device(input_ids), self._to_device(positions))
@@ -221,7 +219,19 @@ class ModelRunner:
             logprobs=logprobs,
             logprobs_index=logprobs_index,
             prompt_logprobs_dict=prompt_logprobs,
+            failed_req_ids=failed_req_ids,
         )
+
+    def _activate_loras(self, states: list[CachedRequestState], token_req: np.ndarray) -> dict[str, str]:
+        """With LoRA: put the step's adapters in slots and map each token to its slot.
+        Returns request id -> reason for requests whose adapter could not be loaded (they
+        run on the base weights this step and the scheduler aborts them)."""
+        if self.lora_manager is None:
+            return {}
+        request_slots, failed = self.lora_manager.activate([s.lora_request for s in states])
+        self.lora_manager.set_token_slots(request_slots[token_req])
+        return {s.req_id: failed[s.lora_request.adapter_key] for s in states
+                if s.lora_request is not None and s.lora_request.adapter_key in failed}
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)

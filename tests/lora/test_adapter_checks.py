@@ -4,6 +4,7 @@ through ``LLM.generate`` too, and the engine keeps serving."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.lora.peft_config import check_adapter, read_adapter_config
 from pagedllm.lora.request import LoRARequest
 from pagedllm.testing.lora_adapters import make_random_adapter, write_adapter
+from tests.helpers import check_block_accounting
 
 A_Q = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 B_Q = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
@@ -94,3 +96,19 @@ def test_llm_refuses_bad_requests_and_keeps_serving(tiny_llama, tmp_path):
         LoRARequest("z", 0, str(good))
     with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be >= max_loras \(2\)"):
         LLM(str(tiny_llama), enable_lora=True, max_loras=2, max_cpu_loras=1)
+
+
+def test_adapter_gone_before_it_runs_aborts_only_its_request(tiny_llama, tmp_path):
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=4 << 20, enable_lora=True)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    path = make_random_adapter(str(tiny_llama), tmp_path / "gone", rank=4)
+    engine.add_request("gone", {"prompt_token_ids": [5, 6, 7]}, params, lora_request=LoRARequest("gone", 1, str(path)))
+    engine.add_request("base", {"prompt_token_ids": [5, 6, 7]}, params)
+    shutil.rmtree(path)  # checked by the front end, deleted before the worker reads it
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished["gone"].outputs[0].finish_reason == "abort"
+    assert finished["base"].outputs[0].finish_reason == "length" and len(finished["base"].outputs[0].token_ids) == 4
+    check_block_accounting(llm)
