@@ -13,6 +13,12 @@ Example::
 
     pagedllm bench throughput --model DIR --dtype bfloat16 --num-prompts 32 \\
         --input-len 128 --output-len 128 --ignore-eos --compare hf --hf-max-batch-size 32
+
+Multi-LoRA (vLLM's ``--lora-path``): with ``--enable-lora --lora-path ADAPTER``, request i
+runs adapter ``i % --num-loras + 1``, each a distinct adapter id over the same files (as
+vLLM's benchmark does), so the batch mixes ``--num-loras`` adapters uniformly; the result
+adds ``lora_load_time_s`` (reading and checking the adapter, median of 3). Random adapters
+for a checkpoint: ``python -m pagedllm.testing.lora_adapters MODEL OUT_DIR --rank 16``.
 """
 
 from __future__ import annotations
@@ -52,11 +58,15 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="automatic prefix caching (engine default: on)")
     engine.add_argument("--prefix-caching-hash-algo", default=None, choices=["sha256", "sha256_cbor", "xxhash"])
+    engine.add_argument("--enable-lora", action="store_true", default=None, help="serve LoRA adapters")
+    engine.add_argument("--max-loras", type=int, default=None, help="LoRA adapters in one batch")
+    engine.add_argument("--max-lora-rank", type=int, default=None)
+    engine.add_argument("--max-cpu-loras", type=int, default=None)
 
 
 _ENGINE_KEYS = ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
                 "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching",
-                "prefix_caching_hash_algo")
+                "prefix_caching_hash_algo", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -101,6 +111,36 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-warmups", type=int, default=1,
                         help="untimed warm-up generate calls (a short random prompt, 4 tokens) before the run")
     parser.add_argument("--output-json", default=None, help="write the results to this JSON file")
+    parser.add_argument("--lora-path", default=None,
+                        help="pagedllm: a PEFT LoRA adapter folder; requests use it as --num-loras adapters")
+    parser.add_argument("--num-loras", type=int, default=None,
+                        help="distinct adapters mixed uniformly over the requests (default: --max-loras, else 1)")
+
+
+def lora_requests(args: argparse.Namespace, num_requests: int) -> Optional[list]:
+    """One ``LoRARequest`` per request (``--lora-path``: adapter ids 1 .. --num-loras in
+    turn), or None without ``--lora-path``."""
+    if not getattr(args, "lora_path", None):
+        return None
+    from pagedllm.lora.request import LoRARequest
+
+    num_loras = args.num_loras or args.max_loras or 1
+    return [LoRARequest(f"lora-{i % num_loras + 1}", i % num_loras + 1, args.lora_path) for i in range(num_requests)]
+
+
+def lora_load_time(llm: Any, args: argparse.Namespace) -> float:
+    """Seconds to read and check ``--lora-path`` (median of 3 loads)."""
+    from pagedllm.lora.adapter import load_adapter
+    from pagedllm.lora.request import LoRARequest
+
+    config = llm.llm_engine.config
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        load_adapter(LoRARequest("load-time", 1, args.lora_path), config.model_config.hf_config,
+                     config.lora_config.max_lora_rank)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[1]
 
 
 def _result(backend: str, args: argparse.Namespace, requests: list[SampleRequest], elapsed: float,
@@ -158,11 +198,17 @@ def run_pagedllm(args: argparse.Namespace, requests: Optional[list[SampleRequest
             pass
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     sampling = [params(r.expected_output_len) for r in requests]
+    loras = lora_requests(args, len(requests))
     start = time.perf_counter()
-    outputs = llm.generate(prompts, sampling, use_tqdm=False)
+    outputs = llm.generate(prompts, sampling, use_tqdm=False, lora_request=loras)
     elapsed = time.perf_counter() - start
     output_lens = [len(o.outputs[0].token_ids) for o in outputs]
-    extra = {"engine_args": {k: v for k, v in engine_kwargs(args).items() if k not in ("model", "tokenizer")}}
+    extra: dict[str, Any] = {
+        "engine_args": {k: v for k, v in engine_kwargs(args).items() if k not in ("model", "tokenizer")}
+    }
+    if loras is not None:
+        extra.update(lora_path=args.lora_path, num_loras=len({r.lora_int_id for r in loras}),
+                     lora_load_time_s=lora_load_time(llm, args))
     return _result("pagedllm", args, requests, elapsed, output_lens, init_time, extra)
 
 
@@ -247,6 +293,9 @@ def print_result(result: dict[str, Any]) -> None:
     print(f"[{result['backend']}] Total num prompt tokens: {result['total_prompt_tokens']}, "
           f"total num output tokens: {result['total_output_tokens']}, "
           f"elapsed {result['elapsed_time']:.2f} s (start-up {result['init_time_s']:.2f} s)")
+    if "num_loras" in result:
+        print(f"[{result['backend']}] {result['num_loras']} LoRA adapters mixed; "
+              f"adapter load time {result['lora_load_time_s'] * 1000:.1f} ms")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -9,8 +9,8 @@ slot s of the ``max_loras`` device slots holds, per slice j, ``A_j`` [r_j, in] a
     lora_b[j]  [max_loras, out_j, R]              columns 0 .. r_j: scaling * B_j
 
 Each step, ``LoRAStepMapping.groups`` lists the active slots with the tokens that use them.
-Per slot: shrink ``xa = x[tokens] @ lora_a[s]^T`` (all slices in one matmul), then expand
-``y[tokens, slice j] += xa[:, j*R:(j+1)*R] @ lora_b[j][s]^T``. That is Punica's SGMV
+Per slot: shrink ``xa = x[tokens] @ lora_a[s]^T`` (all slices in one matmul), expand
+``delta[:, slice j] = xa[:, j*R:(j+1)*R] @ lora_b[j][s]^T``, then ``y[tokens] += delta``. That is Punica's SGMV
 (Chen et al. 2023, "Punica: Multi-Tenant LoRA Serving") in plain PyTorch: tokens grouped by
 adapter, one matmul per active slot, never one per request; tokens with no adapter cost
 nothing. The base product is the wrapped method's own (unquantized, int8 ...), so LoRA
@@ -34,25 +34,25 @@ from pagedllm.model_executor.layers.quantization import QuantizeMethodBase
 
 @dataclass
 class LoRAStepMapping:
-    """This step's tokens grouped by adapter slot, set once per step by the
+    """This step's tokens as runs of one adapter slot, set once per step by the
     ``LoRAModelManager`` and read by every ``LoRALinearMethod``.
 
-    ``groups``: (slot, token indices [t] int64 on the model's device, or None when every
-    token of the step uses that slot); tokens of no group use no adapter.
+    ``groups``: (slot, start, end) for each run of consecutive tokens ``start .. end - 1``
+    that use ``slot``; tokens of no run use no adapter. The model runner orders a step's
+    requests by slot (decodes, then prefills), so each slot has at most two runs.
     """
 
-    groups: list[tuple[int, Optional[torch.Tensor]]] = field(default_factory=list)
+    groups: list[tuple[int, int, int]] = field(default_factory=list)
 
-    def set_token_slots(self, token_slots: np.ndarray, device: torch.device) -> None:
-        """Group the step's tokens by slot (``token_slots`` [T] int64, -1 = no adapter)."""
-        groups: list[tuple[int, Optional[torch.Tensor]]] = []
-        for slot in np.unique(token_slots):
-            if slot < 0:
-                continue
-            tokens = np.flatnonzero(token_slots == slot)
-            index = None if len(tokens) == len(token_slots) else torch.from_numpy(tokens).to(device)
-            groups.append((int(slot), index))
-        self.groups = groups
+    def set_token_slots(self, token_slots: np.ndarray) -> None:
+        """Find the runs of ``token_slots`` ([T] int64 slot per token, -1 = no adapter)."""
+        if len(token_slots) == 0:
+            self.groups = []
+            return
+        change = np.flatnonzero(np.diff(token_slots)) + 1
+        starts = np.concatenate(([0], change))
+        ends = np.concatenate((change, [len(token_slots)]))
+        self.groups = [(int(token_slots[s]), int(s), int(e)) for s, e in zip(starts, ends) if token_slots[s] >= 0]
 
 
 class LoRALinearMethod(LinearMethodBase):
@@ -120,15 +120,12 @@ class LoRALinearMethod(LinearMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [T, in] (the step's tokens, in the mapping's order) -> [T, out], x's dtype."""
         y = self.base.apply(layer, x, bias)
-        rank = self.max_lora_rank
-        for slot, tokens in self.mapping.groups:
-            xs = x if tokens is None else x.index_select(0, tokens)
-            xa = xs @ self.lora_a[slot].T
-            for j, (offset, size) in enumerate(zip(self.offsets, self.output_sizes)):
-                delta = xa[:, j * rank : (j + 1) * rank] @ self.lora_b[j][slot].T
-                out = y.narrow(-1, offset, size)
-                if tokens is None:
-                    out += delta
-                else:
-                    out.index_add_(0, tokens, delta)
+        for slot, start, end in self.mapping.groups:
+            y[start:end] += self._expand(x[start:end] @ self.lora_a[slot].T, slot)
         return y
+
+    def _expand(self, xa: torch.Tensor, slot: int) -> torch.Tensor:
+        """xa [t, n_slices * R] -> [t, out]: each slice's rank-R part times its B."""
+        rank = self.max_lora_rank
+        parts = [xa[:, j * rank : (j + 1) * rank] @ b[slot].T for j, b in enumerate(self.lora_b)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

@@ -47,7 +47,6 @@ class LoRAModelManager:
         self.hf_config = hf_config
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
-        self.device = device
         self.mapping = LoRAStepMapping()
         self.methods: dict[str, LoRALinearMethod] = {}
         for name, module in model.named_modules():
@@ -149,6 +148,6 @@ class LoRAModelManager:
         return self.slot_lru.pop(victim)
 
     def set_token_slots(self, token_slots: np.ndarray) -> None:
-        """Group this step's tokens by slot (``token_slots`` [T] int64, -1 = no adapter) for
-        every wrapped layer."""
-        self.mapping.set_token_slots(token_slots, self.device)
+        """Tell every wrapped layer this step's slot of each token (``token_slots`` [T]
+        int64, -1 = no adapter; best ordered by slot: see ``LoRAStepMapping``)."""
+        self.mapping.set_token_slots(token_slots)

@@ -178,6 +178,7 @@ class ModelRunner:
         batch = self.input_batch
         decodes = [r for r, n in so.num_scheduled_tokens.items() if n == 1]
         prefills = [r for r, n in so.num_scheduled_tokens.items() if n > 1]
+        request_slots, failed_req_ids = self._activate_loras(decodes, prefills)
         order = decodes + prefills
         states = [batch.requests[r] for r in order]
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
@@ -193,7 +194,8 @@ class ModelRunner:
         slot_mapping = batch.block_table[token_rows, positions // bs] * bs + positions % bs
         seq_lens = computed + num_sched
         metadata = self._attention_metadata(rows, seq_lens, computed, cu, len(decodes), slot_mapping)
-        failed_req_ids = self._activate_loras(states, token_req)
+        if self.lora_manager is not None:
+            self.lora_manager.set_token_slots(np.array([request_slots[r] for r in order], dtype=np.int64)[token_req])
 
         with set_forward_context(metadata):
             hidden = self.model(self._to_device(input_ids), self._to_device(positions))
@@ -222,16 +224,23 @@ class ModelRunner:
             failed_req_ids=failed_req_ids,
         )
 
-    def _activate_loras(self, states: list[CachedRequestState], token_req: np.ndarray) -> dict[str, str]:
-        """With LoRA: put the step's adapters in slots and map each token to its slot.
-        Returns request id -> reason for requests whose adapter could not be loaded (they
-        run on the base weights this step and the scheduler aborts them)."""
+    def _activate_loras(self, decodes: list[str], prefills: list[str]) -> tuple[dict[str, int], dict[str, str]]:
+        """With LoRA: put the step's adapters in slots and sort ``decodes`` and ``prefills``
+        (in place) by slot, so each slot's tokens form at most two runs (see
+        ``pagedllm.lora.layers``). Returns request id -> slot (-1: none), and request id ->
+        reason for requests whose adapter could not be loaded (they run on the base
+        weights this step and the scheduler aborts them)."""
         if self.lora_manager is None:
-            return {}
-        request_slots, failed = self.lora_manager.activate([s.lora_request for s in states])
-        self.lora_manager.set_token_slots(request_slots[token_req])
-        return {s.req_id: failed[s.lora_request.adapter_key] for s in states
-                if s.lora_request is not None and s.lora_request.adapter_key in failed}
+            return {}, {}
+        req_ids = decodes + prefills
+        loras = [self.input_batch.requests[r].lora_request for r in req_ids]
+        slots, failed = self.lora_manager.activate(loras)
+        request_slots = dict(zip(req_ids, slots.tolist()))
+        decodes.sort(key=request_slots.__getitem__)
+        prefills.sort(key=request_slots.__getitem__)
+        failed_req_ids = {r: failed[lora.adapter_key] for r, lora in zip(req_ids, loras)
+                          if lora is not None and lora.adapter_key in failed}
+        return request_slots, failed_req_ids
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)

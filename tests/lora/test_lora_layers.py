@@ -30,7 +30,8 @@ def test_each_token_gets_its_slots_update(quant_config):
     method.set_slot(0, [q, None, v])
     method.set_slot(1, [None, k, None])
     token_slots = np.array([0, -1, 1, 0, 1, -1, 0])
-    mapping.set_token_slots(token_slots, torch.device("cpu"))
+    mapping.set_token_slots(token_slots)
+    assert mapping.groups == [(0, 0, 1), (1, 2, 3), (0, 3, 4), (1, 4, 5), (0, 6, 7)]
     expected = base.clone()
     for t, slot in enumerate(token_slots):
         if slot == 0:
@@ -39,12 +40,12 @@ def test_each_token_gets_its_slots_update(quant_config):
         elif slot == 1:
             expected[t, 32:48] += k[1] @ (k[0] @ x[t])
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-4)
-    mapping.set_token_slots(np.full(7, 1), torch.device("cpu"))  # one slot for all: no gather
-    assert mapping.groups == [(1, None)]
+    mapping.set_token_slots(np.full(7, 1))  # one slot for every token: one run
+    assert mapping.groups == [(1, 0, 7)]
     expected_all = base.clone()
     expected_all[:, 32:48] += x @ k[0].T @ k[1].T
     torch.testing.assert_close(layer(x), expected_all, rtol=1e-5, atol=1e-4)
-    mapping.set_token_slots(np.full(7, -1), torch.device("cpu"))
+    mapping.set_token_slots(np.full(7, -1))
     torch.testing.assert_close(layer(x), base)
     with pytest.raises(ValueError, match="rank <= 4"):
         method.set_slot(0, [(torch.randn(5, 32), torch.randn(32, 5)), None, None])
