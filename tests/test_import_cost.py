@@ -20,6 +20,7 @@ LIGHT_MODULES = [
     "pagedllm.messages.engine_core",
     "pagedllm.messages.sched_output",
     "pagedllm.messages.runner_output",
+    "pagedllm.lora.request",
 ]
 
 
