@@ -166,6 +166,21 @@ def test_throughput_prints_vllm_style_line(tiny_llama, capsys):
     assert "requests/s" in out and "output tokens/s" in out and "total tokens/s" in out
 
 
+def test_throughput_mixes_lora_adapters(tiny_llama, tmp_path, capsys):
+    from pagedllm.testing.lora_adapters import main as make_adapter
+
+    make_adapter([str(tiny_llama), str(tmp_path / "adapter"), "--rank", "16"])
+    out = tmp_path / "lora.json"
+    rc = run_bench(["throughput", "--model", str(tiny_llama), "--dtype", "float32", "--num-prompts", "8",
+                    "--input-len", "12", "--output-len", "3", "--ignore-eos", "--num-warmups", "0",
+                    "--kv-cache-memory-bytes", KV_BYTES, "--enable-lora", "--max-loras", "4",
+                    "--lora-path", str(tmp_path / "adapter"), "--output-json", str(out)])
+    assert rc == 0 and "4 LoRA adapters mixed; adapter load time" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert r["num_loras"] == 4 and r["total_output_tokens"] == 24 and 0 < r["lora_load_time_s"] < 10
+    assert r["engine_args"]["max_loras"] == 4 and r["engine_args"]["enable_lora"] is True
+
+
 def test_prefix_caching_ttft_and_throughput(tiny_llama, tmp_path):
     ttft_json = tmp_path / "ttft.json"
     rc = run_bench(["prefix-caching", "--model", str(tiny_llama), "--dtype", "float32", "--num-prompts", "6",

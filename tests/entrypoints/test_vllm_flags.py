@@ -100,6 +100,7 @@ def test_help_documents_the_vllm_flags_and_the_no_ops(capsys):
         (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"], "max_cpu_loras (2) must be >= max_loras (4)."),
         (["--speculative-config", '{"method": "ngram"}'], "speculative_config={'method': 'ngram'} is not supported"),
         (["--max-logprobs", "-2"], "max_logprobs must be -1 (the vocabulary size) or more, got -2."),
+        (["--lora-modules", "sql=/x"], "--lora-modules needs --enable-lora."),
     ],
 )
 def test_values_not_built_fail_at_once_in_one_line(argv, message, capsys):
@@ -123,6 +124,22 @@ def test_server_features_not_built_fail_while_parsing(argv, message, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err == f"pagedllm serve: error: {message}\n" or (err.count("\n") == 1 and message in err), err
+
+
+def test_lora_flags_take_vllm_forms():
+    args = _parse("--enable-lora", "--max-loras", "4", "--max-lora-rank", "32", "--max-cpu-loras", "8",
+                  "--lora-modules", "sql=/a/sql", '{"name": "chat", "path": "/a/chat", "base_model_name": "base"}')
+    assert args.lora_modules == [{"name": "sql", "path": "/a/sql", "base_model_name": None},
+                                 {"name": "chat", "path": "/a/chat", "base_model_name": "base"}]
+    engine_args = engine_args_from(args)
+    assert (engine_args.enable_lora, engine_args.max_loras, engine_args.max_lora_rank, engine_args.max_cpu_loras) == (
+        True, 4, 32, 8)
+    defaults = engine_args_from(_parse())
+    assert (defaults.enable_lora, defaults.max_loras, defaults.max_lora_rank, defaults.max_cpu_loras) == (
+        False, 1, 16, None)
+    for bad in ("sql", "=/x", '{"name": "x"}'):
+        with pytest.raises(SystemExit):
+            _parse("--lora-modules", bad)
 
 
 @pytest.mark.parametrize(

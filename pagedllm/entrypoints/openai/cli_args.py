@@ -611,6 +611,8 @@ def main(args: argparse.Namespace) -> int:
         from pagedllm.metrics.loggers import log_stats_interval
 
         log_stats_interval()
+        if args.lora_modules and not args.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora.")
         engine_args = engine_args_from(args)
         _fetch_models(engine_args)
     except ValueError as exc:
@@ -663,7 +665,10 @@ async def _serve(args: argparse.Namespace, engine_args: Any, sock: socket.socket
         logging.getLogger(__name__).debug("Engine start-up failed", exc_info=True)
         return _fail(f"the engine failed to start: {exc}", 1)
     try:
-        app = build_app(engine, args)
+        try:
+            app = build_app(engine, args)
+        except (ValueError, OSError) as exc:  # a --lora-modules adapter that cannot be served
+            return _fail(str(exc), 2)
         # NOTE: torch and transformers leave millions of long-lived objects; without this,
         # each full garbage collection pauses the event loop (and /health) for 100+ ms.
         gc.collect()
