@@ -1,5 +1,5 @@
 """``LoRALinearMethod`` adds each token's own adapter update over the wrapped method's
-product, for unquantized and int8 bases, with tokens of several slots and of none mixed."""
+product, for unquantized, int8 and int4 bases, with tokens of several slots and of none mixed."""
 
 from __future__ import annotations
 
@@ -9,24 +9,25 @@ import torch
 
 from pagedllm.lora.layers import LoRALinearMethod, LoRAStepMapping
 from pagedllm.model_executor.layers.linear import QKVParallelLinear
+from pagedllm.model_executor.layers.quantization.int4 import Int4Config
 from pagedllm.model_executor.layers.quantization.int8 import Int8Config
 
 
-@pytest.mark.parametrize("quant_config", [None, Int8Config()], ids=["unquantized", "int8"])
+@pytest.mark.parametrize("quant_config", [None, Int8Config(), Int4Config()], ids=["unquantized", "int8", "int4"])
 def test_each_token_gets_its_slots_update(quant_config):
     torch.manual_seed(0)
-    layer = QKVParallelLinear(32, head_size=8, total_num_heads=4, total_num_kv_heads=2, bias=False,
+    layer = QKVParallelLinear(128, head_size=8, total_num_heads=4, total_num_kv_heads=2, bias=False,
                               quant_config=quant_config)  # out [q 32 | k 16 | v 16]
-    layer.weight.data.copy_(torch.randn(64, 32))
+    layer.weight.data.copy_(torch.randn(64, 128))
     layer.quant_method.process_weights_after_loading(layer)
-    x = torch.randn(7, 32)
+    x = torch.randn(7, 128)
     base = layer(x)
     mapping = LoRAStepMapping()
     method = LoRALinearMethod(layer.quant_method, layer, 2, 4, mapping, torch.float32, torch.device("cpu"))
     layer.quant_method = method
-    q = (torch.randn(3, 32), torch.randn(32, 3))
-    v = (torch.randn(3, 32), torch.randn(16, 3))
-    k = (torch.randn(4, 32), torch.randn(16, 4))
+    q = (torch.randn(3, 128), torch.randn(32, 3))
+    v = (torch.randn(3, 128), torch.randn(16, 3))
+    k = (torch.randn(4, 128), torch.randn(16, 4))
     method.set_slot(0, [q, None, v])
     method.set_slot(1, [None, k, None])
     token_slots = np.array([0, -1, 1, 0, 1, -1, 0])
@@ -48,4 +49,4 @@ def test_each_token_gets_its_slots_update(quant_config):
     mapping.set_token_slots(np.full(7, -1))
     torch.testing.assert_close(layer(x), base)
     with pytest.raises(ValueError, match="rank <= 4"):
-        method.set_slot(0, [(torch.randn(5, 32), torch.randn(32, 5)), None, None])
+        method.set_slot(0, [(torch.randn(5, 128), torch.randn(32, 5)), None, None])
