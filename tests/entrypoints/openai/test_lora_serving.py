@@ -107,8 +107,13 @@ def test_runtime_load_and_unload(lora_server, adapters, tiny_llama, tmp_path, to
     assert status == 400 and "shape [4, 80], but this base model needs [4, 64]" in message
     assert error("/v1/load_lora_adapter", {"lora_name": "x"})[0] == 400
 
+    # Unloaded while a request streams with it: that request finishes, new ones get a 404.
+    stream = client.completions.create(model="late", prompt=PROMPT, max_tokens=48, temperature=0.0, stream=True)
+    chunks = [next(iter(stream))]
     unloaded = lora_server.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
     assert unloaded.status_code == 200 and unloaded.text == "Success: LoRA adapter 'late' removed successfully."
+    chunks += list(stream)
+    assert chunks[-1].choices[0].finish_reason == "length"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="late", prompt="hi", max_tokens=2)
     assert error("/v1/unload_lora_adapter", {"lora_name": "late"}) == (404, "The lora adapter 'late' cannot be found.")
