@@ -23,7 +23,7 @@ def test_each_token_gets_its_slots_update(quant_config):
     x = torch.randn(7, 128)
     base = layer(x)
     mapping = LoRAStepMapping()
-    method = LoRALinearMethod(layer.quant_method, layer, 2, 4, mapping, torch.float32, torch.device("cpu"))
+    method = LoRALinearMethod(layer.quant_method, layer, 2, 4, mapping, torch.device("cpu"))
     layer.quant_method = method
     q = (torch.randn(3, 128), torch.randn(32, 3))
     v = (torch.randn(3, 128), torch.randn(16, 3))
