@@ -14,7 +14,11 @@ from torch import nn
 
 from pagedllm.config import ModelConfig
 from pagedllm.model_executor.gguf_weights import KERNEL_TYPES, iterate_gguf_weights, open_gguf, tensor_types
-from pagedllm.model_executor.layers.quantization import QuantizationConfig, get_quantization_config
+from pagedllm.model_executor.layers.quantization import (
+    ONLINE_QUANTIZATION_METHODS,
+    QuantizationConfig,
+    get_quantization_config,
+)
 from pagedllm.model_executor.layers.quantization.gguf import GGUFConfig
 from pagedllm.model_executor.models.registry import get_model_class
 
@@ -53,7 +57,8 @@ def get_quant_config(model_config: ModelConfig) -> Optional[QuantizationConfig]:
 
     Raises:
         ValueError: for a format pagedllm does not support (the message lists those it
-            does), or a ``--quantization`` that differs from the checkpoint's format.
+            does), a ``--quantization`` that differs from the checkpoint's format, or a
+            checkpoint format asked of an unquantized checkpoint.
     """
     config = getattr(model_config.hf_config, "quantization_config", None)
     requested = model_config.quantization
@@ -63,7 +68,15 @@ def get_quant_config(model_config: ModelConfig) -> Optional[QuantizationConfig]:
         bits = {name.removesuffix(".weight"): KERNEL_TYPES[kind] for name, kind in types.items() if kind in KERNEL_TYPES}
         config = {"quant_method": "gguf", "module_bits": bits}
     if config is None:
-        return None if requested is None else get_quantization_config(requested).from_config({})
+        if requested is None:
+            return None
+        method_class = get_quantization_config(requested)
+        if requested not in ONLINE_QUANTIZATION_METHODS:
+            raise ValueError(
+                f"--quantization {requested} needs a checkpoint quantized as {requested} (config.json has no "
+                f"quantization_config); the methods that quantize at load are {', '.join(ONLINE_QUANTIZATION_METHODS)}."
+            )
+        return method_class.from_config({})
     config = config if isinstance(config, dict) else config.to_dict()
     method = config.get("quant_method")
     if requested is not None and requested != method:

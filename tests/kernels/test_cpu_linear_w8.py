@@ -59,5 +59,30 @@ def test_bad_input_is_refused():
         cpu_kernels.linear_w8(x, q, torch.ones(31), None, 32)
     with pytest.raises(RuntimeError, match="linear_w8: N = 40 does not match"):
         cpu_kernels.linear_w8(x, q, torch.ones(40), None, 40)
-    with pytest.raises(RuntimeError, match="linear_w8: weight must be an int8"):
+    with pytest.raises(RuntimeError, match="linear_w8: weight must be a CPU tensor of dtype int8"):
         cpu_kernels.linear_w8(x, q.float(), torch.ones(32), None, 32)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 17])  # the streaming kernel's tiles; the GEMM
+def test_fp8_matches_float64_product(n, k, rows):
+    """``linear_fp8``: float8 e4m3 weights (every finite value, subnormals included) widened
+    exactly, with one scale per output."""
+    gen = torch.Generator().manual_seed(n * 7 + k + rows)
+    codes = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen)
+    codes[(codes & 0x7F) == 0x7F] = 0  # NaN codes: never written by a quantizer
+    f8 = codes.view(torch.float8_e4m3fn)
+    scale = torch.rand(n, generator=gen) * 0.01 + 1e-4
+    x = torch.randn(rows, k, generator=gen)
+    packed = cpu_kernels.pack_w8(codes.view(torch.int8)).view(torch.float8_e4m3fn)
+    got = cpu_kernels.linear_fp8(x, packed, scale, None, n)
+    w = f8.double()
+    exact = (x.double() @ w.T) * scale.double()
+    bound = (k + 2) * 2.0**-24 * (x.double().abs() @ w.abs().T) * scale.double()
+    assert bool(((got.double() - exact).abs() <= bound + 1e-30).all())
+
+
+def test_fp8_needs_float8_weights():
+    packed = cpu_kernels.pack_w8(_random_int8(16, 8))
+    with pytest.raises(RuntimeError, match="linear_fp8: weight must be a CPU tensor of dtype float8_e4m3fn"):
+        cpu_kernels.linear_fp8(torch.randn(1, 8), packed, torch.ones(16), None, 16)

@@ -482,6 +482,20 @@ def linear_w8(
     return _ops().linear_w8(x, weight, scale, bias, n)
 
 
+def linear_fp8(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    """``linear_w8`` for float8 e4m3 weights F [n, K] (W = scale[:, None] * F): weight is F's
+    bytes packed by ``pack_w8`` and viewed back as ``torch.float8_e4m3fn``; widened to float32
+    exactly inside the kernel (see ``linear_w16.cpp``).
+
+    Raises:
+        RuntimeError: unavailable kernels, or bad shapes / dtypes.
+    """
+    _require()
+    return _ops().linear_fp8(x, weight, scale, bias, n)
+
+
 def pack_w4(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [N, K] uint8 of 4-bit values (0-15, K even) re-laid out for ``linear_w4``:
     [ceil(N / 16), K / 2, 16] uint8, blocks of 16 outputs with inputs 2i and 2i + 1 in the

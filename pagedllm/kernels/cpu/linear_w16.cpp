@@ -16,6 +16,11 @@
 //   linear_w8(x, packed weight, scale [N] float32, bias [N] or None, N)
 //     ->  y = (x Q^T) * scale + b, float32 sums, the scale applied once per output
 //
+// and for float8 e4m3 weights with one scale per output (W = scale[n] * F[n, k]), packed by
+// pack_w8 (their bytes viewed as int8):
+//
+//   linear_fp8(x, packed weight (float8_e4m3fn), scale [N] float32, bias [N] or None, N)
+//
 // The layout: N is cut into blocks of 16 outputs (the last one padded with zeros); block b
 // holds, for each input k in order, the 16 weights (b * 16 + j, k):
 //
@@ -231,7 +236,8 @@ at::Tensor linear_blocks(const char* op, const at::Tensor& x, const at::Tensor& 
 #define PAGEDLLM_STREAM(Y)                                                                 \
   (wt == at::kBFloat16 ? stream<c10::BFloat16, Y>(x32, packed, sp, bp, n, y)               \
    : wt == at::kHalf   ? stream<c10::Half, Y>(x32, packed, sp, bp, n, y)                   \
-                       : stream<int8_t, Y>(x32, packed, sp, bp, n, y))
+   : wt == at::kChar   ? stream<int8_t, Y>(x32, packed, sp, bp, n, y)                      \
+                       : stream<c10::Float8_e4m3fn, Y>(x32, packed, sp, bp, n, y))
     switch (xt) {
       case at::kFloat: PAGEDLLM_STREAM(float); break;
       case at::kBFloat16: PAGEDLLM_STREAM(c10::BFloat16); break;
@@ -253,15 +259,27 @@ at::Tensor linear_w16(const at::Tensor& x, const at::Tensor& packed, const std::
   return linear_blocks("linear_w16", x, packed, at::Tensor(), bias, n);
 }
 
-at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                     const std::optional<at::Tensor>& bias, int64_t n) {
+// An 8-bit weight (int8 or float8 e4m3, ``dtype``) with one scale per output; ``op`` names the caller.
+at::Tensor linear_scaled_bytes(const char* op, at::ScalarType dtype, const char* dtype_name, const at::Tensor& x,
+                               const at::Tensor& packed, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
+                               int64_t n) {
   TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous() &&
-                  packed.scalar_type() == at::kChar,
-              "linear_w8: weight must be an int8 CPU tensor packed by pack_w8 ([N / 16, K, 16])");
+                  packed.scalar_type() == dtype,
+              op, ": weight must be a CPU tensor of dtype ", dtype_name, " packed by pack_w8 ([N / 16, K, 16])");
   TORCH_CHECK(scale.device().is_cpu() && scale.dim() == 1 && scale.size(0) == n && scale.scalar_type() == at::kFloat &&
                   scale.is_contiguous(),
-              "linear_w8: scale must be a contiguous float32 CPU tensor [", n, "]");
-  return linear_blocks("linear_w8", x, packed, scale, bias, n);
+              op, ": scale must be a contiguous float32 CPU tensor [", n, "]");
+  return linear_blocks(op, x, packed, scale, bias, n);
+}
+
+at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                     const std::optional<at::Tensor>& bias, int64_t n) {
+  return linear_scaled_bytes("linear_w8", at::kChar, "int8", x, packed, scale, bias, n);
+}
+
+at::Tensor linear_fp8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                      const std::optional<at::Tensor>& bias, int64_t n) {
+  return linear_scaled_bytes("linear_fp8", at::kFloat8_e4m3fn, "float8_e4m3fn", x, packed, scale, bias, n);
 }
 
 }  // namespace
@@ -271,6 +289,7 @@ PAGEDLLM_FRAGMENT(m) {
   m.def("linear_w16(Tensor x, Tensor weight, Tensor? bias, int n) -> Tensor");
   m.def("pack_w8(Tensor weight) -> Tensor");
   m.def("linear_w8(Tensor x, Tensor weight, Tensor scale, Tensor? bias, int n) -> Tensor");
+  m.def("linear_fp8(Tensor x, Tensor weight, Tensor scale, Tensor? bias, int n) -> Tensor");
 }
 
 PAGEDLLM_IMPL(CompositeExplicitAutograd, m) {
@@ -278,4 +297,5 @@ PAGEDLLM_IMPL(CompositeExplicitAutograd, m) {
   m.impl("linear_w16", &linear_w16);
   m.impl("pack_w8", &pack_w8);
   m.impl("linear_w8", &linear_w8);
+  m.impl("linear_fp8", &linear_fp8);
 }

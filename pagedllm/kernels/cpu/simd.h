@@ -11,6 +11,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
@@ -34,6 +35,17 @@ inline __m256 widen8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si12
 // 8 int8 values -> 8 float32 lanes, exactly (sign-extended).
 inline __m256 widen8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+// 8 float8 e4m3 values (OCP FP8, bias 7, no infinities) -> 8 float32 lanes, exactly: the
+// exponent and mantissa bits moved to float32's positions read as 2^(e - 127) x 1.m (or a
+// float32 subnormal, for e = 0), times 2^120 to rebias; the sign bit moved to bit 31. NaN
+// (0x7f / 0xff) becomes a large finite value: quantizers never write it.
+inline __m256 widen8(const c10::Float8_e4m3fn* p) {
+  const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i magnitude = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7F)), 20);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+  const __m256 unsigned_value = _mm256_mul_ps(_mm256_castsi256_ps(magnitude), _mm256_set1_ps(0x1p120f));
+  return _mm256_or_ps(unsigned_value, _mm256_castsi256_ps(sign));
 }
 
 #if defined(__AVX512F__)

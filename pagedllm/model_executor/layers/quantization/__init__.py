@@ -1,7 +1,7 @@
 """Weight formats by name: ``get_quantization_config("unquantized")`` -> its config class.
 
-"unquantized"; the load-time formats "int8" and "int4"; the checkpoint formats "gptq", "awq"
-and "compressed-tensors", and "gguf" (their integer weights share ``packed_int``).
+"unquantized"; the load-time formats "int8", "int4" and "fp8"; the checkpoint formats "gptq",
+"awq", "compressed-tensors" and "gguf" (their integer weights share ``packed_int``), and "fp8".
 """
 
 from __future__ import annotations
@@ -21,7 +21,13 @@ QUANTIZATION_METHODS: dict[str, Union[str, type[QuantizationConfig]]] = {
     "awq": "awq:AWQConfig",
     "compressed-tensors": "compressed_tensors:CompressedTensorsConfig",
     "gguf": "gguf:GGUFConfig",
+    "fp8": "fp8:Fp8Config",
 }
+
+
+#: The formats that quantize a 16/32-bit checkpoint at load (``--quantization NAME``); the
+#: others read a checkpoint already in their format.
+ONLINE_QUANTIZATION_METHODS = ("int8", "int4", "fp8")
 
 
 def get_quantization_config(name: Optional[str]) -> type[QuantizationConfig]:
@@ -43,4 +49,4 @@ def get_quantization_config(name: Optional[str]) -> type[QuantizationConfig]:
     return entry
 
 
-__all__ = ["QUANTIZATION_METHODS", "QuantizationConfig", "QuantizeMethodBase", "get_quantization_config"]
+__all__ = ["ONLINE_QUANTIZATION_METHODS", "QUANTIZATION_METHODS", "QuantizationConfig", "QuantizeMethodBase", "get_quantization_config"]

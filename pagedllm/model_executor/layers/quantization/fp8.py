@@ -1,0 +1,193 @@
+"""FP8 weights (float8 e4m3, the OCP format of Micikevicius et al. 2022, arXiv:2209.05433):
+
+- ``--quantization fp8`` on a 16/32-bit checkpoint (vLLM's online FP8): each checkpoint
+  weight (each part of a fused q/k/v or gate/up layer) gets one scale, scale = max|W| / 448
+  (e4m3's largest finite value), F = W / scale rounded to e4m3;
+- checkpoints with ``quant_method: "fp8"`` (as AutoFP8, llm-compressor and vLLM write them):
+  per linear module ``weight`` float8_e4m3fn [out, in] and ``weight_scale`` (a scalar per
+  tensor; fused q/k/v and gate/up parts keep their own), W = weight_scale * F; an
+  ``input_scale`` (``activation_scheme: "static"``) is read and not used: activations stay in
+  the model dtype, which is at least as exact. Block-wise checkpoints (``weight_block_size``,
+  ``weight_scale_inv`` per block) are dequantized at load, with a warning. Modules listed in
+  ``ignored_layers`` / ``modules_to_not_convert`` stay unquantized.
+
+On CPU the matmul is ``pagedllm.kernels.cpu.linear_fp8``: one byte per weight streamed and
+widened exactly to float32 in the kernel, the scale applied once per output. The lm_head keeps
+the model dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from pagedllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from pagedllm.model_executor.layers.quantization.packed_int import checkpoint_module_names, name_matches
+from pagedllm.model_executor.utils import set_weight_attrs
+from pagedllm.platforms import current_platform
+
+logger = logging.getLogger(__name__)
+
+#: The largest finite float8 e4m3 value.
+FP8_E4M3_MAX = 448.0
+
+
+def quantize_fp8_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (F [N, K] float8_e4m3fn, scale: a float32 scalar tensor) with W ~ scale * F
+    (see the module docstring); an all-zero W gets scale 1."""
+    w = weight.float()
+    amax = w.abs().max()
+    scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    return (w / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+class Fp8Config(QuantizationConfig):
+    """Online FP8 (``--quantization fp8``, empty config) or a ``quant_method: "fp8"``
+    checkpoint: ``weight_block_size``, ``ignored_layers`` / ``modules_to_not_convert``.
+
+    Raises (``from_config``):
+        ValueError: a block size that is not two positive integers.
+    """
+
+    def __init__(self, serialized: bool, block_size: Optional[list[int]], ignored: list[str]) -> None:
+        self.serialized = serialized
+        self.block_size = block_size
+        self.ignored = ignored
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "fp8"
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Fp8Config":
+        block = config.get("weight_block_size")
+        if block is not None and (len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):
+            raise ValueError(f"fp8: weight_block_size must be two positive integers, got {block!r}.")
+        ignored = list(config.get("ignored_layers") or []) + list(config.get("modules_to_not_convert") or [])
+        return cls(config.get("quant_method") == "fp8", block, ignored)
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
+        if not isinstance(layer, LinearBase):
+            return None
+        if any(name_matches(name, pattern) for name in checkpoint_module_names(prefix) for pattern in self.ignored):
+            return None
+        return Fp8LinearMethod(self, prefix)
+
+
+def store_fp8(layer: nn.Module, weight: torch.Tensor, scale: torch.Tensor) -> None:
+    """Replace ``layer.weight`` by F [out, in] float8_e4m3fn with ``weight_scale`` [out]
+    float32 (W = scale[:, None] * F): ``pack_w8``'s blocked layout on CPU with the kernels,
+    else F itself."""
+    if current_platform.is_cpu and cpu_kernels.is_available():
+        weight = cpu_kernels.pack_w8(weight.view(torch.int8)).view(torch.float8_e4m3fn)
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    layer.weight_scale = nn.Parameter(scale.float().contiguous(), requires_grad=False)
+
+
+class Fp8LinearMethod(UnquantizedLinearMethod):
+    """One FP8 layer (see the module docstring)."""
+
+    def __init__(self, config: Fp8Config, prefix: str) -> None:
+        self.config = config
+        self.prefix = prefix
+
+    def create_weights(
+        self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs: Any,
+    ) -> None:
+        if not self.config.serialized:
+            super().create_weights(layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                                   params_dtype, **extra_weight_attrs)  # fmt: skip
+            return
+        loader: Callable[..., None] = extra_weight_attrs.pop("weight_loader")
+        out = sum(output_partition_sizes)
+        per_output = {"output_dim": 0, "input_dim": 1, **extra_weight_attrs}
+        params: dict[str, tuple[torch.Tensor, dict[str, Any], Callable[..., None]]] = {
+            "weight": (torch.empty(out, input_size_per_partition, dtype=torch.float8_e4m3fn), per_output, loader),
+            "input_scale": (torch.empty(1), dict(extra_weight_attrs), self._scalar_loader),
+        }
+        if self.config.block_size is None:
+            params["weight_scale"] = (torch.empty(out), {"output_dim": 0, **extra_weight_attrs},
+                                      self._per_tensor_scale_loader(layer, loader))  # fmt: skip
+        else:  # kept with one row per output (a fused layer's parts load row ranges)
+            shape = (out, -(-input_size_per_partition // self.config.block_size[1]))
+            params["weight_scale_inv"] = (torch.empty(shape), per_output, self._block_scale_loader(layer, loader))
+        for name, (tensor, attrs, param_loader) in params.items():
+            param = nn.Parameter(tensor, requires_grad=False)
+            set_weight_attrs(param, {**attrs, "weight_loader": param_loader})
+            layer.register_parameter(name, param)
+        layer.register_buffer("weight_fp32", None, persistent=False)
+
+    @staticmethod
+    def _scalar_loader(param: nn.Parameter, loaded_weight: torch.Tensor, *shard_id: Any) -> None:
+        param.data.copy_(loaded_weight.float().reshape(-1)[:1])
+
+    @staticmethod
+    def _checkpoint_rows(layer: nn.Module, shard_id: tuple[Any, ...]) -> int:
+        """Output rows of the checkpoint tensor a shard id loads (the whole layer's without one)."""
+        if not shard_id:
+            return layer.output_size
+        return layer.output_sizes[layer.shard_ids.index(shard_id[0])]
+
+    def _per_tensor_scale_loader(self, layer: nn.Module, loader: Callable[..., None]) -> Callable[..., None]:
+        def load(param: nn.Parameter, loaded_weight: torch.Tensor, *shard_id: Any) -> None:
+            if loaded_weight.numel() != 1:
+                raise ValueError(
+                    f"fp8: layer {self.prefix}, tensor 'weight_scale': expected one scale per tensor, got shape "
+                    f"{tuple(loaded_weight.shape)} (per-channel fp8 checkpoints are compressed-tensors'; not supported yet)."
+                )
+            loader(param, loaded_weight.float().reshape(1).expand(self._checkpoint_rows(layer, shard_id)), *shard_id)
+
+        return load
+
+    def _block_scale_loader(self, layer: nn.Module, loader: Callable[..., None]) -> Callable[..., None]:
+        def load(param: nn.Parameter, loaded_weight: torch.Tensor, *shard_id: Any) -> None:
+            rows = self._checkpoint_rows(layer, shard_id)
+            per_row = loaded_weight.float().repeat_interleave(self.config.block_size[0], 0)[:rows]
+            loader(param, per_row, *shard_id)
+
+        return load
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Quantize (online), or hand the checkpoint's FP8 weight to the kernel; block-wise
+        weights are dequantized to the model dtype. A second call changes nothing."""
+        if getattr(layer, "fp8_processed", False):
+            return
+        layer.fp8_processed = True
+        weight = layer.weight.data
+        if not self.config.serialized:
+            parts = [quantize_fp8_per_tensor(part) for part in weight.split(layer.output_partition_sizes)]
+            scales = [scale.expand(f8.shape[0]) for f8, scale in parts]
+            store_fp8(layer, torch.cat([f8 for f8, _ in parts]), torch.cat(scales))
+            return
+        del layer.input_scale
+        if self.config.block_size is None:
+            store_fp8(layer, weight, layer.weight_scale.data)
+            return
+        scale = layer.weight_scale_inv.data.repeat_interleave(self.config.block_size[1], 1)
+        dequantized = weight.float() * scale[:, : weight.shape[1]]
+        del layer.weight_scale_inv
+        logger.warning("fp8: layer %s has block-wise scales: no kernel for them yet, dequantized at load.", self.prefix)
+        layer.weight = nn.Parameter(dequantized.to(layer.params_dtype), requires_grad=False)
+        super().process_weights_after_loading(layer)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if layer.weight.dtype != torch.float8_e4m3fn:
+            return super().apply(layer, x, bias)
+        n = layer.output_size_per_partition
+        if layer.weight.dim() == 3:
+            y = cpu_kernels.linear_fp8(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale, bias, n)
+            return y.view(*x.shape[:-1], n)
+        return F.linear(x, layer.weight.to(x.dtype) * layer.weight_scale[:, None].to(x.dtype), bias)
+
+    def describe_path(self, layer: nn.Module) -> str:
+        if layer.weight.dtype != torch.float8_e4m3fn:
+            return "fp8 block-wise, dequantized at load: " + super().describe_path(layer)
+        kernel = "linear_fp8" if layer.weight.dim() == 3 else "torch matmul on dequantized W"
+        return f"fp8 e4m3 weight-only, per-tensor scales ({kernel})"
