@@ -329,6 +329,107 @@ class AttentionConfig:
     backend: Optional[str] = None
 
 
+# ---------------------------------------------------------------- speculative decoding
+
+#: ``speculative_config["method"]`` values built here (vLLM's names).
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+#: vLLM's methods that are not built yet.
+_SPECULATIVE_METHODS_NOT_BUILT = ("eagle", "eagle3", "medusa", "mlp_speculator", "suffix", "mtp")
+_SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``--speculative-config`` / ``speculative_config``).
+
+    ``method``: ``"ngram"`` (prompt lookup over the request's own prompt and output,
+    ``prompt_lookup_min`` .. ``prompt_lookup_max`` tokens long) or ``"draft_model"`` (a
+    smaller model with the target's vocabulary, at ``model``; implied when only ``model``
+    is given, as vLLM). ``num_speculative_tokens`` (k) tokens are proposed per request and
+    step, and verified by the target in one forward pass. ``draft_model_config`` is the
+    draft's ``ModelConfig`` (None for n-gram), set by ``EngineArgs.create_engine_config``.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: Optional[int] = None
+    prompt_lookup_max: Optional[int] = None
+    model: Optional[str] = None
+    draft_model_config: Optional[ModelConfig] = None
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
+
+    @classmethod
+    def from_dict(cls, config: dict) -> "SpeculativeConfig":
+        """Check the keys and values of a ``speculative_config`` dict (no model is read).
+
+        n-gram lookup lengths default as in vLLM: both 5 when neither is given, else the
+        missing one equals the other.
+
+        Raises:
+            ValueError: "speculative_config[KEY] ...": an unknown key, a missing or unknown
+                ``method``, ``num_speculative_tokens`` missing or below 1, lookup lengths
+                below 1 or min > max, ``model`` missing for a draft model.
+        """
+        unknown = sorted(set(config) - set(_SPECULATIVE_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config[{unknown[0]!r}] is not a known key; known: {', '.join(_SPECULATIVE_KEYS)}.")
+        method = config.get("method") or ("draft_model" if config.get("model") else None)
+        if method in _SPECULATIVE_METHODS_NOT_BUILT:
+            raise ValueError(f"speculative_config['method']={method!r} is not supported yet; supported: {', '.join(SPECULATIVE_METHODS)}.")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config['method'] must be one of {', '.join(SPECULATIVE_METHODS)} "
+                             f"(or give 'model' for a draft model), got {method!r}.")
+        k = config.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config['num_speculative_tokens'] must be an integer >= 1, got {k!r}.")
+        if method == "draft_model" and not config.get("model"):
+            raise ValueError("speculative_config['model'] (the draft model's path or Hub id) is required for method 'draft_model'.")
+        lookup_min, lookup_max = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
+        if method == "ngram":
+            lookup_min = lookup_min if lookup_min is not None else (lookup_max if lookup_max is not None else 5)
+            lookup_max = lookup_max if lookup_max is not None else lookup_min
+            for key, value in (("prompt_lookup_min", lookup_min), ("prompt_lookup_max", lookup_max)):
+                if not isinstance(value, int) or value < 1:
+                    raise ValueError(f"speculative_config[{key!r}] must be an integer >= 1, got {value!r}.")
+            if lookup_min > lookup_max:
+                raise ValueError(f"speculative_config['prompt_lookup_min'] ({lookup_min}) must not exceed "
+                                 f"'prompt_lookup_max' ({lookup_max}).")
+        return cls(method, k, lookup_min, lookup_max, config.get("model"))
+
+    def resolve_draft_model(self, target: ModelConfig, revision: Optional[str], download_dir: Optional[str]) -> None:
+        """Read the draft model's config.json into ``draft_model_config`` (a draft model only):
+        the target's dtype and context length.
+
+        Raises:
+            ValueError: naming ``speculative_config['model']``: a path that is not a model, a
+                vocabulary size other than the target's, or a context shorter than the
+                target's ``max_model_len``.
+        """
+        if not self.uses_draft_model:
+            return
+        from transformers import AutoConfig
+
+        try:
+            path = resolve_model_path(self.model, revision, download_dir)
+            hf_config = AutoConfig.from_pretrained(path, trust_remote_code=target.trust_remote_code)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"speculative_config['model']={self.model!r}: {e}") from e
+        if hf_config.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative_config['model']={self.model!r} has a vocabulary of {hf_config.vocab_size} "
+                             f"tokens, the target model {target.vocab_size}: a draft model must share the target's vocabulary.")
+        if _derived_max_model_len(hf_config) < target.max_model_len:
+            raise ValueError(f"speculative_config['model']={self.model!r} handles {_derived_max_model_len(hf_config)} "
+                             f"tokens of context, fewer than max_model_len ({target.max_model_len}).")
+        self.draft_model_config = ModelConfig(
+            model=str(self.model), model_path=path, tokenizer_path=target.tokenizer_path, hf_config=hf_config,
+            dtype=target.dtype, max_model_len=target.max_model_len, seed=target.seed,
+            trust_remote_code=target.trust_remote_code,
+        )  # fmt: skip
+
+
 @dataclass
 class LoRAConfig:
     """Multi-LoRA serving (``--enable-lora``; vLLM's ``LoRAConfig`` names and defaults):
@@ -361,6 +462,7 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     attention_config: AttentionConfig = field(default_factory=AttentionConfig)
     lora_config: Optional[LoRAConfig] = None  # None: LoRA off (no --enable-lora)
+    speculative_config: Optional[SpeculativeConfig] = None
 
 
 def _derived_max_model_len(hf_config: PretrainedConfig) -> int:
@@ -459,7 +561,6 @@ PARTLY_BUILT_ARGS: dict[str, tuple[tuple, str]] = {
     "tokenizer_mode": (("auto", "hf"), "pagedllm loads Hugging Face fast tokenizers"),
     "enable_chunked_prefill": ((None, True), "pagedllm always cuts long prompts into chunks"),
     "cpu_offload_gb": ((0,), "weights stay on the device"),
-    "speculative_config": ((None,), "speculative decoding is not built"),
 }
 
 
@@ -490,8 +591,11 @@ class EngineArgs:
     ``disable_custom_all_reduce``: one device; ``disable_sliding_window``: the models here
     attend over the whole context already, which is what it asks).
 
+    ``speculative_config``: vLLM's dict, checked by ``SpeculativeConfig.from_dict``.
+
     Raises (constructor):
-        ValueError: a value of ``PARTLY_BUILT_ARGS`` that is not built; ``max_logprobs`` < -1.
+        ValueError: a value of ``PARTLY_BUILT_ARGS`` that is not built; ``max_logprobs`` < -1;
+            a bad ``speculative_config`` (the message names the key).
     """
 
     model: Optional[str] = None
@@ -528,8 +632,8 @@ class EngineArgs:
     tokenizer_mode: str = "auto"
     enable_chunked_prefill: Optional[bool] = None
     cpu_offload_gb: float = 0
-    speculative_config: Optional[dict] = None
     # Built: they act as in vLLM.
+    speculative_config: Optional[dict] = None  # see ``SpeculativeConfig``
     enable_lora: bool = False  # multi-LoRA serving: see ``LoRAConfig``
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -552,6 +656,8 @@ class EngineArgs:
         Raises:
             ValueError: "``name=value`` is not supported yet (why); supported: ...".
         """
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (the vocabulary size) or more, got {self.max_logprobs}.")
         if self.enable_lora:
@@ -640,7 +746,12 @@ class EngineArgs:
         )
         attention_config = AttentionConfig(self.attention_backend)
         lora_config = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None
-        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, attention_config, lora_config)
+        speculative_config = None
+        if self.speculative_config is not None:
+            speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+            speculative_config.resolve_draft_model(model_config, None, self.download_dir)
+        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, attention_config,
+                            lora_config=lora_config, speculative_config=speculative_config)
 
     def _check_num_gpu_blocks_override(self, max_model_len: int) -> None:
         """``num_gpu_blocks_override`` (None, or blocks enough for one ``max_model_len`` sequence).

@@ -23,7 +23,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("executor",),
     ("worker",),
     ("core",),
-    ("model_executor", "lora"),
+    ("model_executor", "lora", "spec_decode"),
     ("distributed",),
     ("attention",),
     ("config", "platforms", "env_override"),

@@ -69,6 +69,8 @@ class Request:
         self.num_cached_tokens = -1  # set once, at first scheduling
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
+        # Speculative decoding: draft tokens proposed for the next step (vLLM's name).
+        self.spec_token_ids: list[int] = []
         # Index of the next prompt token whose logprob the front end has not received
         # (token 0 has none).
         self.num_prompt_logprobs_sent = 1

@@ -11,6 +11,13 @@ With LoRA, at most ``max_loras`` distinct adapters are among the running request
 step never needs more device slots). A waiting request whose adapter would exceed that
 stays at the front of the queue; behind it only base-model requests may start, so the
 running adapters drain and it gets in (no starvation).
+
+Speculative decoding: a running request whose known tokens are all computed but its last
+brings the draft tokens the runner proposed (``Request.spec_token_ids``); the scheduler
+budgets ``1 + k`` tokens for it and lists the drafts in
+``SchedulerOutput.scheduled_spec_decode_tokens``. Drafts are not the request's tokens: the
+block manager never hashes them, and after the step ``num_computed_tokens`` is rolled back
+by the rejected ones, whose KV slots the next step overwrites.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import time
 from collections import deque
 from typing import Iterable, Optional
 
-from pagedllm.config import SchedulerConfig
+from pagedllm.config import SchedulerConfig, SpeculativeConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.messages.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -32,6 +39,7 @@ from pagedllm.messages.engine_core import (
     FinishReason,
     LogprobsLists,
     SchedulerStats,
+    SpecDecodingStats,
 )
 from pagedllm.messages.runner_output import ModelRunnerOutput
 
@@ -45,10 +53,17 @@ class Scheduler:
         scheduler_config: ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``.
         kv_cache_manager: owns the blocks.
         max_loras: distinct LoRA adapters allowed among the running requests (None: LoRA off).
+        speculative_config: speculative decoding, or None. With a draft model every
+            allocation reserves ``num_speculative_tokens`` lookahead slots, where the draft
+            model writes the KV of its proposals.
     """
 
     def __init__(
-        self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_loras: Optional[int] = None
+        self,
+        scheduler_config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        max_loras: Optional[int] = None,
+        speculative_config: Optional[SpeculativeConfig] = None,
     ) -> None:
         self.config = scheduler_config
         self.max_loras = max_loras
@@ -64,6 +79,9 @@ class Scheduler:
         self._num_preemptions_reported = 0
         # Highest number of requests running at once (for memory-efficiency checks).
         self.max_num_running_observed = 0
+        self.num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
+        self.num_lookahead_tokens = (self.num_spec_tokens
+                                     if speculative_config and speculative_config.uses_draft_model else 0)
 
     def add_request(self, engine_request: EngineCoreRequest) -> None:
         request = Request(engine_request, self.max_model_len)
@@ -77,14 +95,17 @@ class Scheduler:
         num_scheduled_tokens: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
+        spec_tokens: dict[str, list[int]] = {}
         preempted_any = False
 
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_known = request.num_tokens - request.num_computed_tokens
+            num_new_tokens = min(num_known + len(request.spec_token_ids), token_budget)
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens, num_lookahead_tokens=self._lookahead(request.num_computed_tokens + num_new_tokens))
                 if new_blocks is not None:
                     break
                 victim = self.running.pop()
@@ -99,6 +120,8 @@ class Scheduler:
             cached.new_block_ids.append(new_ids)
             cached.num_computed_tokens.append(request.num_computed_tokens)
             num_scheduled_tokens[request.request_id] = num_new_tokens
+            if num_new_tokens > num_known:
+                spec_tokens[request.request_id] = request.spec_token_ids[: num_new_tokens - num_known]
             token_budget -= num_new_tokens
             req_index += 1
 
@@ -116,7 +139,8 @@ class Scheduler:
                 continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, hit_blocks)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, hit_blocks, self._lookahead(num_hit_tokens + num_new_tokens))
             if new_blocks is None:
                 break
             self.waiting.popleft()
@@ -152,6 +176,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
             finished_req_ids=self.finished_req_ids,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self.finished_req_ids = set()
         for req_id, num_tokens in num_scheduled_tokens.items():
@@ -162,8 +187,14 @@ class Scheduler:
         """Whether a request of adapter ``lora_key`` may start next to ``running_loras``."""
         return self.max_loras is None or lora_key in running_loras or len(running_loras) < self.max_loras
 
+    def _lookahead(self, num_tokens_after: int) -> int:
+        """Lookahead slots to reserve past a request's first ``num_tokens_after`` tokens
+        (computed + scheduled): the draft model's, never past ``max_model_len``."""
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - num_tokens_after))
+
     def _preempt(self, request: Request, now: float) -> None:
         self.kv_cache_manager.free(request)
+        request.spec_token_ids = []
         request.record_event(EngineCoreEventType.PREEMPTED, now)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -183,6 +214,7 @@ class Scheduler:
         first that stops it, and the rest (with their logprobs) are dropped.
         """
         outputs: list[EngineCoreOutput] = []
+        spec_stats = SpecDecodingStats.new(self.num_spec_tokens) if self.num_spec_tokens else None
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
@@ -195,7 +227,12 @@ class Scheduler:
             prompt_logprobs = self._unsent_prompt_logprobs(request, runner_output.prompt_logprobs_dict.get(req_id))
             if not new_token_ids and prompt_logprobs is None:
                 continue
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:
+                self._roll_back_rejected(request, len(drafts), len(new_token_ids) - 1, spec_stats)
             new_token_ids = self._append_until_stop(request, new_token_ids)
+            if runner_output.spec_token_ids is not None and not request.is_finished:
+                request.spec_token_ids = self._usable_drafts(request, runner_output.spec_token_ids[index])
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,
@@ -212,7 +249,23 @@ class Scheduler:
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request)
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.time())
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(spec_stats), timestamp=time.time())
+
+    @staticmethod
+    def _roll_back_rejected(request: Request, num_drafts: int, num_accepted: int,
+                            spec_stats: Optional[SpecDecodingStats]) -> None:
+        """Un-count the rejected drafts' positions (their KV is overwritten by a later step)
+        and record the verification."""
+        request.num_computed_tokens -= num_drafts - num_accepted
+        request.spec_token_ids = []
+        if spec_stats is not None:
+            spec_stats.observe_draft(num_drafts, num_accepted)
+
+    def _usable_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        """``drafts`` cut so that verifying them cannot pass ``max_tokens`` or
+        ``max_model_len`` (the token sampled after the last draft counts too)."""
+        room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
+        return drafts[: max(room, 0)]
 
     def _abort_failed(self, request: Request, reason: str) -> EngineCoreOutput:
         """Abort a running request the runner could not serve (logged with ``reason``)."""
@@ -294,8 +347,9 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.running) + len(self.waiting)
 
-    def make_stats(self) -> SchedulerStats:
-        """Gauges, and counters since the previous call (prefix-cache tokens, preemptions)."""
+    def make_stats(self, spec_decoding_stats: Optional[SpecDecodingStats] = None) -> SchedulerStats:
+        """Gauges, and counters since the previous call (prefix-cache tokens, preemptions),
+        with the step's ``spec_decoding_stats`` when given."""
         kv = self.kv_cache_manager
         stats = SchedulerStats(
             num_running_reqs=len(self.running),
@@ -304,6 +358,7 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions - self._num_preemptions_reported,
+            spec_decoding_stats=spec_decoding_stats,
         )
         if self.max_loras is not None:
             stats.running_lora_adapters = sorted({r.lora_request.lora_name for r in self.running if r.lora_request})

@@ -44,7 +44,7 @@ class EngineCore:
             hash_algo=cache_config.prefix_caching_hash_algo,
         )
         max_loras = config.lora_config.max_loras if config.lora_config is not None else None
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, max_loras)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, max_loras, config.speculative_config)
         # NOTE: the model, torch and transformers leave millions of long-lived objects; moved
         # out of the collector's reach, full collections during steps stop scanning them (a
         # tiny-model 256 x 128/128 run spent 0.39 s in them inside update_from_output, 0.16 s

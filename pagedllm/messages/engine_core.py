@@ -103,6 +103,31 @@ class EngineCoreOutput(
         return self.finish_reason is not None
 
 
+class SpecDecodingStats(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
+    """Speculative-decoding counters of one step (vLLM's): requests that verified drafts
+    (``num_drafts``), draft tokens verified and accepted, and accepted tokens by draft
+    position (``num_accepted_tokens_per_pos[i]``: drafts whose i-th token was accepted)."""
+
+    num_spec_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []
+
+    @classmethod
+    def new(cls, num_spec_tokens: int) -> "SpecDecodingStats":
+        return cls(num_spec_tokens, num_accepted_tokens_per_pos=[0] * num_spec_tokens)
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """Count one request's verified draft of ``num_draft_tokens`` tokens, of which the
+        first ``num_accepted_tokens`` were accepted."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for i in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+
 class SchedulerStats(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
     """Counters and gauges of the scheduler after one step (for metrics).
 
@@ -120,6 +145,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
     num_scheduled_tokens: int = 0
     running_lora_adapters: list[str] = []
     waiting_lora_adapters: list[str] = []
+    spec_decoding_stats: Optional[SpecDecodingStats] = None
 
 
 class EngineCoreOutputs(

@@ -25,6 +25,8 @@ class ModelRunnerOutput:
             logprobs of the prompt tokens this step's chunk predicts).
         failed_req_ids: request id -> why the runner could not serve it (a LoRA adapter
             whose files could not be loaded); the scheduler aborts these.
+        spec_token_ids: speculative decoding: per request (``req_ids`` order), the draft
+            tokens proposed for its next step (empty when none); None without speculation.
     """
 
     req_ids: list[str]
@@ -34,6 +36,7 @@ class ModelRunnerOutput:
     logprobs_index: dict[int, int] = field(default_factory=dict)
     prompt_logprobs_dict: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
     failed_req_ids: dict[str, str] = field(default_factory=dict)
+    spec_token_ids: Optional[list[list[int]]] = None
 
     def logprobs_for(self, index: int, num_tokens: int) -> Optional[LogprobsLists]:
         """The logprobs of the first ``num_tokens`` tokens request ``index`` sampled, or

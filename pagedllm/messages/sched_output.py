@@ -43,7 +43,9 @@ class SchedulerOutput:
     """One step's work: ``{request_id: num_scheduled_tokens}`` plus block-table diffs.
 
     ``finished_req_ids`` are requests the runner must drop (finished, aborted or
-    preempted since the previous step).
+    preempted since the previous step). ``scheduled_spec_decode_tokens`` (vLLM's name):
+    request id -> the draft tokens it verifies this step (speculative decoding), counted in
+    its ``num_scheduled_tokens`` after its one known token; absent for other requests.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -51,6 +53,7 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -4,6 +4,9 @@
     Avg prompt throughput: 120.3 tokens/s, Avg generation throughput: 48.0 tokens/s,
     Running: 3 reqs, Waiting: 0 reqs, GPU KV cache usage: 4.2%, Prefix cache hit rate: 37.5%
 
+(with speculative decoding, followed by ", Spec decode acceptance rate: 62.5%, Mean
+acceptance length: 3.50" for the steps of the interval; see ``pagedllm.metrics.spec_decode``)
+
 The server logs it every ``log_stats_interval()`` seconds (``PAGEDLLM_LOG_STATS_INTERVAL``,
 else vLLM's ``VLLM_LOG_STATS_INTERVAL``, default 10) unless ``--disable-log-stats``. The
 throughputs are averages over the time since the previous line; prompt tokens count when a
@@ -22,6 +25,7 @@ import time
 from typing import Optional
 
 from pagedllm.messages.engine_core import SchedulerStats
+from pagedllm.metrics.spec_decode import SpecDecodingLogging
 from pagedllm.metrics.stats import IterationStats
 
 logger = logging.getLogger(__name__)
@@ -66,6 +70,7 @@ class LoggingStatLogger:
         self.last_scheduler_stats = SchedulerStats()
         self._last_was_busy = False
         self._prefix_window: collections.deque[tuple[int, int]] = collections.deque(maxlen=PREFIX_CACHE_WINDOW)
+        self.spec_decoding = SpecDecodingLogging()
 
     def record(self, scheduler_stats: Optional[SchedulerStats], iteration_stats: Optional[IterationStats]) -> None:
         """Account one engine step's statistics (either may be None)."""
@@ -73,6 +78,8 @@ class LoggingStatLogger:
             self.last_scheduler_stats = scheduler_stats
             if scheduler_stats.prefix_cache_queries:
                 self._prefix_window.append((scheduler_stats.prefix_cache_queries, scheduler_stats.prefix_cache_hits))
+            if scheduler_stats.spec_decoding_stats is not None:
+                self.spec_decoding.observe(scheduler_stats.spec_decoding_stats)
         if iteration_stats is not None:
             self.num_prompt_tokens += iteration_stats.num_prompt_tokens
             self.num_generation_tokens += iteration_stats.num_generation_tokens
@@ -100,6 +107,9 @@ class LoggingStatLogger:
             f"GPU KV cache usage: {stats.kv_cache_usage * 100:.1f}%, "
             f"Prefix cache hit rate: {self.prefix_cache_hit_rate * 100:.1f}%"
         )
+        spec_line = self.spec_decoding.line()
+        if spec_line is not None:
+            line += ", " + spec_line
         logger.log(level, "%s", line)
         self._last_was_busy = busy
         self.num_prompt_tokens = self.num_generation_tokens = 0

@@ -38,6 +38,8 @@ pagedllm:lora_requests_info                     gauge      with --enable-lora: t
                                                            (comma-separated adapter names), as vLLM's
 =============================================  =========  ==========================================
 
+With speculative decoding, the ``spec_decode_*`` counters of ``pagedllm.metrics.spec_decode`` too.
+
 "Engine request": each of the ``n`` completions of a request counts once (as vLLM V1);
 see ``pagedllm.metrics.stats`` for the exact definitions of the times.
 """
@@ -51,6 +53,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagedllm.config import EngineConfig
 from pagedllm.messages.engine_core import SchedulerStats
+from pagedllm.metrics.spec_decode import SpecDecodingProm
 from pagedllm.metrics.stats import IterationStats
 
 PREFIX = "pagedllm:"
@@ -186,6 +189,9 @@ class PrometheusStatLogger:
         self.hist_max_tokens = histogram(
             "request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets
         )
+        spec = config.speculative_config
+        self.spec_decoding = (None if spec is None else
+                              SpecDecodingProm(registry, PREFIX, model_name, spec.num_speculative_tokens))
         self._log_cache_config(config)
         self.max_lora = None if config.lora_config is None else str(config.lora_config.max_loras)
         self.gauge_lora_info = None if self.max_lora is None else Gauge(
@@ -235,6 +241,8 @@ class PrometheusStatLogger:
             self.counter_prefix_queries.inc(scheduler_stats.prefix_cache_queries)
             self.counter_prefix_hits.inc(scheduler_stats.prefix_cache_hits)
             self._record_lora(scheduler_stats)
+            if self.spec_decoding is not None and scheduler_stats.spec_decoding_stats is not None:
+                self.spec_decoding.observe(scheduler_stats.spec_decoding_stats)
         if iteration_stats is None:
             return
         self.counter_prompt_tokens.inc(iteration_stats.num_prompt_tokens)

@@ -197,10 +197,18 @@ class InputBatch:
                                    if num_output_tokens[j] < m}
         if not metadata.no_penalties:
             metadata.output_token_ids = [
-                out if n == len(out) else out[:n]
-                for out, n in zip(view.outputs, num_output_tokens.tolist())
+                self._outputs_before(out, row, n)
+                for out, row, n in zip(view.outputs, view.rows.tolist(), num_output_tokens.tolist())
             ]
         return metadata
+
+    def _outputs_before(self, outputs: list[int], row: int, n: int) -> list[int]:
+        """The first ``n`` output tokens of ``row``: its ``outputs`` list, continued by the
+        draft tokens written after them (a position past a draft, speculative decoding)."""
+        if n <= len(outputs):
+            return outputs if n == len(outputs) else outputs[:n]
+        start = int(self.num_prompt_tokens[row]) + len(outputs)
+        return outputs + self.token_ids[row, start : start + n - len(outputs)].tolist()
 
     def _make_view(self, rows: np.ndarray, vocab_size: int) -> _SamplingView:
         """Gather the rows' sampling columns into a new ``SamplingMetadata``."""

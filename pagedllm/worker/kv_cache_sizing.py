@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 from pagedllm.config import CacheConfig, ModelConfig
 from pagedllm.distributed import get_tensor_model_parallel_world_size, kv_heads_per_rank
@@ -54,8 +55,13 @@ def kv_cache_budget(
     )
 
 
-def num_kv_blocks(model_config: ModelConfig, cache_config: CacheConfig, budget: KVCacheBudget) -> int:
-    """Number of blocks: the budget (see ``kv_cache_budget``) divided by the bytes per block,
+def num_kv_blocks(
+    model_config: ModelConfig, cache_config: CacheConfig, budget: KVCacheBudget,
+    draft_model_config: Optional[ModelConfig] = None,
+) -> int:
+    """Number of blocks: the budget (see ``kv_cache_budget``) divided by the bytes per block
+    (of the target's cache and, with speculative decoding, the draft model's, which has as
+    many blocks),
     and, unless the size was given exactly, no more than ``max_kv_cache_tokens`` hold (CPU).
     The log line gives the size and where it came from.
 
@@ -64,6 +70,8 @@ def num_kv_blocks(model_config: ModelConfig, cache_config: CacheConfig, budget: 
             the message gives the formula, the numbers and the settings to change.
     """
     per_token = kv_bytes_per_token(model_config)
+    if draft_model_config is not None:
+        per_token += kv_bytes_per_token(draft_model_config)
     per_block = per_token * cache_config.block_size
     num_blocks = max(budget.num_bytes, 0) // per_block
     derivation = budget.derivation

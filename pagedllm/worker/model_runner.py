@@ -1,8 +1,12 @@
 """Turns a ``SchedulerOutput`` into tensors, runs the model once over every scheduled
 token, and samples.
 
-One forward per step: decode requests (one query token each) first, then prefill chunks;
-inputs are built from the persistent ``InputBatch`` with numpy indexing.
+One forward per step: decode requests (one query token each) first, then prefill chunks
+and requests verifying draft tokens; inputs are built from the persistent ``InputBatch``
+with numpy indexing. With speculative decoding (``pagedllm.spec_decode``) the runner
+samples the target at a request's last known token and at each of its drafts, keeps the
+drafts the rejection sampler accepts plus one token, and asks the proposer for the next
+drafts, returned in ``ModelRunnerOutput.spec_token_ids``.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ from pagedllm.attention.selector import get_attn_backend, set_attn_backend
 from pagedllm.config import EngineConfig
 from pagedllm.messages.sched_output import SchedulerOutput
 from pagedllm.messages.engine_core import LogprobsLists
-from pagedllm.model_executor.layers.attention import Attention
+from pagedllm.model_executor.layers.attention import Attention, bind_kv_caches
 from pagedllm.model_executor.layers.sampler import Sampler, compute_logprobs_with_topk
 from pagedllm.model_executor.model_loader import get_model
 from pagedllm.platforms import current_platform
+from pagedllm.spec_decode import DraftModelProposer, NgramProposer
+from pagedllm.spec_decode.rejection_sampler import num_accepted_matching
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.kv_cache_sizing import kv_bytes_per_token
 from pagedllm.messages.runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -52,6 +58,16 @@ class ModelRunner:
         self.device = device
         self.block_size = self.cache_config.block_size
         self.lora_manager = None  # a LoRAModelManager with --enable-lora (load_model)
+        self.proposer = self._make_proposer()
+
+    def _make_proposer(self) -> DraftModelProposer | NgramProposer | None:
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        if spec.uses_draft_model:
+            return DraftModelProposer(spec, self.block_size, self.device)
+        assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
+        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def load_model(self) -> None:
         """Choose the attention backend (once; it builds the CPU kernels now if it is
@@ -79,6 +95,9 @@ class ModelRunner:
         logger.info("Loaded %s (%.1f MB) in %.2f s", self.model_config.model_path,
                     self.weights_bytes / 1e6, time.perf_counter() - start)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.load_model(self.attn_backend, self.attn_metadata_builder)
+            self.weights_bytes += self.proposer.weights_bytes
 
     def _make_lora_manager(self):
         """Wrap the model's linear layers for multi-LoRA (``pagedllm.lora``)."""
@@ -90,8 +109,11 @@ class ModelRunner:
         )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate ``num_blocks`` KV-cache blocks per layer and the persistent batch."""
+        """Allocate ``num_blocks`` KV-cache blocks per layer (the draft model's too) and the
+        persistent batch."""
         self.kv_caches = self._allocate_kv_caches(num_blocks)
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.initialize_kv_cache(num_blocks)
         self.input_batch = InputBatch(
             self.scheduler_config.max_num_seqs, self.model_config.max_model_len, self.block_size, self.device
         )
@@ -100,21 +122,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ set-up
     def _allocate_kv_caches(self, num_blocks: int, initial: float | None = None) -> list[torch.Tensor]:
-        """One tensor per layer, of its backend's ``get_kv_cache_shape``, bound to the layer.
-
-        NOTE: allocated uninitialised unless ``initial`` is given (memory is committed only
-        as blocks are used) and never cleared: no backend lets a slot past a request's
-        context reach its output (see ``pagedllm.attention.paged_kv_cache``).
-        """
-        caches = []
-        for layer in self.attention_layers:
-            shape = layer.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            cache = torch.empty(shape, dtype=self.model_config.dtype, device=self.device)
-            if initial is not None:
-                cache.fill_(initial)
-            layer.kv_cache = cache
-            caches.append(cache)
-        return caches
+        """One tensor per layer (see ``bind_kv_caches``)."""
+        return bind_kv_caches(self.attention_layers, num_blocks, self.block_size, self.model_config.dtype,
+                              self.device, initial)
 
     @torch.inference_mode()
     def profile_run(self) -> int:
@@ -180,6 +190,11 @@ class ModelRunner:
         request_slots, failed_req_ids = self._activate_loras(decodes, prefills)
         order = decodes + prefills
         states = [batch.requests[r] for r in order]
+        spec = so.scheduled_spec_decode_tokens
+        for req_id, drafts in spec.items():
+            state = batch.requests[req_id]
+            start = batch.num_tokens[state.row]
+            batch.token_ids[state.row, start : start + len(drafts)] = drafts
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
         num_sched = np.fromiter((so.num_scheduled_tokens[r] for r in order), dtype=np.int64, count=len(order))
         computed = batch.num_computed_tokens[rows]
@@ -196,23 +211,33 @@ class ModelRunner:
         if self.lora_manager is not None:
             self.lora_manager.set_token_slots(np.array([request_slots[r] for r in order], dtype=np.int64)[token_req])
 
+        input_ids_t, positions_t = self._to_device(input_ids), self._to_device(positions)
         with set_forward_context(metadata):
-            hidden = self.model(self._to_device(input_ids), self._to_device(positions))
+            hidden = self.model(input_ids_t, positions_t)
+            if isinstance(self.proposer, DraftModelProposer):
+                self.proposer.forward_step(input_ids_t, positions_t)
 
         batch.num_computed_tokens[rows] = seq_lens
         prompt_logprobs = self._prompt_logprobs(hidden, states, computed, seq_lens, starts)
-        logits_indices, sample_reqs = self._logits_indices(rows, seq_lens, cu)
+        num_drafts = np.fromiter((len(spec.get(r, ())) for r in order), dtype=np.int64, count=len(order))
+        logits_indices, sample_reqs = self._logits_indices(rows, seq_lens, cu, num_drafts)
         sample_rows = rows[sample_reqs]
         num_output_tokens = np.maximum(positions[logits_indices] + 1 - batch.num_prompt_tokens[sample_rows], 0)
         tokens, logprobs = self._sample(hidden, logits_indices, sample_rows, num_output_tokens)
         sampled_token_ids: list[list[int]] = [[] for _ in order]
         logprobs_index: dict[int, int] = {}
-        for j, (i, token) in enumerate(zip(sample_reqs.tolist(), tokens)):
-            state = states[i]
-            if not sampled_token_ids[i] and state.sampling_params.logprobs is not None:
+        j = 0
+        for i, count in zip(*(a.tolist() for a in np.unique(sample_reqs, return_counts=True))):
+            state, drafts = states[i], spec.get(order[i])
+            target = tokens[j : j + count]
+            kept = target[: num_accepted_matching(target, drafts) + 1] if drafts else target
+            if state.sampling_params.logprobs is not None:
                 logprobs_index[i] = j
-            sampled_token_ids[i].append(token)
-            batch.append_token(state, token)
+            sampled_token_ids[i] = kept
+            for token in kept:
+                batch.append_token(state, token)
+            batch.num_computed_tokens[state.row] -= len(target) - len(kept)
+            j += len(target)
         return ModelRunnerOutput(
             req_ids=order,
             req_id_to_index={r: i for i, r in enumerate(order)},
@@ -221,6 +246,7 @@ class ModelRunner:
             logprobs_index=logprobs_index,
             prompt_logprobs_dict=prompt_logprobs,
             failed_req_ids=failed_req_ids,
+            spec_token_ids=self._propose(rows, sampled_token_ids),
         )
 
     def _activate_loras(self, decodes: list[str], prefills: list[str]) -> tuple[dict[str, int], dict[str, str]]:
@@ -240,6 +266,20 @@ class ModelRunner:
         failed_req_ids = {r: failed[lora.adapter_key] for r, lora in zip(req_ids, loras)
                           if lora is not None and lora.adapter_key in failed}
         return request_slots, failed_req_ids
+
+    def _propose(self, rows: np.ndarray, sampled_token_ids: list[list[int]]) -> Optional[list[list[int]]]:
+        """The proposer's drafts for each request of the step (``rows``, in order) that
+        sampled tokens; None without speculative decoding."""
+        if self.proposer is None:
+            return None
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        proposing = [i for i, tokens in enumerate(sampled_token_ids) if tokens]
+        if proposing:
+            batch = self.input_batch
+            proposals = self.proposer.propose(rows[proposing], batch.token_ids, batch.num_tokens, batch.block_table)
+            for i, proposal in zip(proposing, proposals):
+                drafts[i] = proposal
+        return drafts
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -268,16 +308,20 @@ class ModelRunner:
         return self.attn_metadata_builder.build(common)
 
     def _logits_indices(
-        self, rows: np.ndarray, seq_lens: np.ndarray, cu: np.ndarray
+        self, rows: np.ndarray, seq_lens: np.ndarray, cu: np.ndarray, num_drafts: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         """The flattened-token positions whose logits are sampled this step, and for each the
         index of its request in the step's order (non-decreasing; a request may have several
-        consecutive positions, e.g. draft tokens to verify).
+        consecutive positions: draft tokens to verify).
 
-        One position per request whose known tokens are now all computed: its last one.
+        A request whose known tokens are now all computed samples at its last known token
+        and at each of its ``num_drafts`` draft tokens (the step's last 1 + d positions).
         """
-        sample_reqs = np.flatnonzero(seq_lens == self.input_batch.num_tokens[rows])
-        return cu[sample_reqs] - 1, sample_reqs
+        sample_reqs = np.flatnonzero(seq_lens == self.input_batch.num_tokens[rows] + num_drafts)
+        counts = num_drafts[sample_reqs] + 1
+        per_index = np.repeat(sample_reqs, counts)
+        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        return cu[per_index] - np.repeat(counts, counts) + offsets, per_index
 
     def _sample(
         self, hidden: torch.Tensor, logits_indices: np.ndarray, sample_rows: np.ndarray,
@@ -324,4 +368,7 @@ class ModelRunner:
         return result
 
     def kv_cache_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.model_config)
+        """KV-cache bytes per token: the target's, plus the draft model's if any."""
+        spec = self.config.speculative_config
+        draft = spec.draft_model_config if spec else None
+        return kv_bytes_per_token(self.model_config) + (kv_bytes_per_token(draft) if draft else 0)

@@ -64,7 +64,9 @@ class Worker:
         Raises:
             ValueError: if they cannot hold one sequence of ``max_model_len`` tokens.
         """
-        return num_kv_blocks(self.config.model_config, self.config.cache_config, self._budget())
+        spec = self.config.speculative_config
+        return num_kv_blocks(self.config.model_config, self.config.cache_config, self._budget(),
+                             spec.draft_model_config if spec else None)
 
     def _budget(self) -> KVCacheBudget:
         if self._kv_cache_budget is None:

@@ -5,7 +5,7 @@ greedy output equals a clean cache's either way (the backend chosen automaticall
 with the kernels, TORCH_SDPA without).
 
 The runner also samples several positions of a request in one step (``logits_indices``), as
-speculative decoding will."""
+speculative decoding does."""
 
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ def _sample_last_positions(original, k):
     """A ``_logits_indices`` that samples the last ``k`` scheduled positions of every
     request that samples (as a speculative-decoding step verifying k - 1 drafts)."""
 
-    def logits_indices(rows, seq_lens, cu):
-        indices, reqs = original(rows, seq_lens, cu)
+    def logits_indices(rows, seq_lens, cu, num_drafts):
+        indices, reqs = original(rows, seq_lens, cu, num_drafts)
         starts = cu - np.diff(cu, prepend=0)
         many = [(i - n + 1 + m, r) for i, r in zip(indices.tolist(), reqs.tolist())
                 for n in [min(k, int(cu[r] - starts[r]))] for m in range(n)]

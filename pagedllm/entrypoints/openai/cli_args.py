@@ -461,7 +461,8 @@ def _add_vllm_engine_flags(engine: Any) -> None:
     )  # fmt: skip
     engine.add_argument(
         "--speculative-config", type=json_object_type, default=None,
-        help="Not supported yet: speculative decoding is not built.",
+        help="Speculative decoding, as JSON (vLLM's keys): {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4} or {\"model\": DRAFT, \"num_speculative_tokens\": 4}.",
     )  # fmt: skip
     engine.add_argument("--enforce-eager", action="store_true", help="No-op: pagedllm captures no CUDA graphs.")
     engine.add_argument(

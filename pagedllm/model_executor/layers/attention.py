@@ -44,3 +44,28 @@ class Attention(nn.Module):
             get_forward_context(),
         )
         return out.view(num_tokens, self.num_heads * self.head_dim)
+
+
+def bind_kv_caches(
+    layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+    initial: float | None = None,
+) -> list[torch.Tensor]:
+    """Allocate one KV cache per layer, of its backend's ``get_kv_cache_shape`` for
+    ``num_blocks`` blocks of ``block_size`` tokens, and bind it to the layer.
+
+    NOTE: allocated uninitialised unless ``initial`` is given (memory is committed only
+    as blocks are used) and never cleared: no backend lets a slot past a request's
+    context reach its output (see ``pagedllm.attention.paged_kv_cache``).
+
+    Returns:
+        the caches, in ``layers`` order.
+    """
+    caches = []
+    for layer in layers:
+        shape = layer.attn_backend.get_kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+        cache = torch.empty(shape, dtype=dtype, device=device)
+        if initial is not None:
+            cache.fill_(initial)
+        layer.kv_cache = cache
+        caches.append(cache)
+    return caches

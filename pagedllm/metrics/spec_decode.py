@@ -1,0 +1,70 @@
+"""Speculative-decoding metrics (vLLM V1's): Prometheus counters and the log line's part.
+
+=================================================  =======  ===========================================
+name (as rendered)                                  type     meaning
+=================================================  =======  ===========================================
+pagedllm:spec_decode_num_drafts_total               counter  verifications (one request, one step)
+pagedllm:spec_decode_num_draft_tokens_total         counter  draft tokens verified
+pagedllm:spec_decode_num_accepted_tokens_total      counter  of those, accepted
+pagedllm:spec_decode_num_accepted_tokens_per_pos    counter  accepted drafts by draft position; label
+  _total                                                     ``position`` = 0 .. k - 1
+=================================================  =======  ===========================================
+
+Acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts
+(tokens per verifying step, the bonus or corrected token included), as vLLM logs them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from prometheus_client import CollectorRegistry, Counter
+
+from pagedllm.messages.engine_core import SpecDecodingStats
+
+
+class SpecDecodingProm:
+    """The four counters, labelled ``model_name`` (and ``position``)."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str, model_name: str, num_spec_tokens: int) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(prefix + name, doc, ["model_name"], registry=registry).labels(model_name)
+
+        self.num_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        per_pos = Counter(prefix + "spec_decode_num_accepted_tokens_per_pos",
+                          "Accepted tokens per draft position.", ["model_name", "position"], registry=registry)
+        self.per_pos = [per_pos.labels(model_name, str(i)) for i in range(num_spec_tokens)]
+
+    def observe(self, stats: SpecDecodingStats) -> None:
+        self.num_drafts.inc(stats.num_drafts)
+        self.num_draft_tokens.inc(stats.num_draft_tokens)
+        self.num_accepted_tokens.inc(stats.num_accepted_tokens)
+        for counter, value in zip(self.per_pos, stats.num_accepted_tokens_per_pos):
+            counter.inc(value)
+
+
+class SpecDecodingLogging:
+    """Sums the steps' ``SpecDecodingStats`` between two stats lines."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+
+    def observe(self, stats: SpecDecodingStats) -> None:
+        self.num_drafts += stats.num_drafts
+        self.num_draft_tokens += stats.num_draft_tokens
+        self.num_accepted_tokens += stats.num_accepted_tokens
+
+    def line(self) -> Optional[str]:
+        """"Spec decode acceptance rate: R%, Mean acceptance length: L" for the interval, or
+        None when nothing was verified; resets the sums."""
+        if not self.num_drafts:
+            return None
+        rate = self.num_accepted_tokens / max(self.num_draft_tokens, 1)
+        length = 1 + self.num_accepted_tokens / self.num_drafts
+        self.reset()
+        return f"Spec decode acceptance rate: {rate * 100:.1f}%, Mean acceptance length: {length:.2f}"

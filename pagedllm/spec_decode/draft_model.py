@@ -1,0 +1,118 @@
+"""Draft-model proposals: a small model with the target's vocabulary guesses k tokens.
+
+The draft has its own paged KV cache, with as many blocks as the target's and addressed
+by the same block tables and slot mapping, so the scheduler manages one set of blocks for
+both (sized together: ``pagedllm.worker.kv_cache_sizing``). Each step:
+
+1. ``forward_step``: the draft runs over the same tokens as the target (prompt chunks,
+   last tokens and the drafts under verification), in the target's forward context, so its
+   cache holds every position the target's does;
+2. ``propose``: for each request that sampled, starting from its newest token at position
+   P, k single-token greedy steps write positions P .. P + k - 1 (the scheduler reserved
+   these lookahead slots) and yield the drafts for P + 1 .. P + k. Slots of drafts that the
+   target later rejects are overwritten by the next step, in both caches.
+
+Greedy drafts are deterministic proposals: the runner verifies them with
+``rejection_sampler.num_accepted_matching``, which keeps the target's distribution exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from pagedllm.attention.backends.abstract import AttentionMetadataBuilder, AttentionBackend, CommonAttentionMetadata
+from pagedllm.attention.metadata import set_forward_context
+from pagedllm.attention.selector import get_attn_backend, set_attn_backend
+from pagedllm.config import ModelConfig, SpeculativeConfig
+from pagedllm.model_executor.layers.attention import Attention, bind_kv_caches
+from pagedllm.model_executor.layers.sampler import greedy_sample
+from pagedllm.model_executor.model_loader import get_model
+
+logger = logging.getLogger(__name__)
+
+
+class DraftModelProposer:
+    """Loads the draft model and proposes k greedy tokens per request.
+
+    Args:
+        speculative_config: with ``draft_model_config`` set.
+        block_size: tokens per KV-cache block (the target's).
+        device: the target's device.
+    """
+
+    def __init__(self, speculative_config: SpeculativeConfig, block_size: int, device: torch.device) -> None:
+        assert speculative_config.draft_model_config is not None
+        self.model_config: ModelConfig = speculative_config.draft_model_config
+        self.k = speculative_config.num_speculative_tokens
+        self.block_size = block_size
+        self.device = device
+
+    def load_model(self, attn_backend: type[AttentionBackend], metadata_builder: AttentionMetadataBuilder) -> None:
+        """Load the draft's weights with the target's attention backend (one metadata for
+        both models); ``weights_bytes`` counts its parameters and buffers.
+
+        Raises:
+            ValueError: the backend cannot run the draft's head size, or loading fails.
+        """
+        get_attn_backend(self.model_config.head_dim, self.model_config.dtype, self.block_size, attn_backend.get_name())
+        self.metadata_builder = metadata_builder
+        with set_attn_backend(attn_backend):
+            self.model = get_model(self.model_config, self.device)
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        self.weights_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        logger.info("Draft model %s (%.1f MB), %d speculative tokens", self.model_config.model_path,
+                    self.weights_bytes / 1e6, self.k)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the draft's ``num_blocks`` blocks per layer (the target's number)."""
+        bind_kv_caches(self.attention_layers, num_blocks, self.block_size, self.model_config.dtype, self.device)
+
+    def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write the KV of the step's tokens ([T] int64 ids and positions, the target's) into
+        the draft's cache; call inside the target's forward context."""
+        self.model(input_ids, positions)
+
+    def propose(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,
+                block_table: np.ndarray) -> list[list[int]]:
+        """k greedy drafts for each of batch ``rows``.
+
+        Args:
+            rows: [R] int64 batch rows whose newest token (at ``num_tokens[row] - 1``) is
+                not yet in the draft's cache.
+            token_ids: [max_num_reqs, max_model_len] int64 token ids of all rows.
+            num_tokens: [max_num_reqs] int64 known tokens per row.
+            block_table: [max_num_reqs, max_blocks] int64 block ids per row.
+
+        Returns:
+            per row, its k drafts.
+        """
+        num_reqs, bs = len(rows), self.block_size
+        last = num_tokens[rows] - 1
+        ids = token_ids[rows, last]
+        drafts = []
+        for step in range(self.k):
+            # Past max_model_len no draft can be verified: the last slot takes the writes.
+            positions = np.minimum(last + step, self.model_config.max_model_len - 1)
+            width = int(positions.max()) // bs + 1
+            metadata = self.metadata_builder.build(
+                CommonAttentionMetadata(
+                    query_start_loc=np.arange(num_reqs + 1),
+                    seq_lens=positions + 1,
+                    num_computed_tokens=positions,
+                    block_table=block_table[rows, :width],
+                    slot_mapping=block_table[rows, positions // bs] * bs + positions % bs,
+                    num_decodes=num_reqs,
+                )
+            )
+            with set_forward_context(metadata):
+                hidden = self.model(self._to_device(ids), self._to_device(positions))
+            ids = greedy_sample(self.model.compute_logits(hidden)).cpu().numpy()
+            drafts.append(ids)
+        return np.stack(drafts, axis=1).tolist()
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
