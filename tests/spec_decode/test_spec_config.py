@@ -1,0 +1,122 @@
+"""``speculative_config`` (vLLM's keys): accepted forms, defaults, and start-up errors that
+name the key; the scheduler's 1 + k token steps; the n-gram proposer; the metrics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from pagedllm import LLM
+from pagedllm.config import EngineArgs, SpeculativeConfig
+from pagedllm.messages.engine_core import SchedulerStats, SpecDecodingStats
+from pagedllm.metrics.loggers import LoggingStatLogger
+from pagedllm.metrics.prometheus import PrometheusStatLogger
+from pagedllm.spec_decode import NgramProposer
+from pagedllm.testing.checkpoints import make_checkpoint
+
+
+def test_forms_and_defaults():
+    ngram = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
+    assert (ngram.method, ngram.prompt_lookup_min, ngram.prompt_lookup_max) == ("ngram", 5, 5)
+    only_max = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (4, 4)
+    draft = SpeculativeConfig.from_dict({"model": "some/draft", "num_speculative_tokens": 2})
+    assert draft.method == "draft_model" and draft.uses_draft_model and draft.model == "some/draft"
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"method": "ngram"}, "speculative_config['num_speculative_tokens'] must be an integer >= 1, got None."),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config['num_speculative_tokens'] must be"),
+        ({"method": "medusa2", "num_speculative_tokens": 2}, "speculative_config['method'] must be one of"),
+        ({"num_speculative_tokens": 2}, "speculative_config['method'] must be one of"),
+        ({"method": "eagle", "model": "x", "num_speculative_tokens": 2},
+         "speculative_config['method']='eagle' is not supported yet"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config['model']"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+         "speculative_config['prompt_lookup_min'] (4) must not exceed"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "speculative_config['prompt_lookup_min']"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "speculative_config['lookahead'] is not a known key"),
+    ],
+)
+def test_bad_configs_fail_when_the_arguments_are_built(config, message):
+    with pytest.raises(ValueError) as e:
+        EngineArgs(speculative_config=config)
+    assert message in str(e.value)
+
+
+def test_draft_model_errors_name_the_key(tiny_llama, tmp_path):
+    with pytest.raises(ValueError, match=r"speculative_config\['model'\]='/nonexistent/draft'"):
+        EngineArgs(model=str(tiny_llama), speculative_config={"model": "/nonexistent/draft", "num_speculative_tokens": 2}
+                   ).create_engine_config()
+    other_vocab = make_checkpoint(tmp_path / "other-vocab", "LlamaForCausalLM", vocab_size=512, tokenizer_vocab_size=512)
+    with pytest.raises(ValueError, match=r"speculative_config\['model'\]=.* has a vocabulary of 512 tokens"):
+        EngineArgs(model=str(tiny_llama), speculative_config={"model": str(other_vocab), "num_speculative_tokens": 2}
+                   ).create_engine_config()
+
+
+def test_ngram_proposer():
+    proposer = NgramProposer(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    # Suffix [7, 8] occurs at 1 (earliest) and 5: the tokens after the first occurrence.
+    assert proposer.propose_one(np.array([1, 7, 8, 9, 4, 7, 8, 5, 7, 8])) == [9, 4, 7]
+    # The longest match wins: [3, 7, 8] beats the earlier [7, 8].
+    assert proposer.propose_one(np.array([7, 8, 1, 3, 7, 8, 6, 3, 7, 8])) == [6, 3, 7]
+    assert proposer.propose_one(np.array([1, 2, 3, 4])) == []  # nothing recurs
+    assert proposer.propose_one(np.array([5, 6, 5])) == [6, 5]  # fewer than k tokens follow
+    assert NgramProposer(3, 2, 3).propose_one(np.array([1, 2, 9, 2])) == []  # a 1-token match is too short
+    rows = np.array([1, 0])
+    token_ids = np.array([[4, 4, 0, 0], [1, 2, 1, 0]])
+    assert proposer.propose(rows, token_ids, np.array([2, 3]), np.zeros((2, 1))) == [[2, 1], [4]]
+
+
+def test_scheduler_budgets_drafts_and_rolls_back_rejected(tiny_llama, tokenizer):
+    """A request brings its drafts into the next step (1 + k tokens, lookahead reserved for a
+    draft model); rejected ones are taken off num_computed_tokens."""
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=4 << 20, block_size=8,
+              speculative_config={"model": str(tiny_llama), "num_speculative_tokens": 3})
+    core = llm.llm_engine.engine_core
+    from pagedllm import SamplingParams
+
+    llm.llm_engine.add_request("r", {"prompt_token_ids": list(range(3, 13))},
+                               SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    first = core.scheduler.schedule()
+    assert first.num_scheduled_tokens == {"r": 10} and not first.scheduled_spec_decode_tokens
+    # 10 prompt tokens + 3 lookahead slots: 2 blocks of 8.
+    assert len(core.kv_cache_manager.get_block_ids("r")) == 2
+    core.scheduler.update_from_output(first, core.model_executor.execute_model(first))
+    request = core.scheduler.requests["r"]
+    assert len(request.spec_token_ids) == 3 and request.num_computed_tokens == 10
+    second = core.scheduler.schedule()
+    assert second.num_scheduled_tokens == {"r": 4}
+    assert second.scheduled_spec_decode_tokens == {"r": request.spec_token_ids}
+    output = core.model_executor.execute_model(second)
+    assert len(output.sampled_token_ids[0]) == 4  # the draft is the target: all accepted
+    core.scheduler.update_from_output(second, output)
+    assert request.num_output_tokens == 5 and request.num_computed_tokens == 14
+    # One token left to max_tokens: no draft (the step's own token is the last one).
+    assert request.spec_token_ids == []
+
+
+def test_metrics_and_log_line(tiny_llama):
+    stats = SpecDecodingStats.new(3)
+    stats.observe_draft(3, 2)
+    stats.observe_draft(3, 0)
+    scheduler_stats = SchedulerStats(spec_decoding_stats=stats)
+    logger = LoggingStatLogger()
+    logger.record(scheduler_stats, None)
+    assert logger.log().endswith(", Spec decode acceptance rate: 33.3%, Mean acceptance length: 2.00")
+    assert "Spec decode" not in logger.log()  # nothing verified in the next interval
+
+    config = EngineArgs(model=str(tiny_llama), speculative_config={"method": "ngram", "num_speculative_tokens": 3}
+                        ).create_engine_config()
+    registry = CollectorRegistry()
+    PrometheusStatLogger(registry, "m", config).record(scheduler_stats, None)
+    text = generate_latest(registry).decode()
+    assert 'pagedllm:spec_decode_num_drafts_total{model_name="m"} 2.0' in text
+    assert 'pagedllm:spec_decode_num_draft_tokens_total{model_name="m"} 6.0' in text
+    assert 'pagedllm:spec_decode_num_accepted_tokens_total{model_name="m"} 2.0' in text
+    for position, value in enumerate([1.0, 1.0, 0.0]):
+        assert (f'pagedllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{position}"}} '
+                f"{value}") in text
