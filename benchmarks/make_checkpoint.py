@@ -2,6 +2,7 @@
 
     python benchmarks/make_checkpoint.py --preset qwen2-0.5b-shape --out benchmarks/checkpoints/qwen2-0.5b-shape
     python benchmarks/make_checkpoint.py --preset tiny-llama --out benchmarks/checkpoints/tiny-llama --dtype float32
+    python benchmarks/make_checkpoint.py --preset qwen2-draft-shape --out benchmarks/checkpoints/qwen2-draft-shape --seed 1
 
 The presets are the checkpoints of /work/shared/peers.md ("Checkpoints used"), so numbers
 measured here compare with the peers' table:
@@ -11,6 +12,10 @@ measured here compare with the peers' table:
 - ``qwen2-0.5b-shape``: Qwen2ForCausalLM with Qwen2.5-0.5B's dimensions (hidden 896,
   24 layers, 14 heads / 2 KV heads, FFN 4864, tied embeddings, rope_theta 1e6) and
   vocab 32000 (386.6M parameters, 773 MB in bf16; about 30 s on 2 cores).
+- ``qwen2-draft-shape``: a small Qwen2ForCausalLM with the 0.5B shape's vocabulary, head
+  size and context (hidden 256, 2 layers, 4 heads / 2 KV heads, FFN 704, tied embeddings):
+  a speculative-decoding draft for ``qwen2-0.5b-shape`` whose random proposals the target
+  (almost) never accepts, to measure the cost of drafting.
 
 Both use the 32000-token byte-level BPE tokenizer of ``pagedllm.testing.checkpoints``
 with the ChatML chat template. Weights are created directly in ``--dtype`` (default
@@ -59,6 +64,11 @@ PRESETS: dict[str, dict] = {
         tokenizer_vocab_size=32000,
     ),
 }
+
+PRESETS["qwen2-draft-shape"] = dict(
+    PRESETS["qwen2-0.5b-shape"], hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, intermediate_size=704,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

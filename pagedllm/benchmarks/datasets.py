@@ -1,4 +1,5 @@
-"""Synthetic benchmark datasets with vLLM's names: ``random`` and ``prefix_repetition``.
+"""Synthetic benchmark datasets with vLLM's names: ``random`` and ``prefix_repetition``;
+and ``repeat``, an input-grounded task for speculative decoding.
 
 Prompts are lists of token ids drawn (seeded, with numpy) uniformly from the tokenizer's
 vocabulary without its special tokens, so a prompt is exactly as long as asked and no
@@ -18,6 +19,11 @@ Options (as vLLM's ``vllm bench``):
   a random suffix of ``--suffix-len`` tokens; requests cycle through the prefixes and are
   then shuffled; output length ``--prefix-repetition-output-len`` (default: the output
   length above).
+- ``--dataset-name repeat`` (pagedllm's): real text that the model is led to repeat, where
+  n-gram speculation (prompt lookup) finds its drafts. Each prompt is a passage of Python
+  standard-library documentation (module docstrings, chosen by the seed) of about
+  ``--input-len`` tokens, a blank line, and the passage's first ``REPEAT_CUE_TOKENS``
+  tokens again, so the likeliest continuation is the rest of the passage.
 """
 
 from __future__ import annotations
@@ -29,7 +35,11 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-DATASET_NAMES = ("random", "prefix_repetition")
+DATASET_NAMES = ("random", "prefix_repetition", "repeat")
+#: Tokens of the passage repeated after the blank line (the cue to continue copying it).
+REPEAT_CUE_TOKENS = 8
+_REPEAT_SOURCES = ("argparse", "collections", "json", "logging", "pathlib", "re", "string", "textwrap",
+                   "threading", "unittest", "urllib.parse", "zipfile")
 
 
 @dataclass
@@ -51,7 +61,7 @@ class SampleRequest:
 
 def add_dataset_args(parser: argparse.ArgumentParser, *, default_input_len: int = 1024,
                      default_output_len: int = 128) -> None:
-    """Add vLLM's dataset options (random and prefix_repetition) to ``parser``."""
+    """Add vLLM's dataset options (random and prefix_repetition) and ``repeat`` to ``parser``."""
     group = parser.add_argument_group("dataset")
     group.add_argument("--dataset-name", default="random", choices=DATASET_NAMES,
                        help="synthetic dataset (default: random)")
@@ -141,6 +151,32 @@ def prefix_repetition_dataset(tokenizer: Any, num_prompts: int, prefix_len: int,
     return [requests[i] for i in order]
 
 
+def repeat_dataset(tokenizer: Any, num_prompts: int, input_len: int, output_len: int,
+                   seed: int = 0) -> list[SampleRequest]:
+    """The ``repeat`` dataset (see the module docstring): ``input_len``-token prompts asking,
+    by their form, for a passage to be repeated.
+
+    Raises:
+        ValueError: if ``input_len`` leaves no room for a passage (at most 2 x
+            ``REPEAT_CUE_TOKENS``).
+    """
+    import importlib
+
+    sep = tokenizer.encode("\n\n", add_special_tokens=False)
+    passage_len = input_len - len(sep) - REPEAT_CUE_TOKENS
+    if passage_len <= REPEAT_CUE_TOKENS:
+        raise ValueError(f"--input-len must exceed {2 * REPEAT_CUE_TOKENS + len(sep)} for the repeat dataset.")
+    text = "\n\n".join(importlib.import_module(name).__doc__ or "" for name in _REPEAT_SOURCES)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, max(len(ids) - passage_len, 1), size=num_prompts)
+    requests = []
+    for start in starts.tolist():
+        passage = (ids * (1 + passage_len // max(len(ids), 1)))[start : start + passage_len]
+        requests.append(SampleRequest(passage + sep + passage[:REPEAT_CUE_TOKENS], output_len))
+    return requests
+
+
 def get_samples(args: argparse.Namespace, tokenizer: Any, num_prompts: Optional[int] = None,
                 seed: Optional[int] = None) -> list[SampleRequest]:
     """The requests that ``args`` (from :func:`add_dataset_args`) describe."""
@@ -153,6 +189,8 @@ def get_samples(args: argparse.Namespace, tokenizer: Any, num_prompts: Optional[
         output_len = args.prefix_output_len or args.random_output_len
         return prefix_repetition_dataset(tokenizer, num, args.prefix_len, args.suffix_len,
                                          args.num_prefixes, output_len, seed)
+    if args.dataset_name == "repeat":
+        return repeat_dataset(tokenizer, num, args.random_input_len, args.random_output_len, seed)
     raise ValueError(f"unknown --dataset-name {args.dataset_name!r}; choose one of {DATASET_NAMES}")
 
 
@@ -162,6 +200,8 @@ def dataset_description(args: argparse.Namespace) -> dict[str, Any]:
     if args.dataset_name == "random":
         desc.update(random_input_len=args.random_input_len, random_output_len=args.random_output_len,
                     random_range_ratio=args.random_range_ratio, random_prefix_len=args.random_prefix_len)
+    elif args.dataset_name == "repeat":
+        desc.update(input_len=args.random_input_len, output_len=args.random_output_len)
     else:
         desc.update(prefix_len=args.prefix_len, suffix_len=args.suffix_len, num_prefixes=args.num_prefixes,
                     output_len=args.prefix_output_len or args.random_output_len)

@@ -29,6 +29,7 @@ import time
 from typing import Any, Optional
 
 from pagedllm.benchmarks import machine_info, set_num_threads, write_json
+from pagedllm.entrypoints.openai.cli_args import json_object_type
 from pagedllm.benchmarks.datasets import (
     SampleRequest,
     add_dataset_args,
@@ -62,11 +63,15 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-loras", type=int, default=None, help="LoRA adapters in one batch")
     engine.add_argument("--max-lora-rank", type=int, default=None)
     engine.add_argument("--max-cpu-loras", type=int, default=None)
+    engine.add_argument("--speculative-config", type=json_object_type, default=None,
+                        help="speculative decoding, vLLM's JSON, e.g. "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'")
 
 
 _ENGINE_KEYS = ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
                 "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching",
-                "prefix_caching_hash_algo", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+                "prefix_caching_hash_algo", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+                "speculative_config")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

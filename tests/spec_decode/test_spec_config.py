@@ -120,3 +120,46 @@ def test_metrics_and_log_line(tiny_llama):
     for position, value in enumerate([1.0, 1.0, 0.0]):
         assert (f'pagedllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{position}"}} '
                 f"{value}") in text
+
+
+def test_bench_latency_with_ngram_on_the_repeat_dataset(tmp_path, capsys):
+    """`bench latency --dataset-name repeat --speculative-config ...` on the shipped model."""
+    import json
+
+    from pagedllm.benchmarks.cli import main
+
+    out = tmp_path / "latency.json"
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+    rc = main(["latency", "--dataset-name", "repeat", "--batch-size", "2", "--input-len", "64", "--output-len", "16",
+               "--num-iters", "1", "--num-iters-warmup", "0", "--kv-cache-memory-bytes", str(16 << 20),
+               "--speculative-config", spec, "--output-json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["dataset_name"] == "repeat" and r["engine_args"]["speculative_config"] == json.loads(spec)
+    assert r["num_decode_steps"] <= 15 and r["decode_tokens_per_s"] > 0
+    assert "repeat dataset" in capsys.readouterr().out
+
+
+def test_repeat_dataset_prompts_repeat_their_start(tokenizer):
+    from pagedllm.benchmarks.datasets import REPEAT_CUE_TOKENS, repeat_dataset
+
+    requests = repeat_dataset(tokenizer, 3, 100, 20, seed=1)
+    assert len({tuple(r.prompt_token_ids) for r in requests}) == 3
+    for r in requests:
+        ids = r.prompt_token_ids
+        assert len(ids) == 100 and r.expected_output_len == 20
+        assert ids[-REPEAT_CUE_TOKENS:] == ids[:REPEAT_CUE_TOKENS]
+
+
+def test_readme_example_runs():
+    """The README's speculative-decoding example, as written."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    example = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "speculative_config" in b)
+    run = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip()
