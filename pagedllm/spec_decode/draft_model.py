@@ -8,12 +8,14 @@ both (sized together: ``pagedllm.worker.kv_cache_sizing``). Each step:
    last tokens and the drafts under verification), in the target's forward context, so its
    cache holds every position the target's does;
 2. ``propose``: for each request that sampled, starting from its newest token at position
-   P, k single-token greedy steps write positions P .. P + k - 1 (the scheduler reserved
-   these lookahead slots) and yield the drafts for P + 1 .. P + k. Slots of drafts that the
+   P, k single-token steps write positions P .. P + k - 1 (the scheduler reserved these
+   lookahead slots) and yield the drafts for P + 1 .. P + k. Slots of drafts that the
    target later rejects are overwritten by the next step, in both caches.
 
-Greedy drafts are deterministic proposals: the runner verifies them with
-``rejection_sampler.num_accepted_matching``, which keeps the target's distribution exactly.
+A row proposes greedily (a deterministic proposal, verified by
+``rejection_sampler.num_accepted_matching``) or, given a temperature, samples each draft
+from q = softmax(draft logits / temperature) and returns q for
+``rejection_sampler.rejection_sample``. Either way the target's distribution is kept exactly.
 """
 
 from __future__ import annotations
@@ -76,9 +78,9 @@ class DraftModelProposer:
         the draft's cache; call inside the target's forward context."""
         self.model(input_ids, positions)
 
-    def propose(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,
-                block_table: np.ndarray) -> list[list[int]]:
-        """k greedy drafts for each of batch ``rows``.
+    def propose(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray, block_table: np.ndarray,
+                temperature: np.ndarray) -> tuple[list[list[int]], dict[int, torch.Tensor]]:
+        """k drafts for each of batch ``rows``.
 
         Args:
             rows: [R] int64 batch rows whose newest token (at ``num_tokens[row] - 1``) is
@@ -86,14 +88,18 @@ class DraftModelProposer:
             token_ids: [max_num_reqs, max_model_len] int64 token ids of all rows.
             num_tokens: [max_num_reqs] int64 known tokens per row.
             block_table: [max_num_reqs, max_blocks] int64 block ids per row.
+            temperature: [R] float32; 0 drafts greedily, else samples at that temperature.
 
         Returns:
-            per row, its k drafts.
+            per row, its k drafts; and for each index i of ``rows`` that sampled, the
+            [k, V] float32 distributions its drafts were drawn from.
         """
         num_reqs, bs = len(rows), self.block_size
         last = num_tokens[rows] - 1
-        ids = token_ids[rows, last]
-        drafts = []
+        ids = torch.from_numpy(token_ids[rows, last]).to(self.device)
+        sampled = np.flatnonzero(temperature > 0)
+        scale = self._to_device(temperature[sampled].astype(np.float32)).unsqueeze(1)
+        drafts, probs = [], []
         for step in range(self.k):
             # Past max_model_len no draft can be verified: the last slot takes the writes.
             positions = np.minimum(last + step, self.model_config.max_model_len - 1)
@@ -109,10 +115,16 @@ class DraftModelProposer:
                 )
             )
             with set_forward_context(metadata):
-                hidden = self.model(self._to_device(ids), self._to_device(positions))
-            ids = greedy_sample(self.model.compute_logits(hidden)).cpu().numpy()
+                logits = self.model.compute_logits(self.model(ids, self._to_device(positions)))
+            ids = greedy_sample(logits)
+            if len(sampled):
+                q = torch.softmax(logits[self._to_device(sampled)].float() / scale, dim=-1)
+                ids[self._to_device(sampled)] = torch.multinomial(q, 1).squeeze(1)
+                probs.append(q)
             drafts.append(ids)
-        return np.stack(drafts, axis=1).tolist()
+        q_by_row = torch.stack(probs, dim=1) if probs else None
+        return (torch.stack(drafts, dim=1).tolist(),
+                {} if q_by_row is None else dict(zip(sampled.tolist(), q_by_row.unbind(0))))
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)

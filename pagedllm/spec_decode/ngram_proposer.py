@@ -40,9 +40,10 @@ class NgramProposer:
                 return tokens[follow : follow + self.k].tolist()
         return []
 
-    def propose(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,
-                block_table: np.ndarray) -> list[list[int]]:
+    def propose(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray, block_table: np.ndarray,
+                temperature: np.ndarray) -> tuple[list[list[int]], dict]:
         """Proposals for batch ``rows`` of ``token_ids`` ([R, max_model_len] int64, the
-        first ``num_tokens[row]`` of each row known); ``block_table`` is not used (the
-        proposers' common signature)."""
-        return [self.propose_one(token_ids[row, : num_tokens[row]]) for row in rows.tolist()]
+        first ``num_tokens[row]`` of each row known); ``block_table`` and ``temperature`` are
+        not used (the proposers' common signature: n-gram proposals are deterministic, so no
+        draft distributions are returned)."""
+        return [self.propose_one(token_ids[row, : num_tokens[row]]) for row in rows.tolist()], {}

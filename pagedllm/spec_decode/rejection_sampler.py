@@ -16,7 +16,8 @@ Two forms:
   ordinary sampler, with its seeds, penalties and logprobs) and accepting while t_i == d_i.
   Greedy requests are then token-identical to decoding without speculation, and seeded
   ones draw the same tokens, since each output position has its own seed.
-* ``rejection_sample``: the general rule, for proposals drawn from a recorded q.
+* ``rejection_sample``: the general rule, for proposals drawn from a recorded q (a draft
+  model's drafts for unseeded sampled requests).
 """
 
 from __future__ import annotations

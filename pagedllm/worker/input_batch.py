@@ -166,6 +166,13 @@ class InputBatch:
         self.num_tokens[row] += 1
         state.output_token_ids.append(token_id)
 
+    def draft_temperature(self, rows: np.ndarray) -> np.ndarray:
+        """[R] float32 per row: the temperature at which a draft model samples its drafts,
+        0 to draft greedily. Greedy and seeded requests draft greedily (so a seeded request
+        gives the tokens it gives without speculation: ``spec_decode.rejection_sampler``)."""
+        seeded = np.isin(rows, np.fromiter(self.generators, dtype=np.int64, count=len(self.generators)))
+        return np.where(seeded, 0.0, self.temperature[rows]).astype(np.float32)
+
     # ------------------------------------------------------------------ sampling
     def sampling_metadata(self, rows: np.ndarray, num_output_tokens: np.ndarray,
                           vocab_size: int) -> SamplingMetadata:

@@ -27,9 +27,10 @@ from pagedllm.messages.engine_core import LogprobsLists
 from pagedllm.model_executor.layers.attention import Attention, bind_kv_caches
 from pagedllm.model_executor.layers.sampler import Sampler, compute_logprobs_with_topk
 from pagedllm.model_executor.model_loader import get_model
+from pagedllm.model_executor.sampling_metadata import SamplingMetadata
 from pagedllm.platforms import current_platform
 from pagedllm.spec_decode import DraftModelProposer, NgramProposer
-from pagedllm.spec_decode.rejection_sampler import num_accepted_matching
+from pagedllm.spec_decode.rejection_sampler import num_accepted_matching, rejection_sample
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.kv_cache_sizing import kv_bytes_per_token
 from pagedllm.messages.runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -59,6 +60,8 @@ class ModelRunner:
         self.block_size = self.cache_config.block_size
         self.lora_manager = None  # a LoRAModelManager with --enable-lora (load_model)
         self.proposer = self._make_proposer()
+        # Request id -> [k, V] distributions its pending drafts were sampled from.
+        self._draft_probs: dict[str, torch.Tensor] = {}
 
     def _make_proposer(self) -> DraftModelProposer | NgramProposer | None:
         spec = self.config.speculative_config
@@ -165,6 +168,7 @@ class ModelRunner:
         batch = self.input_batch
         for req_id in so.finished_req_ids:
             batch.remove_request(req_id)
+            self._draft_probs.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             batch.add_request(new)
         cached = so.scheduled_cached_reqs
@@ -223,21 +227,22 @@ class ModelRunner:
         logits_indices, sample_reqs = self._logits_indices(rows, seq_lens, cu, num_drafts)
         sample_rows = rows[sample_reqs]
         num_output_tokens = np.maximum(positions[logits_indices] + 1 - batch.num_prompt_tokens[sample_rows], 0)
-        tokens, logprobs = self._sample(hidden, logits_indices, sample_rows, num_output_tokens)
+        tokens, logprobs, logits, sampling = self._sample(hidden, logits_indices, sample_rows, num_output_tokens)
         sampled_token_ids: list[list[int]] = [[] for _ in order]
         logprobs_index: dict[int, int] = {}
+        target_probs: list[torch.Tensor] = []
         j = 0
         for i, count in zip(*(a.tolist() for a in np.unique(sample_reqs, return_counts=True))):
-            state, drafts = states[i], spec.get(order[i])
-            target = tokens[j : j + count]
-            kept = target[: num_accepted_matching(target, drafts) + 1] if drafts else target
+            state = states[i]
+            kept = self._verify(state.req_id, spec.get(state.req_id), tokens[j : j + count], j,
+                                logits, sampling, logprobs, target_probs)
             if state.sampling_params.logprobs is not None:
                 logprobs_index[i] = j
             sampled_token_ids[i] = kept
             for token in kept:
                 batch.append_token(state, token)
-            batch.num_computed_tokens[state.row] -= len(target) - len(kept)
-            j += len(target)
+            batch.num_computed_tokens[state.row] -= count - len(kept)
+            j += count
         return ModelRunnerOutput(
             req_ids=order,
             req_id_to_index={r: i for i, r in enumerate(order)},
@@ -246,7 +251,7 @@ class ModelRunner:
             logprobs_index=logprobs_index,
             prompt_logprobs_dict=prompt_logprobs,
             failed_req_ids=failed_req_ids,
-            spec_token_ids=self._propose(rows, sampled_token_ids),
+            spec_token_ids=self._propose(order, rows, sampled_token_ids),
         )
 
     def _activate_loras(self, decodes: list[str], prefills: list[str]) -> tuple[dict[str, int], dict[str, str]]:
@@ -267,19 +272,61 @@ class ModelRunner:
                           if lora is not None and lora.adapter_key in failed}
         return request_slots, failed_req_ids
 
-    def _propose(self, rows: np.ndarray, sampled_token_ids: list[list[int]]) -> Optional[list[list[int]]]:
-        """The proposer's drafts for each request of the step (``rows``, in order) that
-        sampled tokens; None without speculative decoding."""
+    def _verify(
+        self, req_id: str, drafts: Optional[list[int]], target: list[int], first: int,
+        logits: torch.Tensor, sampling: SamplingMetadata, logprobs: Optional[LogprobsLists],
+        target_probs: list[torch.Tensor],
+    ) -> list[int]:
+        """The tokens a request keeps of the ``target`` tokens sampled at its positions (rows
+        ``first`` .. of ``logits``): all of them without drafts; with deterministic drafts
+        the target's own up to and with the first that differs from its draft
+        (``num_accepted_matching``); with sampled drafts those ``rejection_sample`` keeps,
+        whose logprobs then replace the rows' in ``logprobs``. ``target_probs`` caches the
+        step's ``Sampler.target_probs`` (computed once, when first needed)."""
+        draft_probs = self._draft_probs.pop(req_id, None)
+        if not drafts:
+            return target
+        if draft_probs is None:
+            return target[: num_accepted_matching(target, drafts) + 1]
+        if not target_probs:
+            target_probs.append(self.sampler.target_probs(logits, sampling))
+        kept = rejection_sample(target_probs[0][first : first + len(target)], draft_probs[: len(drafts)],
+                                torch.tensor(drafts, device=self.device))
+        self._replace_logprobs(logprobs, logits, first, kept, sampling.max_num_logprobs)
+        return kept
+
+    def _propose(self, order: list[str], rows: np.ndarray,
+                 sampled_token_ids: list[list[int]]) -> Optional[list[list[int]]]:
+        """The proposer's drafts for each request of the step (``order``, batch ``rows``) that
+        sampled tokens, keeping the distributions of sampled drafts for their verification;
+        None without speculative decoding."""
         if self.proposer is None:
             return None
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         proposing = [i for i, tokens in enumerate(sampled_token_ids) if tokens]
         if proposing:
             batch = self.input_batch
-            proposals = self.proposer.propose(rows[proposing], batch.token_ids, batch.num_tokens, batch.block_table)
+            proposing_rows = rows[proposing]
+            proposals, draft_probs = self.proposer.propose(
+                proposing_rows, batch.token_ids, batch.num_tokens, batch.block_table,
+                batch.draft_temperature(proposing_rows))
             for i, proposal in zip(proposing, proposals):
                 drafts[i] = proposal
+            for k, probs in draft_probs.items():
+                self._draft_probs[order[proposing[k]]] = probs
         return drafts
+
+    @staticmethod
+    def _replace_logprobs(logprobs: Optional[LogprobsLists], logits: torch.Tensor, first: int,
+                          tokens: list[int], num_logprobs: Optional[int]) -> None:
+        """Give rows ``first`` .. of ``logprobs`` the logprobs of ``tokens`` (the rejection
+        sampler's, not the positions' own samples), from the raw ``logits`` [S, V]."""
+        if logprobs is None or num_logprobs is None:
+            return
+        rows = slice(first, first + len(tokens))
+        raw = torch.log_softmax(logits[rows].float(), dim=-1)
+        ids, values, ranks = compute_logprobs_with_topk(raw, torch.tensor(tokens, device=logits.device), num_logprobs)
+        logprobs.token_ids[rows], logprobs.logprobs[rows], logprobs.ranks[rows] = ids.tolist(), values.tolist(), ranks.tolist()
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -326,23 +373,24 @@ class ModelRunner:
     def _sample(
         self, hidden: torch.Tensor, logits_indices: np.ndarray, sample_rows: np.ndarray,
         num_output_tokens: np.ndarray,
-    ) -> tuple[list[int], Optional[LogprobsLists]]:
+    ) -> tuple[list[int], Optional[LogprobsLists], Optional[torch.Tensor], Optional[SamplingMetadata]]:
         """Sample one token at each of ``logits_indices`` (flattened-token positions of
         ``hidden``), for the batch rows ``sample_rows`` that have ``num_output_tokens``
-        output tokens before it; returns the tokens and, when asked for, their logprobs."""
+        output tokens before it; returns the tokens, their logprobs when asked for, and the
+        logits [S, V] and sampling metadata used (None when nothing is sampled)."""
         if len(logits_indices) == 0:
-            return [], None
+            return [], None, None, None
         logits = self.model.compute_logits(hidden[self._to_device(logits_indices)])
         metadata = self.input_batch.sampling_metadata(sample_rows, num_output_tokens, logits.shape[-1])
         out = self.sampler(logits, metadata)
         tokens = out.sampled_token_ids.tolist()
         if out.logprobs is None:
-            return tokens, None
+            return tokens, None, logits, metadata
         return tokens, LogprobsLists(
             token_ids=out.logprob_token_ids.tolist(),  # type: ignore[union-attr]
             logprobs=out.logprobs.tolist(),
             ranks=out.ranks.tolist(),  # type: ignore[union-attr]
-        )
+        ), logits, metadata
 
     def _prompt_logprobs(
         self,

@@ -68,7 +68,7 @@ def test_ngram_proposer():
     assert NgramProposer(3, 2, 3).propose_one(np.array([1, 2, 9, 2])) == []  # a 1-token match is too short
     rows = np.array([1, 0])
     token_ids = np.array([[4, 4, 0, 0], [1, 2, 1, 0]])
-    assert proposer.propose(rows, token_ids, np.array([2, 3]), np.zeros((2, 1))) == [[2, 1], [4]]
+    assert proposer.propose(rows, token_ids, np.array([2, 3]), np.zeros((2, 1)), np.zeros(2)) == ([[2, 1], [4]], {})
 
 
 def test_scheduler_budgets_drafts_and_rolls_back_rejected(tiny_llama, tokenizer):

@@ -60,3 +60,37 @@ def test_stop_string_and_stop_token_inside_accepted_drafts(tiny_llama, tokenizer
     assert got.token_ids == want.token_ids == greedy[: greedy.index(stop_id) + 1]
     assert got.finish_reason == "stop" and got.stop_reason == stop_id
     check_block_accounting(llm)
+
+
+def test_sampled_drafts_of_a_copy_are_all_accepted(tiny_llama, tokenizer):
+    """Unseeded sampled requests: a draft model samples its drafts from q and the rejection
+    sampler accepts with min(1, p / q); a draft equal to the target has q = p, so (up to
+    rounding) every draft is accepted, at any temperature."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([6, 50], len(tokenizer), seed=12)]
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=8 << 20,
+              speculative_config={"model": str(tiny_llama), "num_speculative_tokens": 4})
+    stats = record_spec_stats(llm)
+    outputs = llm.generate(prompts, SamplingParams(temperature=1.3, max_tokens=21, ignore_eos=True, logprobs=1),
+                           use_tqdm=False)
+    assert stats.num_draft_tokens == 2 * 4 * 4
+    assert stats.num_accepted_tokens >= stats.num_draft_tokens - 1, stats
+    for out in outputs:
+        completion = out.outputs[0]
+        assert len(completion.token_ids) == 21 and len(completion.logprobs) == 21
+        for token, entry in zip(completion.token_ids, completion.logprobs):
+            assert token in entry  # the logprob of the token kept, not of another sample
+    check_block_accounting(llm)
+
+
+def test_sampled_drafts_of_another_model_are_verified(tiny_llama, noisy_llama_draft, tokenizer):
+    """A draft that differs from the target: sampled drafts are partly accepted, partly
+    rejected (and replaced by samples from norm(max(0, p - q))); the output is valid."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([6, 50, 90], len(tokenizer), seed=13)]
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=40,
+              speculative_config={"model": str(noisy_llama_draft), "num_speculative_tokens": 3})
+    stats = record_spec_stats(llm)
+    params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=24, ignore_eos=True, presence_penalty=0.5, n=2)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    assert all(len(c.token_ids) == 24 for out in outputs for c in out.outputs)
+    check_block_accounting(llm)

@@ -111,8 +111,7 @@ class Sampler(torch.nn.Module):
         logits = logits.to(torch.float32, copy=True)
         raw_logprobs = (None if metadata.max_num_logprobs is None
                         else torch.log_softmax(logits, dim=-1))
-        for processor in argmax_changing:
-            logits = processor.apply(logits, metadata)
+        logits = self._apply(logits, metadata, argmax_changing)
         sampled = self._sample(logits, metadata, [p for p in active if p.argmax_invariant])
 
         if raw_logprobs is None:
@@ -122,17 +121,48 @@ class Sampler(torch.nn.Module):
         return SamplerOutput(sampled, token_ids, logprobs, ranks)
 
     @staticmethod
-    def _sample(logits: torch.Tensor, metadata: SamplingMetadata,
+    def _apply(logits: torch.Tensor, metadata: SamplingMetadata,
+               processors: list[LogitsProcessor]) -> torch.Tensor:
+        for processor in processors:
+            logits = processor.apply(logits, metadata)
+        return logits
+
+    def target_probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The distribution each row samples from: every processor, softmax and min-p
+        applied; a greedy row is one-hot at its argmax (for speculative decoding's rejection
+        sampler, which needs p itself rather than a sample).
+
+        Args:
+            logits: [B, V] any float dtype; not modified.
+            metadata: this step's ``SamplingMetadata``.
+
+        Returns:
+            [B, V] float32, each row summing to 1.
+        """
+        active = [p for p in self.logits_processors if p.is_active(metadata)]
+        logits = self._apply(logits.to(torch.float32, copy=True), metadata,
+                             [p for p in active if not p.argmax_invariant])
+        one_hot = torch.zeros_like(logits).scatter_(1, greedy_sample(logits).unsqueeze(1), 1.0)
+        probs = self._random_probs(logits, metadata, [p for p in active if p.argmax_invariant])
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        return torch.where((metadata.temperature < _GREEDY_TEMPERATURE).unsqueeze(1), one_hot, probs)
+
+    def _random_probs(self, logits: torch.Tensor, metadata: SamplingMetadata,
+                      argmax_invariant: list[LogitsProcessor]) -> torch.Tensor:
+        """Unnormalised probabilities of the random rows: temperature, top-k / top-p,
+        softmax, min-p (``logits`` is modified)."""
+        probs = torch.softmax(self._apply(logits, metadata, argmax_invariant), dim=-1)
+        if metadata.min_p is not None:
+            probs = apply_min_p(probs, metadata.min_p)
+        return probs
+
+    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata,
                 argmax_invariant: list[LogitsProcessor]) -> torch.Tensor:
         greedy = None if metadata.all_random else greedy_sample(logits)
         if metadata.all_greedy:
             assert greedy is not None
             return greedy
-        for processor in argmax_invariant:
-            logits = processor.apply(logits, metadata)
-        probs = torch.softmax(logits, dim=-1)
-        if metadata.min_p is not None:
-            probs = apply_min_p(probs, metadata.min_p)
+        probs = self._random_probs(logits, metadata, argmax_invariant)
         sampled = exponential_race(probs, metadata.generators)
         if greedy is None:
             return sampled
