@@ -109,3 +109,16 @@ def make_peft_adapter(base: Path, out_dir: Path, *, r: int, lora_alpha: float, t
     peft_model.save_pretrained(adapter_dir, safe_serialization=safe_serialization)
     peft_model.merge_and_unload().save_pretrained(merged_dir)
     return adapter_dir, merged_dir
+
+
+def float32_llm(path, kwargs: dict) -> LLM:
+    """An ``LLM`` of ``path`` in float32 with ``kwargs``: 16 MiB of KV cache unless given;
+    ``kv_blocks`` in ``kwargs`` sizes the cache in blocks instead (measured on a probe)."""
+    kwargs = dict(kwargs)
+    kv_blocks = kwargs.pop("kv_blocks", None)
+    kwargs.setdefault("kv_cache_memory_bytes", 16 << 20)
+    if kv_blocks is not None:
+        probe = LLM(str(path), dtype="float32", **kwargs)
+        kwargs["kv_cache_memory_bytes"] = kv_blocks * kv_block_bytes(probe)
+        del probe
+    return LLM(str(path), dtype="float32", **kwargs)

@@ -21,9 +21,10 @@ Options (as vLLM's ``vllm bench``):
   length above).
 - ``--dataset-name repeat`` (pagedllm's): real text that the model is led to repeat, where
   n-gram speculation (prompt lookup) finds its drafts. Each prompt is a passage of Python
-  standard-library documentation (module docstrings, chosen by the seed) of about
-  ``--input-len`` tokens, a blank line, and the passage's first ``REPEAT_CUE_TOKENS``
-  tokens again, so the likeliest continuation is the rest of the passage.
+  standard-library documentation (docstrings; it starts at a paragraph chosen by the seed)
+  of ``--input-len`` tokens minus the cue, a blank line, and the passage's first
+  ``REPEAT_CUE_TOKENS`` tokens again (the cue), so the likeliest continuation is the rest
+  of the passage.
 """
 
 from __future__ import annotations
@@ -38,8 +39,7 @@ import numpy as np
 DATASET_NAMES = ("random", "prefix_repetition", "repeat")
 #: Tokens of the passage repeated after the blank line (the cue to continue copying it).
 REPEAT_CUE_TOKENS = 8
-_REPEAT_SOURCES = ("argparse", "collections", "json", "logging", "pathlib", "re", "string", "textwrap",
-                   "threading", "unittest", "urllib.parse", "zipfile")
+_REPEAT_SOURCES = ("argparse", "collections", "json", "re", "string", "textwrap", "urllib.parse")
 
 
 @dataclass
@@ -151,28 +151,45 @@ def prefix_repetition_dataset(tokenizer: Any, num_prompts: int, prefix_len: int,
     return [requests[i] for i in order]
 
 
+def _documentation_paragraphs() -> list[str]:
+    """Paragraphs of the docstrings of ``_REPEAT_SOURCES`` and their public functions and
+    classes (in a fixed order), license texts left out."""
+    import importlib
+    import inspect
+
+    docs = []
+    for name in _REPEAT_SOURCES:
+        module = importlib.import_module(name)
+        docs.append(module.__doc__ or "")
+        docs += [inspect.getdoc(getattr(module, attr)) or "" for attr in sorted(dir(module)) if not attr.startswith("_")]
+    paragraphs = [p.strip() for doc in docs for p in doc.split("\n\n")]
+    return [p for p in paragraphs if len(p) >= 80 and "LICENSE" not in p.upper() and "DAMAGE" not in p.upper()]
+
+
 def repeat_dataset(tokenizer: Any, num_prompts: int, input_len: int, output_len: int,
                    seed: int = 0) -> list[SampleRequest]:
     """The ``repeat`` dataset (see the module docstring): ``input_len``-token prompts asking,
-    by their form, for a passage to be repeated.
+    by their form, for a passage to be repeated. Passages start at a paragraph.
 
     Raises:
         ValueError: if ``input_len`` leaves no room for a passage (at most 2 x
             ``REPEAT_CUE_TOKENS``).
     """
-    import importlib
-
     sep = tokenizer.encode("\n\n", add_special_tokens=False)
     passage_len = input_len - len(sep) - REPEAT_CUE_TOKENS
     if passage_len <= REPEAT_CUE_TOKENS:
         raise ValueError(f"--input-len must exceed {2 * REPEAT_CUE_TOKENS + len(sep)} for the repeat dataset.")
-    text = "\n\n".join(importlib.import_module(name).__doc__ or "" for name in _REPEAT_SOURCES)
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids: list[int] = []
+    starts = []
+    for paragraph in _documentation_paragraphs():
+        starts.append(len(ids))
+        ids += tokenizer.encode(paragraph, add_special_tokens=False) + sep
+    starts = [start for start in starts if start + passage_len <= len(ids)] or [0]
+    ids = ids * (1 + passage_len // len(ids))
     rng = np.random.default_rng(seed)
-    starts = rng.integers(0, max(len(ids) - passage_len, 1), size=num_prompts)
     requests = []
-    for start in starts.tolist():
-        passage = (ids * (1 + passage_len // max(len(ids), 1)))[start : start + passage_len]
+    for start in rng.choice(starts, size=num_prompts).tolist():
+        passage = ids[start : start + passage_len]
         requests.append(SampleRequest(passage + sep + passage[:REPEAT_CUE_TOKENS], output_len))
     return requests
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.helpers import check_block_accounting, kv_block_bytes, hf_greedy, hf_log_softmax, random_prompts
+from tests.helpers import check_block_accounting, float32_llm, hf_greedy, hf_log_softmax, random_prompts
 
 PROMPT_LENGTHS = [1, 3, 17, 32, 64, 100, 150, 200]
 MAX_TOKENS = 12
@@ -40,14 +40,7 @@ def _reference(path, prompts):
 def test_greedy_matches_transformers(arch, scenario, request, tokenizer):
     path = request.getfixturevalue(arch)
     prompts = random_prompts(PROMPT_LENGTHS, len(tokenizer), seed=1)
-    kwargs = dict(SCENARIOS[scenario])
-    kv_blocks = kwargs.pop("kv_blocks", None)
-    kwargs.setdefault("kv_cache_memory_bytes", 16 << 20)
-    if kv_blocks is not None:
-        probe = LLM(str(path), dtype="float32", **kwargs)
-        kwargs["kv_cache_memory_bytes"] = kv_blocks * kv_block_bytes(probe)
-        del probe
-    llm = LLM(str(path), dtype="float32", **kwargs)
+    llm = float32_llm(path, SCENARIOS[scenario])
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     expected = _reference(path, prompts)

@@ -10,7 +10,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.messages.engine_core import SpecDecodingStats
 from tests.engine.test_greedy_equality import MAX_TOKENS, PROMPT_LENGTHS, SCENARIOS
-from tests.helpers import check_block_accounting, hf_greedy, kv_block_bytes, random_prompts
+from tests.helpers import check_block_accounting, float32_llm, hf_greedy, random_prompts
 
 SPEC_SCENARIOS = {**SCENARIOS, "no_prefix_caching": {"enable_prefix_caching": False}}
 _references: dict = {}
@@ -42,18 +42,6 @@ def record_spec_stats(llm: LLM) -> SpecDecodingStats:
     return total
 
 
-def build_llm(path, kwargs: dict) -> LLM:
-    """An LLM of ``path`` in float32; ``kv_blocks`` in ``kwargs`` sizes the cache in blocks."""
-    kwargs = dict(kwargs)
-    kv_blocks = kwargs.pop("kv_blocks", None)
-    kwargs.setdefault("kv_cache_memory_bytes", 16 << 20)
-    if kv_blocks is not None:
-        probe = LLM(str(path), dtype="float32", **kwargs)
-        kwargs["kv_cache_memory_bytes"] = kv_blocks * kv_block_bytes(probe)
-        del probe
-    return LLM(str(path), dtype="float32", **kwargs)
-
-
 @pytest.mark.parametrize("scenario", list(SPEC_SCENARIOS))
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_spec_decode_greedy_matches_transformers(method, scenario, tiny_llama, noisy_llama_draft, tokenizer):
@@ -65,7 +53,7 @@ def test_spec_decode_greedy_matches_transformers(method, scenario, tiny_llama, n
         _references["ref"] = [hf_greedy(tiny_llama, p, MAX_TOKENS) for p in prompts]
     expected = _references["ref"]
     kwargs = {**SPEC_SCENARIOS[scenario], "speculative_config": spec_configs(noisy_llama_draft)[method]}
-    llm = build_llm(tiny_llama, kwargs)
+    llm = float32_llm(tiny_llama, kwargs)
     stats = record_spec_stats(llm)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for _ in range(2 if scenario in ("defaults", "block_size_8") else 1):  # the second pass hits the prefix cache
@@ -85,7 +73,7 @@ def test_draft_equal_to_target_accepts_everything(tiny_qwen2, tokenizer):
     """A draft model identical to the target proposes exactly the greedy tokens: acceptance 1.0,
     k + 1 tokens per verifying step."""
     prompts = random_prompts([5, 40, 90], len(tokenizer), seed=4)
-    llm = build_llm(tiny_qwen2, {"speculative_config": {"model": str(tiny_qwen2), "num_speculative_tokens": 4}})
+    llm = float32_llm(tiny_qwen2, {"speculative_config": {"model": str(tiny_qwen2), "num_speculative_tokens": 4}})
     stats = record_spec_stats(llm)
     params = SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
