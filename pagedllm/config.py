@@ -410,11 +410,9 @@ class SpeculativeConfig:
         """
         if not self.uses_draft_model:
             return
-        from transformers import AutoConfig
-
         try:
             path = resolve_model_path(self.model, revision, download_dir)
-            hf_config = AutoConfig.from_pretrained(path, trust_remote_code=target.trust_remote_code)
+            hf_config = load_hf_config(path, target.trust_remote_code)
         except (ValueError, OSError) as e:
             raise ValueError(f"speculative_config['model']={self.model!r}: {e}") from e
         if hf_config.vocab_size != target.vocab_size:
