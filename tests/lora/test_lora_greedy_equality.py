@@ -11,7 +11,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.lora.request import LoRARequest
-from tests.helpers import check_block_accounting, hf_greedy, kv_block_bytes, random_prompts
+from tests.helpers import check_block_accounting, float32_llm, hf_greedy, random_prompts
 from tests.lora.conftest import ADAPTERS
 
 MAX_TOKENS = 8
@@ -50,27 +50,27 @@ def _mixed_batch(tiny_llama, peft_adapters, prompts):
     return items, loras, expected
 
 
+def check_mixed_batch(llm, tiny_llama, peft_adapters, prompts) -> list[list[int]]:
+    """Generate ``_mixed_batch`` greedily with ``llm``, assert every output equals its
+    reference and return the references."""
+    items, loras, expected = _mixed_batch(tiny_llama, peft_adapters, prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(items, params, lora_request=loras, use_tqdm=False)
+    for output, lora, ref in zip(outputs, loras, expected):
+        assert output.outputs[0].token_ids == ref, f"{lora and lora.lora_name} diverged"
+    return expected
+
+
 def _make_llm(tiny_llama, kwargs):
-    kwargs = dict(kwargs)
-    kv_blocks = kwargs.pop("kv_blocks", None)
-    kwargs.setdefault("kv_cache_memory_bytes", 16 << 20)
-    common = dict(dtype="float32", enable_lora=True, max_lora_rank=16, max_cpu_loras=kwargs.pop("max_cpu_loras", 4))
-    if kv_blocks is not None:
-        probe = LLM(str(tiny_llama), **common, **kwargs)
-        kwargs["kv_cache_memory_bytes"] = kv_blocks * kv_block_bytes(probe)
-        del probe
-    return LLM(str(tiny_llama), **common, **kwargs)
+    lora = dict(enable_lora=True, max_lora_rank=16, max_cpu_loras=4)
+    return float32_llm(tiny_llama, {**lora, **kwargs})
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_mixed_adapters_match_merged_transformers(scenario, tiny_llama, peft_adapters, tokenizer):
     llm = _make_llm(tiny_llama, SCENARIOS[scenario])
     prompts = random_prompts(PROMPT_LENGTHS, len(tokenizer), seed=7)
-    items, loras, expected = _mixed_batch(tiny_llama, peft_adapters, prompts)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = llm.generate(items, params, lora_request=loras, use_tqdm=False)
-    for output, lora, ref in zip(outputs, loras, expected):
-        assert output.outputs[0].token_ids == ref, f"{lora and lora.lora_name} diverged"
+    expected = check_mixed_batch(llm, tiny_llama, peft_adapters, prompts)
     # The adapters matter: each changes the output of most prompts.
     base = expected[:: len(ADAPTERS) + 1]
     for k, name in enumerate(ADAPTERS, start=1):
