@@ -63,6 +63,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-loras", type=int, default=None, help="LoRA adapters in one batch")
     engine.add_argument("--max-lora-rank", type=int, default=None)
     engine.add_argument("--max-cpu-loras", type=int, default=None)
+    engine.add_argument("--quantization", "-q", default=None,
+                        help="weight format: int8 / int4 / fp8 at load, or the checkpoint's (gptq, awq ...)")
     engine.add_argument("--speculative-config", type=json_object_type, default=None,
                         help="speculative decoding, vLLM's JSON, e.g. "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'")
@@ -71,7 +73,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 _ENGINE_KEYS = ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
                 "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching",
                 "prefix_caching_hash_algo", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
-                "speculative_config")
+                "speculative_config", "quantization")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
