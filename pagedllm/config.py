@@ -7,7 +7,7 @@ them and resolves defaults into an ``EngineConfig``.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -241,6 +241,13 @@ class ModelConfig:
         except OSError:
             return {}
 
+    def generation_config_eos_ids(self) -> set[int]:
+        """The ``eos_token_id`` entries of generation_config.json (an int or a list), if any."""
+        eos = self.try_get_generation_config().get("eos_token_id")
+        if eos is None:
+            return set()
+        return {eos} if isinstance(eos, int) else set(eos)
+
     def get_diff_sampling_param(self) -> dict[str, Any]:
         """Default sampling parameters set by the generation config (vLLM's method and rule).
 
@@ -426,6 +433,50 @@ class SpeculativeConfig:
             dtype=target.dtype, max_model_len=target.max_model_len, seed=target.seed,
             trust_remote_code=target.trust_remote_code,
         )  # fmt: skip
+#: ``StructuredOutputsConfig.backend`` values: vLLM's names of the backends built here.
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """Constrained decoding options of the engine (vLLM's ``--structured-outputs-config``).
+
+    Attributes:
+        backend: "xgrammar", "guidance" (llguidance), or "auto": xgrammar, and llguidance
+            for a constraint xgrammar cannot compile or enforce.
+        disable_fallback: with "auto", never fall back to llguidance.
+        disable_any_whitespace: JSON output without whitespace between tokens.
+        disable_additional_properties: JSON objects whose schema has no
+            ``additionalProperties`` take no extra keys (llguidance; xgrammar always does so).
+
+    Raises:
+        ValueError: an unknown backend, or an unknown key in ``from_dict``.
+    """
+
+    backend: str = "auto"
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(
+                f"structured outputs backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
+                f"got {self.backend!r}."
+            )
+
+    @classmethod
+    def from_dict(cls, value: "Optional[dict | StructuredOutputsConfig]") -> "StructuredOutputsConfig":
+        """The config of ``--structured-outputs-config``'s JSON object (None: defaults)."""
+        if isinstance(value, cls):
+            return value
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value or {}) - known)
+        if unknown:
+            raise ValueError(
+                f"structured_outputs_config has unknown keys {unknown}; known: {', '.join(sorted(known))}."
+            )
+        return cls(**(value or {}))
 
 
 @dataclass
@@ -461,6 +512,7 @@ class EngineConfig:
     attention_config: AttentionConfig = field(default_factory=AttentionConfig)
     lora_config: Optional[LoRAConfig] = None  # None: LoRA off (no --enable-lora)
     speculative_config: Optional[SpeculativeConfig] = None
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
 
 def _derived_max_model_len(hf_config: PretrainedConfig) -> int:
@@ -630,6 +682,8 @@ class EngineArgs:
     tokenizer_mode: str = "auto"
     enable_chunked_prefill: Optional[bool] = None
     cpu_offload_gb: float = 0
+    #: vLLM's ``structured_outputs_config`` (see ``StructuredOutputsConfig``): a dict or the config.
+    structured_outputs_config: Any = None
     # Built: they act as in vLLM.
     speculative_config: Optional[dict] = None  # see ``SpeculativeConfig``
     enable_lora: bool = False  # multi-LoRA serving: see ``LoRAConfig``
@@ -749,7 +803,8 @@ class EngineArgs:
             speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
             speculative_config.resolve_draft_model(model_config, None, self.download_dir)
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, attention_config,
-                            lora_config=lora_config, speculative_config=speculative_config)
+                            lora_config=lora_config, speculative_config=speculative_config,
+                            structured_outputs_config=StructuredOutputsConfig.from_dict(self.structured_outputs_config))
 
     def _check_num_gpu_blocks_override(self, max_model_len: int) -> None:
         """``num_gpu_blocks_override`` (None, or blocks enough for one ``max_model_len`` sequence).

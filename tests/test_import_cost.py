@@ -1,6 +1,6 @@
 """``pagedllm serve`` starts its engine process before it imports torch (start-up time,
 see ``pagedllm/entrypoints/openai/cli_args.py``): the modules on that path must stay
-free of torch and transformers."""
+free of torch and transformers (and of the grammar libraries, xgrammar and llguidance)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ LIGHT_MODULES = [
 def test_module_does_not_import_torch(module):
     code = (
         f"import sys, {module}\n"
-        "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'xgrammar', 'llguidance') if m in sys.modules)\n"
         "print(','.join(heavy))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -23,6 +23,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("executor",),
     ("worker",),
     ("core",),
+    ("structured_output",),
     ("model_executor", "lora", "spec_decode"),
     ("distributed",),
     ("attention",),

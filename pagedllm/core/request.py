@@ -9,18 +9,20 @@ import time
 
 from pagedllm.messages.engine_core import EngineCoreEvent, EngineCoreEventType, EngineCoreRequest, FinishReason
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
     """Lifecycle of a request. Ordered so that "is finished" is one comparison."""
 
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
+    WAITING_FOR_GRAMMAR = 1  # structured outputs: its grammar compiles in the background
+    RUNNING = 2
+    PREEMPTED = 3
     # Everything after this point is finished.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -77,6 +79,8 @@ class Request:
         # QUEUED / SCHEDULED / PREEMPTED timestamps not yet sent to the front end (metrics).
         self.events: list[EngineCoreEvent] = []
         self.record_event(EngineCoreEventType.QUEUED)
+        # Structured outputs: the constraint and its grammar (set by the scheduler).
+        self.structured_output_request: Optional[StructuredOutputRequest] = None
 
     @property
     def num_tokens(self) -> int:

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent import futures
 from collections import deque
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from pagedllm.config import SchedulerConfig, SpeculativeConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
@@ -43,7 +44,13 @@ from pagedllm.messages.engine_core import (
 )
 from pagedllm.messages.runner_output import ModelRunnerOutput
 
+if TYPE_CHECKING:
+    from pagedllm.structured_output.manager import StructuredOutputManager
+
 logger = logging.getLogger(__name__)
+
+#: Longest wait (seconds) for a grammar compile in a step that has nothing else to run.
+_GRAMMAR_POLL_S = 0.005
 
 
 class Scheduler:
@@ -56,6 +63,8 @@ class Scheduler:
         speculative_config: speculative decoding, or None. With a draft model every
             allocation reserves ``num_speculative_tokens`` lookahead slots, where the draft
             model writes the KV of its proposals.
+        structured_output_manager: compiles constraints and fills the step's token bitmask
+            (structured outputs); None: a request with a constraint is refused.
     """
 
     def __init__(
@@ -64,6 +73,7 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         max_loras: Optional[int] = None,
         speculative_config: Optional[SpeculativeConfig] = None,
+        structured_output_manager: Optional[StructuredOutputManager] = None,
     ) -> None:
         self.config = scheduler_config
         self.max_loras = max_loras
@@ -71,6 +81,9 @@ class Scheduler:
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache_manager = kv_cache_manager
+        self.structured_output_manager = structured_output_manager
+        # Requests whose grammar failed to compile: reported (aborted) by the next update.
+        self._failed_grammar: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -85,6 +98,12 @@ class Scheduler:
 
     def add_request(self, engine_request: EngineCoreRequest) -> None:
         request = Request(engine_request, self.max_model_len)
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None:
+            if self.structured_output_manager is None:
+                raise ValueError("This scheduler has no structured output manager: structured_outputs is refused.")
+            request.structured_output_request = self.structured_output_manager.make_request(constraint)
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -98,6 +117,7 @@ class Scheduler:
         spec_tokens: dict[str, list[int]] = {}
         preempted_any = False
 
+        waiting_for_grammar: list[Request] = []
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
@@ -127,6 +147,7 @@ class Scheduler:
 
         running_loras = {r.lora_key for r in self.running if r.lora_key is not None}
         lora_waiters: list[Request] = []  # skipped for want of a LoRA slot, in queue order
+        skipped: list[Request] = []  # both kinds, in queue order
         while (
             not preempted_any
             and self.waiting
@@ -134,8 +155,15 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR and not self._grammar_ready(request):
+                self.waiting.popleft()
+                if not request.is_finished:
+                    waiting_for_grammar.append(request)
+                    skipped.append(request)
+                continue
             if request.lora_key is not None and (lora_waiters or not self._lora_fits(request.lora_key, running_loras)):
                 lora_waiters.append(self.waiting.popleft())
+                skipped.append(request)
                 continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
@@ -167,7 +195,12 @@ class Scheduler:
             )
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
-        self.waiting.extendleft(reversed(lora_waiters))
+        # The requests skipped (for a LoRA slot, or compiling) keep their place, ahead of the rest.
+        self.waiting.extendleft(reversed(skipped))
+        if waiting_for_grammar and not num_scheduled_tokens:
+            # Nothing else to run: wait a little for a compile rather than spin.
+            futures.wait([r.structured_output_request.future for r in waiting_for_grammar],  # type: ignore[union-attr]
+                         timeout=_GRAMMAR_POLL_S, return_when=futures.FIRST_COMPLETED)
 
         self.max_num_running_observed = max(self.max_num_running_observed, len(self.running))
         output = SchedulerOutput(
@@ -181,6 +214,7 @@ class Scheduler:
         self.finished_req_ids = set()
         for req_id, num_tokens in num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
+        self._add_grammar_bitmask(output)
         return output
 
     def _lora_fits(self, lora_key: tuple[str, int, int], running_loras: set) -> bool:
@@ -191,6 +225,36 @@ class Scheduler:
         """Lookahead slots to reserve past a request's first ``num_tokens_after`` tokens
         (computed + scheduled): the draft model's, never past ``max_model_len``."""
         return max(0, min(self.num_lookahead_tokens, self.max_model_len - num_tokens_after))
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether a WAITING_FOR_GRAMMAR request's grammar is compiled (it becomes WAITING);
+        a failed compile finishes it (aborted, reported by the next ``update_from_output``)."""
+        assert request.structured_output_request is not None
+        try:
+            if not request.structured_output_request.is_ready():
+                return False
+        except ValueError as exc:
+            logger.error("Request %s: its structured outputs constraint failed to compile: %s",
+                         request.request_id, exc)
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._failed_grammar.append(request)
+            return False
+        request.status = RequestStatus.WAITING
+        return True
+
+    def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
+        """One bitmask row per constrained request that samples this step (its known tokens
+        are all computed after it: not in the middle of its prompt)."""
+        grammars = []
+        for req_id in output.num_scheduled_tokens:
+            request = self.requests[req_id]
+            so_request = request.structured_output_request
+            if so_request is not None and request.num_computed_tokens == request.num_tokens:
+                output.structured_output_request_ids[req_id] = len(grammars)
+                grammars.append(so_request.grammar)
+        if grammars:
+            assert self.structured_output_manager is not None
+            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(grammars)
 
     def _preempt(self, request: Request, now: float) -> None:
         self.kv_cache_manager.free(request)
@@ -213,8 +277,9 @@ class Scheduler:
         several tokens in one step (speculative decoding): they are taken in order up to the
         first that stops it, and the rest (with their logprobs) are dropped.
         """
-        outputs: list[EngineCoreOutput] = []
         spec_stats = SpecDecodingStats.new(self.num_spec_tokens) if self.num_spec_tokens else None
+        outputs = [self._failed_grammar_output(request) for request in self._failed_grammar]
+        self._failed_grammar = []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
@@ -263,7 +328,11 @@ class Scheduler:
 
     def _usable_drafts(self, request: Request, drafts: list[int]) -> list[int]:
         """``drafts`` cut so that verifying them cannot pass ``max_tokens`` or
-        ``max_model_len`` (the token sampled after the last draft counts too)."""
+        ``max_model_len`` (the token sampled after the last draft counts too). A request
+        with a structured outputs constraint takes none: its step's grammar bitmask masks
+        one sampled position, so it runs without speculation."""
+        if request.structured_output_request is not None:
+            return []
         room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
         return drafts[: max(room, 0)]
 
@@ -275,6 +344,12 @@ class Scheduler:
         self._free_request(request)
         return EngineCoreOutput(request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
                                 events=request.take_events())
+
+    def _failed_grammar_output(self, request: Request) -> EngineCoreOutput:
+        """The final (aborted) output of a request whose grammar failed to compile."""
+        self._free_request(request)
+        return EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
+                                finish_reason=request.get_finished_reason(), events=request.take_events())
 
     @staticmethod
     def _unsent_prompt_logprobs(
@@ -300,8 +375,11 @@ class Scheduler:
             the appended tokens: ``token_ids`` itself, or its prefix ending at the stopping
             token.
         """
+        so_request = request.structured_output_request
         for i, token_id in enumerate(token_ids):
             request.append_output_token_id(token_id)
+            if so_request is not None and not so_request.grammar.accept_tokens([token_id]):  # type: ignore[union-attr]
+                logger.error("Request %s: token %d is not allowed by its grammar.", request.request_id, token_id)
             if self._check_stop(request, token_id):
                 return token_ids if i + 1 == len(token_ids) else token_ids[: i + 1]
         return token_ids
@@ -317,6 +395,10 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = last
                 return True
+        so_request = request.structured_output_request
+        if so_request is not None and so_request.grammar.is_terminated():  # type: ignore[union-attr]
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True

@@ -95,7 +95,7 @@ class AsyncLLM:
         except BaseException:
             self.engine_core.shutdown(timeout_s=0)
             raise
-        self.processor = Processor(config.model_config, self.tokenizer, config.lora_config)
+        self.processor = Processor(config.model_config, self.tokenizer, config.lora_config, config.structured_outputs_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics_registry = CollectorRegistry()
         self.stat_logger = PrometheusStatLogger(self.metrics_registry, self.served_model_name, config)

@@ -16,6 +16,7 @@ from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.executor.abstract import Executor
 from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,9 @@ class EngineCore:
             hash_algo=cache_config.prefix_caching_hash_algo,
         )
         max_loras = config.lora_config.max_loras if config.lora_config is not None else None
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, max_loras, config.speculative_config)
+        self.structured_output_manager = StructuredOutputManager(config.structured_outputs_config, config.model_config)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, max_loras, config.speculative_config,
+                                   structured_output_manager=self.structured_output_manager)
         # NOTE: the model, torch and transformers leave millions of long-lived objects; moved
         # out of the collector's reach, full collections during steps stop scanning them (a
         # tiny-model 256 x 128/128 run spent 0.39 s in them inside update_from_output, 0.16 s
@@ -92,4 +95,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the executor and release the model and the KV cache; idempotent."""
+        self.structured_output_manager.shutdown()
         self.model_executor.shutdown()

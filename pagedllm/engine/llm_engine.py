@@ -41,7 +41,7 @@ class LLMEngine:
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = get_tokenizer(config.model_config.tokenizer_path, config.model_config.trust_remote_code)
-        self.processor = Processor(config.model_config, self.tokenizer, config.lora_config)
+        self.processor = Processor(config.model_config, self.tokenizer, config.lora_config, config.structured_outputs_config)
         self.engine_core_client = EngineCoreClient.make_client(config, multiprocess=False, asyncio_mode=False)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_logger: Optional[LoggingStatLogger] = None

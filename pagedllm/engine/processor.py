@@ -19,22 +19,15 @@ from typing import Optional, Union
 
 from transformers import PreTrainedTokenizerBase
 
-from pagedllm.config import GENERATION_CONFIG_MODES, LoRAConfig, ModelConfig
+from pagedllm.config import GENERATION_CONFIG_MODES, LoRAConfig, ModelConfig, StructuredOutputsConfig
 from pagedllm.lora.request import LoRARequest, with_load_generation
 from pagedllm.messages.engine_core import EngineCoreRequest
 from pagedllm.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams, check_max_tokens
+from pagedllm.structured_output.selection import check_structured_outputs
 
 #: A prompt: text, token ids, or vLLM's dict forms {"prompt": str} / {"prompt_token_ids": [...]},
 #: either with an optional "cache_salt".
 PromptType = Union[str, list[int], dict]
-
-
-def _generation_config_eos_ids(model_config: ModelConfig) -> set[int]:
-    """The ``eos_token_id`` entries of generation_config.json (an int or a list), if any."""
-    eos = model_config.try_get_generation_config().get("eos_token_id")
-    if eos is None:
-        return set()
-    return {eos} if isinstance(eos, int) else set(eos)
 
 
 def _default_sampling_params(model_config: ModelConfig) -> dict:
@@ -90,6 +83,8 @@ class Processor:
         model_config: for ``max_model_len``, the vocabulary size and the generation config.
         tokenizer: the model's tokenizer.
         lora_config: with LoRA on (``--enable-lora``), to check requests' adapters.
+        structured_outputs_config: the engine's backend choice and options, under which a
+            request's ``structured_outputs`` is checked (None: the defaults).
 
     Attributes:
         default_sampling_params: the model's default sampling parameters (field -> value,
@@ -104,18 +99,20 @@ class Processor:
     """
 
     def __init__(
-        self, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase, lora_config: Optional[LoRAConfig] = None
+        self, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase, lora_config: Optional[LoRAConfig] = None,
+        structured_outputs_config: Optional[StructuredOutputsConfig] = None,
     ) -> None:
         self.hf_config = model_config.hf_config
         self.lora_config = lora_config
         # (adapter path, load generation) of the adapters that passed ``check_lora``.
         self._checked_adapters: set[tuple[str, int]] = set()
+        self.structured_outputs_config = structured_outputs_config or StructuredOutputsConfig()
         self.max_model_len = model_config.max_model_len
         self.tokenizer = tokenizer
         self.vocab_size = min(model_config.vocab_size, len(tokenizer))
         self.max_logprobs = self.vocab_size if model_config.max_logprobs == -1 else model_config.max_logprobs
         self.eos_token_id: Optional[int] = tokenizer.eos_token_id
-        self.extra_eos_token_ids = sorted(_generation_config_eos_ids(model_config) - {self.eos_token_id})
+        self.extra_eos_token_ids = sorted(model_config.generation_config_eos_ids() - {self.eos_token_id})
         self.default_sampling_params = _default_sampling_params(model_config)
         self.override_max_tokens: Optional[int] = (
             None
@@ -200,7 +197,8 @@ class Processor:
             ValueError: empty prompt, out-of-vocabulary token id, stop token id or
                 ``logit_bias`` key outside the vocabulary; more ``logprobs`` or
                 ``prompt_logprobs`` than ``max_logprobs`` (vLLM's message); a
-                ``structured_outputs`` constraint (not built yet).
+                ``structured_outputs`` constraint that no allowed backend compiles
+                ("Invalid structured outputs <kind>: <the backend's message>").
             ContextLengthError: see ``check_context_fit``.
         """
         num_prompt = len(prompt_token_ids)
@@ -225,7 +223,7 @@ class Processor:
                     f"{self.max_logprobs} (--max-logprobs)."
                 )
         if params.structured_outputs is not None:
-            raise ValueError("structured_outputs is not supported yet (pagedllm has no constrained decoding yet).")
+            check_structured_outputs(params.structured_outputs, self.structured_outputs_config)
 
     def process(
         self,

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
 
 from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -54,6 +58,11 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Structured outputs: row ``structured_output_request_ids[req_id]`` of ``grammar_bitmask``
+    # ([rows, ceil(vocab_size / 32)] int32 numpy) masks that request's sampled token this
+    # step; only constrained requests that sample this step have a row (None: no row).
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: Optional["np.ndarray"] = None
 
     @property
     def is_empty(self) -> bool:

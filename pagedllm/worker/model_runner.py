@@ -31,6 +31,7 @@ from pagedllm.model_executor.sampling_metadata import SamplingMetadata
 from pagedllm.platforms import current_platform
 from pagedllm.spec_decode import DraftModelProposer, NgramProposer
 from pagedllm.spec_decode.rejection_sampler import num_accepted_matching, rejection_sample
+from pagedllm.worker.grammar_bitmask import sampled_rows_bitmask
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.kv_cache_sizing import kv_bytes_per_token
 from pagedllm.messages.runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -227,7 +228,9 @@ class ModelRunner:
         logits_indices, sample_reqs = self._logits_indices(rows, seq_lens, cu, num_drafts)
         sample_rows = rows[sample_reqs]
         num_output_tokens = np.maximum(positions[logits_indices] + 1 - batch.num_prompt_tokens[sample_rows], 0)
-        tokens, logprobs, logits, sampling = self._sample(hidden, logits_indices, sample_rows, num_output_tokens)
+        bitmask = sampled_rows_bitmask(so, [order[i] for i in sample_reqs.tolist()], self.device)
+        tokens, logprobs, logits, sampling = self._sample(hidden, logits_indices, sample_rows, num_output_tokens,
+                                                          bitmask)
         sampled_token_ids: list[list[int]] = [[] for _ in order]
         logprobs_index: dict[int, int] = {}
         target_probs: list[torch.Tensor] = []
@@ -372,16 +375,18 @@ class ModelRunner:
 
     def _sample(
         self, hidden: torch.Tensor, logits_indices: np.ndarray, sample_rows: np.ndarray,
-        num_output_tokens: np.ndarray,
+        num_output_tokens: np.ndarray, bitmask: Optional[torch.Tensor] = None,
     ) -> tuple[list[int], Optional[LogprobsLists], Optional[torch.Tensor], Optional[SamplingMetadata]]:
         """Sample one token at each of ``logits_indices`` (flattened-token positions of
         ``hidden``), for the batch rows ``sample_rows`` that have ``num_output_tokens``
-        output tokens before it; returns the tokens, their logprobs when asked for, and the
-        logits [S, V] and sampling metadata used (None when nothing is sampled)."""
+        output tokens before it, within ``bitmask`` (structured outputs; None: no
+        constraint); returns the tokens, their logprobs when asked for, and the logits
+        [S, V] and sampling metadata used (None when nothing is sampled)."""
         if len(logits_indices) == 0:
             return [], None, None, None
         logits = self.model.compute_logits(hidden[self._to_device(logits_indices)])
         metadata = self.input_batch.sampling_metadata(sample_rows, num_output_tokens, logits.shape[-1])
+        metadata.allowed_token_bitmask = bitmask
         out = self.sampler(logits, metadata)
         tokens = out.sampled_token_ids.tolist()
         if out.logprobs is None:

@@ -1,0 +1,139 @@
+"""``StructuredOutputManager``: compiles constraints off the step loop and fills the batch's
+token bitmask (engine-core side).
+
+```
+add_request ─▶ grammar_init: spec ─▶ compile cache hit? ──no──▶ thread pool: backend.compile
+                                  │                                     │
+                                  └──────────▶ thread pool: new_grammar(compiled) ─▶ request's future
+schedule     ─▶ requests whose grammar is ready leave WAITING_FOR_GRAMMAR;
+                grammar_bitmask: one [num_reqs, ceil(V / 32)] int32 row per constrained
+                request that samples this step ─▶ SchedulerOutput ─▶ sampler
+update       ─▶ the scheduler advances each grammar with the accepted tokens
+```
+
+The compile cache maps a ``GrammarSpec`` (kind, text, options; the tokenizer is the
+engine's own) to the compile's future, so a repeated schema costs no compilation, and
+requests arriving while it compiles share it. Source: vLLM V1's
+``StructuredOutputManager`` (thread pool, WAITING_FOR_GRAMMAR, one bitmask per step).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Optional
+
+import numpy as np
+
+from pagedllm.config import ModelConfig, StructuredOutputsConfig
+from pagedllm.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar
+from pagedllm.structured_output.request import StructuredOutputRequest
+from pagedllm.structured_output.selection import choose_backend
+from pagedllm.structured_output.spec import GrammarSpec, grammar_spec
+from pagedllm.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+#: Compiled grammars kept (least recently used dropped first).
+COMPILE_CACHE_SIZE = 512
+
+
+class StructuredOutputManager:
+    """Per engine core: the backends (built on first use), the thread pool and the cache.
+
+    Args:
+        config: the engine's ``StructuredOutputsConfig``.
+        model_config: the tokenizer (loaded on first use), the logits width
+            (``vocab_size``, which sets the bitmask width) and the EOS ids of the
+            generation config (allowed, with the tokenizer's, where a grammar may end).
+    """
+
+    def __init__(self, config: StructuredOutputsConfig, model_config: ModelConfig) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.vocab_size = model_config.vocab_size
+        self.bitmask_width = -(-self.vocab_size // 32)
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._backends: dict[str, StructuredOutputBackend] = {}
+        self._backends_lock = threading.Lock()
+        self._compiled: OrderedDict[GrammarSpec, Future[tuple[StructuredOutputBackend, Any]]] = OrderedDict()
+
+    def make_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
+        """A request's constraint, its grammar compiling in the background (``is_ready``).
+
+        Raises:
+            ValueError: see ``grammar_spec`` (the front end has checked it already).
+        """
+        so_request = StructuredOutputRequest(grammar_spec(params, self.config))
+        compiled = self._compile_future(so_request.spec)
+        so_request.future = self._get_pool().submit(self._new_grammar, compiled)
+        return so_request
+
+    def _compile_future(self, spec: GrammarSpec) -> Future[tuple[StructuredOutputBackend, Any]]:
+        future = self._compiled.get(spec)
+        if future is not None:
+            self._compiled.move_to_end(spec)
+            return future
+        future = self._get_pool().submit(self._compile, spec)
+        self._compiled[spec] = future
+        if len(self._compiled) > COMPILE_CACHE_SIZE:
+            self._compiled.popitem(last=False)
+        return future
+
+    def _get_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            workers = max(1, min(8, (os.cpu_count() or 2) // 2))
+            self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar")
+        return self._pool
+
+    def _compile(self, spec: GrammarSpec) -> tuple[StructuredOutputBackend, Any]:
+        """(backend, compiled grammar) of ``spec``; runs in the pool."""
+        name = choose_backend(spec, self.config.backend, self.config.disable_fallback)
+        backend = self._backend(name)
+        return backend, backend.compile(spec)
+
+    @staticmethod
+    def _new_grammar(compiled: Future[tuple[StructuredOutputBackend, Any]]) -> StructuredOutputGrammar:
+        # NOTE: the compile was submitted before this (FIFO pool), so waiting here cannot
+        # starve it.
+        backend, grammar = compiled.result()
+        return backend.new_grammar(grammar)
+
+    def _backend(self, name: str) -> StructuredOutputBackend:
+        with self._backends_lock:
+            if name not in self._backends:
+                self._backends[name] = self._build_backend(name)
+            return self._backends[name]
+
+    def _build_backend(self, name: str) -> StructuredOutputBackend:
+        from pagedllm.tokenizer import get_tokenizer
+
+        tokenizer = get_tokenizer(self.model_config.tokenizer_path, self.model_config.trust_remote_code)
+        stop_ids = sorted(({tokenizer.eos_token_id} | self.model_config.generation_config_eos_ids()) - {None})
+        if name == "xgrammar":
+            from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
+
+            return XgrammarBackend(tokenizer, self.vocab_size, stop_ids)
+        from pagedllm.structured_output.backend_guidance import GuidanceBackend
+
+        return GuidanceBackend(tokenizer, self.vocab_size, stop_ids)
+
+    def grammar_bitmask(self, grammars: list[StructuredOutputGrammar]) -> np.ndarray:
+        """The next-token bitmask of each grammar, one row each, in order.
+
+        Returns:
+            [len(grammars), ceil(vocab_size / 32)] int32 (xgrammar's layout: bit ``t % 32``
+            of word ``t // 32`` set means token t is allowed).
+        """
+        bitmask = np.full((len(grammars), self.bitmask_width), -1, dtype=np.int32)
+        for row, grammar in enumerate(grammars):
+            grammar.fill_bitmask(bitmask, row)
+        return bitmask
+
+    def shutdown(self) -> None:
+        """Stop the pool (compiles in progress finish; queued ones are dropped)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
