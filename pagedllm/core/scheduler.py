@@ -396,7 +396,12 @@ class Scheduler:
                 request.stop_reason = last
                 return True
         so_request = request.structured_output_request
-        if so_request is not None and so_request.grammar.is_terminated():  # type: ignore[union-attr]
+        if (so_request is not None and so_request.grammar.is_terminated()  # type: ignore[union-attr]
+                and (last == request.eos_token_id or last in params.stop_token_ids)):  # type: ignore[operator]
+            # The grammar ended on its stop token (despite ignore_eos or min_tokens): it
+            # allows nothing more. NOTE: a grammar that can only end (llguidance stops
+            # there) allows only stop tokens next, so the request ends on one, whose text
+            # the front end leaves out.
             request.status = RequestStatus.FINISHED_STOPPED
             return True
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:

@@ -69,12 +69,19 @@ def _no_additional_properties(schema: Any) -> Any:
 
 
 class GuidanceGrammar(StructuredOutputGrammar):
-    """A request's ``llguidance.LLMatcher``."""
+    """A request's ``llguidance.LLMatcher``.
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    llguidance stops as soon as nothing but a stop token may follow (its mask then allows
+    only those); the stop token the model then samples is accepted here, as xgrammar does.
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher, stop_token_ids: frozenset[int]) -> None:
         self.matcher = matcher
+        self.stop_token_ids = stop_token_ids
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
+        if self.matcher.is_stopped():
+            return all(token_id in self.stop_token_ids for token_id in token_ids)
         accepted = self.matcher.try_consume_tokens(token_ids)
         return accepted == len(token_ids)
 
@@ -101,6 +108,7 @@ class GuidanceBackend(StructuredOutputBackend):
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids)
+        self.stop_token_ids = frozenset(stop_token_ids)
 
     def compile(self, spec: GrammarSpec) -> str:
         return validate(spec, self.ll_tokenizer)
@@ -109,4 +117,4 @@ class GuidanceBackend(StructuredOutputBackend):
         matcher = llguidance.LLMatcher(self.ll_tokenizer, compiled, log_level=0)
         if matcher.is_error():
             raise ValueError(matcher.get_error())
-        return GuidanceGrammar(matcher)
+        return GuidanceGrammar(matcher, self.stop_token_ids)

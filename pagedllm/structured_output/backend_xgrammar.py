@@ -44,7 +44,7 @@ def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
             raise ValueError(f"xgrammar does not support the JSON schema keywords {', '.join(unsupported)}.")
     try:
         if spec.kind == "json":
-            return xgr.Grammar.from_json_schema(spec.text, any_whitespace=spec.any_whitespace, strict_mode=True)
+            return _json_schema_grammar(spec)
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.text)
         if spec.kind == "choice":
@@ -56,6 +56,42 @@ def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
     except (RuntimeError, ValueError, TypeError) as exc:
         raise ValueError(_LOG_PREFIX.sub("", str(exc)).strip()) from None
     raise ValueError(f"xgrammar does not support structured outputs of kind {spec.kind!r}.")
+
+
+#: The character class xgrammar 0.2 gives the characters of a string with minLength /
+#: maxLength (it lets control characters through, which JSON forbids), and the one of its
+#: other strings.
+_LENGTH_LIMITED_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\"\\\0-\x1f]'
+
+
+def _json_schema_grammar(spec: GrammarSpec) -> xgr.Grammar:
+    """xgrammar's grammar of a JSON schema, strict (no properties or items beyond the
+    schema's), with JSON's own string characters in length-limited strings.
+
+    Raises:
+        ValueError: a string with both ``pattern`` and a length limit (xgrammar drops the
+            limit).
+    """
+    if '"pattern"' in spec.text and _has_pattern_and_length(json.loads(spec.text)):
+        raise ValueError("xgrammar does not support pattern together with minLength / maxLength.")
+    grammar = xgr.Grammar.from_json_schema(spec.text, any_whitespace=spec.any_whitespace, strict_mode=True)
+    text = str(grammar)
+    if _LENGTH_LIMITED_CHAR not in text:
+        return grammar
+    # NOTE: a raw control character inside a string makes the output invalid JSON
+    # (RFC 8259 section 7): the printed grammar is parsed again with the class fixed.
+    return xgr.Grammar.from_ebnf(text.replace(_LENGTH_LIMITED_CHAR, _JSON_STRING_CHAR))
+
+
+def _has_pattern_and_length(schema: Any) -> bool:
+    if isinstance(schema, list):
+        return any(_has_pattern_and_length(item) for item in schema)
+    if not isinstance(schema, dict):
+        return False
+    if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
+        return True
+    return any(_has_pattern_and_length(value) for value in schema.values())
 
 
 def choice_ebnf(choices: list[str]) -> str:
