@@ -645,7 +645,8 @@ class EngineArgs:
 
     Raises (constructor):
         ValueError: a value of ``PARTLY_BUILT_ARGS`` that is not built; ``max_logprobs`` < -1;
-            a bad ``speculative_config`` (the message names the key).
+            a bad ``speculative_config`` (the message names the key); a bad
+            ``structured_outputs_config``.
     """
 
     model: Optional[str] = None
@@ -714,6 +715,7 @@ class EngineArgs:
             raise ValueError(f"max_logprobs must be -1 (the vocabulary size) or more, got {self.max_logprobs}.")
         if self.enable_lora:
             LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # checks the values
+        StructuredOutputsConfig.from_dict(self.structured_outputs_config)
         for name, (supported, why) in PARTLY_BUILT_ARGS.items():
             value = getattr(self, name)
             if isinstance(value, type):  # an Executor subclass as distributed_executor_backend

@@ -8,9 +8,10 @@ front of it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import xgrammar as xgr
@@ -19,8 +20,9 @@ from pagedllm.structured_output.backend_types import StructuredOutputBackend, St
 from pagedllm.structured_output.spec import GrammarSpec
 
 #: JSON-schema keywords xgrammar 0.2 accepts but does not enforce (checked one by one: a
-#: violating instance is accepted): a schema using one is refused here (with ``auto``, it
-#: goes to llguidance, which enforces or refuses it).
+#: violating instance is accepted), besides ``multipleOf`` on numbers and ``pattern`` with
+#: a length (it warns and drops them): a schema using one is refused here (with ``auto``,
+#: it goes to llguidance, which enforces or refuses it).
 UNSUPPORTED_JSON_KEYWORDS = frozenset({
     "allOf", "not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains",
     "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedItems",
@@ -36,62 +38,66 @@ def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
     Raises:
         ValueError: xgrammar cannot parse or does not support the constraint (its message).
     """
-    if spec.whitespace_pattern is not None:
-        raise ValueError("xgrammar does not support whitespace_pattern.")
-    if spec.kind == "json":
-        unsupported = sorted(_json_keywords(json.loads(spec.text)) & UNSUPPORTED_JSON_KEYWORDS)
-        if unsupported:
-            raise ValueError(f"xgrammar does not support the JSON schema keywords {', '.join(unsupported)}.")
-    try:
+    _check_supported(spec)
+    with _xgrammar_errors():
         if spec.kind == "json":
-            return _json_schema_grammar(spec)
+            return xgr.Grammar.from_json_schema(_xgrammar_schema(spec.text), any_whitespace=spec.any_whitespace,
+                                                strict_mode=True)
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.text)
         if spec.kind == "choice":
             return xgr.Grammar.from_ebnf(choice_ebnf(json.loads(spec.text)))
         if spec.kind == "grammar":
             return xgr.Grammar.from_ebnf(spec.text)
-        if spec.kind == "structural_tag":
-            return xgr.Grammar.from_structural_tag(spec.text)
-    except (RuntimeError, ValueError, TypeError) as exc:
-        raise ValueError(_LOG_PREFIX.sub("", str(exc)).strip()) from None
-    raise ValueError(f"xgrammar does not support structured outputs of kind {spec.kind!r}.")
+        return xgr.Grammar.from_structural_tag(spec.text)
 
 
-#: The character class xgrammar 0.2 gives the characters of a string with minLength /
-#: maxLength (it lets control characters through, which JSON forbids), and the one of its
-#: other strings.
-_LENGTH_LIMITED_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'[^\"\\\0-\x1f]'
-
-
-def _json_schema_grammar(spec: GrammarSpec) -> xgr.Grammar:
-    """xgrammar's grammar of a JSON schema, strict (no properties or items beyond the
-    schema's), with JSON's own string characters in length-limited strings.
+def _check_supported(spec: GrammarSpec) -> None:
+    """Refuse what xgrammar would accept without enforcing it.
 
     Raises:
-        ValueError: a string with both ``pattern`` and a length limit (xgrammar drops the
-            limit).
+        ValueError: naming it.
     """
-    if '"pattern"' in spec.text and _has_pattern_and_length(json.loads(spec.text)):
-        raise ValueError("xgrammar does not support pattern together with minLength / maxLength.")
-    grammar = xgr.Grammar.from_json_schema(spec.text, any_whitespace=spec.any_whitespace, strict_mode=True)
-    text = str(grammar)
-    if _LENGTH_LIMITED_CHAR not in text:
-        return grammar
-    # NOTE: a raw control character inside a string makes the output invalid JSON
-    # (RFC 8259 section 7): the printed grammar is parsed again with the class fixed.
-    return xgr.Grammar.from_ebnf(text.replace(_LENGTH_LIMITED_CHAR, _JSON_STRING_CHAR))
+    if spec.kind not in ("json", "regex", "choice", "grammar", "structural_tag"):
+        raise ValueError(f"xgrammar does not support structured outputs of kind {spec.kind!r}.")
+    if spec.whitespace_pattern is not None:
+        raise ValueError("xgrammar does not support whitespace_pattern.")
+    if spec.kind == "json":
+        unsupported = _unsupported_json_features(json.loads(spec.text))
+        if unsupported:
+            raise ValueError(f"xgrammar does not support the JSON schema keywords {', '.join(unsupported)}.")
 
 
-def _has_pattern_and_length(schema: Any) -> bool:
-    if isinstance(schema, list):
-        return any(_has_pattern_and_length(item) for item in schema)
-    if not isinstance(schema, dict):
-        return False
-    if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
-        return True
-    return any(_has_pattern_and_length(value) for value in schema.values())
+@contextlib.contextmanager
+def _xgrammar_errors() -> Iterator[None]:
+    """xgrammar's errors as ``ValueError``s with its message (without its log prefix)."""
+    try:
+        yield
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(_LOG_PREFIX.sub("", str(exc)).strip()) from None
+
+
+def _xgrammar_schema(schema_text: str) -> str:
+    """The schema xgrammar compiles: each length-limited string without a pattern or format
+    gets the pattern of JSON's unescaped characters with those limits.
+
+    NOTE: xgrammar 0.2 lets control characters into length-limited strings, which makes
+    the output invalid JSON (RFC 8259 section 7); its own strings of that kind have no
+    escapes either.
+    """
+    if "Length" not in schema_text:
+        return schema_text
+    schema = json.loads(schema_text)
+    for node in _schema_nodes(schema):
+        limited = "minLength" in node or "maxLength" in node
+        if node.get("type") == "string" and limited and "pattern" not in node and "format" not in node:
+            low, high = node.pop("minLength", 0), node.pop("maxLength", "")
+            node["pattern"] = f"^{_JSON_STRING_CHAR}{{{low},{high}}}$"
+    return json.dumps(schema, ensure_ascii=False)
+
+
+#: One character of a JSON string that needs no escape.
+_JSON_STRING_CHAR = r'[^"\\\x00-\x1f]'
 
 
 def choice_ebnf(choices: list[str]) -> str:
@@ -99,23 +105,33 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
 
 
-def _json_keywords(schema: Any) -> set[str]:
-    """The keywords used anywhere in a JSON schema (property names and literal values,
-    such as those of ``enum`` / ``const``, are not keywords)."""
+def _unsupported_json_features(schema: Any) -> list[str]:
+    """What a JSON schema asks that xgrammar would not enforce (empty: nothing)."""
     found: set[str] = set()
+    for node in _schema_nodes(schema):
+        found.update(UNSUPPORTED_JSON_KEYWORDS.intersection(node))
+        if "multipleOf" in node and node.get("type") != "integer":
+            found.add("multipleOf (on non-integers)")
+        if "pattern" in node and ("minLength" in node or "maxLength" in node):
+            found.add("pattern with minLength / maxLength")
+    return sorted(found)
+
+
+def _schema_nodes(schema: Any) -> Iterator[dict]:
+    """Every (sub)schema object of a JSON schema; property names and literal values, such
+    as those of ``enum`` / ``const``, are not walked into."""
     stack = [schema]
     while stack:
         node = stack.pop()
         if isinstance(node, list):
             stack.extend(node)
         elif isinstance(node, dict):
-            found.update(node)
+            yield node
             for key, value in node.items():
                 if key in _NAME_TO_SCHEMA and isinstance(value, dict):
                     stack.extend(value.values())
                 elif key not in _LITERALS:
                     stack.append(value)
-    return found
 
 
 #: Keywords whose value maps names to subschemas, and keywords whose value is data.
@@ -170,11 +186,21 @@ class XgrammarBackend(StructuredOutputBackend):
         self.compiler = xgr.GrammarCompiler(info, max_threads=1)
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        grammar = build_grammar(spec)
-        try:
-            return self.compiler.compile_grammar(grammar)
-        except RuntimeError as exc:
-            raise ValueError(_LOG_PREFIX.sub("", str(exc)).strip()) from None
+        # NOTE: compiled from the text, not from ``build_grammar``'s ``Grammar``: xgrammar 0.2
+        # prints a non-ASCII character of a literal as \xNN, which the compile then reads
+        # together with the hex letters that follow ("éab" became U+E9AB).
+        _check_supported(spec)
+        with _xgrammar_errors():
+            if spec.kind == "json":
+                return self.compiler.compile_json_schema(
+                    _xgrammar_schema(spec.text), any_whitespace=spec.any_whitespace, strict_mode=True)
+            if spec.kind == "regex":
+                return self.compiler.compile_regex(spec.text)
+            if spec.kind == "choice":
+                return self.compiler.compile_grammar(choice_ebnf(json.loads(spec.text)))
+            if spec.kind == "grammar":
+                return self.compiler.compile_grammar(spec.text)
+            return self.compiler.compile_structural_tag(spec.text)
 
     def new_grammar(self, compiled: xgr.CompiledGrammar) -> XgrammarGrammar:
         return XgrammarGrammar(xgr.GrammarMatcher(compiled))

@@ -20,7 +20,7 @@ class GrammarSpec:
     Attributes:
         kind: "json", "regex", "choice", "grammar" or "structural_tag" (``json_object``
             becomes "json" with ``ANY_JSON_OBJECT``).
-        text: the JSON schema (canonical JSON text: sorted keys, so equal schemas are one
+        text: the JSON schema (canonical JSON text, so a dict and its JSON text are one
             key), the regex, the choices as a JSON list, the grammar or the structural tag.
         any_whitespace: JSON may have whitespace between tokens (False:
             ``disable_any_whitespace``, the request's or the engine's).
@@ -71,7 +71,7 @@ def grammar_spec(params: StructuredOutputsParams, config: StructuredOutputsConfi
 
 
 def _canonical_json(value: object, field: str) -> str:
-    """Sorted-key JSON text of a dict, or of JSON text (parsed, then written back).
+    """Canonical JSON text of a dict, or of JSON text (parsed, then written back).
 
     Raises:
         ValueError: text that is not JSON, or a value that is neither a dict nor text.
@@ -83,4 +83,5 @@ def _canonical_json(value: object, field: str) -> str:
             raise ValueError(f"structured outputs {field} is not valid JSON: {exc}") from None
     if not isinstance(value, (dict, bool)):
         raise ValueError(f"structured outputs {field} must be a JSON object, got {type(value).__name__}.")
-    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+    # NOTE: keys keep their order: a schema's property order is the output's.
+    return json.dumps(value, ensure_ascii=False)

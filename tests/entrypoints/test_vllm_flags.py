@@ -69,6 +69,8 @@ def test_vllm_flags_are_accepted_and_reach_the_engine_and_server():
     assert uvicorn_tls_kwargs(args) == {
         "ssl_keyfile": "k.pem", "ssl_certfile": "c.pem", "ssl_ca_certs": "ca.pem", "ssl_cert_reqs": 2
     }  # fmt: skip
+    structured = engine_args_from(_parse("--structured-outputs-config", '{"backend": "guidance", "disable_fallback": true}'))
+    assert structured.structured_outputs_config == {"backend": "guidance", "disable_fallback": True}
     long_forms = _parse("--tensor-parallel-size", "1", "--max_model_len=8k")
     assert long_forms.tensor_parallel_size == 1 and long_forms.max_model_len == 8000
 
@@ -102,6 +104,8 @@ def test_help_documents_the_vllm_flags_and_the_no_ops(capsys):
          "speculative_config['num_speculative_tokens'] must be an integer >= 1, got None."),
         (["--max-logprobs", "-2"], "max_logprobs must be -1 (the vocabulary size) or more, got -2."),
         (["--lora-modules", "sql=/x"], "--lora-modules needs --enable-lora."),
+        (["--structured-outputs-config", '{"backend": "outlines"}'],
+         "structured outputs backend must be one of auto, xgrammar, guidance, got 'outlines'."),
     ],
 )
 def test_values_not_built_fail_at_once_in_one_line(argv, message, capsys):

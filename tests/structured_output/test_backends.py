@@ -118,7 +118,7 @@ def test_auto_falls_back_to_guidance_for_what_xgrammar_does_not_enforce():
 def test_equal_schemas_are_one_cache_key():
     config = StructuredOutputsConfig()
     a = grammar_spec(StructuredOutputsParams(json={"type": "object", "required": ["x"]}), config)
-    b = grammar_spec(StructuredOutputsParams(json=json.dumps({"required": ["x"], "type": "object"})), config)
+    b = grammar_spec(StructuredOutputsParams(json=json.dumps({"type": "object", "required": ["x"]}, indent=2)), config)
     assert a == b and hash(a) == hash(b)
     assert choose_backend(a, "auto", False) == "xgrammar"
 
@@ -128,3 +128,24 @@ def test_config_rejects_unknown_backend_and_keys():
         StructuredOutputsConfig.from_dict({"backend": "outlines"})
     with pytest.raises(ValueError, match="unknown keys \\['bakend'\\]"):
         StructuredOutputsConfig.from_dict({"bakend": "auto"})
+
+
+@pytest.mark.parametrize("constraint, text", [
+    ({"choice": ['""\\éab', "é", "😀x"]}, '""\\éab'),
+    ({"json": {"enum": ["éab", 1]}}, '"éab"'),
+    ({"json": {"type": "object", "properties": {"éab": {"type": "string", "maxLength": 2}}, "required": ["éab"]},
+      "disable_any_whitespace": True}, '{"éab": "xy"}'),
+])
+def test_non_ascii_literals_are_kept(backend, tokenizer, constraint, text):
+    grammar = _grammar(backend, **constraint)
+    compact = text.replace(": ", ":") if isinstance(backend, GuidanceBackend) else text
+    assert grammar.accept_tokens(_encode(tokenizer, compact))
+    if not grammar.is_terminated():
+        assert grammar.accept_tokens([tokenizer.eos_token_id])
+
+
+def test_length_limited_strings_refuse_control_characters(backend, tokenizer):
+    grammar = _grammar(backend, json={"type": "string", "maxLength": 4})
+    assert grammar.accept_tokens(_encode(tokenizer, '"a'))
+    assert not grammar.accept_tokens(_encode(tokenizer, "\x17"))
+    assert grammar.accept_tokens(_encode(tokenizer, 'b"'))

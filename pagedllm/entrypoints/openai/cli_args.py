@@ -464,6 +464,12 @@ def _add_vllm_engine_flags(engine: Any) -> None:
         help="Speculative decoding, as JSON (vLLM's keys): {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_max\": 4} or {\"model\": DRAFT, \"num_speculative_tokens\": 4}.",
     )  # fmt: skip
+    engine.add_argument(
+        "--structured-outputs-config", type=json_object_type, default=None, metavar="JSON",
+        help="Constrained decoding (response_format, structured_outputs, guided_*): '{\"backend\": \"auto\"}' "
+        "(xgrammar, falling back to llguidance for what it cannot compile) | \"xgrammar\" | \"guidance\"; "
+        "also disable_fallback, disable_any_whitespace, disable_additional_properties (true/false).",
+    )  # fmt: skip
     engine.add_argument("--enforce-eager", action="store_true", help="No-op: pagedllm captures no CUDA graphs.")
     engine.add_argument(
         "--max-seq-len-to-capture", type=positive_int, default=8192, help="No-op: pagedllm captures no CUDA graphs."
