@@ -25,13 +25,21 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
 )
 
-from pagedllm.sampling_params import DEFAULT_MAX_TOKENS, RequestOutputKind, SamplingParams, check_logprobs
+from pagedllm.entrypoints.openai.structured_outputs import LEGACY_FIELDS, ResponseFormat, structured_outputs_params
+from pagedllm.sampling_params import (
+    DEFAULT_MAX_TOKENS,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+    check_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +47,6 @@ logger = logging.getLogger(__name__)
 #: ask for. A request that sets one to anything but a neutral value (absent, null, false,
 #: empty, and the values in ``_NEUTRAL_VALUES``) gets a 400 naming the field.
 NOT_SUPPORTED_YET = {
-    "guided_json": "structured outputs",
-    "guided_regex": "structured outputs",
-    "guided_choice": "structured outputs",
-    "guided_grammar": "structured outputs",
-    "guided_decoding_backend": "structured outputs",
-    "guided_whitespace_pattern": "structured outputs",
-    "structured_outputs": "structured outputs",
-    "response_format": "structured outputs",
     "use_beam_search": "beam search",
     "length_penalty": "beam search",
     "logits_processors": "custom logits processors",
@@ -65,7 +65,6 @@ NOT_SUPPORTED_YET = {
 
 #: Values of ``NOT_SUPPORTED_YET`` fields that ask for nothing, besides null / false / empty.
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},),
     "length_penalty": (1.0,),
     "priority": (0,),
     "tool_choice": ("none", "auto"),
@@ -188,15 +187,17 @@ class SamplingRequest(OpenAIRequest):
     include_stop_str_in_output: bool = False
     prompt_logprobs: Optional[int] = None
     cache_salt: Optional[str] = None
+    # Structured outputs (see ``structured_outputs``): OpenAI's, vLLM's, vLLM's older ones
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
+    _structured_outputs: Optional[StructuredOutputsParams] = PrivateAttr(default=None)
     # vLLM fields pagedllm does not act on yet (NOT_SUPPORTED_YET: a 400 when set)
-    response_format: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
-    guided_whitespace_pattern: Any = None
-    structured_outputs: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
     logits_processors: Any = None
@@ -207,6 +208,14 @@ class SamplingRequest(OpenAIRequest):
     priority: Any = None
     return_tokens_as_token_ids: Any = None
     kv_transfer_params: Any = None
+
+    @model_validator(mode="after")
+    def _check_structured_outputs(self) -> "SamplingRequest":
+        self._structured_outputs = structured_outputs_params(
+            self.response_format, self.structured_outputs,
+            {name: getattr(self, name) for name in (*LEGACY_FIELDS, "guided_decoding_backend")},
+        )
+        return self
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> "SamplingRequest":
@@ -289,6 +298,7 @@ class SamplingRequest(OpenAIRequest):
             logit_bias=logit_bias,
             include_stop_str_in_output=self.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=self._structured_outputs,
         )
 
 

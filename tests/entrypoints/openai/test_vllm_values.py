@@ -148,15 +148,6 @@ def test_offline_chat_applies_the_same_rule(tokenizer):
 
 # (path, field, value that asks for the feature)
 NOT_YET = [
-    (COMPLETIONS, "guided_json", {"type": "object"}),
-    (COMPLETIONS, "guided_regex", "[a-z]+"),
-    (CHAT, "guided_choice", ["yes", "no"]),
-    (COMPLETIONS, "guided_grammar", "root ::= 'a'"),
-    (CHAT, "guided_decoding_backend", "xgrammar"),
-    (COMPLETIONS, "guided_whitespace_pattern", " "),
-    (CHAT, "structured_outputs", {"choice": ["a", "b"]}),
-    (CHAT, "response_format", {"type": "json_object"}),
-    (COMPLETIONS, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     (COMPLETIONS, "use_beam_search", True),
     (COMPLETIONS, "length_penalty", 0.5),
     (COMPLETIONS, "logits_processors", ["my.module:Processor"]),
