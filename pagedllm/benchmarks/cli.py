@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any, Callable, Optional, Sequence
 
-from pagedllm.benchmarks import latency, prefix_caching, roofline, serve, startup, throughput
+from pagedllm.benchmarks import grammar_compile, latency, prefix_caching, roofline, serve, startup, throughput
 
 SUBCOMMANDS: dict[str, tuple[Any, str]] = {
     "throughput": (throughput, "offline throughput (all requests at once), optionally against transformers"),
@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[Any, str]] = {
     "prefix-caching": (prefix_caching, "TTFT and throughput with automatic prefix caching off vs on"),
     "roofline": (roofline, "this machine's matmul and memory limits for a model; MFU / MBU of a result"),
     "startup": (startup, "seconds from process start until `pagedllm serve` / `LLM(...)` is ready"),
+    "grammar-compile": (grammar_compile, "structured outputs: a JSON schema's compile time, cold and cached"),
 }
 
 

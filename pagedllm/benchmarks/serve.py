@@ -17,6 +17,10 @@ The JSON (``--output-json``) uses vLLM's field names: ``duration``, ``completed`
 (default 90, 99); plus the per-request ``input_lens``, ``output_lens``, ``ttfts``,
 ``itls``, ``errors``.
 
+``--structured-output json`` sends a ``response_format`` json_schema (a typical 10-field
+object, or ``--json-schema-path``) with ``--structured-output-ratio`` of the requests
+(vLLM's ``benchmark_serving_structured_output`` names).
+
 Example::
 
     pagedllm bench serve --base-url http://127.0.0.1:8000 --model DIR --dataset-name random \\
@@ -37,6 +41,7 @@ from typing import Any, AsyncIterator, Optional
 import numpy as np
 
 from pagedllm.benchmarks import machine_info, percentile_label, summarize, write_json
+from pagedllm.benchmarks.grammar_compile import TEN_FIELD_SCHEMA
 from pagedllm.benchmarks.datasets import (
     SampleRequest,
     add_dataset_args,
@@ -80,6 +85,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="send prompts as text (re-encoding to the requested length, default) "
                              "or as token-id lists (exact; needs server support)")
     parser.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
+    parser.add_argument("--structured-output", default=None, choices=["json"],
+                        help="constrain requests with response_format json_schema: --json-schema-path's schema, "
+                        "else a typical 10-field object (vLLM's benchmark_serving_structured_output)")
+    parser.add_argument("--json-schema-path", default=None, help="the JSON schema of --structured-output json")
+    parser.add_argument("--structured-output-ratio", type=float, default=1.0,
+                        help="fraction of the requests constrained by --structured-output (every 1/ratio-th one)")
     parser.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
     parser.add_argument("--metric-percentiles", default="90,99")
     parser.add_argument("--num-warmups", type=int, default=1, help="untimed requests first (16 tokens each)")
@@ -355,6 +366,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"unknown --percentile-metrics {bad}; choose from {list(METRICS)}")
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
     extra = json.loads(args.extra_body) if args.extra_body else None
+    constraint = structured_output_body(args)
     url = _api_url(args)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout), limits=limits,
@@ -383,12 +395,15 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
             bar = tqdm(total=len(requests), desc="Requests")
 
-        async def limited(request: SampleRequest) -> RequestFuncOutput:
+        constrained = _constrained_indices(len(requests), args.structured_output_ratio if constraint else 0.0)
+
+        async def limited(index: int, request: SampleRequest) -> RequestFuncOutput:
+            body = {**(extra or {}), **constraint} if index in constrained else extra
             if semaphore is None:
-                out = await request_completion(client, url, model_name, request, args, extra=extra)
+                out = await request_completion(client, url, model_name, request, args, extra=body)
             else:
                 async with semaphore:
-                    out = await request_completion(client, url, model_name, request, args, extra=extra)
+                    out = await request_completion(client, url, model_name, request, args, extra=body)
             if bar is not None:
                 bar.update(1)
             return out
@@ -396,8 +411,8 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         rng = np.random.default_rng(args.seed)
         bench_start = time.perf_counter()
         tasks = []
-        async for _, request in _arrivals(requests, args.request_rate, args.burstiness, rng):
-            tasks.append(asyncio.create_task(limited(request)))
+        async for index, request in _arrivals(requests, args.request_rate, args.burstiness, rng):
+            tasks.append(asyncio.create_task(limited(index, request)))
         outputs = await asyncio.gather(*tasks)
         duration = time.perf_counter() - bench_start
         if bar is not None:
@@ -415,12 +430,32 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "max_concurrency": args.max_concurrency,
         "ignore_eos": args.ignore_eos,
         "prompt_format": args.prompt_format,
+        "structured_output": args.structured_output,
+        "structured_output_ratio": args.structured_output_ratio if args.structured_output else 0.0,
         **dataset_description(args),
     }
     result.update(calculate_metrics(requests, list(outputs), duration, tokenizer, percentile_metrics,
                                     percentiles, bench_start))
     result["machine"] = machine_info()
     return result
+
+
+def structured_output_body(args: argparse.Namespace) -> dict[str, Any]:
+    """The body fields of ``--structured-output`` (empty without it): OpenAI's
+    ``response_format`` of type json_schema, which pagedllm and vLLM take on both endpoints."""
+    if args.structured_output is None:
+        return {}
+    schema = TEN_FIELD_SCHEMA
+    if args.json_schema_path:
+        with open(args.json_schema_path) as f:
+            schema = json.load(f)
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}}
+
+
+def _constrained_indices(num_requests: int, ratio: float) -> set[int]:
+    """The requests a ``ratio`` in [0, 1] of constrained ones picks, spread evenly."""
+    count = round(num_requests * min(max(ratio, 0.0), 1.0))
+    return {int(i * num_requests / count) for i in range(count)} if count else set()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -501,3 +501,29 @@ def test_startup_measures_serve_and_llm(tiny_llama, tmp_path):
 def test_startup_rejects_unknown_mode(tiny_llama):
     with pytest.raises(SystemExit, match="unknown --mode"):
         run_bench(["startup", "--model", str(tiny_llama), "--mode", "serve,warm"])
+
+
+def test_serve_structured_output_sends_a_json_schema(tiny_llama, tmp_path):
+    out = tmp_path / "serve.json"
+    with FakeServer(gap=0.001) as server:
+        rc = run_bench(["serve", "--base-url", f"http://127.0.0.1:{server.port}", "--tokenizer", str(tiny_llama),
+                        "--num-prompts", "8", "--random-input-len", "10", "--random-output-len", "3",
+                        "--structured-output", "json", "--structured-output-ratio", "0.5", "--num-warmups", "0",
+                        "--disable-tqdm", "--output-json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["structured_output"] == "json" and r["structured_output_ratio"] == 0.5
+    formats = [b.get("response_format") for b in server.bodies]
+    constrained = [f for f in formats if f is not None]
+    assert len(constrained) == 4
+    schema = constrained[0]["json_schema"]["schema"]
+    assert constrained[0]["type"] == "json_schema" and len(schema["properties"]) == 10
+
+
+def test_grammar_compile_cold_and_cached(tiny_llama, tmp_path):
+    out = tmp_path / "compile.json"
+    assert run_bench(["grammar-compile", "--model", str(tiny_llama), "--num-repeats", "2",
+                      "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["num_properties"] == 10 and r["backend"] == "auto" and len(r["cold_ms"]) == 2
+    assert 0 < r["median_cached_ms"] < r["median_cold_ms"]
