@@ -73,3 +73,11 @@ def test_llm_generate_example():
     result = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=300, check=True, env=env)
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("'Once upon a time' -> '")
+
+
+def test_structured_outputs_example():
+    example = next(b for b in code_blocks("python") if "StructuredOutputsParams" in b)
+    env = dict(os.environ, PAGEDLLM_LOGGING_LEVEL="WARNING")
+    result = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=300, check=True, env=env)
+    pet, sentiment = result.stdout.strip().splitlines()
+    assert re.fullmatch(r"kind='(cat|dog|fish)' legs=[0-4]", pet) and sentiment in ("positive", "negative")

@@ -102,9 +102,7 @@ class GuidanceGrammar(StructuredOutputGrammar):
 
 
 class GuidanceBackend(StructuredOutputBackend):
-    """See ``StructuredOutputBackend``; the first stop token id is llguidance's EOS."""
-
-    name = "guidance"
+    """See ``StructuredOutputBackend``; ``stop_token_ids`` are llguidance's EOS tokens."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import xgrammar as xgr
@@ -38,18 +38,28 @@ def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
     Raises:
         ValueError: xgrammar cannot parse or does not support the constraint (its message).
     """
+    grammar = xgr.Grammar
+    return _make(spec, grammar.from_json_schema, grammar.from_regex, grammar.from_ebnf, grammar.from_structural_tag)
+
+
+def _make(spec: GrammarSpec, json_schema: Callable, regex: Callable, ebnf: Callable, structural_tag: Callable) -> Any:
+    """``spec`` built by the function of its kind (``xgr.Grammar``'s ``from_*`` or a
+    ``GrammarCompiler``'s ``compile_*``).
+
+    Raises:
+        ValueError: see ``build_grammar``.
+    """
     _check_supported(spec)
     with _xgrammar_errors():
         if spec.kind == "json":
-            return xgr.Grammar.from_json_schema(_xgrammar_schema(spec.text), any_whitespace=spec.any_whitespace,
-                                                strict_mode=True)
+            return json_schema(_xgrammar_schema(spec.text), any_whitespace=spec.any_whitespace, strict_mode=True)
         if spec.kind == "regex":
-            return xgr.Grammar.from_regex(spec.text)
+            return regex(spec.text)
         if spec.kind == "choice":
-            return xgr.Grammar.from_ebnf(choice_ebnf(json.loads(spec.text)))
+            return ebnf(choice_ebnf(json.loads(spec.text)))
         if spec.kind == "grammar":
-            return xgr.Grammar.from_ebnf(spec.text)
-        return xgr.Grammar.from_structural_tag(spec.text)
+            return ebnf(spec.text)
+        return structural_tag(spec.text)
 
 
 def _check_supported(spec: GrammarSpec) -> None:
@@ -179,8 +189,6 @@ class XgrammarGrammar(StructuredOutputGrammar):
 class XgrammarBackend(StructuredOutputBackend):
     """See ``StructuredOutputBackend``; ``stop_token_ids`` are xgrammar's stop tokens."""
 
-    name = "xgrammar"
-
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info, max_threads=1)
@@ -189,18 +197,9 @@ class XgrammarBackend(StructuredOutputBackend):
         # NOTE: compiled from the text, not from ``build_grammar``'s ``Grammar``: xgrammar 0.2
         # prints a non-ASCII character of a literal as \xNN, which the compile then reads
         # together with the hex letters that follow ("éab" became U+E9AB).
-        _check_supported(spec)
-        with _xgrammar_errors():
-            if spec.kind == "json":
-                return self.compiler.compile_json_schema(
-                    _xgrammar_schema(spec.text), any_whitespace=spec.any_whitespace, strict_mode=True)
-            if spec.kind == "regex":
-                return self.compiler.compile_regex(spec.text)
-            if spec.kind == "choice":
-                return self.compiler.compile_grammar(choice_ebnf(json.loads(spec.text)))
-            if spec.kind == "grammar":
-                return self.compiler.compile_grammar(spec.text)
-            return self.compiler.compile_structural_tag(spec.text)
+        compiler = self.compiler
+        return _make(spec, compiler.compile_json_schema, compiler.compile_regex, compiler.compile_grammar,
+                     compiler.compile_structural_tag)
 
     def new_grammar(self, compiled: xgr.CompiledGrammar) -> XgrammarGrammar:
         return XgrammarGrammar(xgr.GrammarMatcher(compiled))

@@ -35,11 +35,6 @@ class GrammarSpec:
     whitespace_pattern: Optional[str] = None
     disable_additional_properties: bool = False
 
-    def describe(self, limit: int = 200) -> str:
-        """``kind`` and the start of ``text``, for log lines and errors."""
-        text = self.text if len(self.text) <= limit else self.text[:limit] + "..."
-        return f"{self.kind} {text}"
-
 
 def grammar_spec(params: StructuredOutputsParams, config: StructuredOutputsConfig) -> GrammarSpec:
     """The ``GrammarSpec`` of a request's constraint under the engine's options.
