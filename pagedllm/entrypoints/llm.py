@@ -61,6 +61,10 @@ class LLM:
             generation_config: "auto" (the model's generation_config.json sets the default
                 sampling parameters: ``get_default_sampling_params``), "vllm" (vLLM's
                 defaults), or a folder with a generation_config.json.
+            structured_outputs_config: constrained decoding options, e.g.
+                ``{"backend": "auto" | "xgrammar" | "guidance", "disable_any_whitespace": True}``
+                (``pagedllm.config.StructuredOutputsConfig``; requests set
+                ``SamplingParams(structured_outputs=...)``).
             disable_log_stats: no periodic stats line while generating (True by default, as
                 vLLM's ``LLM``; False logs it every ``$PAGEDLLM_LOG_STATS_INTERVAL`` s, default 10).
             max_logprobs, num_gpu_blocks_override, trust_remote_code, tensor_parallel_size

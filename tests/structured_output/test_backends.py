@@ -149,3 +149,17 @@ def test_length_limited_strings_refuse_control_characters(backend, tokenizer):
     assert grammar.accept_tokens(_encode(tokenizer, '"a'))
     assert not grammar.accept_tokens(_encode(tokenizer, "\x17"))
     assert grammar.accept_tokens(_encode(tokenizer, 'b"'))
+
+
+def test_structural_tag_with_xgrammar(tokenizer):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f>"], "tags": [
+        {"begin": "<f>", "content": {"type": "json_schema", "json_schema": schema}, "end": "</f>"}]}}
+    params = StructuredOutputsParams(structural_tag=json.dumps(tag))
+    assert check_structured_outputs(params, StructuredOutputsConfig()) == "xgrammar"
+    backend = XgrammarBackend(tokenizer, VOCAB, [tokenizer.eos_token_id])
+    grammar = _grammar(backend, structural_tag=json.dumps(tag))
+    assert grammar.accept_tokens(_encode(tokenizer, 'free text <f>{"a": 1}</f>'))
+    assert not grammar.accept_tokens(_encode(tokenizer, '<f>{"b"'))
+    with pytest.raises(ValueError, match="llguidance does not support structured outputs of kind 'structural_tag'"):
+        check_structured_outputs(params, StructuredOutputsConfig(backend="guidance"))
