@@ -84,6 +84,8 @@ class Scheduler:
         self.structured_output_manager = structured_output_manager
         # Requests whose grammar failed to compile: reported (aborted) by the next update.
         self._failed_grammar: list[Request] = []
+        # Unfinished requests with a constraint: without any, a step skips structured outputs.
+        self._num_constrained = 0
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -104,6 +106,7 @@ class Scheduler:
                 raise ValueError("This scheduler has no structured output manager: structured_outputs is refused.")
             request.structured_output_request = self.structured_output_manager.make_request(constraint)
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self._num_constrained += 1
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -245,6 +248,8 @@ class Scheduler:
     def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
         """One bitmask row per constrained request that samples this step (its known tokens
         are all computed after it: not in the middle of its prompt)."""
+        if not self._num_constrained:
+            return
         grammars = []
         for req_id in output.num_scheduled_tokens:
             request = self.requests[req_id]
@@ -427,6 +432,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if request.structured_output_request is not None:
+            self._num_constrained -= 1
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting)

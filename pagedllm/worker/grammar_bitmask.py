@@ -10,23 +10,24 @@ import torch
 from pagedllm.messages.sched_output import SchedulerOutput
 
 
-def sampled_rows_bitmask(so: SchedulerOutput, sampled_req_ids: list[str],
+def sampled_rows_bitmask(so: SchedulerOutput, order: list[str], sample_reqs: np.ndarray,
                          device: torch.device) -> Optional[torch.Tensor]:
     """The allowed-token bitmask of each sampled row (``SamplingMetadata.allowed_token_bitmask``).
 
     Args:
         so: the step's scheduler output; row ``so.structured_output_request_ids[r]`` of
             ``so.grammar_bitmask`` belongs to request r.
-        sampled_req_ids: the request of each sampled row, in the sampler's order.
+        order: the step's request ids, in the runner's order.
+        sample_reqs: [S] int64, the index in ``order`` of each sampled row's request.
         device: where the logits are.
 
     Returns:
-        [len(sampled_req_ids), ceil(V / 32)] int32 on ``device``, every bit set on the rows
-        of unconstrained requests; None when no row is constrained (nothing to apply).
+        [S, ceil(V / 32)] int32 on ``device``, every bit set on the rows of unconstrained
+        requests; None when no row is constrained (nothing to apply, nothing computed).
     """
     if so.grammar_bitmask is None:
         return None
-    source = [so.structured_output_request_ids.get(req_id, -1) for req_id in sampled_req_ids]
+    source = [so.structured_output_request_ids.get(order[i], -1) for i in sample_reqs.tolist()]
     targets = [row for row, src in enumerate(source) if src >= 0]
     if not targets:
         return None

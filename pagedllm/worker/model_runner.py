@@ -228,7 +228,7 @@ class ModelRunner:
         logits_indices, sample_reqs = self._logits_indices(rows, seq_lens, cu, num_drafts)
         sample_rows = rows[sample_reqs]
         num_output_tokens = np.maximum(positions[logits_indices] + 1 - batch.num_prompt_tokens[sample_rows], 0)
-        bitmask = sampled_rows_bitmask(so, [order[i] for i in sample_reqs.tolist()], self.device)
+        bitmask = sampled_rows_bitmask(so, order, sample_reqs, self.device)
         tokens, logprobs, logits, sampling = self._sample(hidden, logits_indices, sample_rows, num_output_tokens,
                                                           bitmask)
         sampled_token_ids: list[list[int]] = [[] for _ in order]

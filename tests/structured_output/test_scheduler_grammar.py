@@ -113,6 +113,7 @@ def test_no_bitmask_row_during_prefill_chunks_and_grammar_end_is_stop():
     assert rows == [{}, {}, {"c": 0}, {"c": 0}]
     assert grammar.accepted == [EOS, EOS]
     assert finish == FinishReason.STOP
+    assert s._num_constrained == 0, "an idle scheduler skips structured outputs"
 
 
 def test_failed_compile_finishes_the_request_aborted():
@@ -130,4 +131,4 @@ def test_abort_while_waiting_for_grammar():
     s = _scheduler()
     _add(s, "c", 5, regex="g")
     s.finish_requests(["c"], RequestStatus.FINISHED_ABORTED)
-    assert not s.has_unfinished_requests()
+    assert not s.has_unfinished_requests() and s._num_constrained == 0
