@@ -61,11 +61,44 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]  # ids 0, 1, 2
 
+#: ChatML; with ``tools``, Hermes-style tool calling (as Qwen 2.5's template): the tools
+#: in a system block, an assistant's ``tool_calls`` as ``<tool_call>`` JSON blocks, and
+#: consecutive ``tool`` messages as one user turn of ``<tool_response>`` blocks. A
+#: conversation without tools renders as plain ChatML (``render_chat``).
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_INSTRUCTION = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- (messages[0]['content'] or '') + '\n\n' }}{%- endif %}"
+    "{{- " + repr(TOOLS_PREAMBLE) + " }}"
+    "{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- " + repr(TOOLS_INSTRUCTION) + " + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and tools and loop.first %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + (message['content'] or '') + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{%- for tool_call in message['tool_calls'] or [] %}"
+    "{%- set call = tool_call['function'] if tool_call['function'] is defined else tool_call %}"
+    "{%- set arguments = call['arguments'] if call['arguments'] is string else (call['arguments'] | tojson) %}"
+    "{{- '\n<tool_call>\n{\"name\": ' + (call['name'] | tojson) + ', \"arguments\": ' + arguments + '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 
 ROPE_THETA = 10000.0
@@ -211,7 +244,7 @@ def is_heldout(unit: str, heldout_percent: float) -> bool:
 
 
 def render_chat(messages: Sequence[dict]) -> str:
-    """Exactly what CHAT_TEMPLATE renders (without a generation prompt)."""
+    """Exactly what CHAT_TEMPLATE renders for messages without tools (and no generation prompt)."""
     return "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
 
 
@@ -463,7 +496,10 @@ it writes text that reads like Python documentation.
   Special tokens: `<|endoftext|>` (0, document end, padding), `<|im_start|>` (1), `<|im_end|>` (2, end of turn).
   No BOS token is added.
 - Chat template: ChatML — `<|im_start|>role\\ncontent<|im_end|>\\n` per message, generation prompt
-  `<|im_start|>assistant\\n`. Generation stops at `<|im_end|>` or `<|endoftext|>`
+  `<|im_start|>assistant\\n`; with `tools`, Hermes-style tool calling (the tools in a system block,
+  calls as `<tool_call>` JSON, tool results as `<tool_response>`; `pagedllm serve
+  --tool-call-parser hermes`). The model was not trained on tools: use `tool_choice: "required"`
+  or a named function, which constrain its output. Generation stops at `<|im_end|>` or `<|endoftext|>`
   (`generation_config.json`: `eos_token_id` {info['eos_token_ids']}).
 
 ## Training data and licence

@@ -1,10 +1,12 @@
 """Chat templates, for the offline ``LLM.chat`` and the OpenAI server alike: loading a
 ``--chat-template`` once (``load_chat_template``) and rendering a conversation into a
 prompt (``apply_chat_template``, which applies the one set of rules on the rendering
-options: ``resolve_chat_options``)."""
+options: ``resolve_chat_options``, and hands tool calls to templates as they expect them:
+``template_messages``)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -92,6 +94,31 @@ def load_chat_template(value: Optional[str]) -> Optional[str]:
     return text
 
 
+def template_messages(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as chat templates expect them: the ``function.arguments`` of an
+    assistant message's ``tool_calls`` decoded from JSON text to a dict (OpenAI sends a
+    string; templates such as Qwen's and Llama's write ``arguments | tojson``), as vLLM does.
+    Arguments that are not JSON stay as they are. The input is not changed."""
+    messages = []
+    for message in conversation:
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):
+            message = {**message, "tool_calls": [_decoded_call(call) for call in calls]}
+        messages.append(message)
+    return messages
+
+
+def _decoded_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
 def apply_chat_template(
     tokenizer: Any,
     conversation: list[dict[str, Any]],
@@ -99,12 +126,15 @@ def apply_chat_template(
     add_generation_prompt: Optional[bool],
     continue_final_message: bool,
     chat_template_kwargs: Optional[dict[str, Any]] = None,
+    tools: Optional[list[dict[str, Any]]] = None,
 ) -> str:
     """The prompt text of a conversation (a list of ``{"role", "content", ...}`` dicts).
 
     ``chat_template`` None means the tokenizer's own. With ``continue_final_message`` the
     last (assistant) message is left open. ``chat_template_kwargs`` are passed to the
-    template. The options follow ``resolve_chat_options``.
+    template. The options follow ``resolve_chat_options``. ``tools`` (OpenAI's
+    ``{"type": "function", "function": {...}}`` dicts) reach the template as its ``tools``
+    variable, as transformers passes them; messages go through ``template_messages``.
 
     Raises:
         ChatOptionsError: see ``resolve_chat_options``.
@@ -116,7 +146,8 @@ def apply_chat_template(
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise MissingChatTemplateError("The tokenizer has no chat template; pass chat_template=...")
     return tokenizer.apply_chat_template(
-        conversation,
+        template_messages(conversation),
+        tools=tools,
         chat_template=chat_template,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,

@@ -106,6 +106,11 @@ def test_help_documents_the_vllm_flags_and_the_no_ops(capsys):
         (["--lora-modules", "sql=/x"], "--lora-modules needs --enable-lora."),
         (["--structured-outputs-config", '{"backend": "outlines"}'],
          "structured outputs backend must be one of auto, xgrammar, guidance, got 'outlines'."),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
+        (
+            ["--enable-auto-tool-choice", "--tool-call-parser", "hermez"],
+            "invalid tool call parser: hermez (chose from { hermes,llama3_json,mistral,pythonic })",
+        ),
     ],
 )
 def test_values_not_built_fail_at_once_in_one_line(argv, message, capsys):
@@ -118,8 +123,6 @@ def test_values_not_built_fail_at_once_in_one_line(argv, message, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice is not supported yet (tool calling is not built)."),
-        (["--tool-call-parser", "hermes"], "--tool-call-parser is not supported yet (tool calling is not built)."),
         (["--reasoning-parser", "deepseek_r1"], "--reasoning-parser is not supported yet"),
     ],
 )

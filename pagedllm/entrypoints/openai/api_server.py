@@ -229,6 +229,7 @@ def build_app(engine: Any, args: Any) -> FastAPI:
     ``chat_utils.load_chat_template``, or None), ``api_key`` (None: no auth),
     ``disable_log_requests``, ``disable_log_stats`` (False: while the app runs, the
     engine's stats line is logged every ``log_stats_interval()`` seconds), ``response_role``,
+    ``enable_auto_tool_choice`` and ``tool_call_parser`` (tool calling with ``tool_choice="auto"``),
     ``return_tokens_as_token_ids``, ``root_path`` (FastAPI's, for a path-based proxy), and
     CORS as vLLM (Starlette's ``CORSMiddleware``): ``allowed_origins``, ``allowed_methods``,
     ``allowed_headers`` (lists, default ``["*"]``), ``allow_credentials``.
@@ -251,6 +252,7 @@ def build_app(engine: Any, args: Any) -> FastAPI:
     chat = OpenAIServingChat(
         engine, models, renderer, log_requests=log_requests, return_tokens_as_token_ids=token_ids,
         response_role=getattr(args, "response_role", "assistant"),
+        tool_parser=getattr(args, "tool_call_parser", None) if getattr(args, "enable_auto_tool_choice", False) else None,
     )  # fmt: skip
     tokenization = OpenAIServingTokenization(models, renderer, model_config.max_model_len, engine.processor.vocab_size)
 

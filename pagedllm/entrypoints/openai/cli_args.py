@@ -391,14 +391,46 @@ def _add_vllm_server_flags(server: Any) -> None:
         "--enable-log-requests", action="store_true",
         help="Log each request: pagedllm does so unless --disable-log-requests is given.",
     )  # fmt: skip
-    server.add_argument("--enable-auto-tool-choice", action=_NotBuilt, nargs=0, why="tool calling is not built")
-    server.add_argument("--tool-call-parser", action=_NotBuilt, why="tool calling is not built")
+    _add_tool_calling_flags(server)
     server.add_argument("--reasoning-parser", action=_NotBuilt, why="reasoning parsers are not built")
     server.add_argument(
         "--lora-modules", type=lora_module_type, nargs="+", default=None, metavar="name=path | JSON",
         help="LoRA adapters to serve (with --enable-lora), each 'name=path' or a JSON object "
         "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request selects one by its name in 'model'.",
     )  # fmt: skip
+
+
+def _add_tool_calling_flags(server: Any) -> None:
+    """vLLM's tool-calling flags (checked by ``check_tool_calling_args`` before the engine starts)."""
+    from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager
+
+    server.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help="Chat requests may use tool_choice \"auto\": the model's calls are read from its text by "
+        "--tool-call-parser.",
+    )  # fmt: skip
+    server.add_argument(
+        "--tool-call-parser", default=None, metavar="{" + ",".join(ToolParserManager.names()) + "}",
+        help="The format of the model's tool calls, for --enable-auto-tool-choice.",
+    )  # fmt: skip
+
+
+def check_tool_calling_args(args: argparse.Namespace) -> None:
+    """vLLM's start-up checks of the tool-calling flags.
+
+    Raises:
+        ValueError: ``--enable-auto-tool-choice`` without ``--tool-call-parser``, or a
+            parser name that is not registered (the message lists the known ones).
+    """
+    from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager
+
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    if args.tool_call_parser:
+        try:
+            ToolParserManager.get_tool_parser(args.tool_call_parser)
+        except KeyError as exc:
+            raise ValueError(exc.args[0]) from None
 
 
 def _add_vllm_engine_flags(engine: Any) -> None:
@@ -620,6 +652,7 @@ def main(args: argparse.Namespace) -> int:
         log_stats_interval()
         if args.lora_modules and not args.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora.")
+        check_tool_calling_args(args)
         engine_args = engine_args_from(args)
         _fetch_models(engine_args)
     except ValueError as exc:

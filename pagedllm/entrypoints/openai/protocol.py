@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Any, Literal, Mapping, Optional, Union
 
 from pydantic import (
@@ -58,16 +59,14 @@ NOT_SUPPORTED_YET = {
     "return_tokens_as_token_ids": "token-id strings in logprobs",
     "kv_transfer_params": "disaggregated prefill",
     "prompt_embeds": "prompt embeddings",
-    "tool_choice": "tool calling",
-    "functions": "tool calling",
-    "function_call": "tool calling",
+    "functions": "legacy functions API (use tools)",
+    "function_call": "legacy functions API (use tool_choice)",
 }
 
 #: Values of ``NOT_SUPPORTED_YET`` fields that ask for nothing, besides null / false / empty.
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "length_penalty": (1.0,),
     "priority": (0,),
-    "tool_choice": ("none", "auto"),
     "function_call": ("none", "auto"),
 }
 
@@ -398,6 +397,147 @@ class CompletionStreamResponse(OpenAIBaseModel):
     usage: Optional[UsageInfo] = None
 
 
+# --------------------------------------------------------------------------- tool calling
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    """A function the model may call: its ``parameters`` are a JSON schema (OpenAI's)."""
+
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+
+
+class ChatCompletionToolsParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ChatCompletionNamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(OpenAIBaseModel):
+    """``tool_choice`` naming one function: the model must call it."""
+
+    function: ChatCompletionNamedFunction
+    type: Literal["function"] = "function"
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], ChatCompletionNamedToolChoiceParam]
+
+
+class FunctionCall(OpenAIBaseModel):
+    """A call's function: its name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    """One tool call of a reply; ``id`` is unique (``call_`` and 24 hex digits, OpenAI's form)."""
+
+    id: str = Field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DropNoneModel(OpenAIBaseModel):
+    """A streamed piece: fields that are None are left out of the JSON."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunctionCall(DropNoneModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(DropNoneModel):
+    """A streamed piece of call ``index``: the first carries ``id``, ``type`` and the
+    function's name; the next ones carry fragments of its arguments."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+
+def check_tool_choice(data: Any) -> Any:
+    """vLLM's rules on ``tools`` / ``tool_choice`` (``ChatCompletionRequest.check_tool_usage``):
+    ``tool_choice`` defaults to "auto" when ``tools`` are given (else "none"); any other
+    choice than "none" needs ``tools``; a named choice must name one of them; "required"
+    with an empty tool list means "none" (OpenAI's behaviour).
+
+    Raises:
+        ValueError: the rules above (a 400).
+    """
+    if not isinstance(data, dict):
+        return data
+    if data.get("tool_choice") is None:
+        data = {**data, "tool_choice": "auto" if data.get("tools") else "none"}
+    choice, tools = data["tool_choice"], data.get("tools")
+    if choice == "none":
+        return data
+    if tools is None:
+        raise ValueError("When using `tool_choice`, `tools` must be set.")
+    if choice == "required" and tools == []:
+        return {**data, "tool_choice": "none", "tools": None}
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
+            raise ValueError(
+                'tool_choice must name a function: {"type": "function", "function": {"name": "my_function"}}.'
+            )
+        functions = [tool.get("function") for tool in tools if isinstance(tool, dict)]
+        names = [function.get("name") for function in functions if isinstance(function, dict)]
+        if name not in names:
+            raise ValueError(f"The tool specified in `tool_choice` ({name!r}) does not match any of the specified `tools`.")
+    elif choice not in ("auto", "required"):
+        raise ValueError(
+            f'Invalid value for `tool_choice`: {choice!r}! Only named tools, "none", "auto" or "required" are supported.'
+        )
+    return data
+
+
+def tool_call_json_schema(tools: list[ChatCompletionToolsParam], tool_choice: ToolChoice) -> Optional[dict[str, Any]]:
+    """The JSON schema that enforces ``tool_choice`` (None for "none" and "auto").
+
+    As vLLM (``ChatCompletionRequest._get_json_schema_from_tool``): a named function's
+    ``parameters``; for "required" an array (``minItems`` 1) of objects ``{"name",
+    "parameters"}``, each matching one tool (``anyOf``, the name as a one-value ``enum``,
+    a tool without parameters taking ``{}``), the tools' ``$defs`` gathered at the top.
+
+    Raises:
+        ValueError: two tools define the same ``$defs`` name differently.
+    """
+    if isinstance(tool_choice, ChatCompletionNamedToolChoiceParam):
+        function = next(tool.function for tool in tools if tool.function.name == tool_choice.function.name)
+        return function.parameters or {"type": "object", "properties": {}}
+    if tool_choice != "required":
+        return None
+    defs: dict[str, Any] = {}
+    variants = []
+    for tool in tools:
+        parameters = dict(tool.function.parameters or {"type": "object", "properties": {}})
+        for name, schema in parameters.pop("$defs", {}).items():
+            if defs.setdefault(name, schema) != schema:
+                raise ValueError(f"Tool definition {name!r} has multiple schemas, which is not supported.")
+        variants.append(
+            {
+                "properties": {"name": {"type": "string", "enum": [tool.function.name]}, "parameters": parameters},
+                "required": ["name", "parameters"],
+            }
+        )
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": variants}}
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
 # --------------------------------------------------------------------------- chat
 
 
@@ -417,8 +557,8 @@ class ChatContentPart(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    """One message. Extra fields (``tool_calls``, ``tool_call_id`` ...) are kept and passed
-    to the chat template."""
+    """One message. Extra fields (``tool_calls`` of an assistant message, ``tool_call_id``
+    of a ``tool`` message ...) are kept and passed to the chat template."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -449,8 +589,9 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: Optional[int] = None
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
-    tool_choice: Any = None
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: Optional[list[ChatCompletionToolsParam]] = None
+    tool_choice: Optional[ToolChoice] = "none"
+    parallel_tool_calls: Optional[bool] = True
     functions: Any = None
     function_call: Any = None
     # vLLM extras
@@ -467,12 +608,10 @@ class ChatCompletionRequest(SamplingRequest):
         check_logprobs(value, "top_logprobs")
         return value
 
-    @field_validator("tools")
+    @model_validator(mode="before")
     @classmethod
-    def _refuse_tools(cls, value: Optional[list[dict[str, Any]]], info: ValidationInfo) -> Any:
-        if info.data.get("tool_choice") == "none":
-            return value
-        return refuse_if_set("tools", value, "tool calling")
+    def _check_tool_choice(cls, data: Any) -> Any:
+        return check_tool_choice(data)
 
     @field_validator("echo")
     @classmethod
@@ -501,6 +640,20 @@ class ChatCompletionRequest(SamplingRequest):
         """Engine ``logprobs``: None when off, else ``top_logprobs`` (0 when unset)."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def to_sampling_params(self, *args: Any, **kwargs: Any) -> SamplingParams:
+        """``SamplingRequest.to_sampling_params``; a ``tool_choice`` that must call a tool
+        ("required" or named) sets the output constraint to ``tool_call_json_schema``
+        (instead of any other, as vLLM).
+
+        Raises:
+            ValueError: see ``SamplingRequest.to_sampling_params`` and ``tool_call_json_schema``.
+        """
+        params = super().to_sampling_params(*args, **kwargs)
+        schema = tool_call_json_schema(self.tools or [], self.tool_choice or "none")
+        if schema is not None:
+            params.structured_outputs = StructuredOutputsParams(json=schema)
+        return params
+
 
 class ChatCompletionLogProb(OpenAIBaseModel):
     token: str
@@ -519,6 +672,7 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -540,15 +694,12 @@ class ChatCompletionResponse(OpenAIBaseModel):
     prompt_logprobs: Optional[PromptLogprobsJSON] = None
 
 
-class DeltaMessage(OpenAIBaseModel):
+class DeltaMessage(DropNoneModel):
     """A streamed piece of the assistant message; unset fields are left out of the JSON."""
 
     role: Optional[str] = None
     content: Optional[str] = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: Any) -> dict[str, Any]:
-        return {key: value for key, value in handler(self).items() if value is not None}
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
@@ -607,6 +758,7 @@ class TokenizeChatRequest(OpenAIRequest):
     add_special_tokens: bool = False
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[ChatCompletionToolsParam]] = None
     return_token_strs: bool = False
 
 

@@ -40,7 +40,8 @@ class PromptRenderer:
         """The prompt text of a request's conversation, as the request asks for it.
 
         The template is the request's ``chat_template``, else the server's, else the
-        tokenizer's; ``add_generation_prompt`` counts only when the request sets it (see
+        tokenizer's; the request's ``tools`` are rendered whatever its ``tool_choice``
+        (vLLM's default); ``add_generation_prompt`` counts only when the request sets it (see
         ``chat_utils.resolve_chat_options``).
 
         Raises:
@@ -59,6 +60,7 @@ class PromptRenderer:
                 add_generation_prompt,
                 request.continue_final_message,
                 request.chat_template_kwargs,
+                [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None,
             )
         except ChatOptionsError as exc:
             raise bad_request(str(exc), param=exc.param) from None

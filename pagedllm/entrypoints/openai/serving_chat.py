@@ -8,6 +8,10 @@ generation_config.json's ``max_new_tokens``), else the rest of the context.
 
 Streams start with one chunk per choice carrying ``delta.role`` ("assistant"); each
 choice then gets content chunks, and exactly one chunk with its ``finish_reason``.
+
+With ``tools`` (``tool_calls``): a ``tool_choice`` other than "none" has a tool parser read
+the output into ``message.tool_calls``, streamed as ``delta.tool_calls`` by one
+``ToolCallStream`` per choice.
 """
 
 from __future__ import annotations
@@ -30,20 +34,36 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.logprobs import clamp_logprob, prompt_logprobs_json, top_entries
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, PromptInput, random_id, sse
+from pagedllm.entrypoints.openai.tool_calls import (
+    ToolCallStream,
+    finish_reason,
+    reply_tool_calls,
+    request_tool_parser,
+)
+from pagedllm.entrypoints.openai.tool_parsers import ToolParser, ToolParserManager
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 class OpenAIServingChat(OpenAIServing):
-    """``POST /v1/chat/completions`` (constructor: ``OpenAIServing``'s arguments and
-    ``response_role``; the server's ``--chat-template`` is the renderer's).
+    """``POST /v1/chat/completions`` (constructor: ``OpenAIServing``'s arguments,
+    ``response_role`` and ``tool_parser``; the server's ``--chat-template`` is the renderer's).
 
     ``response_role`` (``--response-role``) is the reply's role when the request has
     ``add_generation_prompt``; without it the reply continues the last message, in its
-    role (vLLM's rule).
+    role (vLLM's rule). ``tool_parser`` (``--tool-call-parser``, given with
+    ``--enable-auto-tool-choice``) reads calls for ``tool_choice="auto"``; None refuses "auto".
+
+    Raises:
+        KeyError: an unknown ``tool_parser`` name.
     """
 
-    def __init__(self, *args: Any, response_role: str = "assistant", **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, response_role: str = "assistant", tool_parser: Optional[str] = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.response_role = response_role
+        self.auto_tool_parser: Optional[type[ToolParser]] = (
+            ToolParserManager.get_tool_parser(tool_parser) if tool_parser else None
+        )
 
     def _role(self, request: ChatCompletionRequest) -> str:
         return self.response_role if request.add_generation_prompt else request.messages[-1].role
@@ -62,6 +82,7 @@ class OpenAIServingChat(OpenAIServing):
             EngineDeadError: the engine died (a 500).
         """
         model_name = self.models.resolve(request.model)
+        tool_parser = request_tool_parser(request, self.auto_tool_parser)
         prompt = self.render_prompt(request)
         request_id = random_id("chatcmpl")
         engine_request = self.engine_request(
@@ -75,10 +96,10 @@ class OpenAIServingChat(OpenAIServing):
         stream = self.generate(request_id, [prompt], [engine_request])
         if request.stream:
             stream = await self.start_stream(stream)
-            events = self._stream(request, request_id, model_name, prompt, stream)
+            events = self._stream(request, request_id, model_name, prompt, stream, tool_parser)
             return self.sse_stream(request_id, events, stream)
         (final,) = await self.collect_final(stream, 1)
-        return self._response(request, request_id, model_name, final)
+        return self._response(request, request_id, model_name, final, tool_parser)
 
     def _logprobs(
         self, token_ids: Sequence[int], positions: Optional[Sequence[PositionLogprobs]], num_top: int
@@ -103,20 +124,37 @@ class OpenAIServingChat(OpenAIServing):
             )
         return ChatCompletionLogProbs(content=content)
 
+    def _message(
+        self, request: ChatCompletionRequest, output: CompletionOutput, tool_parser: Optional[ToolParser]
+    ) -> tuple[ChatResponseMessage, Optional[str]]:
+        """A choice's message and finish_reason (tool calls read by ``tool_parser``)."""
+        if tool_parser is None:
+            return ChatResponseMessage(role=self._role(request), content=output.text), output.finish_reason
+        content, tool_calls = reply_tool_calls(request, tool_parser.parse(output.text, final=True))
+        message = ChatResponseMessage(role=self._role(request), content=content, tool_calls=tool_calls)
+        return message, finish_reason(request, output.finish_reason, bool(tool_calls))
+
     def _response(
-        self, request: ChatCompletionRequest, request_id: str, model_name: str, final: RequestOutput
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        model_name: str,
+        final: RequestOutput,
+        tool_parser: Optional[ToolParser],
     ) -> ChatCompletionResponse:
         num_top = request.num_top_logprobs
-        choices = [
-            ChatCompletionResponseChoice(
-                index=output.index,
-                message=ChatResponseMessage(role=self._role(request), content=output.text),
-                logprobs=self._logprobs(output.token_ids, output.logprobs, num_top) if num_top is not None else None,
-                finish_reason=output.finish_reason,
-                stop_reason=output.stop_reason,
+        choices = []
+        for output in final.outputs:
+            message, reason = self._message(request, output, tool_parser)
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=output.index,
+                    message=message,
+                    logprobs=self._logprobs(output.token_ids, output.logprobs, num_top) if num_top is not None else None,
+                    finish_reason=reason,
+                    stop_reason=output.stop_reason,
+                )
             )
-            for output in final.outputs
-        ]
         num_generated = sum(len(output.token_ids) for output in final.outputs)
         return ChatCompletionResponse(
             id=request_id,
@@ -133,8 +171,10 @@ class OpenAIServingChat(OpenAIServing):
         model_name: str,
         prompt: PromptInput,
         stream: AsyncGenerator[tuple[int, RequestOutput], None],
+        tool_parser: Optional[ToolParser],
     ) -> AsyncGenerator[str, None]:
         created = int(time.time())
+        tool_streams = [ToolCallStream(request, tool_parser) for _ in range(request.n)] if tool_parser else None
         num_generated = [0] * request.n
         num_cached = 0
         # NOTE: without include_usage the "usage" key is left out, as OpenAI does.
@@ -156,14 +196,15 @@ class OpenAIServingChat(OpenAIServing):
             num_cached = output.num_cached_tokens or num_cached
             for completion in output.outputs:
                 num_generated[completion.index] += len(completion.token_ids)
-                choice = self._stream_choice(request, completion)
+                tool_stream = tool_streams[completion.index] if tool_streams else None
+                choice = self._stream_choice(request, completion, tool_stream)
                 if choice is not None:
                     yield event([choice])
         if request.include_usage:
             yield event([], final=True)
 
     def _stream_choice(
-        self, request: ChatCompletionRequest, completion: CompletionOutput
+        self, request: ChatCompletionRequest, completion: CompletionOutput, tool_stream: Optional[ToolCallStream]
     ) -> Optional[ChatCompletionResponseStreamChoice]:
         """The streamed choice of one completion's new output, or None when it carries nothing."""
         num_top = request.num_top_logprobs
@@ -171,13 +212,19 @@ class OpenAIServingChat(OpenAIServing):
         logprobs = None
         if num_top is not None and completion.token_ids:
             logprobs = self._logprobs(completion.token_ids, completion.logprobs, num_top)
-        if not completion.text and logprobs is None and not finished:
+        reason = completion.finish_reason
+        if tool_stream is None:
+            delta = DeltaMessage(content=completion.text if completion.text or not finished else None)
+        else:
+            delta = tool_stream.feed(completion.text, finished)
+            reason = finish_reason(request, reason, tool_stream.called)
+        if delta.content is None and delta.tool_calls is None and logprobs is None and not finished:
             return None
         return ChatCompletionResponseStreamChoice(
             index=completion.index,
-            delta=DeltaMessage(content=completion.text if completion.text or not finished else None),
+            delta=delta,
             logprobs=logprobs,
-            finish_reason=completion.finish_reason,
+            finish_reason=reason,
             stop_reason=completion.stop_reason,
         )
 
