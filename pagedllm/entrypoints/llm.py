@@ -151,9 +151,12 @@ class LLM:
         chat_template_kwargs: Optional[dict[str, Any]] = None,
         use_tqdm: bool = True,
         lora_request: Union[LoRARequest, Sequence[LoRARequest], None] = None,
+        tools: Optional[list[dict[str, Any]]] = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, formatted with the
         tokenizer's chat template (or ``chat_template``); ``lora_request`` as ``generate``'s.
+        ``tools`` (OpenAI's function definitions) reach the template as its ``tools``
+        variable, as in vLLM.
 
         Raises:
             ValueError: if the tokenizer has no chat template and none is given, if
@@ -170,6 +173,7 @@ class LLM:
                 add_generation_prompt,
                 continue_final_message,
                 chat_template_kwargs,
+                tools,
             )
             for conversation in conversations
         ]

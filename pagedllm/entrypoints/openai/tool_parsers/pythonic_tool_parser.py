@@ -3,7 +3,7 @@ arguments, ``[get_weather(city="Paris"), get_time()]`` (Llama 3.2 / Llama 4 pyth
 calling). Source: vLLM's ``PythonicToolParser``.
 
 Arguments are Python literals, sent as JSON (``json.dumps`` of the keyword arguments), so
-a call's arguments appear in one piece once its closing parenthesis is generated.
+a call is streamed in one piece once its closing parenthesis is generated.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ LIST_START = re.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
 #: What may still grow into ``LIST_START`` at the end of the text.
 PARTIAL_LIST_START = re.compile(r"\[\s*(?:[A-Za-z_][\w.]*\s*)?$")
 CALL_HEAD = re.compile(r"([A-Za-z_][\w.]*)\s*\(")
+#: The end of a text cut off before the ``(`` of a call (or before its name).
+PARTIAL_HEAD = re.compile(r"(?:[A-Za-z_][\w.]*\s*)?")
 _CLOSING = {"(": ")", "[": "]", "{": "}"}
 
 
@@ -90,12 +92,13 @@ class PythonicToolParser(ToolParser):
                 i = skip_whitespace(text, i)
                 head = CALL_HEAD.match(text, i)
                 if head is None:
-                    if i < len(text):
+                    if not PARTIAL_HEAD.fullmatch(text, i):
                         raise MalformedCall(f"expected a call at {i}")
                     return ParsedOutput(before, calls)
                 close = _closing_paren(text, head.end() - 1)
-                if close is None:
-                    calls.append(ParsedToolCall(head.group(1), ""))
+                if close is None:  # cut off: a call (no arguments) only in the final answer
+                    if final:
+                        calls.append(ParsedToolCall(head.group(1), ""))
                     return ParsedOutput(before, calls)
                 calls.append(ParsedToolCall(head.group(1), _arguments_json(text[i : close + 1])))
                 i = skip_whitespace(text, close + 1)
