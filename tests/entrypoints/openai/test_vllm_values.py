@@ -159,8 +159,6 @@ NOT_YET = [
     (CHAT, "return_tokens_as_token_ids", True),
     (COMPLETIONS, "kv_transfer_params", {"do_remote_decode": True}),
     (COMPLETIONS, "prompt_embeds", "AAAA"),
-    (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    (CHAT, "tool_choice", "required"),
     (CHAT, "functions", [{"name": "f"}]),
     (CHAT, "function_call", {"name": "f"}),
     (CHAT, "echo", True),
