@@ -9,4 +9,6 @@
   ``serving_tokenization`` (``/tokenize``, ``/detokenize``) and ``serving_models`` need no engine.
 - ``renderer``: ``PromptRenderer`` (tokenize, chat template), shared by all of them;
   ``logprobs``: logprob helpers of the responses.
+- ``tool_calls`` and ``tool_parsers``: tool calling in chat completions (``tool_choice``
+  modes, ``--tool-call-parser`` formats, streamed calls).
 """
