@@ -59,8 +59,8 @@ NOT_SUPPORTED_YET = {
     "return_tokens_as_token_ids": "token-id strings in logprobs",
     "kv_transfer_params": "disaggregated prefill",
     "prompt_embeds": "prompt embeddings",
-    "functions": "legacy functions API (use tools)",
-    "function_call": "legacy functions API (use tool_choice)",
+    "functions": "legacy function calling (use tools)",
+    "function_call": "legacy function calling (use tool_choice)",
 }
 
 #: Values of ``NOT_SUPPORTED_YET`` fields that ask for nothing, besides null / false / empty.
