@@ -14,6 +14,7 @@ import json
 from types import SimpleNamespace
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -212,6 +213,11 @@ def test_required_constrains_to_the_tool_array_and_reads_it(parts, stream):
         {"type": "string", "enum": ["get_time"]},
     ]
     assert schema["items"]["anyOf"][0]["properties"]["parameters"] == TOOLS[0]["function"]["parameters"]
+    jsonschema.validate(json.loads(REQUIRED_REPLY), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_time", "parameters": {"city": 3}}, {"name": "nope", "parameters": {}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([], schema)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
