@@ -102,6 +102,10 @@ class ToolCallStream:
     (appended), new calls (index, id, type, name and the arguments known so far), and
     argument fragments. Because partial snapshots are prefixes of the final parse
     (``ToolParser``), the joined deltas equal the non-streamed reply.
+
+    NOTE: one case cannot be exact: a call that turns out malformed only after its name
+    was sent (e.g. invalid JSON late in its arguments). What was sent stays sent; the
+    non-streamed reply shows that call's text as content.
     """
 
     def __init__(self, request: ChatCompletionRequest, parser: ToolParser) -> None:
