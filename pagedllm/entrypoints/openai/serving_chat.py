@@ -218,7 +218,7 @@ class OpenAIServingChat(OpenAIServing):
         else:
             delta = tool_stream.feed(completion.text, finished)
             reason = finish_reason(request, reason, tool_stream.called)
-        if delta.content is None and delta.tool_calls is None and logprobs is None and not finished:
+        if not delta.content and not delta.tool_calls and logprobs is None and not finished:
             return None
         return ChatCompletionResponseStreamChoice(
             index=completion.index,
