@@ -67,10 +67,6 @@ def test_openai_example(default_server):
     assert result.stdout.strip()
 
 
-@pytest.mark.skip(
-    reason="needs constrained decoding (issue 13, structured outputs) for tool_choice=required; "
-    "unskip once it is on main"
-)
 def test_tool_calling_example(default_server):
     example = next(b for b in code_blocks("python") if 'tool_choice="required"' in b)
     code = example.replace("127.0.0.1:8000", f"127.0.0.1:{default_server.port}")

@@ -643,7 +643,8 @@ class ChatCompletionRequest(SamplingRequest):
     def to_sampling_params(self, *args: Any, **kwargs: Any) -> SamplingParams:
         """``SamplingRequest.to_sampling_params``; a ``tool_choice`` that must call a tool
         ("required" or named) sets the output constraint to ``tool_call_json_schema``
-        (instead of any other, as vLLM).
+        (instead of any other, as vLLM), as compact JSON (``disable_any_whitespace``: a
+        small model left free whitespace can fill ``max_tokens`` with newlines after "[").
 
         Raises:
             ValueError: see ``SamplingRequest.to_sampling_params`` and ``tool_call_json_schema``.
@@ -651,7 +652,7 @@ class ChatCompletionRequest(SamplingRequest):
         params = super().to_sampling_params(*args, **kwargs)
         schema = tool_call_json_schema(self.tools or [], self.tool_choice or "none")
         if schema is not None:
-            params.structured_outputs = StructuredOutputsParams(json=schema)
+            params.structured_outputs = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
         return params
 
 

@@ -64,23 +64,6 @@ REQUIRED_REPLY = (
 )
 
 
-class _AcceptingProcessor:
-    """The real ``Processor``, except that it lets an output constraint through (the
-    constraint's engine side is not this file's subject)."""
-
-    def __init__(self, processor: Processor) -> None:
-        self._processor = processor
-
-    def __getattr__(self, name):
-        return getattr(self._processor, name)
-
-    def process(self, request_id, prompt, params, arrival_time=None, cache_salt=None):
-        constraint, params.structured_outputs = params.structured_outputs, None
-        request, text = self._processor.process(request_id, prompt, params, arrival_time, cache_salt)
-        request.sampling_params.structured_outputs = constraint
-        return request, text
-
-
 class _ScriptedEngine:
     """What the server uses of an ``AsyncLLM``; every choice's output is ``reply`` (in
     5-character pieces when streaming), finished with ``finish_reason``."""
@@ -88,7 +71,7 @@ class _ScriptedEngine:
     errored = False
 
     def __init__(self, processor: Processor, model_config, tokenizer) -> None:
-        self.processor = _AcceptingProcessor(processor)
+        self.processor = processor
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.reply = ""

@@ -65,10 +65,6 @@ CONVERSATION = MESSAGES + [
     {"role": "tool", "tool_call_id": "call_1", "content": "22 degrees, sunny"},
 ]
 GREEDY = {"temperature": 0.0, "max_tokens": 24}
-REQUIRES_CONSTRAINED_DECODING = pytest.mark.skip(
-    reason="needs constrained decoding (issue 13, structured outputs): the engine refuses "
-    "structured_outputs until it is built; unskip once it is on main"
-)
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +136,6 @@ def test_none_and_auto_read_the_same_text(tool_client):
     assert finish == auto.finish_reason
 
 
-@REQUIRES_CONSTRAINED_DECODING
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_required_makes_the_model_call_tools(tool_client, stream):
     kwargs = dict(messages=MESSAGES, tools=TOOLS, tool_choice="required", temperature=0.0, max_tokens=200)
@@ -155,7 +150,6 @@ def test_required_makes_the_model_call_tools(tool_client, stream):
         jsonschema.validate(json.loads(arguments), PARAMETERS[name])
 
 
-@REQUIRES_CONSTRAINED_DECODING
 def test_named_choice_calls_that_function_streamed_or_not(tool_client):
     choice = {"type": "function", "function": {"name": "get_time"}}
     kwargs = dict(messages=MESSAGES, tools=TOOLS, tool_choice=choice, temperature=0.0, max_tokens=100)
