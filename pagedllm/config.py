@@ -606,7 +606,7 @@ PARTLY_BUILT_ARGS: dict[str, tuple[tuple, str]] = {
     "pipeline_parallel_size": ((1,), "pagedllm runs the model on one device"),
     "data_parallel_size": ((1,), "pagedllm runs one engine: start one server per replica"),
     "distributed_executor_backend": ((None, "uni"), "pagedllm runs one worker, in the engine process"),
-    "load_format": (("auto", "safetensors"), "pagedllm loads *.safetensors checkpoints"),
+    "load_format": (("auto", "safetensors", "gguf"), "pagedllm loads *.safetensors checkpoints and .gguf files"),
     "kv_cache_dtype": (("auto",), "the KV cache has the model's dtype"),
     "tokenizer_mode": (("auto", "hf"), "pagedllm loads Hugging Face fast tokenizers"),
     "enable_chunked_prefill": ((None, True), "pagedllm always cuts long prompts into chunks"),

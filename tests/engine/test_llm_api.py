@@ -297,7 +297,7 @@ def test_more_logprobs_than_openai_when_max_logprobs_allows(llm, tiny_llama):
         ({"pipeline_parallel_size": 4}, "pipeline_parallel_size=4 is not supported yet"),
         ({"data_parallel_size": 2}, "data_parallel_size=2 is not supported yet"),
         ({"distributed_executor_backend": "ray"}, "distributed_executor_backend='ray' is not supported yet"),
-        ({"load_format": "gguf"}, "load_format='gguf' is not supported yet"),
+        ({"load_format": "pt"}, "load_format='pt' is not supported yet"),
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not supported yet"),
         ({"tokenizer_mode": "mistral"}, "tokenizer_mode='mistral' is not supported yet"),
         ({"enable_chunked_prefill": False}, "enable_chunked_prefill=False is not supported yet"),
