@@ -460,7 +460,8 @@ def _add_vllm_engine_flags(engine: Any) -> None:
         "--load-format", default="auto",
         choices=("auto", "safetensors", "pt", "npcache", "dummy", "tensorizer", "sharded_state", "gguf",
                  "bitsandbytes", "mistral", "runai_streamer", "fastsafetensors"),
-        help="Checkpoint format: 'auto' / 'safetensors' (*.safetensors); the others are not supported yet.",
+        help="Checkpoint format: 'auto' / 'safetensors' (*.safetensors), 'gguf' (a .gguf MODEL, also read under "
+        "'auto'); the others are not supported yet.",
     )  # fmt: skip
     engine.add_argument(
         "--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc"),
