@@ -55,6 +55,18 @@ def hf_greedy(path: Path, prompt_token_ids: list[int], max_new_tokens: int) -> l
     return out[0, len(prompt_token_ids) :].tolist()
 
 
+def assert_greedy_equals_hf(llm: LLM, reference: Path, num_tokens: int = 8) -> None:
+    """``llm``'s greedy output (EOS ignored) for three random prompts (5, 17 and 40 tokens) equals
+    transformers' on checkpoint ``reference`` (e.g. the dequantized weights of a quantized model)."""
+    from pagedllm import SamplingParams
+
+    prompts = random_prompts([5, 17, 40], 1000, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        assert list(output.outputs[0].token_ids) == hf_greedy(reference, prompt, num_tokens)
+
+
 def hf_log_softmax(path: Path, token_ids: list[int]) -> torch.Tensor:
     """[len(token_ids), vocab] float32 log-softmax of transformers' logits at each position."""
     with torch.inference_mode():

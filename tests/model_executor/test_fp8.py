@@ -14,23 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
 from pagedllm.model_executor.layers.quantization.fp8 import quantize_fp8_per_tensor
-from tests.helpers import LINEAR_SUFFIXES, hf_greedy, model_runner, random_prompts, rewrite_linear_weights
-
-PROMPTS = random_prompts([5, 17, 40], 1000, seed=3)
-
+from tests.helpers import LINEAR_SUFFIXES, assert_greedy_equals_hf, model_runner, rewrite_linear_weights
 
 def _fp8_round_trip(weight: torch.Tensor) -> torch.Tensor:
     f8, scale = quantize_fp8_per_tensor(weight)
     return f8.float() * scale
-
-
-def _assert_greedy_equal(llm: LLM, reference: Path) -> None:
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    for prompt, output in zip(PROMPTS, outputs):
-        assert list(output.outputs[0].token_ids) == hf_greedy(reference, prompt, 8)
 
 
 def _linear_layers(llm: LLM):
@@ -48,7 +38,7 @@ def test_quantize_per_tensor():
 def test_online_fp8_greedy_equals_hf_on_dequantized_weights(llama_128, tmp_path):
     reference = rewrite_linear_weights(llama_128, tmp_path / "fp8-dequantized", _fp8_round_trip)
     llm = LLM(str(llama_128), dtype="float32", quantization="fp8", kv_cache_memory_bytes=8 << 20)
-    _assert_greedy_equal(llm, reference)
+    assert_greedy_equals_hf(llm, reference)
     assert {m.weight.dtype for m in _linear_layers(llm)} == {torch.float8_e4m3fn}
     assert model_runner(llm).model.lm_head.weight.dtype == torch.float32
 
@@ -87,7 +77,7 @@ def _write_fp8_checkpoint(src: Path, out: Path, ref: Path, block: list[int] | No
 def test_fp8_checkpoint_greedy_equals_hf_on_dequantized_weights(llama_128, tmp_path, block, weight_dtype):
     _write_fp8_checkpoint(llama_128, tmp_path / "fp8", tmp_path / "reference", block)
     llm = LLM(str(tmp_path / "fp8"), dtype="float32", kv_cache_memory_bytes=8 << 20)
-    _assert_greedy_equal(llm, tmp_path / "reference")
+    assert_greedy_equals_hf(llm, tmp_path / "reference")
     assert {m.weight.dtype for m in _linear_layers(llm)} == {weight_dtype}
 
 

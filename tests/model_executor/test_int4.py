@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
 from pagedllm.model_executor.layers.quantization.int4 import INT4_GROUP_SIZE, quantize_int4_per_group
-from tests.helpers import hf_greedy, model_runner, random_prompts, rewrite_linear_weights
+from tests.helpers import assert_greedy_equals_hf, model_runner, rewrite_linear_weights
 
 
 def _int4_round_trip(weight: torch.Tensor) -> torch.Tensor:
@@ -41,11 +41,7 @@ def test_quantize_per_group_round_trip():
 def test_int4_greedy_equals_hf_on_dequantized_weights(llama_128, tmp_path):
     reference = rewrite_linear_weights(llama_128, tmp_path / "int4-dequantized", _int4_round_trip)
     llm = LLM(str(llama_128), dtype="float32", quantization="int4", kv_cache_memory_bytes=8 << 20)
-    prompts = random_prompts([5, 17, 40], 1000, seed=3)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, output in zip(prompts, outputs):
-        assert list(output.outputs[0].token_ids) == hf_greedy(reference, prompt, 8)
+    assert_greedy_equals_hf(llm, reference)
     model = model_runner(llm).model
     quantized = [m for m in model.modules() if hasattr(m, "weight_zero_point")]
     assert len(quantized) == 4 * model_runner(llm).model_config.num_layers  # qkv, o, gate_up, down

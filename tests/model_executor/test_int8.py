@@ -11,9 +11,9 @@ import shutil
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
 from pagedllm.model_executor.layers.quantization.int8 import quantize_int8_per_channel
-from tests.helpers import hf_greedy, model_runner, random_prompts, rewrite_linear_weights
+from tests.helpers import assert_greedy_equals_hf, model_runner, rewrite_linear_weights
 
 
 def _int8_round_trip(weight: torch.Tensor) -> torch.Tensor:
@@ -39,11 +39,7 @@ def test_quantize_per_channel_round_trip():
 
 def test_int8_greedy_equals_hf_on_dequantized_weights(tiny_llama, dequantized_llama):
     llm = LLM(str(tiny_llama), dtype="float32", quantization="int8", kv_cache_memory_bytes=8 << 20)
-    prompts = random_prompts([5, 17, 40], 1000, seed=3)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, output in zip(prompts, outputs):
-        assert list(output.outputs[0].token_ids) == hf_greedy(dequantized_llama, prompt, 8)
+    assert_greedy_equals_hf(llm, dequantized_llama)
     model = model_runner(llm).model
     quantized = [m for m in model.modules() if hasattr(m, "weight_scale")]
     assert len(quantized) == 4 * model_runner(llm).model_config.num_layers  # qkv, o, gate_up, down

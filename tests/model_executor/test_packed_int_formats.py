@@ -20,13 +20,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
 from pagedllm.model_executor.layers.quantization.awq import AWQ_ORDER
 from pagedllm.model_executor.layers.quantization.packed_int import unpack_int32
-from tests.helpers import LINEAR_SUFFIXES, hf_greedy, model_runner, random_prompts
-
-PROMPTS = random_prompts([5, 17, 40], 1000, seed=3)
-
+from tests.helpers import LINEAR_SUFFIXES, assert_greedy_equals_hf, model_runner
 
 def _pack(values: torch.Tensor, bits: int, order: list[int] | None = None) -> torch.Tensor:
     """[rows, cols] unsigned values -> [rows, cols * bits / 32] int32, value i of each word at
@@ -173,10 +170,7 @@ def test_greedy_equals_hf_on_dequantized_weights(fmt, llama_128, tmp_path):
     config, convert = writer()
     quantized, reference = _write(llama_128, tmp_path / "quantized", tmp_path / "reference", config, convert)
     llm = LLM(str(quantized), dtype="float32", kv_cache_memory_bytes=8 << 20)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    for prompt, output in zip(PROMPTS, outputs):
-        assert list(output.outputs[0].token_ids) == hf_greedy(reference, prompt, 8)
+    assert_greedy_equals_hf(llm, reference)
     model = model_runner(llm).model
     layers = [m for m in model.modules() if hasattr(m, "input_perm")]
     assert len(layers) == 4 * model_runner(llm).model_config.num_layers  # qkv, o, gate_up, down
