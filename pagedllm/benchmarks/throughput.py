@@ -232,6 +232,7 @@ def run_hf(args: argparse.Namespace, requests: list[SampleRequest]) -> dict[str,
     from transformers import AutoModelForCausalLM
 
     from pagedllm.config import resolve_model_path
+    from pagedllm.platforms import current_platform
 
     path = resolve_model_path(args.model)
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -241,7 +242,7 @@ def run_hf(args: argparse.Namespace, requests: list[SampleRequest]) -> dict[str,
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except TypeError:  # transformers < 4.56 names it torch_dtype
         model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype)
-    model.eval()
+    model.to(current_platform.device).eval()
     init_time = time.perf_counter() - start
     tokenizer = load_tokenizer(args)
     eos = tokenizer.eos_token_id
@@ -264,7 +265,7 @@ def run_hf(args: argparse.Namespace, requests: list[SampleRequest]) -> dict[str,
         if args.ignore_eos:
             kwargs["min_new_tokens"] = new
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+            out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), **kwargs)
         gen = out[:, width:].tolist()
         lens = []
         for row, r in enumerate(batch):

@@ -19,6 +19,23 @@ class CudaPlatform(Platform):
         """The GPU's total memory, in bytes."""
         return torch.cuda.get_device_properties(0).total_memory
 
+    def check_free_memory(self, gpu_memory_utilization: float) -> None:
+        """vLLM's start-up check: the engine will take ``gpu_memory_utilization`` x the
+        total memory, so at least that must be free now (other processes on the GPU).
+
+        Raises:
+            ValueError: naming the free, total and wanted GiB.
+        """
+        free, total = torch.cuda.mem_get_info(0)
+        wanted = gpu_memory_utilization * total
+        if free < wanted:
+            raise ValueError(
+                f"Free memory on the GPU ({free / 2**30:.2f} of {total / 2**30:.2f} GiB) is less than "
+                f"gpu_memory_utilization {gpu_memory_utilization} x total = {wanted / 2**30:.2f} GiB. "
+                f"Lower --gpu-memory-utilization, set --kv-cache-memory-bytes, or free memory held by "
+                f"other processes."
+            )
+
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 

@@ -39,6 +39,14 @@ class Platform:
         """Memory in bytes that weights, activations and the KV cache share."""
         raise NotImplementedError
 
+    def check_free_memory(self, gpu_memory_utilization: float) -> None:
+        """Check, before the weights load, that the device has the share of its memory the
+        engine will take free. Default: nothing to check (host memory is not reserved).
+
+        Raises:
+            ValueError: where the free memory is below the share.
+        """
+
     def half_dtype(self) -> torch.dtype:
         """The 16-bit dtype to use when a float32 checkpoint is loaded with dtype "auto"."""
         return torch.bfloat16

@@ -42,10 +42,14 @@ class Worker:
 
         Raises:
             NotImplementedError: a tensor-parallel size above 1 (not supported yet).
+            ValueError: a GPU with less free memory than ``gpu_memory_utilization`` asks for.
         """
         initialize_model_parallel(self.config.parallel_config.tensor_parallel_size)
         self.device = current_platform.device
         torch.manual_seed(self.config.model_config.seed)
+        cache_config = self.config.cache_config
+        if cache_config.kv_cache_memory_bytes is None and cache_config.num_gpu_blocks_override is None:
+            current_platform.check_free_memory(cache_config.gpu_memory_utilization)
         self.memory_before_load = current_platform.total_memory_bytes()
         self.model_runner = ModelRunner(self.config, self.device)
 
