@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
 
 if [[ $STAGES == *tests* ]]; then
-  FIRST=${TESTS:-"tests/engine/test_greedy_equality.py tests/model_executor tests/attention/test_backends.py tests/worker tests/engine tests/lora tests/spec_decode tests/structured_output"}
+  FIRST=${TESTS:-"tests/engine/test_greedy_equality.py tests/worker tests/attention/test_backends.py tests/engine tests/model_executor tests/lora tests/spec_decode tests/structured_output"}
   timeout ${TESTS_TIMEOUT_S:-200} python3 -m pytest -q -p no:cacheprovider --timeout 90 -rf \
     --junitxml="$OUT/junit-core.xml" $FIRST 2>&1 | tail -n 60 | tee "$OUT/tests-core.log"
   if [ -z "${TESTS:-}" ]; then
@@ -32,7 +32,7 @@ fi
 if [[ $STAGES == *bench* ]]; then
   CKPT=/tmp/qwen2-0.5b-shape
   python3 benchmarks/make_checkpoint.py --preset qwen2-0.5b-shape --out $CKPT > /dev/null || exit 1
-  for n in ${BENCH_PROMPTS:-64 256}; do
+  for n in ${BENCH_PROMPTS:-1 64 256}; do
     timeout 120 python3 -m pagedllm.entrypoints.cli bench throughput --model $CKPT --dtype bfloat16 \
       --num-prompts $n --input-len 128 --output-len 128 --ignore-eos --compare hf --hf-max-batch-size $n \
       --max-num-seqs 256 --output-json "$OUT/bench-throughput-$n.json" 2>&1 | grep -v '^INFO\|it/s' | tail -n 14

@@ -8,11 +8,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM
+from pagedllm.platforms import current_platform
 from pagedllm.worker.model_runner import ModelRunner
 
 
@@ -20,6 +22,11 @@ from pagedllm.worker.model_runner import ModelRunner
 LINEAR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
                    "gate_proj.weight", "up_proj.weight", "down_proj.weight")  # fmt: skip
 
+
+
+#: For tests of what only the CPU has (its kernels, its attention backend, its defaults):
+#: skipped on a CUDA machine.
+cpu_only = pytest.mark.skipif(not current_platform.is_cpu, reason="a CPU-only path")
 
 def rewrite_linear_weights(src: Path, out: Path, transform: Callable[[torch.Tensor], torch.Tensor]) -> Path:
     """A copy of checkpoint ``src`` in ``out`` with each linear weight W replaced by

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Callable
 
 import torch
@@ -27,6 +28,7 @@ class CudaPlatform(Platform):
             ValueError: naming the free, total and wanted GiB.
         """
         free, total = torch.cuda.mem_get_info(0)
+        free += torch.cuda.memory_reserved(0) - torch.cuda.memory_allocated(0)  # cached here, reusable
         wanted = gpu_memory_utilization * total
         if free < wanted:
             raise ValueError(
@@ -35,6 +37,12 @@ class CudaPlatform(Platform):
                 f"Lower --gpu-memory-utilization, set --kv-cache-memory-bytes, or free memory held by "
                 f"other processes."
             )
+
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache()`` after a garbage collection (the freed KV cache and
+        weights leave the caching allocator)."""
+        gc.collect()
+        torch.cuda.empty_cache()
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()

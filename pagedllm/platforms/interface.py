@@ -47,6 +47,10 @@ class Platform:
             ValueError: where the free memory is below the share.
         """
 
+    def empty_cache(self) -> None:
+        """Hand the memory freed by a shut-down engine back to the device, so that another
+        process can take it. Default: nothing (host memory goes back to the allocator)."""
+
     def half_dtype(self) -> torch.dtype:
         """The 16-bit dtype to use when a float32 checkpoint is loaded with dtype "auto"."""
         return torch.bfloat16

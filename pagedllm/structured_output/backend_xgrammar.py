@@ -14,6 +14,7 @@ import re
 from typing import Any, Callable, Iterator
 
 import numpy as np
+import torch
 import xgrammar as xgr
 
 from pagedllm.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar
@@ -177,7 +178,10 @@ class XgrammarGrammar(StructuredOutputGrammar):
         self.matcher.rollback(num_tokens)
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
-        self.matcher.fill_next_token_bitmask(bitmask, row)
+        # NOTE: handed over as a torch tensor sharing ``bitmask``'s memory (xgrammar's
+        # documented argument). Given the numpy array itself, on an H200 machine (numpy
+        # 2.5, torch 2.11) the fill never reached the array: every token stayed allowed.
+        self.matcher.fill_next_token_bitmask(torch.from_numpy(bitmask), row)
 
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()

@@ -94,3 +94,4 @@ class Worker:
         answers no step afterwards."""
         if hasattr(self, "model_runner"):
             del self.model_runner
+            current_platform.empty_cache()

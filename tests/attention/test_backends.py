@@ -17,7 +17,7 @@ from pagedllm.attention.backends.cpu_attn import CpuAttnBackend
 from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAImpl
 from pagedllm.kernels import cpu as cpu_kernels
 from tests.attention.reference import reference_decode_attention
-from tests.helpers import model_runner
+from tests.helpers import cpu_only, model_runner
 
 BACKENDS = ["CPU_ATTN", "TORCH_SDPA"]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
@@ -33,12 +33,14 @@ def test_both_backends_registered():
     assert selector.registered_attn_backends()[:2] == BACKENDS
 
 
+@cpu_only
 def test_auto_selection_prefers_the_kernel_on_cpu(kernel, no_env, monkeypatch):
     assert selector.get_attn_backend(64, torch.bfloat16, 16) is CpuAttnBackend
     monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "1")
     assert selector.get_attn_backend(64, torch.bfloat16, 16) is TorchSDPABackend
 
 
+@cpu_only
 def test_forced_by_name_or_environment(kernel, no_env, monkeypatch):
     assert selector.get_attn_backend(64, torch.float32, 16, "torch_sdpa") is TorchSDPABackend
     assert selector.get_attn_backend(64, torch.float32, 16, "CPU_ATTN") is CpuAttnBackend
@@ -122,7 +124,7 @@ def _reference(query, key, value, kv_cache, common, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("name", [pytest.param("CPU_ATTN", marks=cpu_only), "TORCH_SDPA"])
 def test_backend_matches_reference_on_mixed_step(name, dtype, kernel):
     backend = selector.get_attn_backend(64, dtype, 8, name)
     query, key, value, kv_cache, common = _mixed_step(dtype)

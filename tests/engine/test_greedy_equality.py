@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.helpers import check_block_accounting, float32_llm, hf_greedy, hf_log_softmax, random_prompts
+from tests.helpers import check_block_accounting, cpu_only, float32_llm, hf_greedy, hf_log_softmax, random_prompts
 
 PROMPT_LENGTHS = [1, 3, 17, 32, 64, 100, 150, 200]
 MAX_TOKENS = 12
@@ -25,6 +25,12 @@ SCENARIOS = {
     "attention_torch_sdpa": {"attention_backend": "TORCH_SDPA", "max_num_batched_tokens": 64},
 }
 
+
+def scenario_params(names) -> list:
+    """``names`` as pytest parameters; the CPU_ATTN scenario runs on CPU only."""
+    return [pytest.param(name, marks=cpu_only) if name == "attention_cpu_attn" else name for name in names]
+
+
 _references: dict = {}
 
 
@@ -35,7 +41,7 @@ def _reference(path, prompts):
     return _references[key]
 
 
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("scenario", scenario_params(SCENARIOS))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_transformers(arch, scenario, request, tokenizer):
     path = request.getfixturevalue(arch)

@@ -10,6 +10,7 @@ from transformers import LlamaConfig
 from pagedllm.kernels import isa
 from pagedllm.model_executor.layers import linear as linear_mod
 from pagedllm.model_executor.models import llama
+from tests.helpers import cpu_only
 
 
 def tiny_config() -> LlamaConfig:
@@ -17,6 +18,7 @@ def tiny_config() -> LlamaConfig:
                        vocab_size=100)
 
 
+@cpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mlp_row_chunks_equal_one_pass(monkeypatch, dtype):
     torch.manual_seed(0)
@@ -35,6 +37,7 @@ def test_mlp_row_chunks_equal_one_pass(monkeypatch, dtype):
         assert torch.equal(chunked, whole)
 
 
+@cpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_tokens", [1, 32, 300])
 def test_linear_layer_takes_this_machines_path_and_matches_plain(kernel, dtype, num_tokens):

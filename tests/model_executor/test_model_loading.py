@@ -13,7 +13,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.worker.kv_cache_sizing import kv_bytes_per_token
-from tests.helpers import hf_greedy, model_runner, random_prompts
+from tests.helpers import cpu_only, hf_greedy, model_runner, random_prompts
 
 
 def greedy(n=8):
@@ -121,6 +121,7 @@ def _kv_log(tiny_llama, caplog, monkeypatch, env: dict, **kwargs):
     return config.cache_config.num_gpu_blocks, line, kv_bytes_per_token(config.model_config) * 16
 
 
+@cpu_only
 @pytest.mark.parametrize("prefix_caching, factor", [(True, 2), (False, 1)])
 def test_cpu_default_kv_cache_is_what_the_configuration_can_use(tiny_llama, caplog, monkeypatch, prefix_caching, factor):
     """On CPU a small model does not reserve most of the RAM: the default budget is
@@ -132,6 +133,7 @@ def test_cpu_default_kv_cache_is_what_the_configuration_can_use(tiny_llama, capl
     assert "Budget from what the configuration can use: " + f"{4 * 512 * factor:,} tokens" in line
 
 
+@cpu_only
 @pytest.mark.parametrize("name", ["PAGEDLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE"])
 def test_cpu_kvcache_space_env_in_gib(tiny_llama, caplog, monkeypatch, name):
     num_blocks, line, per_block = _kv_log(tiny_llama, caplog, monkeypatch, {name: "0.01"}, max_model_len=512)
@@ -144,6 +146,7 @@ def test_cpu_kvcache_space_env_in_gib(tiny_llama, caplog, monkeypatch, name):
     assert num_blocks == (4 << 20) // per_block
 
 
+@cpu_only
 def test_bad_cpu_kvcache_space_env(tiny_llama, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_CPU_KVCACHE_SPACE", "lots")
     with pytest.raises(ValueError, match="PAGEDLLM_CPU_KVCACHE_SPACE must be a number of GiB, got 'lots'"):

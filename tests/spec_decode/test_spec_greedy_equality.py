@@ -9,7 +9,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.messages.engine_core import SpecDecodingStats
-from tests.engine.test_greedy_equality import MAX_TOKENS, PROMPT_LENGTHS, SCENARIOS
+from tests.engine.test_greedy_equality import MAX_TOKENS, PROMPT_LENGTHS, SCENARIOS, scenario_params
 from tests.helpers import check_block_accounting, float32_llm, hf_greedy, random_prompts
 
 SPEC_SCENARIOS = {**SCENARIOS, "no_prefix_caching": {"enable_prefix_caching": False}}
@@ -42,7 +42,7 @@ def record_spec_stats(llm: LLM) -> SpecDecodingStats:
     return total
 
 
-@pytest.mark.parametrize("scenario", list(SPEC_SCENARIOS))
+@pytest.mark.parametrize("scenario", scenario_params(SPEC_SCENARIOS))
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_spec_decode_greedy_matches_transformers(method, scenario, tiny_llama, noisy_llama_draft, tokenizer):
     """The n-gram proposer drafts on these random prompts but the random model never follows

@@ -13,6 +13,7 @@ import pytest
 from pagedllm.entrypoints.cli import build_parser
 from pagedllm.entrypoints.openai.cli_args import engine_args_from, human_readable_int, resolve_api_key
 from pagedllm.entrypoints.chat_utils import load_chat_template
+from tests.helpers import cpu_only
 
 FLAGS = [
     "--host", "--port", "--served-model-name", "--dtype", "--max-model-len", "--block-size",
@@ -137,6 +138,7 @@ def test_chat_template_file_or_literal(tmp_path):
         load_chat_template("{% for m in messages %}")
 
 
+@cpu_only
 def test_default_step_token_budget_follows_vllm_on_cpu(tiny_llama):
     """vLLM's CPU defaults: 2048 tokens a step for the server, 4096 for offline ``LLM``;
     never below max_num_seqs; an explicit flag wins."""

@@ -192,7 +192,7 @@ class PackedIntLinearMethod(LinearMethodBase):
         layer.input_perm = None
         if g_idx is not None:
             perm = torch.argsort(g_idx.long(), stable=True)
-            if not torch.equal(perm, torch.arange(perm.numel())):
+            if not torch.equal(perm, torch.arange(perm.numel(), device=perm.device)):
                 q, layer.input_perm = q[:, perm].contiguous(), perm
         if self.bits == 8 and scale.shape[1] == 1 and bool((zero == 128).all()):
             store_int8(layer, (q.to(torch.int16) - 128).to(torch.int8), scale[:, 0])
