@@ -1,5 +1,6 @@
 """``LoRALinearMethod`` adds each token's own adapter update over the wrapped method's
-product, for unquantized, int8 and int4 bases, with tokens of several slots and of none mixed."""
+product, for unquantized, int8 and int4 bases, with tokens of several slots and of none mixed,
+on the CPU kernel and on the PyTorch path."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from pagedllm.model_executor.layers.quantization.int4 import Int4Config
 from pagedllm.model_executor.layers.quantization.int8 import Int8Config
 
 
+@pytest.mark.parametrize("path", ["cpu_kernel", "torch"])
 @pytest.mark.parametrize("quant_config", [None, Int8Config(), Int4Config()], ids=["unquantized", "int8", "int4"])
-def test_each_token_gets_its_slots_update(quant_config):
+def test_each_token_gets_its_slots_update(quant_config, path):
     torch.manual_seed(0)
     layer = QKVParallelLinear(128, head_size=8, total_num_heads=4, total_num_kv_heads=2, bias=False,
                               quant_config=quant_config)  # out [q 32 | k 16 | v 16]
@@ -24,6 +26,9 @@ def test_each_token_gets_its_slots_update(quant_config):
     base = layer(x)
     mapping = LoRAStepMapping()
     method = LoRALinearMethod(layer.quant_method, layer, 2, 4, mapping, torch.device("cpu"))
+    if path == "cpu_kernel" and not method.use_kernel:
+        pytest.skip("the C++ CPU kernels are unavailable here")
+    method.use_kernel = path == "cpu_kernel"
     layer.quant_method = method
     q = (torch.randn(3, 128), torch.randn(32, 3))
     v = (torch.randn(3, 128), torch.randn(16, 3))

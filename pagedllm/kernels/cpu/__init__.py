@@ -4,7 +4,8 @@
 ``sampling.cpp`` (greedy argmax), ``packed_linear.cpp`` (few-row matmul on oneDNN-packed
 bf16 weights), ``linear_w16.cpp`` (matmul on 16-bit weights widened to float32, for CPUs
 without native bf16, and on int8 weights with per-output scales) and ``linear_grouped.cpp``
-(matmul on 4- and 8-bit weights with per-group scales and zero points), beside this file, are built with ``torch.utils.cpp_extension.load`` the first
+(matmul on 4- and 8-bit weights with per-group scales and zero points) and ``lora.cpp``
+(the multi-LoRA shrink / expand of one linear layer), beside this file, are built with ``torch.utils.cpp_extension.load`` the first
 time a kernel is asked for — never at import — and cached in torch's extensions directory
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``).
 
@@ -55,7 +56,7 @@ logger = logging.getLogger(__name__)
 DISABLE_ENV = "PAGEDLLM_DISABLE_CPU_KERNELS"
 _KERNEL_VERSION = 5
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "packed_linear.cpp", "linear_w16.cpp", "linear_grouped.cpp")]
+_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "packed_linear.cpp", "linear_w16.cpp", "linear_grouped.cpp", "lora.cpp")]
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 _AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
@@ -548,3 +549,17 @@ def linear_w8g(
     """
     _require()
     return _ops().linear_w8g(x, weight, scale, zero, bias, n)
+
+
+def lora_sgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+              groups: torch.Tensor, output_sizes: list[int]) -> None:
+    """Add each token's LoRA update to ``y`` in place, the whole mixed batch in one call
+    (see ``lora.cpp``): y [T, N] and x [T, K] of one dtype (float32 / bfloat16 / float16),
+    lora_a [S, K, J * R] and lora_b [S, R, N] float32, groups [G, 3] int64 rows (slot,
+    start, end), output_sizes the J slice widths summing to N.
+
+    Raises:
+        RuntimeError: unavailable kernels, or bad shapes / dtypes / groups.
+    """
+    _require()
+    _ops().lora_sgmv(y, x, lora_a, lora_b, groups, output_sizes)
