@@ -16,9 +16,9 @@ matmul), then expand ``y[run, slice j] += xa[:, j*R:(j+1)*R] @ lora_b[s][:, slic
 Punica's SGMV (Chen et al. 2023, "Punica: Multi-Tenant LoRA Serving") in plain PyTorch:
 tokens grouped by adapter into segments, one shrink per segment, never one per request,
 and no gather or scatter; tokens with no adapter cost nothing. On CPU the C++ kernel
-``lora_sgmv`` does all runs and slices of a layer in one call (the same arithmetic; one
-matmul per run and slice cost ~0.1 ms of dispatch each, which dominated the step with 8
-adapters). The base product is the
+``lora_sgmv`` does all runs and slices of a layer in one call, with the same arithmetic
+(one decoder layer of the 0.5B shape, 8 rank-16 adapters x 8 decode tokens, one thread, on
+a loaded machine: LoRA added 4.3 ms with a matmul per run and slice, 2.1 ms with the kernel). The base product is the
 wrapped method's own (unquantized, int8, int4 ...), so LoRA works over any base (vLLM's
 ``BaseLinearLayerWithLoRA`` does the same over ``quant_method``).
 
