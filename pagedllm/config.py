@@ -604,7 +604,6 @@ def _check_generation_config(value: str) -> None:
 PARTLY_BUILT_ARGS: dict[str, tuple[tuple, str]] = {
     "tensor_parallel_size": ((1,), "pagedllm runs the model on one device"),
     "pipeline_parallel_size": ((1,), "pagedllm runs the model on one device"),
-    "data_parallel_size": ((1,), "pagedllm runs one engine: start one server per replica"),
     "distributed_executor_backend": ((None, "uni"), "pagedllm runs one worker, in the engine process"),
     "load_format": (("auto", "safetensors", "gguf"), "pagedllm loads *.safetensors checkpoints and .gguf files"),
     "kv_cache_dtype": (("auto",), "the KV cache has the model's dtype"),
@@ -612,6 +611,23 @@ PARTLY_BUILT_ARGS: dict[str, tuple[tuple, str]] = {
     "enable_chunked_prefill": ((None, True), "pagedllm always cuts long prompts into chunks"),
     "cpu_offload_gb": ((0,), "weights stay on the device"),
 }
+
+
+def check_data_parallel_size(data_parallel_size: int, usage_context: str) -> None:
+    """``data_parallel_size``: engine replicas behind one API server (``pagedllm serve -dp N``,
+    vLLM's internal load balancing; see ``pagedllm.engine.dp_client``). Offline (``LLM``), vLLM
+    runs one engine per process and leaves launching the ranks to the user; pagedllm refuses it.
+
+    Raises:
+        ValueError: a size below 1, or above 1 outside the API server (``usage_context`` "llm").
+    """
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}.")
+    if data_parallel_size > 1 and usage_context != "api_server":
+        raise ValueError(
+            f"data_parallel_size={data_parallel_size} is not supported yet offline (LLM runs one engine core); "
+            f"serve the replicas behind one API server: pagedllm serve MODEL -dp {data_parallel_size}."
+        )
 
 
 @dataclass
@@ -716,6 +732,7 @@ class EngineArgs:
         if self.enable_lora:
             LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # checks the values
         StructuredOutputsConfig.from_dict(self.structured_outputs_config)
+        check_data_parallel_size(self.data_parallel_size, self.usage_context)
         for name, (supported, why) in PARTLY_BUILT_ARGS.items():
             value = getattr(self, name)
             if isinstance(value, type):  # an Executor subclass as distributed_executor_backend

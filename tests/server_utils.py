@@ -122,13 +122,16 @@ class RemoteServer:
             if child.is_running() and "spawn_main" in " ".join(child.cmdline())
         ]
 
-    def metrics(self) -> dict[str, float]:
-        """``/metrics`` as ``{"name{label=value,...}": value}`` (the model_name label left out)."""
+    def metrics(self, by_engine: bool = False) -> dict[str, float]:
+        """``/metrics`` as ``{"name{label=value,...}": value}``: the model_name label left out,
+        and the engine label too (the series of all engines summed) unless ``by_engine``."""
+        hidden = {"model_name"} if by_engine else {"model_name", "engine"}
         samples: dict[str, float] = {}
         for family in text_string_to_metric_families(self.get("/metrics").text):
             for sample in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
-                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in hidden)
+                key = f"{sample.name}{{{labels}}}" if labels else sample.name
+                samples[key] = samples.get(key, 0.0) + sample.value
         return samples
 
     def close(self) -> None:

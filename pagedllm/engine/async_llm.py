@@ -22,7 +22,7 @@ from typing import AsyncGenerator, Callable, Iterable, Optional, Union
 from prometheus_client import CollectorRegistry
 
 from pagedllm.config import EngineArgs, EngineConfig
-from pagedllm.engine.core_client import AsyncMPClient, EngineCoreClient
+from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputCollector
@@ -51,7 +51,8 @@ class AsyncLLM:
             periodic stats line (``do_log_stats``).
         log_requests: log each added / aborted request id at INFO level.
         served_model_name: the ``model_name`` label of the metrics (default: the model).
-        engine_core: an ``AsyncMPClient`` already started (``wait_for_ready=False``) from
+        engine_core: an async client (``AsyncMPClient``, or ``DPAsyncMPClient`` for
+            ``data_parallel_size`` > 1) already started (``wait_for_ready=False``) from
             the same settings; this instance owns it from now on. None starts one here.
             The constructor loads the tokenizer while the engine loads the model, and
             returns once the engine is ready.
@@ -79,7 +80,7 @@ class AsyncLLM:
         log_stats: bool = True,
         log_requests: bool = False,
         served_model_name: Optional[str] = None,
-        engine_core: Optional[AsyncMPClient] = None,
+        engine_core: Optional[EngineCoreClient] = None,
     ) -> None:
         self.config = config
         self.model_config = config.model_config
@@ -98,8 +99,14 @@ class AsyncLLM:
         self.processor = Processor(config.model_config, self.tokenizer, config.lora_config, config.structured_outputs_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics_registry = CollectorRegistry()
-        self.stat_logger = PrometheusStatLogger(self.metrics_registry, self.served_model_name, config)
-        self.logging_stat_logger = LoggingStatLogger()
+        num_engines = config.parallel_config.data_parallel_size
+        self.stat_logger = PrometheusStatLogger(
+            self.metrics_registry, self.served_model_name, config, engine_indexes=range(num_engines)
+        )
+        #: One stats line per engine (prefixed "Engine 001: " with data-parallel replicas, as vLLM).
+        self.logging_stat_loggers = [
+            LoggingStatLogger(engine_index=index if num_engines > 1 else None) for index in range(num_engines)
+        ]
         self.stats_tracker = RequestStatsTracker()
         self._collectors: dict[str, RequestOutputCollector] = {}
         self._output_handler: Optional[asyncio.Task] = None
@@ -116,7 +123,7 @@ class AsyncLLM:
         log_stats: bool = True,
         log_requests: bool = False,
         served_model_name: Optional[str] = None,
-        engine_core: Optional[AsyncMPClient] = None,
+        engine_core: Optional[EngineCoreClient] = None,
     ) -> "AsyncLLM":
         """Check the arguments, start the engine and return once it is ready.
 
@@ -164,8 +171,10 @@ class AsyncLLM:
 
     @property
     def engine_pid(self) -> Optional[int]:
-        """The engine process's pid (None when the engine runs in a thread)."""
-        return None if self.engine_core.handle.in_thread else self.engine_core.engine_pid
+        """The engine process's pid (None when the engine runs in a thread; with data-parallel
+        replicas, the first one's: see ``engine_core.engine_pids``)."""
+        pids = self.engine_core.engine_pids
+        return pids[0] if pids else None
 
     async def check_health(self) -> None:
         """Raises ``EngineDeadError`` if the engine is dead (or was shut down)."""
@@ -323,12 +332,14 @@ class AsyncLLM:
     def _abort_engine_requests(self, child_ids: list[str]) -> None:
         if not child_ids:
             return
+        engines = [self.engine_core.engine_index_of(child_id) for child_id in child_ids]
         self.engine_core.abort_requests(child_ids)
         if self.log_stats:
-            now, stats = time.time(), IterationStats()
-            for child_id in child_ids:
-                self.stats_tracker.finish_request(child_id, "abort", now, stats)
-            self._record_stats(None, stats)
+            now, stats = time.time(), {engine: IterationStats() for engine in engines}
+            for child_id, engine in zip(child_ids, engines):
+                self.stats_tracker.finish_request(child_id, "abort", now, stats[engine])
+            for engine, engine_stats in stats.items():
+                self._record_stats(None, engine_stats, engine)
 
     def abort_all(self, error: Exception) -> list[str]:
         """End every running request: abort it in the engine and raise ``error`` in its
@@ -403,18 +414,21 @@ class AsyncLLM:
                 self.stats_tracker.finish_request(output.request_id, str(output.finish_reason), now, stats)
         for request_id in processed.reqs_to_abort:  # finished by a stop string
             self.stats_tracker.finish_request(request_id, "stop", now, stats)
-        self._record_stats(outputs.scheduler_stats, stats)
+        self._record_stats(outputs.scheduler_stats, stats, outputs.engine_index)
 
-    def _record_stats(self, scheduler_stats: Optional[SchedulerStats], stats: IterationStats) -> None:
-        self.stat_logger.record(scheduler_stats, stats)
-        self.logging_stat_logger.record(scheduler_stats, stats)
+    def _record_stats(
+        self, scheduler_stats: Optional[SchedulerStats], stats: IterationStats, engine_index: int = 0
+    ) -> None:
+        self.stat_logger.record(scheduler_stats, stats, engine_index)
+        self.logging_stat_loggers[engine_index].record(scheduler_stats, stats)
 
     async def do_log_stats(self) -> None:
         """Log the stats line for the time since the previous call (vLLM's
         ``do_log_stats``; see ``pagedllm.metrics.loggers``). Nothing to log without
         ``log_stats``."""
         if self.log_stats:
-            self.logging_stat_logger.log()
+            for stat_logger in self.logging_stat_loggers:
+                stat_logger.log()
 
     def _fail_all(self, error: EngineDeadError) -> None:
         self._end_all(list(self._collectors), error.fresh)
@@ -439,8 +453,6 @@ class AsyncLLM:
         self._fail_all(self.engine_core.dead_error or EngineDeadError("The engine was shut down."))
 
 
-def _make_async_client(config: EngineConfig | EngineArgs, multiprocess: bool) -> AsyncMPClient:
+def _make_async_client(config: EngineConfig | EngineArgs, multiprocess: bool) -> EngineCoreClient:
     """An async engine-core client (``make_client``), started but not waited for."""
-    client = EngineCoreClient.make_client(config, multiprocess, asyncio_mode=True, wait_for_ready=False)
-    assert isinstance(client, AsyncMPClient)
-    return client
+    return EngineCoreClient.make_client(config, multiprocess, asyncio_mode=True, wait_for_ready=False)

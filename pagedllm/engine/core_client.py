@@ -85,7 +85,8 @@ class EngineCoreClient(ABC):
     ) -> "EngineCoreClient":
         """The client for a front end: ``LLMEngine`` asks for a sync in-process one
         (``InprocClient``), ``AsyncLLM`` for an async one. Async clients always run the core
-        in the background (a process, or a thread when ``multiprocess`` is False).
+        in the background (a process, or a thread when ``multiprocess`` is False); with
+        ``data_parallel_size`` > 1, one process per replica behind a ``DPAsyncMPClient``.
 
         ``config`` may be ``EngineArgs`` and ``wait_for_ready`` False only for background
         clients (see ``_BackgroundClient``); an ``InprocClient`` is ready when built.
@@ -94,6 +95,12 @@ class EngineCoreClient(ABC):
             ValueError: bad settings (from the engine), as the client constructors.
             EngineStartupError: a background engine crashed while starting.
         """
+        if asyncio_mode and _data_parallel_size(config) > 1:
+            from pagedllm.engine.dp_client import DPAsyncMPClient  # it builds on this module
+
+            if not multiprocess:
+                raise ValueError("Data-parallel engine replicas run in processes of their own (multiprocess=True).")
+            return DPAsyncMPClient(config, wait_for_ready=wait_for_ready)
         if asyncio_mode:
             return AsyncMPClient(config, engine_in_thread=not multiprocess, wait_for_ready=wait_for_ready)
         if multiprocess:
@@ -110,6 +117,19 @@ class EngineCoreClient(ABC):
     def dead_error(self) -> Optional[EngineDeadError]:
         """The error in-flight and later calls raise, or None while the engine lives."""
         return None
+
+    def wait_for_ready(self, config: Optional[EngineConfig] = None) -> None:
+        """Block until the engine can serve (background clients; an ``InprocClient`` is ready
+        when built)."""
+
+    @property
+    def engine_pids(self) -> list[int]:
+        """The engine-core processes' ids (none when the engine runs in this process)."""
+        return []
+
+    def engine_index_of(self, request_id: str) -> int:
+        """The data-parallel replica serving ``request_id`` (0: one engine core)."""
+        return 0
 
     def get_output(self) -> EngineCoreOutputs:
         raise NotImplementedError
@@ -138,6 +158,12 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the engine and release its resources; idempotent."""
+
+
+def _data_parallel_size(config: EngineConfig | EngineArgs) -> int:
+    if isinstance(config, EngineConfig):
+        return config.parallel_config.data_parallel_size
+    return config.data_parallel_size
 
 
 class InprocClient(EngineCoreClient):
@@ -171,7 +197,9 @@ class InprocClient(EngineCoreClient):
 class _EngineHandle:
     """The background engine: a spawned process, or a daemon thread of this process."""
 
-    def __init__(self, config: EngineConfig | EngineArgs, addresses: EngineAddresses, in_thread: bool) -> None:
+    def __init__(
+        self, config: EngineConfig | EngineArgs, addresses: EngineAddresses, in_thread: bool, dp_rank: Optional[int]
+    ) -> None:
         self.in_thread = in_thread
         self.worker: Union[threading.Thread, Any]
         if in_thread:
@@ -181,7 +209,9 @@ class _EngineHandle:
         else:
             context = multiprocessing.get_context("spawn")
             self.worker = context.Process(
-                target=run_engine_core, args=(config, addresses, os.getpid()), name="EngineCore"
+                target=run_engine_core,
+                args=(config, addresses, os.getpid(), True, dp_rank),
+                name="EngineCore" if dp_rank is None else f"EngineCore_DP{dp_rank}",
             )
         self.worker.start()
 
@@ -246,11 +276,16 @@ class _BackgroundClient(EngineCoreClient):
 
     ``config`` may be the ``EngineArgs`` (the engine resolves them) and
     ``wait_for_ready=False`` returns at once after starting the engine: the caller does
-    its own start-up work meanwhile and then calls ``wait_for_ready``.
+    its own start-up work meanwhile and then calls ``wait_for_ready``. ``dp_rank``: the
+    engine is data-parallel replica ``dp_rank`` (a process; see ``dp_client``), or None.
     """
 
     def __init__(
-        self, config: EngineConfig | EngineArgs, engine_in_thread: bool = False, wait_for_ready: bool = True
+        self,
+        config: EngineConfig | EngineArgs,
+        engine_in_thread: bool = False,
+        wait_for_ready: bool = True,
+        dp_rank: Optional[int] = None,
     ) -> None:
         self._directory = tempfile.mkdtemp(prefix="pagedllm-engine-")
         self.addresses = EngineAddresses.in_dir(self._directory)
@@ -264,7 +299,7 @@ class _BackgroundClient(EngineCoreClient):
         self._handshake = self._make_socket(self.ctx, zmq.PULL, self.addresses.handshake, bind=True)
         self.output_socket = self._make_output_socket()
         self.input_socket = self._make_socket(self.ctx, zmq.PUSH, self.addresses.input, bind=False)
-        self.handle = _EngineHandle(config, self.addresses, engine_in_thread)
+        self.handle = _EngineHandle(config, self.addresses, engine_in_thread, dp_rank)
         sockets = [self._handshake, self.input_socket, self.output_socket]
         self._finalizer = weakref.finalize(self, _cleanup, self.handle, sockets, self.ctx, self._directory)
         self.num_gpu_blocks: Optional[int] = None
@@ -295,6 +330,12 @@ class _BackgroundClient(EngineCoreClient):
         if config is not None:
             config.cache_config.num_gpu_blocks = info.num_gpu_blocks
         self.engine_pid = info.pid
+
+    @property
+    def engine_pids(self) -> list[int]:
+        if self.handle.in_thread or self.engine_pid is None:
+            return []
+        return [self.engine_pid]
 
     @staticmethod
     def _make_socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
@@ -482,13 +523,17 @@ class AsyncMPClient(_BackgroundClient):
     """
 
     def __init__(
-        self, config: EngineConfig | EngineArgs, engine_in_thread: bool = False, wait_for_ready: bool = True
+        self,
+        config: EngineConfig | EngineArgs,
+        engine_in_thread: bool = False,
+        wait_for_ready: bool = True,
+        dp_rank: Optional[int] = None,
     ) -> None:
         self._reader: Optional[asyncio.Task] = None
         self._reader_loop: Optional[asyncio.AbstractEventLoop] = None
         self._outputs_queue: Optional[asyncio.Queue] = None
         self._utility_futures: dict[int, asyncio.Future] = {}
-        super().__init__(config, engine_in_thread, wait_for_ready)
+        super().__init__(config, engine_in_thread, wait_for_ready, dp_rank)
 
     def _make_output_socket(self) -> zmq.Socket:
         self.async_ctx = zmq.asyncio.Context.shadow(self.ctx)

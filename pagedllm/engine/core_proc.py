@@ -172,6 +172,9 @@ class EngineCoreProc:
         addresses: the sockets' endpoints, chosen by the client.
         parent_pid: exit when the process's parent is no longer this pid (None: never
             check, e.g. when running in a thread of the front-end process).
+        dp_rank: this engine's data-parallel replica index, or None without replicas; the
+            platform then gives the process its share of the machine (``place_engine_replica``)
+            before the model loads.
 
     Raises:
         Exception: whatever building the EngineCore raised, after it was sent as FAILED
@@ -179,7 +182,11 @@ class EngineCoreProc:
     """
 
     def __init__(
-        self, config: EngineConfig | EngineArgs, addresses: EngineAddresses, parent_pid: Optional[int]
+        self,
+        config: EngineConfig | EngineArgs,
+        addresses: EngineAddresses,
+        parent_pid: Optional[int],
+        dp_rank: Optional[int] = None,
     ) -> None:
         from pagedllm.engine.core import EngineCore  # torch import: keep it off the client's import path
 
@@ -198,6 +205,8 @@ class EngineCoreProc:
             try:
                 if isinstance(config, EngineArgs):
                     config = config.create_engine_config()
+                if dp_rank is not None:
+                    _place_replica(dp_rank, config.parallel_config.data_parallel_size)
                 self.engine_core = EngineCore(config)
             except BaseException as exc:
                 self._send(handshake, EngineCoreOutputType.FAILED, failure_from_exception(exc))
@@ -300,6 +309,13 @@ class EngineCoreProc:
         self.ctx.term()
 
 
+def _place_replica(rank: int, size: int) -> None:
+    from pagedllm.platforms import current_platform
+
+    placement = current_platform.place_engine_replica(rank, size)
+    logger.info("Data-parallel engine %d of %d runs on %s.", rank, size, placement)
+
+
 def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
@@ -309,13 +325,15 @@ def run_engine_core(
     addresses: EngineAddresses,
     parent_pid: Optional[int],
     install_signal_handlers: bool = True,
+    dp_rank: Optional[int] = None,
 ) -> None:
     """Entry point of the engine process (``multiprocessing`` spawn) or thread.
 
     ``config`` may be the unresolved ``EngineArgs``: the engine then resolves them itself
     (an error is reported as a start-up FAILED), so the process can be started before the
     front end has imported torch and transformers (``pagedllm serve``'s start-up).
-    Builds the ``EngineCoreProc`` and serves until SHUTDOWN, SIGTERM or the parent's death.
+    Builds the ``EngineCoreProc`` (data-parallel replica ``dp_rank``, or None) and serves until
+    SHUTDOWN, SIGTERM or the parent's death.
     A process exits with status 1 after a start-up or run-time failure (reported to the
     client first), else 0; a thread just returns.
     """
@@ -327,7 +345,7 @@ def run_engine_core(
         signal.signal(signal.SIGTERM, _exit_on_signal)
     status = 0
     try:
-        proc = EngineCoreProc(config, addresses, parent_pid)
+        proc = EngineCoreProc(config, addresses, parent_pid, dp_rank)
     except BaseException:
         status = 1
     else:

@@ -151,8 +151,13 @@ class SchedulerStats(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
 class EngineCoreOutputs(
     msgspec.Struct, array_like=True, omit_defaults=True  # type: ignore[call-arg]
 ):
-    """All outputs of one EngineCore step, plus the step's scheduler statistics."""
+    """All outputs of one EngineCore step, plus the step's scheduler statistics.
+
+    ``engine_index``: the data-parallel replica that ran the step (0 without replicas; set
+    by the front end's ``DPAsyncMPClient`` as the outputs arrive).
+    """
 
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: Optional[SchedulerStats] = None
     timestamp: float = 0.0
+    engine_index: int = 0

@@ -60,10 +60,13 @@ def log_stats_interval() -> float:
 class LoggingStatLogger:
     """Accumulates engine statistics (``record``) and logs vLLM's summary line (``log``).
 
-    Times are ``time.monotonic()`` seconds; token counts are tokens.
+    Times are ``time.monotonic()`` seconds; token counts are tokens. ``engine_index``: with
+    data-parallel replicas, one logger per engine, whose line starts "Engine 001: " (as vLLM's);
+    None for the one engine.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, engine_index: Optional[int] = None) -> None:
+        self.prefix = "" if engine_index is None else f"Engine {engine_index:03d}: "
         self.last_log_time = time.monotonic()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -101,7 +104,7 @@ class LoggingStatLogger:
         busy = bool(self.num_prompt_tokens or self.num_generation_tokens or stats.num_running_reqs or stats.num_waiting_reqs)
         level = logging.INFO if busy or self._last_was_busy else logging.DEBUG
         line = (
-            f"Avg prompt throughput: {prompt_throughput:.1f} tokens/s, "
+            f"{self.prefix}Avg prompt throughput: {prompt_throughput:.1f} tokens/s, "
             f"Avg generation throughput: {generation_throughput:.1f} tokens/s, "
             f"Running: {stats.num_running_reqs} reqs, Waiting: {stats.num_waiting_reqs} reqs, "
             f"GPU KV cache usage: {stats.kv_cache_usage * 100:.1f}%, "

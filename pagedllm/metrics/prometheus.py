@@ -4,7 +4,8 @@ dashboard works after replacing ``vllm:`` with ``pagedllm:``).
 Every metric lives in the ``CollectorRegistry`` given to ``PrometheusStatLogger`` (one
 per ``AsyncLLM``: ``AsyncLLM.metrics_registry``); render it with
 ``prometheus_client.generate_latest(registry)``. All but ``cache_config_info`` and ``lora_requests_info`` carry the
-label ``model_name``.
+labels ``model_name`` and ``engine`` (the data-parallel replica, "0" without replicas; vLLM's
+labels), ``cache_config_info`` the label ``engine``.
 
 =============================================  =========  ==========================================
 name (as rendered)                              type       meaning (unit)
@@ -46,7 +47,7 @@ see ``pagedllm.metrics.stats`` for the exact definitions of the times.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Iterable, Optional
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -99,100 +100,31 @@ def build_iteration_buckets(max_num_batched_tokens: int) -> list[int]:
 class PrometheusStatLogger:
     """Creates the metrics in ``registry`` and updates them from engine statistics.
 
+    Every series carries the labels ``model_name`` and ``engine`` (the data-parallel replica's
+    index as a string, "0" without replicas), as vLLM V1's; a series exists for each engine from
+    the start.
+
     Args:
         registry: where the metrics are registered (must not hold them already).
         model_name: value of the ``model_name`` label (the served model name).
         config: for the cache configuration and the bucket limits (``max_model_len``,
             ``max_num_batched_tokens``); ``cache_config.num_gpu_blocks`` should be set.
+        engine_indexes: the engines whose statistics ``record`` receives.
     """
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, config: EngineConfig) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, model_name: str, config: EngineConfig, engine_indexes: Iterable[int] = (0,)
+    ) -> None:
         # NOTE: as vLLM: no ``*_created`` series (process-wide prometheus_client setting).
         prometheus_client.disable_created_metrics()
         self.registry = registry
-        labels = ["model_name"]
-        max_model_len = config.model_config.max_model_len
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=registry).labels(model_name)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=registry).labels(model_name)
-
-        def histogram(name: str, doc: str, buckets: list) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=registry).labels(
-                model_name
-            )
-
-        self.gauge_running = gauge("num_requests_running", "Number of requests in model execution batches.")
-        self.gauge_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
-        self.gauge_kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.counter_prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
-        self.counter_generation_tokens = counter(
-            "generation_tokens", "Number of generation tokens processed."
-        )
-        self.counter_preemptions = counter(
-            "num_preemptions", "Cumulative number of preemptions from the engine."
-        )
-        self.counter_prefix_queries = counter(
-            "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
-        )
-        self.counter_prefix_hits = counter(
-            "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
-        )
-        success = Counter(
-            PREFIX + "request_success",
-            "Count of successfully processed requests.",
-            labels + ["finished_reason"],
-            registry=registry,
-        )
-        self.counter_success = {reason: success.labels(model_name, reason) for reason in FINISHED_REASONS}
-        self.hist_ttft = histogram(
-            "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
-        )
-        self.hist_itl = histogram(
-            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
-        )
-        self.hist_e2e = histogram(
-            "e2e_request_latency_seconds",
-            "Histogram of e2e request latency in seconds.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.hist_queue = histogram(
-            "request_queue_time_seconds",
-            "Histogram of time spent in WAITING phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.hist_prefill = histogram(
-            "request_prefill_time_seconds",
-            "Histogram of time spent in PREFILL phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.hist_decode = histogram(
-            "request_decode_time_seconds",
-            "Histogram of time spent in DECODE phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        token_buckets = build_1_2_5_buckets(max_model_len)
-        self.hist_prompt_tokens = histogram(
-            "request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
-        )
-        self.hist_generation_tokens = histogram(
-            "request_generation_tokens", "Number of generation tokens processed.", token_buckets
-        )
-        self.hist_iteration_tokens = histogram(
-            "iteration_tokens_total",
-            "Histogram of number of tokens per engine_step.",
-            build_iteration_buckets(config.scheduler_config.max_num_batched_tokens),
-        )
-        self.hist_n = histogram("request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
-        self.hist_max_tokens = histogram(
-            "request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets
-        )
+        families = _Families(registry, config)
         spec = config.speculative_config
-        self.spec_decoding = (None if spec is None else
-                              SpecDecodingProm(registry, PREFIX, model_name, spec.num_speculative_tokens))
-        self._log_cache_config(config)
+        spec_decoding = None if spec is None else SpecDecodingProm(registry, PREFIX, spec.num_speculative_tokens)
+        self.engines = {
+            index: _EngineSeries(families, spec_decoding, [model_name, str(index)]) for index in engine_indexes
+        }
+        self._log_cache_config(config, model_name)
         self.max_lora = None if config.lora_config is None else str(config.lora_config.max_loras)
         self.gauge_lora_info = None if self.max_lora is None else Gauge(
             PREFIX + "lora_requests_info", "Running stats on lora requests.",
@@ -210,7 +142,7 @@ class PrometheusStatLogger:
             running_lora_adapters=",".join(stats.running_lora_adapters),
         ).set_to_current_time()
 
-    def _log_cache_config(self, config: EngineConfig) -> None:
+    def _log_cache_config(self, config: EngineConfig, model_name: str) -> None:
         cache = config.cache_config
         info = {
             "block_size": cache.block_size,
@@ -224,15 +156,128 @@ class PrometheusStatLogger:
         gauge = Gauge(
             PREFIX + "cache_config_info",
             "Information of the LLMEngine CacheConfig.",
-            list(info),
+            [*info, "engine"],
             registry=self.registry,
         )
-        gauge.labels(**{k: str(v) for k, v in info.items()}).set(1)
+        for index in self.engines:
+            gauge.labels(**{k: str(v) for k, v in info.items()}, engine=str(index)).set(1)
 
     def record(
-        self, scheduler_stats: Optional[SchedulerStats], iteration_stats: Optional[IterationStats]
+        self,
+        scheduler_stats: Optional[SchedulerStats],
+        iteration_stats: Optional[IterationStats],
+        engine_index: int = 0,
     ) -> None:
-        """Update the metrics with one engine step's scheduler and iteration statistics."""
+        """Update engine ``engine_index``'s series with one step's scheduler and iteration
+        statistics."""
+        if scheduler_stats is not None:
+            self._record_lora(scheduler_stats)
+        self.engines[engine_index].record(scheduler_stats, iteration_stats)
+
+
+class _Families:
+    """The metric families with the labels ``model_name`` and ``engine`` (see the module docstring)."""
+
+    def __init__(self, registry: CollectorRegistry, config: EngineConfig) -> None:
+        labels = ["model_name", "engine"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=registry)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=registry)
+
+        def histogram(name: str, doc: str, buckets: list) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=registry)
+
+        self.gauge_running = gauge("num_requests_running", "Number of requests in model execution batches.")
+        self.gauge_waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        self.gauge_kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.counter_prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.counter_generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        self.counter_preemptions = counter("num_preemptions", "Cumulative number of preemptions from the engine.")
+        self.counter_prefix_queries = counter(
+            "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.counter_prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.counter_success = Counter(
+            PREFIX + "request_success",
+            "Count of successfully processed requests.",
+            labels + ["finished_reason"],
+            registry=registry,
+        )
+        self.hist_ttft = histogram(
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.hist_itl = histogram(
+            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self.hist_e2e = histogram(
+            "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS
+        )
+        self.hist_queue = histogram(
+            "request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.hist_prefill = histogram(
+            "request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.hist_decode = histogram(
+            "request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        token_buckets = build_1_2_5_buckets(config.model_config.max_model_len)
+        self.hist_prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
+        self.hist_generation_tokens = histogram(
+            "request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
+        self.hist_iteration_tokens = histogram(
+            "iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            build_iteration_buckets(config.scheduler_config.max_num_batched_tokens),
+        )
+        self.hist_n = histogram("request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        self.hist_max_tokens = histogram(
+            "request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets
+        )
+
+
+class _EngineSeries:
+    """One engine's series of every family (label values ``[model_name, engine]``)."""
+
+    def __init__(self, families: _Families, spec_decoding: Optional[SpecDecodingProm], label_values: list[str]) -> None:
+        def bind(family: Any) -> Any:
+            return family.labels(*label_values)
+
+        self.gauge_running = bind(families.gauge_running)
+        self.gauge_waiting = bind(families.gauge_waiting)
+        self.gauge_kv_usage = bind(families.gauge_kv_usage)
+        self.counter_prompt_tokens = bind(families.counter_prompt_tokens)
+        self.counter_generation_tokens = bind(families.counter_generation_tokens)
+        self.counter_preemptions = bind(families.counter_preemptions)
+        self.counter_prefix_queries = bind(families.counter_prefix_queries)
+        self.counter_prefix_hits = bind(families.counter_prefix_hits)
+        self.counter_success = {
+            reason: families.counter_success.labels(*label_values, reason) for reason in FINISHED_REASONS
+        }
+        self.hist_ttft = bind(families.hist_ttft)
+        self.hist_itl = bind(families.hist_itl)
+        self.hist_e2e = bind(families.hist_e2e)
+        self.hist_queue = bind(families.hist_queue)
+        self.hist_prefill = bind(families.hist_prefill)
+        self.hist_decode = bind(families.hist_decode)
+        self.hist_prompt_tokens = bind(families.hist_prompt_tokens)
+        self.hist_generation_tokens = bind(families.hist_generation_tokens)
+        self.hist_iteration_tokens = bind(families.hist_iteration_tokens)
+        self.hist_n = bind(families.hist_n)
+        self.hist_max_tokens = bind(families.hist_max_tokens)
+        self.spec_decoding = None if spec_decoding is None else spec_decoding.series(label_values)
+
+    def record(self, scheduler_stats: Optional[SchedulerStats], iteration_stats: Optional[IterationStats]) -> None:
         if scheduler_stats is not None:
             self.gauge_running.set(scheduler_stats.num_running_reqs)
             self.gauge_waiting.set(scheduler_stats.num_waiting_reqs)
@@ -240,7 +285,6 @@ class PrometheusStatLogger:
             self.counter_preemptions.inc(scheduler_stats.num_preemptions)
             self.counter_prefix_queries.inc(scheduler_stats.prefix_cache_queries)
             self.counter_prefix_hits.inc(scheduler_stats.prefix_cache_hits)
-            self._record_lora(scheduler_stats)
             if self.spec_decoding is not None and scheduler_stats.spec_decoding_stats is not None:
                 self.spec_decoding.observe(scheduler_stats.spec_decoding_stats)
         if iteration_stats is None:

@@ -24,18 +24,34 @@ from pagedllm.messages.engine_core import SpecDecodingStats
 
 
 class SpecDecodingProm:
-    """The four counters, labelled ``model_name`` (and ``position``)."""
+    """The four counter families, labelled ``model_name`` and ``engine`` (and ``position``)."""
 
-    def __init__(self, registry: CollectorRegistry, prefix: str, model_name: str, num_spec_tokens: int) -> None:
+    def __init__(self, registry: CollectorRegistry, prefix: str, num_spec_tokens: int) -> None:
+        labels = ["model_name", "engine"]
+
         def counter(name: str, doc: str) -> Counter:
-            return Counter(prefix + name, doc, ["model_name"], registry=registry).labels(model_name)
+            return Counter(prefix + name, doc, labels, registry=registry)
 
         self.num_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
         self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.")
-        per_pos = Counter(prefix + "spec_decode_num_accepted_tokens_per_pos",
-                          "Accepted tokens per draft position.", ["model_name", "position"], registry=registry)
-        self.per_pos = [per_pos.labels(model_name, str(i)) for i in range(num_spec_tokens)]
+        self.per_pos = Counter(prefix + "spec_decode_num_accepted_tokens_per_pos",
+                               "Accepted tokens per draft position.", labels + ["position"], registry=registry)
+        self.num_spec_tokens = num_spec_tokens
+
+    def series(self, label_values: list[str]) -> "SpecDecodingSeries":
+        """One engine's counters (``label_values``: ``[model_name, engine]``)."""
+        return SpecDecodingSeries(self, label_values)
+
+
+class SpecDecodingSeries:
+    """One engine's speculative-decoding counters; ``observe`` adds one step's statistics."""
+
+    def __init__(self, families: SpecDecodingProm, label_values: list[str]) -> None:
+        self.num_drafts = families.num_drafts.labels(*label_values)
+        self.num_draft_tokens = families.num_draft_tokens.labels(*label_values)
+        self.num_accepted_tokens = families.num_accepted_tokens.labels(*label_values)
+        self.per_pos = [families.per_pos.labels(*label_values, str(i)) for i in range(families.num_spec_tokens)]
 
     def observe(self, stats: SpecDecodingStats) -> None:
         self.num_drafts.inc(stats.num_drafts)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import resource
 from typing import Callable
 
 import psutil
+import torch
 
 from pagedllm.platforms.cpu_malloc import tune_malloc
 from pagedllm.platforms.interface import Platform
@@ -22,10 +24,27 @@ class CpuPlatform(Platform):
 
     device_type = "cpu"
     attn_backend_preference = ("CPU_ATTN", "TORCH_SDPA")
+    #: The share of the RAM this process may use: 1 / data-parallel replicas.
+    memory_share: float = 1.0
 
     def total_memory_bytes(self) -> int:
-        """The RAM available now, in bytes."""
-        return psutil.virtual_memory().available
+        """The RAM available now, in bytes (this replica's share of it)."""
+        return int(psutil.virtual_memory().available * self.memory_share)
+
+    def place_engine_replica(self, rank: int, size: int) -> str:
+        """Pin this process to share ``rank`` of the CPUs it may run on (``split_cpus``), run
+        as many torch (OpenMP) threads as CPUs in the share, and use 1 / ``size`` of the RAM
+        available: replicas never compete for a core (on 2 cores, 2 replicas get one each).
+
+        Raises:
+            ValueError: fewer CPUs than replicas.
+        """
+        cpus = sorted(os.sched_getaffinity(0))
+        share = split_cpus(cpus, size)[rank]
+        os.sched_setaffinity(0, share)
+        torch.set_num_threads(len(share))
+        self.memory_share = 1.0 / size
+        return f"CPU(s) {', '.join(map(str, share))} ({len(share)} thread(s), 1/{size} of the RAM)"
 
     def profile_activation_peak(self, dummy_run: Callable[[int], None], max_num_tokens: int) -> int:
         """The growth of the process's peak RSS over a ``PROFILE_TOKENS``-token dummy run,
@@ -40,3 +59,24 @@ class CpuPlatform(Platform):
         """From now on step buffers stay in the heap (``cpu_malloc``); not before: the
         weights and the KV cache, allocated once, load faster as mappings of their own."""
         tune_malloc()
+
+
+def split_cpus(cpus: list[int], size: int) -> list[list[int]]:
+    """``cpus`` cut into ``size`` contiguous, disjoint shares whose lengths differ by at most
+    one (the first shares take the remainder): ``split_cpus([0, 1, 2], 2) == [[0, 1], [2]]``.
+
+    Raises:
+        ValueError: fewer CPUs than shares.
+    """
+    if size > len(cpus):
+        raise ValueError(
+            f"data_parallel_size={size} needs at least one CPU per replica; this process may run on "
+            f"{len(cpus)} CPU(s) ({', '.join(map(str, cpus))})."
+        )
+    base, extra = divmod(len(cpus), size)
+    shares, start = [], 0
+    for index in range(size):
+        end = start + base + (index < extra)
+        shares.append(cpus[start:end])
+        start = end
+    return shares

@@ -11,14 +11,28 @@ from pagedllm.platforms.interface import Platform
 
 
 class CudaPlatform(Platform):
-    """An NVIDIA GPU (device 0); attention by portable PyTorch until a CUDA backend registers."""
+    """An NVIDIA GPU (device 0, or a data-parallel replica's device); attention by portable PyTorch until a CUDA backend registers."""
 
     device_type = "cuda"
     attn_backend_preference = ("TORCH_SDPA",)
 
     def total_memory_bytes(self) -> int:
-        """The GPU's total memory, in bytes."""
-        return torch.cuda.get_device_properties(0).total_memory
+        """The current GPU's total memory, in bytes."""
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+    def place_engine_replica(self, rank: int, size: int) -> str:
+        """Make device ``rank`` this process's current device (``torch.device("cuda")``).
+
+        Raises:
+            ValueError: fewer visible devices than replicas.
+        """
+        count = torch.cuda.device_count()
+        if size > count:
+            raise ValueError(
+                f"data_parallel_size={size} needs one CUDA device per replica; {count} device(s) are visible."
+            )
+        torch.cuda.set_device(rank)
+        return f"cuda:{rank}"
 
     def check_free_memory(self, gpu_memory_utilization: float) -> None:
         """vLLM's start-up check: the engine will take ``gpu_memory_utilization`` x the

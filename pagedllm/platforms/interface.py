@@ -71,5 +71,16 @@ class Platform:
         """Process-wide settings for the step loop, applied once by the model runner after
         the weights and the KV cache are allocated. Default: none."""
 
+    def place_engine_replica(self, rank: int, size: int) -> str:
+        """Give this process (data-parallel engine replica ``rank`` of ``size``, vLLM's
+        ``--data-parallel-size``) its own share of the machine, before the model loads.
+        Called in the replica's process only when ``size`` > 1. Returns what the replica got,
+        in words (for the log).
+
+        Raises:
+            ValueError: the machine has fewer units (cores, devices) than replicas.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot place data-parallel replicas")
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -46,7 +46,8 @@ def reference_llm(tiny_llama):
 
 
 def metric(llm: AsyncLLM, name: str, **labels) -> float:
-    value = llm.metrics_registry.get_sample_value(name, {"model_name": llm.served_model_name, **labels})
+    labels = {"model_name": llm.served_model_name, "engine": "0", **labels}
+    value = llm.metrics_registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
 
 

@@ -295,7 +295,9 @@ def test_more_logprobs_than_openai_when_max_logprobs_allows(llm, tiny_llama):
     [
         ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 is not supported yet"),
         ({"pipeline_parallel_size": 4}, "pipeline_parallel_size=4 is not supported yet"),
-        ({"data_parallel_size": 2}, "data_parallel_size=2 is not supported yet"),
+        ({"data_parallel_size": 2}, r"data_parallel_size=2 is not supported yet offline \(LLM runs one engine core\); "
+                                    r"serve the replicas behind one API server: pagedllm serve MODEL -dp 2\."),
+        ({"data_parallel_size": 0}, "data_parallel_size must be at least 1, got 0."),
         ({"distributed_executor_backend": "ray"}, "distributed_executor_backend='ray' is not supported yet"),
         ({"load_format": "pt"}, "load_format='pt' is not supported yet"),
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not supported yet"),

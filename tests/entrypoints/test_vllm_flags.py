@@ -92,7 +92,6 @@ def test_help_documents_the_vllm_flags_and_the_no_ops(capsys):
     [
         (["--tensor-parallel-size", "2"], "tensor_parallel_size=2 is not supported yet"),
         (["-pp", "2"], "pipeline_parallel_size=2 is not supported yet"),
-        (["-dp", "4"], "data_parallel_size=4 is not supported yet"),
         (["--distributed-executor-backend", "mp"], "distributed_executor_backend='mp' is not supported yet"),
         (["--load-format", "pt"], "load_format='pt' is not supported yet"),
         (["--kv-cache-dtype", "fp8"], "kv_cache_dtype='fp8' is not supported yet"),
@@ -124,6 +123,7 @@ def test_values_not_built_fail_at_once_in_one_line(argv, message, capsys):
     "argv, message",
     [
         (["--reasoning-parser", "deepseek_r1"], "--reasoning-parser is not supported yet"),
+        (["-dp", "0"], "argument --data-parallel-size/-dp: invalid value '0': expected a positive integer"),
     ],
 )
 def test_server_features_not_built_fail_while_parsing(argv, message, capsys):

@@ -53,7 +53,8 @@ def families(registry: CollectorRegistry) -> dict:
 
 
 def value(registry: CollectorRegistry, name: str, **labels) -> float:
-    return registry.get_sample_value(f"pagedllm:{name}", {"model_name": MODEL, **labels}) or 0.0
+    labels = {"model_name": MODEL, "engine": "0", **labels}
+    return registry.get_sample_value(f"pagedllm:{name}", labels) or 0.0
 
 
 def output(request_id, tokens, finish=None, events=None) -> EngineCoreOutput:
@@ -142,16 +143,35 @@ def test_logger_records_exactly_and_registries_are_independent(tiny_llama):
             "prefix_caching_hash_algo": "sha256",
             "num_gpu_blocks": "123",
             "cache_dtype": str(config.model_config.dtype).replace("torch.", ""),
+            "engine": "0",
         },
     )
     assert info == 1
-    # every vLLM V1 name is there, with the prefix and the model_name label
+    # every vLLM V1 name is there, with the prefix and the model_name and engine labels
     found = families(r)
     for name in GAUGES + COUNTERS + HISTOGRAMS:
         family = found[f"pagedllm:{name}"]
-        assert all(s.labels["model_name"] == MODEL for s in family.samples), name
+        assert all(s.labels["model_name"] == MODEL and s.labels["engine"] == "0" for s in family.samples), name
     assert found["pagedllm:cache_config_info"].type == "gauge"
     assert not any(n.endswith("_created") for f in found.values() for n in (s.name for s in f.samples))
+
+
+def test_each_engine_has_its_own_series(tiny_llama):
+    """Data-parallel replicas: every engine's series exists from the start (label ``engine``,
+    vLLM's), and a step's statistics go to its engine only."""
+    config = EngineArgs(model=str(tiny_llama), max_num_batched_tokens=512).create_engine_config()
+    registry = CollectorRegistry()
+    logger = PrometheusStatLogger(registry, MODEL, config, engine_indexes=range(2))
+    assert value(registry, "generation_tokens_total", engine="1") == 0
+    assert registry.get_sample_value("pagedllm:generation_tokens_total", {"model_name": MODEL, "engine": "1"}) == 0
+    logger.record(SchedulerStats(3, 1, 0.5), IterationStats(num_generation_tokens=5), engine_index=1)
+    logger.record(SchedulerStats(1, 0, 0.25), IterationStats(num_generation_tokens=2), engine_index=0)
+    assert value(registry, "generation_tokens_total", engine="1") == 5
+    assert value(registry, "generation_tokens_total", engine="0") == 2
+    assert value(registry, "num_requests_running", engine="1") == 3
+    assert value(registry, "kv_cache_usage_perc", engine="0") == 0.25
+    engines = {s.labels["engine"] for s in families(registry)["pagedllm:cache_config_info"].samples}
+    assert engines == {"0", "1"}
 
 
 def test_bucket_builders():

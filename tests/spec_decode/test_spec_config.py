@@ -114,11 +114,11 @@ def test_metrics_and_log_line(tiny_llama):
     registry = CollectorRegistry()
     PrometheusStatLogger(registry, "m", config).record(scheduler_stats, None)
     text = generate_latest(registry).decode()
-    assert 'pagedllm:spec_decode_num_drafts_total{model_name="m"} 2.0' in text
-    assert 'pagedllm:spec_decode_num_draft_tokens_total{model_name="m"} 6.0' in text
-    assert 'pagedllm:spec_decode_num_accepted_tokens_total{model_name="m"} 2.0' in text
+    assert 'pagedllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 2.0' in text
+    assert 'pagedllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 6.0' in text
+    assert 'pagedllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 2.0' in text
     for position, value in enumerate([1.0, 1.0, 0.0]):
-        assert (f'pagedllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{position}"}} '
+        assert (f'pagedllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="{position}"}} '
                 f"{value}") in text
 
 

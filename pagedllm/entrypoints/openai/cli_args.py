@@ -439,9 +439,13 @@ def _add_vllm_engine_flags(engine: Any) -> None:
     for flag, short, what in (
         ("--tensor-parallel-size", "-tp", "Devices the model's layers are split over"),
         ("--pipeline-parallel-size", "-pp", "Pipeline stages"),
-        ("--data-parallel-size", "-dp", "Engine replicas"),
     ):
         engine.add_argument(flag, short, type=positive_int, default=1, help=f"{what}: 1 (others are not supported yet).")
+    engine.add_argument(
+        "--data-parallel-size", "-dp", type=positive_int, default=1,
+        help="Engine replicas behind this server, each in its own process (on CPU: its own share of the cores; on "
+        "CUDA: its own device); requests go to the least loaded one.",
+    )  # fmt: skip
     engine.add_argument(
         "--distributed-executor-backend", default=None, choices=("ray", "mp", "uni", "external_launcher"),
         help="How workers run: 'uni' (one worker in the engine process, the default here); others are not "
@@ -680,9 +684,10 @@ async def _serve(args: argparse.Namespace, engine_args: Any, sock: socket.socket
     # NOTE: start-up order: the engine process starts first (it imports torch and loads
     # the model on its own), then this process imports torch/transformers/FastAPI,
     # resolves and checks the configuration and loads the tokenizer meanwhile.
-    from pagedllm.engine.core_client import AsyncMPClient
+    from pagedllm.engine.core_client import EngineCoreClient
 
-    engine_core = AsyncMPClient(engine_args, wait_for_ready=False)
+    # one engine-core process, or one per data-parallel replica (``-dp``)
+    engine_core = EngineCoreClient.make_client(engine_args, multiprocess=True, asyncio_mode=True, wait_for_ready=False)
     try:
         import uvicorn
 

@@ -1,0 +1,135 @@
+"""``pagedllm serve -dp 2``: two engine-core replicas behind one API server (issue 17), on real
+servers with the official ``openai`` client:
+
+- many concurrent requests use both replicas (``/metrics`` per ``engine`` label) and give the
+  same greedy outputs as one engine; each replica runs on its own CPU;
+- one replica killed: every open request fails with an error naming it (no hang), and the
+  server exits with code 1;
+- more replicas than CPUs: a one-line start-up error naming the numbers, exit code 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import psutil
+import pytest
+
+from tests.entrypoints.openai.conftest import MODEL_NAME
+from tests.server_utils import RemoteServer
+
+CPUS = sorted(os.sched_getaffinity(0))
+pytestmark = pytest.mark.skipif(len(CPUS) < 2, reason="two replicas need two CPUs")
+
+#: Prompts of 3 to 40 tokens: some share no full block, some share their first block.
+PROMPTS = [list(range(10 + i, 13 + 2 * i)) for i in range(12)] + [list(range(50, 66)) + [i] for i in range(4)]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def dp_server(tiny_llama):
+    remote = RemoteServer(tiny_llama, "--served-model-name", MODEL_NAME, "--max-model-len", "2K", "-dp", "2")
+    try:
+        yield remote
+    finally:
+        remote.close()
+
+
+async def _complete_all(client: openai.AsyncOpenAI) -> list[tuple[str, int]]:
+    async def one(prompt: list[int]) -> tuple[str, int]:
+        reply = await client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True}
+        )
+        return reply.choices[0].text, reply.usage.completion_tokens
+
+    return list(await asyncio.gather(*(one(prompt) for prompt in PROMPTS)))
+
+
+def _settled(server: RemoteServer) -> dict[str, float]:
+    deadline = time.monotonic() + 5.0
+    while True:
+        metrics = server.metrics(by_engine=True)
+        busy = sum(v for k, v in metrics.items() if k.startswith(("pagedllm:num_requests_running{", "pagedllm:num_requests_waiting{")))
+        if not busy or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.05)
+
+
+def test_both_replicas_serve_and_match_one_engine(dp_server, server):
+    affinities = sorted(psutil.Process(pid).cpu_affinity() for pid in dp_server.engine_pids())
+    assert len(affinities) == 2 and not set(affinities[0]) & set(affinities[1])  # disjoint CPU shares
+    assert sorted(affinities[0] + affinities[1]) == CPUS
+    before = _settled(dp_server)
+    replies = asyncio.run(_complete_all(dp_server.async_client(timeout=60)))
+    expected = asyncio.run(_complete_all(server.async_client(timeout=60)))
+    assert replies == expected and all(tokens == MAX_TOKENS for _, tokens in replies)
+    after = _settled(dp_server)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    finished = [delta(f"pagedllm:request_success_total{{engine={e},finished_reason=length}}") for e in "01"]
+    generated = [delta(f"pagedllm:generation_tokens_total{{engine={e}}}") for e in "01"]
+    assert min(finished) > 0 and sum(finished) == len(PROMPTS)  # both replicas used, each request once
+    assert generated == [n * MAX_TOKENS for n in finished]
+    assert sum(delta(f"pagedllm:prompt_tokens_total{{engine={e}}}") for e in "01") == sum(map(len, PROMPTS))
+    assert all(after[f"pagedllm:kv_cache_usage_perc{{engine={e}}}"] == 0.0 for e in "01")
+
+
+async def _stream_until_failure(client: openai.AsyncOpenAI, started: asyncio.Event) -> BaseException:
+    stream = await client.completions.create(
+        model=MODEL_NAME, prompt="long", max_tokens=1500, stream=True, extra_body={"ignore_eos": True}
+    )
+    try:
+        async for _ in stream:
+            started.set()
+    except openai.APIError as exc:
+        return exc
+    raise AssertionError("the stream ended without an error")
+
+
+def test_a_killed_replica_fails_open_requests_and_the_server_exits_1(tiny_llama):
+    remote = RemoteServer(tiny_llama, "--served-model-name", MODEL_NAME, "--max-model-len", "2K", "-dp", "2")
+    try:
+        pids = remote.engine_pids()
+        replica_1 = max(pids, key=lambda pid: psutil.Process(pid).cpu_affinity()[0])  # the second share
+        survivor = next(pid for pid in pids if pid != replica_1)
+
+        async def scenario() -> list[BaseException]:
+            client = remote.async_client(timeout=30)
+            started = [asyncio.Event() for _ in range(4)]
+            streams = [asyncio.create_task(_stream_until_failure(client, event)) for event in started]
+            for event in started:  # every stream is running (two on each replica)
+                await asyncio.wait_for(event.wait(), 30)
+            os.kill(replica_1, signal.SIGKILL)
+            return list(await asyncio.wait_for(asyncio.gather(*streams), 30))
+
+        errors = asyncio.run(scenario())
+        code = remote.process.wait(timeout=30)
+        log = remote.log_text()
+        survivor_gone = not psutil.pid_exists(survivor) or psutil.Process(survivor).status() == psutil.STATUS_ZOMBIE
+    finally:
+        remote.close()
+    assert code == 1
+    dead = f"Data-parallel engine 1 (of 2) is dead: The engine core process (pid {replica_1}) exited with code -9"
+    assert all(dead in str(error) for error in errors), errors
+    assert dead in log and "stopping the API server (exit code 1)" in log
+    assert survivor_gone
+
+
+def test_more_replicas_than_cpus_is_a_start_up_error(tiny_llama):
+    size = len(CPUS) + 1
+    result = subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", str(tiny_llama), "--port", "0", "-dp", str(size)],
+        capture_output=True, text=True, timeout=180, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    assert result.returncode == 2
+    cpus = ", ".join(map(str, CPUS))
+    message = f"data_parallel_size={size} needs at least one CPU per replica; this process may run on {len(CPUS)} CPU(s) ({cpus})."
+    assert result.stderr.strip().splitlines()[-1] == f"pagedllm serve: error: {message}"
