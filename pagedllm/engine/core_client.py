@@ -37,7 +37,7 @@ import tempfile
 import threading
 import weakref
 from abc import ABC, abstractmethod
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import msgspec
 import zmq
@@ -264,6 +264,23 @@ def _startup_error(failure: EngineFailure) -> Exception:
         )
     error.__cause__ = cause
     return error
+
+
+async def next_output(queue: asyncio.Queue, check_alive: Callable[[], None]) -> EngineCoreOutputs:
+    """The next ``EngineCoreOutputs`` of an async client's queue, where a reader puts the
+    engine's ``EngineDeadError`` last. ``check_alive`` raises it when the queue is empty and
+    the engine is already known dead.
+
+    Raises:
+        EngineDeadError: the engine died or failed (also for calls waiting when it did).
+    """
+    if queue.empty():
+        check_alive()
+    item = await queue.get()
+    if isinstance(item, EngineDeadError):
+        queue.put_nowait(item)  # every later caller sees it too
+        raise item.fresh()
+    return item
 
 
 class _BackgroundClient(EngineCoreClient):
@@ -599,14 +616,7 @@ class AsyncMPClient(_BackgroundClient):
         Raises:
             EngineDeadError: the engine died or failed (also for calls waiting when it did).
         """
-        queue = self._ensure_reader()
-        if queue.empty():
-            self._check_alive()
-        item = await queue.get()
-        if isinstance(item, EngineDeadError):
-            queue.put_nowait(item)  # every later caller sees it too
-            raise item.fresh()
-        return item
+        return await next_output(self._ensure_reader(), self._check_alive)
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         self._check_alive()

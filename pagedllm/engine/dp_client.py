@@ -27,7 +27,7 @@ import logging
 from typing import Any, Iterable, Optional
 
 from pagedllm.config import EngineArgs, EngineConfig
-from pagedllm.engine.core_client import AsyncMPClient, EngineCoreClient
+from pagedllm.engine.core_client import AsyncMPClient, EngineCoreClient, next_output
 from pagedllm.engine.dp_router import DPRouter
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest
@@ -152,19 +152,9 @@ class DPAsyncMPClient(EngineCoreClient):
             queue.put_nowait(self._dead_error)
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        """The next step's outputs of any replica (``engine_index`` says which).
-
-        Raises:
-            EngineDeadError: a replica died or failed (also for calls waiting when it did).
-        """
-        queue = self._ensure_forwarders()
-        if queue.empty():
-            self._check_alive()
-        item = await queue.get()
-        if isinstance(item, EngineDeadError):
-            queue.put_nowait(item)  # every later caller sees it too
-            raise item.fresh()
-        return item
+        """The next step's outputs of any replica (``engine_index`` says which); raises
+        ``EngineDeadError`` once a replica died or failed (also in calls waiting then)."""
+        return await next_output(self._ensure_forwarders(), self._check_alive)
 
     # -- requests -----------------------------------------------------------------------------
 

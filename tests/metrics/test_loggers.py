@@ -42,6 +42,14 @@ def test_line_averages_over_the_interval(records):
     assert records()[-1][0] == logging.DEBUG  # idle: kept out of an INFO log
 
 
+def test_a_data_parallel_engine_names_itself(records):
+    stat_logger = LoggingStatLogger(engine_index=1)
+    stat_logger.record(SchedulerStats(num_running_reqs=2), IterationStats(num_generation_tokens=8))
+    line = stat_logger.log(now=stat_logger.last_log_time + 4.0)
+    assert line.startswith("Engine 001: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 2.0 tokens/s, Running: 2 reqs")
+    assert records() == [(logging.INFO, line)]
+
+
 def test_running_requests_without_new_tokens_are_not_idle(records):
     stat_logger = LoggingStatLogger()
     stat_logger.record(SchedulerStats(num_running_reqs=1), IterationStats())
