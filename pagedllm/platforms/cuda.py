@@ -41,8 +41,9 @@ class CudaPlatform(Platform):
         Raises:
             ValueError: naming the free, total and wanted GiB.
         """
-        free, total = torch.cuda.mem_get_info(0)
-        free += torch.cuda.memory_reserved(0) - torch.cuda.memory_allocated(0)  # cached here, reusable
+        # the current device: a data-parallel replica's
+        free, total = torch.cuda.mem_get_info()
+        free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()  # cached here, reusable
         wanted = gpu_memory_utilization * total
         if free < wanted:
             raise ValueError(
