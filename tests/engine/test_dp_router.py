@@ -29,21 +29,21 @@ def test_short_prompts_go_to_the_least_loaded_replica():
     assert router.loads == [3, 2, 2]
 
 
-def test_a_shared_first_block_prefers_one_replica_within_the_margin():
+def test_a_shared_first_block_follows_its_replica_within_the_margin():
     router = DPRouter(2, BLOCK)
     prefix = list(range(100, 100 + BLOCK))
-    preferred = router.preferred_replica(request("x", prefix + [1]))
-    assert preferred is not None
-    # the tail after the first block does not matter; the salt and the adapter do
-    assert router.preferred_replica(request("y", prefix + [7, 8, 9])) == preferred
-    keys = {router.preferred_replica(request("z", prefix + [1], cache_salt=f"s{i}")) for i in range(16)}
-    keys |= {router.preferred_replica(request("z", prefix, lora=LoRARequest(f"a{i}", i + 1))) for i in range(16)}
-    assert keys == {0, 1}
-    ranks = [router.route(request(f"r{i}", prefix + [i])) for i in range(2 + 2 * PREFIX_AFFINITY_MARGIN)]
-    # the preferred replica takes them until it holds MARGIN more than the other, then they alternate
-    assert ranks[: PREFIX_AFFINITY_MARGIN + 1] == [preferred] * (PREFIX_AFFINITY_MARGIN + 1)
-    assert max(router.loads) - min(router.loads) <= PREFIX_AFFINITY_MARGIN + 1
-    assert sum(router.loads) == len(ranks)
+    assert router.route(request("other", [1, 2, 3])) == 0  # a short prompt: no affinity
+    assert router.route(request("first", prefix + [1])) == 1  # first seen: the least loaded
+    # the same first block (any tail) follows it while replica 1 is at most MARGIN busier
+    ranks = [router.route(request(f"r{i}", prefix + [7, i])) for i in range(PREFIX_AFFINITY_MARGIN + 1)]
+    assert ranks == [1] * (PREFIX_AFFINITY_MARGIN + 1) and router.loads == [1, 2 + PREFIX_AFFINITY_MARGIN]
+    assert router.route(request("spill", prefix)) == 0  # beyond the margin: the least loaded,
+    assert router.route(request("next", prefix + [9])) == 0  # and the prefix follows it there
+    # another cache salt or LoRA adapter is another first block: no affinity
+    assert router.route(request("salted", prefix, cache_salt="s")) == 0
+    router.finish("other")
+    assert router.route(request("lora", prefix, lora=LoRARequest("a", 1))) == 0
+    assert router.loads == [4, 4]
 
 
 def test_split_cpus_gives_disjoint_shares_and_names_the_numbers():
