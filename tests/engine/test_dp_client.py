@@ -15,8 +15,9 @@ from pagedllm import SamplingParams
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.dp_client import DPAsyncMPClient
+from tests.helpers import cpu_only
 
-pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two replicas need two CPUs")
+two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two replicas need two CPUs")
 
 
 def metric(llm: AsyncLLM, name: str, **labels) -> float:
@@ -36,6 +37,8 @@ async def wait_idle(llm: AsyncLLM, timeout_s: float = 5.0) -> list[dict]:
         await asyncio.sleep(0.02)
 
 
+@cpu_only
+@two_cpus
 def test_aborts_reach_the_serving_replica_and_both_end_idle(tiny_llama):
     args = EngineArgs(model=str(tiny_llama), dtype="float32", kv_cache_memory_bytes=8 << 20,
                       data_parallel_size=2, usage_context="api_server")  # fmt: skip

@@ -22,10 +22,12 @@ import psutil
 import pytest
 
 from tests.entrypoints.openai.conftest import MODEL_NAME
+from tests.helpers import cpu_only
 from tests.server_utils import RemoteServer
 
 CPUS = sorted(os.sched_getaffinity(0))
-pytestmark = pytest.mark.skipif(len(CPUS) < 2, reason="two replicas need two CPUs")
+# NOTE: CPU placement (one core share per replica); on CUDA each replica needs its own device.
+pytestmark = [cpu_only, pytest.mark.skipif(len(CPUS) < 2, reason="two replicas need two CPUs")]
 
 #: Prompts of 3 to 40 tokens: some share no full block, some share their first block.
 PROMPTS = [list(range(10 + i, 13 + 2 * i)) for i in range(12)] + [list(range(50, 66)) + [i] for i in range(4)]
