@@ -309,13 +309,14 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the model spreads over devices: parallel sizes (1 today) and the executor.
+    """How the model spreads over devices: parallel sizes and the executor.
 
     ``data_parallel_size`` counts engine replicas (vLLM's); it is not part of ``world_size``.
 
     ``distributed_executor_backend``: ``"uni"`` (one worker in the engine's process),
-    ``"mp"`` or ``"ray"`` (not supported yet), an ``Executor`` subclass, or None: ``"uni"``
-    for a world size of 1 (see ``Executor.get_class``).
+    ``"mp"`` (one worker process per rank), ``"ray"`` (not supported yet), an ``Executor``
+    subclass, or None: ``"uni"`` for a world size of 1, else ``"mp"`` (see
+    ``Executor.get_class``).
     """
 
     tensor_parallel_size: int = 1
@@ -326,6 +327,39 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def verify_with_model_config(self, model_config: ModelConfig) -> None:
+        """Check that the model splits over ``tensor_parallel_size`` ranks: the query heads
+        and the vocabulary (no padding) by it, and KV heads by it or it by them (each KV
+        head then held by ``tp / num_kv_heads`` ranks, as vLLM); and that data-parallel
+        replicas do not also have several workers (not built yet).
+
+        Raises:
+            ValueError: naming the sizes that do not divide, or both data and tensor parallelism.
+        """
+        tp = self.tensor_parallel_size
+        if tp < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size ({tp}) and pipeline_parallel_size ({self.pipeline_parallel_size}) must be at least 1."
+            )
+        if self.data_parallel_size > 1 and self.world_size > 1:
+            raise ValueError(
+                f"data_parallel_size {self.data_parallel_size} with tensor_parallel_size {tp} is not supported yet "
+                f"(replicas and their workers are not placed together yet); use one of them."
+            )
+        hf = model_config.hf_config
+        num_heads, num_kv_heads, vocab = hf.num_attention_heads, model_config.num_kv_heads, model_config.vocab_size
+        if num_heads % tp:
+            raise ValueError(
+                f"tensor_parallel_size {tp} does not divide the model's num_attention_heads {num_heads}."
+            )
+        if num_kv_heads % tp and tp % num_kv_heads:
+            raise ValueError(
+                f"tensor_parallel_size {tp} and the model's num_key_value_heads {num_kv_heads}: neither divides "
+                f"the other."
+            )
+        if vocab % tp:
+            raise ValueError(f"tensor_parallel_size {tp} does not divide the model's vocab_size {vocab}.")
 
 
 @dataclass
@@ -602,9 +636,8 @@ def _check_generation_config(value: str) -> None:
 #: vLLM engine arguments accepted with only some of vLLM's values: argument -> (the values
 #: built here, why). ``EngineArgs`` refuses any other value at once: "... is not supported yet".
 PARTLY_BUILT_ARGS: dict[str, tuple[tuple, str]] = {
-    "tensor_parallel_size": ((1,), "pagedllm runs the model on one device"),
-    "pipeline_parallel_size": ((1,), "pagedllm runs the model on one device"),
-    "distributed_executor_backend": ((None, "uni"), "pagedllm runs one worker, in the engine process"),
+    "pipeline_parallel_size": ((1,), "pagedllm splits a model by tensor parallelism only"),
+    "distributed_executor_backend": ((None, "uni", "mp"), "pagedllm runs its workers on one machine"),
     "load_format": (("auto", "safetensors", "gguf"), "pagedllm loads *.safetensors checkpoints and .gguf files"),
     "kv_cache_dtype": (("auto",), "the KV cache has the model's dtype"),
     "tokenizer_mode": (("auto", "hf"), "pagedllm loads Hugging Face fast tokenizers"),
@@ -646,7 +679,7 @@ class EngineArgs:
     ``ModelConfig`` (default "auto", as vLLM).
 
     vLLM's other common arguments are accepted with vLLM's names and defaults, in three
-    kinds: partly built (``PARTLY_BUILT_ARGS``: e.g. ``tensor_parallel_size`` 1 only; another
+    kinds: partly built (``PARTLY_BUILT_ARGS``: e.g. ``pipeline_parallel_size`` 1 only; another
     value raises ``ValueError`` "... is not supported yet" when ``EngineArgs`` is built);
     built (``enable_lora``, ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``: multi-LoRA
     serving, see ``LoRAConfig``; ``trust_remote_code``: passed to transformers when reading config.json;
@@ -815,6 +848,12 @@ class EngineArgs:
             distributed_executor_backend=self.distributed_executor_backend,
             data_parallel_size=self.data_parallel_size,
         )
+        parallel_config.verify_with_model_config(model_config)
+        if self.enable_lora and parallel_config.tensor_parallel_size > 1:
+            raise ValueError(
+                f"enable_lora with tensor_parallel_size {self.tensor_parallel_size} is not supported yet "
+                f"(adapters are not split across ranks); use tensor_parallel_size 1."
+            )
         attention_config = AttentionConfig(self.attention_backend)
         lora_config = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None
         speculative_config = None

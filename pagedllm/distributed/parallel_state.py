@@ -1,66 +1,256 @@
-"""The tensor-parallel group: its size, this process's rank in it, and its collectives.
+"""The model-parallel groups of the worker processes and their collectives.
 
-Today the group is this one process: size 1, rank 0, and the collectives return their
-input. Tensor parallelism will make ``initialize_model_parallel`` accept sizes above 1 (one
-process per rank joined by ``torch.distributed``) and the collectives communicate; the
-layers already shard by ``get_tensor_model_parallel_rank`` / ``_world_size``.
+A model split over ``world_size = tp x pp`` worker processes (tensor and pipeline
+parallelism) has its ranks laid out as vLLM's::
+
+    rank = pp_rank x tp + tp_rank        e.g. tp = 2, pp = 2:   TP groups [0, 1], [2, 3]
+                                                               PP groups [0, 2], [1, 3]
+
+Each worker calls ``init_distributed_environment`` (joins ``torch.distributed`` over a
+``tcp://`` address, on the platform's backend: gloo on CPU, NCCL on CUDA) and then
+``initialize_model_parallel`` (builds every TP and PP group; each process keeps its own).
+A single process needs neither: ``initialize_model_parallel(1)`` alone makes groups of one,
+whose collectives return their input.
+
+The collectives (``tensor_model_parallel_all_reduce`` / ``_all_gather``) are timed:
+``get_comm_stats`` returns calls, bytes and seconds per operation (``pagedllm bench``
+prints them).
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
+import torch.distributed as dist
 
-_tp_world_size = 1
-_tp_rank = 0
+from pagedllm.distributed.shm_all_reduce import ShmAllReduce
+from pagedllm.platforms import current_platform
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int = 1) -> None:
-    """Set up the tensor-parallel group of ``tensor_model_parallel_size`` processes.
+@dataclass
+class CommStats:
+    """One collective's totals in this process: calls, bytes of input, seconds spent."""
+
+    calls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+_comm_stats: dict[str, CommStats] = {}
+
+
+def get_comm_stats() -> dict[str, CommStats]:
+    """Operation name (``"all_reduce"``, ``"all_gather"``) -> its totals since the start or
+    the last ``reset_comm_stats``; only collectives over more than one rank count."""
+    return dict(_comm_stats)
+
+
+def reset_comm_stats() -> None:
+    _comm_stats.clear()
+
+
+def _record(op: str, x: torch.Tensor, start: float) -> None:
+    stats = _comm_stats.setdefault(op, CommStats())
+    stats.calls += 1
+    stats.bytes += x.numel() * x.element_size()
+    stats.seconds += time.perf_counter() - start
+
+
+class GroupCoordinator:
+    """One model-parallel group as this process sees it.
+
+    Args:
+        ranks: the group's global ranks, in group order.
+        rank: this process's global rank (one of ``ranks``).
+        device_group: the ``torch.distributed`` group (None for a group of one).
+        shm_all_reduce: the shared-memory all-reduce of this group (CPU), or None to
+            all-reduce through ``device_group``.
+    """
+
+    def __init__(
+        self, ranks: list[int], rank: int, device_group: Optional[dist.ProcessGroup] = None,
+        shm_all_reduce: Optional[ShmAllReduce] = None,
+    ) -> None:
+        self.ranks = ranks
+        self.rank = rank
+        self.rank_in_group = ranks.index(rank)
+        self.world_size = len(ranks)
+        self.device_group = device_group
+        self.shm_all_reduce = shm_all_reduce
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank_in_group == 0
+
+    @property
+    def is_last_rank(self) -> bool:
+        return self.rank_in_group == self.world_size - 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The element-wise sum of ``x`` over the group (same shape and dtype; ``x`` itself
+        in a group of one). Every rank gets bit-identical values."""
+        if self.world_size == 1:
+            return x
+        start = time.perf_counter()
+        if self.shm_all_reduce is not None:
+            out = self.shm_all_reduce.all_reduce(x)
+        else:
+            out = x.contiguous()
+            dist.all_reduce(out, group=self.device_group)
+        _record("all_reduce", x, start)
+        return out
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """The group's ``x`` (equal shapes) concatenated along ``dim`` in rank order."""
+        if self.world_size == 1:
+            return x
+        start = time.perf_counter()
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x, group=self.device_group)
+        out = torch.cat(parts, dim=dim)
+        _record("all_gather", x, start)
+        return out
+
+    def destroy(self) -> None:
+        if self.shm_all_reduce is not None:
+            self.shm_all_reduce.close()
+            self.shm_all_reduce = None
+
+
+_tp_group: Optional[GroupCoordinator] = None
+_pp_group: Optional[GroupCoordinator] = None
+
+
+def init_distributed_environment(
+    world_size: int, rank: int, distributed_init_method: str, local_rank: int = 0, backend: Optional[str] = None
+) -> None:
+    """Join the ``world_size`` worker processes of one model as global ``rank`` (once per
+    process; a second call with the same world size does nothing).
+
+    Args:
+        world_size: tensor_parallel_size x pipeline_parallel_size.
+        rank: this process's rank, 0 .. world_size - 1.
+        distributed_init_method: where rank 0 listens, ``tcp://host:port``.
+        local_rank: this process's rank among the workers on its machine (its GPU, its cores).
+        backend: ``torch.distributed`` backend; None: the platform's (gloo / nccl).
 
     Raises:
-        ValueError: for a size below 1.
-        NotImplementedError: for a size above 1 (tensor parallelism is not supported yet).
+        ValueError: a rank outside the world, or a different world size than a previous call.
     """
-    global _tp_world_size, _tp_rank
-    if tensor_model_parallel_size < 1:
-        raise ValueError(f"tensor_model_parallel_size must be at least 1, got {tensor_model_parallel_size}.")
-    if tensor_model_parallel_size > 1:
-        raise NotImplementedError(
-            f"tensor_model_parallel_size={tensor_model_parallel_size}: tensor parallelism is not supported yet; use 1."
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of {world_size} processes.")
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise ValueError(
+                f"torch.distributed is already initialized with world size {dist.get_world_size()}, not {world_size}."
+            )
+        return
+    dist.init_process_group(
+        backend=backend or current_platform.dist_backend, init_method=distributed_init_method,
+        world_size=world_size, rank=rank,
+    )
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> None:
+    """Build the tensor- and pipeline-parallel groups (ranks laid out as in the module
+    docstring). Without ``torch.distributed`` (one process) both must be 1: groups of one.
+    On CPU with shared-memory all-reduce chosen (``Platform.use_shared_memory_all_reduce``)
+    each TP group gets a ``ShmAllReduce``.
+
+    Raises:
+        ValueError: a size below 1, or tp x pp different from the world size.
+    """
+    global _tp_group, _pp_group
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tensor_model_parallel_size ({tp}) and pipeline_model_parallel_size ({pp}) must be at least 1.")
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if tp * pp != world_size:
+        raise ValueError(
+            f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp} != world size {world_size} "
+            f"(init_distributed_environment first for more than one process)."
         )
-    _tp_world_size, _tp_rank = 1, 0
+    destroy_model_parallel()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    use_shm = world_size > 1 and current_platform.use_shared_memory_all_reduce()
+    # Every process creates every group, in the same order (torch.distributed requires it).
+    for ranks in ([p * tp + t for t in range(tp)] for p in range(pp)):
+        group = _new_group(ranks)
+        if rank in ranks:
+            shm = ShmAllReduce(group, ranks) if use_shm and tp > 1 else None
+            _tp_group = GroupCoordinator(ranks, rank, group, shm)
+    for ranks in ([p * tp + t for p in range(pp)] for t in range(tp)):
+        group = _new_group(ranks)
+        if rank in ranks:
+            _pp_group = GroupCoordinator(ranks, rank, group)
+
+
+def _new_group(ranks: list[int]) -> Optional[dist.ProcessGroup]:
+    if not dist.is_initialized():
+        return None
+    return dist.new_group(ranks, backend=current_platform.dist_backend)
+
+
+def destroy_model_parallel() -> None:
+    """Forget the groups (releasing the shared-memory all-reduce's buffer); idempotent."""
+    global _tp_group, _pp_group
+    if _tp_group is not None:
+        _tp_group.destroy()
+    _tp_group = _pp_group = None
+
+
+def destroy_distributed_environment() -> None:
+    """Destroy the groups and leave ``torch.distributed``; idempotent."""
+    destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _group(group: Optional[GroupCoordinator]) -> GroupCoordinator:
+    return group if group is not None else GroupCoordinator([0], 0)
+
+
+def get_tp_group() -> GroupCoordinator:
+    """This process's tensor-parallel group (a group of one before ``initialize_model_parallel``)."""
+    return _group(_tp_group)
+
+
+def get_pp_group() -> GroupCoordinator:
+    """This process's pipeline-parallel group (a group of one before ``initialize_model_parallel``)."""
+    return _group(_pp_group)
 
 
 def get_tensor_model_parallel_world_size() -> int:
-    """Processes in the tensor-parallel group (1 today)."""
-    return _tp_world_size
+    """Processes in the tensor-parallel group."""
+    return get_tp_group().world_size
 
 
 def get_tensor_model_parallel_rank() -> int:
-    """This process's rank in the tensor-parallel group, from 0 (0 today)."""
-    return _tp_rank
+    """This process's rank in the tensor-parallel group, from 0."""
+    return get_tp_group().rank_in_group
 
 
-def _require_single_process(op: str) -> None:
-    if _tp_world_size != 1:
-        raise NotImplementedError(f"{op} over {_tp_world_size} tensor-parallel ranks is not supported yet.")
+def get_pipeline_model_parallel_world_size() -> int:
+    """Stages in the pipeline-parallel group."""
+    return get_pp_group().world_size
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    """This process's stage, from 0."""
+    return get_pp_group().rank_in_group
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of ``x`` over the ranks (same shape and dtype): ``x`` itself in a group of one.
-
-    Raises:
-        NotImplementedError: in a group of more than one process.
-    """
-    _require_single_process("all_reduce")
-    return x
+    """The sum of ``x`` over the tensor-parallel ranks (same shape and dtype): ``x`` itself
+    in a group of one."""
+    return get_tp_group().all_reduce(x)
 
 
 def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """The ranks' ``x`` concatenated along ``dim`` in rank order: ``x`` itself in a group of one.
-
-    Raises:
-        NotImplementedError: in a group of more than one process.
-    """
-    _require_single_process("all_gather")
-    return x
+    """The tensor-parallel ranks' ``x`` concatenated along ``dim`` in rank order: ``x``
+    itself in a group of one."""
+    return get_tp_group().all_gather(x, dim)

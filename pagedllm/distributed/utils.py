@@ -26,3 +26,12 @@ def kv_heads_per_rank(total_num_kv_heads: int, tp_size: int) -> int:
         divide(tp_size, total_num_kv_heads)
         return 1
     return divide(total_num_kv_heads, tp_size)
+
+
+def get_open_port() -> int:
+    """A TCP port on 127.0.0.1 free now (the OS's choice), for ``tcp://127.0.0.1:<port>``."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -36,7 +36,11 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_executor = Executor.get_class(config)(config)
-        num_gpu_blocks = self._initialize_kv_caches()
+        try:
+            num_gpu_blocks = self._initialize_kv_caches()
+        except BaseException:
+            self.model_executor.shutdown()  # worker processes too
+            raise
         cache_config = config.cache_config
         self.kv_cache_manager = KVCacheManager(
             num_blocks=num_gpu_blocks,
@@ -88,6 +92,10 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def check_health(self) -> None:
+        """Raise if the executor lost a worker (``WorkerDeadError``), even while idle."""
+        self.model_executor.check_health()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Returns False while any block is in use."""

@@ -228,12 +228,14 @@ class EngineCoreProc:
         socket.send_multipart((kind.value, self.encoder.encode(payload)), copy=False)
 
     def run_busy_loop(self) -> None:
-        """Serve until SHUTDOWN arrives or the parent process dies."""
+        """Serve until SHUTDOWN arrives or the parent process dies; raises what a step or,
+        while idle (about once a second), ``EngineCore.check_health`` raises."""
         poller = zmq.Poller()
         poller.register(self.input_socket, zmq.POLLIN)
         while not self._shutdown_requested and self._parent_alive():
             busy = self.engine_core.has_unfinished_requests()
             if not busy and not poller.poll(_IDLE_POLL_MS):
+                self.engine_core.check_health()  # a dead worker stops the engine while idle too
                 continue
             num_handled = self._drain_input()
             if self._shutdown_requested:

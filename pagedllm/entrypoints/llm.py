@@ -67,15 +67,18 @@ class LLM:
                 ``SamplingParams(structured_outputs=...)``).
             disable_log_stats: no periodic stats line while generating (True by default, as
                 vLLM's ``LLM``; False logs it every ``$PAGEDLLM_LOG_STATS_INTERVAL`` s, default 10).
-            max_logprobs, num_gpu_blocks_override, trust_remote_code, tensor_parallel_size
-                (1), enforce_eager (no-op) ...: vLLM's other arguments, see ``EngineArgs``.
+            tensor_parallel_size: worker processes the model is split over (tensor
+                parallelism; ``MultiprocExecutor`` above 1).
+            max_logprobs, num_gpu_blocks_override, trust_remote_code, enforce_eager
+                (no-op) ...: vLLM's other arguments, see ``EngineArgs``.
 
     Raises:
         TypeError: a keyword that is not an ``EngineArgs`` field (the message suggests the
             closest one).
         ValueError: for bad arguments, a value not supported yet (e.g.
-            ``tensor_parallel_size=2``), an unsupported architecture or a KV budget that
-            cannot hold one ``max_model_len`` sequence.
+            ``pipeline_parallel_size=2``), a tensor-parallel size that does not split the
+            model's heads or exceeds the cores / GPUs, an unsupported architecture or a KV
+            budget that cannot hold one ``max_model_len`` sequence.
     """
 
     def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:

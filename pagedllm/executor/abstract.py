@@ -2,8 +2,9 @@
 
 The engine core talks to one ``Executor``; the executor fans each call out to its workers
 (``collective_rpc``) and gathers one result per worker. ``UniProcExecutor`` holds one
-``Worker`` in the engine's own process; a multiprocess or Ray executor (tensor / pipeline
-parallelism) will answer the same calls from workers elsewhere.
+``Worker`` in the engine's own process; ``MultiprocExecutor`` one worker process per rank
+(tensor / pipeline parallelism on one machine); a Ray executor will answer the same calls
+from workers on several machines (see ``worker/worker.py`` for the contract).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pagedllm.messages.sched_output import SchedulerOutput
 RpcMethod = Union[str, Callable]
 
 #: ``distributed_executor_backend`` names that vLLM has and pagedllm does not yet.
-UNSUPPORTED_BACKENDS = ("mp", "ray")
+UNSUPPORTED_BACKENDS = ("ray",)
 
 
 def run_method(obj: Any, method: RpcMethod, args: tuple, kwargs: dict) -> Any:
@@ -49,11 +50,12 @@ class Executor(ABC):
     def get_class(config: EngineConfig) -> type[Executor]:
         """The executor class for ``config.parallel_config.distributed_executor_backend``:
         an ``Executor`` subclass is used as given; ``"uni"`` (or None with a world size of
-        1) is ``UniProcExecutor``.
+        1) is ``UniProcExecutor``; ``"mp"`` (or None with a world size above 1, as vLLM on
+        one machine) is ``MultiprocExecutor``.
 
         Raises:
-            NotImplementedError: for ``"mp"`` / ``"ray"``, or a world size above 1.
-            ValueError: for any other name.
+            NotImplementedError: for ``"ray"``.
+            ValueError: ``"uni"`` with a world size above 1, or an unknown name.
             TypeError: for a class that is not an ``Executor``.
         """
         parallel_config = config.parallel_config
@@ -62,21 +64,28 @@ class Executor(ABC):
             if not issubclass(backend, Executor):
                 raise TypeError(f"distributed_executor_backend must be an Executor subclass, got {backend!r}.")
             return backend
-        if parallel_config.world_size > 1:
-            raise NotImplementedError(
-                f"A world size of {parallel_config.world_size} (tensor_parallel_size "
-                f"{parallel_config.tensor_parallel_size} x pipeline_parallel_size "
-                f"{parallel_config.pipeline_parallel_size}) is not supported yet: pagedllm runs one worker."
-            )
         if backend in UNSUPPORTED_BACKENDS:
             raise NotImplementedError(
-                f"distributed_executor_backend {backend!r} is not supported yet; use 'uni' (the default)."
+                f"distributed_executor_backend {backend!r} is not supported yet; use 'mp' or 'uni'."
             )
-        if backend not in (None, "uni"):
+        if backend not in (None, "uni", "mp"):
             raise ValueError(
-                f"Unknown distributed_executor_backend {backend!r}; choose 'uni' (or None), or pass an Executor subclass."
+                f"Unknown distributed_executor_backend {backend!r}; choose 'mp', 'uni' (or None), or pass an "
+                f"Executor subclass."
             )
-        from pagedllm.executor.uniproc_executor import UniProcExecutor  # it imports this module
+        world_size = parallel_config.world_size
+        if backend == "uni" and world_size > 1:
+            raise ValueError(
+                f"distributed_executor_backend 'uni' runs one worker, but tensor_parallel_size "
+                f"{parallel_config.tensor_parallel_size} x pipeline_parallel_size "
+                f"{parallel_config.pipeline_parallel_size} = {world_size} workers are needed; use 'mp'."
+            )
+        # Both import this module.
+        if backend == "mp" or world_size > 1:
+            from pagedllm.executor.multiproc_executor import MultiprocExecutor
+
+            return MultiprocExecutor
+        from pagedllm.executor.uniproc_executor import UniProcExecutor
 
         return UniProcExecutor
 
@@ -102,6 +111,10 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every worker; the driver's (rank 0) output."""
         return self.collective_rpc("execute_model", args=(scheduler_output,))[0]
+
+    def check_health(self) -> None:
+        """Raise if a worker can no longer answer (the engine core checks while idle).
+        Default: workers in this process are always there."""
 
     def determine_available_memory(self) -> int:
         """Bytes every worker can give the KV cache (the smallest worker's)."""

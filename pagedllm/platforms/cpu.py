@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import platform
 import resource
 from typing import Callable
 
 import psutil
 import torch
 
+from pagedllm.platforms.cpu_binding import BIND_ENV, available_cores, cores_for_rank
 from pagedllm.platforms.cpu_malloc import tune_malloc
 from pagedllm.platforms.interface import Platform
 
@@ -18,12 +21,21 @@ from pagedllm.platforms.interface import Platform
 #: of start-up (the peak measured with 64, 128 and 256 tokens: 760, 810 and 587 MB).
 PROFILE_TOKENS = 64
 
+logger = logging.getLogger(__name__)
+
+#: ``shm`` or ``gloo``: how the tensor-parallel ranks of one machine sum their partial
+#: results (``pagedllm.distributed.shm_all_reduce``). Default ``shm`` on x86-64 (measured
+#: faster: see that module), ``gloo`` elsewhere.
+ALL_REDUCE_ENV = "PAGEDLLM_CPU_ALL_REDUCE"
+
 
 class CpuPlatform(Platform):
     """x86 / Arm CPUs; attention by the C++ kernel when it builds, else portable PyTorch."""
 
     device_type = "cpu"
     attn_backend_preference = ("CPU_ATTN", "TORCH_SDPA")
+    dist_backend = "gloo"
+    ranks_share_memory = True
     #: The share of the RAM this process may use: 1 / data-parallel replicas.
     memory_share: float = 1.0
 
@@ -54,6 +66,43 @@ class CpuPlatform(Platform):
         dummy_run(num_tokens)
         after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return int(max(after - before, 0) * max_num_tokens / num_tokens)
+
+    def check_worker_count(self, world_size: int) -> None:
+        """At least one core per worker process (under ``PAGEDLLM_CPU_OMP_THREADS_BIND``
+        ``auto``; an explicit binding is checked by the workers).
+
+        Raises:
+            ValueError: more workers than the cores this process may use.
+        """
+        cores = available_cores()
+        if os.environ.get(BIND_ENV, "auto") in ("", "auto") and world_size > len(cores):
+            raise ValueError(
+                f"tensor_parallel_size x pipeline_parallel_size = {world_size} worker processes need at least "
+                f"one CPU core each, but this process may use {len(cores)} core(s)."
+            )
+
+    def bind_worker(self, local_rank: int, local_world_size: int) -> None:
+        """Pin this process to its cores (``cpu_binding.cores_for_rank``) and give torch one
+        thread per core."""
+        cores = cores_for_rank(local_rank, local_world_size)
+        if cores is None:
+            return
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
+        logger.info("Worker %d of %d: cores %s, %d threads", local_rank, local_world_size, cores, len(cores))
+
+    def use_shared_memory_all_reduce(self) -> bool:
+        """``PAGEDLLM_CPU_ALL_REDUCE`` (``shm`` / ``gloo``); by default ``shm`` on x86-64,
+        whose stores are seen in order by other cores (the protocol relies on it).
+
+        Raises:
+            ValueError: another value.
+        """
+        default = "shm" if platform.machine().lower() in ("x86_64", "amd64") else "gloo"
+        choice = os.environ.get(ALL_REDUCE_ENV, "").strip().lower() or default
+        if choice not in ("shm", "gloo"):
+            raise ValueError(f"{ALL_REDUCE_ENV}={choice!r}: use shm or gloo.")
+        return choice == "shm"
 
     def prepare_for_steps(self) -> None:
         """From now on step buffers stay in the heap (``cpu_malloc``); not before: the

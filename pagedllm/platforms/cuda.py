@@ -11,10 +11,13 @@ from pagedllm.platforms.interface import Platform
 
 
 class CudaPlatform(Platform):
-    """An NVIDIA GPU (device 0, or a data-parallel replica's device); attention by portable PyTorch until a CUDA backend registers."""
+    """NVIDIA GPUs, one per process: the current device (0 with one worker, a data-parallel
+    replica's, or a tensor-parallel rank's); attention by portable PyTorch until a CUDA
+    backend registers."""
 
     device_type = "cuda"
     attn_backend_preference = ("TORCH_SDPA",)
+    dist_backend = "nccl"
 
     def total_memory_bytes(self) -> int:
         """The current GPU's total memory, in bytes."""
@@ -34,6 +37,23 @@ class CudaPlatform(Platform):
         torch.cuda.set_device(rank)
         return f"cuda:{rank}"
 
+    def check_worker_count(self, world_size: int) -> None:
+        """One visible GPU per worker process.
+
+        Raises:
+            ValueError: more workers than visible GPUs.
+        """
+        visible = torch.cuda.device_count()
+        if world_size > visible:
+            raise ValueError(
+                f"tensor_parallel_size x pipeline_parallel_size = {world_size} worker processes need one GPU "
+                f"each, but {visible} are visible (CUDA_VISIBLE_DEVICES)."
+            )
+
+    def bind_worker(self, local_rank: int, local_world_size: int) -> None:
+        """Make GPU ``local_rank`` this process's current device."""
+        torch.cuda.set_device(local_rank)
+
     def check_free_memory(self, gpu_memory_utilization: float) -> None:
         """vLLM's start-up check: the engine will take ``gpu_memory_utilization`` x the
         total memory, so at least that must be free now (other processes on the GPU).
@@ -41,8 +61,7 @@ class CudaPlatform(Platform):
         Raises:
             ValueError: naming the free, total and wanted GiB.
         """
-        # the current device: a data-parallel replica's
-        free, total = torch.cuda.mem_get_info()
+        free, total = torch.cuda.mem_get_info()  # the current GPU: a replica's or a rank's
         free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()  # cached here, reusable
         wanted = gpu_memory_utilization * total
         if free < wanted:

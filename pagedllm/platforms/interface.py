@@ -18,10 +18,16 @@ class Platform:
         device_type: ``"cuda"`` or ``"cpu"``.
         attn_backend_preference: names of the attention backends the automatic selection
             tries, best first (``pagedllm.attention.selector``); the first that can run wins.
+        dist_backend: the ``torch.distributed`` backend joining the workers of one model
+            (tensor / pipeline parallelism): ``"gloo"`` on CPU, ``"nccl"`` on CUDA.
+        ranks_share_memory: whether the workers on one machine draw on one memory (CPU: the
+            RAM; each then sizes its KV cache from its share), not one device each.
     """
 
     device_type: str = ""
     attn_backend_preference: tuple[str, ...] = ()
+    dist_backend: str = ""
+    ranks_share_memory: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -66,6 +72,26 @@ class Platform:
             max_num_tokens: the step token budget (``max_num_batched_tokens``).
         """
         raise NotImplementedError
+
+    def check_worker_count(self, world_size: int) -> None:
+        """Refuse ``world_size`` worker processes on this machine when it cannot give each
+        its own device (GPU) or core (CPU).
+
+        Raises:
+            ValueError: naming the number asked for and the number available.
+        """
+        raise NotImplementedError
+
+    def bind_worker(self, local_rank: int, local_world_size: int) -> None:
+        """Give the calling worker process its share of this machine: its device (GPU
+        ``local_rank``) or its cores (CPU); called once, first thing in ``Worker.init_device``."""
+        raise NotImplementedError
+
+    def use_shared_memory_all_reduce(self) -> bool:
+        """Whether the tensor-parallel all-reduce of ranks on this machine goes through
+        shared memory (``pagedllm.distributed.shm_all_reduce``) instead of
+        ``torch.distributed`` on ``dist_backend``. Default: no."""
+        return False
 
     def prepare_for_steps(self) -> None:
         """Process-wide settings for the step loop, applied once by the model runner after

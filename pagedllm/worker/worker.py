@@ -5,6 +5,20 @@ worker in another process answers the same calls)::
 
     init_device -> load_model -> determine_available_memory / determine_num_available_blocks
         -> initialize_kv_cache(num_blocks) -> execute_model(scheduler_output) ... -> shutdown
+
+With tensor / pipeline parallelism there is one worker per rank, each in its own process
+(``MultiprocExecutor``); every call reaches all of them with the same arguments. The
+contract an executor relies on (the multiprocess one today, Ray's later):
+
+- ``Worker(config, rank, local_rank, distributed_init_method, is_driver_worker)``: global
+  rank (``pp_rank x tp + tp_rank``), rank among the workers of its machine (its GPU, its
+  CPU cores), the ``tcp://host:port`` of rank 0, and whether it is the driver (rank 0);
+- ``init_device`` binds the process to its device / cores (``Platform.bind_worker``), joins
+  ``torch.distributed`` and builds the model-parallel groups;
+- every rank runs the whole step, sampling included: the logits are gathered on every rank
+  and each samples the same tokens (same seeds, bit-identical collectives), so each keeps
+  its own persistent batch without a broadcast; only the driver returns its
+  ``ModelRunnerOutput``, the others None.
 """
 
 from __future__ import annotations
@@ -14,7 +28,13 @@ from typing import Optional
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.distributed import initialize_model_parallel
+from pagedllm.distributed import (
+    destroy_distributed_environment,
+    get_comm_stats,
+    init_distributed_environment,
+    initialize_model_parallel,
+    reset_comm_stats,
+)
 from pagedllm.messages.runner_output import ModelRunnerOutput
 from pagedllm.messages.sched_output import SchedulerOutput
 from pagedllm.platforms import current_platform
@@ -27,30 +47,48 @@ class Worker:
 
     Args:
         config: the engine configuration.
-        rank: this worker's rank among the executor's workers (0 with one worker).
+        rank: this worker's global rank (0 with one worker).
+        local_rank: its rank among the workers on its machine.
+        distributed_init_method: ``tcp://host:port`` of rank 0 (None with one worker).
+        is_driver_worker: whether ``execute_model`` returns the step's output (rank 0).
     """
 
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(
+        self, config: EngineConfig, rank: int = 0, local_rank: int = 0,
+        distributed_init_method: Optional[str] = None, is_driver_worker: bool = True,
+    ) -> None:
         self.config = config
         self.rank = rank
+        self.local_rank = local_rank
+        self.distributed_init_method = distributed_init_method
+        self.is_driver_worker = is_driver_worker
         self._kv_cache_budget: Optional[KVCacheBudget] = None
 
     def init_device(self) -> None:
-        """Join the model-parallel group (a single process today), pick the device, seed
-        torch, and measure the device memory free before the weights load (bytes; the
-        KV-cache budget is a share of it); builds the runner.
+        """With more than one worker, bind this process to its share of the machine and
+        join the others (``torch.distributed``); build the model-parallel groups, pick the
+        device, seed torch, and measure the device memory before the weights load (bytes;
+        the KV-cache budget is a share of it; on CPU, where ranks share the RAM, this
+        rank's share); builds the runner.
 
         Raises:
-            NotImplementedError: a tensor-parallel size above 1 (not supported yet).
-            ValueError: a GPU with less free memory than ``gpu_memory_utilization`` asks for.
+            ValueError: a worker count the machine cannot host, a bad core binding, or a GPU
+                with less free memory than ``gpu_memory_utilization`` asks for.
         """
-        initialize_model_parallel(self.config.parallel_config.tensor_parallel_size)
+        parallel = self.config.parallel_config
+        world_size = parallel.world_size
+        if world_size > 1:
+            current_platform.bind_worker(self.local_rank, world_size)
+            init_distributed_environment(world_size, self.rank, self.distributed_init_method or "", self.local_rank)
+        initialize_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         self.device = current_platform.device
         torch.manual_seed(self.config.model_config.seed)
         cache_config = self.config.cache_config
         if cache_config.kv_cache_memory_bytes is None and cache_config.num_gpu_blocks_override is None:
             current_platform.check_free_memory(cache_config.gpu_memory_utilization)
         self.memory_before_load = current_platform.total_memory_bytes()
+        if current_platform.ranks_share_memory:
+            self.memory_before_load //= world_size
         self.model_runner = ModelRunner(self.config, self.device)
 
     def load_model(self) -> None:
@@ -86,12 +124,24 @@ class Worker:
         """Allocate ``num_blocks`` blocks per layer (the engine's choice, the same on every worker)."""
         self.model_runner.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
+        """Run one step; the output on the driver worker, None on the others."""
+        output = self.model_runner.execute_model(scheduler_output)
+        return output if self.is_driver_worker else None
+
+    def get_comm_stats(self, reset: bool = False) -> dict[str, tuple[int, int, float]]:
+        """This rank's collectives since start-up (or the last reset): operation ->
+        (calls, bytes, seconds); ``reset`` starts the count again."""
+        stats = {op: (s.calls, s.bytes, s.seconds) for op, s in get_comm_stats().items()}
+        if reset:
+            reset_comm_stats()
+        return stats
 
     def shutdown(self) -> None:
-        """Drop the runner (the model and the KV caches go with it); idempotent. The worker
-        answers no step afterwards."""
+        """Drop the runner (the model and the KV caches go with it) and leave the
+        model-parallel groups; idempotent. The worker answers no step afterwards."""
         if hasattr(self, "model_runner"):
             del self.model_runner
             current_platform.empty_cache()
+        if self.config.parallel_config.world_size > 1:
+            destroy_distributed_environment()

@@ -1,18 +1,22 @@
-"""The tensor-parallel group of one process: its size and rank, the collectives as
-identities, the refusal of larger groups, and the arithmetic of splitting across ranks."""
+"""Model-parallel groups: a group of one process (collectives are identities); four spawned
+processes joined by gloo as tp=2 x pp=2 (vLLM's rank layout; all-reduce through shared
+memory and through gloo, bit-identical on every rank, in pieces larger than a slot;
+all-gather in rank order); the refusals; and the arithmetic of splitting across ranks."""
 
 from __future__ import annotations
+
+import multiprocessing
 
 import pytest
 import torch
 
 from pagedllm.distributed import (
     divide,
+    get_open_port,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     initialize_model_parallel,
     kv_heads_per_rank,
-    parallel_state,
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
@@ -20,7 +24,7 @@ from pagedllm.distributed import (
 
 def test_a_group_of_one_process():
     initialize_model_parallel()
-    initialize_model_parallel(tensor_model_parallel_size=1)
+    initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     assert get_tensor_model_parallel_world_size() == 1
     assert get_tensor_model_parallel_rank() == 0
     x = torch.randn(3, 5)
@@ -28,20 +32,70 @@ def test_a_group_of_one_process():
     assert tensor_model_parallel_all_gather(x) is x
 
 
-def test_larger_groups_are_refused():
-    with pytest.raises(NotImplementedError, match="tensor_model_parallel_size=2: tensor parallelism is not supported yet"):
+def test_sizes_that_do_not_match_the_world_are_refused():
+    with pytest.raises(ValueError, match="tensor_model_parallel_size 2 x pipeline_model_parallel_size 1 != world size 1"):
         initialize_model_parallel(tensor_model_parallel_size=2)
-    with pytest.raises(ValueError, match="at least 1, got 0"):
+    with pytest.raises(ValueError, match="must be at least 1"):
         initialize_model_parallel(tensor_model_parallel_size=0)
     assert get_tensor_model_parallel_world_size() == 1
 
 
-def test_collectives_refuse_a_group_they_cannot_serve(monkeypatch):
-    monkeypatch.setattr(parallel_state, "_tp_world_size", 2)
-    with pytest.raises(NotImplementedError, match="all_reduce over 2 tensor-parallel ranks"):
-        tensor_model_parallel_all_reduce(torch.zeros(1))
-    with pytest.raises(NotImplementedError, match="all_gather over 2"):
-        tensor_model_parallel_all_gather(torch.zeros(1))
+def _rank_main(rank: int, init_method: str, results) -> None:
+    from pagedllm.distributed import parallel_state as ps
+    from pagedllm.distributed.shm_all_reduce import ShmAllReduce
+
+    ps.init_distributed_environment(4, rank, init_method, rank, "gloo")
+    ps.initialize_model_parallel(2, 2)
+    tp, pp = ps.get_tp_group(), ps.get_pp_group()
+    x = torch.randn(3, 896, generator=torch.Generator().manual_seed(rank))
+    gloo = ps.GroupCoordinator(tp.ranks, rank, tp.device_group)
+    # 10 float32 per slot: a [3, 896] input goes through in 269 pieces.
+    tiny_slots = ps.GroupCoordinator(tp.ranks, rank, tp.device_group, ShmAllReduce(tp.device_group, tp.ranks, 40))
+    results.put({
+        "rank": rank,
+        "tp_ranks": tp.ranks, "pp_ranks": pp.ranks,
+        "tp_rank": ps.get_tensor_model_parallel_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "uses_shm": tp.shm_all_reduce is not None,
+        "x": x,
+        "shm": ps.tensor_model_parallel_all_reduce(x),
+        "gloo": gloo.all_reduce(x.clone()),
+        "pieces": tiny_slots.all_reduce(x),
+        "gather": ps.tensor_model_parallel_all_gather(x, dim=-1),
+        "stats": {op: s.calls for op, s in ps.get_comm_stats().items()},
+    })
+    tiny_slots.destroy()
+    ps.destroy_distributed_environment()
+
+
+def test_tp2_pp2_groups_and_collectives(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CPU_ALL_REDUCE", "shm")
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    init_method = f"tcp://127.0.0.1:{get_open_port()}"
+    procs = [context.Process(target=_rank_main, args=(r, init_method, results), daemon=True) for r in range(4)]
+    for p in procs:
+        p.start()
+    by_rank = {}
+    for _ in procs:
+        out = results.get(timeout=120)
+        by_rank[out["rank"]] = out
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    for rank, out in by_rank.items():
+        pp_rank, tp_rank = divmod(rank, 2)  # rank = pp_rank x tp + tp_rank
+        assert out["tp_ranks"] == [2 * pp_rank, 2 * pp_rank + 1] and out["tp_rank"] == tp_rank
+        assert out["pp_ranks"] == [tp_rank, tp_rank + 2] and out["pp_rank"] == pp_rank
+        assert out["uses_shm"]
+        peers = [by_rank[r]["x"] for r in out["tp_ranks"]]
+        expected = peers[0] + peers[1]
+        for impl in ("shm", "gloo", "pieces"):
+            torch.testing.assert_close(out[impl], expected, rtol=0, atol=1e-6)
+        assert torch.equal(out["gather"], torch.cat(peers, dim=-1))
+        assert out["stats"] == {"all_reduce": 3, "all_gather": 1}  # the three all-reduces above
+        partner = by_rank[out["tp_ranks"][1 - tp_rank]]
+        for impl in ("shm", "gloo", "pieces"):  # the partner got exactly the same bits
+            assert torch.equal(out[impl], partner[impl])
 
 
 def test_divide():

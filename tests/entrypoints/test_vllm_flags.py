@@ -90,9 +90,8 @@ def test_help_documents_the_vllm_flags_and_the_no_ops(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--tensor-parallel-size", "2"], "tensor_parallel_size=2 is not supported yet"),
         (["-pp", "2"], "pipeline_parallel_size=2 is not supported yet"),
-        (["--distributed-executor-backend", "mp"], "distributed_executor_backend='mp' is not supported yet"),
+        (["--distributed-executor-backend", "ray"], "distributed_executor_backend='ray' is not supported yet"),
         (["--load-format", "pt"], "load_format='pt' is not supported yet"),
         (["--kv-cache-dtype", "fp8"], "kv_cache_dtype='fp8' is not supported yet"),
         (["--tokenizer-mode", "slow"], "tokenizer_mode='slow' is not supported yet"),

@@ -8,6 +8,7 @@ import pytest
 
 from pagedllm.config import EngineArgs
 from pagedllm.executor.abstract import Executor
+from pagedllm.executor.multiproc_executor import MultiprocExecutor
 from pagedllm.executor.uniproc_executor import UniProcExecutor
 from pagedllm.worker.kv_cache_sizing import kv_bytes_per_token
 from pagedllm.worker.model_runner import ModelRunner
@@ -44,20 +45,25 @@ def test_get_class_takes_an_executor_subclass(tiny_llama):
         Executor.get_class(make_config(tiny_llama, distributed_executor_backend=Worker))
 
 
-@pytest.mark.parametrize("backend", ["mp", "ray"])
-def test_get_class_multiprocess_backends_not_supported_yet(tiny_llama, backend):
-    with pytest.raises(ValueError, match=f"distributed_executor_backend='{backend}' is not supported yet"):
-        make_config(tiny_llama, distributed_executor_backend=backend)  # EngineArgs refuses it first
+def test_get_class_ray_not_supported_yet(tiny_llama):
+    with pytest.raises(ValueError, match="distributed_executor_backend='ray' is not supported yet"):
+        make_config(tiny_llama, distributed_executor_backend="ray")  # EngineArgs refuses it first
     config = make_config(tiny_llama)
-    config.parallel_config.distributed_executor_backend = backend
-    with pytest.raises(NotImplementedError, match=f"distributed_executor_backend '{backend}' is not supported yet"):
+    config.parallel_config.distributed_executor_backend = "ray"
+    with pytest.raises(NotImplementedError, match="distributed_executor_backend 'ray' is not supported yet"):
         Executor.get_class(config)
 
 
-def test_get_class_world_size_above_one_not_supported_yet(tiny_llama):
-    config = make_config(tiny_llama)
-    config.parallel_config.tensor_parallel_size = 2
-    with pytest.raises(NotImplementedError, match="world size of 2 .* is not supported yet"):
+@pytest.mark.parametrize("backend", [None, "mp"])
+def test_get_class_multiprocess_for_world_size_above_one(tiny_llama, backend):
+    config = make_config(tiny_llama, tensor_parallel_size=2, distributed_executor_backend=backend)
+    assert Executor.get_class(config) is MultiprocExecutor
+    assert Executor.get_class(make_config(tiny_llama, distributed_executor_backend="mp")) is MultiprocExecutor
+
+
+def test_get_class_uni_cannot_run_several_workers(tiny_llama):
+    config = make_config(tiny_llama, tensor_parallel_size=2, distributed_executor_backend="uni")
+    with pytest.raises(ValueError, match="'uni' runs one worker, but tensor_parallel_size 2 x pipeline_parallel_size 1 = 2"):
         Executor.get_class(config)
 
 

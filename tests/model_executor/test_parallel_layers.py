@@ -16,10 +16,14 @@ from pagedllm.model_executor.layers import vocab_parallel_embedding as vocab_mod
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
 
 
+def _as_rank(monkeypatch, rank: int, world_size: int) -> None:
+    """Make this process see itself as ``rank`` of a tensor-parallel group of ``world_size``."""
+    monkeypatch.setattr(parallel_state, "_tp_group", parallel_state.GroupCoordinator(list(range(world_size)), rank))
+
+
 @pytest.fixture
 def rank_1_of_2(monkeypatch):
-    monkeypatch.setattr(parallel_state, "_tp_world_size", 2)
-    monkeypatch.setattr(parallel_state, "_tp_rank", 1)
+    _as_rank(monkeypatch, 1, 2)
 
 
 def _rows(n: int, k: int, start: float = 0.0) -> torch.Tensor:
@@ -102,10 +106,9 @@ def test_rank_1_of_2_takes_its_rows_and_columns(rank_1_of_2):
 
 
 def test_kv_heads_replicated_when_ranks_outnumber_them(monkeypatch):
-    monkeypatch.setattr(parallel_state, "_tp_world_size", 4)
     q, k = _rows(8, 8), _rows(4, 8, 100)
     for rank, kv_rows in [(0, k[:2]), (1, k[:2]), (2, k[2:]), (3, k[2:])]:
-        monkeypatch.setattr(parallel_state, "_tp_rank", rank)
+        _as_rank(monkeypatch, rank, 4)
         layer = linear_mod.QKVParallelLinear(8, head_size=2, total_num_heads=4, total_num_kv_heads=2, bias=False)
         assert (layer.num_heads, layer.num_kv_heads, layer.num_kv_head_replicas) == (1, 1, 2)
         _load(layer, {"q": q, "k": k, "v": k})

@@ -1,0 +1,112 @@
+"""All-reduce through shared memory, for the tensor-parallel ranks of one CPU machine.
+
+gloo's all-reduce goes through TCP loopback sockets: for the small messages of a decode
+step (a few rows of hidden size) its fixed cost dominates. Here the ranks share one
+mapping of a ``/dev/shm`` file instead::
+
+    flags  [world, 8] int64     rank r's sequence number in flags[r, 0] (own cache line)
+    slots  [2, world, capacity] two sets (alternating calls), one slot per rank
+
+Call ``s`` of a rank: copy its input into ``slots[s % 2, rank]``, store ``s`` in its flag,
+wait until every flag is at least ``s``, then sum the slots in rank order (so every rank
+gets bit-identical sums). A rank can write set ``s % 2`` again only at call ``s + 2``,
+after every rank has flagged ``s + 1`` and so finished reading call ``s``: no second
+barrier is needed. Inputs larger than a slot go through in slot-sized pieces.
+
+NOTE: the data copy must be visible to the other ranks before the flag: x86-64 keeps stores
+in order (TSO), which ``CpuPlatform.use_shared_memory_all_reduce`` requires by default.
+
+Measured against gloo with ``benchmarks/all_reduce_bench.py`` (2 ranks, one core each,
+float32; see that script and docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import uuid
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+#: Bytes of one rank's slot; larger inputs go through in pieces (a decode step's message
+#: is rows x hidden x 4 bytes: 32 x 896 x 4 = 112 KiB).
+SLOT_BYTES = 4 << 20
+_FLAG_BYTES = 64
+#: Busy-wait polls before each ``sched_yield`` (ranks may share cores with other work).
+_SPINS_BEFORE_YIELD = 64
+
+
+class ShmAllReduce:
+    """The shared-memory all-reduce of one group of processes on one machine.
+
+    Building it is collective: every rank of the group calls it at the same point (rank
+    ``ranks[0]`` creates the file, tells the others its name over ``group``, and removes the
+    name once all have mapped it, so nothing is left behind even if a process is killed).
+
+    Args:
+        group: the group's ``torch.distributed`` process group (gloo).
+        ranks: its global ranks, in group order; this process's rank is among them.
+        slot_bytes: capacity of each rank's slot in bytes.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, ranks: list[int], slot_bytes: int = SLOT_BYTES) -> None:
+        self.world_size = len(ranks)
+        self.rank_in_group = ranks.index(dist.get_rank())
+        self.slot_bytes = slot_bytes
+        size = _FLAG_BYTES * self.world_size + 2 * self.world_size * slot_bytes
+        name = [f"/dev/shm/pagedllm-all-reduce-{uuid.uuid4().hex}" if self.rank_in_group == 0 else None]
+        if self.rank_in_group == 0:
+            with open(name[0], "wb") as f:
+                f.truncate(size)
+        dist.broadcast_object_list(name, src=ranks[0], group=group)
+        with open(name[0], "r+b") as f:
+            self._mmap = mmap.mmap(f.fileno(), size)
+        dist.barrier(group=group)
+        if self.rank_in_group == 0:
+            os.unlink(name[0])
+        buffer = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._flags = buffer[: _FLAG_BYTES * self.world_size].view(np.int64).reshape(self.world_size, -1)[:, 0]
+        self._slots = torch.from_numpy(buffer[_FLAG_BYTES * self.world_size :]).view(2, self.world_size, slot_bytes)
+        self._seq = 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The element-wise sum of ``x`` over the group: a new tensor of ``x``'s shape and
+        dtype, bit-identical on every rank."""
+        flat = x.reshape(-1)
+        out = torch.empty_like(flat)
+        capacity = self.slot_bytes // x.element_size()
+        for start in range(0, flat.numel(), capacity):
+            piece = flat[start : start + capacity]
+            self._reduce_piece(piece, out[start : start + piece.numel()])
+        return out.view(x.shape)
+
+    def _reduce_piece(self, piece: torch.Tensor, out: torch.Tensor) -> None:
+        self._seq += 1
+        n = piece.numel()
+        slots = self._slots[self._seq % 2].view(piece.dtype)[:, :n]
+        slots[self.rank_in_group].copy_(piece)
+        self._flags[self.rank_in_group] = self._seq
+        self._wait_for_all(self._seq)
+        torch.add(slots[0], slots[1], out=out)
+        for r in range(2, self.world_size):
+            out.add_(slots[r])
+
+    def _wait_for_all(self, seq: int) -> None:
+        flags = self._flags
+        spins = 0
+        while flags.min() < seq:
+            spins += 1
+            if spins % _SPINS_BEFORE_YIELD == 0:
+                os.sched_yield()
+
+    def close(self) -> None:
+        """Unmap the buffer (after the group's last call); idempotent."""
+        if self._mmap is not None:
+            self._slots = self._flags = None  # type: ignore[assignment]
+            try:
+                self._mmap.close()
+            except BufferError:  # a tensor returned earlier still views it: freed with it
+                pass
+            self._mmap = None

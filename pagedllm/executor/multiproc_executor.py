@@ -1,0 +1,237 @@
+"""``MultiprocExecutor``: one worker process per rank on this machine (``"mp"``, the
+default for a world size above 1).
+
+::
+
+    engine core process                              worker process, rank r (spawned)
+      MultiprocExecutor                                run_worker: Worker(config, r, ...)
+        pipe r  --(method, args, kwargs) pickled-->     loop: recv, run, reply
+                <--(ok, result) | (error, exc, tb)--
+        process r's sentinel: readable once it has exited
+
+Each call is pickled once and written to every worker's pipe (``multiprocessing``
+connections); the executor then waits on the pipes and the processes' sentinels together
+(``multiprocessing.connection.wait``), so a worker that dies is noticed at once: the call
+raises ``WorkerDeadError`` naming the rank, pid and exit status, instead of waiting for
+ever. A worker exits when its pipe closes (the executor's process died) or on
+``shutdown``.
+
+Ranks on CPU are pinned to disjoint cores and on CUDA each gets one GPU
+(``Platform.bind_worker``, called by ``Worker.init_device``); they join ``torch.distributed``
+at ``tcp://127.0.0.1:<free port>``.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import pickle
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Optional
+
+from pagedllm.config import EngineConfig
+from pagedllm.distributed.utils import get_open_port
+from pagedllm.executor.abstract import Executor, RpcMethod, run_method
+from pagedllm.platforms import current_platform
+from pagedllm.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+#: Seconds ``shutdown`` waits for workers to exit before terminating them.
+_SHUTDOWN_WAIT_S = 5.0
+_SHUTDOWN = "__shutdown__"
+
+
+class WorkerDeadError(RuntimeError):
+    """A worker process exited (or its pipe broke) while the engine needed it; the executor
+    cannot continue (the engine reports it as dead)."""
+
+
+class RemoteTraceback(Exception):
+    """The traceback, as text, of an exception raised in a worker process (set as the
+    ``__cause__`` of the exception re-raised here)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass
+class _WorkerHandle:
+    rank: int
+    process: Any  # multiprocessing.context.SpawnProcess
+    conn: Connection
+
+    def describe_exit(self) -> str:
+        code = self.process.exitcode
+        if code is not None and code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
+
+def run_worker(config: EngineConfig, rank: int, local_rank: int, distributed_init_method: str, conn: Connection) -> None:
+    """Entry point of a worker process: answer the executor's calls on ``conn`` until it
+    sends the shutdown call or closes the pipe. Replies ``(True, result)`` or ``(False,
+    exception, traceback text)``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the executor decides
+    worker = Worker(config, rank, local_rank, distributed_init_method, is_driver_worker=rank == 0)
+    while True:
+        try:
+            method, args, kwargs = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            break  # the executor's process is gone
+        if method == _SHUTDOWN:
+            worker.shutdown()
+            conn.send((True, None))
+            break
+        try:
+            reply: tuple = (True, run_method(worker, method, args, kwargs))
+        except BaseException as exc:  # sent to the executor, which re-raises it
+            reply = (False, _picklable(exc), "".join(traceback.format_exception(exc)))
+        conn.send(reply)
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+class MultiprocExecutor(Executor):
+    """Spawns ``world_size`` worker processes (rank = local rank on this one machine; rank 0
+    is the driver whose step output is returned) and calls them through pipes.
+
+    Raises (constructor):
+        ValueError: more workers than this machine has cores (CPU) or GPUs (CUDA).
+        Exception: what a worker raised while starting (set-up, loading the model), re-raised
+            here with the worker's traceback as its cause; the workers are then stopped.
+    """
+
+    def _init_executor(self) -> None:
+        world_size = self.config.parallel_config.world_size
+        current_platform.check_worker_count(world_size)
+        init_method = f"tcp://127.0.0.1:{get_open_port()}"
+        context = multiprocessing.get_context("spawn")
+        self.workers: list[_WorkerHandle] = []
+        self._failure: Optional[BaseException] = None
+        for rank in range(world_size):
+            conn, child_conn = context.Pipe(duplex=True)
+            process = context.Process(
+                target=run_worker, args=(self.config, rank, rank, init_method, child_conn),
+                name=f"PagedLLMWorker-{rank}", daemon=True,
+            )
+            process.start()
+            child_conn.close()
+            self.workers.append(_WorkerHandle(rank, process, conn))
+        try:
+            self.collective_rpc("init_device")
+            self.collective_rpc("load_model")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The worker processes' pids, in rank order."""
+        return [w.process.pid for w in self.workers]
+
+    def collective_rpc(
+        self, method: RpcMethod, args: tuple = (), kwargs: Optional[dict] = None, timeout: Optional[float] = None
+    ) -> list:
+        """Call ``method`` on every worker (a name, or a picklable callable taking the
+        worker first) and wait for all of them; one result per rank (None from non-driver
+        ranks for ``execute_model``).
+
+        Raises:
+            WorkerDeadError: a worker exited, now or before (the executor is then unusable).
+            TimeoutError: not every worker answered within ``timeout`` seconds (the executor
+                is then unusable: late answers would be taken for the next call's).
+            Exception: what a worker raised, with its traceback as the cause (the
+                executor is then unusable: the other ranks may wait on it in a collective).
+        """
+        if self._failure is not None:
+            raise WorkerDeadError(f"The workers stopped earlier: {self._failure}") from self._failure
+        payload = pickle.dumps((method, args, kwargs or {}), protocol=pickle.HIGHEST_PROTOCOL)
+        for worker in self.workers:
+            try:
+                worker.conn.send_bytes(payload)
+            except OSError:
+                self._raise_dead(worker, method)
+        return self._gather(method, timeout)
+
+    def _gather(self, method: RpcMethod, timeout: Optional[float]) -> list:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results: list = [None] * len(self.workers)
+        pending = {worker.conn: worker for worker in self.workers}
+        sentinels = {worker.process.sentinel: worker for worker in self.workers}
+        while pending:
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            ready = wait([*pending, *sentinels], remaining)
+            if not ready:
+                ranks = sorted(w.rank for w in pending.values())
+                error = TimeoutError(f"Workers of ranks {ranks} did not answer {_name(method)} within {timeout} s.")
+                self._failure = error
+                raise error
+            for obj in ready:
+                worker = pending.pop(obj, None) if isinstance(obj, Connection) else None
+                if worker is not None:
+                    results[worker.rank] = self._receive(worker, method)
+            for obj in ready:
+                if not isinstance(obj, Connection):
+                    self._raise_dead(sentinels[obj], method)
+        return results
+
+    def _receive(self, worker: _WorkerHandle, method: RpcMethod) -> Any:
+        try:
+            reply = worker.conn.recv()
+        except (EOFError, OSError):
+            self._raise_dead(worker, method)
+        if reply[0]:
+            return reply[1]
+        self._failure = reply[1]
+        raise reply[1] from RemoteTraceback(f"in worker rank {worker.rank}:\n{reply[2]}")
+
+    def _raise_dead(self, worker: _WorkerHandle, method: RpcMethod) -> None:
+        worker.process.join(1.0)  # reap it, for its exit status
+        error = WorkerDeadError(
+            f"Worker rank {worker.rank} (pid {worker.process.pid}) died ({worker.describe_exit()}) during "
+            f"{_name(method)}; the engine cannot continue."
+        )
+        self._failure = error
+        raise error
+
+    def check_health(self) -> None:
+        """Raises ``WorkerDeadError`` if a worker has exited (or an earlier call failed)."""
+        if self._failure is not None:
+            raise WorkerDeadError(f"The workers stopped earlier: {self._failure}") from self._failure
+        for worker in self.workers:
+            if not worker.process.is_alive():
+                self._raise_dead(worker, "a health check")
+
+    def shutdown(self) -> None:
+        """Ask the workers to exit, then terminate those still running after
+        ``_SHUTDOWN_WAIT_S``; idempotent."""
+        payload = pickle.dumps((_SHUTDOWN, (), {}))
+        for worker in self.workers:
+            if worker.process.is_alive():
+                try:
+                    worker.conn.send_bytes(payload)
+                except OSError:
+                    pass
+        deadline = time.monotonic() + _SHUTDOWN_WAIT_S
+        for worker in self.workers:
+            worker.process.join(max(deadline - time.monotonic(), 0.0))
+            if worker.process.is_alive():
+                worker.process.terminate()
+                worker.process.join(1.0)
+            worker.conn.close()
+        self.workers = []
+
+
+def _name(method: RpcMethod) -> str:
+    return method if isinstance(method, str) else getattr(method, "__name__", repr(method))
