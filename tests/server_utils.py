@@ -116,8 +116,17 @@ class RemoteServer:
 
     def engine_pids(self) -> list[int]:
         """Pids of the engine-core process(es) (spawned children of the server)."""
+        return [pid for pid, parent in self._spawned() if parent == self.process.pid]
+
+    def worker_pids(self) -> list[int]:
+        """Pids of the engines' worker processes (``--tensor-parallel-size`` above 1), by pid."""
+        engines = set(self.engine_pids())
+        return sorted(pid for pid, parent in self._spawned() if parent in engines)
+
+    def _spawned(self) -> list[tuple[int, int]]:
+        """(pid, parent pid) of the server's descendants started by ``multiprocessing`` spawn."""
         return [
-            child.pid
+            (child.pid, child.ppid())
             for child in self._children
             if child.is_running() and "spawn_main" in " ".join(child.cmdline())
         ]
