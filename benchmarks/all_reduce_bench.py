@@ -6,7 +6,7 @@
 Starts ``--world-size`` processes (spawn), each pinned to its own cores as the
 multiprocess executor pins its workers (``PAGEDLLM_CPU_OMP_THREADS_BIND``), joined by gloo,
 and times ``GroupCoordinator.all_reduce`` on [rows, hidden] float32 tensors with the
-shared-memory all-reduce (``pagedllm.distributed.shm_all_reduce``) and with gloo's.
+shared-memory all-reduce (``pagedllm.distributed.shm_communicator``) and with gloo's.
 Prints the median microseconds per call of rank 0 for each size. The decode step of the
 0.5B shape all-reduces [batch, 896] twice per layer.
 """
@@ -24,14 +24,14 @@ def _rank_main(rank: int, world_size: int, init_method: str, args: argparse.Name
     import torch.distributed as dist
 
     from pagedllm.distributed.parallel_state import GroupCoordinator, init_distributed_environment
-    from pagedllm.distributed.shm_all_reduce import ShmAllReduce
+    from pagedllm.distributed.shm_communicator import ShmCommunicator
     from pagedllm.platforms import current_platform
 
     current_platform.bind_worker(rank, world_size)
     init_distributed_environment(world_size, rank, init_method, rank, "gloo")
     ranks = list(range(world_size))
     group = dist.new_group(ranks, backend="gloo")
-    impls = {"shm": GroupCoordinator(ranks, rank, group, ShmAllReduce(group, ranks)),
+    impls = {"shm": GroupCoordinator(ranks, rank, group, ShmCommunicator(group, ranks)),
              "gloo": GroupCoordinator(ranks, rank, group)}
     for rows in args.rows:
         x = torch.randn(rows, args.hidden)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from pagedllm.benchmarks import machine_info, set_num_threads, summarize, write_json
+from pagedllm.benchmarks import comm_stats, machine_info, set_num_threads, summarize, write_json
 from pagedllm.benchmarks.datasets import random_dataset, repeat_dataset
 from pagedllm.benchmarks.throughput import add_model_args, build_llm, engine_kwargs
 
@@ -100,6 +100,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = llm.get_tokenizer()
     for i in range(args.num_iters_warmup):
         run_iteration(engine, tokenizer, args, seed=100_000 + i, tag=f"warmup{i}")
+    comm_stats.reset(llm)
     iters = [run_iteration(engine, tokenizer, args, seed=args.seed + i, tag=f"iter{i}")
              for i in range(args.num_iters)]
     latencies = [it["latency"] for it in iters]
@@ -133,6 +134,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "engine_args": {k: v for k, v in engine_kwargs(args).items() if k not in ("model", "tokenizer")},
         "machine": machine_info(),
     }
+    tp_stats = comm_stats.collect(llm, sum(latencies))
+    if tp_stats is not None:
+        result["tensor_parallel_comm"] = tp_stats
     return result
 
 
@@ -148,6 +152,7 @@ def print_result(r: dict[str, Any]) -> None:
     print(f"Decode step latency: mean {d['mean']:.2f} ms, p50 {d['p50']:.2f} ms, p99 {d['p99']:.2f} ms "
           f"-> {r['decode_tokens_per_s']:.1f} tokens/s")
     print(f"Output tokens/s (end to end): {r['output_tokens_per_s']:.1f}")
+    comm_stats.print_stats(r.get("tensor_parallel_comm"))
 
 
 def main(args: argparse.Namespace) -> int:

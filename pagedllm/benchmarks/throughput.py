@@ -28,7 +28,7 @@ import gc
 import time
 from typing import Any, Optional
 
-from pagedllm.benchmarks import machine_info, set_num_threads, write_json
+from pagedllm.benchmarks import comm_stats, machine_info, set_num_threads, write_json
 from pagedllm.entrypoints.openai.cli_args import json_object_type
 from pagedllm.benchmarks.datasets import (
     SampleRequest,
@@ -65,6 +65,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-cpu-loras", type=int, default=None)
     engine.add_argument("--quantization", "-q", default=None,
                         help="weight format: int8 / int4 / fp8 at load, or the checkpoint's (gptq, awq ...)")
+    engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                        help="worker processes the model is split over (on CPU: one core each at least)")
     engine.add_argument("--speculative-config", type=json_object_type, default=None,
                         help="speculative decoding, vLLM's JSON, e.g. "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'")
@@ -73,7 +75,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 _ENGINE_KEYS = ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
                 "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching",
                 "prefix_caching_hash_algo", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
-                "speculative_config", "quantization")
+                "speculative_config", "quantization", "tensor_parallel_size")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -206,6 +208,7 @@ def run_pagedllm(args: argparse.Namespace, requests: Optional[list[SampleRequest
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     sampling = [params(r.expected_output_len) for r in requests]
     loras = lora_requests(args, len(requests))
+    comm_stats.reset(llm)
     start = time.perf_counter()
     outputs = llm.generate(prompts, sampling, use_tqdm=False, lora_request=loras)
     elapsed = time.perf_counter() - start
@@ -213,6 +216,9 @@ def run_pagedllm(args: argparse.Namespace, requests: Optional[list[SampleRequest
     extra: dict[str, Any] = {
         "engine_args": {k: v for k, v in engine_kwargs(args).items() if k not in ("model", "tokenizer")}
     }
+    tp_stats = comm_stats.collect(llm, elapsed)
+    if tp_stats is not None:
+        extra["tensor_parallel_comm"] = tp_stats
     if loras is not None:
         extra.update(lora_path=args.lora_path, num_loras=len({r.lora_int_id for r in loras}),
                      lora_load_time_s=lora_load_time(llm, args))
@@ -304,6 +310,7 @@ def print_result(result: dict[str, Any]) -> None:
     if "num_loras" in result:
         print(f"[{result['backend']}] {result['num_loras']} LoRA adapters mixed; "
               f"adapter load time {result['lora_load_time_s'] * 1000:.1f} ms")
+    comm_stats.print_stats(result.get("tensor_parallel_comm"))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

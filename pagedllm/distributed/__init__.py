@@ -1,5 +1,5 @@
 """Process groups for model parallelism (``parallel_state``: tensor- and pipeline-parallel
-groups and their collectives; ``shm_all_reduce``: the CPU all-reduce through shared memory)
+groups and their collectives; ``shm_communicator``: the CPU collectives through shared memory)
 and the arithmetic of sharding (``utils``)."""
 
 from pagedllm.distributed.parallel_state import (

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from pagedllm.distributed.shm_all_reduce import ShmAllReduce
+from pagedllm.distributed.shm_communicator import ShmCommunicator
 from pagedllm.platforms import current_platform
 
 
@@ -66,20 +66,20 @@ class GroupCoordinator:
         ranks: the group's global ranks, in group order.
         rank: this process's global rank (one of ``ranks``).
         device_group: the ``torch.distributed`` group (None for a group of one).
-        shm_all_reduce: the shared-memory all-reduce of this group (CPU), or None to
-            all-reduce through ``device_group``.
+        shm: the shared-memory collectives of this group (CPU), or None to communicate
+            through ``device_group``.
     """
 
     def __init__(
         self, ranks: list[int], rank: int, device_group: Optional[dist.ProcessGroup] = None,
-        shm_all_reduce: Optional[ShmAllReduce] = None,
+        shm: Optional[ShmCommunicator] = None,
     ) -> None:
         self.ranks = ranks
         self.rank = rank
         self.rank_in_group = ranks.index(rank)
         self.world_size = len(ranks)
         self.device_group = device_group
-        self.shm_all_reduce = shm_all_reduce
+        self.shm = shm
 
     @property
     def is_first_rank(self) -> bool:
@@ -95,8 +95,8 @@ class GroupCoordinator:
         if self.world_size == 1:
             return x
         start = time.perf_counter()
-        if self.shm_all_reduce is not None:
-            out = self.shm_all_reduce.all_reduce(x)
+        if self.shm is not None:
+            out = self.shm.all_reduce(x)
         else:
             out = x.contiguous()
             dist.all_reduce(out, group=self.device_group)
@@ -108,17 +108,19 @@ class GroupCoordinator:
         if self.world_size == 1:
             return x
         start = time.perf_counter()
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x, group=self.device_group)
-        out = torch.cat(parts, dim=dim)
+        if self.shm is not None:
+            out = self.shm.all_gather(x, dim)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.world_size)]
+            dist.all_gather(parts, x.contiguous(), group=self.device_group)
+            out = torch.cat(parts, dim=dim)
         _record("all_gather", x, start)
         return out
 
     def destroy(self) -> None:
-        if self.shm_all_reduce is not None:
-            self.shm_all_reduce.close()
-            self.shm_all_reduce = None
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
 
 
 _tp_group: Optional[GroupCoordinator] = None
@@ -158,8 +160,8 @@ def init_distributed_environment(
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> None:
     """Build the tensor- and pipeline-parallel groups (ranks laid out as in the module
     docstring). Without ``torch.distributed`` (one process) both must be 1: groups of one.
-    On CPU with shared-memory all-reduce chosen (``Platform.use_shared_memory_all_reduce``)
-    each TP group gets a ``ShmAllReduce``.
+    On CPU with shared-memory collectives chosen (``Platform.use_shared_memory_collectives``)
+    each TP group gets a ``ShmCommunicator``.
 
     Raises:
         ValueError: a size below 1, or tp x pp different from the world size.
@@ -176,12 +178,12 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
         )
     destroy_model_parallel()
     rank = dist.get_rank() if dist.is_initialized() else 0
-    use_shm = world_size > 1 and current_platform.use_shared_memory_all_reduce()
+    use_shm = world_size > 1 and current_platform.use_shared_memory_collectives()
     # Every process creates every group, in the same order (torch.distributed requires it).
     for ranks in ([p * tp + t for t in range(tp)] for p in range(pp)):
         group = _new_group(ranks)
         if rank in ranks:
-            shm = ShmAllReduce(group, ranks) if use_shm and tp > 1 else None
+            shm = ShmCommunicator(group, ranks) if use_shm and tp > 1 else None
             _tp_group = GroupCoordinator(ranks, rank, group, shm)
     for ranks in ([p * tp + t for p in range(pp)] for t in range(tp)):
         group = _new_group(ranks)
@@ -196,7 +198,7 @@ def _new_group(ranks: list[int]) -> Optional[dist.ProcessGroup]:
 
 
 def destroy_model_parallel() -> None:
-    """Forget the groups (releasing the shared-memory all-reduce's buffer); idempotent."""
+    """Forget the groups (releasing the shared-memory buffer); idempotent."""
     global _tp_group, _pp_group
     if _tp_group is not None:
         _tp_group.destroy()

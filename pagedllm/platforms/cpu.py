@@ -23,10 +23,10 @@ PROFILE_TOKENS = 64
 
 logger = logging.getLogger(__name__)
 
-#: ``shm`` or ``gloo``: how the tensor-parallel ranks of one machine sum their partial
-#: results (``pagedllm.distributed.shm_all_reduce``). Default ``shm`` on x86-64 (measured
-#: faster: see that module), ``gloo`` elsewhere.
-ALL_REDUCE_ENV = "PAGEDLLM_CPU_ALL_REDUCE"
+#: ``shm`` or ``gloo``: how the tensor-parallel ranks of one machine all-reduce and
+#: all-gather (``pagedllm.distributed.shm_communicator``). Default ``shm`` on x86-64
+#: (measured 5-8x faster than gloo: see that module), ``gloo`` elsewhere.
+COLLECTIVES_ENV = "PAGEDLLM_CPU_COLLECTIVES"
 
 
 class CpuPlatform(Platform):
@@ -91,17 +91,17 @@ class CpuPlatform(Platform):
         torch.set_num_threads(len(cores))
         logger.info("Worker %d of %d: cores %s, %d threads", local_rank, local_world_size, cores, len(cores))
 
-    def use_shared_memory_all_reduce(self) -> bool:
-        """``PAGEDLLM_CPU_ALL_REDUCE`` (``shm`` / ``gloo``); by default ``shm`` on x86-64,
+    def use_shared_memory_collectives(self) -> bool:
+        """``PAGEDLLM_CPU_COLLECTIVES`` (``shm`` / ``gloo``); by default ``shm`` on x86-64,
         whose stores are seen in order by other cores (the protocol relies on it).
 
         Raises:
             ValueError: another value.
         """
         default = "shm" if platform.machine().lower() in ("x86_64", "amd64") else "gloo"
-        choice = os.environ.get(ALL_REDUCE_ENV, "").strip().lower() or default
+        choice = os.environ.get(COLLECTIVES_ENV, "").strip().lower() or default
         if choice not in ("shm", "gloo"):
-            raise ValueError(f"{ALL_REDUCE_ENV}={choice!r}: use shm or gloo.")
+            raise ValueError(f"{COLLECTIVES_ENV}={choice!r}: use shm or gloo.")
         return choice == "shm"
 
     def prepare_for_steps(self) -> None:

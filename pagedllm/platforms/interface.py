@@ -87,9 +87,9 @@ class Platform:
         ``local_rank``) or its cores (CPU); called once, first thing in ``Worker.init_device``."""
         raise NotImplementedError
 
-    def use_shared_memory_all_reduce(self) -> bool:
-        """Whether the tensor-parallel all-reduce of ranks on this machine goes through
-        shared memory (``pagedllm.distributed.shm_all_reduce``) instead of
+    def use_shared_memory_collectives(self) -> bool:
+        """Whether the tensor-parallel all-reduce and all-gather of ranks on this machine go
+        through shared memory (``pagedllm.distributed.shm_communicator``) instead of
         ``torch.distributed`` on ``dist_backend``. Default: no."""
         return False
 

@@ -62,6 +62,7 @@ class Worker:
         self.local_rank = local_rank
         self.distributed_init_method = distributed_init_method
         self.is_driver_worker = is_driver_worker
+        self.num_steps = 0
         self._kv_cache_budget: Optional[KVCacheBudget] = None
 
     def init_device(self) -> None:
@@ -127,14 +128,16 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
         """Run one step; the output on the driver worker, None on the others."""
         output = self.model_runner.execute_model(scheduler_output)
+        self.num_steps += 1
         return output if self.is_driver_worker else None
 
-    def get_comm_stats(self, reset: bool = False) -> dict[str, tuple[int, int, float]]:
-        """This rank's collectives since start-up (or the last reset): operation ->
-        (calls, bytes, seconds); ``reset`` starts the count again."""
-        stats = {op: (s.calls, s.bytes, s.seconds) for op, s in get_comm_stats().items()}
+    def get_comm_stats(self, reset: bool = False) -> dict:
+        """This rank's collectives since start-up (or the last reset): ``{"steps": steps
+        run, "ops": {operation: (calls, bytes, seconds)}}``; ``reset`` starts the count again."""
+        stats = {"steps": self.num_steps, "ops": {op: (s.calls, s.bytes, s.seconds) for op, s in get_comm_stats().items()}}
         if reset:
             reset_comm_stats()
+            self.num_steps = 0
         return stats
 
     def shutdown(self) -> None:

@@ -1,7 +1,7 @@
 """Model-parallel groups: a group of one process (collectives are identities); four spawned
-processes joined by gloo as tp=2 x pp=2 (vLLM's rank layout; all-reduce through shared
-memory and through gloo, bit-identical on every rank, in pieces larger than a slot;
-all-gather in rank order); the refusals; and the arithmetic of splitting across ranks."""
+processes joined by gloo as tp=2 x pp=2 (vLLM's rank layout; all-reduce and all-gather
+through shared memory and through gloo, in pieces larger than a slot; all-reduce
+bit-identical on every rank, all-gather in rank order); the refusals; and the arithmetic of splitting across ranks."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_sizes_that_do_not_match_the_world_are_refused():
 
 def _rank_main(rank: int, init_method: str, results) -> None:
     from pagedllm.distributed import parallel_state as ps
-    from pagedllm.distributed.shm_all_reduce import ShmAllReduce
+    from pagedllm.distributed.shm_communicator import ShmCommunicator
 
     ps.init_distributed_environment(4, rank, init_method, rank, "gloo")
     ps.initialize_model_parallel(2, 2)
@@ -50,17 +50,19 @@ def _rank_main(rank: int, init_method: str, results) -> None:
     x = torch.randn(3, 896, generator=torch.Generator().manual_seed(rank))
     gloo = ps.GroupCoordinator(tp.ranks, rank, tp.device_group)
     # 10 float32 per slot: a [3, 896] input goes through in 269 pieces.
-    tiny_slots = ps.GroupCoordinator(tp.ranks, rank, tp.device_group, ShmAllReduce(tp.device_group, tp.ranks, 40))
+    tiny_slots = ps.GroupCoordinator(tp.ranks, rank, tp.device_group, ShmCommunicator(tp.device_group, tp.ranks, 40))
     results.put({
         "rank": rank,
         "tp_ranks": tp.ranks, "pp_ranks": pp.ranks,
         "tp_rank": ps.get_tensor_model_parallel_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
-        "uses_shm": tp.shm_all_reduce is not None,
+        "uses_shm": tp.shm is not None,
         "x": x,
         "shm": ps.tensor_model_parallel_all_reduce(x),
         "gloo": gloo.all_reduce(x.clone()),
         "pieces": tiny_slots.all_reduce(x),
         "gather": ps.tensor_model_parallel_all_gather(x, dim=-1),
+        "gather_gloo": gloo.all_gather(x, dim=0),
+        "gather_pieces": tiny_slots.all_gather(x, dim=0),
         "stats": {op: s.calls for op, s in ps.get_comm_stats().items()},
     })
     tiny_slots.destroy()
@@ -68,7 +70,7 @@ def _rank_main(rank: int, init_method: str, results) -> None:
 
 
 def test_tp2_pp2_groups_and_collectives(monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_CPU_ALL_REDUCE", "shm")
+    monkeypatch.setenv("PAGEDLLM_CPU_COLLECTIVES", "shm")
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     init_method = f"tcp://127.0.0.1:{get_open_port()}"
@@ -92,7 +94,9 @@ def test_tp2_pp2_groups_and_collectives(monkeypatch):
         for impl in ("shm", "gloo", "pieces"):
             torch.testing.assert_close(out[impl], expected, rtol=0, atol=1e-6)
         assert torch.equal(out["gather"], torch.cat(peers, dim=-1))
-        assert out["stats"] == {"all_reduce": 3, "all_gather": 1}  # the three all-reduces above
+        assert torch.equal(out["gather_gloo"], torch.cat(peers, dim=0))
+        assert torch.equal(out["gather_pieces"], torch.cat(peers, dim=0))
+        assert out["stats"] == {"all_reduce": 3, "all_gather": 3}  # the collectives above
         partner = by_rank[out["tp_ranks"][1 - tp_rank]]
         for impl in ("shm", "gloo", "pieces"):  # the partner got exactly the same bits
             assert torch.equal(out[impl], partner[impl])

@@ -45,10 +45,10 @@ def test_more_workers_than_cores_is_a_start_up_error(eight_cores, monkeypatch):
 
 
 def test_all_reduce_choice(monkeypatch):
-    monkeypatch.setenv(cpu_platform.ALL_REDUCE_ENV, "gloo")
-    assert not CpuPlatform().use_shared_memory_all_reduce()
-    monkeypatch.setenv(cpu_platform.ALL_REDUCE_ENV, "shm")
-    assert CpuPlatform().use_shared_memory_all_reduce()
-    monkeypatch.setenv(cpu_platform.ALL_REDUCE_ENV, "nccl")
+    monkeypatch.setenv(cpu_platform.COLLECTIVES_ENV, "gloo")
+    assert not CpuPlatform().use_shared_memory_collectives()
+    monkeypatch.setenv(cpu_platform.COLLECTIVES_ENV, "shm")
+    assert CpuPlatform().use_shared_memory_collectives()
+    monkeypatch.setenv(cpu_platform.COLLECTIVES_ENV, "nccl")
     with pytest.raises(ValueError, match="'nccl': use shm or gloo"):
-        CpuPlatform().use_shared_memory_all_reduce()
+        CpuPlatform().use_shared_memory_collectives()
