@@ -39,6 +39,8 @@ SLOT_BYTES = 4 << 20
 _FLAG_BYTES = 64
 #: Busy-wait polls before each ``sched_yield`` (ranks may share cores with other work).
 _SPINS_BEFORE_YIELD = 64
+#: Busy-wait polls between checks that the other ranks' processes still exist.
+_SPINS_BEFORE_LIVENESS_CHECK = 1 << 14
 
 
 class ShmCommunicator:
@@ -64,6 +66,8 @@ class ShmCommunicator:
             with open(name[0], "wb") as f:
                 f.truncate(size)
         dist.broadcast_object_list(name, src=ranks[0], group=group)
+        self._pids: list[int] = [0] * self.world_size
+        dist.all_gather_object(self._pids, os.getpid(), group=group)
         with open(name[0], "r+b") as f:
             self._mmap = mmap.mmap(f.fileno(), size)
         dist.barrier(group=group)
@@ -110,12 +114,28 @@ class ShmCommunicator:
             yield start, slots
 
     def _wait_for_all(self, seq: int) -> None:
+        """Spin until every rank has flagged call ``seq``.
+
+        Raises:
+            RuntimeError: another rank's process no longer exists (it would never flag).
+        """
         flags = self._flags
         spins = 0
         while flags.min() < seq:
             spins += 1
             if spins % _SPINS_BEFORE_YIELD == 0:
                 os.sched_yield()
+            if spins % _SPINS_BEFORE_LIVENESS_CHECK == 0:
+                self._check_peers_alive(seq)
+
+    def _check_peers_alive(self, seq: int) -> None:
+        for rank, pid in enumerate(self._pids):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                raise RuntimeError(
+                    f"Rank {rank} (pid {pid}) of the shared-memory group exited before its collective {seq}."
+                ) from None
 
     def close(self) -> None:
         """Unmap the buffer (after the group's last call); idempotent."""

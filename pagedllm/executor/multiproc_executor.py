@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 #: Seconds ``shutdown`` waits for workers to exit before terminating them.
 _SHUTDOWN_WAIT_S = 5.0
 _SHUTDOWN = "__shutdown__"
+#: The calls of start-up, during which a worker that exits most likely failed to start.
+_START_UP_METHODS = ("init_device", "load_model")
 
 
 class WorkerDeadError(RuntimeError):
@@ -148,11 +150,12 @@ class MultiprocExecutor(Executor):
         ranks for ``execute_model``).
 
         Raises:
-            WorkerDeadError: a worker exited, now or before (the executor is then unusable).
-            TimeoutError: not every worker answered within ``timeout`` seconds (the executor
-                is then unusable: late answers would be taken for the next call's).
-            Exception: what a worker raised, with its traceback as the cause (the
-                executor is then unusable: the other ranks may wait on it in a collective).
+            WorkerDeadError: a worker exited, now or before.
+            TimeoutError: not every worker answered within ``timeout`` seconds.
+            Exception: what a worker raised, with its traceback as the cause.
+            After any of these the executor is unusable and its workers are terminated
+            (the others may wait on the failed one in a collective; late answers would be
+            taken for the next call's).
         """
         if self._failure is not None:
             raise WorkerDeadError(f"The workers stopped earlier: {self._failure}") from self._failure
@@ -175,7 +178,7 @@ class MultiprocExecutor(Executor):
             if not ready:
                 ranks = sorted(w.rank for w in pending.values())
                 error = TimeoutError(f"Workers of ranks {ranks} did not answer {_name(method)} within {timeout} s.")
-                self._failure = error
+                self._fail(error)
                 raise error
             for obj in ready:
                 worker = pending.pop(obj, None) if isinstance(obj, Connection) else None
@@ -193,17 +196,31 @@ class MultiprocExecutor(Executor):
             self._raise_dead(worker, method)
         if reply[0]:
             return reply[1]
-        self._failure = reply[1]
+        self._fail(reply[1])
         raise reply[1] from RemoteTraceback(f"in worker rank {worker.rank}:\n{reply[2]}")
 
     def _raise_dead(self, worker: _WorkerHandle, method: RpcMethod) -> None:
         worker.process.join(1.0)  # reap it, for its exit status
+        hint = ""
+        if method in _START_UP_METHODS:
+            hint = (" A script that starts workers must keep its top-level code under "
+                    "`if __name__ == \"__main__\":` (spawned workers import it again).")
         error = WorkerDeadError(
             f"Worker rank {worker.rank} (pid {worker.process.pid}) died ({worker.describe_exit()}) during "
-            f"{_name(method)}; the engine cannot continue."
+            f"{_name(method)}; the engine cannot continue.{hint}"
         )
-        self._failure = error
+        self._fail(error)
         raise error
+
+    def _fail(self, error: BaseException) -> None:
+        """Remember why the executor stopped and terminate the workers still running: the
+        others cannot finish a step without the failed one (they would wait in a collective)."""
+        self._failure = error
+        for worker in self.workers:
+            if worker.process.is_alive():
+                worker.process.terminate()
+        for worker in self.workers:
+            worker.process.join(1.0)
 
     def check_health(self) -> None:
         """Raises ``WorkerDeadError`` if a worker has exited (or an earlier call failed)."""

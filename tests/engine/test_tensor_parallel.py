@@ -1,8 +1,9 @@
 """Tensor parallelism through ``LLM(tensor_parallel_size=2)`` (the multiprocess executor, two
 worker processes joined by gloo, all-reduce through shared memory): greedy output
 token-identical to one process under chunked prefill, preemption and prefix caching;
-logprobs close; KV heads replicated when ranks outnumber them; the KV cache sized per rank;
-and a killed worker making the next step fail at once, not hang.
+logprobs close; seeded sampling identical; KV heads replicated when ranks outnumber them;
+the KV cache sized per rank; a worker's start-up error re-raised as it was; and a killed
+worker making the next step fail at once, not hang.
 
 Spawning workers is slow (torch imports in each), so each engine starts once per module.
 """
@@ -76,6 +77,25 @@ def test_logprobs_close_to_tp1(tp1, tp2):
         for ref_entry, got_entry in zip(ref.prompt_logprobs[1:], got.prompt_logprobs[1:]):
             for token, logprob in ref_entry.items():
                 assert abs(got_entry[token].logprob - logprob.logprob) < 1e-4
+
+
+def test_seeded_sampling_equals_tp1(tp1, tp2):
+    """Every rank samples (the same tokens) and keeps its own batch: seeded requests give
+    the tokens one process gives."""
+    prompts = random_prompts([6, 25], 1000, seed=14)
+    outputs = {}
+    for name, llm in (("tp1", tp1), ("tp2", tp2)):
+        params = [SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
+                  for i in range(len(prompts))]
+        result = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outputs[name] = [o.outputs[0].token_ids for o in result]
+    assert outputs["tp2"] == outputs["tp1"]
+
+
+def test_a_worker_start_up_error_keeps_its_type_and_message(tiny_llama):
+    with pytest.raises(ValueError, match="The KV cache cannot hold one sequence of max_model_len = 256") as info:
+        LLM(str(tiny_llama), tensor_parallel_size=2, dtype="float32", max_model_len=256, kv_cache_memory_bytes=1024)
+    assert str(info.value.__cause__).startswith("in worker rank ")  # whichever answered first
 
 
 def test_each_rank_holds_half_the_kv_heads(tp2):
