@@ -91,7 +91,8 @@ class GroupCoordinator:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The element-wise sum of ``x`` over the group (same shape and dtype; ``x`` itself
-        in a group of one). Every rank gets bit-identical values."""
+        in a group of one). Every rank gets bit-identical values. ``x`` must not be used
+        afterwards: gloo and NCCL reduce in its storage."""
         if self.world_size == 1:
             return x
         start = time.perf_counter()

@@ -1,0 +1,33 @@
+"""``ParallelConfig.verify_with_model_config``: the start-up errors for tensor-parallel sizes
+that do not split the model, naming the numbers."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from pagedllm.config import ParallelConfig
+
+
+def _model(heads: int, kv_heads: int, vocab: int = 1024) -> SimpleNamespace:
+    return SimpleNamespace(hf_config=SimpleNamespace(num_attention_heads=heads), num_kv_heads=kv_heads, vocab_size=vocab)
+
+
+@pytest.mark.parametrize("tp, heads, kv_heads", [(1, 14, 2), (2, 14, 2), (4, 8, 8), (8, 8, 2), (4, 4, 1)])
+def test_sizes_that_split(tp, heads, kv_heads):
+    ParallelConfig(tensor_parallel_size=tp).verify_with_model_config(_model(heads, kv_heads))
+
+
+@pytest.mark.parametrize(
+    "tp, model, message",
+    [
+        (4, _model(14, 2), "tensor_parallel_size 4 does not divide the model's num_attention_heads 14."),
+        (3, _model(6, 4), "tensor_parallel_size 3 and the model's num_key_value_heads 4: neither divides the other."),
+        (2, _model(4, 2, vocab=1023), "tensor_parallel_size 2 does not divide the model's vocab_size 1023."),
+        (0, _model(4, 2), r"tensor_parallel_size \(0\) and pipeline_parallel_size \(1\) must be at least 1."),
+    ],
+)
+def test_sizes_that_do_not_split_name_the_numbers(tp, model, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(tensor_parallel_size=tp).verify_with_model_config(model)
