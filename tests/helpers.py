@@ -141,3 +141,15 @@ def float32_llm(path, kwargs: dict) -> LLM:
         kwargs["kv_cache_memory_bytes"] = kv_blocks * kv_block_bytes(probe)
         del probe
     return LLM(str(path), dtype="float32", **kwargs)
+
+
+def can_host_workers(num_workers: int) -> bool:
+    """Whether this machine can run ``num_workers`` worker processes (one core each on CPU,
+    one GPU each on CUDA): tensor-parallel tests skip where it cannot."""
+    from pagedllm.platforms import current_platform
+
+    try:
+        current_platform.check_worker_count(num_workers)
+    except ValueError:
+        return False
+    return True

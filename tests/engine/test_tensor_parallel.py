@@ -18,7 +18,9 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.executor.multiproc_executor import MultiprocExecutor, WorkerDeadError
-from tests.helpers import check_block_accounting, random_prompts
+from tests.helpers import can_host_workers, check_block_accounting, random_prompts
+
+pytestmark = pytest.mark.skipif(not can_host_workers(2), reason="needs 2 cores (CPU) or 2 GPUs (CUDA)")
 
 MAX_TOKENS = 10
 #: Chunked prefill (64-token steps), preemption (32 blocks of 8 tokens for ~60 needed) and

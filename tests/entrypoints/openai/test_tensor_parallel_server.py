@@ -8,9 +8,13 @@ import os
 import signal
 import time
 
+import pytest
+
 from pagedllm import LLM, SamplingParams
-from tests.helpers import random_prompts
+from tests.helpers import can_host_workers, random_prompts
 from tests.server_utils import RemoteServer
+
+pytestmark = pytest.mark.skipif(not can_host_workers(2), reason="needs 2 cores (CPU) or 2 GPUs (CUDA)")
 
 MAX_TOKENS = 8
 
