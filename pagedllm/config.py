@@ -687,7 +687,7 @@ class EngineArgs:
     vocabulary size; ``num_gpu_blocks_override``: the exact number of KV-cache blocks);
     and no-ops, that cannot matter here (``enforce_eager``, ``max_seq_len_to_capture``:
     no CUDA graphs; ``swap_space``: preempted requests are recomputed, never swapped;
-    ``disable_custom_all_reduce``: one device; ``disable_sliding_window``: the models here
+    ``disable_custom_all_reduce``: no custom CUDA all-reduce exists; ``disable_sliding_window``: the models here
     attend over the whole context already, which is what it asks).
 
     ``speculative_config``: vLLM's dict, checked by ``SpeculativeConfig.from_dict``.

@@ -436,8 +436,12 @@ def check_tool_calling_args(args: argparse.Namespace) -> None:
 def _add_vllm_engine_flags(engine: Any) -> None:
     """vLLM's other engine flags (names and defaults as vLLM's ``EngineArgs``). A value that
     asks for something not built is refused by ``EngineArgs`` ("... is not supported yet")."""
+    engine.add_argument(
+        "--tensor-parallel-size", "-tp", type=positive_int, default=1,
+        help="Worker processes the model's layers are split over (tensor parallelism): one GPU each on CUDA, "
+        "at least one core each on CPU.",
+    )
     for flag, short, what in (
-        ("--tensor-parallel-size", "-tp", "Devices the model's layers are split over"),
         ("--pipeline-parallel-size", "-pp", "Pipeline stages"),
     ):
         engine.add_argument(flag, short, type=positive_int, default=1, help=f"{what}: 1 (others are not supported yet).")
@@ -448,8 +452,8 @@ def _add_vllm_engine_flags(engine: Any) -> None:
     )  # fmt: skip
     engine.add_argument(
         "--distributed-executor-backend", default=None, choices=("ray", "mp", "uni", "external_launcher"),
-        help="How workers run: 'uni' (one worker in the engine process, the default here); others are not "
-        "supported yet.",
+        help="How workers run: 'uni' (one worker in the engine process; the default for one worker) or 'mp' "
+        "(one process per worker; the default for more); 'ray' and 'external_launcher' are not supported yet.",
     )  # fmt: skip
     engine.add_argument(
         "--trust-remote-code", action="store_true",
@@ -515,7 +519,7 @@ def _add_vllm_engine_flags(engine: Any) -> None:
         "--swap-space", type=non_negative_float, default=4,
         help="GiB of CPU swap space per device. No-op: preempted requests are recomputed, never swapped.",
     )  # fmt: skip
-    engine.add_argument("--disable-custom-all-reduce", action="store_true", help="No-op: one device, no all-reduce.")
+    engine.add_argument("--disable-custom-all-reduce", action="store_true", help="No-op: pagedllm has no custom CUDA all-reduce.")
     engine.add_argument(
         "--disable-sliding-window", action="store_true",
         help="No-op: pagedllm's models already attend over the whole context.",

@@ -5,7 +5,7 @@
 Sharding: a column-parallel layer holds this rank's rows of W (output features), a
 row-parallel one this rank's columns (input features; its outputs are summed over the ranks
 by ``tensor_model_parallel_all_reduce``); ranks and sizes come from
-``pagedllm.distributed.parallel_state`` (one process today: every layer holds all of W).
+``pagedllm.distributed.parallel_state`` (at tensor-parallel size 1 every layer holds all of W).
 Several checkpoint matrices may be fused into one layer (q/k/v into ``qkv_proj``, gate/up
 into ``gate_up_proj``); each parameter carries a ``weight_loader`` that copies this rank's
 part of a checkpoint tensor into its shard. Output rows of a fused layer are the shards

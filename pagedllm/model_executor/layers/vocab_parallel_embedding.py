@@ -2,8 +2,8 @@
 across tensor-parallel ranks (vLLM's ``VocabParallelEmbedding`` and ``ParallelLMHead``).
 
 No padding: each rank holds ``vocab_size / tp_size`` rows, so the vocabulary must divide by
-``tp_size`` (always true at 1, the only size today). vLLM pads each rank's rows to a multiple
-of 64 so that any vocabulary splits; that comes with tensor parallelism if needed.
+``tp_size`` (``ParallelConfig.verify_with_model_config`` refuses other sizes at start-up).
+vLLM pads each rank's rows to a multiple of 64 so that any vocabulary splits.
 """
 
 from __future__ import annotations
