@@ -146,8 +146,6 @@ def float32_llm(path, kwargs: dict) -> LLM:
 def can_host_workers(num_workers: int) -> bool:
     """Whether this machine can run ``num_workers`` worker processes (one core each on CPU,
     one GPU each on CUDA): tensor-parallel tests skip where it cannot."""
-    from pagedllm.platforms import current_platform
-
     try:
         current_platform.check_worker_count(num_workers)
     except ValueError:

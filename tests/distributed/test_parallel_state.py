@@ -20,7 +20,7 @@ from pagedllm.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from pagedllm.platforms import current_platform
+from tests.helpers import cpu_only
 
 
 def test_a_group_of_one_process():
@@ -70,7 +70,7 @@ def _rank_main(rank: int, init_method: str, results) -> None:
     ps.destroy_distributed_environment()
 
 
-@pytest.mark.skipif(not current_platform.is_cpu, reason="the CPU collectives (gloo, shared memory)")
+@cpu_only  # the CPU collectives: gloo, shared memory
 def test_tp2_pp2_groups_and_collectives(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_CPU_COLLECTIVES", "shm")
     context = multiprocessing.get_context("spawn")
