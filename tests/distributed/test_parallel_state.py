@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,7 +53,7 @@ def _rank_main(rank: int, init_method: str, results) -> None:
     gloo = ps.GroupCoordinator(tp.ranks, rank, tp.device_group)
     # 10 float32 per slot: a [3, 896] input goes through in 269 pieces.
     tiny_slots = ps.GroupCoordinator(tp.ranks, rank, tp.device_group, ShmCommunicator(tp.device_group, tp.ranks, 40))
-    results.put({
+    out = {
         "rank": rank,
         "tp_ranks": tp.ranks, "pp_ranks": pp.ranks,
         "tp_rank": ps.get_tensor_model_parallel_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
@@ -65,7 +66,10 @@ def _rank_main(rank: int, init_method: str, results) -> None:
         "gather_gloo": gloo.all_gather(x, dim=0),
         "gather_pieces": tiny_slots.all_gather(x, dim=0),
         "stats": {op: s.calls for op, s in ps.get_comm_stats().items()},
-    })
+    }
+    # Tensors as numpy arrays, pickled by value: torch would share them by file descriptor,
+    # which the parent cannot fetch any more once this process has exited.
+    results.put({k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in out.items()})
     tiny_slots.destroy()
     ps.destroy_distributed_environment()
 
@@ -81,7 +85,7 @@ def test_tp2_pp2_groups_and_collectives(monkeypatch):
         p.start()
     by_rank = {}
     for _ in procs:
-        out = results.get(timeout=120)
+        out = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in results.get(timeout=120).items()}
         by_rank[out["rank"]] = out
     for p in procs:
         p.join(30)
