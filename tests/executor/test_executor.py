@@ -1,14 +1,17 @@
 """The executor layer: choosing the executor (``Executor.get_class``), and
 ``UniProcExecutor`` driving its one ``Worker`` (collective_rpc by name and by callable, KV
-sizing and allocation, shutdown)."""
+sizing and allocation, shutdown); ``MultiprocExecutor`` with one worker process (calls,
+timeout)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
 from pagedllm.config import EngineArgs
 from pagedllm.executor.abstract import Executor
-from pagedllm.executor.multiproc_executor import MultiprocExecutor
+from pagedllm.executor.multiproc_executor import MultiprocExecutor, WorkerDeadError
 from pagedllm.executor.uniproc_executor import UniProcExecutor
 from pagedllm.worker.kv_cache_sizing import kv_bytes_per_token
 from pagedllm.worker.model_runner import ModelRunner
@@ -119,3 +122,33 @@ def test_worker_profiles_once_for_a_memory_share(tiny_llama, monkeypatch):
     block_bytes = kv_bytes_per_token(config.model_config) * config.cache_config.block_size
     assert executor.determine_num_available_blocks() == expected // block_bytes
     assert peaks == [3 << 20]
+
+
+def _rank_and_driver(worker) -> tuple[int, bool]:
+    return worker.rank, worker.is_driver_worker
+
+
+def _sleep(worker, seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)
+
+
+def test_multiproc_executor_calls_its_worker_process_and_times_out(tiny_llama):
+    """``"mp"`` with one worker: a process of its own (no torch.distributed); calls by name
+    and by callable; a call past its timeout raises, and the executor stops its workers."""
+    config = make_config(tiny_llama, kv_cache_memory_bytes=KV_BYTES, distributed_executor_backend="mp")
+    executor = MultiprocExecutor(config)
+    try:
+        (pid,) = executor.worker_pids
+        assert pid != os.getpid()
+        assert executor.collective_rpc(_rank_and_driver) == [(0, True)]
+        assert executor.determine_num_available_blocks() == 512
+        with pytest.raises(TimeoutError, match=r"Workers of ranks \[0\] did not answer _sleep within 0.5 s"):
+            executor.collective_rpc(_sleep, args=(30,), timeout=0.5)
+        assert not executor.workers[0].process.is_alive()
+        with pytest.raises(WorkerDeadError, match="The workers stopped earlier: Workers of ranks"):
+            executor.collective_rpc("determine_available_memory")
+    finally:
+        executor.shutdown()
+    executor.shutdown()  # idempotent
