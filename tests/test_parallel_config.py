@@ -1,5 +1,5 @@
 """``ParallelConfig.verify_with_model_config``: the start-up errors for tensor-parallel sizes
-that do not split the model, naming the numbers."""
+that do not split the model, naming the numbers; data and tensor parallelism together."""
 
 from __future__ import annotations
 
@@ -31,3 +31,9 @@ def test_sizes_that_split(tp, heads, kv_heads):
 def test_sizes_that_do_not_split_name_the_numbers(tp, model, message):
     with pytest.raises(ValueError, match=message):
         ParallelConfig(tensor_parallel_size=tp).verify_with_model_config(model)
+
+
+def test_data_and_tensor_parallelism_together_not_supported_yet():
+    with pytest.raises(ValueError, match="data_parallel_size 2 with tensor_parallel_size 2 is not supported yet"):
+        ParallelConfig(tensor_parallel_size=2, data_parallel_size=2).verify_with_model_config(_model(4, 2))
+    ParallelConfig(data_parallel_size=2).verify_with_model_config(_model(4, 2))
