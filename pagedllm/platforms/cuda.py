@@ -29,11 +29,7 @@ class CudaPlatform(Platform):
         Raises:
             ValueError: fewer visible devices than replicas.
         """
-        count = torch.cuda.device_count()
-        if size > count:
-            raise ValueError(
-                f"data_parallel_size={size} needs one CUDA device per replica; {count} device(s) are visible."
-            )
+        _require_devices(size, f"data_parallel_size={size} needs one CUDA device per replica")
         torch.cuda.set_device(rank)
         return f"cuda:{rank}"
 
@@ -43,12 +39,10 @@ class CudaPlatform(Platform):
         Raises:
             ValueError: more workers than visible GPUs.
         """
-        visible = torch.cuda.device_count()
-        if world_size > visible:
-            raise ValueError(
-                f"tensor_parallel_size x pipeline_parallel_size = {world_size} worker processes need one GPU "
-                f"each, but {visible} are visible (CUDA_VISIBLE_DEVICES)."
-            )
+        _require_devices(
+            world_size,
+            f"tensor_parallel_size x pipeline_parallel_size = {world_size} worker processes need one CUDA device each",
+        )
 
     def bind_worker(self, local_rank: int, local_world_size: int) -> None:
         """Make GPU ``local_rank`` this process's current device."""
@@ -87,3 +81,11 @@ class CudaPlatform(Platform):
         base = torch.cuda.memory_allocated()
         dummy_run(max_num_tokens)
         return torch.cuda.max_memory_allocated() - base
+
+
+def _require_devices(needed: int, what: str) -> None:
+    """Raise ``ValueError("<what>; N device(s) are visible.")`` when fewer than ``needed``
+    CUDA devices are visible."""
+    count = torch.cuda.device_count()
+    if needed > count:
+        raise ValueError(f"{what}; {count} device(s) are visible (CUDA_VISIBLE_DEVICES).")
