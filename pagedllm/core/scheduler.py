@@ -246,20 +246,25 @@ class Scheduler:
         return True
 
     def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
-        """One bitmask row per constrained request that samples this step (its known tokens
-        are all computed after it: not in the middle of its prompt)."""
+        """Bitmask rows for each constrained request that samples this step (its known
+        tokens are all computed after it: not in the middle of its prompt): one for its
+        next token and one after each of its draft tokens."""
         if not self._num_constrained:
             return
-        grammars = []
+        grammars, drafts = [], []
+        num_rows = 0
         for req_id in output.num_scheduled_tokens:
             request = self.requests[req_id]
             so_request = request.structured_output_request
-            if so_request is not None and request.num_computed_tokens == request.num_tokens:
-                output.structured_output_request_ids[req_id] = len(grammars)
+            spec = output.scheduled_spec_decode_tokens.get(req_id, [])
+            if so_request is not None and request.num_computed_tokens == request.num_tokens + len(spec):
+                output.structured_output_request_ids[req_id] = num_rows
                 grammars.append(so_request.grammar)
+                drafts.append(spec)
+                num_rows += 1 + len(spec)
         if grammars:
             assert self.structured_output_manager is not None
-            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(grammars)
+            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(grammars, drafts)
 
     def _preempt(self, request: Request, now: float) -> None:
         self.kv_cache_manager.free(request)
@@ -333,13 +338,16 @@ class Scheduler:
 
     def _usable_drafts(self, request: Request, drafts: list[int]) -> list[int]:
         """``drafts`` cut so that verifying them cannot pass ``max_tokens`` or
-        ``max_model_len`` (the token sampled after the last draft counts too). A request
-        with a structured outputs constraint takes none: its step's grammar bitmask masks
-        one sampled position, so it runs without speculation."""
-        if request.structured_output_request is not None:
-            return []
+        ``max_model_len`` (the token sampled after the last draft counts too), and, for a
+        request with a structured outputs constraint, before the first its grammar refuses
+        (``validate_tokens``, as vLLM): the target then samples every position under the
+        grammar (``_add_grammar_bitmask``)."""
         room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
-        return drafts[: max(room, 0)]
+        drafts = drafts[: max(room, 0)]
+        so_request = request.structured_output_request
+        if so_request is None or not drafts:
+            return drafts
+        return so_request.grammar.validate_tokens(drafts)  # type: ignore[union-attr]
 
     def _abort_failed(self, request: Request, reason: str) -> EngineCoreOutput:
         """Abort a running request the runner could not serve (logged with ``reason``)."""

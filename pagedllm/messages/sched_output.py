@@ -58,9 +58,10 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-    # Structured outputs: row ``structured_output_request_ids[req_id]`` of ``grammar_bitmask``
-    # ([rows, ceil(vocab_size / 32)] int32 numpy) masks that request's sampled token this
-    # step; only constrained requests that sample this step have a row (None: no row).
+    # Structured outputs: rows ``structured_output_request_ids[req_id]`` .. + its number of
+    # scheduled draft tokens of ``grammar_bitmask`` ([rows, ceil(vocab_size / 32)] int32
+    # numpy) mask that request's sampled tokens this step (the next token, then the one after
+    # each draft); only constrained requests that sample this step have rows (None: none).
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: Optional["np.ndarray"] = None
 

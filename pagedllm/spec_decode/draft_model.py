@@ -5,8 +5,8 @@ by the same block tables and slot mapping, so the scheduler manages one set of b
 both (sized together: ``pagedllm.worker.kv_cache_sizing``). Each step:
 
 1. ``forward_step``: the draft runs over the same tokens as the target (prompt chunks,
-   last tokens and the drafts under verification), in the target's forward context, so its
-   cache holds every position the target's does;
+   last tokens and the drafts under verification), with the target's attention metadata,
+   so its cache holds every position the target's does;
 2. ``propose``: for each request that sampled, starting from its newest token at position
    P, k single-token steps write positions P .. P + k - 1 (the scheduler reserved these
    lookahead slots) and yield the drafts for P + 1 .. P + k. Slots of drafts that the
@@ -21,11 +21,12 @@ from q = softmax(draft logits / temperature) and returns q for
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from pagedllm.attention.backends.abstract import AttentionMetadataBuilder, AttentionBackend, CommonAttentionMetadata
+from pagedllm.attention.backends.abstract import AttentionMetadata, AttentionMetadataBuilder, AttentionBackend, CommonAttentionMetadata
 from pagedllm.attention.metadata import set_forward_context
 from pagedllm.attention.selector import get_attn_backend, set_attn_backend
 from pagedllm.config import ModelConfig, SpeculativeConfig
@@ -34,6 +35,32 @@ from pagedllm.model_executor.layers.sampler import greedy_sample
 from pagedllm.model_executor.model_loader import get_model
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TargetStep:
+    """What the target computed in a step, for a proposer that runs beside it
+    (``forward_step``, called once the step's tokens are verified).
+
+    Attributes:
+        input_ids: [T] int64, the step's tokens.
+        positions: [T] int64, their positions.
+        next_token_ids: [T] int64, the token at position + 1 of each (the newly sampled
+            token after a request's last known one; past a rejected draft, a stale one).
+        hidden_states: [T, hidden], the target's last hidden states (after its final norm).
+        metadata: the step's attention metadata (its slots are the draft's slots too).
+        sample_indices: [R] int64, for each request that sampled, the index in T of its
+            last accepted position (the position before its newest token).
+        sample_rows: [R] int64, those requests' batch rows.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    next_token_ids: torch.Tensor
+    hidden_states: torch.Tensor
+    metadata: AttentionMetadata
+    sample_indices: np.ndarray
+    sample_rows: np.ndarray
 
 
 class DraftModelProposer:
@@ -73,10 +100,11 @@ class DraftModelProposer:
         """Allocate the draft's ``num_blocks`` blocks per layer (the target's number)."""
         bind_kv_caches(self.attention_layers, num_blocks, self.block_size, self.model_config.dtype, self.device)
 
-    def forward_step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        """Write the KV of the step's tokens ([T] int64 ids and positions, the target's) into
-        the draft's cache; call inside the target's forward context."""
-        self.model(input_ids, positions)
+    def forward_step(self, step: TargetStep) -> None:
+        """Write the KV of the step's tokens (the target's ids and positions) into the
+        draft's cache, with the target's attention metadata."""
+        with set_forward_context(step.metadata):
+            self.model(step.input_ids, step.positions)
 
     def propose(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray, block_table: np.ndarray,
                 temperature: np.ndarray) -> tuple[list[list[int]], dict[int, torch.Tensor]]:
@@ -94,7 +122,6 @@ class DraftModelProposer:
             per row, its k drafts; and for each index i of ``rows`` that sampled, the
             [k, V] float32 distributions its drafts were drawn from.
         """
-        num_reqs, bs = len(rows), self.block_size
         last = num_tokens[rows] - 1
         ids = torch.from_numpy(token_ids[rows, last]).to(self.device)
         sampled = np.flatnonzero(temperature > 0)
@@ -103,17 +130,7 @@ class DraftModelProposer:
         for step in range(self.k):
             # Past max_model_len no draft can be verified: the last slot takes the writes.
             positions = np.minimum(last + step, self.model_config.max_model_len - 1)
-            width = int(positions.max()) // bs + 1
-            metadata = self.metadata_builder.build(
-                CommonAttentionMetadata(
-                    query_start_loc=np.arange(num_reqs + 1),
-                    seq_lens=positions + 1,
-                    num_computed_tokens=positions,
-                    block_table=block_table[rows, :width],
-                    slot_mapping=block_table[rows, positions // bs] * bs + positions % bs,
-                    num_decodes=num_reqs,
-                )
-            )
+            metadata = decode_metadata(self.metadata_builder, positions, block_table[rows], self.block_size)
             with set_forward_context(metadata):
                 logits = self.model.compute_logits(self.model(ids, self._to_device(positions)))
             ids = greedy_sample(logits)
@@ -128,3 +145,21 @@ class DraftModelProposer:
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+
+
+def decode_metadata(builder: AttentionMetadataBuilder, positions: np.ndarray, block_table: np.ndarray,
+                    block_size: int) -> AttentionMetadata:
+    """Attention metadata for one token per request: request r's at ``positions[r]`` ([R]
+    int64), whose KV goes to its slot in ``block_table[r]`` ([R, max_blocks] int64 block ids)."""
+    width = int(positions.max()) // block_size + 1
+    return builder.build(
+        CommonAttentionMetadata(
+            query_start_loc=np.arange(len(positions) + 1),
+            seq_lens=positions + 1,
+            num_computed_tokens=positions,
+            block_table=block_table[:, :width],
+            slot_mapping=block_table[np.arange(len(positions)), positions // block_size] * block_size
+            + positions % block_size,
+            num_decodes=len(positions),
+        )
+    )

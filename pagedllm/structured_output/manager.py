@@ -6,8 +6,9 @@ add_request ─▶ grammar_init: spec ─▶ compile cache hit? ──no──�
                                   │                                     │
                                   └──────────▶ thread pool: new_grammar(compiled) ─▶ request's future
 schedule     ─▶ requests whose grammar is ready leave WAITING_FOR_GRAMMAR;
-                grammar_bitmask: one [num_reqs, ceil(V / 32)] int32 row per constrained
-                request that samples this step ─▶ SchedulerOutput ─▶ sampler
+                grammar_bitmask: one ceil(V / 32) int32 row per position that a
+                constrained request samples this step (1 + its validated drafts)
+                ─▶ SchedulerOutput ─▶ sampler
 update       ─▶ the scheduler advances each grammar with the accepted tokens
 ```
 
@@ -121,16 +122,41 @@ class StructuredOutputManager:
 
         return GuidanceBackend(tokenizer, self.vocab_size, stop_ids)
 
-    def grammar_bitmask(self, grammars: list[StructuredOutputGrammar]) -> np.ndarray:
-        """The next-token bitmask of each grammar, one row each, in order.
+    def grammar_bitmask(self, grammars: list[StructuredOutputGrammar],
+                        draft_token_ids: Optional[list[list[int]]] = None) -> np.ndarray:
+        """The next-token bitmasks of each grammar, in order: one row per position its
+        request samples this step, i.e. from its state, then after each of its draft tokens
+        in turn (speculative decoding, as vLLM's manager); every grammar is rolled back to
+        its state afterwards.
+
+        Args:
+            grammars: the constrained requests' matchers.
+            draft_token_ids: per grammar, the draft tokens verified this step (validated:
+                ``StructuredOutputGrammar.validate_tokens``); None: no drafts.
 
         Returns:
-            [len(grammars), ceil(vocab_size / 32)] int32 (xgrammar's layout: bit ``t % 32``
-            of word ``t // 32`` set means token t is allowed).
+            [len(grammars) + number of drafts, ceil(vocab_size / 32)] int32 (xgrammar's
+            layout: bit ``t % 32`` of word ``t // 32`` set means token t is allowed). A
+            row after a draft that ended the grammar allows every token (the request stops
+            at that draft, whatever follows).
         """
-        bitmask = np.full((len(grammars), self.bitmask_width), -1, dtype=np.int32)
-        for row, grammar in enumerate(grammars):
+        drafts = draft_token_ids or [[] for _ in grammars]
+        bitmask = np.full((len(grammars) + sum(map(len, drafts)), self.bitmask_width), -1, dtype=np.int32)
+        row = 0
+        for grammar, tokens in zip(grammars, drafts):
             grammar.fill_bitmask(bitmask, row)
+            advanced = 0
+            for token in tokens:
+                # NOTE: past a draft the grammar refuses (or ends at), rows allow everything:
+                # the target rejects that draft (or the request stops at it) anyway.
+                if grammar.is_terminated() or not grammar.accept_tokens([token]):
+                    break
+                advanced += 1
+                if not grammar.is_terminated():
+                    grammar.fill_bitmask(bitmask, row + advanced)
+            if advanced:
+                grammar.rollback(advanced)
+            row += 1 + len(tokens)
         return bitmask
 
     def shutdown(self) -> None:

@@ -15,10 +15,11 @@ def sampled_rows_bitmask(so: SchedulerOutput, order: list[str], sample_reqs: np.
     """The allowed-token bitmask of each sampled row (``SamplingMetadata.allowed_token_bitmask``).
 
     Args:
-        so: the step's scheduler output; row ``so.structured_output_request_ids[r]`` of
-            ``so.grammar_bitmask`` belongs to request r.
+        so: the step's scheduler output; rows ``so.structured_output_request_ids[r]`` ..
+            of ``so.grammar_bitmask`` belong to request r's sampled positions, in order.
         order: the step's request ids, in the runner's order.
-        sample_reqs: [S] int64, the index in ``order`` of each sampled row's request.
+        sample_reqs: [S] int64, the index in ``order`` of each sampled row's request
+            (non-decreasing: a request's positions are consecutive).
         device: where the logits are.
 
     Returns:
@@ -27,7 +28,10 @@ def sampled_rows_bitmask(so: SchedulerOutput, order: list[str], sample_reqs: np.
     """
     if so.grammar_bitmask is None:
         return None
+    first = np.searchsorted(sample_reqs, sample_reqs)  # each row's request's first row
+    position = (np.arange(len(sample_reqs)) - first).tolist()
     source = [so.structured_output_request_ids.get(order[i], -1) for i in sample_reqs.tolist()]
+    source = [src + pos if src >= 0 else -1 for src, pos in zip(source, position)]
     targets = [row for row, src in enumerate(source) if src >= 0]
     if not targets:
         return None

@@ -29,7 +29,8 @@ from pagedllm.model_executor.layers.sampler import Sampler, compute_logprobs_wit
 from pagedllm.model_executor.model_loader import get_model
 from pagedllm.model_executor.sampling_metadata import SamplingMetadata
 from pagedllm.platforms import current_platform
-from pagedllm.spec_decode import DraftModelProposer, NgramProposer
+from pagedllm.spec_decode import DraftModelProposer, EagleProposer, NgramProposer
+from pagedllm.spec_decode.draft_model import TargetStep
 from pagedllm.spec_decode.rejection_sampler import num_accepted_matching, rejection_sample
 from pagedllm.worker.grammar_bitmask import sampled_rows_bitmask
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
@@ -68,6 +69,8 @@ class ModelRunner:
         spec = self.config.speculative_config
         if spec is None:
             return None
+        if spec.is_eagle:
+            return EagleProposer(spec, self.block_size, self.device)
         if spec.uses_draft_model:
             return DraftModelProposer(spec, self.block_size, self.device)
         assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
@@ -99,8 +102,11 @@ class ModelRunner:
         logger.info("Loaded %s (%.1f MB) in %.2f s", self.model_config.model_path,
                     self.weights_bytes / 1e6, time.perf_counter() - start)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        if isinstance(self.proposer, DraftModelProposer):
+        if isinstance(self.proposer, EagleProposer):
+            self.proposer.load_model(self.attn_backend, self.attn_metadata_builder, self.model)
+        elif isinstance(self.proposer, DraftModelProposer):
             self.proposer.load_model(self.attn_backend, self.attn_metadata_builder)
+        if isinstance(self.proposer, DraftModelProposer):
             self.weights_bytes += self.proposer.weights_bytes
 
     def _make_lora_manager(self):
@@ -219,8 +225,6 @@ class ModelRunner:
         input_ids_t, positions_t = self._to_device(input_ids), self._to_device(positions)
         with set_forward_context(metadata):
             hidden = self.model(input_ids_t, positions_t)
-            if isinstance(self.proposer, DraftModelProposer):
-                self.proposer.forward_step(input_ids_t, positions_t)
 
         batch.num_computed_tokens[rows] = seq_lens
         prompt_logprobs = self._prompt_logprobs(hidden, states, computed, seq_lens, starts)
@@ -234,18 +238,27 @@ class ModelRunner:
         sampled_token_ids: list[list[int]] = [[] for _ in order]
         logprobs_index: dict[int, int] = {}
         target_probs: list[torch.Tensor] = []
+        last_accepted: list[int] = []  # per request that sampled: index of its last accepted position
         j = 0
         for i, count in zip(*(a.tolist() for a in np.unique(sample_reqs, return_counts=True))):
             state = states[i]
             kept = self._verify(state.req_id, spec.get(state.req_id), tokens[j : j + count], j,
-                                logits, sampling, logprobs, target_probs)
+                                logits, sampling, logprobs, target_probs,
+                                state.req_id in so.structured_output_request_ids)
             if state.sampling_params.logprobs is not None:
                 logprobs_index[i] = j
             sampled_token_ids[i] = kept
             for token in kept:
                 batch.append_token(state, token)
             batch.num_computed_tokens[state.row] -= count - len(kept)
+            last_accepted.append(j + len(kept) - 1)
             j += count
+        if isinstance(self.proposer, DraftModelProposer):
+            next_positions = np.minimum(positions + 1, self.model_config.max_model_len - 1)
+            self.proposer.forward_step(TargetStep(
+                input_ids_t, positions_t, self._to_device(batch.token_ids[token_rows, next_positions]), hidden,
+                metadata, logits_indices[np.array(last_accepted, dtype=np.int64)], rows[np.unique(sample_reqs)],
+            ))
         return ModelRunnerOutput(
             req_ids=order,
             req_id_to_index={r: i for i, r in enumerate(order)},
@@ -278,15 +291,22 @@ class ModelRunner:
     def _verify(
         self, req_id: str, drafts: Optional[list[int]], target: list[int], first: int,
         logits: torch.Tensor, sampling: SamplingMetadata, logprobs: Optional[LogprobsLists],
-        target_probs: list[torch.Tensor],
+        target_probs: list[torch.Tensor], constrained: bool = False,
     ) -> list[int]:
         """The tokens a request keeps of the ``target`` tokens sampled at its positions (rows
         ``first`` .. of ``logits``): all of them without drafts; with deterministic drafts
         the target's own up to and with the first that differs from its draft
         (``num_accepted_matching``); with sampled drafts those ``rejection_sample`` keeps,
         whose logprobs then replace the rows' in ``logprobs``. ``target_probs`` caches the
-        step's ``Sampler.target_probs`` (computed once, when first needed)."""
+        step's ``Sampler.target_probs`` (computed once, when first needed).
+
+        A ``constrained`` request's drafts (cut at the first its grammar refuses) are
+        verified by matching even when sampled: the rule is exact for any proposal, while
+        min(1, p / q) with the remainder drawn from norm(max(0, p - q)) is not for drafts
+        that were cut after being drawn."""
         draft_probs = self._draft_probs.pop(req_id, None)
+        if constrained:
+            draft_probs = None
         if not drafts:
             return target
         if draft_probs is None:

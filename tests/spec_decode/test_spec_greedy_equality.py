@@ -1,6 +1,6 @@
 """Greedy outputs with speculative decoding are token-identical to transformers' (and so to
-pagedllm without speculation, tests/engine/test_greedy_equality.py), for n-gram and
-draft-model proposals, under every scheduling regime the core tests use, and with prefix
+pagedllm without speculation, tests/engine/test_greedy_equality.py), for n-gram,
+draft-model, EAGLE and EAGLE-3 proposals, under every scheduling regime the core tests use, and with prefix
 caching on (a second pass hits blocks written while verifying drafts) and off."""
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ SPEC_SCENARIOS = {**SCENARIOS, "no_prefix_caching": {"enable_prefix_caching": Fa
 _references: dict = {}
 
 
-def spec_configs(draft_path) -> dict[str, dict]:
+def spec_configs(draft_path, eagle_heads) -> dict[str, dict]:
     return {
         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
         "draft_model": {"model": str(draft_path), "num_speculative_tokens": 3},
+        **{method: {"method": method, "model": str(path), "num_speculative_tokens": 3}
+           for method, path in eagle_heads.items()},
     }
 
 
@@ -43,16 +45,18 @@ def record_spec_stats(llm: LLM) -> SpecDecodingStats:
 
 
 @pytest.mark.parametrize("scenario", scenario_params(SPEC_SCENARIOS))
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_spec_decode_greedy_matches_transformers(method, scenario, tiny_llama, noisy_llama_draft, tokenizer):
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3"])
+def test_spec_decode_greedy_matches_transformers(method, scenario, tiny_llama, noisy_llama_draft, llama_eagle_heads,
+                                                 tokenizer):
     """The n-gram proposer drafts on these random prompts but the random model never follows
     them (its acceptance is tested on the shipped model, test_ngram_on_a_repeating_text); the
-    noisy draft model gets drafts both accepted and rejected."""
+    noisy draft model gets drafts both accepted and rejected; the random EAGLE heads' drafts
+    are (almost) all rejected (their acceptance: tests/spec_decode/test_eagle.py)."""
     prompts = random_prompts(PROMPT_LENGTHS, len(tokenizer), seed=1)
     if "ref" not in _references:
         _references["ref"] = [hf_greedy(tiny_llama, p, MAX_TOKENS) for p in prompts]
     expected = _references["ref"]
-    kwargs = {**SPEC_SCENARIOS[scenario], "speculative_config": spec_configs(noisy_llama_draft)[method]}
+    kwargs = {**SPEC_SCENARIOS[scenario], "speculative_config": spec_configs(noisy_llama_draft, llama_eagle_heads)[method]}
     llm = float32_llm(tiny_llama, kwargs)
     stats = record_spec_stats(llm)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -74,15 +78,22 @@ def test_draft_equal_to_target_accepts_everything(tiny_qwen2, tokenizer):
     k + 1 tokens per verifying step."""
     prompts = random_prompts([5, 40, 90], len(tokenizer), seed=4)
     llm = float32_llm(tiny_qwen2, {"speculative_config": {"model": str(tiny_qwen2), "num_speculative_tokens": 4}})
+    assert_every_draft_accepted(llm, tiny_qwen2, prompts)
+
+
+def assert_every_draft_accepted(llm: LLM, path, prompts: list[list[int]]) -> None:
+    """21 greedy tokens per prompt equal transformers', made by 1 prefill step and 4 steps
+    that each verify 4 drafts (k = 4) and keep all of them plus one token."""
     stats = record_spec_stats(llm)
     params = SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
-        assert output.outputs[0].token_ids == hf_greedy(tiny_qwen2, prompt, 21)
-    # 21 tokens: 1 from the prefill, then 4 steps verifying 4 drafts (5 tokens each).
-    assert stats.num_drafts == 3 * 4
-    assert stats.num_accepted_tokens == stats.num_draft_tokens == 3 * 4 * 4
-    assert stats.num_accepted_tokens_per_pos == [12, 12, 12, 12]
+        assert output.outputs[0].token_ids == hf_greedy(path, prompt, 21)
+    n = len(prompts)
+    assert stats.num_drafts == n * 4
+    assert stats.num_accepted_tokens == stats.num_draft_tokens == n * 4 * 4
+    assert stats.num_accepted_tokens_per_pos == [n * 4] * 4
+    check_block_accounting(llm)
 
 
 REPEAT_PASSAGE = (

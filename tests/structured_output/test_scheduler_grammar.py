@@ -60,7 +60,7 @@ class FakeManager:
         so_request.future = self.futures[params.regex] = Future()
         return so_request
 
-    def grammar_bitmask(self, grammars):
+    def grammar_bitmask(self, grammars, draft_token_ids=None):
         bitmask = np.full((len(grammars), WIDTH), -1, dtype=np.int32)
         for row, grammar in enumerate(grammars):
             grammar.fill_bitmask(bitmask, row)

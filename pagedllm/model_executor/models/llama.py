@@ -26,6 +26,15 @@ from pagedllm.platforms import current_platform
 #: Bytes of one [rows, 2 x intermediate] chunk of the MLP on CPU (see ``LlamaMLP.forward``).
 _CPU_MLP_CHUNK_BYTES = 16 << 20
 
+# (fused parameter name part, checkpoint name part, shard id)
+STACKED_PARAMS_MAPPING = [
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0),
+    (".gate_up_proj.", ".up_proj.", 1),
+]
+
 
 class LlamaAttention(nn.Module):
     """Self-attention over this rank's heads: ``qkv_proj.num_heads`` query heads and
@@ -151,13 +160,21 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        #: Layers whose input ``forward`` keeps in ``aux_hidden_states`` (an EAGLE-3 head reads them).
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: list[torch.Tensor] = []
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         rope = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
         residual = None
-        for layer in self.layers:
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_hidden_state_layers:
+                # A fresh tensor: the layers' norms overwrite their inputs in place.
+                captured[i] = hidden_states.clone() if residual is None else hidden_states + residual
             hidden_states, residual = layer(rope, hidden_states, residual)
+        self.aux_hidden_states = [captured[i] for i in sorted(self.aux_hidden_state_layers)]
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -175,15 +192,7 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias = False
     qk_norm = False
-
-    # (fused parameter name part, checkpoint name part, shard id)
-    stacked_params_mapping = [
-        (".qkv_proj.", ".q_proj.", "q"),
-        (".qkv_proj.", ".k_proj.", "k"),
-        (".qkv_proj.", ".v_proj.", "v"),
-        (".gate_up_proj.", ".gate_proj.", 0),
-        (".gate_up_proj.", ".up_proj.", 1),
-    ]
+    stacked_params_mapping = STACKED_PARAMS_MAPPING
 
     def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig] = None) -> None:
         super().__init__()
@@ -202,36 +211,58 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden] -> [N, vocab] logits in the model dtype (the sampler upcasts once)."""
         return self.lm_head.compute_logits(hidden_states)
 
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        """Keep, at each forward, the residual stream entering each of ``layers`` (vLLM's
+        EAGLE-3 layer ids: 0 is the embeddings) in ``aux_hidden_states``."""
+        self.model.aux_hidden_state_layers = layers
+
+    @property
+    def aux_hidden_states(self) -> list[torch.Tensor]:
+        """The last forward's [T, hidden] inputs of ``set_aux_hidden_state_layers``' layers, one
+        per id in increasing order (as vLLM; empty when none are set)."""
+        return self.model.aux_hidden_states
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (HF names) into the parameters through their
-        ``weight_loader`` (this rank's part; q/k/v and gate/up into their fused layers);
+        """Copy checkpoint tensors (HF names) into the parameters (``load_llama_weights``);
         returns the names loaded.
 
         Raises:
             ValueError: for a checkpoint tensor with no matching parameter, or a shape mismatch.
         """
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
-                continue
-            shard_id = None
-            for fused_part, ckpt_part, sid in self.stacked_params_mapping:
-                if ckpt_part in name:
-                    name, shard_id = name.replace(ckpt_part, fused_part), sid
-                    break
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"Checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}.")
-            loader = getattr(param, "weight_loader", None)
-            if loader is None:
-                default_weight_loader(param, tensor)
-            elif shard_id is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard_id)
-            loaded.add(name)
-        return loaded
+        return load_llama_weights(self, (
+            (name, tensor) for name, tensor in weights
+            if "rotary_emb.inv_freq" not in name and not (self.tie_word_embeddings and name == "lm_head.weight")
+        ))
+
+
+def load_llama_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Copy checkpoint tensors named as ``model``'s parameters (HF names: separate q/k/v
+    and gate/up) into them through their ``weight_loader`` (this rank's part; q/k/v and
+    gate/up into their fused layers); returns the parameter names loaded.
+
+    Raises:
+        ValueError: for a checkpoint tensor with no matching parameter, or a shape mismatch.
+    """
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        shard_id = None
+        for fused_part, ckpt_part, sid in STACKED_PARAMS_MAPPING:
+            if ckpt_part in name:
+                name, shard_id = name.replace(ckpt_part, fused_part), sid
+                break
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"Checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}.")
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            default_weight_loader(param, tensor)
+        elif shard_id is None:
+            loader(param, tensor)
+        else:
+            loader(param, tensor, shard_id)
+        loaded.add(name)
+    return loaded
 
 
 class MistralForCausalLM(LlamaForCausalLM):
