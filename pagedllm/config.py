@@ -24,6 +24,10 @@ _logged_dtype_choices: set = set()
 
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 
+#: ``--kv-cache-dtype`` FP8 values -> torch dtype attribute names. "fp8" is e4m3, as vLLM on
+#: CUDA (OCP FP8: e4m3 has 3 mantissa bits and reaches +-448; e5m2 2 bits, +-57344).
+KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
 #: dtype names accepted by ``--dtype`` -> torch dtype attribute names.
 _DTYPES = {
     "float32": "float32",
@@ -296,6 +300,26 @@ class CacheConfig:
     kv_cache_memory_source: str = "kv_cache_memory_bytes"
     max_kv_cache_tokens: Optional[int] = None
     num_gpu_blocks_override: Optional[int] = None
+    #: vLLM's ``--kv-cache-dtype``: "auto" (the model's dtype) or a key of ``KV_CACHE_DTYPES``.
+    cache_dtype: str = "auto"
+    #: vLLM's ``--calculate-kv-scales``: FP8 scales from the first batch (``pagedllm.attention.kv_cache_quant``).
+    calculate_kv_scales: bool = False
+
+    def kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The cache's element type: ``model_dtype`` for "auto", else the FP8 type of
+        ``KV_CACHE_DTYPES`` (1 byte per element)."""
+        if self.cache_dtype == "auto":
+            return model_dtype
+        import torch
+
+        return getattr(torch, KV_CACHE_DTYPES[self.cache_dtype])
+
+    def cache_dtype_name(self, model_dtype: torch.dtype) -> str:
+        """The cache's dtype as the start-up log and ``/metrics`` name it: the model's dtype
+        for "auto" (e.g. "bfloat16"), else "fp8_e4m3" / "fp8_e5m2" ("fp8" is e4m3)."""
+        if self.cache_dtype == "auto":
+            return str(model_dtype).removeprefix("torch.")
+        return "fp8_e5m2" if self.cache_dtype == "fp8_e5m2" else "fp8_e4m3"
 
 
 @dataclass
@@ -693,7 +717,7 @@ PARTLY_BUILT_ARGS: dict[str, tuple[tuple, str]] = {
     "pipeline_parallel_size": ((1,), "pagedllm splits a model by tensor parallelism only"),
     "distributed_executor_backend": ((None, "uni", "mp"), "pagedllm runs its workers on one machine"),
     "load_format": (("auto", "safetensors", "gguf"), "pagedllm loads *.safetensors checkpoints and .gguf files"),
-    "kv_cache_dtype": (("auto",), "the KV cache has the model's dtype"),
+    "kv_cache_dtype": (("auto", *KV_CACHE_DTYPES), "the KV cache has the model's dtype or an FP8 type"),
     "tokenizer_mode": (("auto", "hf"), "pagedllm loads Hugging Face fast tokenizers"),
     "enable_chunked_prefill": ((None, True), "pagedllm always cuts long prompts into chunks"),
     "cpu_offload_gb": ((0,), "weights stay on the device"),
@@ -738,7 +762,9 @@ class EngineArgs:
     built (``enable_lora``, ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``: multi-LoRA
     serving, see ``LoRAConfig``; ``trust_remote_code``: passed to transformers when reading config.json;
     ``max_logprobs``: the most logprobs per token a request may ask for, 20, -1 for the
-    vocabulary size; ``num_gpu_blocks_override``: the exact number of KV-cache blocks);
+    vocabulary size; ``num_gpu_blocks_override``: the exact number of KV-cache blocks;
+    ``kv_cache_dtype`` "fp8" / "fp8_e4m3" / "fp8_e5m2" and ``calculate_kv_scales``: an FP8
+    KV cache, see ``CacheConfig``);
     and no-ops, that cannot matter here (``enforce_eager``, ``max_seq_len_to_capture``:
     no CUDA graphs; ``swap_space``: preempted requests are recomputed, never swapped;
     ``disable_custom_all_reduce``: no custom CUDA all-reduce exists; ``disable_sliding_window``: the models here
@@ -782,7 +808,8 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     load_format: str = "auto"
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # see CacheConfig.cache_dtype
+    calculate_kv_scales: bool = False  # see CacheConfig.calculate_kv_scales
     tokenizer_mode: str = "auto"
     enable_chunked_prefill: Optional[bool] = None
     cpu_offload_gb: float = 0
@@ -890,6 +917,8 @@ class EngineArgs:
             kv_cache_memory_source=source,
             max_kv_cache_tokens=_cpu_max_kv_cache_tokens(self.max_num_seqs, max_model_len, self.enable_prefix_caching),
             num_gpu_blocks_override=self.num_gpu_blocks_override,
+            cache_dtype=self.kv_cache_dtype,
+            calculate_kv_scales=self.calculate_kv_scales,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,

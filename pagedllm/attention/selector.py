@@ -44,7 +44,8 @@ def registered_attn_backends() -> list[str]:
 
 
 def get_attn_backend(
-    head_size: int, dtype: torch.dtype, block_size: Optional[int], name: Optional[str] = None
+    head_size: int, dtype: torch.dtype, block_size: Optional[int], name: Optional[str] = None,
+    kv_cache_dtype: str = "auto",
 ) -> type[AttentionBackend]:
     """The backend to run: ``name`` (case-insensitive), else ``$PAGEDLLM_ATTENTION_BACKEND``,
     else the platform's first that can run.
@@ -53,6 +54,7 @@ def get_attn_backend(
         head_size: channels per attention head; dtype: the model's compute dtype;
         block_size: tokens per KV-cache block (None: not checked).
         name: a registered backend's name, or None.
+        kv_cache_dtype: ``--kv-cache-dtype`` ("auto" or an FP8 type).
 
     Raises:
         ValueError: an unknown name (the message lists the registered ones), a named backend
@@ -65,7 +67,7 @@ def get_attn_backend(
             raise ValueError(
                 f"Unknown attention backend {name!r}; registered backends: {', '.join(_registry)}."
             )
-        reasons = backend.validate_configuration(head_size, dtype, block_size)
+        reasons = backend.validate_configuration(head_size, dtype, block_size, kv_cache_dtype)
         if reasons:
             raise ValueError(f"Attention backend {backend.get_name()} cannot run here: {'; '.join(reasons)}.")
         return backend
@@ -74,7 +76,7 @@ def get_attn_backend(
         backend = _registry.get(candidate)
         if backend is None:  # registered later, if at all (e.g. a CUDA backend)
             continue
-        reasons = backend.validate_configuration(head_size, dtype, block_size)
+        reasons = backend.validate_configuration(head_size, dtype, block_size, kv_cache_dtype)
         if not reasons:
             return backend
         rejected.append(f"{candidate}: {'; '.join(reasons)}")

@@ -67,6 +67,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="weight format: int8 / int4 / fp8 at load, or the checkpoint's (gptq, awq ...)")
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                         help="worker processes the model is split over (on CPU: one core each at least)")
+    engine.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                        help="KV-cache dtype: the model's (auto) or FP8, one byte per element")
+    engine.add_argument("--calculate-kv-scales", action="store_true", default=None,
+                        help="FP8 KV-cache scales from the first batch")
     engine.add_argument("--speculative-config", type=json_object_type, default=None,
                         help="speculative decoding, vLLM's JSON, e.g. "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'")
@@ -75,7 +79,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 _ENGINE_KEYS = ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
                 "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching",
                 "prefix_caching_hash_algo", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
-                "speculative_config", "quantization", "tensor_parallel_size")
+                "speculative_config", "quantization", "tensor_parallel_size", "kv_cache_dtype",
+                "calculate_kv_scales")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

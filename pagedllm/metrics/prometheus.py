@@ -151,7 +151,7 @@ class PrometheusStatLogger:
             "enable_prefix_caching": cache.enable_prefix_caching,
             "prefix_caching_hash_algo": cache.prefix_caching_hash_algo,
             "num_gpu_blocks": cache.num_gpu_blocks,
-            "cache_dtype": str(config.model_config.dtype).replace("torch.", ""),
+            "cache_dtype": cache.cache_dtype_name(config.model_config.dtype),
         }
         gauge = Gauge(
             PREFIX + "cache_config_info",

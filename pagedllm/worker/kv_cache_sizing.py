@@ -1,6 +1,8 @@
 """How many KV-cache blocks fit in the memory budget.
 
-bytes per token = 2 (K and V) x num_layers x num_kv_heads x head_dim x dtype bytes;
+bytes per token = 2 (K and V) x num_layers x num_kv_heads x head_dim x cache dtype bytes
+(the model's dtype, or 1 for an FP8 cache: ``--kv-cache-dtype fp8`` holds twice the tokens of
+a 16-bit cache in the same budget);
 bytes per block = bytes per token x block_size. ``num_kv_heads`` is this rank's (the KV heads
 its attention layers hold; all of them at tensor-parallel size 1).
 """
@@ -9,10 +11,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from pagedllm.config import CacheConfig, ModelConfig
 from pagedllm.distributed import get_tensor_model_parallel_world_size, kv_heads_per_rank
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -22,9 +27,10 @@ def num_kv_heads_per_rank(model_config: ModelConfig) -> int:
     return kv_heads_per_rank(model_config.num_kv_heads, get_tensor_model_parallel_world_size())
 
 
-def kv_bytes_per_token(model_config: ModelConfig) -> int:
-    """KV-cache bytes one token occupies across all layers on this rank."""
-    itemsize = model_config.dtype.itemsize
+def kv_bytes_per_token(model_config: ModelConfig, cache_dtype: Optional[torch.dtype] = None) -> int:
+    """KV-cache bytes one token occupies across all layers on this rank, in a cache of
+    ``cache_dtype`` (None: the model's dtype; see ``CacheConfig.kv_cache_dtype``)."""
+    itemsize = (cache_dtype or model_config.dtype).itemsize
     return 2 * model_config.num_layers * num_kv_heads_per_rank(model_config) * model_config.head_dim * itemsize
 
 
@@ -60,8 +66,8 @@ def num_kv_blocks(
     draft_model_config: Optional[ModelConfig] = None,
 ) -> int:
     """Number of blocks: the budget (see ``kv_cache_budget``) divided by the bytes per block
-    (of the target's cache and, with speculative decoding, the draft model's, which has as
-    many blocks),
+    (of the target's cache, in ``cache_config``'s dtype, and, with speculative decoding, the
+    draft model's, in its own dtype, which has as many blocks),
     and, unless the size was given exactly, no more than ``max_kv_cache_tokens`` hold (CPU).
     The log line gives the size and where it came from.
 
@@ -69,7 +75,8 @@ def num_kv_blocks(
         ValueError: if the budget cannot hold one sequence of ``max_model_len`` tokens;
             the message gives the formula, the numbers and the settings to change.
     """
-    per_token = kv_bytes_per_token(model_config)
+    cache_dtype = cache_config.kv_cache_dtype(model_config.dtype)
+    per_token = kv_bytes_per_token(model_config, cache_dtype)
     if draft_model_config is not None:
         per_token += kv_bytes_per_token(draft_model_config)
     per_block = per_token * cache_config.block_size
@@ -91,16 +98,18 @@ def num_kv_blocks(
             f"The KV cache cannot hold one sequence of max_model_len = {max_len} tokens. "
             f"KV bytes per token = 2 x num_layers ({model_config.num_layers}) x num_kv_heads "
             f"({num_kv_heads_per_rank(model_config)}) x head_dim ({model_config.head_dim}) x dtype bytes "
-            f"({model_config.dtype.itemsize}) = {per_token:,}; one sequence needs {blocks_per_seq} blocks "
+            f"({cache_dtype.itemsize}) = {per_token:,}; one sequence needs {blocks_per_seq} blocks "
             f"of {cache_config.block_size} tokens = {blocks_per_seq * per_block:,} bytes, but the budget "
             f"({budget.derivation}) holds {num_blocks} blocks. Lower max_model_len, or raise "
             f"kv_cache_memory_bytes / gpu_memory_utilization."
         )
     logger.info(
-        "KV cache: %d blocks of %d tokens (%.2f GiB); maximum concurrency for %d tokens per request: %.2fx. "
-        "Budget from %s.",
+        "KV cache: %d blocks of %d tokens (%d tokens, %s, %.2f GiB); maximum concurrency for %d tokens per "
+        "request: %.2fx. Budget from %s.",
         num_blocks,
         cache_config.block_size,
+        num_blocks * cache_config.block_size,
+        cache_config.cache_dtype_name(model_config.dtype),
         num_blocks * per_block / 2**30,
         max_len,
         num_blocks / blocks_per_seq,

@@ -24,7 +24,7 @@ from pagedllm.attention.selector import get_attn_backend, set_attn_backend
 from pagedllm.config import EngineConfig
 from pagedllm.messages.sched_output import SchedulerOutput
 from pagedllm.messages.engine_core import LogprobsLists
-from pagedllm.model_executor.layers.attention import Attention, bind_kv_caches
+from pagedllm.model_executor.layers.attention import Attention, bind_kv_caches, init_kv_scales
 from pagedllm.model_executor.layers.sampler import Sampler, compute_logprobs_with_topk
 from pagedllm.model_executor.model_loader import get_model
 from pagedllm.model_executor.sampling_metadata import SamplingMetadata
@@ -60,6 +60,8 @@ class ModelRunner:
         self.scheduler_config = config.scheduler_config
         self.device = device
         self.block_size = self.cache_config.block_size
+        #: The KV cache's element type: the model's dtype, or FP8 (``--kv-cache-dtype``).
+        self.kv_cache_dtype = self.cache_config.kv_cache_dtype(self.model_config.dtype)
         self.lora_manager = None  # a LoRAModelManager with --enable-lora (load_model)
         self.proposer = self._make_proposer()
         # Request id -> [k, V] distributions its pending drafts were sampled from.
@@ -86,7 +88,8 @@ class ModelRunner:
                 run here (see ``pagedllm.attention.selector.get_attn_backend``).
         """
         self.attn_backend = get_attn_backend(
-            self.model_config.head_dim, self.model_config.dtype, self.block_size, self.config.attention_config.backend
+            self.model_config.head_dim, self.model_config.dtype, self.block_size, self.config.attention_config.backend,
+            kv_cache_dtype=self.cache_config.cache_dtype,
         )
         logger.info("Attention backend: %s", self.attn_backend.get_name())
         self.attn_metadata_builder = self.attn_backend.get_builder_cls()(self.block_size, self.device)
@@ -102,6 +105,7 @@ class ModelRunner:
         logger.info("Loaded %s (%.1f MB) in %.2f s", self.model_config.model_path,
                     self.weights_bytes / 1e6, time.perf_counter() - start)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        init_kv_scales(self.attention_layers, self.cache_config.cache_dtype)
         if isinstance(self.proposer, EagleProposer):
             self.proposer.load_model(self.attn_backend, self.attn_metadata_builder, self.model)
         elif isinstance(self.proposer, DraftModelProposer):
@@ -122,6 +126,9 @@ class ModelRunner:
         """Allocate ``num_blocks`` KV-cache blocks per layer (the draft model's too) and the
         persistent batch."""
         self.kv_caches = self._allocate_kv_caches(num_blocks)
+        if self.cache_config.calculate_kv_scales and self.cache_config.cache_dtype != "auto":
+            for layer in self.attention_layers:  # from the first batch: the profiling run is over
+                layer.calculate_kv_scales = True
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.initialize_kv_cache(num_blocks)
         self.input_batch = InputBatch(
@@ -131,10 +138,10 @@ class ModelRunner:
         current_platform.prepare_for_steps()
 
     # ------------------------------------------------------------------ set-up
-    def _allocate_kv_caches(self, num_blocks: int, initial: float | None = None) -> list[torch.Tensor]:
-        """One tensor per layer (see ``bind_kv_caches``)."""
-        return bind_kv_caches(self.attention_layers, num_blocks, self.block_size, self.model_config.dtype,
-                              self.device, initial)
+    def _allocate_kv_caches(self, num_blocks: int, zeroed: bool = False) -> list[torch.Tensor]:
+        """One tensor per layer, in the cache dtype (see ``bind_kv_caches``)."""
+        return bind_kv_caches(self.attention_layers, num_blocks, self.block_size, self.kv_cache_dtype,
+                              self.device, zeroed)
 
     @torch.inference_mode()
     def profile_run(self) -> int:
@@ -148,7 +155,7 @@ class ModelRunner:
         seq_len = min(num_tokens, self.model_config.max_model_len)
         num_seqs = -(-num_tokens // seq_len)
         blocks_per_seq = -(-seq_len // self.block_size)
-        self._allocate_kv_caches(num_seqs * blocks_per_seq, initial=0.0)
+        self._allocate_kv_caches(num_seqs * blocks_per_seq, zeroed=True)
         lens = np.array([seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else []))
         positions = np.concatenate([np.arange(n) for n in lens])
         seq_starts = np.repeat(np.arange(len(lens)) * blocks_per_seq * self.block_size, lens)
@@ -444,4 +451,4 @@ class ModelRunner:
         """KV-cache bytes per token: the target's, plus the draft model's if any."""
         spec = self.config.speculative_config
         draft = spec.draft_model_config if spec else None
-        return kv_bytes_per_token(self.model_config) + (kv_bytes_per_token(draft) if draft else 0)
+        return kv_bytes_per_token(self.model_config, self.kv_cache_dtype) + (kv_bytes_per_token(draft) if draft else 0)

@@ -302,7 +302,7 @@ def test_more_logprobs_than_openai_when_max_logprobs_allows(llm, tiny_llama):
         ({"data_parallel_size": 0}, "data_parallel_size must be at least 1, got 0."),
         ({"distributed_executor_backend": "ray"}, "distributed_executor_backend='ray' is not supported yet"),
         ({"load_format": "pt"}, "load_format='pt' is not supported yet"),
-        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not supported yet"),
+        ({"kv_cache_dtype": "fp8_inc"}, "kv_cache_dtype='fp8_inc' is not supported yet"),
         ({"tokenizer_mode": "mistral"}, "tokenizer_mode='mistral' is not supported yet"),
         ({"enable_chunked_prefill": False}, "enable_chunked_prefill=False is not supported yet"),
         ({"enable_lora": True, "max_loras": 0}, "max_loras must be at least 1"),

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, ClassVar, Generic, Optional, TypeVar
 import numpy as np
 import torch
 
+from pagedllm.attention.kv_cache_quant import is_fp8
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -128,13 +130,23 @@ class AttentionImpl(ABC, Generic[M]):
         Args:
             layer: the calling ``Attention`` layer.
             query: [num_tokens, num_heads, head_size].
-            key, value: [num_tokens, num_kv_heads, head_size], the cache's dtype.
-            kv_cache: the layer's cache, of the backend's ``get_kv_cache_shape``.
+            key, value: [num_tokens, num_kv_heads, head_size], the query's dtype.
+            kv_cache: the layer's cache, of the backend's ``get_kv_cache_shape``, in the
+                query's dtype or FP8 (then scaled by ``layer.k_scale_float`` /
+                ``layer.v_scale_float``; see ``pagedllm.attention.kv_cache_quant``).
             attn_metadata: built by this backend's builder for the step.
 
         Returns:
             [num_tokens, num_heads, head_size], the dtype of ``query``.
         """
+
+    @staticmethod
+    def kv_scales(layer: Optional[nn.Module], kv_cache: torch.Tensor) -> tuple[float, float]:
+        """(k_scale, v_scale) of ``layer``'s FP8 cache; (1.0, 1.0) for a cache in the model's
+        dtype (whose ``layer`` may then be None, as in tests of an impl alone)."""
+        if layer is None or not is_fp8(kv_cache.dtype):
+            return 1.0, 1.0
+        return layer.k_scale_float, layer.v_scale_float
 
 
 class AttentionBackend:
@@ -175,19 +187,27 @@ class AttentionBackend:
         return (torch.float32, torch.bfloat16, torch.float16)
 
     @staticmethod
+    def get_supported_kv_cache_dtypes() -> tuple[str, ...]:
+        """``--kv-cache-dtype`` values this backend reads and writes ("auto": the model's dtype)."""
+        return ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+    @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         """One layer's KV-cache shape: ``[2, num_blocks, block_size, num_kv_heads,
         head_size]`` (0 = keys, 1 = values; see ``pagedllm.attention.paged_kv_cache``)."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @classmethod
-    def validate_configuration(cls, head_size: int, dtype: torch.dtype, block_size: Optional[int]) -> list[str]:
+    def validate_configuration(
+        cls, head_size: int, dtype: torch.dtype, block_size: Optional[int], kv_cache_dtype: str = "auto"
+    ) -> list[str]:
         """Why this backend cannot run here with these settings (empty: it can). Subclasses
         add their own reasons (device, kernels) to these.
 
         Args:
             head_size: channels per head; dtype: the model's compute dtype;
-            block_size: tokens per block, or None when not yet known (not checked).
+            block_size: tokens per block, or None when not yet known (not checked);
+            kv_cache_dtype: ``--kv-cache-dtype``.
         """
         reasons = []
         if dtype not in cls.get_supported_dtypes():
@@ -196,4 +216,7 @@ class AttentionBackend:
         sizes = cls.get_supported_block_sizes()
         if block_size is not None and sizes and block_size not in sizes:
             reasons.append(f"block size {block_size} is not supported (supported: {', '.join(map(str, sizes))})")
+        if kv_cache_dtype not in cls.get_supported_kv_cache_dtypes():
+            names = ", ".join(cls.get_supported_kv_cache_dtypes())
+            reasons.append(f"kv_cache_dtype {kv_cache_dtype} is not supported (supported: {names})")
         return reasons

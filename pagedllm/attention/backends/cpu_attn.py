@@ -8,6 +8,9 @@ whose K/V are in the cache by then). One kernel call per layer attends every tok
 step: 3x PyTorch's CPU flash attention on 128-token prompts, still faster at 8,192.
 
 A decode-only step (the hot path) takes the runner's per-request arrays as they are.
+
+An FP8 cache (``--kv-cache-dtype fp8``) is written quantized (``paged_kv_cache``) and read
+by the kernel directly, one byte per element.
 """
 
 from __future__ import annotations
@@ -64,10 +67,12 @@ class CpuAttnImpl(AttentionImpl[CpuAttnMetadata]):
         Raises:
             RuntimeError: from the kernel, on bad shapes, dtypes, block ids or lengths.
         """
-        write_to_kv_cache(kv_cache, key, value, attn_metadata.slot_mapping)
+        k_scale, v_scale = self.kv_scales(layer, kv_cache)
+        write_to_kv_cache(kv_cache, key, value, attn_metadata.slot_mapping, k_scale, v_scale)
         output = torch.empty_like(query)
         cpu_kernels.paged_decode_attention(
-            output, query, kv_cache[0], kv_cache[1], attn_metadata.block_table, attn_metadata.seq_lens, self.scale
+            output, query, kv_cache[0], kv_cache[1], attn_metadata.block_table, attn_metadata.seq_lens, self.scale,
+            k_scale, v_scale,
         )
         return output
 
@@ -80,10 +85,12 @@ class CpuAttnBackend(AttentionBackend):
     impl_cls = CpuAttnImpl
 
     @classmethod
-    def validate_configuration(cls, head_size: int, dtype: torch.dtype, block_size: Optional[int]) -> list[str]:
+    def validate_configuration(
+        cls, head_size: int, dtype: torch.dtype, block_size: Optional[int], kv_cache_dtype: str = "auto"
+    ) -> list[str]:
         """The base checks, the platform (CPU), and the kernels (built or loaded now, at
         start-up rather than in the first request; ~15 s the first time on a machine)."""
-        reasons = super().validate_configuration(head_size, dtype, block_size)
+        reasons = super().validate_configuration(head_size, dtype, block_size, kv_cache_dtype)
         if not current_platform.is_cpu:
             reasons.append(f"it runs on CPU only, not on {current_platform.device_type}")
             return reasons

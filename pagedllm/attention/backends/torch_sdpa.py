@@ -12,6 +12,10 @@ too: their contexts are gathered the same way, their queries padded to the longe
 causal mask offset by each request's cached length (``enable_gqa``). The chunk's K/V are in
 the cache by then.
 
+An FP8 cache (``--kv-cache-dtype fp8``) is read the same way, its gathered contexts
+dequantized to the query's dtype (``pagedllm.attention.paged_kv_cache.gather_context``),
+with torch's float8 types: the same code runs on CUDA.
+
 Masks and gather indices are built once per step by the builder, not per layer.
 """
 
@@ -99,33 +103,36 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
     def forward(self, layer: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TorchSDPAMetadata) -> torch.Tensor:
         """See ``AttentionImpl.forward``."""
-        write_to_kv_cache(kv_cache, key, value, attn_metadata.slot_mapping)
+        scales = self.kv_scales(layer, kv_cache)
+        write_to_kv_cache(kv_cache, key, value, attn_metadata.slot_mapping, *scales)
         num_decodes = attn_metadata.num_decodes
         if not attn_metadata.num_prefills:
-            return self._decode(query, kv_cache, attn_metadata)
+            return self._decode(query, kv_cache, scales, attn_metadata)
         output = torch.empty_like(query)
         if num_decodes:
-            output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, attn_metadata)
-        output[num_decodes:] = self._prefill(query[num_decodes:], kv_cache, attn_metadata)
+            output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, scales, attn_metadata)
+        output[num_decodes:] = self._prefill(query[num_decodes:], kv_cache, scales, attn_metadata)
         return output
 
-    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, md: TorchSDPAMetadata) -> torch.Tensor:
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, scales: tuple[float, float],
+                md: TorchSDPAMetadata) -> torch.Tensor:
         """[num_decodes, num_heads, head_size] queries -> their attention output."""
         num_decodes = query.shape[0]
         group = self.num_heads // self.num_kv_heads
-        keys = gather_context(kv_cache[0], md.decode_block_table, md.decode_valid)
-        values = gather_context(kv_cache[1], md.decode_block_table, md.decode_valid)
+        keys = gather_context(kv_cache[0], md.decode_block_table, md.decode_valid, query.dtype, scales[0])
+        values = gather_context(kv_cache[1], md.decode_block_table, md.decode_valid, query.dtype, scales[1])
         q = query.view(num_decodes, self.num_kv_heads, group, self.head_size)
         mask = md.decode_valid[:, None, None, :]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
         return out.reshape(num_decodes, self.num_heads, self.head_size)
 
-    def _prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, md: TorchSDPAMetadata) -> torch.Tensor:
+    def _prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, scales: tuple[float, float],
+                 md: TorchSDPAMetadata) -> torch.Tensor:
         """[num_prefill_tokens, num_heads, head_size] queries -> their attention output."""
         assert md.prefill_block_table is not None and md.prefill_valid is not None
         assert md.prefill_query_index is not None and md.prefill_output_index is not None
-        keys = gather_context(kv_cache[0], md.prefill_block_table, md.prefill_valid)
-        values = gather_context(kv_cache[1], md.prefill_block_table, md.prefill_valid)
+        keys = gather_context(kv_cache[0], md.prefill_block_table, md.prefill_valid, query.dtype, scales[0])
+        values = gather_context(kv_cache[1], md.prefill_block_table, md.prefill_valid, query.dtype, scales[1])
         q = query[md.prefill_query_index].transpose(1, 2)  # [P, num_heads, max_query_len, D]
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=md.prefill_mask, scale=self.scale, enable_gqa=True

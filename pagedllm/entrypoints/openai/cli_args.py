@@ -473,7 +473,14 @@ def _add_vllm_engine_flags(engine: Any) -> None:
     )  # fmt: skip
     engine.add_argument(
         "--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc"),
-        help="KV-cache dtype: 'auto' (the model's dtype); the others are not supported yet.",
+        help="KV-cache dtype: 'auto' (the model's dtype), or FP8 ('fp8' = 'fp8_e4m3', 'fp8_e5m2'): one byte "
+        "per element, twice the tokens of a 16-bit cache in the same memory, scaled by the checkpoint's "
+        "k_scale / v_scale (else 1.0); 'bfloat16' and 'fp8_inc' are not supported yet.",
+    )  # fmt: skip
+    engine.add_argument(
+        "--calculate-kv-scales", action="store_true",
+        help="With an FP8 KV cache: compute each layer's k_scale / v_scale from the first batch "
+        "(amax / 200 for keys, amax / 100 for values, as vLLM) instead of the checkpoint's or 1.0.",
     )  # fmt: skip
     engine.add_argument(
         "--max-logprobs", type=int_type, default=20,

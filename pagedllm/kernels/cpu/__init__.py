@@ -54,7 +54,7 @@ from pagedllm.kernels import isa as isa_mod
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "PAGEDLLM_DISABLE_CPU_KERNELS"
-_KERNEL_VERSION = 5
+_KERNEL_VERSION = 6
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / name for name in ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "packed_linear.cpp", "linear_w16.cpp", "linear_grouped.cpp", "lora.cpp")]
 
@@ -322,6 +322,8 @@ def paged_decode_attention(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     portable: bool = False,
 ) -> None:
     """Decode attention (one query per request) over the paged KV cache, into ``out``.
@@ -330,11 +332,14 @@ def paged_decode_attention(
         out: [B, Hq, D], the dtype of ``query``; written in place.
         query: [B, Hq, D]; float32, bfloat16 or float16 (accumulation is float32).
         key_cache, value_cache: [num_blocks, block_size, Hkv, D] (``kv_cache[0]``,
-            ``kv_cache[1]`` of a layer's cache); head_dim contiguous. Hq % Hkv == 0.
+            ``kv_cache[1]`` of a layer's cache); head_dim contiguous. Hq % Hkv == 0. The
+            query's dtype, or float8_e4m3fn / float8_e5m2 (an FP8 cache, widened exactly).
         block_table: [B, max_blocks] int64 (other integer dtypes are converted).
         seq_lens: [B] int64 (likewise), context length including the new token; cache
             positions at or beyond it are not read.
         scale: softmax scale.
+        k_scale, v_scale: an FP8 cache's scales: keys are ``k_scale * key_cache``, values
+            ``v_scale * value_cache``.
         portable: run the kernel's portable loops whatever the build (for tests).
 
     Raises:
@@ -344,7 +349,8 @@ def paged_decode_attention(
     _require()
     ops = _ops()
     op = ops.paged_decode_attention_portable if portable else ops.paged_decode_attention
-    op(out, query, key_cache, value_cache, block_table.long(), seq_lens.long(), float(scale))
+    op(out, query, key_cache, value_cache, block_table.long(), seq_lens.long(), float(scale), float(k_scale),
+       float(v_scale))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

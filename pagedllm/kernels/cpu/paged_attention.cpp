@@ -10,6 +10,11 @@
 //   block_table [B, max_blocks] int64
 //   seq_lens    [B] int64, context length including the new token; cache positions
 //               >= seq_len are never read.
+//   k_scale, v_scale  FP8 caches: K = k_scale * stored key, V = v_scale * stored value (1 otherwise).
+//
+// The caches have the query's dtype, or float8 (e4m3fn or e5m2: --kv-cache-dtype fp8), widened
+// to float32 as they are loaded (simd.h: exact, by moving bits); k_scale is folded into the
+// scaled query and v_scale into the softmax's 1 / sum, so scaling costs nothing per element.
 //
 // Work: one (request, kv head) pair at a time; the G = Hq / Hkv query heads of that kv head
 // are computed together, so each K and V row is loaded once (G > 8 is split into sub-groups
@@ -73,14 +78,16 @@ struct Params {
   int64_t k_sb, k_st, k_sh, v_sb, v_st, v_sh;
   int64_t bt_s0, bt_s1, sl_s0;
   float scale;
+  float k_scale, v_scale;  // FP8 cache: stored K = key / k_scale, V = value / v_scale (1 otherwise)
 };
 
-template <typename T>
+// T: query and output; C: the cache (T, or float8 e4m3 / e5m2).
+template <typename T, typename C>
 struct Ptrs {
   const T* q;
   T* o;
-  const T* k;
-  const T* v;
+  const C* k;
+  const C* v;
   const int64_t* block_table;
   const int64_t* seq_lens;
 };
@@ -177,17 +184,17 @@ struct Work {
 // ---------------------------------------------------------------------------------------------
 // Portable path.
 
-template <typename T>
-void attend_portable(const Params& p, const Ptrs<T>& x, const Work& wk, const Scratch& w) {
+template <typename T, typename C>
+void attend_portable(const Params& p, const Ptrs<T, C>& x, const Work& wk, const Scratch& w) {
   const int64_t G = wk.count, D = p.head_dim, cap = w.cap, n = wk.n, b = wk.b, h = wk.h;
   float *scores = w.scores, *acc = w.acc, *qf = w.q, *row = w.row, *inv_sum = w.inv_sum;
   for (int64_t g = 0; g < G; ++g) {
     const T* q = x.q + b * p.q_sb + (h * p.group + wk.g0 + g) * p.q_sh;
-    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(q[d]) * p.scale;
+    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(q[d]) * (p.scale * p.k_scale);
   }
-  RowCursor<T> keys(p, x.block_table, b, x.k + h * p.k_sh, p.k_sb, p.k_st, n);
+  RowCursor<C> keys(p, x.block_table, b, x.k + h * p.k_sh, p.k_sb, p.k_st, n);
   for (int64_t t = 0; t < n; ++t) {
-    const T* k = keys.next();
+    const C* k = keys.next();
     for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(k[d]);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qf + g * D;
@@ -197,7 +204,7 @@ void attend_portable(const Params& p, const Ptrs<T>& x, const Work& wk, const Sc
       scores[g * cap + t] = s;
     }
   }
-  RowCursor<T> values(p, x.block_table, b, x.v + h * p.v_sh, p.v_sb, p.v_st, n);
+  RowCursor<C> values(p, x.block_table, b, x.v + h * p.v_sh, p.v_sb, p.v_st, n);
   for (int64_t g = 0; g < G; ++g) {  // softmax, unnormalised; divided by the sum at the end
     float* s = scores + g * cap;
     float m = -std::numeric_limits<float>::infinity();
@@ -207,11 +214,11 @@ void attend_portable(const Params& p, const Ptrs<T>& x, const Work& wk, const Sc
       s[t] = std::exp(s[t] - m);
       sum += s[t];
     }
-    inv_sum[g] = 1.f / sum;
+    inv_sum[g] = p.v_scale / sum;
   }
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t t = 0; t < n; ++t) {
-    const T* v = values.next();
+    const C* v = values.next();
     for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(v[d]);
     for (int64_t g = 0; g < G; ++g) {
       const float wt = scores[g * cap + t];
@@ -410,23 +417,23 @@ PAGEDLLM_INLINE void pv_tile_bf16(const c10::BFloat16* const* rows, int cnt, con
 }
 #endif
 
-template <typename T, int G>
-void attend_avx512(const Params& p, const Ptrs<T>& x, const Work& wk, const Scratch& w) {
+template <typename T, typename C, int G>
+void attend_avx512(const Params& p, const Ptrs<T, C>& x, const Work& wk, const Scratch& w) {
   const int64_t D = p.head_dim, cap = w.cap, n = wk.n, b = wk.b, h = wk.h;
   float *scores = w.scores, *acc = w.acc;
-  constexpr bool kBf16 = std::is_same<T, c10::BFloat16>::value && kHasBf16Dot;
+  constexpr bool kBf16 = std::is_same<T, c10::BFloat16>::value && std::is_same<C, T>::value && kHasBf16Dot;
   const bool bf16_dot = kBf16 && D % 32 == 0;
-  const T* zero_row = reinterpret_cast<const T*>(kZeroRow);
+  const C* zero_row = reinterpret_cast<const C*>(kZeroRow);
   const T* q_head = x.q + b * p.q_sb + (h * p.group + wk.g0) * p.q_sh;
-  const T* rows[kTile];
+  const C* rows[kTile];
 
   // Pass 1: scores.
-  RowCursor<T> keys(p, x.block_table, b, x.k + h * p.k_sh, p.k_sb, p.k_st, n);
+  RowCursor<C> keys(p, x.block_table, b, x.k + h * p.k_sh, p.k_sb, p.k_st, n);
   if (bf16_dot) {
     uint16_t* qp = reinterpret_cast<uint16_t*>(w.q);
     for (int g = 0; g < G; ++g) std::memcpy(qp + g * D, q_head + g * p.q_sh, D * sizeof(T));
   } else {
-    const __m512 sc = _mm512_set1_ps(p.scale);
+    const __m512 sc = _mm512_set1_ps(p.scale * p.k_scale);
     for (int g = 0; g < G; ++g)
       for (int64_t c = 0; c < D; c += 16) _mm512_store_ps(w.q + g * D + c, _mm512_mul_ps(load16(q_head + g * p.q_sh + c), sc));
   }
@@ -436,18 +443,18 @@ void attend_avx512(const Params& p, const Ptrs<T>& x, const Work& wk, const Scra
 #if defined(__AVX512BF16__)
     if constexpr (kBf16) {
       if (bf16_dot) {
-        qk_tile_bf16<G>(reinterpret_cast<const uint16_t*>(w.q), D, rows, p.scale, scores + t0, cap);
+        qk_tile_bf16<G>(reinterpret_cast<const uint16_t*>(w.q), D, rows, p.scale * p.k_scale, scores + t0, cap);
         continue;
       }
     }
 #endif
-    qk_tile_f32<T, G>(w.q, D, rows, scores + t0, cap);
+    qk_tile_f32<C, G>(w.q, D, rows, scores + t0, cap);
   }
 
   // Softmax (V rows start arriving meanwhile).
-  RowCursor<T> values(p, x.block_table, b, x.v + h * p.v_sh, p.v_sb, p.v_st, n);
+  RowCursor<C> values(p, x.block_table, b, x.v + h * p.v_sh, p.v_sb, p.v_st, n);
   float inv_sum[G];
-  for (int g = 0; g < G; ++g) inv_sum[g] = softmax_inplace(scores + g * cap, n);
+  for (int g = 0; g < G; ++g) inv_sum[g] = softmax_inplace(scores + g * cap, n) * p.v_scale;
   const int64_t n_tiles = round_up(n, kTile);
   if (bf16_dot) {  // weights to bfloat16 (round to nearest even)
     for (int g = 0; g < G; ++g) {
@@ -473,7 +480,7 @@ void attend_avx512(const Params& p, const Ptrs<T>& x, const Work& wk, const Scra
       }
     }
 #endif
-    pv_tile_f32<T, G>(rows, cnt, scores + t0, cap, acc, D);
+    pv_tile_f32<C, G>(rows, cnt, scores + t0, cap, acc, D);
   }
 
   for (int g = 0; g < G; ++g) {
@@ -528,20 +535,20 @@ inline float softmax_vec(float* s, int64_t n) {
 
 // Scores one key row at a time (each K vector, widened once, feeds the G query heads), then
 // the values a tile of 16 rows at a time with the G accumulators of a vector in registers.
-template <typename T, int G>
-void attend_vec(const Params& p, const Ptrs<T>& x, const Work& wk, const Scratch& w) {
+template <typename T, typename C, int G>
+void attend_vec(const Params& p, const Ptrs<T, C>& x, const Work& wk, const Scratch& w) {
   using namespace pagedllm_simd;
   constexpr int64_t kW = kVecWidth;
   const int64_t D = p.head_dim, cap = w.cap, n = wk.n, b = wk.b, h = wk.h;
   float *scores = w.scores, *acc = w.acc, *qf = w.q;
   const T* q_head = x.q + b * p.q_sb + (h * p.group + wk.g0) * p.q_sh;
-  const VecF scale = vset1(p.scale);
+  const VecF scale = vset1(p.scale * p.k_scale);
   for (int g = 0; g < G; ++g)
     for (int64_t c = 0; c < D; c += kW) vstore(qf + g * D + c, vload(q_head + g * p.q_sh + c) * scale);
 
-  RowCursor<T> keys(p, x.block_table, b, x.k + h * p.k_sh, p.k_sb, p.k_st, n);
+  RowCursor<C> keys(p, x.block_table, b, x.k + h * p.k_sh, p.k_sb, p.k_st, n);
   for (int64_t t = 0; t < n; ++t) {
-    const T* k = keys.next();
+    const C* k = keys.next();
     VecF a[G];
     for (int g = 0; g < G; ++g) a[g] = vset1(0.f);
     for (int64_t c = 0; c < D; c += kW) {
@@ -551,11 +558,11 @@ void attend_vec(const Params& p, const Ptrs<T>& x, const Work& wk, const Scratch
     for (int g = 0; g < G; ++g) scores[g * cap + t] = vreduce_add(a[g]);
   }
 
-  RowCursor<T> values(p, x.block_table, b, x.v + h * p.v_sh, p.v_sb, p.v_st, n);
+  RowCursor<C> values(p, x.block_table, b, x.v + h * p.v_sh, p.v_sb, p.v_st, n);
   float inv_sum[G];
-  for (int g = 0; g < G; ++g) inv_sum[g] = softmax_vec(scores + g * cap, n);
+  for (int g = 0; g < G; ++g) inv_sum[g] = softmax_vec(scores + g * cap, n) * p.v_scale;
   std::fill(acc, acc + G * D, 0.f);
-  const T* rows[kTile];
+  const C* rows[kTile];
   for (int64_t t0 = 0; t0 < n; t0 += kTile) {
     const int cnt = static_cast<int>(std::min<int64_t>(kTile, n - t0));
     for (int j = 0; j < cnt; ++j) rows[j] = values.next();
@@ -577,44 +584,44 @@ void attend_vec(const Params& p, const Ptrs<T>& x, const Work& wk, const Scratch
 }
 #endif
 
-template <typename T>
-using AttendFn = void (*)(const Params&, const Ptrs<T>&, const Work&, const Scratch&);
+template <typename T, typename C>
+using AttendFn = void (*)(const Params&, const Ptrs<T, C>&, const Work&, const Scratch&);
 
 // Kernels by sub-group size (index 1..kMaxGroup); all entries portable when the vector path
 // does not apply.
-template <typename T>
+template <typename T, typename C>
 struct Kernels {
-  AttendFn<T> by_group[kMaxGroup + 1];
+  AttendFn<T, C> by_group[kMaxGroup + 1];
   bool vector;
 };
 
 // The vector path of this build, as attend<T, G> for G = 1..kMaxGroup, and its vector width.
 #if defined(PAGEDLLM_AVX512)
-template <typename T, int G>
-void attend_vector(const Params& p, const Ptrs<T>& x, const Work& wk, const Scratch& w) { attend_avx512<T, G>(p, x, wk, w); }
+template <typename T, typename C, int G>
+void attend_vector(const Params& p, const Ptrs<T, C>& x, const Work& wk, const Scratch& w) { attend_avx512<T, C, G>(p, x, wk, w); }
 constexpr int64_t kVectorWidth = 16;
 #elif defined(PAGEDLLM_VEC)
-template <typename T, int G>
-void attend_vector(const Params& p, const Ptrs<T>& x, const Work& wk, const Scratch& w) { attend_vec<T, G>(p, x, wk, w); }
+template <typename T, typename C, int G>
+void attend_vector(const Params& p, const Ptrs<T, C>& x, const Work& wk, const Scratch& w) { attend_vec<T, C, G>(p, x, wk, w); }
 constexpr int64_t kVectorWidth = pagedllm_simd::kVecWidth;
 #endif
 
-template <typename T>
-Kernels<T> pick_kernels(const Params& p, bool force_portable) {
-  Kernels<T> k;
+template <typename T, typename C>
+Kernels<T, C> pick_kernels(const Params& p, bool force_portable) {
+  Kernels<T, C> k;
   k.vector = false;
-  for (auto& f : k.by_group) f = attend_portable<T>;
+  for (auto& f : k.by_group) f = attend_portable<T, C>;
 #if defined(PAGEDLLM_AVX512) || defined(PAGEDLLM_VEC)
   if (!force_portable && p.head_dim % kVectorWidth == 0 && p.head_dim <= kMaxVecDim) {
     k.vector = true;
-    k.by_group[1] = attend_vector<T, 1>;
-    k.by_group[2] = attend_vector<T, 2>;
-    k.by_group[3] = attend_vector<T, 3>;
-    k.by_group[4] = attend_vector<T, 4>;
-    k.by_group[5] = attend_vector<T, 5>;
-    k.by_group[6] = attend_vector<T, 6>;
-    k.by_group[7] = attend_vector<T, 7>;
-    k.by_group[8] = attend_vector<T, 8>;
+    k.by_group[1] = attend_vector<T, C, 1>;
+    k.by_group[2] = attend_vector<T, C, 2>;
+    k.by_group[3] = attend_vector<T, C, 3>;
+    k.by_group[4] = attend_vector<T, C, 4>;
+    k.by_group[5] = attend_vector<T, C, 5>;
+    k.by_group[6] = attend_vector<T, C, 6>;
+    k.by_group[7] = attend_vector<T, C, 7>;
+    k.by_group[8] = attend_vector<T, C, 8>;
   }
 #else
   (void)p;
@@ -623,9 +630,9 @@ Kernels<T> pick_kernels(const Params& p, bool force_portable) {
   return k;
 }
 
-template <typename T>
-void run(const Params& p, const Ptrs<T>& x, bool force_portable) {
-  const Kernels<T> kernels = pick_kernels<T>(p, force_portable);
+template <typename T, typename C>
+void run(const Params& p, const Ptrs<T, C>& x, bool force_portable) {
+  const Kernels<T, C> kernels = pick_kernels<T, C>(p, force_portable);
   // Query-head sub-groups: the whole group on the portable path; on the vector path at most
   // kMaxGroup, split evenly (G = 10 -> 5 + 5).
   const int64_t num_sub = kernels.vector ? (p.group + kMaxGroup - 1) / kMaxGroup : 1;
@@ -676,9 +683,29 @@ void run(const Params& p, const Ptrs<T>& x, bool force_portable) {
   });
 }
 
+// run<T, C> for query dtype T and the caches' dtype (T or float8).
+template <typename T>
+void run_cache(const Params& p, at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+               const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+               bool force_portable) {
+  const auto go = [&](auto cache_tag) {
+    using C = decltype(cache_tag);
+    run<T, C>(p,
+              Ptrs<T, C>{query.const_data_ptr<T>(), out.mutable_data_ptr<T>(), key_cache.const_data_ptr<C>(),
+                         value_cache.const_data_ptr<C>(), block_table.const_data_ptr<int64_t>(),
+                         seq_lens.const_data_ptr<int64_t>()},
+              force_portable);
+  };
+  switch (key_cache.scalar_type()) {
+    case at::kFloat8_e4m3fn: go(c10::Float8_e4m3fn()); break;
+    case at::kFloat8_e5m2: go(c10::Float8_e5m2()); break;
+    default: go(T()); break;
+  }
+}
+
 void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
-                           double scale, bool force_portable) {
+                           double scale, double k_scale, double v_scale, bool force_portable) {
   TORCH_CHECK(query.device().is_cpu() && out.device().is_cpu() && key_cache.device().is_cpu() &&
                   value_cache.device().is_cpu() && block_table.device().is_cpu() && seq_lens.device().is_cpu(),
               "paged_decode_attention: all tensors must be on CPU");
@@ -687,8 +714,11 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key_cache and value_cache shapes differ");
   TORCH_CHECK(out.sizes() == query.sizes(), "out and query shapes differ");
   const auto dtype = query.scalar_type();
-  TORCH_CHECK(out.scalar_type() == dtype && key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
-              "query, out, key_cache and value_cache must have one dtype");
+  const auto cache_dtype = key_cache.scalar_type();
+  TORCH_CHECK(out.scalar_type() == dtype && value_cache.scalar_type() == cache_dtype &&
+                  (cache_dtype == dtype || cache_dtype == at::kFloat8_e4m3fn || cache_dtype == at::kFloat8_e5m2),
+              "query and out must have one dtype, and key_cache and value_cache that dtype or one float8 dtype "
+              "(float8_e4m3fn, float8_e5m2)");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "block_table and seq_lens must be int64");
   TORCH_CHECK(block_table.dim() == 2 && seq_lens.dim() == 1, "block_table [B, max_blocks], seq_lens [B]");
@@ -722,33 +752,28 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   p.bt_s1 = block_table.stride(1);
   p.sl_s0 = seq_lens.stride(0);
   p.scale = static_cast<float>(scale);
+  p.k_scale = static_cast<float>(k_scale);
+  p.v_scale = static_cast<float>(v_scale);
   if (p.batch == 0 || p.num_heads == 0) return;
-
-#define PAGEDLLM_RUN(T)                                                                             \
-  run<T>(p, Ptrs<T>{query.const_data_ptr<T>(), out.mutable_data_ptr<T>(), key_cache.const_data_ptr<T>(), \
-                    value_cache.const_data_ptr<T>(), block_table.const_data_ptr<int64_t>(),            \
-                    seq_lens.const_data_ptr<int64_t>()},                                       \
-         force_portable)
   switch (dtype) {
-    case at::kFloat: PAGEDLLM_RUN(float); break;
-    case at::kBFloat16: PAGEDLLM_RUN(c10::BFloat16); break;
-    case at::kHalf: PAGEDLLM_RUN(c10::Half); break;
+    case at::kFloat: run_cache<float>(p, out, query, key_cache, value_cache, block_table, seq_lens, force_portable); break;
+    case at::kBFloat16: run_cache<c10::BFloat16>(p, out, query, key_cache, value_cache, block_table, seq_lens, force_portable); break;
+    case at::kHalf: run_cache<c10::Half>(p, out, query, key_cache, value_cache, block_table, seq_lens, force_portable); break;
     default: TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", dtype);
   }
-#undef PAGEDLLM_RUN
 }
 
 void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
-                            double scale) {
-  decode_attention_impl(out, query, key_cache, value_cache, block_table, seq_lens, scale, false);
+                            double scale, double k_scale, double v_scale) {
+  decode_attention_impl(out, query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale, false);
 }
 
 // The same with the portable loops whatever the build, to test them on any machine.
 void paged_decode_attention_portable(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                      const at::Tensor& value_cache, const at::Tensor& block_table,
-                                     const at::Tensor& seq_lens, double scale) {
-  decode_attention_impl(out, query, key_cache, value_cache, block_table, seq_lens, scale, true);
+                                     const at::Tensor& seq_lens, double scale, double k_scale, double v_scale) {
+  decode_attention_impl(out, query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale, true);
 }
 
 // Which instruction-set level this build was compiled for (a name of pagedllm/kernels/isa.py),
@@ -773,9 +798,9 @@ std::string build_info() {
 
 PAGEDLLM_LIBRARY(m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_table, Tensor seq_lens, float scale) -> ()");
+        "Tensor block_table, Tensor seq_lens, float scale, float k_scale, float v_scale) -> ()");
   m.def("paged_decode_attention_portable(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_table, Tensor seq_lens, float scale) -> ()");
+        "Tensor block_table, Tensor seq_lens, float scale, float k_scale, float v_scale) -> ()");
   m.def("build_info() -> str", &build_info);
 }
 

@@ -12,6 +12,7 @@
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
@@ -47,6 +48,11 @@ inline __m256 widen8(const c10::Float8_e4m3fn* p) {
   const __m256 unsigned_value = _mm256_mul_ps(_mm256_castsi256_ps(magnitude), _mm256_set1_ps(0x1p120f));
   return _mm256_or_ps(unsigned_value, _mm256_castsi256_ps(sign));
 }
+// 8 float8 e5m2 values -> 8 float32 lanes, exactly: an e5m2 byte is the high byte of the
+// float16 of the same value (same exponent width and bias), so it is widened as float16.
+inline __m256 widen8(const c10::Float8_e5m2* p) {
+  return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8));
+}
 
 #if defined(__AVX512F__)
 constexpr int kVecWidth = 16;
@@ -61,6 +67,18 @@ inline VecF vload(const c10::BFloat16* p) {
   return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
 }
 inline VecF vload(const c10::Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+// 16 float8 values, exactly, as widen8 does 8.
+inline VecF vload(const c10::Float8_e4m3fn* p) {
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i magnitude = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7F)), 20);
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
+  const __m512 unsigned_value = _mm512_mul_ps(_mm512_castsi512_ps(magnitude), _mm512_set1_ps(0x1p120f));
+  return {_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(unsigned_value), sign))};
+}
+inline VecF vload(const c10::Float8_e5m2* p) {
+  const __m256i half_bits = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
+  return {_mm512_cvtph_ps(half_bits)};
+}
 
 // float32 -> bfloat16 bits, round to nearest even; NaN -> quiet NaN.
 inline __m256i bf16_bits(VecF x) {
@@ -109,6 +127,8 @@ inline VecF vset1(float x) { return {_mm256_set1_ps(x)}; }
 inline VecF vload(const float* p) { return {_mm256_loadu_ps(p)}; }
 inline VecF vload(const c10::BFloat16* p) { return {widen8(p)}; }
 inline VecF vload(const c10::Half* p) { return {widen8(p)}; }
+inline VecF vload(const c10::Float8_e4m3fn* p) { return {widen8(p)}; }
+inline VecF vload(const c10::Float8_e5m2* p) { return {widen8(p)}; }
 
 // float32 -> bfloat16 bits (low 16 bits of each 32-bit lane), round to nearest even; NaN -> quiet NaN.
 inline __m256i bf16_bits32(VecF x) {

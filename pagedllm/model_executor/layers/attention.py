@@ -1,13 +1,18 @@
-"""The attention layer: holds its backend's impl (chosen once, at construction) and a
-reference to its layer's KV cache, and calls the impl."""
+"""The attention layer: holds its backend's impl (chosen once, at construction), a
+reference to its layer's KV cache and the cache's FP8 scales, and calls the impl."""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
 
+from pagedllm.attention.kv_cache_quant import calculate_kv_scales
 from pagedllm.attention.metadata import get_forward_context
 from pagedllm.attention.selector import get_current_attn_backend
+
+logger = logging.getLogger(__name__)
 
 
 class Attention(nn.Module):
@@ -17,6 +22,12 @@ class Attention(nn.Module):
     model loading), else the automatic choice for ``head_dim`` and the default dtype.
     ``kv_cache`` (the backend's ``get_kv_cache_shape``) is bound by the model runner after
     the cache is allocated.
+
+    FP8 cache scales (``pagedllm.attention.kv_cache_quant``): the buffers ``k_scale`` /
+    ``v_scale`` (float32 scalars, -1 until a checkpoint's scale loads into them) and the
+    floats ``k_scale_float`` / ``v_scale_float`` the backends use (1.0 until
+    ``init_kv_scales``). With ``calculate_kv_scales`` set, the next forward computes them
+    from its keys and values, once.
 
     Raises:
         ValueError: no attention backend can run (see ``selector.get_attn_backend``).
@@ -31,10 +42,17 @@ class Attention(nn.Module):
         self.attn_backend = get_current_attn_backend(head_dim, torch.get_default_dtype())
         self.impl = self.attn_backend.get_impl_cls()(num_heads, head_dim, scale, num_kv_heads)
         self.kv_cache = torch.empty(0)
+        self.register_buffer("k_scale", torch.tensor(-1.0, dtype=torch.float32))
+        self.register_buffer("v_scale", torch.tensor(-1.0, dtype=torch.float32))
+        self.k_scale_float = self.v_scale_float = 1.0
+        self.calculate_kv_scales = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, num_heads * head_dim], k and v [T, num_kv_heads * head_dim] -> [T, num_heads * head_dim]."""
         num_tokens = q.shape[0]
+        if self.calculate_kv_scales:
+            self.set_kv_scales(*calculate_kv_scales(k, v))
+            self.calculate_kv_scales = False
         out = self.impl.forward(
             self,
             q.view(num_tokens, self.num_heads, self.head_dim),
@@ -45,15 +63,44 @@ class Attention(nn.Module):
         )
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
+    def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
+        """Use these FP8 cache scales (stored values are ``x / scale``) from now on."""
+        self.k_scale.fill_(k_scale)
+        self.v_scale.fill_(v_scale)
+        self.k_scale_float, self.v_scale_float = float(k_scale), float(v_scale)
+
+
+def init_kv_scales(layers: list[Attention], cache_dtype: str) -> None:
+    """Settle each layer's FP8 scales after loading, as vLLM's ``BaseKVCacheMethod``: with
+    ``cache_dtype`` "auto" 1.0 whatever the checkpoint holds; else the checkpoint's k/v
+    scales, one of them for both when only one loaded, 1.0 when neither did (with a
+    warning for e4m3, whose range 1.0 may not fit)."""
+    defaulted = 0
+    for layer in layers:
+        k_scale, v_scale = layer.k_scale.item(), layer.v_scale.item()
+        if cache_dtype == "auto" or max(k_scale, v_scale) <= 0:
+            defaulted += cache_dtype != "auto"
+            k_scale = v_scale = 1.0
+        elif min(k_scale, v_scale) <= 0:
+            k_scale = v_scale = max(k_scale, v_scale)
+        layer.set_kv_scales(k_scale, v_scale)
+    if defaulted and cache_dtype != "fp8_e5m2":
+        logger.warning(
+            "Using KV cache scaling factor 1.0 for fp8_e4m3 in %d of %d layers: the checkpoint has no "
+            "k_scale / v_scale for them. Keys or values beyond +-448 saturate; --calculate-kv-scales "
+            "computes scales from the first batch.", defaulted, len(layers),
+        )
+
 
 def bind_kv_caches(
     layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-    initial: float | None = None,
+    zeroed: bool = False,
 ) -> list[torch.Tensor]:
     """Allocate one KV cache per layer, of its backend's ``get_kv_cache_shape`` for
-    ``num_blocks`` blocks of ``block_size`` tokens, and bind it to the layer.
+    ``num_blocks`` blocks of ``block_size`` tokens, in ``dtype`` (the model's, or FP8), and
+    bind it to the layer.
 
-    NOTE: allocated uninitialised unless ``initial`` is given (memory is committed only
+    NOTE: allocated uninitialised unless ``zeroed`` (memory is committed only
     as blocks are used) and never cleared: no backend lets a slot past a request's
     context reach its output (see ``pagedllm.attention.paged_kv_cache``).
 
@@ -64,8 +111,8 @@ def bind_kv_caches(
     for layer in layers:
         shape = layer.attn_backend.get_kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
         cache = torch.empty(shape, dtype=dtype, device=device)
-        if initial is not None:
-            cache.fill_(initial)
+        if zeroed:
+            cache.view(torch.uint8).zero_()  # all-zero bytes are 0.0 in every float type
         layer.kv_cache = cache
         caches.append(cache)
     return caches

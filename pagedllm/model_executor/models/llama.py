@@ -20,6 +20,7 @@ from pagedllm.model_executor.layers.linear import MergedColumnParallelLinear, QK
 from pagedllm.model_executor.layers.quantization import QuantizationConfig
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
 from pagedllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.model_executor.kv_cache_scales import load_kv_cache_scale
 from pagedllm.model_executor.utils import default_weight_loader
 from pagedllm.platforms import current_platform
 
@@ -244,8 +245,11 @@ def load_llama_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
         ValueError: for a checkpoint tensor with no matching parameter, or a shape mismatch.
     """
     params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
     loaded: set[str] = set()
     for name, tensor in weights:
+        if load_kv_cache_scale(buffers, name, tensor):  # FP8 KV-cache k_scale / v_scale
+            continue
         shard_id = None
         for fused_part, ckpt_part, sid in STACKED_PARAMS_MAPPING:
             if ckpt_part in name:

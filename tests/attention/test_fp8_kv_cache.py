@@ -1,0 +1,123 @@
+"""The FP8 KV cache at the attention level: quantization (saturating, exact on FP8 values),
+the C++ kernel reading float8 e4m3 / e5m2 blocks at every instruction-set level (exactly
+widened: tight against a float64 reference on the dequantized cache), and both backends
+writing and reading an FP8 cache on a step mixing decodes and chunked prefills."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.attention import selector
+from pagedllm.attention.kv_cache_quant import calculate_kv_scales, dequantize, quantize
+from pagedllm.attention.paged_kv_cache import write_to_kv_cache
+from tests.attention.reference import reference_decode_attention
+from tests.attention.test_backends import BACKENDS, _mixed_step
+from tests.attention.test_cpu_paged_attention import SHAPES, _case
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+#: Relative error against float64 on the same (dequantized) cache: float32 math, and the
+#: output's rounding for 16-bit queries.
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def _fp8_cache(kv_cache: torch.Tensor, fp8: torch.dtype, k_scale: float, v_scale: float) -> torch.Tensor:
+    """``kv_cache`` quantized with the scales (the garbage past each context included)."""
+    return torch.stack([quantize(kv_cache[0], k_scale, fp8), quantize(kv_cache[1], v_scale, fp8)])
+
+
+def _dequantized(cache: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:
+    return torch.stack([cache[0].double() * k_scale, cache[1].double() * v_scale])
+
+
+def test_quantize_saturates_and_round_trips():
+    x = torch.tensor([1000.0, -1000.0, 0.3, -2.5, 0.0, float("nan")])
+    e4m3 = quantize(x, 2.0, torch.float8_e4m3fn)
+    assert e4m3.float()[:5].tolist() == [448.0, -448.0, 0.15625, -1.25, 0.0] and e4m3.float()[5].isnan()
+    assert quantize(torch.tensor([1e6, -1e6]), 1.0, torch.float8_e5m2).float().tolist() == [57344.0, -57344.0]
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    finite = every[~every.float().isnan()]
+    assert torch.equal(quantize(dequantize(finite, 0.5, torch.float32), 0.5, torch.float8_e4m3fn).view(torch.uint8),
+                       finite.view(torch.uint8))
+
+
+def test_calculate_kv_scales_is_amax_over_vllm_constants():
+    key, value = torch.tensor([[0.5, -8.0]]), torch.tensor([[3.0, 1.0]])
+    assert calculate_kv_scales(key, value) == (8.0 / 200, 3.0 / 100)
+    assert calculate_kv_scales(torch.zeros(2, 2), value)[0] == 1.0  # nothing to scale by
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=str)
+@pytest.mark.parametrize("portable", [False, True], ids=["vector", "portable"])
+def test_kernel_widens_every_fp8_value_exactly(isa_kernel, fp8, portable):
+    """Each request attends to one token, so its output is that token's V row: every one of
+    the 256 byte values (NaN bytes zeroed) read back as float(fp8) x v_scale, exactly."""
+    values = torch.arange(256, dtype=torch.uint8).view(fp8)
+    values = torch.where(values.float().isfinite(), values.float(), 0.0).to(fp8)
+    value_cache = values.view(16, 1, 1, 16)  # 16 blocks of 1 token, head_dim 16
+    key_cache = torch.zeros_like(value_cache.view(torch.uint8)).view(fp8)
+    query = torch.randn(16, 2, 16)
+    out = torch.empty_like(query)
+    table = torch.arange(16).view(16, 1)
+    isa_kernel.paged_decode_attention(out, query, key_cache, value_cache, table, torch.ones(16, dtype=torch.int64),
+                                      0.25, 1.0, 0.5, portable=portable)
+    assert torch.equal(out, (values.float().view(16, 1, 16) * 0.5).expand(16, 2, 16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fp8", FP8, ids=str)
+@pytest.mark.parametrize("shape", SHAPES[:6] + SHAPES[-3:], ids=lambda s: "B{}-Hq{}-Hkv{}-D{}-bs{}".format(*s))
+@pytest.mark.parametrize("path", ["vector", "portable"])
+def test_kernel_on_fp8_cache_matches_float64_reference(isa_kernel, shape, fp8, dtype, path):
+    query, kv_cache, table, seq_lens = _case(*shape, torch.float32, seed=2)
+    query = query.to(dtype)
+    k_scale, v_scale = 0.05, 0.02
+    cache = _fp8_cache(kv_cache, fp8, k_scale, v_scale)
+    scale = shape[3] ** -0.5
+    expected = reference_decode_attention(query.double(), _dequantized(cache, k_scale, v_scale), table, seq_lens, scale)
+    out = torch.full_like(query, float("nan"))
+    isa_kernel.paged_decode_attention(out, query, cache[0], cache[1], table, seq_lens, scale, k_scale, v_scale,
+                                      portable=path == "portable")
+    assert not out.isnan().any()
+    err = ((out.double() - expected).abs().max() / expected.abs().max()).item()
+    assert err <= TOLERANCE[dtype], f"relative error {err:.3g}"
+
+
+def test_kernel_rejects_a_cache_of_another_dtype(kernel):
+    query, kv_cache, table, seq_lens = _case(2, 4, 2, 32, 16, torch.float32)
+    out = torch.empty_like(query)
+    with pytest.raises(RuntimeError, match="float8_e4m3fn, float8_e5m2"):
+        kernel.paged_decode_attention(out, query, kv_cache[0].half(), kv_cache[1].half(), table, seq_lens, 1.0)
+
+
+class _Scales:
+    """Stands in for the ``Attention`` layer: its FP8 scales."""
+
+    k_scale_float, v_scale_float = 0.04, 0.03
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=str)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_backend_writes_and_reads_an_fp8_cache(name, fp8, kernel):
+    """Both backends quantize the step's K/V into their slots and attend over the FP8
+    context as a float64 reference does over the dequantized cache."""
+    backend = selector.get_attn_backend(64, torch.float32, 8, name, kv_cache_dtype="fp8")
+    query, key, value, kv_cache, common = _mixed_step(torch.float32)
+    layer = _Scales()
+    cache = _fp8_cache(kv_cache, fp8, layer.k_scale_float, layer.v_scale_float)
+    expected_cache = cache.clone()
+    write_to_kv_cache(expected_cache, key, value, torch.from_numpy(common.slot_mapping),
+                      layer.k_scale_float, layer.v_scale_float)
+    metadata = backend.get_builder_cls()(8, torch.device("cpu")).build(common)
+    out = backend.get_impl_cls()(6, 64, 64**-0.5, 2).forward(layer, query, key, value, cache, metadata)
+    assert torch.equal(cache.view(torch.uint8), expected_cache.view(torch.uint8))
+    query_lens = common.query_start_loc[1:] - common.query_start_loc[:-1]
+    token_req = torch.repeat_interleave(torch.arange(common.num_reqs), torch.from_numpy(query_lens))
+    positions = torch.from_numpy(common.num_computed_tokens)[token_req] + torch.arange(common.num_tokens) - \
+        torch.from_numpy(common.query_start_loc)[token_req]
+    dequantized = torch.nan_to_num(_dequantized(cache, layer.k_scale_float, layer.v_scale_float), 0.0)
+    expected = reference_decode_attention(query.double(), dequantized, torch.from_numpy(common.block_table)[token_req],
+                                          positions + 1, 64**-0.5)
+    assert not out.isnan().any()
+    err = ((out.double() - expected).abs().max() / expected.abs().max()).item()
+    assert err <= 1e-5, f"relative error {err:.3g}"
