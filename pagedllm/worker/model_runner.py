@@ -105,7 +105,7 @@ class ModelRunner:
         logger.info("Loaded %s (%.1f MB) in %.2f s", self.model_config.model_path,
                     self.weights_bytes / 1e6, time.perf_counter() - start)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        init_kv_scales(self.attention_layers, self.cache_config.cache_dtype)
+        init_kv_scales(self.attention_layers, self.cache_config.cache_dtype, self.cache_config.calculate_kv_scales)
         if isinstance(self.proposer, EagleProposer):
             self.proposer.load_model(self.attn_backend, self.attn_metadata_builder, self.model)
         elif isinstance(self.proposer, DraftModelProposer):
@@ -123,8 +123,9 @@ class ModelRunner:
         )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate ``num_blocks`` KV-cache blocks per layer (the draft model's too) and the
-        persistent batch."""
+        """Allocate ``num_blocks`` KV-cache blocks per layer (the draft model's too, in its
+        model's dtype) and the persistent batch; with ``calculate_kv_scales``, the next
+        forward (the first batch) sets each layer's FP8 scales."""
         self.kv_caches = self._allocate_kv_caches(num_blocks)
         if self.cache_config.calculate_kv_scales and self.cache_config.cache_dtype != "auto":
             for layer in self.attention_layers:  # from the first batch: the profiling run is over

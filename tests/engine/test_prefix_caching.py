@@ -22,6 +22,10 @@ SCENARIOS = {
     "defaults": {},
     "chunked_prefill": {"max_num_batched_tokens": 16},
     "preemption": {"max_model_len": 256, "block_size": 8, "kv_blocks": 34},
+    # The same on an FP8 cache: cached, chunked and recomputed blocks hold the same bytes.
+    "fp8_kv_cache": {"kv_cache_dtype": "fp8"},
+    "fp8_chunked_prefill": {"kv_cache_dtype": "fp8", "max_num_batched_tokens": 16},
+    "fp8_preemption": {"kv_cache_dtype": "fp8_e5m2", "max_model_len": 256, "block_size": 8, "kv_blocks": 34},
 }
 
 
@@ -43,7 +47,7 @@ def test_greedy_identical_with_and_without_caching(tiny_qwen2, tokenizer, scenar
         first = llm.generate(prompts, params, use_tqdm=False)
         second = llm.generate(prompts, params, use_tqdm=False)
         results[caching] = (first, second)
-        if scenario == "preemption":
+        if "preemption" in scenario:
             assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
         check_block_accounting(llm)
     cold = [o.outputs[0].token_ids for o in results[False][0]]

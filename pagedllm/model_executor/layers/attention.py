@@ -70,11 +70,12 @@ class Attention(nn.Module):
         self.k_scale_float, self.v_scale_float = float(k_scale), float(v_scale)
 
 
-def init_kv_scales(layers: list[Attention], cache_dtype: str) -> None:
+def init_kv_scales(layers: list[Attention], cache_dtype: str, calculate: bool = False) -> None:
     """Settle each layer's FP8 scales after loading, as vLLM's ``BaseKVCacheMethod``: with
     ``cache_dtype`` "auto" 1.0 whatever the checkpoint holds; else the checkpoint's k/v
     scales, one of them for both when only one loaded, 1.0 when neither did (with a
-    warning for e4m3, whose range 1.0 may not fit)."""
+    warning for e4m3, whose range 1.0 may not fit, unless ``calculate``: the first batch
+    will set them)."""
     defaulted = 0
     for layer in layers:
         k_scale, v_scale = layer.k_scale.item(), layer.v_scale.item()
@@ -84,7 +85,7 @@ def init_kv_scales(layers: list[Attention], cache_dtype: str) -> None:
         elif min(k_scale, v_scale) <= 0:
             k_scale = v_scale = max(k_scale, v_scale)
         layer.set_kv_scales(k_scale, v_scale)
-    if defaulted and cache_dtype != "fp8_e5m2":
+    if defaulted and cache_dtype != "fp8_e5m2" and not calculate:
         logger.warning(
             "Using KV cache scaling factor 1.0 for fp8_e4m3 in %d of %d layers: the checkpoint has no "
             "k_scale / v_scale for them. Keys or values beyond +-448 saturate; --calculate-kv-scales "
