@@ -35,6 +35,9 @@
 //   values: float32 multiply-add of each V row by its weight; for bfloat16 with AVX512-BF16,
 //     the weights are rounded to bfloat16 and two tokens' rows are interleaved for
 //     vdpbf16ps (accumulation stays float32; this is what bf16 attention kernels do).
+//   FP8 caches with bfloat16 queries and AVX512-BF16: each tile's rows are widened to
+//     bfloat16 first (exactly: a 128-entry table in 4 registers, vpermt2w, plus the sign bit)
+//     and go through the same vdpbf16ps steps; otherwise FP8 rows are widened to float32.
 // AVX2 path (AVX2 builds; head_dim % 8 == 0, head_dim <= 256; simd.h's 8-lane vectors):
 //   scores: one key row at a time, widened once and multiplied into G accumulators, each
 //     summed across lanes; softmax with Cephes' exp; values as the float32 AVX-512 path.
@@ -103,6 +106,7 @@ struct Scratch {
   float* q;
   float* row;
   float* inv_sum;
+  uint16_t* tile;  // [kTile][head_dim] bfloat16: a tile of FP8 rows widened for vdpbf16ps
 };
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -417,12 +421,64 @@ PAGEDLLM_INLINE void pv_tile_bf16(const c10::BFloat16* const* rows, int cnt, con
 }
 #endif
 
+#if defined(__AVX512BF16__)
+template <typename C>
+constexpr bool kIsFp8 = std::is_same<C, c10::Float8_e4m3fn>::value || std::is_same<C, c10::Float8_e5m2>::value;
+
+// The bfloat16 bits of the 128 non-negative FP8 values of C (every one exact in bfloat16),
+// as 4 registers of 32 for vpermt2w: a 256-entry table with the sign bit handled apart.
+template <typename C>
+struct Fp8ToBf16 {
+  __m512i t[4];
+
+  Fp8ToBf16() {
+    static const std::vector<uint16_t> bits = [] {
+      std::vector<uint16_t> v(128);
+      for (int i = 0; i < 128; ++i) v[i] = c10::BFloat16(static_cast<float>(C(static_cast<uint8_t>(i), C::from_bits()))).x;
+      return v;
+    }();
+    for (int i = 0; i < 4; ++i) t[i] = _mm512_loadu_si512(bits.data() + 32 * i);
+  }
+
+  // 32 FP8 values -> 32 bfloat16, exactly: the magnitude from the table (index bits 0-5
+  // pick among 64 entries, bit 6 between the two halves), the sign bit moved to bit 15.
+  PAGEDLLM_INLINE __m512i widen32(const C* p) const {
+    const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i lo = _mm512_permutex2var_epi16(t[0], x, t[1]);
+    const __m512i hi = _mm512_permutex2var_epi16(t[2], x, t[3]);
+    const __m512i magnitude = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(x, _mm512_set1_epi16(0x40)), lo, hi);
+    return _mm512_or_si512(magnitude, _mm512_and_si512(_mm512_slli_epi16(x, 8), _mm512_set1_epi16(-0x8000)));
+  }
+
+  // The first cnt of rows widened into tile [kTile][D]; out[j] points at row j, or at zeros.
+  PAGEDLLM_INLINE void widen_tile(const C* const* rows, int cnt, int64_t D, uint16_t* tile,
+                                  const c10::BFloat16** out) const {
+    for (int j = 0; j < kTile; ++j) {
+      if (j >= cnt) {
+        out[j] = reinterpret_cast<const c10::BFloat16*>(kZeroRow);
+        continue;
+      }
+      for (int64_t c = 0; c < D; c += 32) _mm512_storeu_si512(tile + j * D + c, widen32(rows[j] + c));
+      out[j] = reinterpret_cast<const c10::BFloat16*>(tile + j * D);
+    }
+  }
+};
+#endif
+
 template <typename T, typename C, int G>
 void attend_avx512(const Params& p, const Ptrs<T, C>& x, const Work& wk, const Scratch& w) {
   const int64_t D = p.head_dim, cap = w.cap, n = wk.n, b = wk.b, h = wk.h;
   float *scores = w.scores, *acc = w.acc;
   constexpr bool kBf16 = std::is_same<T, c10::BFloat16>::value && std::is_same<C, T>::value && kHasBf16Dot;
-  const bool bf16_dot = kBf16 && D % 32 == 0;
+#if defined(__AVX512BF16__)
+  // bfloat16 queries over an FP8 cache: each tile's rows are widened to bfloat16 for vdpbf16ps.
+  constexpr bool kFp8Bf16 = std::is_same<T, c10::BFloat16>::value && kIsFp8<C>;
+  std::conditional_t<kFp8Bf16, Fp8ToBf16<C>, int> widen{};
+  const c10::BFloat16* wide_rows[kTile];
+#else
+  constexpr bool kFp8Bf16 = false;
+#endif
+  const bool bf16_dot = (kBf16 || kFp8Bf16) && D % 32 == 0;
   const C* zero_row = reinterpret_cast<const C*>(kZeroRow);
   const T* q_head = x.q + b * p.q_sb + (h * p.group + wk.g0) * p.q_sh;
   const C* rows[kTile];
@@ -444,6 +500,13 @@ void attend_avx512(const Params& p, const Ptrs<T, C>& x, const Work& wk, const S
     if constexpr (kBf16) {
       if (bf16_dot) {
         qk_tile_bf16<G>(reinterpret_cast<const uint16_t*>(w.q), D, rows, p.scale * p.k_scale, scores + t0, cap);
+        continue;
+      }
+    }
+    if constexpr (kFp8Bf16) {
+      if (bf16_dot) {
+        widen.widen_tile(rows, cnt, D, w.tile, wide_rows);
+        qk_tile_bf16<G>(reinterpret_cast<const uint16_t*>(w.q), D, wide_rows, p.scale * p.k_scale, scores + t0, cap);
         continue;
       }
     }
@@ -476,6 +539,13 @@ void attend_avx512(const Params& p, const Ptrs<T, C>& x, const Work& wk, const S
     if constexpr (kBf16) {
       if (bf16_dot) {
         pv_tile_bf16<G>(rows, cnt, w.weights16 + t0, cap, acc, D);
+        continue;
+      }
+    }
+    if constexpr (kFp8Bf16) {
+      if (bf16_dot) {
+        widen.widen_tile(rows, cnt, D, w.tile, wide_rows);
+        pv_tile_bf16<G>(wide_rows, cnt, w.weights16 + t0, cap, acc, D);
         continue;
       }
     }
@@ -647,17 +717,18 @@ void run(const Params& p, const Ptrs<T, C>& x, bool force_portable) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, num_tasks, 1, [&](int64_t, int64_t) {
     const int64_t G = sub, gd = round_up(G * p.head_dim, 16);
-    const int64_t sizes[] = {G * cap, G * cap / 2, gd, gd, p.head_dim, G};
+    const int64_t sizes[] = {G * cap, G * cap / 2, gd, gd, p.head_dim, G, kTile * p.head_dim / 2 + 1};
     int64_t total_floats = 16;
     for (int64_t s : sizes) total_floats += round_up(s, 16);
     std::vector<float> buf(total_floats);
     float* ptr = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-    float* parts[6];
-    for (int i = 0; i < 6; ++i) {
+    float* parts[7];
+    for (int i = 0; i < 7; ++i) {
       parts[i] = ptr;
       ptr += round_up(sizes[i], 16);
     }
-    const Scratch w{parts[0], cap, reinterpret_cast<uint16_t*>(parts[1]), parts[2], parts[3], parts[4], parts[5]};
+    const Scratch w{parts[0], cap, reinterpret_cast<uint16_t*>(parts[1]), parts[2], parts[3], parts[4], parts[5],
+                    reinterpret_cast<uint16_t*>(parts[6])};
     for (;;) {
       const int64_t item = next.fetch_add(1, std::memory_order_relaxed);
       if (item >= total) break;
