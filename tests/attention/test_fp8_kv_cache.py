@@ -12,8 +12,10 @@ from pagedllm.attention import selector
 from pagedllm.attention.kv_cache_quant import calculate_kv_scales, dequantize, quantize
 from pagedllm.attention.paged_kv_cache import write_to_kv_cache
 from tests.attention.reference import reference_decode_attention
-from tests.attention.test_backends import BACKENDS, _mixed_step
+from pagedllm.platforms import current_platform
+from tests.attention.test_backends import _mixed_step
 from tests.attention.test_cpu_paged_attention import SHAPES, _case
+from tests.helpers import cpu_only
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 #: Relative error against float64 on the same (dequantized) cache: float32 math, and the
@@ -99,10 +101,12 @@ class _Scales:
 
 
 @pytest.mark.parametrize("fp8", FP8, ids=str)
-@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("name", [pytest.param("CPU_ATTN", marks=cpu_only), "TORCH_SDPA"])
 def test_backend_writes_and_reads_an_fp8_cache(name, fp8, kernel):
     """Both backends quantize the step's K/V into their slots and attend over the FP8
-    context as a float64 reference does over the dequantized cache."""
+    context as a float64 reference does over the dequantized cache (on the platform's
+    device: torch's float8 types on CUDA)."""
+    device = current_platform.device
     backend = selector.get_attn_backend(64, torch.float32, 8, name, kv_cache_dtype="fp8")
     query, key, value, kv_cache, common = _mixed_step(torch.float32)
     layer = _Scales()
@@ -110,8 +114,12 @@ def test_backend_writes_and_reads_an_fp8_cache(name, fp8, kernel):
     expected_cache = cache.clone()
     write_to_kv_cache(expected_cache, key, value, torch.from_numpy(common.slot_mapping),
                       layer.k_scale_float, layer.v_scale_float)
-    metadata = backend.get_builder_cls()(8, torch.device("cpu")).build(common)
-    out = backend.get_impl_cls()(6, 64, 64**-0.5, 2).forward(layer, query, key, value, cache, metadata)
+    metadata = backend.get_builder_cls()(8, device).build(common)
+    device_cache = cache.to(device)
+    out = backend.get_impl_cls()(6, 64, 64**-0.5, 2).forward(
+        layer, query.to(device), key.to(device), value.to(device), device_cache, metadata
+    ).cpu()
+    cache = device_cache.cpu()
     assert torch.equal(cache.view(torch.uint8), expected_cache.view(torch.uint8))
     query_lens = common.query_start_loc[1:] - common.query_start_loc[:-1]
     token_req = torch.repeat_interleave(torch.arange(common.num_reqs), torch.from_numpy(query_lens))
