@@ -87,11 +87,38 @@ def test_kernel_on_fp8_cache_matches_float64_reference(isa_kernel, shape, fp8, d
     assert err <= TOLERANCE[dtype], f"relative error {err:.3g}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fp8", FP8, ids=str)
+def test_kernel_cache_write_is_torchs_quantization(isa_kernel, fp8, dtype):
+    """write_kv_cache stores the bytes of quantize (torch's rounding): every float16 value,
+    values spread over 30 binades (subnormal, saturating, infinite and NaN ones included),
+    at two scales; keys and values to their slots."""
+    gen = torch.Generator().manual_seed(0)
+    spread = torch.randn(20000, generator=gen) * torch.exp(torch.randn(20000, generator=gen) * 6)
+    special = torch.tensor([448.0, 464.0, 480.0, -500.0, 57344.0, 61440.0, 1e30, float("inf"), -float("inf"),
+                            float("nan"), 2**-10, 2**-17, 0.0, -0.0, 3 * 2**-10, 5 * 2**-18])  # fmt: skip
+    halves = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    x = torch.cat([halves, spread, special]).to(dtype)
+    x = x[: x.numel() // 64 * 64].view(-1, 2, 32)
+    slots = torch.randperm(x.shape[0] + 7, generator=gen)[: x.shape[0]]
+    for scale in (1.0, 0.37):
+        cache = torch.zeros(2, x.shape[0] + 7, 1, 2, 32, dtype=torch.uint8).view(fp8)
+        isa_kernel.write_kv_cache(cache[0], cache[1], x, -x, slots, scale, 2 * scale)
+        expected = torch.zeros_like(cache.view(torch.uint8)).view(fp8)
+        write_to_kv_cache(expected, x, -x, slots, scale, 2 * scale)
+        assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+
+
 def test_kernel_rejects_a_cache_of_another_dtype(kernel):
     query, kv_cache, table, seq_lens = _case(2, 4, 2, 32, 16, torch.float32)
     out = torch.empty_like(query)
     with pytest.raises(RuntimeError, match="float8_e4m3fn, float8_e5m2"):
         kernel.paged_decode_attention(out, query, kv_cache[0].half(), kv_cache[1].half(), table, seq_lens, 1.0)
+    with pytest.raises(RuntimeError, match="float8_e4m3fn, float8_e5m2"):
+        kernel.write_kv_cache(kv_cache[0].half(), kv_cache[1].half(), query[:, :2], query[:, :2],
+                              torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="slot 99999 of token 1 out of range"):
+        kernel.write_kv_cache(kv_cache[0], kv_cache[1], query[:, :2], query[:, :2], torch.tensor([0, 99999]))
 
 
 class _Scales:

@@ -9,8 +9,9 @@ step: 3x PyTorch's CPU flash attention on 128-token prompts, still faster at 8,1
 
 A decode-only step (the hot path) takes the runner's per-request arrays as they are.
 
-An FP8 cache (``--kv-cache-dtype fp8``) is written quantized (``paged_kv_cache``) and read
-by the kernel directly, one byte per element.
+The step's K/V go into the cache through the kernels' ``write_kv_cache`` (one call per layer;
+an FP8 cache, ``--kv-cache-dtype fp8``, is quantized there) and the attention kernel reads
+the cache directly, one byte per element for FP8.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from torch import nn
 
 from pagedllm.attention.backends.abstract import AttentionBackend, AttentionImpl, AttentionMetadata
 from pagedllm.attention.backends.abstract import AttentionMetadataBuilder, CommonAttentionMetadata
-from pagedllm.attention.paged_kv_cache import write_to_kv_cache
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.platforms import current_platform
 
@@ -68,7 +68,7 @@ class CpuAttnImpl(AttentionImpl[CpuAttnMetadata]):
             RuntimeError: from the kernel, on bad shapes, dtypes, block ids or lengths.
         """
         k_scale, v_scale = self.kv_scales(layer, kv_cache)
-        write_to_kv_cache(kv_cache, key, value, attn_metadata.slot_mapping, k_scale, v_scale)
+        cpu_kernels.write_kv_cache(kv_cache[0], kv_cache[1], key, value, attn_metadata.slot_mapping, k_scale, v_scale)
         output = torch.empty_like(query)
         cpu_kernels.paged_decode_attention(
             output, query, kv_cache[0], kv_cache[1], attn_metadata.block_table, attn_metadata.seq_lens, self.scale,

@@ -1,6 +1,6 @@
 """C++ CPU kernels, compiled on first use, once per instruction-set level.
 
-``paged_attention.cpp``, ``elementwise.cpp`` (RMSNorm, SwiGLU, rotary embedding),
+``paged_attention.cpp`` (and the cache writes), ``elementwise.cpp`` (RMSNorm, SwiGLU, rotary embedding),
 ``sampling.cpp`` (greedy argmax), ``packed_linear.cpp`` (few-row matmul on oneDNN-packed
 bf16 weights), ``linear_w16.cpp`` (matmul on 16-bit weights widened to float32, for CPUs
 without native bf16, and on int8 weights with per-output scales) and ``linear_grouped.cpp``
@@ -351,6 +351,29 @@ def paged_decode_attention(
     op = ops.paged_decode_attention_portable if portable else ops.paged_decode_attention
     op(out, query, key_cache, value_cache, block_table.long(), seq_lens.long(), float(scale), float(k_scale),
        float(v_scale))
+
+
+def write_kv_cache(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+) -> None:
+    """Store each token's key and value in its slot (``pagedllm.attention.paged_kv_cache``'s
+    ``write_to_kv_cache`` in one call, byte for byte the same).
+
+    Args:
+        key_cache, value_cache: [num_blocks, block_size, Hkv, D] (``kv_cache[0]``,
+            ``kv_cache[1]``), head_dim contiguous: the key's dtype, or float8_e4m3fn /
+            float8_e5m2 (then stored as ``key / k_scale``, rounded to nearest even,
+            saturated at the format's largest value).
+        key, value: [num_tokens, Hkv, D]; float32, bfloat16 or float16.
+        slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset.
+        k_scale, v_scale: FP8 scales; unused for a cache of the key's dtype.
+
+    Raises:
+        RuntimeError: unavailable kernels, bad shapes or dtypes, or a slot out of range.
+    """
+    _require()
+    _ops().write_kv_cache(key_cache, value_cache, key, value, slot_mapping.long(), float(k_scale), float(v_scale))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -847,6 +847,127 @@ void paged_decode_attention_portable(at::Tensor& out, const at::Tensor& query, c
   decode_attention_impl(out, query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale, true);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Cache writes: write_kv_cache(key_cache, value_cache, key, value, slot_mapping, k_scale, v_scale)
+// stores token t's key [Hkv, D] and value in slot slot_mapping[t] (block slot / block_size, offset
+// slot % block_size) of caches [num_blocks, block_size, Hkv, D] (any strides, D contiguous).
+// Caches of the key's dtype get a copy; float8 caches get x / scale (float32 division) rounded to
+// nearest even and saturated at the format's largest value, NaN kept: the bytes that
+// torch's (x.float() / scale).clamp(-max, max).to(float8) gives.
+
+// The FP8 bits of x (float32 in the format's range [-max, max], or NaN), round to nearest even,
+// without branches so the loops vectorize. kMantissa bits are kept; normal numbers drop the
+// other 23 - kMantissa with rounding carried into the exponent, rebiased by 127 - kBias;
+// below the smallest normal 2^(1 - kBias), |x| + 2^(24 - kBias - kMantissa) rounds |x| to the
+// subnormal step 2^(1 - kBias - kMantissa) in float32 and its low bits count the steps. NaN
+// -> 0x7f with the sign, as c10's conversions.
+template <int kMantissa, int kBias>
+inline uint8_t fp8_bits(float x) {
+  constexpr int kDrop = 23 - kMantissa;
+  constexpr uint32_t kMinNormal = static_cast<uint32_t>(128 - kBias) << 23;  // 2^(1 - kBias)
+  constexpr float kMagic = static_cast<float>(1u << (24 - kBias - kMantissa));  // float32 step there: the FP8 one
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  const uint32_t sign = (u >> 24) & 0x80u, magnitude = u & 0x7fffffffu;
+  const uint32_t normal = ((magnitude + ((1u << (kDrop - 1)) - 1) + ((magnitude >> kDrop) & 1u)) >> kDrop) -
+                          (static_cast<uint32_t>(127 - kBias) << kMantissa);
+  float absolute, shifted;
+  std::memcpy(&absolute, &magnitude, sizeof(absolute));
+  shifted = absolute + kMagic;
+  uint32_t shifted_bits, magic_bits;
+  std::memcpy(&shifted_bits, &shifted, sizeof(shifted_bits));
+  const float magic = kMagic;
+  std::memcpy(&magic_bits, &magic, sizeof(magic_bits));
+  const uint32_t subnormal = shifted_bits - magic_bits;
+  uint32_t bits = magnitude < kMinNormal ? subnormal : normal;
+  bits = magnitude > 0x7f800000u ? 0x7fu : bits;
+  return static_cast<uint8_t>(bits | sign);
+}
+
+template <typename C>
+inline C to_cache(float x, float scale) {
+  if constexpr (std::is_same<C, c10::Float8_e4m3fn>::value) {
+    return C(fp8_bits<3, 7>(std::clamp(x / scale, -448.f, 448.f)), C::from_bits());
+  } else if constexpr (std::is_same<C, c10::Float8_e5m2>::value) {
+    return C(fp8_bits<2, 15>(std::clamp(x / scale, -57344.f, 57344.f)), C::from_bits());
+  } else {
+    return static_cast<C>(x);
+  }
+}
+
+template <typename T, typename C>
+void write_rows(at::Tensor& cache, const at::Tensor& x, const int64_t* slots, int64_t num_tokens, float scale) {
+  const int64_t block_size = cache.size(1), heads = cache.size(2), D = cache.size(3);
+  const int64_t num_slots = cache.size(0) * block_size;
+  C* dst = cache.mutable_data_ptr<C>();
+  const T* src = x.const_data_ptr<T>();
+  const int64_t c_sb = cache.stride(0), c_st = cache.stride(1), c_sh = cache.stride(2);
+  const int64_t x_st = x.stride(0), x_sh = x.stride(1);
+  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      TORCH_CHECK(slot >= 0 && slot < num_slots, "write_kv_cache: slot ", slot, " of token ", t, " out of range [0, ",
+                  num_slots, ")");
+      C* row = dst + slot / block_size * c_sb + slot % block_size * c_st;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* in = src + t * x_st + h * x_sh;
+        C* out = row + h * c_sh;
+        if constexpr (std::is_same<C, T>::value) {
+          std::memcpy(out, in, D * sizeof(T));
+        } else {
+          for (int64_t d = 0; d < D; ++d) out[d] = to_cache<C>(static_cast<float>(in[d]), scale);
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void write_both(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& key, const at::Tensor& value,
+                const int64_t* slots, int64_t num_tokens, float k_scale, float v_scale) {
+  const auto go = [&](auto cache_tag) {
+    using C = decltype(cache_tag);
+    write_rows<T, C>(key_cache, key, slots, num_tokens, k_scale);
+    write_rows<T, C>(value_cache, value, slots, num_tokens, v_scale);
+  };
+  switch (key_cache.scalar_type()) {
+    case at::kFloat8_e4m3fn: go(c10::Float8_e4m3fn()); break;
+    case at::kFloat8_e5m2: go(c10::Float8_e5m2()); break;
+    default: go(T()); break;
+  }
+}
+
+void write_kv_cache(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& key, const at::Tensor& value,
+                    const at::Tensor& slot_mapping, double k_scale, double v_scale) {
+  TORCH_CHECK(key_cache.device().is_cpu() && value_cache.device().is_cpu() && key.device().is_cpu() &&
+                  value.device().is_cpu() && slot_mapping.device().is_cpu(),
+              "write_kv_cache: all tensors must be on CPU");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
+              "write_kv_cache: caches must be [num_blocks, block_size, Hkv, D], both of one shape");
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == key_cache.size(2) &&
+                  key.size(2) == key_cache.size(3),
+              "write_kv_cache: key and value must be [num_tokens, Hkv, D] of the caches' Hkv and D");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+                  slot_mapping.size(0) == key.size(0) && slot_mapping.is_contiguous(),
+              "write_kv_cache: slot_mapping must be [num_tokens] contiguous int64");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
+              "write_kv_cache: head_dim must be contiguous");
+  const auto dtype = key.scalar_type(), cache_dtype = key_cache.scalar_type();
+  TORCH_CHECK(value.scalar_type() == dtype && value_cache.scalar_type() == cache_dtype &&
+                  (cache_dtype == dtype || cache_dtype == at::kFloat8_e4m3fn || cache_dtype == at::kFloat8_e5m2),
+              "write_kv_cache: key and value must have one dtype, and the caches that dtype or one float8 dtype "
+              "(float8_e4m3fn, float8_e5m2)");
+  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+  const int64_t n = key.size(0);
+  const float ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
+  switch (dtype) {
+    case at::kFloat: write_both<float>(key_cache, value_cache, key, value, slots, n, ks, vs); break;
+    case at::kBFloat16: write_both<c10::BFloat16>(key_cache, value_cache, key, value, slots, n, ks, vs); break;
+    case at::kHalf: write_both<c10::Half>(key_cache, value_cache, key, value, slots, n, ks, vs); break;
+    default: TORCH_CHECK(false, "write_kv_cache: unsupported dtype ", dtype);
+  }
+}
+
 // Which instruction-set level this build was compiled for (a name of pagedllm/kernels/isa.py),
 // for tests and logs.
 std::string build_info() {
@@ -872,10 +993,13 @@ PAGEDLLM_LIBRARY(m) {
         "Tensor block_table, Tensor seq_lens, float scale, float k_scale, float v_scale) -> ()");
   m.def("paged_decode_attention_portable(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_table, Tensor seq_lens, float scale, float k_scale, float v_scale) -> ()");
+  m.def("write_kv_cache(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor key, Tensor value, Tensor slot_mapping, "
+        "float k_scale, float v_scale) -> ()");
   m.def("build_info() -> str", &build_info);
 }
 
 PAGEDLLM_IMPL(CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("paged_decode_attention_portable", &paged_decode_attention_portable);
+  m.impl("write_kv_cache", &write_kv_cache);
 }
