@@ -338,8 +338,9 @@ class ParallelConfig:
     ``data_parallel_size`` counts engine replicas (vLLM's); it is not part of ``world_size``.
 
     ``distributed_executor_backend``: ``"uni"`` (one worker in the engine's process),
-    ``"mp"`` (one worker process per rank), ``"ray"`` (not supported yet), an ``Executor``
-    subclass, or None: ``"uni"`` for a world size of 1, else ``"mp"`` (see
+    ``"mp"`` (one worker process per rank), ``"ray"`` (one Ray actor per rank, on the nodes
+    of a Ray cluster), an ``Executor`` subclass, or None: ``"uni"`` for a world size of 1,
+    else ``"ray"`` when this process is connected to Ray and ``"mp"`` otherwise (see
     ``Executor.get_class``).
     """
 
@@ -715,7 +716,7 @@ def _check_generation_config(value: str) -> None:
 #: built here, why). ``EngineArgs`` refuses any other value at once: "... is not supported yet".
 PARTLY_BUILT_ARGS: dict[str, tuple[tuple, str]] = {
     "pipeline_parallel_size": ((1,), "pagedllm splits a model by tensor parallelism only"),
-    "distributed_executor_backend": ((None, "uni", "mp"), "pagedllm runs its workers on one machine"),
+    "distributed_executor_backend": ((None, "uni", "mp", "ray"), "pagedllm starts its own workers"),
     "load_format": (("auto", "safetensors", "gguf"), "pagedllm loads *.safetensors checkpoints and .gguf files"),
     "kv_cache_dtype": (("auto", *KV_CACHE_DTYPES), "the KV cache has the model's dtype or an FP8 type"),
     "tokenizer_mode": (("auto", "hf"), "pagedllm loads Hugging Face fast tokenizers"),

@@ -1,6 +1,7 @@
 """``pagedllm serve`` starts its engine process before it imports torch (start-up time,
 see ``pagedllm/entrypoints/openai/cli_args.py``): the modules on that path must stay
-free of torch and transformers (and of the grammar libraries, xgrammar and llguidance)."""
+free of torch and transformers (and of the grammar libraries, xgrammar and llguidance, and of
+Ray, imported only by the Ray executor)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ LIGHT_MODULES = [
 def test_module_does_not_import_torch(module):
     code = (
         f"import sys, {module}\n"
-        "heavy = sorted(m for m in ('torch', 'transformers', 'xgrammar', 'llguidance') if m in sys.modules)\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'xgrammar', 'llguidance', 'ray') if m in sys.modules)\n"
         "print(','.join(heavy))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -3,12 +3,13 @@
 The engine core talks to one ``Executor``; the executor fans each call out to its workers
 (``collective_rpc``) and gathers one result per worker. ``UniProcExecutor`` holds one
 ``Worker`` in the engine's own process; ``MultiprocExecutor`` one worker process per rank
-(tensor / pipeline parallelism on one machine); a Ray executor will answer the same calls
-from workers on several machines (see ``worker/worker.py`` for the contract).
+(tensor / pipeline parallelism on one machine); ``RayDistributedExecutor`` answers the same
+calls from Ray actors on several machines (see ``worker/worker.py`` for the contract).
 """
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Optional, Union
 
@@ -20,7 +21,7 @@ from pagedllm.messages.sched_output import SchedulerOutput
 RpcMethod = Union[str, Callable]
 
 #: ``distributed_executor_backend`` names that vLLM has and pagedllm does not yet.
-UNSUPPORTED_BACKENDS = ("ray",)
+UNSUPPORTED_BACKENDS = ("external_launcher",)
 
 
 def run_method(obj: Any, method: RpcMethod, args: tuple, kwargs: dict) -> Any:
@@ -50,11 +51,12 @@ class Executor(ABC):
     def get_class(config: EngineConfig) -> type[Executor]:
         """The executor class for ``config.parallel_config.distributed_executor_backend``:
         an ``Executor`` subclass is used as given; ``"uni"`` (or None with a world size of
-        1) is ``UniProcExecutor``; ``"mp"`` (or None with a world size above 1, as vLLM on
-        one machine) is ``MultiprocExecutor``.
+        1) is ``UniProcExecutor``; ``"ray"`` (or None with a world size above 1 in a process
+        connected to Ray, as vLLM) is ``RayDistributedExecutor``; ``"mp"`` (or None with a
+        world size above 1 otherwise, as vLLM on one machine) is ``MultiprocExecutor``.
 
         Raises:
-            NotImplementedError: for ``"ray"``.
+            NotImplementedError: for ``"external_launcher"``.
             ValueError: ``"uni"`` with a world size above 1, or an unknown name.
             TypeError: for a class that is not an ``Executor``.
         """
@@ -66,14 +68,18 @@ class Executor(ABC):
             return backend
         if backend in UNSUPPORTED_BACKENDS:
             raise NotImplementedError(
-                f"distributed_executor_backend {backend!r} is not supported yet; use 'mp' or 'uni'."
+                f"distributed_executor_backend {backend!r} is not supported yet; use 'mp', 'ray' or 'uni'."
             )
-        if backend not in (None, "uni", "mp"):
+        if backend not in (None, "uni", "mp", "ray"):
             raise ValueError(
-                f"Unknown distributed_executor_backend {backend!r}; choose 'mp', 'uni' (or None), or pass an "
-                f"Executor subclass."
+                f"Unknown distributed_executor_backend {backend!r}; choose 'mp', 'ray', 'uni' (or None), or pass "
+                f"an Executor subclass."
             )
         world_size = parallel_config.world_size
+        if backend == "ray" or (backend is None and world_size > 1 and _ray_connected()):
+            from pagedllm.executor.ray_executor import RayDistributedExecutor
+
+            return RayDistributedExecutor
         if backend == "uni" and world_size > 1:
             raise ValueError(
                 f"distributed_executor_backend 'uni' runs one worker, but tensor_parallel_size "
@@ -135,3 +141,10 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the workers and release their memory; idempotent."""
+
+
+def _ray_connected() -> bool:
+    """Whether this process has already joined a Ray cluster (``ray.init``); Ray is not
+    imported to find out."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()

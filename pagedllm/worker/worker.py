@@ -51,17 +51,21 @@ class Worker:
         local_rank: its rank among the workers on its machine.
         distributed_init_method: ``tcp://host:port`` of rank 0 (None with one worker).
         is_driver_worker: whether ``execute_model`` returns the step's output (rank 0).
+        local_world_size: how many workers share its machine (None: all of them, as with
+            ``MultiprocExecutor``; Ray's workers span machines).
     """
 
     def __init__(
         self, config: EngineConfig, rank: int = 0, local_rank: int = 0,
         distributed_init_method: Optional[str] = None, is_driver_worker: bool = True,
+        local_world_size: Optional[int] = None,
     ) -> None:
         self.config = config
         self.rank = rank
         self.local_rank = local_rank
         self.distributed_init_method = distributed_init_method
         self.is_driver_worker = is_driver_worker
+        self.local_world_size = local_world_size
         self.num_steps = 0
         self._kv_cache_budget: Optional[KVCacheBudget] = None
 
@@ -78,8 +82,9 @@ class Worker:
         """
         parallel = self.config.parallel_config
         world_size = parallel.world_size
+        local_world_size = self.local_world_size or world_size
         if world_size > 1:
-            current_platform.bind_worker(self.local_rank, world_size)
+            current_platform.bind_worker(self.local_rank, local_world_size)
             init_distributed_environment(world_size, self.rank, self.distributed_init_method or "", self.local_rank)
         initialize_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         self.device = current_platform.device
@@ -89,7 +94,7 @@ class Worker:
             current_platform.check_free_memory(cache_config.gpu_memory_utilization)
         self.memory_before_load = current_platform.total_memory_bytes()
         if current_platform.ranks_share_memory:
-            self.memory_before_load //= world_size
+            self.memory_before_load //= local_world_size
         self.model_runner = ModelRunner(self.config, self.device)
 
     def load_model(self) -> None:

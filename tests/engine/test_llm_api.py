@@ -300,7 +300,7 @@ def test_more_logprobs_than_openai_when_max_logprobs_allows(llm, tiny_llama):
         ({"data_parallel_size": 2}, r"data_parallel_size=2 is not supported yet offline \(LLM runs one engine core\); "
                                     r"serve the replicas behind one API server: pagedllm serve MODEL -dp 2\."),
         ({"data_parallel_size": 0}, "data_parallel_size must be at least 1, got 0."),
-        ({"distributed_executor_backend": "ray"}, "distributed_executor_backend='ray' is not supported yet"),
+        ({"distributed_executor_backend": "external_launcher"}, "distributed_executor_backend='external_launcher' is not supported yet"),
         ({"load_format": "pt"}, "load_format='pt' is not supported yet"),
         ({"kv_cache_dtype": "fp8_inc"}, "kv_cache_dtype='fp8_inc' is not supported yet"),
         ({"tokenizer_mode": "mistral"}, "tokenizer_mode='mistral' is not supported yet"),

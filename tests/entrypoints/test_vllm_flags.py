@@ -91,7 +91,7 @@ def test_help_documents_the_vllm_flags_and_the_no_ops(capsys):
     "argv, message",
     [
         (["-pp", "2"], "pipeline_parallel_size=2 is not supported yet"),
-        (["--distributed-executor-backend", "ray"], "distributed_executor_backend='ray' is not supported yet"),
+        (["--distributed-executor-backend", "external_launcher"], "distributed_executor_backend='external_launcher' is not supported yet"),
         (["--load-format", "pt"], "load_format='pt' is not supported yet"),
         (["--kv-cache-dtype", "bfloat16"], "kv_cache_dtype='bfloat16' is not supported yet"),
         (["--tokenizer-mode", "slow"], "tokenizer_mode='slow' is not supported yet"),

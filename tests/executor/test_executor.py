@@ -48,12 +48,12 @@ def test_get_class_takes_an_executor_subclass(tiny_llama):
         Executor.get_class(make_config(tiny_llama, distributed_executor_backend=Worker))
 
 
-def test_get_class_ray_not_supported_yet(tiny_llama):
-    with pytest.raises(ValueError, match="distributed_executor_backend='ray' is not supported yet"):
-        make_config(tiny_llama, distributed_executor_backend="ray")  # EngineArgs refuses it first
+def test_get_class_external_launcher_not_supported_yet(tiny_llama):
+    with pytest.raises(ValueError, match="distributed_executor_backend='external_launcher' is not supported yet"):
+        make_config(tiny_llama, distributed_executor_backend="external_launcher")  # EngineArgs refuses it first
     config = make_config(tiny_llama)
-    config.parallel_config.distributed_executor_backend = "ray"
-    with pytest.raises(NotImplementedError, match="distributed_executor_backend 'ray' is not supported yet"):
+    config.parallel_config.distributed_executor_backend = "external_launcher"
+    with pytest.raises(NotImplementedError, match="distributed_executor_backend 'external_launcher' is not supported"):
         Executor.get_class(config)
 
 

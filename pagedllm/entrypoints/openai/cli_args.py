@@ -452,8 +452,10 @@ def _add_vllm_engine_flags(engine: Any) -> None:
     )  # fmt: skip
     engine.add_argument(
         "--distributed-executor-backend", default=None, choices=("ray", "mp", "uni", "external_launcher"),
-        help="How workers run: 'uni' (one worker in the engine process; the default for one worker) or 'mp' "
-        "(one process per worker; the default for more); 'ray' and 'external_launcher' are not supported yet.",
+        help="How workers run: 'uni' (one worker in the engine process; the default for one worker), 'mp' "
+        "(one process per worker on this machine; the default for more) or 'ray' (one Ray actor per worker on the "
+        "nodes of a Ray cluster, `ray start`; the default when Ray is connected); 'external_launcher' is not "
+        "supported yet.",
     )  # fmt: skip
     engine.add_argument(
         "--trust-remote-code", action="store_true",

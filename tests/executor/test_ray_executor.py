@@ -1,0 +1,92 @@
+"""``RayDistributedExecutor`` (``distributed_executor_backend="ray"``): TP=2 on a local Ray
+instance the executor starts (and stops) itself, greedy token-identical to one process;
+multi-node on one machine (a ``ray.cluster_utils.Cluster`` of two 1-CPU nodes, so the
+placement group must put one rank on each), the default backend becoming Ray once
+connected, output identical to one process, a killed actor failing the next step at once;
+and a cluster too small for the placement group refused at start-up with the numbers.
+
+Ray start-up is slow (several processes per node), so each cluster starts once.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from pagedllm import LLM  # noqa: E402
+from pagedllm.executor import ray_executor  # noqa: E402
+from pagedllm.executor.multiproc_executor import WorkerDeadError  # noqa: E402
+from pagedllm.executor.ray_executor import RayDistributedExecutor, assign_local_ranks  # noqa: E402
+from tests.engine.test_tensor_parallel import ENGINE_KWARGS, _greedy, _prompts  # noqa: E402
+from tests.helpers import cpu_only  # noqa: E402
+
+pytestmark = [cpu_only, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama):
+    llm = LLM(str(tiny_llama), **ENGINE_KWARGS)
+    return [o.outputs[0].token_ids for o in _greedy(llm, _prompts())]
+
+
+def _token_ids(llm: LLM) -> list:
+    return [o.outputs[0].token_ids for o in _greedy(llm, _prompts())]
+
+
+def test_assign_local_ranks():
+    assert assign_local_ranks(["a", "b", "a"]) == ([0, 0, 1], [2, 1, 2])
+
+
+def test_tp2_on_a_local_ray_instance_equals_tp1(tiny_llama, expected):
+    assert not ray.is_initialized()
+    llm = LLM(str(tiny_llama), tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE_KWARGS)
+    try:
+        executor = llm.llm_engine.engine_core.model_executor
+        assert isinstance(executor, RayDistributedExecutor)
+        assert ray.is_initialized()  # started by the executor
+        assert _token_ids(llm) == expected
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert not ray.is_initialized()  # and stopped again
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster():
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 80 << 20})
+    cluster.add_node(num_cpus=1, object_store_memory=80 << 20)
+    ray.init(address=cluster.address)
+    cluster.wait_for_nodes()
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def test_two_nodes_one_rank_each_equal_one_process(two_node_cluster, tiny_llama, expected):
+    llm = LLM(str(tiny_llama), tensor_parallel_size=2, **ENGINE_KWARGS)  # Ray connected: the default backend
+    core = llm.llm_engine.engine_core
+    executor = core.model_executor
+    assert isinstance(executor, RayDistributedExecutor)
+    assert not executor._started_ray
+    cluster_nodes = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+    assert len(cluster_nodes) == 2 and set(executor.node_ids) == cluster_nodes  # one rank per node
+    assert _token_ids(llm) == expected
+
+    ray.kill(executor.workers[1])
+    with pytest.raises(WorkerDeadError, match="A Ray worker actor died during execute_model"):
+        _greedy(llm, _prompts()[:1])
+    with pytest.raises(WorkerDeadError, match="The workers stopped earlier"):
+        core.check_health()
+    core.shutdown()
+    assert ray.util.placement_group_table() and all(
+        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
+    )
+
+
+def test_a_cluster_too_small_is_refused_with_the_numbers(two_node_cluster, tiny_llama, monkeypatch):
+    monkeypatch.setattr(ray_executor, "PLACEMENT_TIMEOUT_S", 5.0)
+    with pytest.raises(RuntimeError, match=r"cannot host the placement group of 4 bundles \{'CPU': 1.0\} .*"
+                                           r"= 4\) within 5 s: the cluster has \{.*'CPU': 2.0"):
+        LLM(str(tiny_llama), tensor_parallel_size=4, distributed_executor_backend="ray", **ENGINE_KWARGS)
