@@ -19,9 +19,9 @@ address and a free port there are the ``tcp://`` address every rank joins ``torc
 at. Each node loads the weights from its own filesystem (the same model path, or its Hugging
 Face cache).
 
-A rank's local rank and local world size are counted among the ranks on its machine (its IP
-address): its cores (CPU) or its GPU (CUDA: ``CUDA_VISIBLE_DEVICES`` lists the GPUs Ray gave
-that machine's ranks). Ranks spread over several machines use gloo instead of shared memory
+A rank's local world size counts the ranks on its machine (its IP address); its local rank
+picks its share of that machine's cores (CPU: its index among them) or its GPU (CUDA: the
+index of the GPU Ray gave its actor). Ranks spread over several machines use gloo instead of shared memory
 for CPU collectives (``PAGEDLLM_CPU_COLLECTIVES``).
 
 An actor that dies (its node lost, its process killed) fails the call at once with
@@ -54,6 +54,9 @@ PLACEMENT_TIMEOUT_S = float(os.environ.get("PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S", "
 #: Seconds a health check waits for every actor to answer.
 _HEALTH_TIMEOUT_S = 30.0
 _COLLECTIVES_ENV = "PAGEDLLM_CPU_COLLECTIVES"
+#: Set in a GPU actor's environment: Ray then leaves ``CUDA_VISIBLE_DEVICES`` alone, so the
+#: actor sees its node's GPUs and selects its own by index (as ``MultiprocExecutor``'s ranks).
+_NOSET_CUDA_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
 
 class RayWorkerWrapper:
@@ -63,10 +66,18 @@ class RayWorkerWrapper:
     def __init__(self) -> None:
         self.worker: Optional[Worker] = None
 
-    def node_info(self) -> tuple[str, str, list[str]]:
-        """``(Ray node id, IP address, GPU ids Ray gave this actor)``."""
+    def node_info(self) -> tuple[str, str, Optional[int]]:
+        """``(Ray node id, IP address, index of the GPU Ray gave this actor among the GPUs
+        its process sees, or None without one)``. The actors see all their node's GPUs
+        (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``); Ray's GPU ids are indices in the
+        node's ``CUDA_VISIBLE_DEVICES`` when that is set, else device indices."""
         context = ray.get_runtime_context()
-        return context.get_node_id(), ray.util.get_node_ip_address(), [str(i) for i in context.get_accelerator_ids().get("GPU", [])]
+        gpu_ids = [str(i) for i in context.get_accelerator_ids().get("GPU", [])]
+        device = None
+        if gpu_ids:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+            device = visible.split(",").index(gpu_ids[0]) if visible else int(gpu_ids[0])
+        return context.get_node_id(), ray.util.get_node_ip_address(), device
 
     def free_port(self) -> int:
         """A TCP port free now on every interface of this node (rank 0's, for ``tcp://``)."""
@@ -76,7 +87,7 @@ class RayWorkerWrapper:
 
     def init_worker(self, config: EngineConfig, rank: int, local_rank: int, local_world_size: int,
                     distributed_init_method: str, env: dict[str, str]) -> None:
-        """Set ``env`` in this process (before torch touches a device) and build the Worker."""
+        """Set ``env`` in this process and build the Worker."""
         os.environ.update(env)
         self.worker = Worker(config, rank, local_rank, distributed_init_method, is_driver_worker=rank == 0,
                              local_world_size=local_world_size)
@@ -153,6 +164,7 @@ class RayDistributedExecutor(Executor):
             actor_class.options(
                 num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i),
+                runtime_env={"env_vars": {_NOSET_CUDA_ENV: "1"}} if bundle.get("GPU") else None,
             ).remote()
             for i, bundle in enumerate(bundles)
         ]
@@ -164,17 +176,16 @@ class RayDistributedExecutor(Executor):
         self.node_ids = [infos[i][0] for i in order]
         ips = [infos[i][1] for i in order]
         local_ranks, local_sizes = assign_local_ranks(ips)
+        devices = [infos[i][2] for i in order]
+        if None not in devices:  # CUDA: the local rank is the GPU's index (Platform.bind_worker)
+            local_ranks = devices
         port = self._get([self.workers[0].free_port.remote()], "free_port", None)[0]
         init_method = f"tcp://{ips[0]}:{port}"
         env = {_COLLECTIVES_ENV: "gloo"} if len(set(ips)) > 1 else {}
-        refs = []
-        for rank, actor in enumerate(self.workers):
-            rank_env = dict(env)
-            gpu_ids = [gpu for i in order if infos[i][1] == ips[rank] for gpu in infos[i][2]]
-            if gpu_ids:
-                rank_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
-            refs.append(actor.init_worker.remote(
-                self.config, rank, local_ranks[rank], local_sizes[rank], init_method, rank_env))
+        refs = [
+            actor.init_worker.remote(self.config, rank, local_ranks[rank], local_sizes[rank], init_method, env)
+            for rank, actor in enumerate(self.workers)
+        ]
         self._get(refs, "init_worker", None)
         logger.info("Ray workers: %d ranks on nodes %s, rank 0 at %s", world_size, self.node_ids, init_method)
 
