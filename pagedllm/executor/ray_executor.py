@@ -53,6 +53,8 @@ logger = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = float(os.environ.get("PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S", "60"))
 #: Seconds a health check waits for every actor to answer.
 _HEALTH_TIMEOUT_S = 30.0
+#: Seconds ``shutdown`` waits for the workers to release their memory before killing the actors.
+_SHUTDOWN_TIMEOUT_S = 10.0
 _COLLECTIVES_ENV = "PAGEDLLM_CPU_COLLECTIVES"
 #: Set in a GPU actor's environment: Ray then leaves ``CUDA_VISIBLE_DEVICES`` alone, so the
 #: actor sees its node's GPUs and selects its own by index (as ``MultiprocExecutor``'s ranks).
@@ -100,6 +102,7 @@ class RayWorkerWrapper:
             return False, _picklable(exc), "".join(traceback.format_exception(exc))
 
     def ping(self) -> bool:
+        """True: the actor is alive (the executor's health check)."""
         return True
 
 
@@ -149,6 +152,12 @@ class RayDistributedExecutor(Executor):
     def _start_workers(self) -> None:
         world_size = self.config.parallel_config.world_size
         bundles = [resources_per_rank() for _ in range(world_size)]
+        self._reserve(bundles)
+        self._start_actors(bundles)
+
+    def _reserve(self, bundles: list[dict[str, float]]) -> None:
+        """Create the placement group and wait for the cluster to host it."""
+        world_size = len(bundles)
         self.placement_group = placement_group(bundles, strategy="PACK")
         try:
             ray.get(self.placement_group.ready(), timeout=PLACEMENT_TIMEOUT_S)
@@ -159,6 +168,12 @@ class RayDistributedExecutor(Executor):
                 f"the cluster has {ray.cluster_resources()} in all, {ray.available_resources()} free. Add nodes "
                 f"(`ray start --address HEAD:6379`) or lower the parallel sizes."
             ) from None
+
+    def _start_actors(self, bundles: list[dict[str, float]]) -> None:
+        """One actor per bundle; number the ranks (this machine's first, each machine's
+        consecutive) and build each rank's Worker. Sets ``workers`` and ``node_ids`` (the
+        Ray node id of each rank), in rank order."""
+        world_size = len(bundles)
         actor_class = ray.remote(RayWorkerWrapper)
         actors = [
             actor_class.options(
@@ -245,7 +260,7 @@ class RayDistributedExecutor(Executor):
         executor started it; idempotent."""
         if self.workers and self._failure is None:
             try:
-                ray.get([actor.execute_method.remote("shutdown", (), {}) for actor in self.workers], timeout=10)
+                ray.get([actor.execute_method.remote("shutdown", (), {}) for actor in self.workers], timeout=_SHUTDOWN_TIMEOUT_S)
             except Exception as exc:  # the actors are killed next anyway
                 logger.warning("Ray workers did not shut down cleanly: %s", exc)
         self._kill_actors()
