@@ -340,8 +340,8 @@ class ParallelConfig:
     ``distributed_executor_backend``: ``"uni"`` (one worker in the engine's process),
     ``"mp"`` (one worker process per rank), ``"ray"`` (one Ray actor per rank, on the nodes
     of a Ray cluster), an ``Executor`` subclass, or None: ``"uni"`` for a world size of 1,
-    else ``"ray"`` when this process is connected to Ray and ``"mp"`` otherwise (see
-    ``Executor.get_class``).
+    else ``"ray"`` when this process is connected to Ray (or, on GPUs, for more ranks than
+    the machine's devices) and ``"mp"`` otherwise (see ``Executor.get_class``).
     """
 
     tensor_parallel_size: int = 1

@@ -9,6 +9,7 @@ calls from Ray actors on several machines (see ``worker/worker.py`` for the cont
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Optional, Union
@@ -16,6 +17,7 @@ from typing import Any, Callable, Optional, Union
 from pagedllm.config import EngineConfig
 from pagedllm.messages.runner_output import ModelRunnerOutput
 from pagedllm.messages.sched_output import SchedulerOutput
+from pagedllm.platforms import current_platform
 
 #: What ``collective_rpc`` calls: a ``Worker`` method name, or a callable taking the worker first.
 RpcMethod = Union[str, Callable]
@@ -52,7 +54,8 @@ class Executor(ABC):
         """The executor class for ``config.parallel_config.distributed_executor_backend``:
         an ``Executor`` subclass is used as given; ``"uni"`` (or None with a world size of
         1) is ``UniProcExecutor``; ``"ray"`` (or None with a world size above 1 in a process
-        connected to Ray, as vLLM) is ``RayDistributedExecutor``; ``"mp"`` (or None with a
+        connected to Ray, or, on GPUs with Ray installed, above this machine's devices: vLLM's
+        rule) is ``RayDistributedExecutor``; ``"mp"`` (or None with a
         world size above 1 otherwise, as vLLM on one machine) is ``MultiprocExecutor``.
 
         Raises:
@@ -76,7 +79,7 @@ class Executor(ABC):
                 f"an Executor subclass."
             )
         world_size = parallel_config.world_size
-        if backend == "ray" or (backend is None and world_size > 1 and _ray_connected()):
+        if backend == "ray" or (backend is None and world_size > 1 and _ray_by_default(world_size)):
             from pagedllm.executor.ray_executor import RayDistributedExecutor
 
             return RayDistributedExecutor
@@ -143,8 +146,18 @@ class Executor(ABC):
         """Stop the workers and release their memory; idempotent."""
 
 
-def _ray_connected() -> bool:
-    """Whether this process has already joined a Ray cluster (``ray.init``); Ray is not
-    imported to find out."""
+def _ray_by_default(world_size: int) -> bool:
+    """Whether ``world_size`` workers default to Ray: this process has joined a Ray cluster
+    (``ray.init``; Ray is not imported to find out), or the platform sends workers beyond its
+    devices to Ray (``Platform.ray_beyond_local_devices``), Ray is installed and this
+    machine cannot host them."""
     ray = sys.modules.get("ray")
-    return ray is not None and ray.is_initialized()
+    if ray is not None and ray.is_initialized():
+        return True
+    if not current_platform.ray_beyond_local_devices or importlib.util.find_spec("ray") is None:
+        return False
+    try:
+        current_platform.check_worker_count(world_size)
+    except ValueError:
+        return True
+    return False

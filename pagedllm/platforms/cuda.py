@@ -18,6 +18,7 @@ class CudaPlatform(Platform):
     device_type = "cuda"
     attn_backend_preference = ("TORCH_SDPA",)
     dist_backend = "nccl"
+    ray_beyond_local_devices = True
 
     def total_memory_bytes(self) -> int:
         """The current GPU's total memory, in bytes."""

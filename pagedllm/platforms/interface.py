@@ -22,12 +22,15 @@ class Platform:
             (tensor / pipeline parallelism): ``"gloo"`` on CPU, ``"nccl"`` on CUDA.
         ranks_share_memory: whether the workers on one machine draw on one memory (CPU: the
             RAM; each then sizes its KV cache from its share), not one device each.
+        ray_beyond_local_devices: whether more workers than this machine's devices default
+            to the Ray executor (vLLM's rule on GPUs) rather than being refused.
     """
 
     device_type: str = ""
     attn_backend_preference: tuple[str, ...] = ()
     dist_backend: str = ""
     ranks_share_memory: bool = False
+    ray_beyond_local_devices: bool = False
 
     @property
     def device(self) -> torch.device:

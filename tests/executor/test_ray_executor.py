@@ -2,7 +2,7 @@
 instance the executor starts (and stops) itself, greedy token-identical to one process;
 multi-node on one machine (a ``ray.cluster_utils.Cluster`` of two 1-CPU nodes, so the
 placement group must put one rank on each), the default backend becoming Ray once
-connected, output identical to one process, a killed actor failing the next step at once;
+connected (and, on GPUs, above the local devices), output identical to one process, a killed actor failing the next step at once;
 and a cluster too small for the placement group refused at start-up with the numbers.
 
 Ray start-up is slow (several processes per node), so each cluster starts once.
@@ -17,10 +17,13 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from pagedllm import LLM  # noqa: E402
+from pagedllm.config import EngineArgs  # noqa: E402
+from pagedllm.executor.abstract import Executor  # noqa: E402
 from pagedllm.executor import ray_executor  # noqa: E402
-from pagedllm.executor.multiproc_executor import WorkerDeadError  # noqa: E402
+from pagedllm.executor.multiproc_executor import MultiprocExecutor, WorkerDeadError  # noqa: E402
 from pagedllm.executor.ray_executor import RayDistributedExecutor, assign_local_ranks  # noqa: E402
 from tests.engine.test_tensor_parallel import ENGINE_KWARGS, _greedy, _prompts  # noqa: E402
+from pagedllm.platforms import current_platform  # noqa: E402
 from tests.helpers import cpu_only  # noqa: E402
 
 pytestmark = [cpu_only, pytest.mark.timeout(900)]
@@ -38,6 +41,21 @@ def _token_ids(llm: LLM) -> list:
 
 def test_assign_local_ranks():
     assert assign_local_ranks(["a", "b", "a"]) == ([0, 0, 1], [2, 1, 2])
+
+
+def test_workers_beyond_the_local_gpus_default_to_ray(tiny_llama, monkeypatch):
+    """vLLM's rule on GPUs (``Platform.ray_beyond_local_devices``); on CPU ``mp`` refuses them."""
+    config = EngineArgs(model=str(tiny_llama), dtype="float32", tensor_parallel_size=4).create_engine_config()
+
+    def too_many(world_size):
+        raise ValueError(f"{world_size} workers, 2 devices")
+
+    monkeypatch.setattr(current_platform, "check_worker_count", too_many)
+    assert Executor.get_class(config) is MultiprocExecutor
+    monkeypatch.setattr(current_platform, "ray_beyond_local_devices", True)
+    assert Executor.get_class(config) is RayDistributedExecutor
+    monkeypatch.setattr(current_platform, "check_worker_count", lambda world_size: None)
+    assert Executor.get_class(config) is MultiprocExecutor
 
 
 def test_tp2_on_a_local_ray_instance_equals_tp1(tiny_llama, expected):
