@@ -17,14 +17,12 @@ Typical use::
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import json
 import math
 import os
-import sysconfig
+import subprocess
+import sys
 import threading
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -67,24 +65,6 @@ SUPPORTED_ARCHS = (
     "MistralForCausalLM",
 )
 
-# Standard-library modules whose docstrings (and, for large vocabularies, source) make up
-# the training text. A fixed, sorted-at-use list: the corpus depends only on the Python
-# version, never on what else happens to be imported.
-_CORPUS_MODULES = (
-    "abc", "argparse", "array", "ast", "asyncio", "base64", "bisect", "builtins",
-    "calendar", "cmath", "codecs", "collections", "collections.abc", "contextlib", "copy",
-    "csv", "dataclasses", "datetime", "decimal", "difflib", "email", "enum", "fnmatch",
-    "fractions", "functools", "gc", "getopt", "gettext", "glob", "gzip", "hashlib",
-    "heapq", "hmac", "html", "html.parser", "http.client", "http.server", "inspect", "io",
-    "ipaddress", "itertools", "json", "locale", "logging", "lzma", "math", "mimetypes",
-    "operator", "os", "os.path", "pathlib", "pickle", "pkgutil", "platform", "pprint",
-    "queue", "random", "re", "sched", "secrets", "select", "shlex", "shutil", "signal",
-    "socket", "sqlite3", "statistics", "string", "struct", "subprocess", "sys", "tarfile",
-    "tempfile", "textwrap", "threading", "time", "timeit", "tokenize", "traceback",
-    "types", "typing", "unittest", "urllib.parse", "urllib.request", "uuid", "warnings",
-    "weakref", "xml.etree.ElementTree", "zipfile", "zlib", "zoneinfo",
-)
-
 # Vocabularies above this size also train on standard-library source code: docstrings alone
 # (~0.8 MB) run out of merges at about 16k tokens.
 _SOURCE_CORPUS_MIN_VOCAB = 4096
@@ -107,73 +87,11 @@ _TOKENIZER_CACHE: dict[int, str] = {}
 _TOKENIZER_LOCK = threading.Lock()
 
 
-def _stdlib_docstrings() -> list[str]:
-    """Docstrings of the corpus modules and of their public functions, classes and methods."""
-    docs: list[str] = []
-    seen: set[str] = set()
-
-    def add(doc: Any) -> None:
-        if isinstance(doc, str) and doc.strip() and doc not in seen:
-            seen.add(doc)
-            docs.append(inspect.cleandoc(doc))
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # typing.io / typing.re deprecations and the like
-        for name in _CORPUS_MODULES:
-            try:
-                mod = importlib.import_module(name)
-            except ImportError:  # pragma: no cover - e.g. a Python built without sqlite3
-                continue
-            add(mod.__doc__)
-            for attr in sorted(vars(mod)):
-                obj = vars(mod)[attr]
-                if not (inspect.isroutine(obj) or inspect.isclass(obj)):
-                    continue
-                add(getattr(obj, "__doc__", None))
-                if inspect.isclass(obj):
-                    for member_name in sorted(vars(obj)):
-                        member = vars(obj)[member_name]
-                        if inspect.isroutine(member) or isinstance(
-                            member, (property, classmethod, staticmethod)
-                        ):
-                            add(getattr(member, "__doc__", None))
-    return docs
-
-
-def _stdlib_sources() -> list[str]:
-    """Source text of the corpus modules (whole packages, test folders excluded)."""
-    stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
-    files: list[str] = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for name in _CORPUS_MODULES:
-            try:
-                mod = importlib.import_module(name)
-            except ImportError:  # pragma: no cover
-                continue
-            path = getattr(mod, "__file__", None)
-            if not path or not path.endswith(".py"):
-                continue  # built-in or C extension
-            path = os.path.realpath(path)
-            if not path.startswith(stdlib):
-                continue
-            if os.path.basename(path) == "__init__.py":
-                for root, dirs, names in os.walk(os.path.dirname(path)):
-                    dirs[:] = sorted(d for d in dirs if d not in ("test", "tests", "__pycache__"))
-                    files.extend(os.path.join(root, n) for n in sorted(names) if n.endswith(".py"))
-            else:
-                files.append(path)
-    texts = []
-    for path in dict.fromkeys(files):  # de-duplicate, keep order
-        with open(path, encoding="utf-8", errors="replace") as f:
-            texts.append(f.read())
-    return texts
-
-
 def _training_texts(vocab_size: int) -> list[str]:
-    texts = _stdlib_docstrings()
-    if vocab_size > _SOURCE_CORPUS_MIN_VOCAB:
-        texts += _stdlib_sources()
+    script = Path(__file__).with_name("tokenizer_corpus.py")
+    sources = ["--sources"] if vocab_size > _SOURCE_CORPUS_MIN_VOCAB else []
+    done = subprocess.run([sys.executable, "-I", "-S", str(script), *sources], capture_output=True, check=True)
+    texts = json.loads(done.stdout)
     # The unicode lines go in a few times, so they are not drowned out entirely.
     texts += list(_UNICODE_TEXT) * 3
     return texts
