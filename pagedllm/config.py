@@ -353,14 +353,22 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    @property
+    def output_rank(self) -> int:
+        """The global rank whose worker returns each step's ``ModelRunnerOutput``: tensor
+        rank 0 of the last pipeline stage (rank 0 without pipeline parallelism)."""
+        return self.world_size - self.tensor_parallel_size
+
     def verify_with_model_config(self, model_config: ModelConfig) -> None:
         """Check that the model splits over ``tensor_parallel_size`` ranks: the query heads
         and the vocabulary (no padding) by it, and KV heads by it or it by them (each KV
-        head then held by ``tp / num_kv_heads`` ranks, as vLLM); and that data-parallel
+        head then held by ``tp / num_kv_heads`` ranks, as vLLM); that each of the
+        ``pipeline_parallel_size`` stages gets at least one layer; and that data-parallel
         replicas do not also have several workers (not built yet).
 
         Raises:
-            ValueError: naming the sizes that do not divide, or both data and tensor parallelism.
+            ValueError: naming the sizes that do not divide, more stages than layers, or both
+                data and tensor parallelism.
         """
         tp = self.tensor_parallel_size
         if tp < 1 or self.pipeline_parallel_size < 1:
@@ -385,6 +393,11 @@ class ParallelConfig:
             )
         if vocab % tp:
             raise ValueError(f"tensor_parallel_size {tp} does not divide the model's vocab_size {vocab}.")
+        if self.pipeline_parallel_size > model_config.num_layers:
+            raise ValueError(
+                f"pipeline_parallel_size {self.pipeline_parallel_size} exceeds the model's num_hidden_layers "
+                f"{model_config.num_layers}: every stage needs at least one layer."
+            )
 
 
 @dataclass
@@ -715,7 +728,6 @@ def _check_generation_config(value: str) -> None:
 #: vLLM engine arguments accepted with only some of vLLM's values: argument -> (the values
 #: built here, why). ``EngineArgs`` refuses any other value at once: "... is not supported yet".
 PARTLY_BUILT_ARGS: dict[str, tuple[tuple, str]] = {
-    "pipeline_parallel_size": ((1,), "pagedllm splits a model by tensor parallelism only"),
     "distributed_executor_backend": ((None, "uni", "mp", "ray"), "pagedllm starts its own workers"),
     "load_format": (("auto", "safetensors", "gguf"), "pagedllm loads *.safetensors checkpoints and .gguf files"),
     "kv_cache_dtype": (("auto", *KV_CACHE_DTYPES), "the KV cache has the model's dtype or an FP8 type"),
@@ -937,6 +949,11 @@ class EngineArgs:
             raise ValueError(
                 f"enable_lora with tensor_parallel_size {self.tensor_parallel_size} is not supported yet "
                 f"(adapters are not split across ranks); use tensor_parallel_size 1."
+            )
+        if self.speculative_config is not None and parallel_config.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"speculative_config with pipeline_parallel_size {self.pipeline_parallel_size} is not supported yet "
+                f"(drafts are verified on the last stage only); use pipeline_parallel_size 1."
             )
         attention_config = AttentionConfig(self.attention_backend)
         lora_config = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None

@@ -43,7 +43,7 @@ _comm_stats: dict[str, CommStats] = {}
 
 
 def get_comm_stats() -> dict[str, CommStats]:
-    """Operation name (``"all_reduce"``, ``"all_gather"``) -> its totals since the start or
+    """Operation name (``"all_reduce"``, ``"all_gather"``, ``"send"``, ``"recv"``) -> its totals since the start or
     the last ``reset_comm_stats``; only collectives over more than one rank count."""
     return dict(_comm_stats)
 
@@ -117,6 +117,39 @@ class GroupCoordinator:
             out = torch.cat(parts, dim=dim)
         _record("all_gather", x, start)
         return out
+
+    # Pipeline parallelism: point-to-point between neighbouring stages.
+    def send_tensor_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Send ``tensors`` (e.g. ``{"hidden_states", "residual"}``, each [T, hidden]) to the
+        next rank of the group, in key order; its ``recv_tensor_dict`` must expect the same
+        keys, shapes and dtypes."""
+        dst = self.ranks[self.rank_in_group + 1]
+        for name in sorted(tensors):
+            start = time.perf_counter()
+            dist.send(tensors[name].contiguous(), dst=dst, group=self.device_group)
+            _record("send", tensors[name], start)
+
+    def recv_tensor_dict(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> dict[str, torch.Tensor]:
+        """The tensors the previous rank of the group sent with ``send_tensor_dict``:
+        ``specs`` maps each name to its (shape, dtype)."""
+        src = self.ranks[self.rank_in_group - 1]
+        out = {}
+        for name in sorted(specs):
+            start = time.perf_counter()
+            shape, dtype = specs[name]
+            out[name] = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(out[name], src=src, group=self.device_group)
+            _record("recv", out[name], start)
+        return out
+
+    def broadcast_object(self, obj: object, src: int) -> object:
+        """``obj`` of the group's rank ``src`` (picklable), returned on every rank (the
+        others pass None)."""
+        if self.world_size == 1:
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=self.ranks[src], group=self.device_group)
+        return holder[0]
 
     def destroy(self) -> None:
         if self.shm is not None:

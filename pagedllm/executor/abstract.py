@@ -118,8 +118,9 @@ class Executor(ABC):
         """
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on every worker; the driver's (rank 0) output."""
-        return self.collective_rpc("execute_model", args=(scheduler_output,))[0]
+        """Run one step on every worker; the output of ``ParallelConfig.output_rank`` (tensor
+        rank 0 of the last pipeline stage; rank 0 without pipeline parallelism)."""
+        return self.collective_rpc("execute_model", args=(scheduler_output,))[self.config.parallel_config.output_rank]
 
     def check_health(self) -> None:
         """Raise if a worker can no longer answer (the engine core checks while idle).

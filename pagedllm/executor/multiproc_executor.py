@@ -105,8 +105,8 @@ def _picklable(exc: BaseException) -> BaseException:
 
 
 class MultiprocExecutor(Executor):
-    """Spawns ``world_size`` worker processes (rank = local rank on this one machine; rank 0
-    is the driver whose step output is returned) and calls them through pipes.
+    """Spawns ``world_size`` worker processes (rank = local rank on this one machine; the step
+    output is that of ``ParallelConfig.output_rank``) and calls them through pipes.
 
     Raises (constructor):
         ValueError: more workers than this machine has cores (CPU) or GPUs (CUDA).

@@ -4,7 +4,8 @@ bytes per token = 2 (K and V) x num_layers x num_kv_heads x head_dim x cache dty
 (the model's dtype, or 1 for an FP8 cache: ``--kv-cache-dtype fp8`` holds twice the tokens of
 a 16-bit cache in the same budget);
 bytes per block = bytes per token x block_size. ``num_kv_heads`` is this rank's (the KV heads
-its attention layers hold; all of them at tensor-parallel size 1).
+its attention layers hold; all of them at tensor-parallel size 1), ``num_layers`` this
+pipeline stage's (all of them at pipeline-parallel size 1).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from pagedllm.config import CacheConfig, ModelConfig
-from pagedllm.distributed import get_tensor_model_parallel_world_size, kv_heads_per_rank
+from pagedllm.distributed import get_pp_group, get_tensor_model_parallel_world_size, kv_heads_per_rank
+from pagedllm.distributed.utils import pp_layer_range
 
 if TYPE_CHECKING:
     import torch
@@ -27,11 +29,18 @@ def num_kv_heads_per_rank(model_config: ModelConfig) -> int:
     return kv_heads_per_rank(model_config.num_kv_heads, get_tensor_model_parallel_world_size())
 
 
+def num_layers_per_stage(model_config: ModelConfig) -> int:
+    """Decoder layers of this pipeline stage (``pp_layer_range``)."""
+    pp = get_pp_group()
+    start, end = pp_layer_range(model_config.num_layers, pp.rank_in_group, pp.world_size)
+    return end - start
+
+
 def kv_bytes_per_token(model_config: ModelConfig, cache_dtype: Optional[torch.dtype] = None) -> int:
-    """KV-cache bytes one token occupies across all layers on this rank, in a cache of
-    ``cache_dtype`` (None: the model's dtype; see ``CacheConfig.kv_cache_dtype``)."""
+    """KV-cache bytes one token occupies across this stage's layers on this rank, in a cache
+    of ``cache_dtype`` (None: the model's dtype; see ``CacheConfig.kv_cache_dtype``)."""
     itemsize = (cache_dtype or model_config.dtype).itemsize
-    return 2 * model_config.num_layers * num_kv_heads_per_rank(model_config) * model_config.head_dim * itemsize
+    return 2 * num_layers_per_stage(model_config) * num_kv_heads_per_rank(model_config) * model_config.head_dim * itemsize
 
 
 @dataclass(frozen=True)
@@ -96,7 +105,7 @@ def num_kv_blocks(
     if num_blocks < blocks_per_seq:
         raise ValueError(
             f"The KV cache cannot hold one sequence of max_model_len = {max_len} tokens. "
-            f"KV bytes per token = 2 x num_layers ({model_config.num_layers}) x num_kv_heads "
+            f"KV bytes per token = 2 x num_layers ({num_layers_per_stage(model_config)}) x num_kv_heads "
             f"({num_kv_heads_per_rank(model_config)}) x head_dim ({model_config.head_dim}) x dtype bytes "
             f"({cache_dtype.itemsize}) = {per_token:,}; one sequence needs {blocks_per_seq} blocks "
             f"of {cache_config.block_size} tokens = {blocks_per_seq * per_block:,} bytes, but the budget "

@@ -7,6 +7,13 @@ with numpy indexing. With speculative decoding (``pagedllm.spec_decode``) the ru
 samples the target at a request's last known token and at each of its drafts, keeps the
 drafts the rejection sampler accepts plus one token, and asks the proposer for the next
 drafts, returned in ``ModelRunnerOutput.spec_token_ids``.
+
+With pipeline parallelism each stage's runner gets the same ``SchedulerOutput``; a stage
+after the first receives the previous stage's hidden states and residual instead of
+embedding the tokens, a stage before the last sends its own on (``GroupCoordinator``
+send / recv over the pipeline group); the last stage samples and broadcasts the sampled
+tokens back, so every stage's persistent batch stays the same. One step is in flight at a
+time.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from pagedllm.attention.backends.abstract import AttentionMetadata, CommonAttent
 from pagedllm.attention.metadata import set_forward_context
 from pagedllm.attention.selector import get_attn_backend, set_attn_backend
 from pagedllm.config import EngineConfig
+from pagedllm.distributed import get_pp_group
 from pagedllm.messages.sched_output import SchedulerOutput
 from pagedllm.messages.engine_core import LogprobsLists
 from pagedllm.model_executor.layers.attention import Attention, bind_kv_caches, init_kv_scales
@@ -62,6 +70,7 @@ class ModelRunner:
         self.block_size = self.cache_config.block_size
         #: The KV cache's element type: the model's dtype, or FP8 (``--kv-cache-dtype``).
         self.kv_cache_dtype = self.cache_config.kv_cache_dtype(self.model_config.dtype)
+        self.pp = get_pp_group()
         self.lora_manager = None  # a LoRAModelManager with --enable-lora (load_model)
         self.proposer = self._make_proposer()
         # Request id -> [k, V] distributions its pending drafts were sampled from.
@@ -172,9 +181,14 @@ class ModelRunner:
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = self._to_device(positions)
+        intermediate = None
+        if not self.pp.is_first_rank:
+            intermediate = {name: torch.zeros(shape, dtype=dtype, device=self.device)
+                            for name, (shape, dtype) in self._intermediate_specs(num_tokens).items()}
         with set_forward_context(metadata):
-            hidden = self.model(input_ids, positions)
-        self.model.compute_logits(hidden[: self.scheduler_config.max_num_seqs])
+            hidden = self.model(input_ids, positions, intermediate)
+        if self.pp.is_last_rank:
+            self.model.compute_logits(hidden[: self.scheduler_config.max_num_seqs])
         for layer in self.attention_layers:
             layer.kv_cache = torch.empty(0)
 
@@ -232,9 +246,12 @@ class ModelRunner:
 
         input_ids_t, positions_t = self._to_device(input_ids), self._to_device(positions)
         with set_forward_context(metadata):
-            hidden = self.model(input_ids_t, positions_t)
+            hidden = self._forward_stage(input_ids_t, positions_t)
 
         batch.num_computed_tokens[rows] = seq_lens
+        if not self.pp.is_last_rank:
+            self._append_last_stage_tokens(states)
+            return EMPTY_MODEL_RUNNER_OUTPUT
         prompt_logprobs = self._prompt_logprobs(hidden, states, computed, seq_lens, starts)
         num_drafts = np.fromiter((len(spec.get(r, ())) for r in order), dtype=np.int64, count=len(order))
         logits_indices, sample_reqs = self._logits_indices(rows, seq_lens, cu, num_drafts)
@@ -267,6 +284,8 @@ class ModelRunner:
                 input_ids_t, positions_t, self._to_device(batch.token_ids[token_rows, next_positions]), hidden,
                 metadata, logits_indices[np.array(last_accepted, dtype=np.int64)], rows[np.unique(sample_reqs)],
             ))
+        if self.pp.world_size > 1:
+            self.pp.broadcast_object(sampled_token_ids, src=self.pp.world_size - 1)
         return ModelRunnerOutput(
             req_ids=order,
             req_id_to_index={r: i for i, r in enumerate(order)},
@@ -277,6 +296,32 @@ class ModelRunner:
             failed_req_ids=failed_req_ids,
             spec_token_ids=self._propose(order, rows, sampled_token_ids),
         )
+
+    def _intermediate_specs(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name -> (shape, dtype) of the tensors passed between pipeline stages: the
+        hidden states and the residual, [num_tokens, hidden] each, in the model dtype."""
+        shape = (num_tokens, self.model_config.hf_config.hidden_size)
+        return {"hidden_states": (shape, self.model_config.dtype), "residual": (shape, self.model_config.dtype)}
+
+    def _forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """This stage's forward over the step's tokens: after receiving the previous stage's
+        hidden states (unless first), and sending its own on (unless last). Returns the
+        final hidden states [T, hidden] on the last stage (other stages' return is unused)."""
+        intermediate = None
+        if not self.pp.is_first_rank:
+            intermediate = self.pp.recv_tensor_dict(self._intermediate_specs(input_ids.shape[0]), self.device)
+        out = self.model(input_ids, positions, intermediate)
+        if not self.pp.is_last_rank:
+            self.pp.send_tensor_dict(out)
+        return out
+
+    def _append_last_stage_tokens(self, states: list[CachedRequestState]) -> None:
+        """On a stage before the last: append the tokens the last stage sampled for the
+        step's requests (``states``, in step order), received by broadcast."""
+        sampled = self.pp.broadcast_object(None, src=self.pp.world_size - 1)
+        for state, tokens in zip(states, sampled):
+            for token in tokens:
+                self.input_batch.append_token(state, token)
 
     def _activate_loras(self, decodes: list[str], prefills: list[str]) -> tuple[dict[str, int], dict[str, str]]:
         """With LoRA: put the step's adapters in slots and sort ``decodes`` and ``prefills``

@@ -15,10 +15,12 @@ contract an executor relies on (the multiprocess one today, Ray's later):
   CPU cores), the ``tcp://host:port`` of rank 0, and whether it is the driver (rank 0);
 - ``init_device`` binds the process to its device / cores (``Platform.bind_worker``), joins
   ``torch.distributed`` and builds the model-parallel groups;
-- every rank runs the whole step, sampling included: the logits are gathered on every rank
-  and each samples the same tokens (same seeds, bit-identical collectives), so each keeps
-  its own persistent batch without a broadcast; only the driver returns its
-  ``ModelRunnerOutput``, the others None.
+- every rank of the last pipeline stage runs the whole step, sampling included: the logits
+  are gathered on every tensor rank and each samples the same tokens (same seeds,
+  bit-identical collectives), so each keeps its own persistent batch without a broadcast;
+  earlier stages run their layers and receive the sampled tokens from the last stage
+  (``ModelRunner``); only ``ParallelConfig.output_rank`` (tensor rank 0 of the last stage;
+  rank 0 without pipeline parallelism) returns its ``ModelRunnerOutput``, the others None.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class Worker:
         rank: this worker's global rank (0 with one worker).
         local_rank: its rank among the workers on its machine.
         distributed_init_method: ``tcp://host:port`` of rank 0 (None with one worker).
-        is_driver_worker: whether ``execute_model`` returns the step's output (rank 0).
+        is_driver_worker: whether this is rank 0 (the step's output comes from
+            ``ParallelConfig.output_rank``, the same rank without pipeline parallelism).
         local_world_size: how many workers share its machine (None: all of them, as with
             ``MultiprocExecutor``; Ray's workers span machines).
     """
@@ -131,10 +134,10 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
-        """Run one step; the output on the driver worker, None on the others."""
+        """Run one step; the output on ``ParallelConfig.output_rank``, None on the others."""
         output = self.model_runner.execute_model(scheduler_output)
         self.num_steps += 1
-        return output if self.is_driver_worker else None
+        return output if self.rank == self.config.parallel_config.output_rank else None
 
     def get_comm_stats(self, reset: bool = False) -> dict:
         """This rank's collectives since start-up (or the last reset): ``{"steps": steps

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from pagedllm.distributed import get_pp_group
+from pagedllm.distributed.utils import pp_layer_range
 from pagedllm.model_executor.layers.activation import SiluAndMul
 from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.layernorm import RMSNorm
@@ -35,6 +37,10 @@ STACKED_PARAMS_MAPPING = [
     (".gate_up_proj.", ".gate_proj.", 0),
     (".gate_up_proj.", ".up_proj.", 1),
 ]
+
+
+class PPMissingLayer(nn.Identity):
+    """Stands for a module held by another pipeline stage: no parameters, not loaded."""
 
 
 class LlamaAttention(nn.Module):
@@ -147,42 +153,67 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder stack of this pipeline stage: layers ``[start_layer, end_layer)``
+    (``pp_layer_range``; the others are ``PPMissingLayer``), the embedding on the first
+    stage (and on the last when the LM head shares it), the final norm on the last."""
+
     def __init__(
         self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, quant_config: Optional[QuantizationConfig], prefix: str
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        pp = get_pp_group()
+        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
+        self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, pp.rank_in_group, pp.world_size)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        if self.is_first_stage or (tied and self.is_last_stage):
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = PPMissingLayer()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rope_theta, rope_scaling = get_rope_parameters(config)
         # One table for every layer (each attention layer holds this same module).
         self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta, rope_scaling)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, qkv_bias, qk_norm, self.rotary_emb, quant_config, f"{prefix}.layers.{i}")
+            if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
         #: Layers whose input ``forward`` keeps in ``aux_hidden_states`` (an EAGLE-3 head reads them).
         self.aux_hidden_state_layers: tuple[int, ...] = ()
         self.aux_hidden_states: list[torch.Tensor] = []
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor,
+        intermediate_tensors: Optional[dict[str, torch.Tensor]] = None,
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """input_ids, positions [T] (int64) -> the final hidden states [T, hidden] on the
+        last stage; on the others the ``IntermediateTensors`` for the next stage,
+        ``{"hidden_states", "residual"}`` [T, hidden] each, which a stage after the first
+        takes as ``intermediate_tensors`` instead of embedding ``input_ids``."""
+        if self.is_first_stage:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            assert intermediate_tensors is not None
+            hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
         rope = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
-        residual = None
         captured = {}
-        for i, layer in enumerate(self.layers):
+        for i in range(self.start_layer, self.end_layer):
             if i in self.aux_hidden_state_layers:
                 # A fresh tensor: the layers' norms overwrite their inputs in place.
                 captured[i] = hidden_states.clone() if residual is None else hidden_states + residual
-            hidden_states, residual = layer(rope, hidden_states, residual)
+            hidden_states, residual = self.layers[i](rope, hidden_states, residual)
         self.aux_hidden_states = [captured[i] for i in sorted(self.aux_hidden_state_layers)]
+        if not self.is_last_stage:
+            return {"hidden_states": hidden_states, "residual": residual}
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
 
 class LlamaForCausalLM(nn.Module):
     """Decoder-only transformer; ``forward(input_ids [T], positions [T]) -> hidden [T, hidden]``
-    and ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` (model dtype).
+    and ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` (model dtype). With pipeline
+    parallelism this stage's part only (see ``LlamaModel``; the LM head on the last stage).
 
     Class attributes ``qkv_bias`` and ``qk_norm`` select the Qwen2 / Qwen3 variants.
 
@@ -200,13 +231,19 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
         self.model = LlamaModel(config, qkv_bias, self.qk_norm, quant_config, "model")
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config, prefix="lm_head")
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
+        if self.model.is_last_stage:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config, prefix="lm_head")
+            if self.tie_word_embeddings:
+                self.lm_head.tie_weights(self.model.embed_tokens)
+        else:
+            self.lm_head = PPMissingLayer()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor,
+        intermediate_tensors: Optional[dict[str, torch.Tensor]] = None,
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        return self.model(input_ids, positions, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits in the model dtype (the sampler upcasts once)."""
@@ -224,15 +261,17 @@ class LlamaForCausalLM(nn.Module):
         return self.model.aux_hidden_states
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (HF names) into the parameters (``load_llama_weights``);
-        returns the names loaded.
+        """Copy checkpoint tensors (HF names) into the parameters (``load_llama_weights``),
+        skipping those of other pipeline stages' modules; returns the names loaded.
 
         Raises:
             ValueError: for a checkpoint tensor with no matching parameter, or a shape mismatch.
         """
+        other_stages = tuple(f"{n}." for n, m in self.named_modules() if isinstance(m, PPMissingLayer))
         return load_llama_weights(self, (
             (name, tensor) for name, tensor in weights
             if "rotary_emb.inv_freq" not in name and not (self.tie_word_embeddings and name == "lm_head.weight")
+            and not name.startswith(other_stages)
         ))
 
 
