@@ -71,6 +71,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="KV-cache dtype: the model's (auto) or FP8, one byte per element")
     engine.add_argument("--calculate-kv-scales", action="store_true", default=None,
                         help="FP8 KV-cache scales from the first batch")
+    engine.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
+                        help="pipeline stages the model's layers are split over (one worker process each)")
     engine.add_argument("--speculative-config", type=json_object_type, default=None,
                         help="speculative decoding, vLLM's JSON, e.g. "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'")
@@ -79,8 +81,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 _ENGINE_KEYS = ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
                 "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching",
                 "prefix_caching_hash_algo", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
-                "speculative_config", "quantization", "tensor_parallel_size", "kv_cache_dtype",
-                "calculate_kv_scales")
+                "speculative_config", "quantization", "tensor_parallel_size", "pipeline_parallel_size",
+                "kv_cache_dtype", "calculate_kv_scales")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

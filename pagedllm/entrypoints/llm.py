@@ -76,8 +76,9 @@ class LLM:
         TypeError: a keyword that is not an ``EngineArgs`` field (the message suggests the
             closest one).
         ValueError: for bad arguments, a value not supported yet (e.g.
-            ``pipeline_parallel_size=2``), a tensor-parallel size that does not split the
-            model's heads or exceeds the cores / GPUs, an unsupported architecture or a KV
+            ``kv_cache_dtype='fp8'``), a tensor-parallel size that does not split the
+            model's heads, more pipeline stages than layers, more workers than cores / GPUs,
+            an unsupported architecture or a KV
             budget that cannot hold one ``max_model_len`` sequence.
     """
 

@@ -90,7 +90,6 @@ def test_help_documents_the_vllm_flags_and_the_no_ops(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["-pp", "2"], "pipeline_parallel_size=2 is not supported yet"),
         (["--distributed-executor-backend", "external_launcher"], "distributed_executor_backend='external_launcher' is not supported yet"),
         (["--load-format", "pt"], "load_format='pt' is not supported yet"),
         (["--kv-cache-dtype", "bfloat16"], "kv_cache_dtype='bfloat16' is not supported yet"),

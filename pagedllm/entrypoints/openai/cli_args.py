@@ -441,10 +441,11 @@ def _add_vllm_engine_flags(engine: Any) -> None:
         help="Worker processes the model's layers are split over (tensor parallelism): one GPU each on CUDA, "
         "at least one core each on CPU.",
     )
-    for flag, short, what in (
-        ("--pipeline-parallel-size", "-pp", "Pipeline stages"),
-    ):
-        engine.add_argument(flag, short, type=positive_int, default=1, help=f"{what}: 1 (others are not supported yet).")
+    engine.add_argument(
+        "--pipeline-parallel-size", "-pp", type=positive_int, default=1,
+        help="Pipeline stages the model's layers are split over, one worker process each (x the tensor-parallel "
+        "size); at most the model's number of layers.",
+    )
     engine.add_argument(
         "--data-parallel-size", "-dp", type=positive_int, default=1,
         help="Engine replicas behind this server, each in its own process (on CPU: its own share of the cores; on "
