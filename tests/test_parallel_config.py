@@ -1,5 +1,6 @@
 """``ParallelConfig.verify_with_model_config``: the start-up errors for tensor-parallel sizes
-that do not split the model, naming the numbers; data and tensor parallelism together."""
+that do not split the model, naming the numbers; more pipeline stages than layers; data and
+tensor parallelism together."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import pytest
 from pagedllm.config import ParallelConfig
 
 
-def _model(heads: int, kv_heads: int, vocab: int = 1024) -> SimpleNamespace:
-    return SimpleNamespace(hf_config=SimpleNamespace(num_attention_heads=heads), num_kv_heads=kv_heads, vocab_size=vocab)
+def _model(heads: int, kv_heads: int, vocab: int = 1024, layers: int = 4) -> SimpleNamespace:
+    return SimpleNamespace(hf_config=SimpleNamespace(num_attention_heads=heads), num_kv_heads=kv_heads, vocab_size=vocab,
+                           num_layers=layers)
 
 
 @pytest.mark.parametrize("tp, heads, kv_heads", [(1, 14, 2), (2, 14, 2), (4, 8, 8), (8, 8, 2), (4, 4, 1)])
@@ -37,3 +39,9 @@ def test_data_and_tensor_parallelism_together_not_supported_yet():
     with pytest.raises(ValueError, match="data_parallel_size 2 with tensor_parallel_size 2 is not supported yet"):
         ParallelConfig(tensor_parallel_size=2, data_parallel_size=2).verify_with_model_config(_model(4, 2))
     ParallelConfig(data_parallel_size=2).verify_with_model_config(_model(4, 2))
+
+
+def test_pipeline_stages_need_a_layer_each():
+    ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=4).verify_with_model_config(_model(4, 2, layers=4))
+    with pytest.raises(ValueError, match="pipeline_parallel_size 5 exceeds the model's num_hidden_layers 4: every stage"):
+        ParallelConfig(pipeline_parallel_size=5).verify_with_model_config(_model(4, 2, layers=4))
