@@ -86,7 +86,7 @@ def test_structured_outputs_field_and_legacy_guided_fields(so_server, so_client)
     assert re.fullmatch("[0-9]{3}", response.json()["choices"][0]["text"])
     response = so_server.post("/v1/completions", json={
         "prompt": "x", "max_tokens": 32, "guided_json": {"type": "object", "properties": {"a": {"enum": [1, 2]}},
-                                                          "required": ["a"]},
+                                                          "required": ["a"], "additionalProperties": False},
         "guided_whitespace_pattern": "[ ]?"})
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "stop" and json.loads(choice["text"])["a"] in (1, 2)
