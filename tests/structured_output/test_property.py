@@ -106,10 +106,14 @@ def _generate(llm: LLM, constraints: list[StructuredOutputsParams]):
 
 def _format_checker() -> jsonschema.FormatChecker:
     """jsonschema's checks, with "date" checked for its form only (RFC 3339 full-date): a
-    grammar cannot know that June has 30 days."""
+    grammar cannot know that June has 30 days; and "ipv4" as four dot-separated decimal
+    octets 0-255 with leading zeros allowed: xgrammar's ipv4 grammar accepts "64.04.026.2",
+    which Python's ``ipaddress`` (jsonschema's check) refuses."""
     checker = jsonschema.FormatChecker()
     checker.checks("date")(lambda value: not isinstance(value, str) or bool(
         re.fullmatch(r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])", value)))
+    checker.checks("ipv4")(lambda value: not isinstance(value, str) or (
+        bool(re.fullmatch(r"\d{1,3}(\.\d{1,3}){3}", value)) and all(int(o) <= 255 for o in value.split("."))))
     return checker
 
 
