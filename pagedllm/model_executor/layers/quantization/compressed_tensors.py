@@ -3,7 +3,8 @@ llm-compressor writes: ``config_groups`` of schemes, each with ``targets`` (modu
 such as ``Linear``, names, or ``re:`` patterns) and ``weights`` arguments, plus ``ignore``d
 modules (the lm_head, typically). Built here: weight-only integer schemes in the
 ``pack-quantized`` format (W4A16, W8A16), per group or per channel, symmetric or not, with
-``actorder: "group"``'s ``weight_g_idx``. Per linear module:
+``actorder: "group"``'s ``weight_g_idx``, and the 8-bit ``int-quantized`` / ``float-quantized``
+schemes (W8A8 int8, FP8; ``compressed_tensors_w8a8``). Pack-quantized, per linear module:
 
     weight_packed [out, in * bits / 32] int32   inputs packed, value i at bits [i * bits, ...),
                                                 stored as q + 2^(bits - 1) (q signed)
@@ -13,19 +14,20 @@ modules (the lm_head, typically). Built here: weight-only integer schemes in the
 
     W[n, k] = weight_scale[n, g] * (q[n, k] - zero_point[n, g])
 
-(compressed-tensors' ``PackedQuantizationCompressor``). Activation-quantized schemes (int8
-W8A8, FP8) and other formats are refused at load, named.
+(compressed-tensors' ``PackedQuantizationCompressor``). Other formats, and pack-quantized
+groups that quantize activations, are refused at load, named.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
 from pagedllm.model_executor.layers.linear import LinearBase
 from pagedllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from pagedllm.model_executor.layers.quantization.compressed_tensors_w8a8 import W8A8_FORMATS, W8A8Scheme
 from pagedllm.model_executor.layers.quantization.packed_int import (
     PackedIntLinearMethod,
     check_bits_and_group,
@@ -73,8 +75,14 @@ class WeightScheme:
         actorder = weights.get("actorder") in ("group", True)
         return cls(list(group.get("targets") or []), bits, group_size, bool(weights.get("symmetric", True)), actorder)
 
-    def matches(self, module_name: str) -> bool:
-        return any(target == "Linear" or name_matches(module_name, target) for target in self.targets)
+    def quant_method(self, prefix: str) -> "CompressedTensorsLinearMethod":
+        return CompressedTensorsLinearMethod(self, prefix)
+
+
+def targets_match(targets: list[str], module_name: str) -> bool:
+    """Whether a config group's ``targets`` select checkpoint module ``module_name`` (every
+    linear layer here is a ``Linear``)."""
+    return any(target == "Linear" or name_matches(module_name, target) for target in targets)
 
 
 class CompressedTensorsConfig(QuantizationConfig):
@@ -82,10 +90,11 @@ class CompressedTensorsConfig(QuantizationConfig):
     ``ignore``.
 
     Raises (``from_config``):
-        ValueError: a format other than pack-quantized, or an unsupported scheme (named).
+        ValueError: a format other than pack-quantized and ``W8A8_FORMATS``, or an
+            unsupported scheme (named).
     """
 
-    def __init__(self, schemes: list[WeightScheme], ignore: list[str]) -> None:
+    def __init__(self, schemes: list[Union[WeightScheme, W8A8Scheme]], ignore: list[str]) -> None:
         self.schemes = schemes
         self.ignore = ignore
 
@@ -95,15 +104,18 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "CompressedTensorsConfig":
-        groups = config.get("config_groups") or {}
-        for name, group in groups.items():
+        schemes = []
+        for name, group in (config.get("config_groups") or {}).items():
             fmt = group.get("format") or config.get("format")
-            if fmt != "pack-quantized":
+            if fmt == "pack-quantized":
+                schemes.append(WeightScheme.from_group(name, group))
+            elif fmt in W8A8_FORMATS:
+                schemes.append(W8A8Scheme.from_group(name, group))
+            else:
                 raise ValueError(
                     f"compressed-tensors: format {fmt!r} (config group {name!r}) is not supported; "
-                    "supported: pack-quantized."
+                    f"supported: pack-quantized, {', '.join(W8A8_FORMATS)}."
                 )
-        schemes = [WeightScheme.from_group(name, group) for name, group in groups.items()]
         return cls(schemes, list(config.get("ignore") or []))
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
@@ -117,11 +129,11 @@ class CompressedTensorsConfig(QuantizationConfig):
         found = set()
         for name in checkpoint_module_names(prefix):
             ignored = any(name_matches(name, pattern) for pattern in self.ignore)
-            found.add(None if ignored else next((s for s in self.schemes if s.matches(name)), None))
+            found.add(None if ignored else next((s for s in self.schemes if targets_match(s.targets, name)), None))
         if len(found) > 1:
             raise ValueError(f"compressed-tensors: the parts of fused layer {prefix} are quantized differently.")
         scheme = found.pop()
-        return None if scheme is None else CompressedTensorsLinearMethod(scheme, prefix)
+        return None if scheme is None else scheme.quant_method(prefix)
 
 
 class CompressedTensorsLinearMethod(PackedIntLinearMethod):

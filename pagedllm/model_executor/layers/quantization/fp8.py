@@ -90,6 +90,52 @@ def store_fp8(layer: nn.Module, weight: torch.Tensor, scale: torch.Tensor) -> No
     layer.weight_scale = nn.Parameter(scale.float().contiguous(), requires_grad=False)
 
 
+def apply_fp8(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x W^T + b`` for a layer prepared by ``store_fp8``: x [..., in] -> [..., out] in x's
+    dtype (``linear_fp8`` on CPU, else a torch matmul on W rebuilt per call)."""
+    n = layer.output_size_per_partition
+    if layer.weight.dim() == 3:
+        y = cpu_kernels.linear_fp8(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale, bias, n)
+        return y.view(*x.shape[:-1], n)
+    return F.linear(x, layer.weight.to(x.dtype) * layer.weight_scale[:, None].to(x.dtype), bias)
+
+
+def fp8_kernel_name(layer: nn.Module) -> str:
+    """The start-up log's name of a ``store_fp8`` layer's matmul."""
+    return "linear_fp8" if layer.weight.dim() == 3 else "torch matmul on dequantized W"
+
+
+def checkpoint_rows(layer: nn.Module, shard_id: tuple[Any, ...]) -> int:
+    """Output rows of the checkpoint tensor a shard id loads (the whole layer's without one)."""
+    if not shard_id:
+        return layer.output_size
+    return layer.output_sizes[layer.shard_ids.index(shard_id[0])]
+
+
+def per_tensor_scale_loader(
+    layer: nn.Module, format_name: str, prefix: str, name: str, loader: Callable[..., None]
+) -> Callable[..., None]:
+    """A ``weight_loader`` for a per-output [out] float32 parameter fed by a checkpoint
+    scalar per tensor (each part of a fused layer has its own): the scalar is repeated over
+    the part's rows, then ``loader`` slices and places them.
+
+    Raises (when loading):
+        ValueError: the checkpoint tensor ``name`` of layer ``prefix`` holds more than one value
+            (the message names ``format_name``, the layer and the tensor).
+    """
+
+    def load(param: nn.Parameter, loaded_weight: torch.Tensor, *shard_id: Any) -> None:
+        if loaded_weight.numel() != 1:
+            raise ValueError(
+                f"{format_name}: layer {prefix}, tensor {name!r}: expected one scale per tensor, got shape "
+                f"{tuple(loaded_weight.shape)} (per-channel scales load from compressed-tensors checkpoints, "
+                "weights strategy 'channel')."
+            )
+        loader(param, loaded_weight.float().reshape(1).expand(checkpoint_rows(layer, shard_id)), *shard_id)
+
+    return load
+
+
 class Fp8LinearMethod(UnquantizedLinearMethod):
     """One FP8 layer (see the module docstring)."""
 
@@ -114,7 +160,7 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
         }
         if self.config.block_size is None:
             params["weight_scale"] = (torch.empty(out), {"output_dim": 0, **extra_weight_attrs},
-                                      self._per_tensor_scale_loader(layer, loader))  # fmt: skip
+                                      per_tensor_scale_loader(layer, "fp8", self.prefix, "weight_scale", loader))  # fmt: skip
         else:  # kept with one row per output (a fused layer's parts load row ranges)
             shape = (out, -(-input_size_per_partition // self.config.block_size[1]))
             params["weight_scale_inv"] = (torch.empty(shape), per_output, self._block_scale_loader(layer, loader))
@@ -128,27 +174,9 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
     def _scalar_loader(param: nn.Parameter, loaded_weight: torch.Tensor, *shard_id: Any) -> None:
         param.data.copy_(loaded_weight.float().reshape(-1)[:1])
 
-    @staticmethod
-    def _checkpoint_rows(layer: nn.Module, shard_id: tuple[Any, ...]) -> int:
-        """Output rows of the checkpoint tensor a shard id loads (the whole layer's without one)."""
-        if not shard_id:
-            return layer.output_size
-        return layer.output_sizes[layer.shard_ids.index(shard_id[0])]
-
-    def _per_tensor_scale_loader(self, layer: nn.Module, loader: Callable[..., None]) -> Callable[..., None]:
-        def load(param: nn.Parameter, loaded_weight: torch.Tensor, *shard_id: Any) -> None:
-            if loaded_weight.numel() != 1:
-                raise ValueError(
-                    f"fp8: layer {self.prefix}, tensor 'weight_scale': expected one scale per tensor, got shape "
-                    f"{tuple(loaded_weight.shape)} (per-channel fp8 checkpoints are compressed-tensors'; not supported yet)."
-                )
-            loader(param, loaded_weight.float().reshape(1).expand(self._checkpoint_rows(layer, shard_id)), *shard_id)
-
-        return load
-
     def _block_scale_loader(self, layer: nn.Module, loader: Callable[..., None]) -> Callable[..., None]:
         def load(param: nn.Parameter, loaded_weight: torch.Tensor, *shard_id: Any) -> None:
-            rows = self._checkpoint_rows(layer, shard_id)
+            rows = checkpoint_rows(layer, shard_id)
             per_row = loaded_weight.float().repeat_interleave(self.config.block_size[0], 0)[:rows]
             loader(param, per_row, *shard_id)
 
@@ -180,14 +208,9 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if layer.weight.dtype != torch.float8_e4m3fn:
             return super().apply(layer, x, bias)
-        n = layer.output_size_per_partition
-        if layer.weight.dim() == 3:
-            y = cpu_kernels.linear_fp8(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale, bias, n)
-            return y.view(*x.shape[:-1], n)
-        return F.linear(x, layer.weight.to(x.dtype) * layer.weight_scale[:, None].to(x.dtype), bias)
+        return apply_fp8(layer, x, bias)
 
     def describe_path(self, layer: nn.Module) -> str:
         if layer.weight.dtype != torch.float8_e4m3fn:
             return "fp8 block-wise, dequantized at load: " + super().describe_path(layer)
-        kernel = "linear_fp8" if layer.weight.dim() == 3 else "torch matmul on dequantized W"
-        return f"fp8 e4m3 weight-only, per-tensor scales ({kernel})"
+        return f"fp8 e4m3 weight-only, per-tensor scales ({fp8_kernel_name(layer)})"
