@@ -7,12 +7,14 @@ Llama's q / k weights are un-permuted (llama.cpp's converter interleaves each he
 rotary halves; see ``unpermute_rows``). Per tensor type:
 
 - F32 / F16 / BF16: the tensor itself;
-- Q4_0, Q4_1 and Q8_0 weights of linear layers that take them whole (``KERNEL_TYPES``):
-  ``packed_int``'s canonical layout (``qweight`` / ``scales`` / ``qzeros``, groups of 32), run
-  by the ``linear_w4`` / ``linear_w8g`` kernels with the same arithmetic:
+- Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K (``KERNEL_TYPES``) in linear layers:
+  ``packed_int``'s canonical layout (``qweight`` / ``scales`` / ``qzeros``), run by the
+  ``linear_w4`` / ``linear_w8g`` kernels with the blocks' own arithmetic:
   Q4_0 W = d * (q - 8); Q4_1 W = d * q + m, i.e. zero point -m / d; Q8_0 W = d * q (q signed,
-  stored as q + 128 with zero point 128);
-- any other type (K-quants, Q5_x, ...), and embeddings / norms / the lm_head: dequantized
+  stored as q + 128 with zero point 128); the K-quants as ``gguf_kquants`` says. A fused layer
+  whose parts have different layouts (Q4_K_M files keep attn_v in Q6_K) takes the widest
+  bits and the smallest group of its parts (the others' scales repeated: still exact);
+- any other type (Q5_0, Q5_1, Q2_K, IQ ...), and embeddings / norms / the lm_head: dequantized
   at load by ``gguf`` to float32 (a warning names the types that have no kernel yet).
 """
 
@@ -26,13 +28,15 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
+from pagedllm.model_executor.gguf_kquants import affine_to_canonical, decode_k_blocks
+
 logger = logging.getLogger(__name__)
 
 #: GGUF ``general.architecture`` -> the ``gguf`` package's architecture name; only these load.
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
-#: The ggml types the kernels run (blocks of 32 inputs), by name -> bits per weight.
-KERNEL_TYPES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+#: The ggml types the kernels run, by name -> (bits of the kernel's storage, inputs per group).
+KERNEL_TYPES = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q8_0": (8, 32), "Q4_K": (4, 32), "Q5_K": (8, 32), "Q6_K": (8, 16)}
 
 _UNQUANTIZED_TYPES = ("F32", "F16", "BF16")
 _BLOCK = 32  # inputs per Q4_0 / Q4_1 block
@@ -98,11 +102,21 @@ def unpermute_rows(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
     return rows.reshape(num_heads, half, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
 
 
-def decode_blocks(raw: np.ndarray, type_name: str, num_inputs: int) -> dict[str, torch.Tensor]:
-    """Q4_0 / Q4_1 / Q8_0 rows (``raw`` [out, blocks * bytes per block] uint8) -> ``qweight``
-    [out, in] uint8, ``scales`` and ``qzeros`` [out, in / 32] float32 with W = scales *
-    (qweight - qzeros) per block (see the module docstring; Q4_1 blocks with d = 0, all
-    weights m, become q = 1, zero 0, scale m)."""
+def decode_blocks(raw: np.ndarray, type_name: str, num_inputs: int, group: int = _BLOCK) -> dict[str, torch.Tensor]:
+    """Rows of a ``KERNEL_TYPES`` type (``raw`` [out, blocks * bytes per block] uint8) ->
+    ``qweight`` [out, in] uint8, ``scales`` and ``qzeros`` [out, in / group] float32 with
+    W = scales * (qweight - qzeros) per group (see the module docstring; Q4_1 blocks with
+    d = 0, all weights m, become q = 1, zero 0, scale m). ``group`` divides the type's own
+    group (a fused layer's smaller one): its scales and zero points are repeated."""
+    tensors = _decode(raw, type_name, num_inputs)
+    repeat = num_inputs // tensors["scales"].shape[1] // group
+    return {key: torch.from_numpy(np.ascontiguousarray(value if key == "qweight" else value.repeat(repeat, axis=1)))
+            for key, value in tensors.items()}  # fmt: skip
+
+
+def _decode(raw: np.ndarray, type_name: str, num_inputs: int) -> dict[str, np.ndarray]:
+    if type_name.endswith("_K"):
+        return decode_k_blocks(raw, type_name, num_inputs)
     out = raw.shape[0]
     header = 4 if type_name == "Q4_1" else 2
     blocks = raw.reshape(out, num_inputs // _BLOCK, -1)
@@ -117,18 +131,17 @@ def decode_blocks(raw: np.ndarray, type_name: str, num_inputs: int) -> dict[str,
         zero = np.full_like(d, 8.0)
     elif type_name == "Q4_1":
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        flat = d == 0
-        zero = np.where(flat, 0.0, -m / np.where(flat, 1.0, d)).astype(np.float32)
-        q.reshape(out, -1, _BLOCK)[flat] = 1
-        d = np.where(flat, m, d)
-    return {"qweight": torch.from_numpy(np.ascontiguousarray(q)), "scales": torch.from_numpy(d),
-            "qzeros": torch.from_numpy(zero)}  # fmt: skip
+        return affine_to_canonical(q, d, -m, _BLOCK)
+    return {"qweight": q, "scales": d, "qzeros": zero}
 
 
-def iterate_gguf_weights(path: Path, hf_config: PretrainedConfig, kernel_modules: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_gguf_weights(
+    path: Path, hf_config: PretrainedConfig, kernel_modules: dict[str, tuple[int, int]]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(Hugging Face name, tensor)`` for every tensor of the GGUF file: the canonical
-    integer layout for the weights of ``kernel_modules`` (module names, e.g.
-    ``model.layers.0.self_attn.q_proj``), float tensors for the rest (see the module docstring).
+    integer layout for the weights of ``kernel_modules`` (module name, e.g.
+    ``model.layers.0.self_attn.q_proj`` -> its layer's (bits, group)), float tensors for the
+    rest (see the module docstring). Logs which kernel each type's tensors run on.
 
     Raises:
         ValueError: an unreadable file or an unsupported architecture.
@@ -139,6 +152,7 @@ def iterate_gguf_weights(path: Path, hf_config: PretrainedConfig, kernel_modules
     names = gguf_to_hf_names(hf_config.model_type, hf_config.num_hidden_layers)
     permuted = {"q_proj": hf_config.num_attention_heads, "k_proj": hf_config.num_key_value_heads}
     dequantized: set[str] = set()
+    kernels: dict[str, set[tuple[int, int]]] = {}
     for tensor in reader.tensors:
         name = names.get(tensor.name, tensor.name)
         module, _, _ = name.rpartition(".")
@@ -146,7 +160,8 @@ def iterate_gguf_weights(path: Path, hf_config: PretrainedConfig, kernel_modules
         heads = permuted.get(module.rpartition(".")[2]) if GGUF_ARCHITECTURES[hf_config.model_type] == "llama" else None
         num_inputs = int(tensor.shape[0])  # GGUF lists dimensions innermost first
         if module in kernel_modules and type_name in KERNEL_TYPES and name.endswith(".weight"):
-            for key, value in decode_blocks(np.asarray(tensor.data), type_name, num_inputs).items():
+            kernels.setdefault(type_name, set()).add(kernel_modules[module])
+            for key, value in decode_blocks(np.asarray(tensor.data), type_name, num_inputs, kernel_modules[module][1]).items():
                 yield f"{module}.{key}", value if heads is None else unpermute_rows(value, heads)
             continue
         if type_name not in _UNQUANTIZED_TYPES:
@@ -154,6 +169,12 @@ def iterate_gguf_weights(path: Path, hf_config: PretrainedConfig, kernel_modules
         values = torch.from_numpy(np.array(gguf.dequantize(np.asarray(tensor.data), tensor.tensor_type), copy=True))
         values = values.reshape(tuple(reversed([int(d) for d in tensor.shape])))
         yield name, values if heads is None or not name.endswith((".weight", ".bias")) else unpermute_rows(values, heads)
+    for type_name, layouts in sorted(kernels.items()):
+        logger.info(
+            "%s: %s linear weights run on %s.", path.name, type_name,
+            " and ".join(f"{'linear_w4' if bits == 4 else 'linear_w8g'} (int{bits}, groups of {group})"
+                         for bits, group in sorted(layouts)),
+        )  # fmt: skip
     if dequantized:
         logger.warning(
             "%s: tensors of type %s have no kernel here yet and were dequantized at load to the model dtype.",

@@ -65,8 +65,8 @@ def get_quant_config(model_config: ModelConfig) -> Optional[QuantizationConfig]:
     if model_config.model_path.suffix == ".gguf":
         reader = open_gguf(model_config.model_path)
         types = tensor_types(reader, model_config.hf_config)
-        bits = {name.removesuffix(".weight"): KERNEL_TYPES[kind] for name, kind in types.items() if kind in KERNEL_TYPES}
-        config = {"quant_method": "gguf", "module_bits": bits}
+        layouts = {name.removesuffix(".weight"): KERNEL_TYPES[kind] for name, kind in types.items() if kind in KERNEL_TYPES}
+        config = {"quant_method": "gguf", "module_layouts": layouts}
     if config is None:
         if requested is None:
             return None

@@ -2,8 +2,10 @@
 a GGUF file, with the ``gguf`` package's writer and quantizers, the way llama.cpp's
 ``convert_hf_to_gguf.py`` lays it out: GGUF tensor names, architecture metadata, Llama's q / k
 rows permuted (each head's two rotary halves interleaved), linear weights in ``linear_type``
-and everything else (embeddings, norms, the lm_head) in ``other_type``. No tokenizer is
-written: load the file with ``tokenizer=`` the checkpoint directory.
+(or per module in ``module_types``, e.g. llama.cpp's Q4_K_M keeps v_proj and down_proj in
+Q6_K) and everything else (embeddings, norms, the lm_head) in ``other_type``. K-quants are
+written by ``gguf_kquant_writer`` (``gguf`` cannot write them). No tokenizer is written: load
+the file with ``tokenizer=`` the checkpoint directory.
 
     from pagedllm.testing.gguf_writer import write_gguf
     write_gguf(checkpoint_dir, out_dir / "model-Q4_0.gguf", linear_type="Q4_0")
@@ -12,6 +14,7 @@ written: load the file with ``tokenizer=`` the checkpoint directory.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -19,6 +22,7 @@ from safetensors.torch import load_file
 
 from pagedllm.config import load_hf_config
 from pagedllm.model_executor.gguf_weights import GGUF_ARCHITECTURES, gguf_to_hf_names
+from pagedllm.testing.gguf_kquant_writer import quantize_k
 
 _LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -30,10 +34,14 @@ def permute_rows(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
     return rows.reshape(num_heads, 2, half, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
 
 
-def write_gguf(checkpoint: Path, out: Path, linear_type: str = "Q4_0", other_type: str = "F32") -> Path:
-    """Write ``checkpoint`` as the GGUF file ``out`` (see the module docstring); ``linear_type``
-    and ``other_type`` are ggml type names that ``gguf.quants.quantize`` writes (F32, F16,
-    BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1). Returns ``out``.
+def write_gguf(
+    checkpoint: Path, out: Path, linear_type: str = "Q4_0", other_type: str = "F32",
+    module_types: Optional[dict[str, str]] = None,
+) -> Path:
+    """Write ``checkpoint`` as the GGUF file ``out`` (see the module docstring); ``linear_type``,
+    ``other_type`` and the values of ``module_types`` (linear module short name, e.g.
+    "v_proj" -> type) are ggml type names that ``gguf.quants.quantize`` writes (F32, F16,
+    BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) or Q4_K / Q5_K / Q6_K. Returns ``out``.
 
     Raises:
         ValueError: an architecture GGUF_ARCHITECTURES lacks, or a type gguf cannot write.
@@ -67,8 +75,10 @@ def write_gguf(checkpoint: Path, out: Path, linear_type: str = "Q4_0", other_typ
             if arch == "llama" and module in heads:
                 values = permute_rows(values, heads[module])
             is_linear = module in _LINEAR_MODULES and name.endswith(".weight")
-            qtype = gguf.GGMLQuantizationType[linear_type if is_linear else other_type]
-            data = gguf.quants.quantize(values.numpy().astype(np.float32), qtype)
+            type_name = (module_types or {}).get(module, linear_type) if is_linear else other_type
+            qtype = gguf.GGMLQuantizationType[type_name]
+            array = values.numpy().astype(np.float32)
+            data = quantize_k(array, type_name) if type_name.endswith("_K") else gguf.quants.quantize(array, qtype)
             writer.add_tensor(to_gguf[name], data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -1,8 +1,9 @@
 """GGUF files' quantized weights (``pagedllm serve model.gguf``): linear layers whose
-checkpoint parts are all 4-bit (Q4_0 / Q4_1) or all Q8_0 take integer weights in groups of 32
-inputs, already converted to ``packed_int``'s canonical layout by
-``pagedllm.model_executor.gguf_weights``; every other layer gets float weights (dequantized at
-load where the file's type has no kernel yet).
+checkpoint parts are all in types the kernels run (``gguf_weights.KERNEL_TYPES``: Q4_0, Q4_1,
+Q8_0, Q4_K, Q5_K, Q6_K) take integer weights, already converted to ``packed_int``'s canonical
+layout by ``pagedllm.model_executor.gguf_weights``: 4-bit storage when every part is 4-bit, else
+8-bit, in groups of the smallest group of its parts; every other layer gets float weights
+(dequantized at load where the file's type has no kernel yet).
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from pagedllm.model_executor.layers.quantization.packed_int import (
 
 
 class GGUFConfig(QuantizationConfig):
-    """``{"module_bits": {checkpoint module name: bits}}``: the linear modules the file holds
-    in a type the kernels run, and its bits per weight (the model loader reads them from the
-    file's header)."""
+    """``{"module_layouts": {checkpoint module name: [bits, group]}}``: the linear modules the
+    file holds in a type the kernels run, with that type's storage bits and inputs per group
+    (the model loader reads them from the file's header)."""
 
-    def __init__(self, module_bits: dict[str, int]) -> None:
-        self.module_bits = module_bits
-        self.kernel_modules: set[str] = set()  # filled by get_quant_method
+    def __init__(self, module_layouts: dict[str, tuple[int, int]]) -> None:
+        self.module_layouts = module_layouts
+        #: module -> its layer's (bits, group), filled by get_quant_method for the loader.
+        self.kernel_modules: dict[str, tuple[int, int]] = {}
 
     @classmethod
     def get_name(cls) -> str:
@@ -36,28 +38,31 @@ class GGUFConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "GGUFConfig":
-        return cls(dict(config.get("module_bits", {})))
+        return cls({name: (int(bits), int(group)) for name, (bits, group) in config.get("module_layouts", {}).items()})
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
+        """``GGUFLinearMethod`` when every part of the layer has a kernel type: the widest
+        bits and the smallest group of its parts (which then join ``kernel_modules``, the
+        modules the loader converts), else None."""
         if not isinstance(layer, LinearBase):
             return None
-        """``GGUFLinearMethod`` when every part of the layer has the same kernel type (its
-        parts then join ``kernel_modules``, the modules the loader converts), else None."""
         parts = checkpoint_module_names(prefix)
-        bits = {self.module_bits.get(part) for part in parts}
-        if len(bits) != 1 or None in bits:
+        layouts = [self.module_layouts.get(part) for part in parts]
+        if None in layouts:
             return None
-        self.kernel_modules.update(parts)
-        return GGUFLinearMethod(prefix, bits.pop())
+        layout = (max(bits for bits, _ in layouts), min(group for _, group in layouts))
+        self.kernel_modules.update(dict.fromkeys(parts, layout))
+        return GGUFLinearMethod(prefix, *layout)
 
 
 class GGUFLinearMethod(PackedIntLinearMethod):
-    """A layer of Q4_0 / Q4_1 or Q8_0 blocks, received already in the canonical layout."""
+    """A layer of GGUF blocks, received already in the canonical layout (``bits`` 4 or 8,
+    ``group_size`` 16 or 32)."""
 
     format_name = "gguf"
 
-    def __init__(self, prefix: str, bits: int) -> None:
-        super().__init__(prefix, bits=bits, group_size=32)
+    def __init__(self, prefix: str, bits: int, group_size: int) -> None:
+        super().__init__(prefix, bits=bits, group_size=group_size)
 
     def checkpoint_tensors(self, num_groups: int, input_size: int) -> dict[str, tuple[list[int], dict[str, Any]]]:
         return per_output_tensors(("qweight", "scales", "qzeros"), num_groups, input_size)
