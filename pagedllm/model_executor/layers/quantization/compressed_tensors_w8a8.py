@@ -29,6 +29,7 @@ tensor, bit widths other than 8, and output activation quantization.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -55,14 +56,14 @@ W8A8_FORMATS = ("int-quantized", "float-quantized", "naive-quantized")
 _WEIGHT_DTYPES = {"int": torch.int8, "float": torch.float8_e4m3fn}
 
 
+@dataclass(frozen=True)
 class ActivationArgs:
-    """A config group's ``input_activations``: ``type`` ("int" / "float"), ``per_token``
+    """A config group's ``input_activations``: ``type_name`` ("int" / "float"), ``per_token``
     (strategy "token"; else "tensor") and ``dynamic`` (else a checkpoint ``input_scale``)."""
 
-    def __init__(self, type_name: str, per_token: bool, dynamic: bool) -> None:
-        self.type_name = type_name
-        self.per_token = per_token
-        self.dynamic = dynamic
+    type_name: str
+    per_token: bool
+    dynamic: bool
 
     @classmethod
     def parse(cls, group_name: str, args: dict[str, Any], weight_type: str, supported: str) -> "ActivationArgs":
@@ -91,21 +92,23 @@ class ActivationArgs:
         return f"{scale} {'int8' if self.type_name == 'int' else 'fp8'} activations"
 
 
+#: What ``W8A8Scheme`` reads, for errors.
+_SUPPORTED = (
+    "supported: 8-bit symmetric int or float8 weights per channel or per tensor, with weight-only, "
+    "dynamic per-token, or dynamic / static per-tensor symmetric 8-bit activations of the same type"
+)
+
+
+@dataclass(eq=False)
 class W8A8Scheme:
-    """One config group of 8-bit unpacked weights: ``weight_type`` ("int" / "float"),
-    ``per_channel`` (else one scale per tensor), ``activations`` (None: weight-only) and its
-    ``targets``."""
+    """One config group of 8-bit unpacked weights: its ``targets``, ``weight_type`` ("int" /
+    "float"), ``per_channel`` (else one scale per tensor) and ``activations`` (None:
+    weight-only)."""
 
-    SUPPORTED = (
-        "supported: 8-bit symmetric int or float8 weights per channel or per tensor, with "
-        "weight-only, dynamic per-token, or dynamic / static per-tensor symmetric 8-bit activations of the same type"
-    )
-
-    def __init__(self, targets: list[str], weight_type: str, per_channel: bool, activations: Optional[ActivationArgs]) -> None:
-        self.targets = targets
-        self.weight_type = weight_type
-        self.per_channel = per_channel
-        self.activations = activations
+    targets: list[str]
+    weight_type: str
+    per_channel: bool
+    activations: Optional[ActivationArgs]
 
     @classmethod
     def from_group(cls, name: str, group: dict[str, Any]) -> "W8A8Scheme":
@@ -129,9 +132,9 @@ class W8A8Scheme:
         if group.get("output_activations"):
             problems.append("output_activations")
         if problems:
-            raise ValueError(f"{where}: {'; '.join(problems)} is not supported; {cls.SUPPORTED}.")
+            raise ValueError(f"{where}: {'; '.join(problems)} is not supported; {_SUPPORTED}.")
         inputs = group.get("input_activations")
-        activations = None if not inputs else ActivationArgs.parse(name, inputs, weight_type, cls.SUPPORTED)
+        activations = None if not inputs else ActivationArgs.parse(name, inputs, weight_type, _SUPPORTED)
         return cls(list(group.get("targets") or []), weight_type, strategy == "channel", activations)
 
     def quant_method(self, prefix: str) -> "CompressedTensorsW8A8LinearMethod":

@@ -22,12 +22,12 @@ import logging
 from typing import Any, Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from pagedllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from pagedllm.model_executor.layers.quantization.int8 import apply_scaled_8bit
 from pagedllm.model_executor.layers.quantization.packed_int import checkpoint_module_names, name_matches
 from pagedllm.model_executor.utils import set_weight_attrs
 from pagedllm.platforms import current_platform
@@ -92,12 +92,8 @@ def store_fp8(layer: nn.Module, weight: torch.Tensor, scale: torch.Tensor) -> No
 
 def apply_fp8(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``x W^T + b`` for a layer prepared by ``store_fp8``: x [..., in] -> [..., out] in x's
-    dtype (``linear_fp8`` on CPU, else a torch matmul on W rebuilt per call)."""
-    n = layer.output_size_per_partition
-    if layer.weight.dim() == 3:
-        y = cpu_kernels.linear_fp8(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale, bias, n)
-        return y.view(*x.shape[:-1], n)
-    return F.linear(x, layer.weight.to(x.dtype) * layer.weight_scale[:, None].to(x.dtype), bias)
+    dtype (``linear_fp8`` on CPU, see ``apply_scaled_8bit``)."""
+    return apply_scaled_8bit(layer, x, bias, cpu_kernels.linear_fp8)
 
 
 def fp8_kernel_name(layer: nn.Module) -> str:

@@ -12,7 +12,7 @@ keeps the model dtype (its error reaches the logits directly), as vLLM's weight-
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -59,15 +59,23 @@ def store_int8(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
     layer.weight_scale = nn.Parameter(scale.float().contiguous(), requires_grad=False)
 
 
-def apply_int8(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``x W^T + b`` for a layer prepared by ``store_int8``: x [..., in] -> [..., out] in x's
-    dtype (``linear_w8`` on CPU, else a torch matmul on W rebuilt per call)."""
+def apply_scaled_8bit(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor], kernel: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """``x W^T + b`` for a layer of 8-bit weights F with one scale per output (W =
+    ``weight_scale[:, None]`` * F): x [..., in] -> [..., out] in x's dtype, by ``kernel``
+    (``linear_w8`` / ``linear_fp8``) when ``weight`` is in ``pack_w8``'s blocked layout, else a
+    torch matmul on W rebuilt per call."""
     n = layer.output_size_per_partition
     if layer.weight.dim() == 3:
-        y = cpu_kernels.linear_w8(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale, bias, n)
+        y = kernel(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale, bias, n)
         return y.view(*x.shape[:-1], n)
     weight = layer.weight.to(x.dtype) * layer.weight_scale[:, None].to(x.dtype)
     return F.linear(x, weight, bias)
+
+
+def apply_int8(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x W^T + b`` for a layer prepared by ``store_int8``: x [..., in] -> [..., out] in x's
+    dtype (``linear_w8`` on CPU, see ``apply_scaled_8bit``)."""
+    return apply_scaled_8bit(layer, x, bias, cpu_kernels.linear_w8)
 
 
 def describe_int8(layer: nn.Module) -> str:
