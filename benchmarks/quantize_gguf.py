@@ -2,8 +2,10 @@
 would, for the types the ``gguf`` package can write: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and the
 K-quants Q4_K, Q5_K, Q6_K with ``pagedllm.testing.gguf_kquant_writer``'s plain rounding),
 keeping its metadata (tokenizer included) and its other tensors. ``--v-down-type Q6_K`` with
-Q4_K gives Q4_K_M's mix (attn_v and ffn_down in Q6_K). For benchmarks: pagedllm and
-llama.cpp then run the very same file.
+Q4_K gives Q4_K_M's mix (attn_v and ffn_down in Q6_K). Rows that are not whole 256-input
+super-blocks fall back as llama-quantize does (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0; all
+of Qwen2-0.5B's 896-input weights). For benchmarks: pagedllm and llama.cpp then run the very
+same file.
 
     python benchmarks/quantize_gguf.py benchmarks/.peers/gguf/qwen2-0.5b-shape-bf16.gguf Q4_0 OUT.gguf
 """
@@ -20,6 +22,10 @@ from pagedllm.testing.gguf_kquant_writer import quantize_k
 
 #: GGUF names of the linear weights (llama.cpp's ``--pure`` quantizes these and keeps the rest).
 LINEAR = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
+
+
+#: llama-quantize's type for rows of a K-quant type that are not whole super-blocks.
+K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
 def file_type(linear_type: str, v_down_type: str | None) -> str:
@@ -53,9 +59,11 @@ def main() -> None:
         match = LINEAR.search(tensor.name)
         if match:
             name = args.v_down_type if args.v_down_type and match.group(1) in ("attn_v", "ffn_down") else args.type
-            qtype = gguf.GGMLQuantizationType[name]
             weights = gguf.dequantize(data, tensor.tensor_type).reshape(tuple(reversed([int(d) for d in tensor.shape])))
             weights = weights.astype(np.float32)
+            if name in K_FALLBACK and weights.shape[1] % 256:
+                name = K_FALLBACK[name]
+            qtype = gguf.GGMLQuantizationType[name]
             quantized = quantize_k(weights, name) if name.endswith("_K") else gguf.quants.quantize(weights, qtype)
             writer.add_tensor(tensor.name, quantized, raw_dtype=qtype)
         else:

@@ -39,7 +39,7 @@ def affine_to_canonical(q: np.ndarray, scale: np.ndarray, offset: np.ndarray, gr
     return {"qweight": q, "scales": np.where(flat, -offset, scale).astype(np.float32), "qzeros": zero}
 
 
-def _f16(raw: np.ndarray) -> np.ndarray:
+def float16_values(raw: np.ndarray) -> np.ndarray:
     """[..., 2] uint8 -> [...] float32 (little-endian float16)."""
     return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
 
@@ -78,7 +78,7 @@ def decode_k_blocks(raw: np.ndarray, type_name: str, num_inputs: int) -> dict[st
     blocks = raw.reshape(out, num_inputs // QK_K, _BLOCK_BYTES[type_name])
     if type_name == "Q6_K":
         return _decode_q6_k(blocks, out, num_inputs)
-    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    d, dmin = float16_values(blocks[..., 0:2]), float16_values(blocks[..., 2:4])
     sc, m = _scales_mins(blocks[..., 4:16])
     if type_name == "Q4_K":
         q = _low_nibbles_q4k(blocks[..., 16:144])
@@ -102,5 +102,5 @@ def _decode_q6_k(blocks: np.ndarray, out: int, num_inputs: int) -> dict[str, np.
     high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
     q = (low | (high << 4)).reshape(out, num_inputs).astype(np.uint8)
     sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
-    scale = (_f16(blocks[..., 208:210])[..., None] * sc).reshape(out, -1)
+    scale = (float16_values(blocks[..., 208:210])[..., None] * sc).reshape(out, -1)
     return {"qweight": q, "scales": scale.astype(np.float32), "qzeros": np.full_like(scale, 32.0)}

@@ -7,14 +7,17 @@ Llama's q / k weights are un-permuted (llama.cpp's converter interleaves each he
 rotary halves; see ``unpermute_rows``). Per tensor type:
 
 - F32 / F16 / BF16: the tensor itself;
-- Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K (``KERNEL_TYPES``) in linear layers:
-  ``packed_int``'s canonical layout (``qweight`` / ``scales`` / ``qzeros``), run by the
-  ``linear_w4`` / ``linear_w8g`` kernels with the blocks' own arithmetic:
-  Q4_0 W = d * (q - 8); Q4_1 W = d * q + m, i.e. zero point -m / d; Q8_0 W = d * q (q signed,
-  stored as q + 128 with zero point 128); the K-quants as ``gguf_kquants`` says. A fused layer
+- Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K (``KERNEL_TYPES``) in
+  linear layers: ``packed_int``'s canonical layout (``qweight`` / ``scales`` / ``qzeros``),
+  run by the ``linear_w4`` / ``linear_w8g`` kernels with the blocks' own arithmetic:
+  Q4_0 W = d * (q - 8); Q4_1 W = d * q + m, i.e. zero point -m / d; Q5_0 / Q5_1 likewise
+  with 5-bit q (8-bit storage, zero point 16 / -m / d); Q8_0 W = d * q (q signed, stored as
+  q + 128 with zero point 128); the K-quants as ``gguf_kquants`` says. (llama.cpp's Q4_K_M
+  files fall back to Q5_0 / Q8_0 for rows that are not whole 256-input super-blocks, e.g.
+  Qwen2-0.5B's 896 inputs.) A fused layer
   whose parts have different layouts (Q4_K_M files keep attn_v in Q6_K) takes the widest
   bits and the smallest group of its parts (the others' scales repeated: still exact);
-- any other type (Q5_0, Q5_1, Q2_K, IQ ...), and embeddings / norms / the lm_head: dequantized
+- any other type (Q2_K, Q3_K, IQ ..., TQ ...), and embeddings / norms / the lm_head: dequantized
   at load by ``gguf`` to float32 (a warning names the types that have no kernel yet).
 """
 
@@ -28,7 +31,7 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from pagedllm.model_executor.gguf_kquants import affine_to_canonical, decode_k_blocks
+from pagedllm.model_executor.gguf_kquants import affine_to_canonical, decode_k_blocks, float16_values
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +39,13 @@ logger = logging.getLogger(__name__)
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 #: The ggml types the kernels run, by name -> (bits of the kernel's storage, inputs per group).
-KERNEL_TYPES = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q8_0": (8, 32), "Q4_K": (4, 32), "Q5_K": (8, 32), "Q6_K": (8, 16)}
+KERNEL_TYPES = {
+    "Q4_0": (4, 32), "Q4_1": (4, 32), "Q5_0": (8, 32), "Q5_1": (8, 32), "Q8_0": (8, 32),
+    "Q4_K": (4, 32), "Q5_K": (8, 32), "Q6_K": (8, 16),
+}  # fmt: skip
 
 _UNQUANTIZED_TYPES = ("F32", "F16", "BF16")
-_BLOCK = 32  # inputs per Q4_0 / Q4_1 block
+_BLOCK = 32  # inputs per Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 block
 
 #: Hugging Face module names of one decoder layer (``{i}`` is the layer index).
 _LAYER_MODULES = (
@@ -115,24 +121,30 @@ def decode_blocks(raw: np.ndarray, type_name: str, num_inputs: int, group: int =
 
 
 def _decode(raw: np.ndarray, type_name: str, num_inputs: int) -> dict[str, np.ndarray]:
+    """``decode_blocks`` in the type's own groups, as numpy arrays. A 32-input block is d
+    (float16), then m (float16, the "_1" types), then the fifth bits (uint32, Q5), then the
+    quants: Q8_0's 32 int8, or 16 bytes holding element j in the low and j + 16 in the high
+    nibble of byte j."""
     if type_name.endswith("_K"):
         return decode_k_blocks(raw, type_name, num_inputs)
     out = raw.shape[0]
-    header = 4 if type_name == "Q4_1" else 2
     blocks = raw.reshape(out, num_inputs // _BLOCK, -1)
-    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    qs = blocks[..., header:]
+    d = float16_values(blocks[..., 0:2])
     if type_name == "Q8_0":
-        q = (qs.view(np.int8).astype(np.int16) + 128).astype(np.uint8).reshape(out, num_inputs)
-        zero = np.full_like(d, 128.0)
-    else:
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(out, num_inputs)  # element j, then j + 16
-    if type_name == "Q4_0":
-        zero = np.full_like(d, 8.0)
-    elif type_name == "Q4_1":
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        return affine_to_canonical(q, d, -m, _BLOCK)
-    return {"qweight": q, "scales": d, "qzeros": zero}
+        q = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return {"qweight": q.reshape(out, num_inputs), "scales": d, "qzeros": np.full_like(d, 128.0)}
+    has_min = type_name.endswith("_1")
+    start = 4 if has_min else 2
+    high = np.zeros((), dtype=np.uint8)
+    if type_name.startswith("Q5"):
+        bits = np.ascontiguousarray(blocks[..., start : start + 4]).view(np.uint32)  # [out, blocks, 1]
+        high = ((bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        start += 4
+    qs = blocks[..., start:]
+    q = (np.concatenate([qs & 15, qs >> 4], axis=-1) | (high << 4)).reshape(out, num_inputs)
+    if has_min:
+        return affine_to_canonical(q, d, -float16_values(blocks[..., 2:4]), _BLOCK)
+    return {"qweight": q, "scales": d, "qzeros": np.full_like(d, 16.0 if type_name == "Q5_0" else 8.0)}
 
 
 def iterate_gguf_weights(

@@ -1,6 +1,6 @@
 """GGUF files load and run: ``LLM("model.gguf", tokenizer=HF_DIR)`` reads the architecture and
 hyper-parameters from the file's metadata, maps GGUF tensor names back to Hugging Face's
-(Llama's q / k rows un-permuted), runs Q4_0 / Q4_1 / Q8_0 and the K-quants Q4_K / Q5_K / Q6_K
+(Llama's q / k rows un-permuted), runs Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 and the K-quants Q4_K / Q5_K / Q6_K
 linear weights on the grouped integer kernels and dequantizes other types at load; greedy output
 equals transformers' own GGUF loading (which dequantizes everything) on the same file, and the
 decoded blocks equal ``gguf.quants.dequantize``. The files are written by
@@ -54,7 +54,9 @@ def _layers(llm: LLM) -> dict[str, torch.nn.Module]:
         ("llama_128", "Q4_0", "F32", torch.uint8),
         ("llama_128", "Q4_1", "F16", torch.uint8),
         ("llama_128", "Q8_0", "F32", torch.uint8),
-        ("llama_128", "Q5_0", "F32", torch.float32),  # no Q5_0 kernel: dequantized at load
+        ("llama_128", "Q5_0", "F32", torch.uint8),
+        ("llama_128", "Q5_1", "F16", torch.uint8),
+        ("llama_256", "TQ2_0", "F32", torch.float32),  # no ternary kernel: dequantized at load
         ("qwen2_128", "Q4_0", "F32", torch.uint8),
         ("llama_256", "Q4_K", "F32", torch.uint8),
         ("llama_256", "Q5_K", "F16", torch.uint8),
@@ -93,7 +95,8 @@ def test_q4_k_m_mix_runs_fused_layers_at_their_parts_widest_layout(llama_256, tm
 
 @pytest.mark.parametrize(
     "type_name,group",
-    [("Q4_0", 32), ("Q4_1", 32), ("Q8_0", 32), ("Q8_0", 16), ("Q4_K", 32), ("Q4_K", 16), ("Q5_K", 32), ("Q6_K", 16)],
+    [("Q4_0", 32), ("Q4_1", 32), ("Q5_0", 32), ("Q5_1", 32), ("Q8_0", 32), ("Q8_0", 16), ("Q4_K", 32), ("Q4_K", 16),
+     ("Q5_K", 32), ("Q6_K", 16)],
 )
 def test_decoded_blocks_equal_gguf_dequantize(type_name, group):
     import gguf

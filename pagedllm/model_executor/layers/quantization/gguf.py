@@ -1,6 +1,6 @@
 """GGUF files' quantized weights (``pagedllm serve model.gguf``): linear layers whose
 checkpoint parts are all in types the kernels run (``gguf_weights.KERNEL_TYPES``: Q4_0, Q4_1,
-Q8_0, Q4_K, Q5_K, Q6_K) take integer weights, already converted to ``packed_int``'s canonical
+Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) take integer weights, already converted to ``packed_int``'s canonical
 layout by ``pagedllm.model_executor.gguf_weights``: 4-bit storage when every part is 4-bit, else
 8-bit, in groups of the smallest group of its parts; every other layer gets float weights
 (dequantized at load where the file's type has no kernel yet).
