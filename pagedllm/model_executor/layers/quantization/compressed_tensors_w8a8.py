@@ -22,7 +22,9 @@ then:
 Weight-only groups (no ``input_activations``) run the int8 / fp8 weight-only kernels
 (``linear_w8`` / ``linear_fp8``). A fused layer's parts keep their own weight scales; their
 static ``input_scale``s (one per part, all seen by the same input) become one, the largest,
-as vLLM does. Refused at load, named: asymmetric weights or activations, weight strategies
+as vLLM does. Under tensor parallelism a row-parallel layer's dynamic scales come from each
+rank's slice of the row (as in vLLM), so its output may differ from one process's by the
+activation rounding. Refused at load, named: asymmetric weights or activations, weight strategies
 other than channel / tensor (block FP8, groups), activation strategies other than token /
 tensor, bit widths other than 8, and output activation quantization.
 """
