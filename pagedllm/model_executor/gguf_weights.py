@@ -177,7 +177,7 @@ def iterate_gguf_weights(
                 yield f"{module}.{key}", value if heads is None else unpermute_rows(value, heads)
             continue
         if type_name not in _UNQUANTIZED_TYPES:
-            dequantized.add(type_name)
+            dequantized.add(f"{name} ({type_name})")
         values = torch.from_numpy(np.array(gguf.dequantize(np.asarray(tensor.data), tensor.tensor_type), copy=True))
         values = values.reshape(tuple(reversed([int(d) for d in tensor.shape])))
         yield name, values if heads is None or not name.endswith((".weight", ".bias")) else unpermute_rows(values, heads)
@@ -188,7 +188,8 @@ def iterate_gguf_weights(
                          for bits, group in sorted(layouts)),
         )  # fmt: skip
     if dequantized:
+        shown = sorted(dequantized)
         logger.warning(
-            "%s: tensors of type %s have no kernel here yet and were dequantized at load to the model dtype.",
-            path.name, ", ".join(sorted(dequantized)),
+            "%s: %d quantized tensors dequantized at load to the model dtype (embeddings and the lm_head, or types "
+            "without a kernel here): %s%s.", path.name, len(shown), ", ".join(shown[:6]), " ..." if len(shown) > 6 else "",
         )  # fmt: skip

@@ -13,8 +13,9 @@ from pagedllm.kernels import cpu as cpu_kernels
 
 pytestmark = pytest.mark.usefixtures("isa_kernel")
 
-# (N, K, group size): odd N, one group per row (channel-wise), groups of 2, 32 and 128.
-SHAPES = [(1, 2, 2), (37, 64, 32), (130, 8, 8), (200, 256, 128), (67, 896, 128), (17, 96, 32)]
+# (N, K, group size): odd N, one group per row (channel-wise), groups of 2, 16 (GGUF's Q6_K),
+# 32 and 128.
+SHAPES = [(1, 2, 2), (37, 64, 32), (130, 8, 8), (200, 256, 128), (67, 896, 128), (17, 96, 32), (40, 512, 16)]
 
 
 def _random_case(n: int, k: int, group: int, seed: int, bits: int):
@@ -22,6 +23,7 @@ def _random_case(n: int, k: int, group: int, seed: int, bits: int):
     q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=gen)
     scale = torch.rand(n, k // group, generator=gen) * 0.01 + 1e-4
     zero = torch.randint(0, 2**bits, (n, k // group), generator=gen).float()
+    zero[::2] += torch.rand(zero[::2].shape, generator=gen)  # fractional zero points (GGUF's Q4_1, Q4_K)
     return q, scale, zero
 
 

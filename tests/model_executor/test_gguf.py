@@ -149,3 +149,11 @@ def test_gguf_without_tokenizer_metadata_asks_for_one(llama_128, tmp_path):
     path = write_gguf(llama_128, tmp_path / "model.gguf")
     with pytest.raises(ValueError, match="Cannot load a tokenizer from .*model.gguf"):
         LLM(str(path), kv_cache_memory_bytes=8 << 20)
+
+
+def test_dequantized_tensors_are_named_in_a_warning(llama_256, tmp_path, caplog):
+    path = write_gguf(llama_256, tmp_path / "model-TQ2_0.gguf", "TQ2_0", "Q8_0")  # 14 linear, 5 norms, embeddings, lm_head
+    with caplog.at_level("WARNING"):
+        LLM(str(path), tokenizer=str(llama_256), dtype="float32", kv_cache_memory_bytes=8 << 20)
+    assert "model-TQ2_0.gguf: 21 quantized tensors dequantized at load to the model dtype" in caplog.text
+    assert "lm_head.weight (Q8_0), model.embed_tokens.weight (Q8_0), model.layers.0.mlp.down_proj.weight (TQ2_0)" in caplog.text
