@@ -156,4 +156,5 @@ def test_dequantized_tensors_are_named_in_a_warning(llama_256, tmp_path, caplog)
     with caplog.at_level("WARNING"):
         LLM(str(path), tokenizer=str(llama_256), dtype="float32", kv_cache_memory_bytes=8 << 20)
     assert "model-TQ2_0.gguf: 21 quantized tensors dequantized at load to the model dtype" in caplog.text
-    assert "lm_head.weight (Q8_0), model.embed_tokens.weight (Q8_0), model.layers.0.mlp.down_proj.weight (TQ2_0)" in caplog.text
+    assert ("lm_head.weight (Q8_0), model.embed_tokens.weight (Q8_0), model.layers.0.input_layernorm.weight (Q8_0), "
+            "model.layers.0.mlp.down_proj.weight (TQ2_0)") in caplog.text
