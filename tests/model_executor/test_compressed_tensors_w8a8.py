@@ -139,5 +139,6 @@ def test_a_float_weight_where_int8_is_declared_fails_named(llama_128, tmp_path):
     config["quantization_config"]["config_groups"]["group_0"]["weights"]["type"] = "int"
     config["quantization_config"]["config_groups"]["group_0"]["input_activations"]["type"] = "int"
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"compressed-tensors: layer model\.layers\.0\.\S+, tensor 'weight': expected torch\.int8, got torch\.float8_e4m3fn"):
+    message = r"compressed-tensors: layer model\.layers\.0\.\S+, tensor 'weight': expected torch\.int8, got torch\.float8_e4m3fn"
+    with pytest.raises(ValueError, match=message):
         LLM(str(path), kv_cache_memory_bytes=8 << 20)

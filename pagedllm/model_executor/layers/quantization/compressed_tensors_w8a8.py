@@ -172,7 +172,8 @@ class CompressedTensorsW8A8LinearMethod(LinearMethodBase):
         out = sum(output_partition_sizes)
         dtype = _WEIGHT_DTYPES[self.scheme.weight_type]
         weight = nn.Parameter(torch.empty(out, input_size_per_partition, dtype=dtype), requires_grad=False)
-        set_weight_attrs(weight, {"output_dim": 0, "input_dim": 1, **extra_weight_attrs, "weight_loader": self._checked(loader, "weight")})
+        weight_attrs = {"output_dim": 0, "input_dim": 1, **extra_weight_attrs}
+        set_weight_attrs(weight, {**weight_attrs, "weight_loader": self._checked(loader, "weight")})
         layer.register_parameter("weight", weight)
         scale = nn.Parameter(torch.empty(out), requires_grad=False)
         if self.scheme.per_channel:
@@ -248,7 +249,8 @@ class CompressedTensorsW8A8LinearMethod(LinearMethodBase):
         scheme = self.scheme
         if scheme.activations is None and scheme.weight_type == "int":
             return f"{self.format_name}: " + describe_int8(layer)
-        weights = f"{'int8' if scheme.weight_type == 'int' else 'fp8 e4m3'} weights per {'channel' if scheme.per_channel else 'tensor'}"
+        kind = "int8" if scheme.weight_type == "int" else "fp8 e4m3"
+        weights = f"{kind} weights per {'channel' if scheme.per_channel else 'tensor'}"
         if scheme.activations is None:
             return f"{self.format_name}: {weights}, weight-only ({fp8_kernel_name(layer)})"
         kernel = fp8_kernel_name(layer) if scheme.weight_type == "float" else (
