@@ -29,6 +29,10 @@ card). Retrain the shipped model with::
 
     .venv/bin/python tools/train_default_model.py
 
+The held-out documents as plain text, for ``pagedllm bench perplexity`` (no training)::
+
+    .venv/bin/python tools/train_default_model.py --write-heldout-text /tmp/heldout.txt
+
 A miniature run for tests, e.g.::
 
     .venv/bin/python tools/train_default_model.py --out /tmp/mini --steps 20 \\
@@ -241,6 +245,14 @@ def collect_documents(max_chars: int | None = None) -> list[Document]:
 def is_heldout(unit: str, heldout_percent: float) -> bool:
     h = int.from_bytes(hashlib.sha256(unit.encode()).digest()[:8], "big")
     return (h % 10_000) < heldout_percent * 100
+
+
+def heldout_plain_text(heldout_percent: float) -> str:
+    """The held-out documents as plain text (no ChatML wrapping, no special tokens), joined
+    by blank lines: prose the model was never trained on, for perplexity measurements. The
+    same CPython version gives the same text."""
+    docs = [d for d in collect_documents() if is_heldout(d.unit, heldout_percent)]
+    return "\n\n".join(d.text for d in docs) + "\n"
 
 
 def render_chat(messages: Sequence[dict]) -> str:
@@ -587,6 +599,8 @@ def parse_args(argv: Sequence[str] | None = None):
     p.add_argument("--eval-every", type=int, default=100, help="held-out loss every N steps (0: only at the end)")
     p.add_argument("--eval-windows", type=int, default=32, help="windows used for the periodic held-out loss")
     p.add_argument("--no-samples", action="store_true", help="skip sample generations")
+    p.add_argument("--write-heldout-text", type=pathlib.Path, default=None, metavar="PATH",
+                   help="only write the held-out documents' plain text to PATH (for `pagedllm bench perplexity`) and exit")
     args = p.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     return args
@@ -595,6 +609,11 @@ def parse_args(argv: Sequence[str] | None = None):
 def main(argv: Sequence[str] | None = None) -> dict:
     """Train, evaluate and save; returns the run summary (also used by the model card)."""
     args = parse_args(argv)
+    if args.write_heldout_text is not None:
+        text = heldout_plain_text(args.heldout_percent)
+        args.write_heldout_text.write_text(text, encoding="utf-8")
+        print(f"wrote {len(text):,} characters of held-out text to {args.write_heldout_text}")
+        return {}
     t_start = time.time()
 
     import tokenizers

@@ -1,4 +1,4 @@
-"""``pagedllm bench throughput|latency|serve|prefix-caching|roofline|startup``.
+"""``pagedllm bench throughput|latency|serve|prefix-caching|roofline|startup|grammar-compile|perplexity``.
 
 ``register(subparsers)`` adds the ``bench`` parser to the ``pagedllm`` command (see
 ``pagedllm/entrypoints/cli.py``); each sub-subcommand sets ``func(args) -> int``.
@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any, Callable, Optional, Sequence
 
-from pagedllm.benchmarks import grammar_compile, latency, prefix_caching, roofline, serve, startup, throughput
+from pagedllm.benchmarks import grammar_compile, latency, perplexity, prefix_caching, roofline, serve, startup, throughput
 
 SUBCOMMANDS: dict[str, tuple[Any, str]] = {
     "throughput": (throughput, "offline throughput (all requests at once), optionally against transformers"),
@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[Any, str]] = {
     "roofline": (roofline, "this machine's matmul and memory limits for a model; MFU / MBU of a result"),
     "startup": (startup, "seconds from process start until `pagedllm serve` / `LLM(...)` is ready"),
     "grammar-compile": (grammar_compile, "structured outputs: a JSON schema's compile time, cold and cached"),
+    "perplexity": (perplexity, "perplexity of a text file from prompt logprobs (llama-perplexity's windows)"),
 }
 
 

@@ -1,7 +1,8 @@
 """``--quantization int4``: weight-only 4-bit, symmetric, groups of 128 inputs (Q4_0's
 arithmetic), applied at load. The engine's greedy output equals transformers' on the same
 checkpoint with every linear weight replaced by its dequantized values, the lm_head stays in
-the model dtype, and a layer whose inputs are not whole groups fails at load, named."""
+the model dtype; a layer whose inputs are not whole groups of 128 gets groups of 32, and one
+whose inputs are not whole groups of 32 either fails at load, named."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from pagedllm import LLM
-from pagedllm.model_executor.layers.quantization.int4 import INT4_GROUP_SIZE, quantize_int4_per_group
+from pagedllm.model_executor.layers.quantization.int4 import INT4_GROUP_SIZE, int4_group_size, quantize_int4_per_group
 from tests.helpers import assert_greedy_equals_hf, model_runner, rewrite_linear_weights
 
 
@@ -49,6 +50,14 @@ def test_int4_greedy_equals_hf_on_dequantized_weights(llama_128, tmp_path):
     assert model.lm_head.weight.dtype == torch.float32
 
 
-def test_inputs_not_whole_groups_fail_at_load_naming_the_layer(tiny_llama):
-    with pytest.raises(ValueError, match=r"layer model\.layers\.0\.self_attn\.qkv_proj has 64 inputs, not a multiple"):
-        LLM(str(tiny_llama), quantization="int4", kv_cache_memory_bytes=8 << 20)
+def test_inputs_not_whole_groups_of_128_use_groups_of_32(tiny_llama):
+    llm = LLM(str(tiny_llama), quantization="int4", kv_cache_memory_bytes=8 << 20)  # hidden size 64
+    quantized = [m for m in model_runner(llm).model.modules() if hasattr(m, "weight_zero_point")]
+    groups = {m.input_size_per_partition: m.input_size_per_partition // m.weight_scale.shape[1] for m in quantized}
+    assert groups[64] == 32 and all(g == (128 if k % 128 == 0 else 32) for k, g in groups.items())
+    assert int4_group_size(256, "x") == 128 and int4_group_size(704, "x") == 32
+
+
+def test_inputs_not_whole_groups_of_32_fail_naming_the_layer():
+    with pytest.raises(ValueError, match=r"layer model\.layers\.0\.mlp\.down_proj has 48 inputs, not a multiple"):
+        int4_group_size(48, "model.layers.0.mlp.down_proj")

@@ -1,5 +1,6 @@
 """The "int4" format: weight-only 4-bit quantization of a 16/32-bit checkpoint at load time
-(``--quantization int4``), symmetric, one scale per group of ``INT4_GROUP_SIZE`` inputs:
+(``--quantization int4``), symmetric, one scale per group of ``INT4_GROUP_SIZE`` inputs (32, as
+Q4_0, in a layer whose inputs are not whole groups of 128; the start-up log names each layer's):
 
     m[n, g] = the weight of largest magnitude in the group (sign kept),
     scale[n, g] = m / -8,   Q[n, k] = clamp(round(W[n, k] / scale) + 8, 0, 15),
@@ -22,8 +23,25 @@ from pagedllm.model_executor.layers.linear import LinearBase, UnquantizedLinearM
 from pagedllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from pagedllm.model_executor.layers.quantization.grouped import apply_grouped, describe_grouped, store_grouped
 
-#: Inputs per scale of ``--quantization int4``.
+#: Inputs per scale of ``--quantization int4``, and the fallback where a layer's inputs are
+#: not a multiple of it.
 INT4_GROUP_SIZE = 128
+INT4_FALLBACK_GROUP_SIZE = 32
+
+
+def int4_group_size(num_inputs: int, prefix: str) -> int:
+    """``INT4_GROUP_SIZE`` if ``num_inputs`` is a multiple of it, else ``INT4_FALLBACK_GROUP_SIZE``.
+
+    Raises:
+        ValueError: ``num_inputs`` is a multiple of neither (names the layer ``prefix``).
+    """
+    for group in (INT4_GROUP_SIZE, INT4_FALLBACK_GROUP_SIZE):
+        if num_inputs % group == 0:
+            return group
+    raise ValueError(
+        f"--quantization int4: layer {prefix} has {num_inputs} inputs, not a multiple of the group size "
+        f"{INT4_GROUP_SIZE} or {INT4_FALLBACK_GROUP_SIZE}; use --quantization int8 for this model."
+    )
 
 
 def quantize_int4_per_group(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -45,7 +63,7 @@ def quantize_int4_per_group(weight: torch.Tensor, group_size: int) -> tuple[torc
 
 
 class Int4Config(QuantizationConfig):
-    """Every linear layer gets ``Int4LinearMethod`` (groups of ``INT4_GROUP_SIZE``); the
+    """Every linear layer gets ``Int4LinearMethod`` (groups of ``int4_group_size``); the
     lm_head keeps its own method."""
 
     @classmethod
@@ -70,17 +88,12 @@ class Int4LinearMethod(UnquantizedLinearMethod):
         """Quantize the loaded weight (see the module docstring); a second call changes nothing.
 
         Raises:
-            ValueError: the layer's input size is not a multiple of ``INT4_GROUP_SIZE`` (named).
+            ValueError: the layer's input size is not whole groups (``int4_group_size``, named).
         """
         if hasattr(layer, "weight_zero_point"):
             return
-        k = layer.weight.shape[1]
-        if k % INT4_GROUP_SIZE:
-            raise ValueError(
-                f"--quantization int4: layer {self.prefix} has {k} inputs, not a multiple of the "
-                f"group size {INT4_GROUP_SIZE}; use --quantization int8 for this model."
-            )
-        store_grouped(layer, *quantize_int4_per_group(layer.weight.data, INT4_GROUP_SIZE), bits=4)
+        group = int4_group_size(layer.weight.shape[1], self.prefix)
+        store_grouped(layer, *quantize_int4_per_group(layer.weight.data, group), bits=4)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return apply_grouped(layer, x, bias)
