@@ -13,8 +13,9 @@
 //   k_scale, v_scale  FP8 caches: K = k_scale * stored key, V = v_scale * stored value (1 otherwise).
 //
 // The caches have the query's dtype, or float8 (e4m3fn or e5m2: --kv-cache-dtype fp8), widened
-// to float32 as they are loaded (simd.h: exact, by moving bits); k_scale is folded into the
-// scaled query and v_scale into the softmax's 1 / sum, so scaling costs nothing per element.
+// exactly as they are loaded, 16 or 32 at a time, by moving bits (no per-element multiply);
+// k_scale is folded into the scaled query and v_scale into the softmax's 1 / sum, so scaling
+// costs nothing per element.
 //
 // Work: one (request, kv head) pair at a time; the G = Hq / Hkv query heads of that kv head
 // are computed together, so each K and V row is loaded once (G > 8 is split into sub-groups
@@ -35,9 +36,12 @@
 //   values: float32 multiply-add of each V row by its weight; for bfloat16 with AVX512-BF16,
 //     the weights are rounded to bfloat16 and two tokens' rows are interleaved for
 //     vdpbf16ps (accumulation stays float32; this is what bf16 attention kernels do).
-//   FP8 caches with bfloat16 queries and AVX512-BF16: each tile's rows are widened to
-//     bfloat16 first (exactly: a 128-entry table in 4 registers, vpermt2w, plus the sign bit)
-//     and go through the same vdpbf16ps steps; otherwise FP8 rows are widened to float32.
+//   FP8 caches with bfloat16 queries and AVX512-BF16: rows are widened to bfloat16 in registers,
+//     32 elements at a time, as they are loaded into the same vdpbf16ps steps (the keys, with
+//     head_dim % 64 == 0, transposed as bytes before widening: qk_tile_fp8; load32_bf16:
+//     shifts and an add rebias the exponent; zero and subnormals come from a 32-entry vpermw
+//     table); otherwise FP8 rows are widened to float32 (load16: e4m3 through float16, as its
+//     value x 2^-8, the 2^8 folded into the scales).
 // AVX2 path (AVX2 builds; head_dim % 8 == 0, head_dim <= 256; simd.h's 8-lane vectors):
 //   scores: one key row at a time, widened once and multiplied into G accumulators, each
 //     summed across lanes; softmax with Cephes' exp; values as the float32 AVX-512 path.
@@ -106,7 +110,6 @@ struct Scratch {
   float* q;
   float* row;
   float* inv_sum;
-  uint16_t* tile;  // [kTile][head_dim] bfloat16: a tile of FP8 rows widened for vdpbf16ps
 };
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -180,6 +183,14 @@ class RowCursor {
   const T* base_ = nullptr;
 };
 
+// A cache value is kRowLoadFactor times what the float32 vector paths' row loads return
+// (load16, load8): they read e4m3 through float16 as its value x 2^-8, and the factor is
+// folded into the scaled query and the softmax's 1 / sum.
+template <typename C>
+constexpr float kRowLoadFactor = 1.f;
+template <>
+constexpr float kRowLoadFactor<c10::Float8_e4m3fn> = 256.f;
+
 // Query heads [h * group + g0, h * group + g0 + count) against kv head h of request b.
 struct Work {
   int64_t b, h, g0, count, n;
@@ -242,17 +253,17 @@ void attend_portable(const Params& p, const Ptrs<T, C>& x, const Work& wk, const
 
 #ifdef PAGEDLLM_AVX512
 
-#if defined(__AVX512BF16__)
-constexpr bool kHasBf16Dot = true;
-#else
-constexpr bool kHasBf16Dot = false;
-#endif
-
 alignas(64) const float kZeroRow[kMaxVecDim] = {};  // stands in for the rows past seq_len
 
 // 16 elements of T widened to float32 (simd.h's AVX-512 VecF).
 template <typename T>
 PAGEDLLM_INLINE __m512 load16(const T* p) { return pagedllm_simd::vload(p).v; }
+// 16 e4m3 values times 2^-8 (kRowLoadFactor): the sign-extended byte shifted left by 7, with
+// bit 14 (a sign copy) cleared, is the float16 of that product, exactly (subnormals too).
+PAGEDLLM_INLINE __m512 load16(const c10::Float8_e4m3fn* p) {
+  const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBF80))));
+}
 
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(c10::BFloat16* p, __m512 v) {
@@ -365,15 +376,52 @@ PAGEDLLM_INLINE void pv_tile_f32(const T* const* rows, int cnt, const float* w, 
 }
 
 #if defined(__AVX512BF16__)
-// Scores of one tile, bfloat16 pairs through vdpbf16ps: qp [G][D] bf16 queries (unscaled).
-template <int G>
-PAGEDLLM_INLINE void qk_tile_bf16(const uint16_t* qp, int64_t D, const c10::BFloat16* const* rows, float scale, float* scores,
+template <typename C>
+constexpr bool kIsFp8 = std::is_same<C, c10::Float8_e4m3fn>::value || std::is_same<C, c10::Float8_e5m2>::value;
+
+// 32 elements as bfloat16 bits: bfloat16 rows as they are; FP8 rows widened exactly. A byte
+// s|e|m (E exponent bits, bias B, M = 7 - E mantissa bits) is sign-extended to 16 bits;
+// shifting it left by 7 - M puts the sign at bit 15 and e|m at bfloat16's exponent and
+// mantissa positions, the mask drops the sign copies between, and adding (127 - B) << 7
+// rebiases the exponent: exact for every e >= 1. The e = 0 bytes (zero and subnormals) take
+// their magnitude from a 32-entry table indexed by the byte's low 5 bits (vpermw), then the
+// sign. NaN and e5m2's infinities read as large finite values, as in simd.h (the cache writer
+// saturates, so only NaN keys or values could make them).
+PAGEDLLM_INLINE __m512i load32_bf16(const c10::BFloat16* p) { return _mm512_loadu_si512(p); }
+
+// bfloat16 bits of the e = 0 magnitudes: e4m3 m x 2^-9 (m = 0..7), e5m2 m x 2^-16 (m = 0..3).
+alignas(64) constexpr uint16_t kE4m3Subnormals[32] = {0, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+alignas(64) constexpr uint16_t kE5m2Subnormals[32] = {0, 0x3780, 0x3800, 0x3840};
+
+template <int kExpBits, int kBias>
+PAGEDLLM_INLINE __m512i fp8_to_bf16(__m256i bytes, const uint16_t* subnormals) {
+  constexpr int kMantBits = 7 - kExpBits, kShift = 7 - kMantBits;
+  const __m512i table = _mm512_load_si512(subnormals);
+  const __m512i x = _mm512_cvtepi8_epi16(bytes);
+  const __m512i normal =
+      _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(x, kShift), _mm512_set1_epi16(static_cast<int16_t>(0x8000 | (0x7f << kShift)))),
+                       _mm512_set1_epi16((127 - kBias) << 7));
+  const __mmask32 zero_exp = _mm512_testn_epi16_mask(x, _mm512_set1_epi16(0x7f & ~((1 << kMantBits) - 1)));
+  const __m512i magnitude = _mm512_mask_permutexvar_epi16(normal, zero_exp, x, table);
+  return _mm512_ternarylogic_epi32(magnitude, x, _mm512_set1_epi16(-0x8000), 0xF8);  // magnitude | (x & bit 15)
+}
+PAGEDLLM_INLINE __m512i widen32_bf16(__m256i bytes, c10::Float8_e4m3fn) { return fp8_to_bf16<4, 7>(bytes, kE4m3Subnormals); }
+PAGEDLLM_INLINE __m512i widen32_bf16(__m256i bytes, c10::Float8_e5m2) { return fp8_to_bf16<5, 15>(bytes, kE5m2Subnormals); }
+template <typename C, typename = std::enable_if_t<kIsFp8<C>>>
+PAGEDLLM_INLINE __m512i load32_bf16(const C* p) {
+  return widen32_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), C());
+}
+
+// Scores of one tile, bfloat16 pairs through vdpbf16ps: qp [G][D] bf16 queries (unscaled);
+// rows bfloat16 or FP8 (R).
+template <typename R, int G>
+PAGEDLLM_INLINE void qk_tile_bf16(const uint16_t* qp, int64_t D, const R* const* rows, float scale, float* scores,
                          int64_t cap) {
   __m512 acc[G];
   for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
   for (int64_t c = 0; c < D; c += 32) {
     __m512i r[16];
-    for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(rows[j] + c);
+    for (int j = 0; j < 16; ++j) r[j] = load32_bf16(rows[j] + c);
     transpose16x16(r);  // r[e] = elements c + 2e, c + 2e + 1 of the 16 tokens
     for (int e = 0; e < 16; ++e) {
       for (int g = 0; g < G; ++g) {
@@ -387,11 +435,48 @@ PAGEDLLM_INLINE void qk_tile_bf16(const uint16_t* qp, int64_t D, const c10::BFlo
   for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * cap, _mm512_mul_ps(acc[g], sc));
 }
 
+// Scores of one tile from FP8 keys, head_dim % 64 == 0: the rows' bytes are transposed first
+// (one 16 x 16 transpose of 4-byte groups per 64 elements, half the shuffles of the bfloat16
+// rows' transposes), so r[e] holds elements c + 4e .. c + 4e + 3 of the 16 tokens; its low and
+// high halves (tokens 0-7, 8-15) widen to pairs (4e, 4e + 1), (4e + 2, 4e + 3) in adjacent
+// 32-bit lanes, and vdpbf16ps against the query's 4 elements repeated leaves token t's sum
+// split over lanes 2t and 2t + 1, added at the end. qp [G][D] bf16 queries (unscaled).
+template <typename C, int G>
+PAGEDLLM_INLINE void qk_tile_fp8(const uint16_t* qp, int64_t D, const C* const* rows, float scale, float* scores,
+                                 int64_t cap) {
+  __m512 lo[G], hi[G];
+  for (int g = 0; g < G; ++g) lo[g] = hi[g] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < D; c += 64) {
+    __m512i r[16];
+    for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(rows[j] + c);
+    transpose16x16(r);
+    for (int e = 0; e < 16; ++e) {
+      const __m512bh a = (__m512bh)widen32_bf16(_mm512_castsi512_si256(r[e]), C());
+      const __m512bh b = (__m512bh)widen32_bf16(_mm512_extracti64x4_epi64(r[e], 1), C());
+      for (int g = 0; g < G; ++g) {
+        int64_t quad;
+        std::memcpy(&quad, qp + g * D + c + 4 * e, sizeof(quad));
+        const __m512bh qv = (__m512bh)_mm512_set1_epi64(quad);
+        lo[g] = _mm512_dpbf16_ps(lo[g], a, qv);
+        hi[g] = _mm512_dpbf16_ps(hi[g], b, qv);
+      }
+    }
+  }
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int g = 0; g < G; ++g) {
+    const __m512 sum = _mm512_add_ps(_mm512_permutex2var_ps(lo[g], even, hi[g]), _mm512_permutex2var_ps(lo[g], odd, hi[g]));
+    _mm512_storeu_ps(scores + g * cap, _mm512_mul_ps(sum, sc));
+  }
+}
+
 // Values of one tile, bfloat16 through vdpbf16ps: token pairs (2j, 2j+1) are interleaved
 // element-wise; wp [G][cap] bf16 weights (pairs read as 32 bits). acc holds, per 32 elements
 // c..c+31, two vectors "lo" and "hi" in the order of unpacklo/hi_epi16 (undone at the end).
-template <int G>
-PAGEDLLM_INLINE void pv_tile_bf16(const c10::BFloat16* const* rows, int cnt, const uint16_t* wp, int64_t cap, float* acc,
+// Rows bfloat16 or FP8 (R).
+template <typename R, int G>
+PAGEDLLM_INLINE void pv_tile_bf16(const R* const* rows, int cnt, const uint16_t* wp, int64_t cap, float* acc,
                          int64_t D) {
   const int pairs = (cnt + 1) / 2;
   for (int64_t c = 0; c < D; c += 32) {
@@ -401,8 +486,8 @@ PAGEDLLM_INLINE void pv_tile_bf16(const c10::BFloat16* const* rows, int cnt, con
       hi[g] = _mm512_load_ps(acc + g * D + c + 16);
     }
     for (int j = 0; j < pairs; ++j) {
-      const __m512i a = _mm512_loadu_si512(rows[2 * j] + c);
-      const __m512i b = _mm512_loadu_si512(rows[2 * j + 1] + c);
+      const __m512i a = load32_bf16(rows[2 * j] + c);
+      const __m512i b = load32_bf16(rows[2 * j + 1] + c);
       const __m512bh l = (__m512bh)_mm512_unpacklo_epi16(a, b);
       const __m512bh u = (__m512bh)_mm512_unpackhi_epi16(a, b);
       for (int g = 0; g < G; ++g) {
@@ -421,64 +506,20 @@ PAGEDLLM_INLINE void pv_tile_bf16(const c10::BFloat16* const* rows, int cnt, con
 }
 #endif
 
-#if defined(__AVX512BF16__)
-template <typename C>
-constexpr bool kIsFp8 = std::is_same<C, c10::Float8_e4m3fn>::value || std::is_same<C, c10::Float8_e5m2>::value;
-
-// The bfloat16 bits of the 128 non-negative FP8 values of C (every one exact in bfloat16),
-// as 4 registers of 32 for vpermt2w: a 256-entry table with the sign bit handled apart.
-template <typename C>
-struct Fp8ToBf16 {
-  __m512i t[4];
-
-  Fp8ToBf16() {
-    static const std::vector<uint16_t> bits = [] {
-      std::vector<uint16_t> v(128);
-      for (int i = 0; i < 128; ++i) v[i] = c10::BFloat16(static_cast<float>(C(static_cast<uint8_t>(i), C::from_bits()))).x;
-      return v;
-    }();
-    for (int i = 0; i < 4; ++i) t[i] = _mm512_loadu_si512(bits.data() + 32 * i);
-  }
-
-  // 32 FP8 values -> 32 bfloat16, exactly: the magnitude from the table (index bits 0-5
-  // pick among 64 entries, bit 6 between the two halves), the sign bit moved to bit 15.
-  PAGEDLLM_INLINE __m512i widen32(const C* p) const {
-    const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    const __m512i lo = _mm512_permutex2var_epi16(t[0], x, t[1]);
-    const __m512i hi = _mm512_permutex2var_epi16(t[2], x, t[3]);
-    const __m512i magnitude = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(x, _mm512_set1_epi16(0x40)), lo, hi);
-    return _mm512_or_si512(magnitude, _mm512_and_si512(_mm512_slli_epi16(x, 8), _mm512_set1_epi16(-0x8000)));
-  }
-
-  // The first cnt of rows widened into tile [kTile][D]; out[j] points at row j, or at zeros.
-  PAGEDLLM_INLINE void widen_tile(const C* const* rows, int cnt, int64_t D, uint16_t* tile,
-                                  const c10::BFloat16** out) const {
-    for (int j = 0; j < kTile; ++j) {
-      if (j >= cnt) {
-        out[j] = reinterpret_cast<const c10::BFloat16*>(kZeroRow);
-        continue;
-      }
-      for (int64_t c = 0; c < D; c += 32) _mm512_storeu_si512(tile + j * D + c, widen32(rows[j] + c));
-      out[j] = reinterpret_cast<const c10::BFloat16*>(tile + j * D);
-    }
-  }
-};
-#endif
 
 template <typename T, typename C, int G>
 void attend_avx512(const Params& p, const Ptrs<T, C>& x, const Work& wk, const Scratch& w) {
   const int64_t D = p.head_dim, cap = w.cap, n = wk.n, b = wk.b, h = wk.h;
   float *scores = w.scores, *acc = w.acc;
-  constexpr bool kBf16 = std::is_same<T, c10::BFloat16>::value && std::is_same<C, T>::value && kHasBf16Dot;
 #if defined(__AVX512BF16__)
-  // bfloat16 queries over an FP8 cache: each tile's rows are widened to bfloat16 for vdpbf16ps.
-  constexpr bool kFp8Bf16 = std::is_same<T, c10::BFloat16>::value && kIsFp8<C>;
-  std::conditional_t<kFp8Bf16, Fp8ToBf16<C>, int> widen{};
-  const c10::BFloat16* wide_rows[kTile];
+  // bfloat16 queries over a bfloat16 or FP8 cache: vdpbf16ps (FP8 rows widened to bfloat16).
+  constexpr bool kBf16 = std::is_same<T, c10::BFloat16>::value && (std::is_same<C, T>::value || kIsFp8<C>);
 #else
-  constexpr bool kFp8Bf16 = false;
+  constexpr bool kBf16 = false;
 #endif
-  const bool bf16_dot = (kBf16 || kFp8Bf16) && D % 32 == 0;
+  const bool bf16_dot = kBf16 && D % 32 == 0;
+  // The float32 path reads e4m3 as its value x 2^-8 (load16); the scales restore it.
+  const float widen = bf16_dot ? 1.f : kRowLoadFactor<C>;
   const C* zero_row = reinterpret_cast<const C*>(kZeroRow);
   const T* q_head = x.q + b * p.q_sb + (h * p.group + wk.g0) * p.q_sh;
   const C* rows[kTile];
@@ -489,7 +530,7 @@ void attend_avx512(const Params& p, const Ptrs<T, C>& x, const Work& wk, const S
     uint16_t* qp = reinterpret_cast<uint16_t*>(w.q);
     for (int g = 0; g < G; ++g) std::memcpy(qp + g * D, q_head + g * p.q_sh, D * sizeof(T));
   } else {
-    const __m512 sc = _mm512_set1_ps(p.scale * p.k_scale);
+    const __m512 sc = _mm512_set1_ps(p.scale * p.k_scale * widen);
     for (int g = 0; g < G; ++g)
       for (int64_t c = 0; c < D; c += 16) _mm512_store_ps(w.q + g * D + c, _mm512_mul_ps(load16(q_head + g * p.q_sh + c), sc));
   }
@@ -497,16 +538,15 @@ void attend_avx512(const Params& p, const Ptrs<T, C>& x, const Work& wk, const S
     const int cnt = static_cast<int>(std::min<int64_t>(kTile, n - t0));
     for (int j = 0; j < kTile; ++j) rows[j] = j < cnt ? keys.next() : zero_row;
 #if defined(__AVX512BF16__)
-    if constexpr (kBf16) {
-      if (bf16_dot) {
-        qk_tile_bf16<G>(reinterpret_cast<const uint16_t*>(w.q), D, rows, p.scale * p.k_scale, scores + t0, cap);
+    if constexpr (kBf16 && kIsFp8<C>) {
+      if (bf16_dot && D % 64 == 0) {
+        qk_tile_fp8<C, G>(reinterpret_cast<const uint16_t*>(w.q), D, rows, p.scale * p.k_scale, scores + t0, cap);
         continue;
       }
     }
-    if constexpr (kFp8Bf16) {
+    if constexpr (kBf16) {
       if (bf16_dot) {
-        widen.widen_tile(rows, cnt, D, w.tile, wide_rows);
-        qk_tile_bf16<G>(reinterpret_cast<const uint16_t*>(w.q), D, wide_rows, p.scale * p.k_scale, scores + t0, cap);
+        qk_tile_bf16<C, G>(reinterpret_cast<const uint16_t*>(w.q), D, rows, p.scale * p.k_scale, scores + t0, cap);
         continue;
       }
     }
@@ -517,7 +557,7 @@ void attend_avx512(const Params& p, const Ptrs<T, C>& x, const Work& wk, const S
   // Softmax (V rows start arriving meanwhile).
   RowCursor<C> values(p, x.block_table, b, x.v + h * p.v_sh, p.v_sb, p.v_st, n);
   float inv_sum[G];
-  for (int g = 0; g < G; ++g) inv_sum[g] = softmax_inplace(scores + g * cap, n) * p.v_scale;
+  for (int g = 0; g < G; ++g) inv_sum[g] = softmax_inplace(scores + g * cap, n) * p.v_scale * widen;
   const int64_t n_tiles = round_up(n, kTile);
   if (bf16_dot) {  // weights to bfloat16 (round to nearest even)
     for (int g = 0; g < G; ++g) {
@@ -538,14 +578,7 @@ void attend_avx512(const Params& p, const Ptrs<T, C>& x, const Work& wk, const S
 #if defined(__AVX512BF16__)
     if constexpr (kBf16) {
       if (bf16_dot) {
-        pv_tile_bf16<G>(rows, cnt, w.weights16 + t0, cap, acc, D);
-        continue;
-      }
-    }
-    if constexpr (kFp8Bf16) {
-      if (bf16_dot) {
-        widen.widen_tile(rows, cnt, D, w.tile, wide_rows);
-        pv_tile_bf16<G>(wide_rows, cnt, w.weights16 + t0, cap, acc, D);
+        pv_tile_bf16<C, G>(rows, cnt, w.weights16 + t0, cap, acc, D);
         continue;
       }
     }
@@ -576,6 +609,14 @@ void attend_avx512(const Params& p, const Ptrs<T, C>& x, const Work& wk, const S
 #if defined(PAGEDLLM_VEC) && !defined(PAGEDLLM_AVX512)
 // ---------------------------------------------------------------------------------------------
 // AVX2 path (simd.h's 8-lane VecF; head_dim % 8 == 0).
+
+// 8 cache elements as float32 (e4m3: times 2^-8, as load16 on AVX-512).
+template <typename C>
+PAGEDLLM_INLINE pagedllm_simd::VecF load8(const C* p) { return pagedllm_simd::vload(p); }
+PAGEDLLM_INLINE pagedllm_simd::VecF load8(const c10::Float8_e4m3fn* p) {
+  const __m128i x = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return {_mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16(static_cast<int16_t>(0xBF80))))};
+}
 
 // Softmax numerators of s[0, n) in place. Returns 1 / sum.
 inline float softmax_vec(float* s, int64_t n) {
@@ -612,7 +653,7 @@ void attend_vec(const Params& p, const Ptrs<T, C>& x, const Work& wk, const Scra
   const int64_t D = p.head_dim, cap = w.cap, n = wk.n, b = wk.b, h = wk.h;
   float *scores = w.scores, *acc = w.acc, *qf = w.q;
   const T* q_head = x.q + b * p.q_sb + (h * p.group + wk.g0) * p.q_sh;
-  const VecF scale = vset1(p.scale * p.k_scale);
+  const VecF scale = vset1(p.scale * p.k_scale * kRowLoadFactor<C>);
   for (int g = 0; g < G; ++g)
     for (int64_t c = 0; c < D; c += kW) vstore(qf + g * D + c, vload(q_head + g * p.q_sh + c) * scale);
 
@@ -622,7 +663,7 @@ void attend_vec(const Params& p, const Ptrs<T, C>& x, const Work& wk, const Scra
     VecF a[G];
     for (int g = 0; g < G; ++g) a[g] = vset1(0.f);
     for (int64_t c = 0; c < D; c += kW) {
-      const VecF kv = vload(k + c);
+      const VecF kv = load8(k + c);
       for (int g = 0; g < G; ++g) a[g] = vfmadd(vload(qf + g * D + c), kv, a[g]);
     }
     for (int g = 0; g < G; ++g) scores[g * cap + t] = vreduce_add(a[g]);
@@ -630,7 +671,7 @@ void attend_vec(const Params& p, const Ptrs<T, C>& x, const Work& wk, const Scra
 
   RowCursor<C> values(p, x.block_table, b, x.v + h * p.v_sh, p.v_sb, p.v_st, n);
   float inv_sum[G];
-  for (int g = 0; g < G; ++g) inv_sum[g] = softmax_vec(scores + g * cap, n) * p.v_scale;
+  for (int g = 0; g < G; ++g) inv_sum[g] = softmax_vec(scores + g * cap, n) * p.v_scale * kRowLoadFactor<C>;
   std::fill(acc, acc + G * D, 0.f);
   const C* rows[kTile];
   for (int64_t t0 = 0; t0 < n; t0 += kTile) {
@@ -640,7 +681,7 @@ void attend_vec(const Params& p, const Ptrs<T, C>& x, const Work& wk, const Scra
       VecF a[G];
       for (int g = 0; g < G; ++g) a[g] = vload(acc + g * D + c);
       for (int j = 0; j < cnt; ++j) {
-        const VecF vv = vload(rows[j] + c);
+        const VecF vv = load8(rows[j] + c);
         for (int g = 0; g < G; ++g) a[g] = vfmadd(vset1(scores[g * cap + t0 + j]), vv, a[g]);
       }
       for (int g = 0; g < G; ++g) vstore(acc + g * D + c, a[g]);
@@ -717,18 +758,17 @@ void run(const Params& p, const Ptrs<T, C>& x, bool force_portable) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, num_tasks, 1, [&](int64_t, int64_t) {
     const int64_t G = sub, gd = round_up(G * p.head_dim, 16);
-    const int64_t sizes[] = {G * cap, G * cap / 2, gd, gd, p.head_dim, G, kTile * p.head_dim / 2 + 1};
+    const int64_t sizes[] = {G * cap, G * cap / 2, gd, gd, p.head_dim, G};
     int64_t total_floats = 16;
     for (int64_t s : sizes) total_floats += round_up(s, 16);
     std::vector<float> buf(total_floats);
     float* ptr = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-    float* parts[7];
-    for (int i = 0; i < 7; ++i) {
+    float* parts[6];
+    for (int i = 0; i < 6; ++i) {
       parts[i] = ptr;
       ptr += round_up(sizes[i], 16);
     }
-    const Scratch w{parts[0], cap, reinterpret_cast<uint16_t*>(parts[1]), parts[2], parts[3], parts[4], parts[5],
-                    reinterpret_cast<uint16_t*>(parts[6])};
+    const Scratch w{parts[0], cap, reinterpret_cast<uint16_t*>(parts[1]), parts[2], parts[3], parts[4], parts[5]};
     for (;;) {
       const int64_t item = next.fetch_add(1, std::memory_order_relaxed);
       if (item >= total) break;
