@@ -147,6 +147,20 @@ def test_held_out_perplexity_claim_is_reproduced(hf):
     assert ppl < unigram / 3
 
 
+def test_write_heldout_text_keeps_only_held_out_documents(tmp_path, monkeypatch):
+    """``--write-heldout-text`` (the text of ``pagedllm bench perplexity`` in docs/benchmarks.md)
+    writes the held-out documents' plain text and no training document."""
+    train = _load_training_script()
+    units = [f"module:m{i}" for i in range(200)]
+    docs = [train.Document(unit, unit, "docstring", f"Text of {unit}.") for unit in units]
+    monkeypatch.setattr(train, "collect_documents", lambda: docs)
+    out = tmp_path / "heldout.txt"
+    assert train.main(["--write-heldout-text", str(out)]) == {}
+    held = [u for u in units if train.is_heldout(u, 5.0)]
+    assert held and len(held) < len(units)
+    assert out.read_text() == "\n\n".join(f"Text of {u}." for u in held) + "\n"
+
+
 @pytest.mark.parametrize("prompt", ["Return the number of", "This module provides", "The default value is"])
 def test_greedy_generation_reads_like_english(hf, prompt):
     tok, model = hf
