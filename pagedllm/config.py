@@ -335,7 +335,11 @@ class SchedulerConfig:
 class ParallelConfig:
     """How the model spreads over devices: parallel sizes and the executor.
 
-    ``data_parallel_size`` counts engine replicas (vLLM's); it is not part of ``world_size``.
+    ``data_parallel_size`` counts engine replicas (vLLM's); it is not part of ``world_size``:
+    each replica runs ``world_size`` workers of its own (``-dp 2 -tp 2``: 4 worker processes).
+    ``data_parallel_rank``: the replica this configuration belongs to (set by the replica's
+    engine process; its workers take the machine's units ``data_parallel_rank x world_size``
+    onwards: see ``local_rank_offset``).
 
     ``distributed_executor_backend``: ``"uni"`` (one worker in the engine's process),
     ``"mp"`` (one worker process per rank), ``"ray"`` (one Ray actor per rank, on the nodes
@@ -348,10 +352,24 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: Union[str, type, None] = None
     data_parallel_size: int = 1
+    data_parallel_rank: int = 0
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def local_world_size(self) -> int:
+        """Worker processes on this machine over all data-parallel replicas (one machine
+        hosts all of them: ``data_parallel_size x world_size``)."""
+        return self.data_parallel_size * self.world_size
+
+    @property
+    def local_rank_offset(self) -> int:
+        """The machine-local rank of this replica's first worker: its workers are local
+        ranks ``offset .. offset + world_size - 1`` of ``local_world_size`` (their cores on
+        CPU, their devices on CUDA: ``Platform.bind_worker``)."""
+        return self.data_parallel_rank * self.world_size
 
     @property
     def output_rank(self) -> int:
@@ -364,21 +382,22 @@ class ParallelConfig:
         and the vocabulary (no padding) by it, and KV heads by it or it by them (each KV
         head then held by ``tp / num_kv_heads`` ranks, as vLLM); that each of the
         ``pipeline_parallel_size`` stages gets at least one layer; and that data-parallel
-        replicas do not also have several workers (not built yet).
+        replicas with several workers each use the multiprocess executor (their workers are
+        placed on this machine).
 
         Raises:
-            ValueError: naming the sizes that do not divide, more stages than layers, or both
-                data and tensor parallelism.
+            ValueError: naming the sizes that do not divide, more stages than layers, or
+                replicas of several workers on Ray.
         """
         tp = self.tensor_parallel_size
         if tp < 1 or self.pipeline_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size ({tp}) and pipeline_parallel_size ({self.pipeline_parallel_size}) must be at least 1."
             )
-        if self.data_parallel_size > 1 and self.world_size > 1:
+        if self.data_parallel_size > 1 and self.world_size > 1 and self.distributed_executor_backend == "ray":
             raise ValueError(
-                f"data_parallel_size {self.data_parallel_size} with tensor_parallel_size {tp} is not supported yet "
-                f"(replicas and their workers are not placed together yet); use one of them."
+                f"data_parallel_size {self.data_parallel_size} with the Ray executor is not supported yet "
+                f"(replicas place their workers on this machine); use distributed_executor_backend 'mp'."
             )
         hf = model_config.hf_config
         num_heads, num_kv_heads, vocab = hf.num_attention_heads, model_config.num_kv_heads, model_config.vocab_size
@@ -945,11 +964,6 @@ class EngineArgs:
             data_parallel_size=self.data_parallel_size,
         )
         parallel_config.verify_with_model_config(model_config)
-        if self.enable_lora and parallel_config.tensor_parallel_size > 1:
-            raise ValueError(
-                f"enable_lora with tensor_parallel_size {self.tensor_parallel_size} is not supported yet "
-                f"(adapters are not split across ranks); use tensor_parallel_size 1."
-            )
         if self.speculative_config is not None and parallel_config.pipeline_parallel_size > 1:
             raise ValueError(
                 f"speculative_config with pipeline_parallel_size {self.pipeline_parallel_size} is not supported yet "

@@ -28,6 +28,14 @@ LINEAR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.we
 #: skipped on a CUDA machine.
 cpu_only = pytest.mark.skipif(not current_platform.is_cpu, reason="a CPU-only path")
 
+def as_tensor_parallel_rank(monkeypatch, rank: int, world_size: int) -> None:
+    """Make this process see itself as ``rank`` of a tensor-parallel group of ``world_size``
+    (layers built now take that rank's part; no collective may run)."""
+    from pagedllm.distributed import parallel_state
+
+    monkeypatch.setattr(parallel_state, "_tp_group", parallel_state.GroupCoordinator(list(range(world_size)), rank))
+
+
 def rewrite_linear_weights(src: Path, out: Path, transform: Callable[[torch.Tensor], torch.Tensor]) -> Path:
     """A copy of checkpoint ``src`` in ``out`` with each linear weight W replaced by
     ``transform(W.float())`` (in W's dtype): e.g. a quantization format's dequantized weights."""

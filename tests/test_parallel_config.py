@@ -35,10 +35,16 @@ def test_sizes_that_do_not_split_name_the_numbers(tp, model, message):
         ParallelConfig(tensor_parallel_size=tp).verify_with_model_config(model)
 
 
-def test_data_and_tensor_parallelism_together_not_supported_yet():
-    with pytest.raises(ValueError, match="data_parallel_size 2 with tensor_parallel_size 2 is not supported yet"):
-        ParallelConfig(tensor_parallel_size=2, data_parallel_size=2).verify_with_model_config(_model(4, 2))
-    ParallelConfig(data_parallel_size=2).verify_with_model_config(_model(4, 2))
+def test_data_and_tensor_parallelism_together_place_workers_per_replica():
+    config = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=3, data_parallel_rank=2)
+    config.verify_with_model_config(_model(4, 2))
+    assert (config.local_world_size, config.local_rank_offset) == (12, 8)
+    assert (ParallelConfig().local_world_size, ParallelConfig().local_rank_offset) == (1, 0)
+    with pytest.raises(ValueError, match="data_parallel_size 2 with the Ray executor is not supported yet"):
+        ParallelConfig(
+            tensor_parallel_size=2, data_parallel_size=2, distributed_executor_backend="ray"
+        ).verify_with_model_config(_model(4, 2))
+    ParallelConfig(data_parallel_size=2, distributed_executor_backend="ray").verify_with_model_config(_model(4, 2))
 
 
 def test_pipeline_stages_need_a_layer_each():

@@ -206,7 +206,7 @@ class EngineCoreProc:
                 if isinstance(config, EngineArgs):
                     config = config.create_engine_config()
                 if dp_rank is not None:
-                    _place_replica(dp_rank, config.parallel_config.data_parallel_size)
+                    _place_replica(dp_rank, config)
                 self.engine_core = EngineCore(config)
             except BaseException as exc:
                 self._send(handshake, EngineCoreOutputType.FAILED, failure_from_exception(exc))
@@ -311,9 +311,22 @@ class EngineCoreProc:
         self.ctx.term()
 
 
-def _place_replica(rank: int, size: int) -> None:
+def _place_replica(rank: int, config: EngineConfig) -> None:
+    """Make this process data-parallel replica ``rank``: a replica of one worker runs the
+    model here and takes its share of the machine now (``place_engine_replica``); one of
+    several workers (``-dp N -tp M``) only schedules, and its workers, spawned by the
+    ``MultiprocExecutor``, take theirs (machine-local ranks from
+    ``ParallelConfig.local_rank_offset``)."""
     from pagedllm.platforms import current_platform
 
+    parallel = config.parallel_config
+    parallel.data_parallel_rank = rank
+    size = parallel.data_parallel_size
+    if parallel.world_size > 1:
+        logger.info("Data-parallel engine %d of %d: workers are local ranks %d-%d of %d.", rank, size,
+                    parallel.local_rank_offset, parallel.local_rank_offset + parallel.world_size - 1,
+                    parallel.local_world_size)
+        return
     placement = current_platform.place_engine_replica(rank, size)
     logger.info("Data-parallel engine %d of %d runs on %s.", rank, size, placement)
 

@@ -18,7 +18,10 @@ ever. A worker exits when its pipe closes (the executor's process died) or on
 
 Ranks on CPU are pinned to disjoint cores and on CUDA each gets one GPU
 (``Platform.bind_worker``, called by ``Worker.init_device``); they join ``torch.distributed``
-at ``tcp://127.0.0.1:<free port>``.
+at ``tcp://127.0.0.1:<free port>``. With data-parallel replicas (``-dp N -tp M``) each
+replica's executor spawns its own M workers with their own rendezvous port, as machine-local
+ranks ``dp_rank x M ..`` of ``N x M`` (``ParallelConfig.local_rank_offset``): replica d's
+workers take the d-th M of the N x M core sets (CPU) or devices ``d x M .. d x M + M - 1``.
 """
 
 from __future__ import annotations
@@ -79,7 +82,8 @@ def run_worker(config: EngineConfig, rank: int, local_rank: int, distributed_ini
     sends the shutdown call or closes the pipe. Replies ``(True, result)`` or ``(False,
     exception, traceback text)``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the executor decides
-    worker = Worker(config, rank, local_rank, distributed_init_method, is_driver_worker=rank == 0)
+    worker = Worker(config, rank, local_rank, distributed_init_method, is_driver_worker=rank == 0,
+                    local_world_size=config.parallel_config.local_world_size)
     while True:
         try:
             method, args, kwargs = pickle.loads(conn.recv_bytes())
@@ -105,18 +109,21 @@ def _picklable(exc: BaseException) -> BaseException:
 
 
 class MultiprocExecutor(Executor):
-    """Spawns ``world_size`` worker processes (rank = local rank on this one machine; the step
-    output is that of ``ParallelConfig.output_rank``) and calls them through pipes.
+    """Spawns ``world_size`` worker processes (local rank = ``local_rank_offset`` + rank on
+    this one machine; the step output is that of ``ParallelConfig.output_rank``) and calls
+    them through pipes.
 
     Raises (constructor):
-        ValueError: more workers than this machine has cores (CPU) or GPUs (CUDA).
+        ValueError: more workers (of all data-parallel replicas) than this machine has cores
+            (CPU) or GPUs (CUDA).
         Exception: what a worker raised while starting (set-up, loading the model), re-raised
             here with the worker's traceback as its cause; the workers are then stopped.
     """
 
     def _init_executor(self) -> None:
-        world_size = self.config.parallel_config.world_size
-        current_platform.check_worker_count(world_size)
+        parallel = self.config.parallel_config
+        world_size = parallel.world_size
+        current_platform.check_worker_count(parallel.local_world_size, parallel.data_parallel_size)
         init_method = f"tcp://127.0.0.1:{get_open_port()}"
         context = multiprocessing.get_context("spawn")
         self.workers: list[_WorkerHandle] = []
@@ -124,8 +131,8 @@ class MultiprocExecutor(Executor):
         for rank in range(world_size):
             conn, child_conn = context.Pipe(duplex=True)
             process = context.Process(
-                target=run_worker, args=(self.config, rank, rank, init_method, child_conn),
-                name=f"PagedLLMWorker-{rank}", daemon=True,
+                target=run_worker, args=(self.config, rank, parallel.local_rank_offset + rank, init_method, child_conn),
+                name=_worker_name(parallel.data_parallel_size, parallel.data_parallel_rank, rank), daemon=True,
             )
             process.start()
             child_conn.close()
@@ -248,6 +255,10 @@ class MultiprocExecutor(Executor):
                 worker.process.join(1.0)
             worker.conn.close()
         self.workers = []
+
+
+def _worker_name(dp_size: int, dp_rank: int, rank: int) -> str:
+    return f"PagedLLMWorker-{rank}" if dp_size == 1 else f"PagedLLMWorker-DP{dp_rank}-{rank}"
 
 
 def _name(method: RpcMethod) -> str:

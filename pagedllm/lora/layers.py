@@ -29,7 +29,14 @@ decoder layer of the 0.5B shape, 8 adapters of rank 16 on all 7 projections, 64 
 tokens, one thread: 9.2-10.5 ms in bf16 with a concatenated expand, 5.6-6.0 ms in float32
 with the expand written into y's slices). The slots cost 4 bytes per element.
 
-One device today (tensor-parallel size 1): A and B are whole.
+Tensor parallelism (vLLM's ``ColumnParallelLinearWithLoRA`` / ``RowParallelLinearWithLoRA``
+split): each rank keeps the part of A and B that matches its part of the base weight, as the
+layer reports it (``LinearBase.input_part`` / ``output_part``). Column-parallel (qkv, gate_up):
+A whole, B's rows (slice j's output features) cut as the weight's, so the rank computes its
+own output columns of the update (KV heads replicated over ranks: B's rows of the rank's
+head). Row-parallel (o, down): A's input columns cut as the weight's, B whole: the rank's
+``x_i A_i^T B^T`` is its partial sum of ``x A^T B^T``, added to its partial base output
+before the layer's all-reduce sums both, so no extra collective is needed.
 """
 
 from __future__ import annotations
@@ -80,7 +87,8 @@ class LoRALinearMethod(LinearMethodBase):
 
     Args:
         base: the layer's method, already applied to loaded weights.
-        layer: the linear layer (``input_size_per_partition``, ``output_partition_sizes``).
+        layer: the linear layer (``input_size_per_partition``, ``output_partition_sizes``,
+            this rank's ``input_part`` / ``output_part`` of the whole matrix).
         max_loras, max_lora_rank: slots and the padded rank R.
         mapping: the step's token groups, shared by every wrapped layer.
         device: of the A/B tensors (float32; see the module docstring).
@@ -96,6 +104,8 @@ class LoRALinearMethod(LinearMethodBase):
         self.output_sizes: list[int] = list(layer.output_partition_sizes)
         self.offsets = [sum(self.output_sizes[:j]) for j in range(len(self.output_sizes))]
         in_features = layer.input_size_per_partition
+        self.input_part = layer.input_part()
+        self.output_parts = [layer.output_part(j) for j in range(len(self.output_sizes))]
         self.lora_a = torch.zeros(max_loras, in_features, len(self.output_sizes) * max_lora_rank, device=device)
         self.lora_b = torch.zeros(max_loras, max_lora_rank, sum(self.output_sizes), device=device)
         self.use_kernel = current_platform.is_cpu and cpu_kernels.is_available()
@@ -116,23 +126,31 @@ class LoRALinearMethod(LinearMethodBase):
 
     def set_slot(self, slot: int, slices: list[Optional[tuple[torch.Tensor, torch.Tensor]]]) -> None:
         """Write one adapter into ``slot``: per output slice, (A [r, in], scaling * B [out_j, r])
-        or None (that slice has no update). Clears what the slot held.
+        of the whole matrix (all ranks), or None (that slice has no update); this rank keeps
+        its part (see the module docstring). Clears what the slot held.
 
         Raises:
             ValueError: a rank above ``max_lora_rank`` or a shape that does not fit.
         """
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
+        in_part, in_parts = self.input_part
+        in_features = self.lora_a.shape[1]
         for j, lora in enumerate(slices):
             if lora is None:
                 continue
             a, b = lora
             r = a.shape[0]
-            if r > self.max_lora_rank or a.shape[1] != self.lora_a.shape[1] or tuple(b.shape) != (self.output_sizes[j], r):
+            out_part, out_parts = self.output_parts[j]
+            out_features = self.output_sizes[j]
+            if (r > self.max_lora_rank or a.shape[1] != in_features * in_parts
+                    or tuple(b.shape) != (out_features * out_parts, r)):
                 raise ValueError(
                     f"LoRA slice {j}: A {list(a.shape)} / B {list(b.shape)} do not fit this layer "
-                    f"(in {self.lora_a.shape[1]}, out {self.output_sizes[j]}, rank <= {self.max_lora_rank})."
+                    f"(in {in_features * in_parts}, out {out_features * out_parts}, rank <= {self.max_lora_rank})."
                 )
+            a = a.narrow(1, in_part * in_features, in_features)
+            b = b.narrow(0, out_part * out_features, out_features)
             start = j * self.max_lora_rank
             self.lora_a[slot, :, start : start + r].copy_(a.T)
             offset = self.offsets[j]

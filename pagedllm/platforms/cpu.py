@@ -13,7 +13,7 @@ import torch
 
 from pagedllm.platforms.cpu_binding import BIND_ENV, available_cores, cores_for_rank
 from pagedllm.platforms.cpu_malloc import tune_malloc
-from pagedllm.platforms.interface import Platform
+from pagedllm.platforms.interface import Platform, worker_count_text
 
 #: Tokens in the CPU profiling run; the measured activation peak is scaled linearly to
 #: ``max_num_batched_tokens`` (activations grow linearly with tokens per step). 64, not more:
@@ -67,9 +67,9 @@ class CpuPlatform(Platform):
         after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return int(max(after - before, 0) * max_num_tokens / num_tokens)
 
-    def check_worker_count(self, world_size: int) -> None:
+    def check_worker_count(self, world_size: int, data_parallel_size: int = 1) -> None:
         """At least one core per worker process (under ``PAGEDLLM_CPU_OMP_THREADS_BIND``
-        ``auto``; an explicit binding is checked by the workers).
+        ``auto``; an explicit binding, which may share cores, is checked by the workers).
 
         Raises:
             ValueError: more workers than the cores this process may use.
@@ -77,8 +77,9 @@ class CpuPlatform(Platform):
         cores = available_cores()
         if os.environ.get(BIND_ENV, "auto") in ("", "auto") and world_size > len(cores):
             raise ValueError(
-                f"tensor_parallel_size x pipeline_parallel_size = {world_size} worker processes need at least "
-                f"one CPU core each, but this process may use {len(cores)} core(s)."
+                f"{worker_count_text(world_size, data_parallel_size)} worker processes need at least one CPU "
+                f"core each, but this process may use {len(cores)} core(s) (or set {BIND_ENV} to core lists "
+                f"that share cores)."
             )
 
     def bind_worker(self, local_rank: int, local_world_size: int) -> None:

@@ -9,6 +9,11 @@ do not compete for the same cores (vLLM's CPU worker does the same). The choice 
   (cores left over by the division stay unused);
 - ``nobind``: no pinning; every rank keeps the process's cores and torch's thread count;
 - explicit core lists, one per rank, separated by ``|``: ``"0-3|4-7"`` or ``"0,2|1,3"``.
+
+With data-parallel replicas of several workers (``-dp M -tp N``), ``local_world_size`` is
+M x N and replica d's rank r is local rank ``d x N + r`` (``ParallelConfig.local_rank_offset``):
+the automatic split gives every worker of every replica its own cores, and an explicit
+setting lists M x N core lists, replica by replica (vLLM's layout).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from pagedllm.platforms.interface import Platform
+from pagedllm.platforms.interface import Platform, worker_count_text
 
 
 class CudaPlatform(Platform):
@@ -34,19 +34,19 @@ class CudaPlatform(Platform):
         torch.cuda.set_device(rank)
         return f"cuda:{rank}"
 
-    def check_worker_count(self, world_size: int) -> None:
+    def check_worker_count(self, world_size: int, data_parallel_size: int = 1) -> None:
         """One visible GPU per worker process.
 
         Raises:
             ValueError: more workers than visible GPUs.
         """
         _require_devices(
-            world_size,
-            f"tensor_parallel_size x pipeline_parallel_size = {world_size} worker processes need one CUDA device each",
+            world_size, f"{worker_count_text(world_size, data_parallel_size)} worker processes need one CUDA device each"
         )
 
     def bind_worker(self, local_rank: int, local_world_size: int) -> None:
-        """Make GPU ``local_rank`` this process's current device."""
+        """Make GPU ``local_rank`` this process's current device (replica d of ``-dp N -tp M``:
+        its workers are local ranks, so devices, d x M .. d x M + M - 1)."""
         torch.cuda.set_device(local_rank)
 
     def check_free_memory(self, gpu_memory_utilization: float) -> None:

@@ -76,18 +76,20 @@ class Platform:
         """
         raise NotImplementedError
 
-    def check_worker_count(self, world_size: int) -> None:
-        """Refuse ``world_size`` worker processes on this machine when it cannot give each
-        its own device (GPU) or core (CPU).
+    def check_worker_count(self, world_size: int, data_parallel_size: int = 1) -> None:
+        """Refuse ``world_size`` worker processes on this machine (those of all
+        ``data_parallel_size`` replicas) when it cannot give each its own device (GPU) or
+        core (CPU).
 
         Raises:
-            ValueError: naming the number asked for and the number available.
+            ValueError: naming the numbers asked for and the number available.
         """
         raise NotImplementedError
 
     def bind_worker(self, local_rank: int, local_world_size: int) -> None:
         """Give the calling worker process its share of this machine: its device (GPU
-        ``local_rank``) or its cores (CPU); called once, first thing in ``Worker.init_device``."""
+        ``local_rank``) or its cores (CPU); called once, first thing in ``Worker.init_device``.
+        ``local_world_size`` counts the workers of every data-parallel replica on the machine."""
         raise NotImplementedError
 
     def use_shared_memory_collectives(self) -> bool:
@@ -113,3 +115,13 @@ class Platform:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def worker_count_text(world_size: int, data_parallel_size: int = 1) -> str:
+    """How ``world_size`` workers came about, for start-up errors:
+    ``"tensor_parallel_size x pipeline_parallel_size = 2"``, or with replicas
+    ``"data_parallel_size 2 x tensor_parallel_size x pipeline_parallel_size 2 = 4"``."""
+    if data_parallel_size == 1:
+        return f"tensor_parallel_size x pipeline_parallel_size = {world_size}"
+    return (f"data_parallel_size {data_parallel_size} x tensor_parallel_size x pipeline_parallel_size "
+            f"{world_size // data_parallel_size} = {world_size}")

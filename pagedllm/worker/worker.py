@@ -54,8 +54,9 @@ class Worker:
         distributed_init_method: ``tcp://host:port`` of rank 0 (None with one worker).
         is_driver_worker: whether this is rank 0 (the step's output comes from
             ``ParallelConfig.output_rank``, the same rank without pipeline parallelism).
-        local_world_size: how many workers share its machine (None: all of them, as with
-            ``MultiprocExecutor``; Ray's workers span machines).
+        local_world_size: how many workers share its machine (None: all ``world_size`` of
+            them; ``MultiprocExecutor`` counts every data-parallel replica's, Ray's workers
+            span machines).
     """
 
     def __init__(

@@ -295,7 +295,6 @@ def test_more_logprobs_than_openai_when_max_logprobs_allows(llm, tiny_llama):
     [
         ({"tensor_parallel_size": 3}, "tensor_parallel_size 3 does not divide the model's num_attention_heads 4"),
         ({"tensor_parallel_size": 8}, "tensor_parallel_size 8 does not divide the model's num_attention_heads 4"),
-        ({"tensor_parallel_size": 2, "enable_lora": True}, "enable_lora with tensor_parallel_size 2 is not supported"),
         ({"pipeline_parallel_size": 4}, "pipeline_parallel_size 4 exceeds the model's num_hidden_layers 2"),
         ({"data_parallel_size": 2}, r"data_parallel_size=2 is not supported yet offline \(LLM runs one engine core\); "
                                     r"serve the replicas behind one API server: pagedllm serve MODEL -dp 2\."),

@@ -10,20 +10,15 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from pagedllm.distributed import parallel_state
 from pagedllm.model_executor.layers import linear as linear_mod
 from pagedllm.model_executor.layers import vocab_parallel_embedding as vocab_mod
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
-
-
-def _as_rank(monkeypatch, rank: int, world_size: int) -> None:
-    """Make this process see itself as ``rank`` of a tensor-parallel group of ``world_size``."""
-    monkeypatch.setattr(parallel_state, "_tp_group", parallel_state.GroupCoordinator(list(range(world_size)), rank))
+from tests.helpers import as_tensor_parallel_rank
 
 
 @pytest.fixture
 def rank_1_of_2(monkeypatch):
-    _as_rank(monkeypatch, 1, 2)
+    as_tensor_parallel_rank(monkeypatch, 1, 2)
 
 
 def _rows(n: int, k: int, start: float = 0.0) -> torch.Tensor:
@@ -108,7 +103,7 @@ def test_rank_1_of_2_takes_its_rows_and_columns(rank_1_of_2):
 def test_kv_heads_replicated_when_ranks_outnumber_them(monkeypatch):
     q, k = _rows(8, 8), _rows(4, 8, 100)
     for rank, kv_rows in [(0, k[:2]), (1, k[:2]), (2, k[2:]), (3, k[2:])]:
-        _as_rank(monkeypatch, rank, 4)
+        as_tensor_parallel_rank(monkeypatch, rank, 4)
         layer = linear_mod.QKVParallelLinear(8, head_size=2, total_num_heads=4, total_num_kv_heads=2, bias=False)
         assert (layer.num_heads, layer.num_kv_heads, layer.num_kv_head_replicas) == (1, 1, 2)
         _load(layer, {"q": q, "k": k, "v": k})

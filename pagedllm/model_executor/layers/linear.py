@@ -401,6 +401,17 @@ class LinearBase(nn.Module):
         """Copy this rank's part of a checkpoint tensor into ``param`` (one of this layer's)."""
         raise NotImplementedError
 
+    def input_part(self) -> tuple[int, int]:
+        """(this rank's part, number of equal parts) of W's input features: (0, 1), all of
+        them, unless the layer is row-parallel. A LoRA A [r, in] is cut the same way."""
+        return 0, 1
+
+    def output_part(self, index: int) -> tuple[int, int]:
+        """(this rank's part, number of equal parts) of fused matrix ``index``'s output
+        features: (0, 1), all of them, unless the layer is column-parallel. A LoRA B
+        [out, r] of that matrix is cut the same way."""
+        return 0, 1
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., input_size_per_partition] -> [..., output_size_per_partition], x's dtype."""
         return self.quant_method.apply(self, x, self.bias)
@@ -454,7 +465,7 @@ class ColumnParallelLinear(LinearBase):
         self.shard_ids: list[ShardId] = list(range(len(self.output_sizes)))
         self._create_weights(input_size, [divide(size, self.tp_size) for size in self.output_sizes], bias, bias_sharded=True)
 
-    def _shard_part(self, index: int) -> tuple[int, int]:
+    def output_part(self, index: int) -> tuple[int, int]:
         """(this rank's part, number of parts) of fused matrix ``index``'s checkpoint rows."""
         return self.tp_rank, self.tp_size
 
@@ -476,7 +487,7 @@ class ColumnParallelLinear(LinearBase):
         index = 0 if loaded_shard_id is None else self._shard_index(loaded_shard_id)
         offset = sum(self.output_partition_sizes[:index])
         param_data = param.data.narrow(output_dim, offset, self.output_partition_sizes[index])
-        load_weight_part(param_data, loaded_weight, output_dim, *self._shard_part(index))
+        load_weight_part(param_data, loaded_weight, output_dim, *self.output_part(index))
 
     def _shard_index(self, shard_id: ShardId) -> int:
         if shard_id not in self.shard_ids:
@@ -485,7 +496,7 @@ class ColumnParallelLinear(LinearBase):
 
     def _load_fused(self, param: nn.Parameter, loaded_weight: torch.Tensor, output_dim: int) -> None:
         """Load a checkpoint tensor holding every fused matrix, stacked, shard by shard."""
-        rows = [size * self._shard_part(i)[1] for i, size in enumerate(self.output_partition_sizes)]
+        rows = [size * self.output_part(i)[1] for i, size in enumerate(self.output_partition_sizes)]
         if loaded_weight.shape[output_dim] != sum(rows):
             raise ValueError(
                 f"Checkpoint tensor shape {tuple(loaded_weight.shape)}: dimension {output_dim} should be "
@@ -547,7 +558,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, sum(sizes), bias, output_sizes=sizes, **kwargs)
         self.shard_ids = ["q", "k", "v"]
 
-    def _shard_part(self, index: int) -> tuple[int, int]:
+    def output_part(self, index: int) -> tuple[int, int]:
         if index == 0:
             return self.tp_rank, self.tp_size
         return self.tp_rank // self.num_kv_head_replicas, self.tp_size // self.num_kv_head_replicas
@@ -579,7 +590,10 @@ class RowParallelLinear(LinearBase):
         Raises:
             ValueError: a wrong shape.
         """
-        load_weight_part(param.data, loaded_weight, getattr(param, "input_dim", None), self.tp_rank, self.tp_size)
+        load_weight_part(param.data, loaded_weight, getattr(param, "input_dim", None), *self.input_part())
+
+    def input_part(self) -> tuple[int, int]:
+        return self.tp_rank, self.tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., input_size_per_partition] -> [..., output_size], x's dtype (this rank's

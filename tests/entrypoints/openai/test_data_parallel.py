@@ -15,23 +15,19 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import openai
 import psutil
 import pytest
 
 from tests.entrypoints.openai.conftest import MODEL_NAME
+from tests.entrypoints.openai.parallel_serving import MAX_TOKENS, check_every_replica_served, complete_all, settled_metrics
 from tests.helpers import cpu_only
 from tests.server_utils import RemoteServer
 
 CPUS = sorted(os.sched_getaffinity(0))
 # NOTE: CPU placement (one core share per replica); on CUDA each replica needs its own device.
 pytestmark = [cpu_only, pytest.mark.skipif(len(CPUS) < 2, reason="two replicas need two CPUs")]
-
-#: Prompts of 3 to 40 tokens: some share no full block, some share their first block.
-PROMPTS = [list(range(10 + i, 13 + 2 * i)) for i in range(12)] + [list(range(50, 66)) + [i] for i in range(4)]
-MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
@@ -43,45 +39,15 @@ def dp_server(tiny_llama):
         remote.close()
 
 
-async def _complete_all(client: openai.AsyncOpenAI) -> list[tuple[str, int]]:
-    async def one(prompt: list[int]) -> tuple[str, int]:
-        reply = await client.completions.create(
-            model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True}
-        )
-        return reply.choices[0].text, reply.usage.completion_tokens
-
-    return list(await asyncio.gather(*(one(prompt) for prompt in PROMPTS)))
-
-
-def _settled(server: RemoteServer) -> dict[str, float]:
-    deadline = time.monotonic() + 5.0
-    while True:
-        metrics = server.metrics(by_engine=True)
-        busy = sum(v for k, v in metrics.items() if k.startswith(("pagedllm:num_requests_running{", "pagedllm:num_requests_waiting{")))
-        if not busy or time.monotonic() > deadline:
-            return metrics
-        time.sleep(0.05)
-
-
 def test_both_replicas_serve_and_match_one_engine(dp_server, server):
     affinities = sorted(psutil.Process(pid).cpu_affinity() for pid in dp_server.engine_pids())
     assert len(affinities) == 2 and not set(affinities[0]) & set(affinities[1])  # disjoint CPU shares
     assert sorted(affinities[0] + affinities[1]) == CPUS
-    before = _settled(dp_server)
-    replies = asyncio.run(_complete_all(dp_server.async_client(timeout=60)))
-    expected = asyncio.run(_complete_all(server.async_client(timeout=60)))
+    before = settled_metrics(dp_server)
+    replies = asyncio.run(complete_all(dp_server.async_client(timeout=60)))
+    expected = asyncio.run(complete_all(server.async_client(timeout=60)))
     assert replies == expected and all(tokens == MAX_TOKENS for _, tokens in replies)
-    after = _settled(dp_server)
-
-    def delta(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
-
-    finished = [delta(f"pagedllm:request_success_total{{engine={e},finished_reason=length}}") for e in "01"]
-    generated = [delta(f"pagedllm:generation_tokens_total{{engine={e}}}") for e in "01"]
-    assert min(finished) > 0 and sum(finished) == len(PROMPTS)  # both replicas used, each request once
-    assert generated == [n * MAX_TOKENS for n in finished]
-    assert sum(delta(f"pagedllm:prompt_tokens_total{{engine={e}}}") for e in "01") == sum(map(len, PROMPTS))
-    assert all(after[f"pagedllm:kv_cache_usage_perc{{engine={e}}}"] == 0.0 for e in "01")
+    check_every_replica_served(before, settled_metrics(dp_server), 2)
 
 
 async def _stream_until_failure(client: openai.AsyncOpenAI, started: asyncio.Event) -> BaseException:

@@ -4,13 +4,10 @@ process; a worker killed while the server is idle stops the server with exit sta
 
 from __future__ import annotations
 
-import os
-import signal
-import time
-
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from tests.entrypoints.openai.parallel_serving import kill_and_wait_for_exit
 from tests.helpers import can_host_workers, random_prompts
 from tests.server_utils import RemoteServer
 
@@ -36,11 +33,7 @@ def test_tp2_server_matches_one_process_and_exits_1_when_a_worker_dies(tiny_llam
             assert completion.usage.completion_tokens == MAX_TOKENS
         workers = server.worker_pids()
         assert len(workers) == 2
-        os.kill(workers[1], signal.SIGKILL)
-        killed = time.monotonic()
-        code = server.process.wait(timeout=60)
-        took = time.monotonic() - killed
-        log = server.log_text()
+        code, took, log = kill_and_wait_for_exit(server, workers[1])
     finally:
         server.close()
     assert code == 1, log
