@@ -449,7 +449,8 @@ def _add_vllm_engine_flags(engine: Any) -> None:
     engine.add_argument(
         "--data-parallel-size", "-dp", type=positive_int, default=1,
         help="Engine replicas behind this server, each in its own process (on CPU: its own share of the cores; on "
-        "CUDA: its own device); requests go to the least loaded one.",
+        "CUDA: its own device; with -tp/-pp: its own workers, -dp x -tp x -pp in all); requests go to the least "
+        "loaded one.",
     )  # fmt: skip
     engine.add_argument(
         "--distributed-executor-backend", default=None, choices=("ray", "mp", "uni", "external_launcher"),
