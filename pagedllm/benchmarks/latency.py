@@ -63,6 +63,7 @@ def run_iteration(engine: Any, tokenizer: Any, args: argparse.Namespace, seed: i
     started: set[str] = set()
     prefill_end = None
     decode_steps: list[float] = []
+    decode_request_steps = 0  # (request, decode step) pairs that produced tokens
     num_prefill_steps = 0
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
@@ -77,12 +78,14 @@ def run_iteration(engine: Any, tokenizer: Any, args: argparse.Namespace, seed: i
                 prefill_end = t1
         else:
             decode_steps.append(t1 - t0)
+            decode_request_steps += sum(1 for out in outputs if out.outputs and out.outputs[0].token_ids)
     end = time.perf_counter()
     return {
         "latency": end - start,
         "prefill_time": (prefill_end or end) - start,
         "num_prefill_steps": num_prefill_steps,
         "decode_steps": decode_steps,
+        "decode_request_steps": decode_request_steps,
     }
 
 
@@ -91,6 +94,13 @@ def decode_tokens_per_s(args: argparse.Namespace, iters: list[dict[str, Any]]) -
     decoding's several tokens per step count)."""
     decode_time = sum(sum(it["decode_steps"]) for it in iters)
     return args.batch_size * (args.output_len - 1) * len(iters) / decode_time if decode_time else 0.0
+
+
+def tokens_per_request_step(args: argparse.Namespace, iters: list[dict[str, Any]]) -> float:
+    """Decode tokens per request per step: 1.0 without speculative decoding, else the mean
+    acceptance length (accepted drafts + 1) over the decode steps, as vLLM defines it."""
+    request_steps = sum(it["decode_request_steps"] for it in iters)
+    return args.batch_size * (args.output_len - 1) * len(iters) / request_steps if request_steps else 0.0
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -130,6 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # Per step; with speculative decoding a step yields several tokens per request.
         "decode_token_latency_ms": {"mean": decode["mean"], "p50": decode["p50"], "p99": decode["p99"]},
         "decode_tokens_per_s": decode_tokens_per_s(args, iters),
+        "tokens_per_request_step": tokens_per_request_step(args, iters),
         "output_tokens_per_s": args.batch_size * args.output_len / avg_latency,
         "engine_args": {k: v for k, v in engine_kwargs(args).items() if k not in ("model", "tokenizer")},
         "machine": machine_info(),
@@ -150,7 +161,7 @@ def print_result(r: dict[str, Any]) -> None:
     print(f"Prefill: {r['prefill_time_s'] * 1000:.1f} ms ({r['prefill_tokens_per_s']:.1f} tokens/s, "
           f"{r['num_prefill_steps']} steps)")
     print(f"Decode step latency: mean {d['mean']:.2f} ms, p50 {d['p50']:.2f} ms, p99 {d['p99']:.2f} ms "
-          f"-> {r['decode_tokens_per_s']:.1f} tokens/s")
+          f"-> {r['decode_tokens_per_s']:.1f} tokens/s ({r['tokens_per_request_step']:.2f} tokens per request per step)")
     print(f"Output tokens/s (end to end): {r['output_tokens_per_s']:.1f}")
     comm_stats.print_stats(r.get("tensor_parallel_comm"))
 

@@ -25,8 +25,9 @@
 // inputs meets its NB outputs in NB / 16 512-bit registers: exactly the operand order of
 // AVX512-BF16's vdpbf16ps (acc[i] += a[2i] * b[2i] + a[2i+1] * b[2i+1]). Each thread takes
 // whole blocks (one sequential stream per core, prefetched 4 KB ahead). Rows
-// of x go four at a time, each weight register feeding four; a block's stream (at most
-// Kpad * 128 bytes, 622 KB for K = 4864) stays in L2 for the next four rows.
+// of x go up to 8 (32-output blocks) or 6 (64-output blocks) at a time, each weight register
+// feeding them all; a block's stream (at most Kpad * 128 bytes, 622 KB for K = 4864) stays
+// in L2 for the next rows.
 //
 // Source of the layout: oneDNN's memory format tags (oneDNN developer guide, "Memory Format
 // Propagation" and dnnl_format_tag_t); the kernel reads the memory through the
@@ -114,6 +115,26 @@ void block_rows(const uint16_t* w, const uint16_t* x, int64_t x_stride, int64_t 
 }  // namespace
 
 #if defined(__AVX512BF16__)
+// Rows of x per pass over a block: R rows keep R * NB / 16 accumulators and NB / 16 weight
+// registers live (of 32 zmm), so 8 rows for 32-output blocks, 6 for 64-output ones. One pass
+// for up to kMaxRows<NB> rows matters for speculative decoding's verifying step (1 + k rows
+// at batch 1): with four rows per pass, 5 rows took two passes, the second with only NB / 16
+// dependency chains, and cost ~1.9x one row; in one pass the block's stream is read once and
+// the dot products stay hidden behind it.
+template <int NB>
+constexpr int kMaxRows = NB == 32 ? 8 : 6;
+
+// Rows [r, r + R) of x against one block, R = rows (1 .. kMaxRows<NB>), by a switch over
+// the instantiated row counts.
+template <int NB, int R = kMaxRows<NB>>
+void block_rows_n(int rows, const uint16_t* w, const uint16_t* x, int64_t x_stride, int64_t npairs, const float* bias,
+                  c10::BFloat16* y, int64_t y_stride, int64_t n_valid) {
+  if constexpr (R >= 1) {
+    if (rows == R) return block_rows<NB, R>(w, x, x_stride, npairs, bias, y, y_stride, n_valid);
+    block_rows_n<NB, R - 1>(rows, w, x, x_stride, npairs, bias, y, y_stride, n_valid);
+  }
+}
+
 // Every NB-output block of the weight against the rows of x, blocks split over the threads.
 template <int NB>
 void all_blocks(const uint16_t* w, const uint16_t* xp, int64_t m, int64_t x_stride, int64_t npairs, int64_t k_pad,
@@ -123,13 +144,9 @@ void all_blocks(const uint16_t* w, const uint16_t* xp, int64_t m, int64_t x_stri
       const uint16_t* wb = w + nb * k_pad * NB;
       const int64_t n0 = nb * NB, n_valid = std::min<int64_t>(NB, n - n0);
       const float* b = bp ? bp + n0 : nullptr;
-      int64_t r = 0;
-      for (; r + 4 <= m; r += 4) block_rows<NB, 4>(wb, xp + r * x_stride * 2, x_stride, npairs, b, yp + r * n + n0, n, n_valid);
-      switch (m - r) {
-        case 3: block_rows<NB, 3>(wb, xp + r * x_stride * 2, x_stride, npairs, b, yp + r * n + n0, n, n_valid); break;
-        case 2: block_rows<NB, 2>(wb, xp + r * x_stride * 2, x_stride, npairs, b, yp + r * n + n0, n, n_valid); break;
-        case 1: block_rows<NB, 1>(wb, xp + r * x_stride * 2, x_stride, npairs, b, yp + r * n + n0, n, n_valid); break;
-        default: break;
+      for (int64_t r = 0; r < m; r += kMaxRows<NB>) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows<NB>, m - r));
+        block_rows_n<NB>(rows, wb, xp + r * x_stride * 2, x_stride, npairs, b, yp + r * n + n0, n, n_valid);
       }
     }
   });
