@@ -4,13 +4,17 @@ The draft has its own paged KV cache, with as many blocks as the target's and ad
 by the same block tables and slot mapping, so the scheduler manages one set of blocks for
 both (sized together: ``pagedllm.worker.kv_cache_sizing``). Each step:
 
-1. ``forward_step``: the draft runs over the same tokens as the target (prompt chunks,
-   last tokens and the drafts under verification), with the target's attention metadata,
-   so its cache holds every position the target's does;
-2. ``propose``: for each request that sampled, starting from its newest token at position
-   P, k single-token steps write positions P .. P + k - 1 (the scheduler reserved these
-   lookahead slots) and yield the drafts for P + 1 .. P + k. Slots of drafts that the
-   target later rejects are overwritten by the next step, in both caches.
+1. ``forward_step`` (once the target's step is verified): one forward of the draft over,
+   per request of the step, the positions its cache lacks: prompt chunks, and for a
+   request that sampled, everything up to its newest token at position N - 1, whose logits
+   give its first draft. Positions that the draft's own previous proposals wrote with the
+   tokens now known (in the same slots) are not recomputed: after a verifying step with m
+   of k drafts accepted that is only the newest token (or, with all k accepted, the last
+   draft and the newest token). Running the draft over every verified position again, as
+   well as over the newest token, costs one draft forward per step more;
+2. ``propose``: k - 1 single-token steps at positions N .. N + k - 2 yield drafts
+   2 .. k (the scheduler reserved these lookahead slots). Slots of drafts that the target
+   later rejects are rewritten by the next step, in both caches.
 
 A row proposes greedily (a deterministic proposal, verified by
 ``rejection_sampler.num_accepted_matching``) or, given a temperature, samples each draft
@@ -52,6 +56,13 @@ class TargetStep:
         sample_indices: [R] int64, for each request that sampled, the index in T of its
             last accepted position (the position before its newest token).
         sample_rows: [R] int64, those requests' batch rows.
+        rows: [Q] int64, the batch rows of every request in the step, in step order.
+        num_computed: [Q] int64, each one's computed tokens before the step.
+        num_scheduled: [Q] int64, each one's tokens in the step.
+        token_ids: [max_num_reqs, max_model_len] int64, the batch's token ids (the step's
+            accepted and newly sampled tokens appended).
+        num_tokens: [max_num_reqs] int64, the batch's known tokens per row.
+        block_table: [max_num_reqs, max_blocks] int64, the batch's block ids per row.
     """
 
     input_ids: torch.Tensor
@@ -61,6 +72,12 @@ class TargetStep:
     metadata: AttentionMetadata
     sample_indices: np.ndarray
     sample_rows: np.ndarray
+    rows: np.ndarray
+    num_computed: np.ndarray
+    num_scheduled: np.ndarray
+    token_ids: np.ndarray
+    num_tokens: np.ndarray
+    block_table: np.ndarray
 
 
 class DraftModelProposer:
@@ -78,6 +95,12 @@ class DraftModelProposer:
         self.k = speculative_config.num_speculative_tokens
         self.block_size = block_size
         self.device = device
+        # Per batch row: the positions, slots and tokens its last proposal wrote into the
+        # draft's cache ([n] int64 each), so ``forward_step`` skips those that still hold.
+        self._written: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        # Per batch row that sampled in the last ``forward_step``: its index in _first_logits.
+        self._first_rows: dict[int, int] = {}
+        self._first_logits = torch.empty(0)
 
     def load_model(self, attn_backend: type[AttentionBackend], metadata_builder: AttentionMetadataBuilder) -> None:
         """Load the draft's weights with the target's attention backend (one metadata for
@@ -101,18 +124,67 @@ class DraftModelProposer:
         bind_kv_caches(self.attention_layers, num_blocks, self.block_size, self.model_config.dtype, self.device)
 
     def forward_step(self, step: TargetStep) -> None:
-        """Write the KV of the step's tokens (the target's ids and positions) into the
-        draft's cache, with the target's attention metadata."""
-        with set_forward_context(step.metadata):
-            self.model(step.input_ids, step.positions)
+        """Bring the draft's cache up to each of the step's requests' known tokens and keep
+        the logits at each sampling request's newest token (see the module docstring)."""
+        bs = self.block_size
+        sampled = set(step.sample_rows.tolist())
+        starts, ends = [], []
+        for row, computed, scheduled in zip(step.rows.tolist(), step.num_computed.tolist(),
+                                            step.num_scheduled.tolist()):
+            end = int(step.num_tokens[row]) if row in sampled else computed + scheduled
+            start = computed + self._still_written(row, computed, end - (row in sampled), step)
+            starts.append(start)
+            ends.append(end)
+        starts_a = np.array(starts, dtype=np.int64)
+        lens = np.array(ends, dtype=np.int64) - starts_a
+        if not lens.any():
+            self._first_rows = {}
+            return
+        # Single-token requests first (the metadata's decodes), then the others.
+        order = np.argsort(lens != 1, kind="stable")
+        order = order[lens[order] > 0]
+        rows, starts_a, lens = step.rows[order], starts_a[order], lens[order]
+        cu = np.cumsum(lens)
+        token_req = np.repeat(np.arange(len(rows)), lens)
+        positions = starts_a[token_req] + np.arange(int(cu[-1])) - (cu - lens)[token_req]
+        token_rows = rows[token_req]
+        seq_lens = starts_a + lens
+        width = -(-int(seq_lens.max()) // bs)
+        metadata = self.metadata_builder.build(CommonAttentionMetadata(
+            query_start_loc=np.concatenate(([0], cu)),
+            seq_lens=seq_lens,
+            num_computed_tokens=starts_a,
+            block_table=step.block_table[rows, :width],
+            slot_mapping=step.block_table[token_rows, positions // bs] * bs + positions % bs,
+            num_decodes=int((lens == 1).sum()),
+        ))
+        sample_order = np.flatnonzero(np.isin(rows, step.sample_rows))
+        with set_forward_context(metadata):
+            hidden = self.model(self._to_device(step.token_ids[token_rows, positions]), self._to_device(positions))
+        self._first_rows = {int(rows[i]): j for j, i in enumerate(sample_order.tolist())}
+        self._first_logits = self.model.compute_logits(hidden[self._to_device(cu[sample_order] - 1)])
+
+    def _still_written(self, row: int, computed: int, end: int, step: TargetStep) -> int:
+        """How many of ``row``'s positions from ``computed`` (up to ``end``) its last proposal
+        wrote with the tokens now known there, into the slots they now have."""
+        written = self._written.pop(row, None)
+        if written is None:
+            return 0
+        positions, slots, tokens = written
+        n = min(len(positions), end - computed)
+        if n <= 0 or positions[0] != computed:
+            return 0
+        now = positions[:n]
+        now_slots = step.block_table[row, now // self.block_size] * self.block_size + now % self.block_size
+        same = (step.token_ids[row, now] == tokens[:n]) & (now_slots == slots[:n])
+        return n if same.all() else int(np.argmin(same))
 
     def propose(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray, block_table: np.ndarray,
                 temperature: np.ndarray) -> tuple[list[list[int]], dict[int, torch.Tensor]]:
-        """k drafts for each of batch ``rows``.
+        """k drafts for each of batch ``rows`` (all sampled in the last ``forward_step``).
 
         Args:
-            rows: [R] int64 batch rows whose newest token (at ``num_tokens[row] - 1``) is
-                not yet in the draft's cache.
+            rows: [R] int64 batch rows.
             token_ids: [max_num_reqs, max_model_len] int64 token ids of all rows.
             num_tokens: [max_num_reqs] int64 known tokens per row.
             block_table: [max_num_reqs, max_blocks] int64 block ids per row.
@@ -122,26 +194,46 @@ class DraftModelProposer:
             per row, its k drafts; and for each index i of ``rows`` that sampled, the
             [k, V] float32 distributions its drafts were drawn from.
         """
-        last = num_tokens[rows] - 1
-        ids = torch.from_numpy(token_ids[rows, last]).to(self.device)
+        newest = num_tokens[rows] - 1
+        logits = self._first_logits[self._to_device(np.array([self._first_rows[r] for r in rows.tolist()]))]
         sampled = np.flatnonzero(temperature > 0)
+        sampled_t = self._to_device(sampled)
         scale = self._to_device(temperature[sampled].astype(np.float32)).unsqueeze(1)
         drafts, probs = [], []
         for step in range(self.k):
-            # Past max_model_len no draft can be verified: the last slot takes the writes.
-            positions = np.minimum(last + step, self.model_config.max_model_len - 1)
-            metadata = decode_metadata(self.metadata_builder, positions, block_table[rows], self.block_size)
-            with set_forward_context(metadata):
-                logits = self.model.compute_logits(self.model(ids, self._to_device(positions)))
+            if step:
+                # Past max_model_len no draft can be verified: the last slot takes the writes.
+                positions = np.minimum(newest + step, self.model_config.max_model_len - 1)
+                metadata = decode_metadata(self.metadata_builder, positions, block_table[rows], self.block_size)
+                with set_forward_context(metadata):
+                    logits = self.model.compute_logits(self.model(ids, self._to_device(positions)))
             ids = greedy_sample(logits)
             if len(sampled):
-                q = torch.softmax(logits[self._to_device(sampled)].float() / scale, dim=-1)
-                ids[self._to_device(sampled)] = torch.multinomial(q, 1).squeeze(1)
+                q = torch.softmax(logits[sampled_t].float() / scale, dim=-1)
+                ids[sampled_t] = torch.multinomial(q, 1).squeeze(1)
                 probs.append(q)
             drafts.append(ids)
+        draft_ids = torch.stack(drafts, dim=1).numpy(force=True)
+        self._remember_written(rows, newest, draft_ids, token_ids, block_table)
         q_by_row = torch.stack(probs, dim=1) if probs else None
-        return (torch.stack(drafts, dim=1).tolist(),
+        return (draft_ids.tolist(),
                 {} if q_by_row is None else dict(zip(sampled.tolist(), q_by_row.unbind(0))))
+
+    def _remember_written(self, rows: np.ndarray, newest: np.ndarray, draft_ids: np.ndarray, token_ids: np.ndarray,
+                          block_table: np.ndarray) -> None:
+        """Record what the draft's cache now holds past each row's known tokens: its newest
+        token at ``newest`` and drafts 1 .. k - 1 after it ([R, k] ``draft_ids``), the last
+        slot before max_model_len excepted (clamped writes land there)."""
+        bs = self.block_size
+        for i, row in enumerate(rows.tolist()):
+            positions = np.arange(newest[i], min(newest[i] + self.k, self.model_config.max_model_len - 1))
+            tokens = np.concatenate(([token_ids[row, newest[i]]], draft_ids[i, : self.k - 1]))[: len(positions)]
+            slots = block_table[row, positions // bs] * bs + positions % bs
+            self._written[row] = (positions, slots, tokens)
+
+    def discard(self, row: int) -> None:
+        """Forget what the last proposal for batch ``row`` wrote (its request is gone)."""
+        self._written.pop(row, None)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)

@@ -46,9 +46,8 @@ class EagleProposer(DraftModelProposer):
     def __init__(self, speculative_config: SpeculativeConfig, block_size: int, device: torch.device) -> None:
         super().__init__(speculative_config, block_size, device)
         self.aux_layers = speculative_config.eagle_aux_hidden_state_layer_ids
-        # Per batch row that sampled in the last ``forward_step``: its first draft and the
-        # head's feature for the next position.
-        self._first_rows: dict[int, int] = {}
+        # Per batch row that sampled in the last ``forward_step`` (``_first_rows``): its first
+        # draft and the head's feature for the next position.
         self._first_ids = torch.empty(0, dtype=torch.int64)
         self._first_hidden = torch.empty(0)
 

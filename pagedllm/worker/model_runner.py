@@ -196,6 +196,8 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
         for req_id in so.finished_req_ids:
+            if isinstance(self.proposer, DraftModelProposer) and req_id in batch.requests:
+                self.proposer.discard(batch.requests[req_id].row)
             batch.remove_request(req_id)
             self._draft_probs.pop(req_id, None)
         for new in so.scheduled_new_reqs:
@@ -283,6 +285,7 @@ class ModelRunner:
             self.proposer.forward_step(TargetStep(
                 input_ids_t, positions_t, self._to_device(batch.token_ids[token_rows, next_positions]), hidden,
                 metadata, logits_indices[np.array(last_accepted, dtype=np.int64)], rows[np.unique(sample_reqs)],
+                rows, computed, num_sched, batch.token_ids, batch.num_tokens, batch.block_table,
             ))
         if self.pp.world_size > 1:
             self.pp.broadcast_object(sampled_token_ids, src=self.pp.world_size - 1)
