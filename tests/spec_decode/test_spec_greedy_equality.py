@@ -5,6 +5,11 @@ caching on (a second pass hits blocks written while verifying drafts) and off.""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from pagedllm import LLM, SamplingParams
@@ -79,6 +84,19 @@ def test_draft_equal_to_target_accepts_everything(tiny_qwen2, tokenizer):
     prompts = random_prompts([5, 40, 90], len(tokenizer), seed=4)
     llm = float32_llm(tiny_qwen2, {"speculative_config": {"model": str(tiny_qwen2), "num_speculative_tokens": 4}})
     assert_every_draft_accepted(llm, tiny_qwen2, prompts)
+
+
+def test_constructed_ceiling_pair_accepts_everything(tiny_qwen2, tokenizer, tmp_path):
+    """benchmarks/make_spec_ceiling.py: a target whose layers after the first add nothing and a
+    one-layer draft equal to that layer accept every draft (the benchmark's ceiling row)."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "make_spec_ceiling.py"
+    subprocess.run([sys.executable, str(script), "--target", str(tiny_qwen2), "--out-target", str(tmp_path / "target"),
+                    "--out-draft", str(tmp_path / "draft")], check=True, capture_output=True)
+    assert json.loads((tmp_path / "draft" / "config.json").read_text())["num_hidden_layers"] == 1
+    prompts = random_prompts([5, 40, 90], len(tokenizer), seed=4)
+    llm = float32_llm(tmp_path / "target",
+                      {"speculative_config": {"model": str(tmp_path / "draft"), "num_speculative_tokens": 4}})
+    assert_every_draft_accepted(llm, tmp_path / "target", prompts)
 
 
 def assert_every_draft_accepted(llm: LLM, path, prompts: list[list[int]]) -> None:
