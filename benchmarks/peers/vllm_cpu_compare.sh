@@ -69,7 +69,7 @@ vllm lora --prompts "$WORK/random.json" --lora-path "$WORK/lora16" --num-loras 8
 for LORA in "" "--enable-lora --max-loras 8 --max-lora-rank 16 --lora-path $WORK/lora16 --num-loras 8"; do
   "$PY" -m pagedllm.entrypoints.cli bench throughput --model "$M" --dtype bfloat16 --num-threads "$THREADS" \
     --num-prompts "$NUM_PROMPTS" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --ignore-eos $LORA 2>&1 \
-    | grep -E '^Throughput|tokens/s|adapter' || true
+    | grep -E 'Throughput|LoRA adapters' || true
 done
 
 echo "== n-gram speculation, batch 1, $NGRAM_PROMPTS repeat prompts of $REPEAT_INPUT_LEN tokens, $OUTPUT_LEN out"
