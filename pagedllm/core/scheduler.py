@@ -18,6 +18,12 @@ budgets ``1 + k`` tokens for it and lists the drafts in
 ``SchedulerOutput.scheduled_spec_decode_tokens``. Drafts are not the request's tokens: the
 block manager never hashes them, and after the step ``num_computed_tokens`` is rolled back
 by the rejected ones, whose KV slots the next step overwrites.
+
+Micro-batches in flight (pipeline parallelism, ``pagedllm.engine.batch_queue``): a request
+stays *in flight* from the ``schedule`` that includes it to the ``update_from_output`` of
+that step, and is neither scheduled again meanwhile (its next token, or its next prompt
+chunk, waits for that step) nor chosen as a preemption victim. With one step at a time
+nothing is in flight while ``schedule`` runs, so this changes nothing there.
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ class Scheduler:
             model writes the KV of its proposals.
         structured_output_manager: compiles constraints and fills the step's token bitmask
             (structured outputs); None: a request with a constraint is refused.
+        use_pp: pipeline parallelism: each scheduled request's tokens of the step go in
+            ``CachedRequestData.new_token_ids`` (stages before the last sample nothing).
     """
 
     def __init__(
@@ -74,6 +82,7 @@ class Scheduler:
         max_loras: Optional[int] = None,
         speculative_config: Optional[SpeculativeConfig] = None,
         structured_output_manager: Optional[StructuredOutputManager] = None,
+        use_pp: bool = False,
     ) -> None:
         self.config = scheduler_config
         self.max_loras = max_loras
@@ -90,6 +99,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
+        self.use_pp = use_pp
+        # Ids of the requests in a scheduled step whose output is not back yet.
+        self.in_flight: set[str] = set()
         self.num_preemptions = 0
         self._num_preemptions_reported = 0
         # Highest number of requests running at once (for memory-efficiency checks).
@@ -110,9 +122,11 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def schedule(self) -> SchedulerOutput:
-        """Choose this step's requests and token counts, allocating their blocks."""
+    def schedule(self, max_num_reqs: Optional[int] = None) -> SchedulerOutput:
+        """Choose this step's requests and token counts, allocating their blocks; at most
+        ``max_num_reqs`` requests (None: ``max_num_seqs``; a micro-batch's share)."""
         now = time.time()
+        max_num_reqs = max_num_reqs or self.max_num_seqs
         token_budget = self.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -122,8 +136,11 @@ class Scheduler:
 
         waiting_for_grammar: list[Request] = []
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
+        while req_index < len(self.running) and token_budget > 0 and len(num_scheduled_tokens) < max_num_reqs:
             request = self.running[req_index]
+            if request.request_id in self.in_flight:
+                req_index += 1
+                continue
             num_known = request.num_tokens - request.num_computed_tokens
             num_new_tokens = min(num_known + len(request.spec_token_ids), token_budget)
             while True:
@@ -131,7 +148,7 @@ class Scheduler:
                     request, num_new_tokens, num_lookahead_tokens=self._lookahead(request.num_computed_tokens + num_new_tokens))
                 if new_blocks is not None:
                     break
-                victim = self.running.pop()
+                victim = self._preemption_victim(req_index)
                 self._preempt(victim, now)
                 preempted_any = True
                 if victim is request:
@@ -142,6 +159,9 @@ class Scheduler:
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append(new_ids)
             cached.num_computed_tokens.append(request.num_computed_tokens)
+            if self.use_pp:
+                start = request.num_computed_tokens
+                cached.new_token_ids.append(request.all_token_ids[start : start + min(num_new_tokens, num_known)])
             num_scheduled_tokens[request.request_id] = num_new_tokens
             if num_new_tokens > num_known:
                 spec_tokens[request.request_id] = request.spec_token_ids[: num_new_tokens - num_known]
@@ -156,6 +176,7 @@ class Scheduler:
             and self.waiting
             and token_budget > 0
             and len(self.running) < self.max_num_seqs
+            and len(num_scheduled_tokens) < max_num_reqs
         ):
             request = self.waiting[0]
             if request.status == RequestStatus.WAITING_FOR_GRAMMAR and not self._grammar_ready(request):
@@ -215,10 +236,25 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec_tokens,
         )
         self.finished_req_ids = set()
+        self.in_flight.update(num_scheduled_tokens)
         for req_id, num_tokens in num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
         self._add_grammar_bitmask(output)
         return output
+
+    def _preemption_victim(self, req_index: int) -> Request:
+        """Take out of ``running`` the newest request at ``req_index`` or after it (the
+        request being scheduled, or one not yet scheduled this step) that is not in flight:
+        freeing the blocks of an in-flight request would lose the output its step brings."""
+        for index in range(len(self.running) - 1, req_index - 1, -1):
+            if self.running[index].request_id not in self.in_flight:
+                return self.running.pop(index)
+        raise AssertionError("the request being scheduled is never in flight")
+
+    def has_schedulable_requests(self) -> bool:
+        """Whether a request waits, or runs without being in flight (another step may
+        include it now)."""
+        return bool(self.waiting) or any(r.request_id not in self.in_flight for r in self.running)
 
     def _lora_fits(self, lora_key: tuple[str, int, int], running_loras: set) -> bool:
         """Whether a request of adapter ``lora_key`` may start next to ``running_loras``."""
@@ -290,6 +326,7 @@ class Scheduler:
         spec_stats = SpecDecodingStats.new(self.num_spec_tokens) if self.num_spec_tokens else None
         outputs = [self._failed_grammar_output(request) for request in self._failed_grammar]
         self._failed_grammar = []
+        self.in_flight.difference_update(scheduler_output.num_scheduled_tokens)
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:

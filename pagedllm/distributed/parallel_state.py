@@ -80,6 +80,8 @@ class GroupCoordinator:
         self.world_size = len(ranks)
         self.device_group = device_group
         self.shm = shm
+        # (work, tensor) of the sends ``send_tensor_dict`` started and nobody waited for yet.
+        self._pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     @property
     def is_first_rank(self) -> bool:
@@ -120,14 +122,29 @@ class GroupCoordinator:
 
     # Pipeline parallelism: point-to-point between neighbouring stages.
     def send_tensor_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Send ``tensors`` (e.g. ``{"hidden_states", "residual"}``, each [T, hidden]) to the
-        next rank of the group, in key order; its ``recv_tensor_dict`` must expect the same
-        keys, shapes and dtypes."""
+        """Start sending ``tensors`` (e.g. ``{"hidden_states", "residual"}``, each [T, hidden])
+        to the next rank of the group, in key order, and return without waiting for them
+        (``isend``): the stage can run its next step while the next stage is still busy.
+        The sends of the previous call are waited for first, so at most one step's tensors
+        are in transit; its ``recv_tensor_dict`` must expect the same keys, shapes and dtypes.
+        The "send" stats count the bytes posted and the seconds spent posting and waiting."""
+        self.wait_sends()
         dst = self.ranks[self.rank_in_group + 1]
         for name in sorted(tensors):
             start = time.perf_counter()
-            dist.send(tensors[name].contiguous(), dst=dst, group=self.device_group)
-            _record("send", tensors[name], start)
+            tensor = tensors[name].contiguous()
+            self._pending_sends.append((dist.isend(tensor, dst=dst, group=self.device_group), tensor))
+            _record("send", tensor, start)
+
+    def wait_sends(self) -> None:
+        """Wait until the tensors of the last ``send_tensor_dict`` are sent."""
+        if not self._pending_sends:
+            return
+        start = time.perf_counter()
+        for work, _ in self._pending_sends:
+            work.wait()
+        self._pending_sends.clear()
+        _comm_stats.setdefault("send", CommStats()).seconds += time.perf_counter() - start
 
     def recv_tensor_dict(self, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> dict[str, torch.Tensor]:
         """The tensors the previous rank of the group sent with ``send_tensor_dict``:
@@ -141,15 +158,6 @@ class GroupCoordinator:
             dist.recv(out[name], src=src, group=self.device_group)
             _record("recv", out[name], start)
         return out
-
-    def broadcast_object(self, obj: object, src: int) -> object:
-        """``obj`` of the group's rank ``src`` (picklable), returned on every rank (the
-        others pass None)."""
-        if self.world_size == 1:
-            return obj
-        holder = [obj]
-        dist.broadcast_object_list(holder, src=self.ranks[src], group=self.device_group)
-        return holder[0]
 
     def destroy(self) -> None:
         if self.shm is not None:

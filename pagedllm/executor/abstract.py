@@ -10,8 +10,10 @@ calls from Ray actors on several machines (see ``worker/worker.py`` for the cont
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from typing import Any, Callable, Optional, Union
 
 from pagedllm.config import EngineConfig
@@ -24,6 +26,42 @@ RpcMethod = Union[str, Callable]
 
 #: ``distributed_executor_backend`` names that vLLM has and pagedllm does not yet.
 UNSUPPORTED_BACKENDS = ("external_launcher",)
+#: Micro-batches in flight with pipeline parallelism, 1 .. pipeline_parallel_size (default:
+#: pipeline_parallel_size); 1 runs one step at a time, to measure what micro-batches bring.
+PP_MAX_CONCURRENT_BATCHES_ENV = "PAGEDLLM_PP_MAX_CONCURRENT_BATCHES"
+
+
+class DeferredFuture(Future):
+    """A ``Future`` whose ``result()`` does the waiting itself, in the caller's thread
+    (``wait(timeout)`` returns the value or raises), once; no thread runs in the background."""
+
+    def __init__(self, wait: Callable[[Optional[float]], Any]) -> None:
+        super().__init__()
+        self._wait = wait
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        if not self.done():
+            try:
+                self.set_result(self._wait(timeout))
+            except BaseException as exc:  # re-raised below, as Future.result does
+                self.set_exception(exc)
+        return super().result()
+
+
+def pipeline_max_concurrent_batches(pipeline_parallel_size: int) -> int:
+    """Steps an executor of ``pipeline_parallel_size`` stages keeps in flight: one per stage
+    (vLLM's ``max_concurrent_batches``), or ``PAGEDLLM_PP_MAX_CONCURRENT_BATCHES`` when set
+    (at most one per stage).
+
+    Raises:
+        ValueError: the variable is set but not a positive integer.
+    """
+    value = os.environ.get(PP_MAX_CONCURRENT_BATCHES_ENV)
+    if not value:
+        return pipeline_parallel_size
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{PP_MAX_CONCURRENT_BATCHES_ENV}={value!r} must be a positive integer (steps in flight).")
+    return min(int(value), pipeline_parallel_size)
 
 
 def run_method(obj: Any, method: RpcMethod, args: tuple, kwargs: dict) -> Any:
@@ -117,10 +155,27 @@ class Executor(ABC):
             one result per worker, in rank order.
         """
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps the engine core may have in flight at once (``execute_model`` with
+        ``non_block``): one per pipeline stage (1 without pipeline parallelism; see
+        ``pipeline_max_concurrent_batches``)."""
+        return pipeline_max_concurrent_batches(self.config.parallel_config.pipeline_parallel_size)
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> Union[ModelRunnerOutput, Future]:
         """Run one step on every worker; the output of ``ParallelConfig.output_rank`` (tensor
-        rank 0 of the last pipeline stage; rank 0 without pipeline parallelism)."""
-        return self.collective_rpc("execute_model", args=(scheduler_output,))[self.config.parallel_config.output_rank]
+        rank 0 of the last pipeline stage; rank 0 without pipeline parallelism), or with
+        ``non_block`` a ``Future`` of it (vLLM's signature). Here the step runs before
+        returning either way; ``MultiprocExecutor`` and ``RayDistributedExecutor`` return
+        at once, and their workers run the steps in the order they were submitted."""
+        output = self.collective_rpc("execute_model", args=(scheduler_output,))[self.config.parallel_config.output_rank]
+        if not non_block:
+            return output
+        future: Future = Future()
+        future.set_result(output)
+        return future
 
     def check_health(self) -> None:
         """Raise if a worker can no longer answer (the engine core checks while idle).

@@ -16,6 +16,12 @@ raises ``WorkerDeadError`` naming the rank, pid and exit status, instead of wait
 ever. A worker exits when its pipe closes (the executor's process died) or on
 ``shutdown``.
 
+Calls may overlap (``execute_model(..., non_block=True)``, pipeline parallelism): a
+thread in each worker reads its pipe into a queue as calls arrive, so the executor's
+writes never wait for a busy worker; the worker runs them in order and answers each in
+order, and the executor matches each answer to the oldest call that rank has not
+answered yet. So stage 0 starts step 2 while stage 1 still runs step 1.
+
 Ranks on CPU are pinned to disjoint cores and on CUDA each gets one GPU
 (``Platform.bind_worker``, called by ``Worker.init_device``); they join ``torch.distributed``
 at ``tcp://127.0.0.1:<free port>``. With data-parallel replicas (``-dp N -tp M``) each
@@ -29,16 +35,27 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import pickle
+import queue
 import signal
+import threading
 import time
 import traceback
-from dataclasses import dataclass
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.utils import get_open_port
-from pagedllm.executor.abstract import Executor, RpcMethod, run_method
+from pagedllm.executor.abstract import (
+    DeferredFuture,
+    Executor,
+    RpcMethod,
+    run_method,
+)
+from pagedllm.messages.runner_output import ModelRunnerOutput
+from pagedllm.messages.sched_output import SchedulerOutput
 from pagedllm.platforms import current_platform
 from pagedllm.worker.worker import Worker
 
@@ -77,18 +94,41 @@ class _WorkerHandle:
         return f"exit code {code}"
 
 
+@dataclass
+class _Call:
+    """One call written to every worker: its answers so far (by rank) and the ranks that
+    have not answered yet."""
+
+    method: RpcMethod
+    results: list
+    pending: set[int] = field(default_factory=set)
+
+
+def _read_calls(conn: Connection, calls: queue.SimpleQueue) -> None:
+    """Move the executor's calls from ``conn`` to ``calls`` as they arrive; None once the
+    pipe closes (the executor's process is gone)."""
+    while True:
+        try:
+            calls.put(conn.recv_bytes())
+        except (EOFError, OSError):
+            calls.put(None)
+            return
+
+
 def run_worker(config: EngineConfig, rank: int, local_rank: int, distributed_init_method: str, conn: Connection) -> None:
-    """Entry point of a worker process: answer the executor's calls on ``conn`` until it
-    sends the shutdown call or closes the pipe. Replies ``(True, result)`` or ``(False,
-    exception, traceback text)``."""
+    """Entry point of a worker process: answer the executor's calls on ``conn``, in order,
+    until it sends the shutdown call or closes the pipe. Replies ``(True, result)`` or
+    ``(False, exception, traceback text)``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the executor decides
     worker = Worker(config, rank, local_rank, distributed_init_method, is_driver_worker=rank == 0,
                     local_world_size=config.parallel_config.local_world_size)
+    calls: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_read_calls, args=(conn, calls), name="PagedLLMWorkerCalls", daemon=True).start()
     while True:
-        try:
-            method, args, kwargs = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            break  # the executor's process is gone
+        payload = calls.get()
+        if payload is None:
+            break
+        method, args, kwargs = pickle.loads(payload)
         if method == _SHUTDOWN:
             worker.shutdown()
             conn.send((True, None))
@@ -128,6 +168,8 @@ class MultiprocExecutor(Executor):
         context = multiprocessing.get_context("spawn")
         self.workers: list[_WorkerHandle] = []
         self._failure: Optional[BaseException] = None
+        # Calls written to the workers and not answered by all of them, oldest first.
+        self._calls: deque[_Call] = deque()
         for rank in range(world_size):
             conn, child_conn = context.Pipe(duplex=True)
             process = context.Process(
@@ -153,8 +195,9 @@ class MultiprocExecutor(Executor):
         self, method: RpcMethod, args: tuple = (), kwargs: Optional[dict] = None, timeout: Optional[float] = None
     ) -> list:
         """Call ``method`` on every worker (a name, or a picklable callable taking the
-        worker first) and wait for all of them; one result per rank (None from non-driver
-        ranks for ``execute_model``).
+        worker first) and wait for all of them (and for the calls still running before
+        it); one result per rank (None from ranks other than ``output_rank`` for
+        ``execute_model``).
 
         Raises:
             WorkerDeadError: a worker exited, now or before.
@@ -164,37 +207,65 @@ class MultiprocExecutor(Executor):
             (the others may wait on the failed one in a collective; late answers would be
             taken for the next call's).
         """
+        return self._wait(self._submit(method, args, kwargs or {}), timeout)
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> Union[ModelRunnerOutput, Future]:
+        """Write the step to every worker; its output (``output_rank``'s), or with
+        ``non_block`` at once a ``Future`` of it, waited for by its ``result()``. Raises as
+        ``collective_rpc`` (from ``result()`` with ``non_block``)."""
+        call = self._submit("execute_model", (scheduler_output,), {})
+        output_rank = self.config.parallel_config.output_rank
+        if non_block:
+            return DeferredFuture(lambda timeout: self._wait(call, timeout)[output_rank])
+        return self._wait(call, None)[output_rank]
+
+    def _submit(self, method: RpcMethod, args: tuple, kwargs: dict) -> _Call:
         if self._failure is not None:
             raise WorkerDeadError(f"The workers stopped earlier: {self._failure}") from self._failure
-        payload = pickle.dumps((method, args, kwargs or {}), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps((method, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        call = _Call(method, [None] * len(self.workers), {w.rank for w in self.workers})
+        self._calls.append(call)
         for worker in self.workers:
             try:
                 worker.conn.send_bytes(payload)
             except OSError:
                 self._raise_dead(worker, method)
-        return self._gather(method, timeout)
+        return call
 
-    def _gather(self, method: RpcMethod, timeout: Optional[float]) -> list:
+    def _wait(self, call: _Call, timeout: Optional[float]) -> list:
+        """Read answers until every rank has answered ``call`` (each rank answers its calls
+        in order, so the earlier calls are complete by then too)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        results: list = [None] * len(self.workers)
-        pending = {worker.conn: worker for worker in self.workers}
         sentinels = {worker.process.sentinel: worker for worker in self.workers}
-        while pending:
+        while call.pending:
+            if self._failure is not None:
+                raise WorkerDeadError(f"The workers stopped earlier: {self._failure}") from self._failure
+            pending = {self.workers[rank].conn: self.workers[rank] for rank in call.pending}
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             ready = wait([*pending, *sentinels], remaining)
             if not ready:
-                ranks = sorted(w.rank for w in pending.values())
-                error = TimeoutError(f"Workers of ranks {ranks} did not answer {_name(method)} within {timeout} s.")
+                ranks = sorted(call.pending)
+                error = TimeoutError(f"Workers of ranks {ranks} did not answer {_name(call.method)} within {timeout} s.")
                 self._fail(error)
                 raise error
             for obj in ready:
-                worker = pending.pop(obj, None) if isinstance(obj, Connection) else None
+                worker = pending.get(obj) if isinstance(obj, Connection) else None
                 if worker is not None:
-                    results[worker.rank] = self._receive(worker, method)
+                    self._take_answer(worker)
             for obj in ready:
                 if not isinstance(obj, Connection):
-                    self._raise_dead(sentinels[obj], method)
-        return results
+                    self._raise_dead(sentinels[obj], call.method)
+        return call.results
+
+    def _take_answer(self, worker: _WorkerHandle) -> None:
+        """Receive ``worker``'s next answer into the oldest call it has not answered."""
+        call = next(c for c in self._calls if worker.rank in c.pending)
+        call.results[worker.rank] = self._receive(worker, call.method)
+        call.pending.discard(worker.rank)
+        while self._calls and not self._calls[0].pending:
+            self._calls.popleft()
 
     def _receive(self, worker: _WorkerHandle, method: RpcMethod) -> Any:
         try:

@@ -26,6 +26,10 @@ for CPU collectives (``PAGEDLLM_CPU_COLLECTIVES``).
 
 An actor that dies (its node lost, its process killed) fails the call at once with
 ``WorkerDeadError``, as with ``MultiprocExecutor``; the engine reports it and stops.
+
+With pipeline parallelism ``execute_model(..., non_block=True)`` returns at once: a Ray
+actor runs the calls of one caller in the order they were submitted, so each stage takes
+the next step as soon as it is done with the previous one (one step per stage in flight).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ import logging
 import os
 import socket
 import traceback
-from typing import Any, Optional
+from concurrent.futures import Future
+from typing import Any, Optional, Union
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -42,7 +47,14 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pagedllm.config import EngineConfig
-from pagedllm.executor.abstract import Executor, RpcMethod, run_method
+from pagedllm.executor.abstract import (
+    DeferredFuture,
+    Executor,
+    RpcMethod,
+    run_method,
+)
+from pagedllm.messages.runner_output import ModelRunnerOutput
+from pagedllm.messages.sched_output import SchedulerOutput
 from pagedllm.executor.multiproc_executor import RemoteTraceback, WorkerDeadError, _picklable
 from pagedllm.platforms import current_platform
 from pagedllm.worker.worker import Worker
@@ -216,6 +228,21 @@ class RayDistributedExecutor(Executor):
             After any of these the executor is unusable and its actors are killed.
         """
         refs = [actor.execute_method.remote(method, args, kwargs or {}) for actor in self._live_workers()]
+        return self._results(refs, method, timeout)
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> Union[ModelRunnerOutput, Future]:
+        """Submit the step to every actor; its output (``output_rank``'s), or with
+        ``non_block`` at once a ``Future`` of it. Raises as ``collective_rpc``."""
+        refs = [actor.execute_method.remote("execute_model", (scheduler_output,), {}) for actor in self._live_workers()]
+        output_rank = self.config.parallel_config.output_rank
+        if non_block:
+            return DeferredFuture(lambda timeout: self._results(refs, "execute_model", timeout)[output_rank])
+        return self._results(refs, "execute_model", None)[output_rank]
+
+    def _results(self, refs: list, method: RpcMethod, timeout: Optional[float]) -> list:
+        """The workers' results of ``refs`` (one per rank), re-raising a worker's exception."""
         results = []
         for rank, reply in enumerate(self._get(refs, method, timeout)):
             if not reply[0]:

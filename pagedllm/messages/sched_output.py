@@ -35,11 +35,17 @@ class NewRequestData:
 @dataclass
 class CachedRequestData:
     """Changes to requests the runner already holds: blocks appended this step and the
-    number of computed tokens before this step (parallel lists)."""
+    number of computed tokens before this step (parallel lists).
+
+    ``new_token_ids`` (pipeline parallelism only, else empty; vLLM's field): the known
+    tokens each request computes this step, from position ``num_computed_tokens`` on; the
+    stages before the last, which sample nothing, learn the sampled tokens from it.
+    """
 
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

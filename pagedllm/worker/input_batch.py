@@ -166,6 +166,13 @@ class InputBatch:
         self.num_tokens[row] += 1
         state.output_token_ids.append(token_id)
 
+    def write_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
+        """Put ``token_ids`` at positions ``start`` .. of ``row`` (known tokens a stage
+        before the last did not sample: ``CachedRequestData.new_token_ids``)."""
+        end = start + len(token_ids)
+        self.token_ids[row, start:end] = token_ids
+        self.num_tokens[row] = max(int(self.num_tokens[row]), end)
+
     def draft_temperature(self, rows: np.ndarray) -> np.ndarray:
         """[R] float32 per row: the temperature at which a draft model samples its drafts,
         0 to draft greedily. Greedy and seeded requests draft greedily (so a seeded request

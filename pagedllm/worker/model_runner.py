@@ -11,9 +11,11 @@ drafts, returned in ``ModelRunnerOutput.spec_token_ids``.
 With pipeline parallelism each stage's runner gets the same ``SchedulerOutput``; a stage
 after the first receives the previous stage's hidden states and residual instead of
 embedding the tokens, a stage before the last sends its own on (``GroupCoordinator``
-send / recv over the pipeline group); the last stage samples and broadcasts the sampled
-tokens back, so every stage's persistent batch stays the same. One step is in flight at a
-time.
+send / recv over the pipeline group, the sends not waited for: the stage goes on to its
+next step); the last stage samples, and the earlier stages learn each request's tokens
+from the next ``SchedulerOutput`` that schedules it (``CachedRequestData.new_token_ids``),
+so no stage waits for the last one and several steps (micro-batches) can be in flight
+(``pagedllm.engine.batch_queue``).
 """
 
 from __future__ import annotations
@@ -207,6 +209,8 @@ class ModelRunner:
             state = batch.requests[req_id]
             batch.append_block_ids(state.row, block_ids)
             batch.num_computed_tokens[state.row] = num_computed
+        for req_id, num_computed, token_ids in zip(cached.req_ids, cached.num_computed_tokens, cached.new_token_ids):
+            batch.write_tokens(batch.requests[req_id].row, num_computed, token_ids)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -252,7 +256,6 @@ class ModelRunner:
 
         batch.num_computed_tokens[rows] = seq_lens
         if not self.pp.is_last_rank:
-            self._append_last_stage_tokens(states)
             return EMPTY_MODEL_RUNNER_OUTPUT
         prompt_logprobs = self._prompt_logprobs(hidden, states, computed, seq_lens, starts)
         num_drafts = np.fromiter((len(spec.get(r, ())) for r in order), dtype=np.int64, count=len(order))
@@ -287,8 +290,6 @@ class ModelRunner:
                 metadata, logits_indices[np.array(last_accepted, dtype=np.int64)], rows[np.unique(sample_reqs)],
                 rows, computed, num_sched, batch.token_ids, batch.num_tokens, batch.block_table,
             ))
-        if self.pp.world_size > 1:
-            self.pp.broadcast_object(sampled_token_ids, src=self.pp.world_size - 1)
         return ModelRunnerOutput(
             req_ids=order,
             req_id_to_index={r: i for i, r in enumerate(order)},
@@ -317,14 +318,6 @@ class ModelRunner:
         if not self.pp.is_last_rank:
             self.pp.send_tensor_dict(out)
         return out
-
-    def _append_last_stage_tokens(self, states: list[CachedRequestState]) -> None:
-        """On a stage before the last: append the tokens the last stage sampled for the
-        step's requests (``states``, in step order), received by broadcast."""
-        sampled = self.pp.broadcast_object(None, src=self.pp.world_size - 1)
-        for state, tokens in zip(states, sampled):
-            for token in tokens:
-                self.input_batch.append_token(state, token)
 
     def _activate_loras(self, decodes: list[str], prefills: list[str]) -> tuple[dict[str, int], dict[str, str]]:
         """With LoRA: put the step's adapters in slots and sort ``decodes`` and ``prefills``

@@ -18,13 +18,16 @@ contract an executor relies on (the multiprocess one today, Ray's later):
 - every rank of the last pipeline stage runs the whole step, sampling included: the logits
   are gathered on every tensor rank and each samples the same tokens (same seeds,
   bit-identical collectives), so each keeps its own persistent batch without a broadcast;
-  earlier stages run their layers and receive the sampled tokens from the last stage
-  (``ModelRunner``); only ``ParallelConfig.output_rank`` (tensor rank 0 of the last stage;
+  earlier stages run their layers and learn the sampled tokens from the next step that
+  schedules each request (``ModelRunner``), so they never wait for the last stage and
+  several steps can be in flight, each stage running them in submission order; only ``ParallelConfig.output_rank`` (tensor rank 0 of the last stage;
   rank 0 without pipeline parallelism) returns its ``ModelRunnerOutput``, the others None.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from typing import Optional
 
 import torch
@@ -42,6 +45,10 @@ from pagedllm.messages.sched_output import SchedulerOutput
 from pagedllm.platforms import current_platform
 from pagedllm.worker.kv_cache_sizing import KVCacheBudget, kv_cache_budget, num_kv_blocks
 from pagedllm.worker.model_runner import ModelRunner
+
+
+#: Steps whose times a worker keeps (``Worker.step_times``).
+_MAX_STEP_TIMES = 100_000
 
 
 class Worker:
@@ -71,6 +78,9 @@ class Worker:
         self.is_driver_worker = is_driver_worker
         self.local_world_size = local_world_size
         self.num_steps = 0
+        #: (start, end) ``time.monotonic()`` seconds of the latest steps (at most
+        #: ``_MAX_STEP_TIMES``): when each stage was busy (micro-batches overlapping).
+        self.step_times: deque[tuple[float, float]] = deque(maxlen=_MAX_STEP_TIMES)
         self._kv_cache_budget: Optional[KVCacheBudget] = None
 
     def init_device(self) -> None:
@@ -136,17 +146,22 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
         """Run one step; the output on ``ParallelConfig.output_rank``, None on the others."""
+        start = time.monotonic()
         output = self.model_runner.execute_model(scheduler_output)
+        self.step_times.append((start, time.monotonic()))
         self.num_steps += 1
         return output if self.rank == self.config.parallel_config.output_rank else None
 
     def get_comm_stats(self, reset: bool = False) -> dict:
         """This rank's collectives since start-up (or the last reset): ``{"steps": steps
-        run, "ops": {operation: (calls, bytes, seconds)}}``; ``reset`` starts the count again."""
-        stats = {"steps": self.num_steps, "ops": {op: (s.calls, s.bytes, s.seconds) for op, s in get_comm_stats().items()}}
+        run, "busy_s": seconds inside those steps (of the latest ``_MAX_STEP_TIMES``),
+        "ops": {operation: (calls, bytes, seconds)}}``; ``reset`` starts the count again."""
+        stats = {"steps": self.num_steps, "busy_s": sum(end - start for start, end in self.step_times),
+                 "ops": {op: (s.calls, s.bytes, s.seconds) for op, s in get_comm_stats().items()}}
         if reset:
             reset_comm_stats()
             self.num_steps = 0
+            self.step_times.clear()
         return stats
 
     def shutdown(self) -> None:
