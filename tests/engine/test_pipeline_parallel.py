@@ -1,9 +1,10 @@
 """Pipeline parallelism through ``LLM(pipeline_parallel_size=2)`` (the multiprocess executor,
-one worker process per stage, hidden states passed on by gloo send / recv): greedy output
-token-identical to one process under chunked prefill, preemption and prefix caching;
-logprobs close; seeded sampling identical; each stage holding only its layers, its KV
-cache and its end of the model; tensor x pipeline parallelism (2 x 2) identical too; and
-the start-up errors of too many stages.
+one worker process per stage, hidden states passed on by gloo send / recv, two micro-batches
+in flight): greedy output token-identical to one process under chunked prefill, preemption
+and prefix caching; logprobs close; seeded sampling (n > 1 too) identical; two steps really
+in flight, stage 0 running one while stage 1 runs the one before; aborts of requests in
+flight; each stage holding only its layers, its KV cache and its end of the model; tensor
+x pipeline parallelism (2 x 2) identical too; and the start-up errors of too many stages.
 
 Spawning workers is slow (torch imports in each), so each engine starts once per module.
 """
@@ -68,6 +69,78 @@ def test_greedy_pp2_equals_pp1_with_chunks_preemption_and_prefix_hits(pp1, pp2):
         cached_tokens.append(sum(o.num_cached_tokens for o in outputs))
     assert core.scheduler.num_preemptions > 0
     assert cached_tokens[1] > 0
+    assert core.batch_queue.max_batches_in_flight == 2
+    check_block_accounting(pp2)
+
+
+def _step_times(worker) -> list:
+    return list(worker.step_times)
+
+
+def _num_overlapping_steps(step_times: list[list[tuple[float, float]]]) -> int:
+    """Steps n that stage 1 was still running when stage 0 started step n + 1."""
+    stage0, stage1 = step_times
+    return sum(stage0[n + 1][0] < stage1[n][1] for n in range(min(len(stage0) - 1, len(stage1))))
+
+
+@needs_two_workers
+def test_two_micro_batches_are_in_flight_and_the_stages_overlap(pp1, pp2):
+    prompts = random_prompts([3, 5, 9, 12, 4, 7, 10, 6], 1000, seed=25)
+    expected = _tokens(_greedy(pp1, prompts))
+    core = pp2.llm_engine.engine_core
+    executor = core.model_executor
+    assert executor.max_concurrent_batches == 2
+    executor.collective_rpc("get_comm_stats", kwargs={"reset": True})
+    core.batch_queue.max_batches_in_flight = 0
+    assert _tokens(_greedy(pp2, prompts)) == expected
+    assert core.batch_queue.max_batches_in_flight == 2
+    step_times = executor.collective_rpc(_step_times)
+    assert len(step_times[0]) == len(step_times[1]) >= MAX_TOKENS
+    assert _num_overlapping_steps(step_times) >= MAX_TOKENS // 2
+    check_block_accounting(pp2)
+
+
+@needs_two_workers
+def test_n_above_one_with_seeds_equals_pp1(pp1, pp2):
+    prompts = random_prompts([4, 30, 11], 1000, seed=26)
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = {}
+    for name, llm in (("pp1", pp1), ("pp2", pp2)):
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outputs[name] = [[c.token_ids for c in r.outputs] for r in results]
+    assert outputs["pp2"] == outputs["pp1"]
+    assert all(len(completions) == 3 for completions in outputs["pp2"])
+
+
+@needs_two_workers
+def test_aborts_of_requests_in_flight(pp1, pp2):
+    """Requests aborted while their step is in flight free their blocks at once; requests
+    added next (sharing the aborted prompts' prefixes) get those blocks while the step still
+    runs, and every request left gives the single-process tokens."""
+    engine = pp2.llm_engine
+    scheduler = engine.engine_core.scheduler
+    prompts = random_prompts([20, 30, 25, 35], 1000, seed=27)
+    late = [prompts[0][:16] + [1, 2, 3], prompts[1][:24] + [4]]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ids = [f"abort-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    engine.step()
+    aborted = [rid for rid in ids if rid in scheduler.in_flight]
+    assert aborted and engine.engine_core.batch_queue.batches
+    engine.abort_request(aborted)
+    for i, prompt in enumerate(late):
+        engine.add_request(f"late-{i}", {"prompt_token_ids": prompt}, params)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+    kept = [rid for rid in ids if rid not in aborted]
+    assert set(finished) == {*kept, "late-0", "late-1"}
+    expected = _tokens(_greedy(pp1, [prompts[ids.index(rid)] for rid in kept] + late))
+    assert [finished[rid] for rid in [*kept, "late-0", "late-1"]] == expected
+    engine.step()  # the last step in flight, if any, comes back
     check_block_accounting(pp2)
 
 
