@@ -48,7 +48,7 @@ from pagedllm.worker.model_runner import ModelRunner
 
 
 #: Steps whose times a worker keeps (``Worker.step_times``).
-_MAX_STEP_TIMES = 100_000
+_MAX_STEP_TIMES = 1024
 
 
 class Worker:
@@ -81,6 +81,7 @@ class Worker:
         #: (start, end) ``time.monotonic()`` seconds of the latest steps (at most
         #: ``_MAX_STEP_TIMES``): when each stage was busy (micro-batches overlapping).
         self.step_times: deque[tuple[float, float]] = deque(maxlen=_MAX_STEP_TIMES)
+        self.busy_s = 0.0  # seconds inside steps
         self._kv_cache_budget: Optional[KVCacheBudget] = None
 
     def init_device(self) -> None:
@@ -148,19 +149,22 @@ class Worker:
         """Run one step; the output on ``ParallelConfig.output_rank``, None on the others."""
         start = time.monotonic()
         output = self.model_runner.execute_model(scheduler_output)
-        self.step_times.append((start, time.monotonic()))
+        end = time.monotonic()
+        self.step_times.append((start, end))
+        self.busy_s += end - start
         self.num_steps += 1
         return output if self.rank == self.config.parallel_config.output_rank else None
 
     def get_comm_stats(self, reset: bool = False) -> dict:
         """This rank's collectives since start-up (or the last reset): ``{"steps": steps
-        run, "busy_s": seconds inside those steps (of the latest ``_MAX_STEP_TIMES``),
-        "ops": {operation: (calls, bytes, seconds)}}``; ``reset`` starts the count again."""
-        stats = {"steps": self.num_steps, "busy_s": sum(end - start for start, end in self.step_times),
+        run, "busy_s": seconds inside them, "ops": {operation: (calls, bytes, seconds)}}``;
+        ``reset`` starts the count again."""
+        stats = {"steps": self.num_steps, "busy_s": self.busy_s,
                  "ops": {op: (s.calls, s.bytes, s.seconds) for op, s in get_comm_stats().items()}}
         if reset:
             reset_comm_stats()
             self.num_steps = 0
+            self.busy_s = 0.0
             self.step_times.clear()
         return stats
 

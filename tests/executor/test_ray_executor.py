@@ -1,4 +1,4 @@
-"""``RayDistributedExecutor`` (``distributed_executor_backend="ray"``): TP=2 on a local Ray
+"""``RayDistributedExecutor`` (``distributed_executor_backend="ray"``): TP=2 and PP=2 on a local Ray
 instance the executor starts (and stops) itself, greedy token-identical to one process;
 multi-node on one machine (a ``ray.cluster_utils.Cluster`` of two 1-CPU nodes, so the
 placement group must put one rank on each), the default backend becoming Ray once
@@ -58,14 +58,21 @@ def test_workers_beyond_the_local_gpus_default_to_ray(tiny_llama, monkeypatch):
     assert Executor.get_class(config) is MultiprocExecutor
 
 
-def test_tp2_on_a_local_ray_instance_equals_tp1(tiny_llama, expected):
+@pytest.mark.parametrize("sizes", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_tp2_or_pp2_on_a_local_ray_instance_equals_tp1(tiny_llama, expected, sizes):
+    """PP=2 runs two micro-batches in flight (the actors take their calls in order)."""
     assert not ray.is_initialized()
-    llm = LLM(str(tiny_llama), tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE_KWARGS)
+    llm = LLM(str(tiny_llama), distributed_executor_backend="ray", **sizes, **ENGINE_KWARGS)
     try:
-        executor = llm.llm_engine.engine_core.model_executor
+        core = llm.llm_engine.engine_core
+        executor = core.model_executor
         assert isinstance(executor, RayDistributedExecutor)
         assert ray.is_initialized()  # started by the executor
         assert _token_ids(llm) == expected
+        if "pipeline_parallel_size" in sizes:
+            assert core.batch_queue.max_batches_in_flight == 2
+        else:
+            assert core.batch_queue is None
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert not ray.is_initialized()  # and stopped again
