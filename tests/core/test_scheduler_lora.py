@@ -40,6 +40,7 @@ def test_at_most_max_loras_adapters_run_and_none_starves():
     stats = s.make_stats()
     assert stats.running_lora_adapters == ["lora1", "lora2"]
     assert stats.waiting_lora_adapters == ["lora1", "lora3", "lora4"]
+    fake_run(s, out)  # a step's requests are in flight until its output is back
     finished, seen = set(), []
     while s.has_unfinished_requests():
         out = s.schedule()
