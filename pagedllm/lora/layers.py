@@ -22,12 +22,11 @@ a loaded machine: LoRA added 4.3 ms with a matmul per run and slice, 2.1 ms with
 wrapped method's own (unquantized, int8, int4 ...), so LoRA works over any base (vLLM's
 ``BaseLinearLayerWithLoRA`` does the same over ``quant_method``).
 
-NOTE: A and B are kept in float32 whatever the model dtype, and the update computed in
-float32 and cast to y's dtype before it is added (a mixed-dtype add into y's strided
-slice was 2.8x slower): torch's bf16 matmuls of these small shapes were slower on CPU (one
-decoder layer of the 0.5B shape, 8 adapters of rank 16 on all 7 projections, 64 decode
-tokens, one thread: 9.2-10.5 ms in bf16 with a concatenated expand, 5.6-6.0 ms in float32
-with the expand written into y's slices). The slots cost 4 bytes per element.
+A and B are stored in the model's dtype (vLLM's ``--lora-dtype auto``: bfloat16 for a
+bfloat16 model, float32 for a float32 one): at decode the delta's time is reading them (8
+rank-16 adapters on all 7 projections of the 0.5B shape: 280 MB per step in float32, 140 MB
+in bfloat16). Both paths widen them to float32 and compute the update in float32, cast to
+y's dtype before it is added, so a float32 model's arithmetic is unchanged.
 
 Tensor parallelism (vLLM's ``ColumnParallelLinearWithLoRA`` / ``RowParallelLinearWithLoRA``
 split): each rank keeps the part of A and B that matches its part of the base weight, as the
@@ -91,12 +90,12 @@ class LoRALinearMethod(LinearMethodBase):
             this rank's ``input_part`` / ``output_part`` of the whole matrix).
         max_loras, max_lora_rank: slots and the padded rank R.
         mapping: the step's token groups, shared by every wrapped layer.
-        device: of the A/B tensors (float32; see the module docstring).
+        device, dtype: of the A/B tensors (the model's; see the module docstring).
     """
 
     def __init__(
         self, base: QuantizeMethodBase, layer: nn.Module, max_loras: int, max_lora_rank: int,
-        mapping: LoRAStepMapping, device: torch.device,
+        mapping: LoRAStepMapping, device: torch.device, dtype: torch.dtype,
     ) -> None:
         self.base = base
         self.mapping = mapping
@@ -106,8 +105,9 @@ class LoRALinearMethod(LinearMethodBase):
         in_features = layer.input_size_per_partition
         self.input_part = layer.input_part()
         self.output_parts = [layer.output_part(j) for j in range(len(self.output_sizes))]
-        self.lora_a = torch.zeros(max_loras, in_features, len(self.output_sizes) * max_lora_rank, device=device)
-        self.lora_b = torch.zeros(max_loras, max_lora_rank, sum(self.output_sizes), device=device)
+        self.lora_a = torch.zeros(max_loras, in_features, len(self.output_sizes) * max_lora_rank, device=device,
+                                  dtype=dtype)
+        self.lora_b = torch.zeros(max_loras, max_lora_rank, sum(self.output_sizes), device=device, dtype=dtype)
         self.use_kernel = current_platform.is_cpu and cpu_kernels.is_available()
 
     @property
@@ -126,8 +126,8 @@ class LoRALinearMethod(LinearMethodBase):
 
     def set_slot(self, slot: int, slices: list[Optional[tuple[torch.Tensor, torch.Tensor]]]) -> None:
         """Write one adapter into ``slot``: per output slice, (A [r, in], scaling * B [out_j, r])
-        of the whole matrix (all ranks), or None (that slice has no update); this rank keeps
-        its part (see the module docstring). Clears what the slot held.
+        of the whole matrix (all ranks), or None (that slice has no update), rounded to the
+        slots' dtype; this rank keeps its part (see the module docstring). Clears what the slot held.
 
         Raises:
             ValueError: a rank above ``max_lora_rank`` or a shape that does not fit.
@@ -167,8 +167,8 @@ class LoRALinearMethod(LinearMethodBase):
             return y
         rank = self.max_lora_rank
         for slot, start, end in self.mapping.groups:
-            xa = x[start:end].float() @ self.lora_a[slot]
+            xa = x[start:end].float() @ self.lora_a[slot].float()
             for j, (offset, size) in enumerate(zip(self.offsets, self.output_sizes)):
-                delta = xa[:, j * rank : (j + 1) * rank] @ self.lora_b[slot, :, offset : offset + size]
+                delta = xa[:, j * rank : (j + 1) * rank] @ self.lora_b[slot, :, offset : offset + size].float()
                 y[start:end, offset : offset + size] += delta.to(y.dtype)
         return y

@@ -37,12 +37,12 @@ class LoRAModelManager:
         hf_config: its HF config (to check adapters).
         max_loras: device slots; max_lora_rank: the largest rank; max_cpu_loras: adapters
             kept loaded in CPU memory (at least ``max_loras``).
-        device: the model's.
+        device, dtype: the model's (the slots' A and B are stored in its dtype).
     """
 
     def __init__(
         self, model: nn.Module, hf_config: Any, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
-        device: torch.device,
+        device: torch.device, dtype: torch.dtype,
     ) -> None:
         self.hf_config = hf_config
         self.max_lora_rank = max_lora_rank
@@ -51,7 +51,8 @@ class LoRAModelManager:
         self.methods: dict[str, LoRALinearMethod] = {}
         for name, module in model.named_modules():
             if isinstance(module, LinearBase) and name.startswith("model.layers."):
-                method = LoRALinearMethod(module.quant_method, module, max_loras, max_lora_rank, self.mapping, device)
+                method = LoRALinearMethod(module.quant_method, module, max_loras, max_lora_rank, self.mapping, device,
+                                          dtype)
                 module.quant_method = method
                 self.methods[name] = method
             if hasattr(module, "chunk_rows"):

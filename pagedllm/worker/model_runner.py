@@ -131,6 +131,7 @@ class ModelRunner:
         lora = self.config.lora_config
         return LoRAModelManager(
             self.model, self.model_config.hf_config, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras, self.device,
+            self.model_config.dtype,
         )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

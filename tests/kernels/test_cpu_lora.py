@@ -1,7 +1,7 @@
 """``lora_sgmv`` (the multi-LoRA shrink / expand of one layer in one call) adds to each token
 of a run its slot's update, rounded to y's dtype as ``LoRALinearMethod``'s PyTorch path
 rounds it, at every instruction-set level the host supports: several runs of one slot,
-tokens of no run untouched, runs longer than a tile of 8 tokens, slices wider than a block of
+tokens of no run untouched, runs longer than a tile of 4 tokens, A and B in float32 or in x's dtype, slices wider than a block of
 256 columns and not multiples of it, ranks padded with zeros; bad input is refused."""
 
 from __future__ import annotations
@@ -34,11 +34,16 @@ def _reference(y, x, lora_a, lora_b, groups, sizes):
 
 @pytest.mark.parametrize("k,sizes,rank", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_matches_per_run_reference(k, sizes, rank, dtype):
+@pytest.mark.parametrize("weights_in", ["float32", "x_dtype"])
+def test_matches_per_run_reference(k, sizes, rank, dtype, weights_in):
+    """A and B in float32 or in the model's dtype (read widened, summed in float32)."""
+    if weights_in == "x_dtype" and dtype == torch.float32:
+        pytest.skip("the same case as float32 weights")
     gen = torch.Generator().manual_seed(k + rank)
     num_slots, n = 3, sum(sizes)
-    lora_a = torch.randn(num_slots, k, len(sizes) * rank, generator=gen) * 0.1
-    lora_b = torch.randn(num_slots, rank, n, generator=gen) * 0.1
+    weight_dtype = torch.float32 if weights_in == "float32" else dtype
+    lora_a = (torch.randn(num_slots, k, len(sizes) * rank, generator=gen) * 0.1).to(weight_dtype)
+    lora_b = (torch.randn(num_slots, rank, n, generator=gen) * 0.1).to(weight_dtype)
     lora_b[1, rank // 2 :] = 0  # slot 1: an adapter of lower rank, zero-padded
     # 30 tokens: slot 0 twice, slot 2 for 11 tokens (more than one tile), tokens 12-14 and 29 without.
     groups = torch.tensor([[0, 0, 5], [2, 5, 12], [1, 15, 16], [0, 16, 29]], dtype=torch.int64)
@@ -61,12 +66,14 @@ def test_no_groups_changes_nothing():
     assert torch.equal(got, y)
 
 
-@pytest.mark.parametrize("groups,sizes,match", [
-    ([[2, 0, 1]], [8], "out of range"),            # slot 2 of 2
-    ([[0, 3, 9]], [8], "out of range"),            # past the last token
-    ([[0, 0, 1]], [4, 3], "sum to y's width"),
+@pytest.mark.parametrize("groups,sizes,weight_dtype,match", [
+    ([[2, 0, 1]], [8], torch.float32, "out of range"),            # slot 2 of 2
+    ([[0, 3, 9]], [8], torch.float32, "out of range"),            # past the last token
+    ([[0, 0, 1]], [4, 3], torch.float32, "sum to y's width"),
+    ([[0, 0, 1]], [8], torch.bfloat16, "float32 or both x's dtype"),  # bf16 A/B, float32 x
 ])
-def test_bad_input_is_refused(groups, sizes, match):
+def test_bad_input_is_refused(groups, sizes, weight_dtype, match):
     with pytest.raises(RuntimeError, match=match):
-        cpu_kernels.lora_sgmv(torch.randn(4, 8), torch.randn(4, 16), torch.randn(2, 16, 4 * len(sizes)),
-                              torch.randn(2, 4, 8), torch.tensor(groups, dtype=torch.int64), sizes)
+        cpu_kernels.lora_sgmv(torch.randn(4, 8), torch.randn(4, 16),
+                              torch.randn(2, 16, 4 * len(sizes)).to(weight_dtype), torch.randn(2, 4, 8).to(weight_dtype),
+                              torch.tensor(groups, dtype=torch.int64), sizes)

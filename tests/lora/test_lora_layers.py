@@ -28,7 +28,7 @@ def test_each_token_gets_its_slots_update(quant_config, path):
     x = torch.randn(7, 128)
     base = layer(x)
     mapping = LoRAStepMapping()
-    method = LoRALinearMethod(layer.quant_method, layer, 2, 4, mapping, torch.device("cpu"))
+    method = LoRALinearMethod(layer.quant_method, layer, 2, 4, mapping, torch.device("cpu"), torch.float32)
     if path == "cpu_kernel" and not method.use_kernel:
         pytest.skip("the C++ CPU kernels are unavailable here")
     method.use_kernel = path == "cpu_kernel"
@@ -71,7 +71,8 @@ def _qkv_and_o(monkeypatch, rank: int, tp: int):
     qkv = QKVParallelLinear(32, head_size=8, total_num_heads=4, total_num_kv_heads=2, bias=False)
     o_proj = RowParallelLinear(32, 32, bias=False, reduce_results=False)
     for layer in (qkv, o_proj):
-        layer.quant_method = LoRALinearMethod(layer.quant_method, layer, 1, 4, MAPPING, torch.device("cpu"))
+        layer.quant_method = LoRALinearMethod(layer.quant_method, layer, 1, 4, MAPPING, torch.device("cpu"),
+                                              torch.float32)
     return qkv, o_proj
 
 
@@ -111,3 +112,32 @@ def test_tensor_parallel_parts_make_the_whole_update(monkeypatch, tp):
         partial_sum += o_proj(attn[:, rank * (32 // tp):(rank + 1) * (32 // tp)])
     torch.testing.assert_close(partial_sum, whole_out, rtol=1e-5, atol=1e-4)
     assert not torch.allclose(whole_out, attn @ w_o.T, atol=1e-2)  # the update is there
+
+
+def test_bfloat16_model_keeps_slots_in_bfloat16_on_both_paths():
+    """A bfloat16 model's slots are bfloat16 (half the bytes); the CPU kernel and the PyTorch
+    path give the same update, within bfloat16 rounding of the float64 reference."""
+    torch.manual_seed(0)
+    layer = QKVParallelLinear(128, head_size=8, total_num_heads=4, total_num_kv_heads=2, bias=False,
+                              params_dtype=torch.bfloat16)
+    layer.weight.data.copy_(torch.randn(64, 128))
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(6, 128).to(torch.bfloat16)
+    base = layer(x)
+    mapping = LoRAStepMapping()
+    method = LoRALinearMethod(layer.quant_method, layer, 2, 4, mapping, torch.device("cpu"), torch.bfloat16)
+    assert method.lora_a.dtype == method.lora_b.dtype == torch.bfloat16
+    layer.quant_method = method
+    q = (torch.randn(4, 128), torch.randn(32, 4))
+    method.set_slot(1, [q, None, None])
+    mapping.set_token_slots(np.array([1, 1, -1, 1, 1, 1]))
+    a, b = (t.to(torch.bfloat16).double() for t in q)
+    expected = base.double()
+    expected[[0, 1, 3, 4, 5], :32] += x[[0, 1, 3, 4, 5]].double() @ a.T @ b.T
+    outputs = {}
+    for use_kernel in ([True, False] if method.use_kernel else [False]):
+        method.use_kernel = use_kernel
+        outputs[use_kernel] = layer(x)
+        torch.testing.assert_close(outputs[use_kernel].double(), expected, rtol=1.6e-2, atol=5e-2)
+    if len(outputs) == 2:
+        torch.testing.assert_close(outputs[True], outputs[False], rtol=1.6e-2, atol=5e-2)

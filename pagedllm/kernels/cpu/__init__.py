@@ -584,7 +584,7 @@ def lora_sgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: to
               groups: torch.Tensor, output_sizes: list[int]) -> None:
     """Add each token's LoRA update to ``y`` in place, the whole mixed batch in one call
     (see ``lora.cpp``): y [T, N] and x [T, K] of one dtype (float32 / bfloat16 / float16),
-    lora_a [S, K, J * R] and lora_b [S, R, N] float32, groups [G, 3] int64 rows (slot,
+    lora_a [S, K, J * R] and lora_b [S, R, N] both float32 or both x's dtype, groups [G, 3] int64 rows (slot,
     start, end), output_sizes the J slice widths summing to N.
 
     Raises:
