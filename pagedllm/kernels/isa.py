@@ -8,8 +8,12 @@ level          CPU features (``/proc/cpuinfo`` flag names)  kernels built with
 portable       none (any x86-64, or another architecture)   plain loops, compiler's baseline ISA
 avx2           avx2, fma, f16c                             8-lane float32, F16C, FMA
 avx512         + avx512f, avx512bw, avx512vl, avx512dq     16-lane float32, masks
-avx512_bf16    + avx512_bf16                               + vdpbf16ps / vcvtneps2bf16
+avx512_bf16    + avx512_bf16, avx512_vnni                  + vdpbf16ps / vcvtneps2bf16, vpdpbusd
 =============  ==========================================  =====================================
+
+AVX512-VNNI (int8 dot products) rides with the avx512_bf16 level: every CPU with AVX512-BF16
+(Cooper Lake, Sapphire Rapids and later, Zen 4 and later) has it. A CPU with VNNI but no BF16
+(Cascade Lake, Ice Lake) runs the avx512 level, whose int8 kernels use vpmaddubsw instead.
 
 The features come from the kernel's view of CPUID (the ``flags`` line of ``/proc/cpuinfo``,
 which Linux clears for instruction sets the OS does not enable); elsewhere the level is
@@ -39,7 +43,9 @@ _FEATURES = {
     "portable": frozenset(),
     "avx2": frozenset({"avx2", "fma", "f16c"}),
     "avx512": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
-    "avx512_bf16": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}),
+    "avx512_bf16": frozenset(
+        {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
+    ),
 }
 
 # What each level means to the libraries torch runs on (their documented environment variables:

@@ -27,11 +27,11 @@ def _random_case(n: int, k: int, group: int, seed: int, bits: int):
     return q, scale, zero
 
 
-def _linear(bits: int, x, q, scale, zero, bias, n):
+def _linear(bits: int, x, q, scale, zero, bias, n, int8_activations: bool = False):
     if bits == 4:
-        return cpu_kernels.linear_w4(x, cpu_kernels.pack_w4(q), scale, zero, bias, n)
+        return cpu_kernels.linear_w4(x, cpu_kernels.pack_w4(q), scale, zero, bias, n, int8_activations)
     packed = cpu_kernels.pack_w8(q.view(torch.int8)).view(torch.uint8)
-    return cpu_kernels.linear_w8g(x, packed, scale, zero, bias, n)
+    return cpu_kernels.linear_w8g(x, packed, scale, zero, bias, n, int8_activations)
 
 
 def _dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -92,3 +92,97 @@ def test_bad_input_is_refused():
         cpu_kernels.linear_w4(torch.randn(2, 6), q, ones, ones, None, 32)
     with pytest.raises(RuntimeError, match=r"linear_w8g: weight must be a uint8 CPU tensor in pack_w8's layout"):
         cpu_kernels.linear_w8g(x, q.view(torch.int8), ones, ones, None, 32)
+
+
+# --- int8 activations (int8_dot.h): x quantized per block of 32 inputs, exact int32 dot products.
+
+# (N, K, group size), groups multiples of 32: odd N, one group per row, 32 and 128.
+INT8_SHAPES = [(1, 32, 32), (37, 64, 32), (17, 96, 32), (200, 256, 128), (67, 896, 128), (21, 160, 160)]
+
+
+def _quantize_x(x: torch.Tensor):
+    """llama.cpp's Q8_0 activations as the kernels compute them: per 32 inputs d = max|x| / 127
+    (float32), a = round_half_even(x / d) (0 where d = 0). Returns a [M, K] float64 of integers
+    and d [M, K / 32] float64."""
+    m, k = x.shape
+    xb = x.float().view(m, k // 32, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    a = torch.where(d == 0, torch.zeros_like(xb), torch.round(xb / d).clamp(-127, 127))
+    return a.view(m, k).double(), d.squeeze(-1).double()
+
+
+def _int8_reference(x, q, scale, zero, bias):
+    """y = sum_b d_b * s_g * (sum_k a_k Q_k - z_g * sum_k a_k) in float64 (exact integer dots),
+    and the magnitude that bounds the kernel's float32 rounding of it."""
+    a, d = _quantize_x(x)
+    xq = a * d.repeat_interleave(32, dim=1)  # the dequantized int8 x, exact in float64
+    w = _dequantize(q, scale, zero)
+    exact = xq @ w.T + (0 if bias is None else bias.double())
+    group = q.shape[1] // scale.shape[1]
+    s = scale.double().repeat_interleave(group, dim=1)
+    z = zero.double().repeat_interleave(group, dim=1)
+    magnitude = xq.abs() @ (s * (q.double() + z.abs())).T + (0 if bias is None else bias.double().abs())
+    return exact, magnitude
+
+
+@pytest.mark.parametrize("n,k,group", INT8_SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16])  # passes of 4 rows and the 3 / 2 / 1 tails
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_activations_match_the_same_math_in_float64(n, k, group, rows, x_dtype, bits):
+    q, scale, zero = _random_case(n, k, group, n * 17 + k + rows, bits)
+    x = torch.randn(rows, k).to(x_dtype)
+    x[0, :32] = 0  # a block of zeros: d = 0
+    bias = torch.randn(n) if rows % 2 else None
+    got = _linear(bits, x, q, scale, zero, bias, n, True)
+    assert got.shape == (rows, n) and got.dtype == x_dtype
+    _assert_within_fold_error(got, *_int8_reference(x, q, scale, zero, bias), k, group)
+
+
+def _assert_within_fold_error(got, exact, magnitude, k: int, group: int):
+    # Integer dots are exact; the float32 folds: one per activation block and group, plus the end.
+    bound = (k // 32 + k // group + 4) * 2.0**-24 * magnitude
+    if got.dtype != torch.float32:
+        bound = bound + exact.abs() * torch.finfo(got.dtype).eps
+    err = (got.double() - exact).abs()
+    assert bool((err <= bound + 1e-30).all()), float((err - bound).max())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_activations_at_the_extremes(bits):
+    # Largest weights against +-127 activations: where vpmaddubsw's int16 pairs could saturate.
+    n, k = 16, 64
+    q = torch.full((n, k), 2**bits - 1, dtype=torch.uint8)
+    q[::2, ::3] = 0
+    scale, zero = torch.ones(n, 2), torch.zeros(n, 2)
+    zero[1::4] = 2**bits - 1  # dots far from zero once the zero point is taken off
+    x = torch.where(torch.arange(k) % 2 == 0, 1.0, -1.0).repeat(3, 1)
+    x[1] = 1.0
+    x[2, 5] = -1.0
+    got = _linear(bits, x, q, scale, zero, None, n, True)
+    _assert_within_fold_error(got, *_int8_reference(x, q, scale, zero, None), k, 32)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_activations_stay_within_the_documented_error_of_the_exact_path(bits):
+    # |x - x_q| <= d / 2 = max|x_block| / 254 per input, so |y_int8 - y| <= sum_k that * |W[n, k]|.
+    n, k, group = 67, 896, 32
+    q, scale, zero = _random_case(n, k, group, 5, bits)
+    x = torch.randn(2, k)
+    w = _dequantize(q, scale, zero)
+    got = _linear(bits, x, q, scale, zero, None, n, True).double()
+    exact = x.double() @ w.T
+    half_step = (x.view(2, -1, 32).abs().amax(-1) / 254).repeat_interleave(32, dim=1).double()
+    bound = half_step @ w.abs().T * (1 + 1e-5) + 1e-6 * (x.double().abs() @ w.abs().T)
+    assert bool(((got - exact).abs() <= bound).all())
+    assert float((got - exact).abs().max()) > 0  # activations were quantized
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k,group,rows", [(130, 8, 8, 2), (37, 64, 32, 17), (20, 48, 16, 1)])
+def test_int8_activations_fall_back_to_the_exact_path(bits, n, k, group, rows):
+    # Groups that are not whole blocks of 32, and more than 16 rows, keep float32 activations.
+    q, scale, zero = _random_case(n, k, group, 3, bits)
+    x = torch.randn(rows, k)
+    assert torch.equal(_linear(bits, x, q, scale, zero, None, n, True), _linear(bits, x, q, scale, zero, None, n))
+

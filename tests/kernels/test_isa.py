@@ -19,7 +19,11 @@ def test_levels_follow_the_cpu_flags(monkeypatch):
         frozenset({"sse4_2", "avx", "avx2", "fma"}): "portable",  # no F16C: not the avx2 level
         frozenset({"avx", "avx2", "fma", "f16c", "bmi2"}): "avx2",
         frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}): "avx512",
-        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}): "avx512_bf16",
+        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}): "avx512",
+        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}): "avx512",  # no VNNI
+        frozenset(
+            {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
+        ): "avx512_bf16",
         frozenset({"avx2", "fma", "f16c", "avx512f", "avx512_bf16"}): "avx2",  # AVX-512 without BW/VL/DQ
     }
     monkeypatch.setattr(isa.platform, "machine", lambda: "x86_64")

@@ -16,11 +16,17 @@ from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model_executor.gguf_weights import decode_blocks, unpermute_rows
+from pagedllm.model_executor.layers.quantization.grouped import INT8_ACTIVATIONS_ENV
 from pagedllm.testing.gguf_kquant_writer import quantize_k
 from pagedllm.testing.gguf_writer import permute_rows, write_gguf
 from tests.helpers import model_runner, random_prompts
 
 PROMPTS = random_prompts([5, 17, 40], 1000, seed=3)
+#: Largest change in a top-5 log-probability from int8 activations on the tiny random model
+#: over 5 decode steps (measured 0.33 nats for Q8_0 and 0.35 for Q4_0: its random weights give
+#: sharp, large logits; each activation moves by at most max|x over its 32| / 254 per layer,
+#: the kernel tests check that bound). A wrong kernel moves them by whole nats.
+LOGPROB_TOLERANCE = 0.5
 
 
 def _hf_gguf_greedy(path, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -63,7 +69,9 @@ def _layers(llm: LLM) -> dict[str, torch.nn.Module]:
         ("llama_256", "Q6_K", "F32", torch.uint8),
     ],
 )
-def test_greedy_equals_transformers_gguf(request, tmp_path, model, linear_type, other_type, weight_dtype):
+def test_greedy_equals_transformers_gguf(request, tmp_path, monkeypatch, model, linear_type, other_type, weight_dtype):
+    # transformers multiplies float32 activations: so do we here (int8 ones: the test below).
+    monkeypatch.setenv(INT8_ACTIVATIONS_ENV, "0")
     checkpoint = request.getfixturevalue(model)
     path = write_gguf(checkpoint, tmp_path / f"model-{linear_type}.gguf", linear_type, other_type)
     llm = LLM(str(path), tokenizer=str(checkpoint), dtype="float32", kv_cache_memory_bytes=8 << 20)
@@ -76,9 +84,38 @@ def test_greedy_equals_transformers_gguf(request, tmp_path, model, linear_type, 
     assert runner.model_config.hf_config.num_hidden_layers == 2 and runner.model_config.architecture.endswith("ForCausalLM")
 
 
-def test_q4_k_m_mix_runs_fused_layers_at_their_parts_widest_layout(llama_256, tmp_path, caplog):
+@pytest.mark.parametrize("linear_type", ["Q8_0", "Q4_0"])
+def test_int8_activations_stay_close_to_float_activations(llama_128, tmp_path, monkeypatch, linear_type):
+    # Decode with int8 activations (the default, llama.cpp's arithmetic) against the exact
+    # float32-activation product on the same file: at each decode step (3 rows, so the
+    # few-row kernels) while the two outputs agree so far, the log-probabilities of the float
+    # path's top tokens agree closely. (The first token comes from the batched prefill, more
+    # than 16 rows: float32 activations in both.)
+    path = write_gguf(llama_128, tmp_path / f"model-{linear_type}.gguf", linear_type, "F32")
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=5, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    results = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv(INT8_ACTIVATIONS_ENV, flag)
+        llm = LLM(str(path), tokenizer=str(llama_128), dtype="float32", kv_cache_memory_bytes=8 << 20)
+        layers = [m for m in model_runner(llm).model.modules() if hasattr(m, "int8_activations")]
+        assert layers and all(m.int8_activations == (flag == "1") for m in layers)
+        results[flag] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+    diffs = []
+    for quantized, exact in zip(results["1"], results["0"]):
+        for step in range(1, len(exact.token_ids)):
+            if quantized.token_ids[:step] != exact.token_ids[:step]:
+                break
+            top, near = exact.logprobs[step], quantized.logprobs[step]
+            diffs += [abs(top[t].logprob - near[t].logprob) for t in set(top) & set(near)]
+    assert len(diffs) >= 20 and 0 < max(diffs) < LOGPROB_TOLERANCE, diffs
+
+
+def test_q4_k_m_mix_runs_fused_layers_at_their_parts_widest_layout(llama_256, tmp_path, caplog, monkeypatch):
     """As llama.cpp's Q4_K_M: v_proj and down_proj in Q6_K, the rest Q4_K. The fused q/k/v
     layer then stores 8 bits in groups of 16 (Q4_K's scales repeated), gate/up stays int4."""
+    monkeypatch.setenv(INT8_ACTIVATIONS_ENV, "0")  # transformers multiplies float32 activations
     mix = {"v_proj": "Q6_K", "down_proj": "Q6_K"}
     path = write_gguf(llama_256, tmp_path / "model-Q4_K_M.gguf", "Q4_K", "F16", module_types=mix)
     with caplog.at_level("INFO"):
@@ -117,9 +154,12 @@ def test_decoded_blocks_equal_gguf_dequantize(type_name, group):
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
-def test_k_quant_layer_equals_gguf_dequantized_matmul(type_name, tmp_path):
-    """The grouped kernel on the decoded blocks equals x @ W^T with W = gguf's dequantize."""
+def test_k_quant_layer_equals_gguf_dequantized_matmul(type_name, tmp_path, monkeypatch):
+    """The grouped kernel on the decoded blocks equals x @ W^T with W = gguf's dequantize
+    (float32 activations: the int8 ones are checked in tests/kernels)."""
     import gguf
+
+    monkeypatch.setenv(INT8_ACTIVATIONS_ENV, "0")
 
     from pagedllm.model_executor.gguf_weights import KERNEL_TYPES
     from pagedllm.model_executor.layers.quantization.grouped import apply_grouped, store_grouped

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM
 from pagedllm.model_executor.layers.quantization.awq import AWQ_ORDER
+from pagedllm.model_executor.layers.quantization.grouped import INT8_ACTIVATIONS_ENV
 from pagedllm.model_executor.layers.quantization.packed_int import unpack_int32
 from tests.helpers import LINEAR_SUFFIXES, assert_greedy_equals_hf, model_runner
 
@@ -165,7 +166,9 @@ FORMATS = {
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_greedy_equals_hf_on_dequantized_weights(fmt, llama_128, tmp_path):
+def test_greedy_equals_hf_on_dequantized_weights(fmt, llama_128, tmp_path, monkeypatch):
+    # transformers multiplies float32 activations: so do we here (int8 activations: test_gguf.py).
+    monkeypatch.setenv(INT8_ACTIVATIONS_ENV, "0")
     writer, weight_dtype = FORMATS[fmt]
     config, convert = writer()
     quantized, reference = _write(llama_128, tmp_path / "quantized", tmp_path / "reference", config, convert)

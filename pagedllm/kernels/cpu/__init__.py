@@ -4,7 +4,8 @@
 ``sampling.cpp`` (greedy argmax), ``packed_linear.cpp`` (few-row matmul on oneDNN-packed
 bf16 weights), ``linear_w16.cpp`` (matmul on 16-bit weights widened to float32, for CPUs
 without native bf16, and on int8 weights with per-output scales) and ``linear_grouped.cpp``
-(matmul on 4- and 8-bit weights with per-group scales and zero points) and ``lora.cpp``
+(matmul on 4- and 8-bit weights with per-group scales and zero points; with ``int8_dot.h``'s
+integer dot products on int8 activations) and ``lora.cpp``
 (the multi-LoRA shrink / expand of one linear layer), beside this file, are built with ``torch.utils.cpp_extension.load`` the first
 time a kernel is asked for — never at import — and cached in torch's extensions directory
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``).
@@ -12,7 +13,7 @@ time a kernel is asked for — never at import — and cached in torch's extensi
 Runtime ISA dispatch: the level is chosen once per process, from the CPU's features or the
 ``PAGEDLLM_CPU_ISA`` override (``pagedllm.kernels.isa``), and logged. Each level is its own
 build (``-mavx2 -mfma -mf16c`` for avx2, ``+ -mavx512f/bw/vl/dq`` for avx512,
-``+ -mavx512bf16`` for avx512_bf16, no ``-m`` flag for portable), whose operators live in a
+``+ -mavx512bf16 -mavx512vnni`` for avx512_bf16, no ``-m`` flag for portable), whose operators live in a
 namespace of their own, ``torch.ops.pagedllm_cpu_<level>``; the sources pick their vector path
 from the compiler's feature macros. A build is therefore correct on any CPU of its level,
 whichever machine filled the cache. Tests load several levels side by side (``using_isa``).
@@ -65,7 +66,7 @@ _ISA_FLAGS = {
     "portable": [],
     "avx2": _AVX2_FLAGS,
     "avx512": _AVX512_FLAGS,
-    "avx512_bf16": [*_AVX512_FLAGS, "-mavx512bf16"],
+    "avx512_bf16": [*_AVX512_FLAGS, "-mavx512bf16", "-mavx512vnni"],
 }
 
 #: Seconds a first build is announced to take when this machine has not built one yet
@@ -545,6 +546,7 @@ def linear_w4(
     zero: torch.Tensor,
     bias: torch.Tensor | None,
     n: int,
+    int8_activations: bool = False,
 ) -> torch.Tensor:
     """``x W^T + b`` for 4-bit weights W[n, k] = scale[n, g] * (Q[n, k] - zero[n, g]), g = k //
     group_size: x [M, K] float32 / bfloat16 / float16, weight ``pack_w4``'s output for Q [n, K],
@@ -553,11 +555,17 @@ def linear_w4(
     (AVX2 and up) reading half a byte per weight; more rows, torch's float32 GEMM on chunks of
     dequantized weights (see ``linear_grouped.cpp``).
 
+    ``int8_activations``: up to 16 rows, when group_size is a multiple of 32, x is first
+    quantized to int8 per block of 32 inputs (symmetric, float32 scale max|x| / 127, round half
+    to even; llama.cpp's Q8_0 activations) and multiplied with exact int32 dot products
+    (AVX512-VNNI, AVX-512BW / AVX2 vpmaddubsw, or plain loops; see ``int8_dot.h``): faster, and
+    exactly ``x_q W^T`` up to float32 summation, x_q the dequantized int8 x. Otherwise ignored.
+
     Raises:
         RuntimeError: unavailable kernels, or bad shapes / dtypes.
     """
     _require()
-    return _ops().linear_w4(x, weight, scale, zero, bias, n)
+    return _ops().linear_w4(x, weight, scale, zero, bias, n, int8_activations)
 
 
 def linear_w8g(
@@ -567,6 +575,7 @@ def linear_w8g(
     zero: torch.Tensor,
     bias: torch.Tensor | None,
     n: int,
+    int8_activations: bool = False,
 ) -> torch.Tensor:
     """``linear_w4`` for 8-bit unsigned weights (W = scale * (Q - zero) per group, Q 0-255):
     weight is Q [n, K] uint8 in ``pack_w8``'s layout ([ceil(n / 16), K, 16] uint8; pack its
@@ -577,7 +586,7 @@ def linear_w8g(
         RuntimeError: unavailable kernels, or bad shapes / dtypes.
     """
     _require()
-    return _ops().linear_w8g(x, weight, scale, zero, bias, n)
+    return _ops().linear_w8g(x, weight, scale, zero, bias, n, int8_activations)
 
 
 def lora_sgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,

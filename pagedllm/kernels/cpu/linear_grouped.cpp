@@ -11,6 +11,8 @@
 //             zero [N, G] float32, bias [N] or None, N)  ->  x W^T + b, [M, N] in x's dtype
 //   linear_w8g(x, weight [ceil(N / 16), K, 16] uint8 (pack_w8's layout), scale, zero, bias, N)
 //
+// (both with a last argument int8_x: see "int8 activations" below).
+//
 // The layout is linear_w16.cpp's blocks of 16 outputs; 4-bit weights hold two inputs per byte:
 // byte (b, i, j) holds Q[b * 16 + j, 2 i] in its low nibble and Q[b * 16 + j, 2 i + 1] in its
 // high nibble, so a block is one contiguous stream of K * 8 bytes (a quarter of bfloat16's).
@@ -20,6 +22,13 @@
 // exact), then folded in once per group as scale * acc - scale * zero * sum_k x[k], with the
 // per-group sums of x computed once per row for all blocks. Integers up to 15 and their
 // products are exact in float32, so the only rounding is the float32 summation's.
+//
+// int8 activations (int8_x, M <= kStreamRows, group size a multiple of 32; every ISA level,
+// the portable one included): x is quantized per block of 32 inputs (d, a, asum; int8_dot.h),
+// each block's 16 outputs get exact int32 dots, folded in float32 per activation block as
+// d * (dot - zero * asum) and scaled once per group. llama.cpp's arithmetic for Q8_0 / Q4_0
+// weights; it reads the same bytes as the float path but does 4 multiply-adds per byte lane
+// per instruction instead of one float32 FMA per widened weight.
 //
 // More rows: chunks of blocks are dequantized into a float32 [K, columns] buffer and
 // multiplied by torch's float32 GEMM (compute-bound rows amortise the dequantization), as
@@ -38,6 +47,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "int8_dot.h"
 #include "simd.h"
 #include "weight_blocks.h"
 
@@ -46,8 +56,10 @@ namespace {
 using pagedllm_blocks::kBlock;
 using pagedllm_blocks::kGemmChunkBytes;
 using pagedllm_blocks::kStreamRows;
+using pagedllm_int8::bytes_per_input;  // bytes of one block per input (a block holds 16 outputs)
 
 constexpr int64_t kPrefetchBytes = 2048;  // software prefetch distance in a block's stream
+constexpr int kInt8Rows = 4;              // rows of x per pass over a block with int8 activations
 
 at::Tensor pack_w4(const at::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.scalar_type() == at::kByte,
@@ -72,10 +84,27 @@ at::Tensor pack_w4(const at::Tensor& weight) {
   return out;
 }
 
-// Bytes of one block per input (a block holds 16 outputs).
-template <int Bits>
-constexpr int64_t block_bytes_per_input() {
-  return Bits == 4 ? kBlock / 2 : kBlock;
+
+// One block of 16 outputs as the few-row kernels see it: its weights, first output, outputs
+// in range, and its rows of scale, zero point and bias (null without bias).
+struct BlockView {
+  const uint8_t* wb;
+  int64_t n0, n_valid;
+  const float *sb, *zb, *bb;
+};
+
+// fn(BlockView) for every block of the packed weight, blocks split across threads.
+template <int Bits, typename Fn>
+void for_each_block(const at::Tensor& packed, int64_t k, int64_t groups, int64_t n, const float* scale,
+                    const float* zero, const float* bias, const Fn& fn) {
+  const uint8_t* wp = packed.const_data_ptr<uint8_t>();
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kBlock;
+      fn(BlockView{wp + b * k * bytes_per_input<Bits>(), n0, std::min(kBlock, n - n0), scale + n0 * groups,
+                   zero + n0 * groups, bias ? bias + n0 : nullptr});
+    }
+  });
 }
 
 #ifdef PAGEDLLM_BLOCK_STREAM
@@ -106,7 +135,7 @@ void block_rows(const float* x, int64_t ldx, const float* xsum, int64_t groups, 
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t i = g * group_size; i < (g + 1) * group_size; i += 2) {
       // Inputs i and i + 1: one byte each (8 bits), or the two nibbles of one (4 bits).
-      const uint8_t* p = wb + i * block_bytes_per_input<Bits>();
+      const uint8_t* p = wb + i * bytes_per_input<Bits>();
       if (i % 8 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
       __m256 e0, e1, o0, o1;
@@ -148,29 +177,87 @@ void stream(const at::Tensor& x32, const at::Tensor& packed, int64_t group_size,
   const float* xp = x32.const_data_ptr<float>();
   const at::Tensor xsum_t = x32.view({m, groups, group_size}).sum(2).contiguous();
   const float* xs = xsum_t.const_data_ptr<float>();
-  const uint8_t* wp = packed.const_data_ptr<uint8_t>();
   Y* yp = y.mutable_data_ptr<Y>();
-  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* wb = wp + b * k * block_bytes_per_input<Bits>();
-      const int64_t n0 = b * kBlock, n_valid = std::min(kBlock, n - n0);
-      const float* sb = scale + n0 * groups;
-      const float* zb = zero + n0 * groups;
-      const float* bb = bias ? bias + n0 : nullptr;
-      int64_t r = 0;
-      // Register budget (16 ymm): 4 R accumulators and outputs, 4 widened weights, broadcasts.
-      for (; r + 2 <= m; r += 2) {
-        block_rows<Bits, Y, 2>(xp + r * k, k, xs + r * groups, groups, wb, k, group_size, sb, zb, bb, yp + r * n + n0, n,
-                         n_valid);
-      }
-      if (r < m) {
-        block_rows<Bits, Y, 1>(xp + r * k, k, xs + r * groups, groups, wb, k, group_size, sb, zb, bb, yp + r * n + n0, n,
-                         n_valid);
-      }
+  for_each_block<Bits>(packed, k, groups, n, scale, zero, bias, [&](const BlockView& v) {
+    int64_t r = 0;
+    // Register budget (16 ymm): 4 R accumulators and outputs, 4 widened weights, broadcasts.
+    for (; r + 2 <= m; r += 2) {
+      block_rows<Bits, Y, 2>(xp + r * k, k, xs + r * groups, groups, v.wb, k, group_size, v.sb, v.zb, v.bb,
+                             yp + r * n + v.n0, n, v.n_valid);
+    }
+    if (r < m) {
+      block_rows<Bits, Y, 1>(xp + r * k, k, xs + r * groups, groups, v.wb, k, group_size, v.sb, v.zb, v.bb,
+                             yp + r * n + v.n0, n, v.n_valid);
     }
   });
 }
 #endif
+
+
+// Few rows with int8 activations (int8_dot.h): rows [0, R) of the quantized x (a, row stride
+// lda; d / asum [R][xblocks]) times one block wb with its groups' scale / zero rows (row stride
+// groups): per activation block the 16 outputs' exact int32 dots, folded in float32 as
+// d * (dot - (zero - offset) * asum), then scaled once per group.
+template <int Bits, typename Y, int R>
+void block_rows_int8(const int8_t* a, int64_t lda, const float* d, const int32_t* asum, int64_t xblocks, int64_t groups,
+                     int64_t group_size, const uint8_t* wb, const float* scale, const float* zero, const float* bias,
+                     Y* y, int64_t ldy, int64_t n_valid) {
+  using namespace pagedllm_int8;
+  Sums out[R];
+  for (int r = 0; r < R; ++r) out[r] = sums_zero();
+  const int64_t per_group = group_size / kXBlock;
+  for (int64_t g = 0; g < groups; ++g) {
+    const Sums sv = sums_gather(scale + g, groups, n_valid, 0.f);
+    const Sums zv = sums_gather(zero + g, groups, n_valid, static_cast<float>(kOffset<Bits>));
+    Sums t[R];
+    for (int r = 0; r < R; ++r) t[r] = sums_zero();
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      const uint8_t* wp = wb + b * kXBlock * bytes_per_input<Bits>();
+      for (int64_t line = 0; line < kXBlock * bytes_per_input<Bits>(); line += 64) __builtin_prefetch(wp + kPrefetchBytes + line);
+      Lanes acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = lanes_zero();
+      dot32<Bits, R>(wp, a + b * kXBlock, lda, acc);
+      for (int r = 0; r < R; ++r) {
+        fold_block(t[r], acc[r], zv, d[r * xblocks + b], static_cast<float>(asum[r * xblocks + b]));
+      }
+    }
+    for (int r = 0; r < R; ++r) fold_group(out[r], sv, t[r]);
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float o[kBlock];
+    sums_store(o, out[r]);
+    for (int64_t j = 0; j < n_valid; ++j) y[r * ldy + j] = static_cast<Y>(o[j] + (bias ? bias[j] : 0.f));
+  }
+}
+
+template <int Bits, typename Y>
+void stream_int8(const at::Tensor& x32, const at::Tensor& packed, int64_t group_size, const float* scale,
+                 const float* zero, const float* bias, int64_t n, at::Tensor& y) {
+  using pagedllm_int8::kXBlock;
+  const int64_t m = x32.size(0), k = x32.size(1), groups = k / group_size, xblocks = k / kXBlock;
+  at::Tensor a_t = at::empty({m, k}, x32.options().dtype(at::kChar));
+  at::Tensor d_t = at::empty({m, xblocks}, x32.options());
+  at::Tensor asum_t = at::empty({m, xblocks}, x32.options().dtype(at::kInt));
+  int8_t* ap = a_t.mutable_data_ptr<int8_t>();
+  float* dp = d_t.mutable_data_ptr<float>();
+  int32_t* sp = asum_t.mutable_data_ptr<int32_t>();
+  pagedllm_int8::quantize_rows(x32.const_data_ptr<float>(), m, k, ap, dp, sp);
+  Y* yp = y.mutable_data_ptr<Y>();
+  for_each_block<Bits>(packed, k, groups, n, scale, zero, bias, [&](const BlockView& v) {
+#define PAGEDLLM_ROWS(R)                                                                                           \
+  block_rows_int8<Bits, Y, R>(ap + r * k, k, dp + r * xblocks, sp + r * xblocks, xblocks, groups, group_size, v.wb, \
+                              v.sb, v.zb, v.bb, yp + r * n + v.n0, n, v.n_valid)
+    int64_t r = 0;
+    for (; r + kInt8Rows <= m; r += kInt8Rows) PAGEDLLM_ROWS(kInt8Rows);
+    switch (m - r) {
+      case 3: PAGEDLLM_ROWS(3); break;
+      case 2: PAGEDLLM_ROWS(2); break;
+      case 1: PAGEDLLM_ROWS(1); break;
+      default: break;
+    }
+#undef PAGEDLLM_ROWS
+  });
+}
 
 // y32 [M, N] = x32 [M, K] W^T (+ bias), chunks of blocks dequantized into a float32
 // [K, columns] buffer for torch's float32 GEMM.
@@ -194,7 +281,7 @@ void dequantizing_gemm(const at::Tensor& x32, const at::Tensor& packed, int64_t 
         float* odd = even + width;
         for (int64_t c = 0; c < cols; ++c) {
           const int64_t nn = b0 * kBlock + c;
-          const uint8_t* block = wp + (nn / kBlock) * k * block_bytes_per_input<Bits>() + nn % kBlock;
+          const uint8_t* block = wp + (nn / kBlock) * k * bytes_per_input<Bits>() + nn % kBlock;
           const float s = sp[nn * groups + g], z = zp[nn * groups + g];
           if constexpr (Bits == 4) {
             const uint8_t byte = block[i * kBlock];
@@ -213,15 +300,31 @@ void dequantizing_gemm(const at::Tensor& x32, const at::Tensor& packed, int64_t 
   if (bias_f.defined()) y32.add_(bias_f);
 }
 
+// A few-row kernel: y [M, N] from x32, the packed weight, group size, scale, zero, bias, N.
+using StreamFn = void (*)(const at::Tensor&, const at::Tensor&, int64_t, const float*, const float*, const float*,
+                          int64_t, at::Tensor&);
+
+// The few-row kernel for output type Y: int8 activations where asked and the groups are whole
+// activation blocks, else the float32 streaming kernel (AVX2 and up), else none (the GEMM).
+template <int Bits, typename Y>
+StreamFn few_rows(bool int8_x, int64_t group_size) {
+  if (int8_x && group_size % pagedllm_int8::kXBlock == 0) return &stream_int8<Bits, Y>;
+#ifdef PAGEDLLM_BLOCK_STREAM
+  return &stream<Bits, Y>;
+#else
+  return nullptr;
+#endif
+}
+
 // x W^T + b for Bits-bit weights in blocks of 16 outputs; ``op`` names the caller in errors.
 template <int Bits>
 at::Tensor linear_grouped(const char* op, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                          const at::Tensor& zero, const std::optional<at::Tensor>& bias, int64_t n) {
+                          const at::Tensor& zero, const std::optional<at::Tensor>& bias, int64_t n, bool int8_x) {
   TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous() &&
                   packed.scalar_type() == at::kByte,
               op, Bits == 4 ? ": weight must be a uint8 CPU tensor packed by pack_w4 ([N / 16, K / 2, 16])"
                             : ": weight must be a uint8 CPU tensor in pack_w8's layout ([N / 16, K, 16])");
-  const int64_t k = packed.size(1) * kBlock / block_bytes_per_input<Bits>();
+  const int64_t k = packed.size(1) * kBlock / bytes_per_input<Bits>();
   TORCH_CHECK(n > (packed.size(0) - 1) * kBlock && n <= packed.size(0) * kBlock, op, ": N = ", n,
               " does not match the packed weight's ", packed.size(0), " blocks of 16 outputs");
   TORCH_CHECK(scale.device().is_cpu() && scale.dim() == 2 && scale.size(0) == n && scale.size(1) >= 1 &&
@@ -242,41 +345,37 @@ at::Tensor linear_grouped(const char* op, const at::Tensor& x, const at::Tensor&
   }
   const int64_t m = x.size(0), group_size = k / scale.size(1);
   const at::Tensor x32 = x.to(at::kFloat).contiguous();
-#ifdef PAGEDLLM_BLOCK_STREAM
-  if (m <= kStreamRows) {
+  const StreamFn fn = m > kStreamRows                                  ? nullptr
+                      : xt == at::kFloat                               ? few_rows<Bits, float>(int8_x, group_size)
+                      : xt == at::kBFloat16                            ? few_rows<Bits, c10::BFloat16>(int8_x, group_size)
+                                                                       : few_rows<Bits, c10::Half>(int8_x, group_size);
+  if (fn != nullptr) {
     at::Tensor y = at::empty({m, n}, x.options());
-    const float* bp = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
-    const float* sp = scale.const_data_ptr<float>();
-    const float* zp = zero.const_data_ptr<float>();
-    switch (xt) {
-      case at::kFloat: stream<Bits, float>(x32, packed, group_size, sp, zp, bp, n, y); break;
-      case at::kBFloat16: stream<Bits, c10::BFloat16>(x32, packed, group_size, sp, zp, bp, n, y); break;
-      default: stream<Bits, c10::Half>(x32, packed, group_size, sp, zp, bp, n, y); break;
-    }
+    fn(x32, packed, group_size, scale.const_data_ptr<float>(), zero.const_data_ptr<float>(),
+       bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr, n, y);
     return y;
   }
-#endif
   at::Tensor y32 = at::empty({m, n}, x32.options());
   dequantizing_gemm<Bits>(x32, packed, group_size, scale, zero, bias_f, n, y32);
   return xt == at::kFloat ? y32 : y32.to(xt);
 }
 
 at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero,
-                     const std::optional<at::Tensor>& bias, int64_t n) {
-  return linear_grouped<4>("linear_w4", x, packed, scale, zero, bias, n);
+                     const std::optional<at::Tensor>& bias, int64_t n, bool int8_x) {
+  return linear_grouped<4>("linear_w4", x, packed, scale, zero, bias, n, int8_x);
 }
 
 at::Tensor linear_w8g(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero,
-                      const std::optional<at::Tensor>& bias, int64_t n) {
-  return linear_grouped<8>("linear_w8g", x, packed, scale, zero, bias, n);
+                      const std::optional<at::Tensor>& bias, int64_t n, bool int8_x) {
+  return linear_grouped<8>("linear_w8g", x, packed, scale, zero, bias, n, int8_x);
 }
 
 }  // namespace
 
 PAGEDLLM_FRAGMENT(m) {
   m.def("pack_w4(Tensor weight) -> Tensor");
-  m.def("linear_w4(Tensor x, Tensor weight, Tensor scale, Tensor zero, Tensor? bias, int n) -> Tensor");
-  m.def("linear_w8g(Tensor x, Tensor weight, Tensor scale, Tensor zero, Tensor? bias, int n) -> Tensor");
+  m.def("linear_w4(Tensor x, Tensor weight, Tensor scale, Tensor zero, Tensor? bias, int n, bool int8_x) -> Tensor");
+  m.def("linear_w8g(Tensor x, Tensor weight, Tensor scale, Tensor zero, Tensor? bias, int n, bool int8_x) -> Tensor");
 }
 
 PAGEDLLM_IMPL(CompositeExplicitAutograd, m) {
