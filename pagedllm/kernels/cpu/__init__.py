@@ -5,7 +5,8 @@
 bf16 weights), ``linear_w16.cpp`` (matmul on 16-bit weights widened to float32, for CPUs
 without native bf16, and on int8 weights with per-output scales) and ``linear_grouped.cpp``
 (matmul on 4- and 8-bit weights with per-group scales and zero points; with ``int8_dot.h``'s
-integer dot products on int8 activations) and ``lora.cpp``
+integer dot products on int8 activations), ``linear_dequant.cpp`` (the same weights for many
+rows: tiles dequantized into a bf16 / float32 GEMM) and ``lora.cpp``
 (the multi-LoRA shrink / expand of one linear layer), beside this file, are built with ``torch.utils.cpp_extension.load`` the first
 time a kernel is asked for — never at import — and cached in torch's extensions directory
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``).
@@ -57,7 +58,7 @@ logger = logging.getLogger(__name__)
 DISABLE_ENV = "PAGEDLLM_DISABLE_CPU_KERNELS"
 _KERNEL_VERSION = 6
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "packed_linear.cpp", "linear_w16.cpp", "linear_grouped.cpp", "lora.cpp")]
+_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "packed_linear.cpp", "linear_w16.cpp", "linear_grouped.cpp", "linear_dequant.cpp", "lora.cpp")]
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 _AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
@@ -587,6 +588,48 @@ def linear_w8g(
     """
     _require()
     return _ops().linear_w8g(x, weight, scale, zero, bias, n, int8_activations)
+
+
+#: Weight bits -> rows of x from which the quantized layers call ``linear_dequant`` instead
+#: of the few-row kernels (``linear_w8``, ``linear_w8g`` and ``linear_fp8`` for 8 bits,
+#: ``linear_w4`` for 4). Measured on the 0.5B shape's layers against the float-activation
+#: few-row kernels (``benchmarks/quantized_prefill.py --cpu-time --rows 8 16 32``, AVX512-BF16
+#: + AMX, one thread): at 16 rows the int8 kernel and linear_dequant were within 10% and the
+#: int4 kernel 1.3-1.8x slower; at 32 rows both 3-4x slower. The grouped kernels' int8-activation
+#: path (up to 16 rows, 2-3x faster than their float path) moves the 4-bit crossing to 17 too.
+DEQUANT_GEMM_MIN_ROWS = {8: 17, 4: 17}
+
+
+def linear_dequant(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    n: int,
+    bits: int,
+    tile_cols: int = 0,
+) -> torch.Tensor:
+    """``x W^T + b`` for many rows of x against 8- or 4-bit weights, dequantized tile by tile
+    into a GEMM of bfloat16 (x bfloat16 on an AVX512-BF16 build: oneDNN, with AMX where
+    present) or float32 (elsewhere), never a whole dequantized layer (see
+    ``linear_dequant.cpp``). x [M, K] float32 / bfloat16 / float16 (last dimension
+    contiguous), bias [n] or None -> [M, n] in x's dtype. The weights, as the few-row kernels
+    take them:
+
+    - ``linear_w8``'s: weight int8 (``pack_w8``), scale [n], zero None, bits 8;
+    - ``linear_fp8``'s: weight float8_e4m3fn in ``pack_w8``'s layout, scale [n], zero None, bits 8;
+    - ``linear_w8g``'s: weight uint8 in ``pack_w8``'s layout, scale / zero [n, G], bits 8;
+    - ``linear_w4``'s: weight uint8 (``pack_w4``), scale / zero [n, G] (even groups), bits 4.
+
+    ``tile_cols``: outputs per tile, a multiple of 16 (0: about 512 KB of dequantized
+    weights per tile, the tiles spread evenly over the threads); for benchmarks.
+
+    Raises:
+        RuntimeError: unavailable kernels, or bad shapes / dtypes.
+    """
+    _require()
+    return _ops().linear_dequant(x, weight, scale, zero, bias, n, bits, tile_cols)
 
 
 def lora_sgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,

@@ -98,7 +98,7 @@ def apply_fp8(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -
 
 def fp8_kernel_name(layer: nn.Module) -> str:
     """The start-up log's name of a ``store_fp8`` layer's matmul."""
-    return "linear_fp8" if layer.weight.dim() == 3 else "torch matmul on dequantized W"
+    return "linear_fp8; many rows: linear_dequant" if layer.weight.dim() == 3 else "torch matmul on dequantized W"
 
 
 def checkpoint_rows(layer: nn.Module, shard_id: tuple[Any, ...]) -> int:

@@ -45,12 +45,17 @@ def store_grouped(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero: 
 
 def apply_grouped(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``x W^T + b`` for a layer prepared by ``store_grouped``: x [..., in] -> [..., out] in
-    x's dtype (``linear_w4`` / ``linear_w8g`` on CPU, else a torch matmul on W dequantized per call)."""
+    x's dtype (on CPU ``linear_w4`` / ``linear_w8g`` for few rows, ``linear_dequant`` for many,
+    else a torch matmul on W dequantized per call)."""
     n = layer.output_size_per_partition
     if layer.weight.dim() == 3:
-        kernel = cpu_kernels.linear_w4 if layer.weight_bits == 4 else cpu_kernels.linear_w8g
-        y = kernel(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale, layer.weight_zero_point, bias, n,
-                   layer.int8_activations)
+        bits, x2 = layer.weight_bits, x.reshape(-1, x.shape[-1])
+        scale, zero = layer.weight_scale, layer.weight_zero_point
+        if x2.shape[0] >= cpu_kernels.DEQUANT_GEMM_MIN_ROWS[bits]:
+            y = cpu_kernels.linear_dequant(x2, layer.weight, scale, zero, bias, n, bits)
+        else:
+            kernel = cpu_kernels.linear_w4 if bits == 4 else cpu_kernels.linear_w8g
+            y = kernel(x2, layer.weight, scale, zero, bias, n, layer.int8_activations)
         return y.view(*x.shape[:-1], n)
     group = layer.weight.shape[1] // layer.weight_scale.shape[1]
     scale = layer.weight_scale.repeat_interleave(group, dim=1)
@@ -66,4 +71,6 @@ def describe_grouped(layer: nn.Module, source: str) -> str:
     kernel = ("linear_w4" if bits == 4 else "linear_w8g") if layer.weight.dim() == 3 else "torch matmul on dequantized W"
     if layer.weight.dim() == 3 and layer.int8_activations and group % 32 == 0:
         kernel += ", int8 activations per 32 inputs up to 16 rows"
+    if layer.weight.dim() == 3:
+        kernel += "; many rows: linear_dequant"
     return f"{source}: int{bits} weight-only, groups of {group} ({kernel})"

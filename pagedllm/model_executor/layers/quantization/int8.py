@@ -62,11 +62,16 @@ def store_int8(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
 def apply_scaled_8bit(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor], kernel: Callable[..., torch.Tensor]) -> torch.Tensor:
     """``x W^T + b`` for a layer of 8-bit weights F with one scale per output (W =
     ``weight_scale[:, None]`` * F): x [..., in] -> [..., out] in x's dtype, by ``kernel``
-    (``linear_w8`` / ``linear_fp8``) when ``weight`` is in ``pack_w8``'s blocked layout, else a
+    (``linear_w8`` / ``linear_fp8``) for few rows and ``linear_dequant`` from
+    ``DEQUANT_GEMM_MIN_ROWS[8]`` rows when ``weight`` is in ``pack_w8``'s blocked layout, else a
     torch matmul on W rebuilt per call."""
     n = layer.output_size_per_partition
     if layer.weight.dim() == 3:
-        y = kernel(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale, bias, n)
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] >= cpu_kernels.DEQUANT_GEMM_MIN_ROWS[8]:
+            y = cpu_kernels.linear_dequant(x2, layer.weight, layer.weight_scale, None, bias, n, 8)
+        else:
+            y = kernel(x2, layer.weight, layer.weight_scale, bias, n)
         return y.view(*x.shape[:-1], n)
     weight = layer.weight.to(x.dtype) * layer.weight_scale[:, None].to(x.dtype)
     return F.linear(x, weight, bias)
@@ -81,7 +86,7 @@ def apply_int8(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) 
 def describe_int8(layer: nn.Module) -> str:
     """The start-up log's name of an int8 layer's matmul path."""
     if layer.weight.dim() == 3:
-        return "int8 weight-only, per-channel scales (linear_w8)"
+        return "int8 weight-only, per-channel scales (linear_w8; many rows: linear_dequant)"
     return "int8 weight-only, per-channel scales (torch matmul on dequantized W)"
 
 

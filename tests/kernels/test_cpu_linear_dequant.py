@@ -1,0 +1,111 @@
+"""``linear_dequant`` (many rows against 8- / 4-bit weights, dequantized tile by tile into a
+GEMM) equals the float64 product of the weights it dequantizes, at every instruction-set level
+the host supports: in float32 ((Q - zero) * scale, as PyTorch computes it) for the float32
+GEMM, rounded to bfloat16 for the bfloat16 GEMM (x bfloat16 on an AVX512-BF16 build), within
+float32 summation error plus the output's rounding; for each weight format, ragged shapes,
+group boundaries, several tiles with a ragged last one, with or without bias. Bad input is
+refused with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.kernels import cpu as cpu_kernels
+
+pytestmark = pytest.mark.usefixtures("isa_kernel")
+
+# (N, K, group size): odd N, one group per row, groups of 2, 32 and 128, the 0.5B shape's K.
+SHAPES = [(1, 2, 2), (37, 64, 32), (130, 8, 8), (67, 896, 128), (45, 256, 256), (17, 96, 32)]
+FORMATS = ["int8", "fp8", "uint8 groups", "uint4 groups"]
+
+
+def _case(fmt: str, n: int, k: int, group: int, seed: int):
+    """(weight as linear_dequant takes it, scale, zero or None, bits, float32 dequantized W [n, k])."""
+    gen = torch.Generator().manual_seed(seed)
+    if fmt in ("int8", "fp8"):
+        scale = torch.rand(n, generator=gen) * 0.01 + 1e-4
+        if fmt == "int8":
+            q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+            return cpu_kernels.pack_w8(q), scale, None, 8, q.float() * scale[:, None]
+        f = (torch.randn(n, k, generator=gen) * 50).to(torch.float8_e4m3fn)
+        packed = cpu_kernels.pack_w8(f.view(torch.int8)).view(torch.float8_e4m3fn)
+        return packed, scale, None, 8, f.float() * scale[:, None]
+    bits = 8 if fmt == "uint8 groups" else 4
+    q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=gen)
+    scale = torch.rand(n, k // group, generator=gen) * 0.01 + 1e-4
+    zero = torch.randint(0, 2**bits, (n, k // group), generator=gen).float()
+    w = (q.float() - zero.repeat_interleave(group, dim=1)) * scale.repeat_interleave(group, dim=1)
+    packed = cpu_kernels.pack_w4(q) if bits == 4 else cpu_kernels.pack_w8(q.view(torch.int8)).view(torch.uint8)
+    return packed, scale, zero, bits, w
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k,group", SHAPES)
+@pytest.mark.parametrize("rows,tile_cols", [(1, 0), (17, 16), (40, 32), (64, 0)])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matches_float64_product(fmt, n, k, group, rows, tile_cols, x_dtype):
+    packed, scale, zero, bits, w32 = _case(fmt, n, k, group, n * 31 + k + rows)
+    x = torch.randn(rows, k).to(x_dtype)
+    bias = torch.randn(n) if rows % 2 else None
+    got = cpu_kernels.linear_dequant(x, packed, scale, zero, bias, n, bits, tile_cols)
+    assert got.shape == (rows, n) and got.dtype == x_dtype
+    bf16_gemm = x_dtype == torch.bfloat16 and cpu_kernels.build_info().startswith("avx512_bf16")
+    gemm_dtype = torch.bfloat16 if bf16_gemm else torch.float32
+    w = w32.to(gemm_dtype).double()
+    b = 0 if bias is None else bias.to(gemm_dtype).double()
+    exact = x.double() @ w.T + b
+    magnitude = x.double().abs() @ w.abs().T + (0 if bias is None else abs(b))
+    bound = (k + 4) * 2.0**-24 * magnitude
+    if x_dtype != torch.float32:  # the output's rounding, subnormals included
+        info = torch.finfo(x_dtype)
+        bound = bound + exact.abs() * info.eps + info.smallest_normal * info.eps
+    err = (got.double() - exact).abs()
+    assert bool((err <= bound + 1e-30).all()), f"max excess {(err - bound).max().item():.3g}"
+
+
+def test_bfloat16_gemm_on_avx512_bf16_builds():
+    """On an AVX512-BF16 build a bfloat16 x multiplies bfloat16-rounded weights (the GEMM a bf16
+    layer runs); elsewhere float32 ones: two groups whose scales differ by less than bfloat16
+    holds, and cancel there, tell them apart."""
+    q = torch.tensor([[2, 2, 0, 0]], dtype=torch.uint8).expand(16, 4).contiguous()
+    zero = torch.ones(16, 2)
+    scale = torch.tensor([[1 + 2.0**-9, 1.0]]).expand(16, 2).contiguous()  # 1 + 2^-9 is 1 in bfloat16
+    packed = cpu_kernels.pack_w8(q.view(torch.int8)).view(torch.uint8)
+    x = torch.ones(32, 4, dtype=torch.bfloat16)
+    y = cpu_kernels.linear_dequant(x, packed, scale, zero, None, 16, 8)
+    expected = 0.0 if cpu_kernels.build_info().startswith("avx512_bf16") else 2.0**-8
+    assert torch.equal(y.float(), torch.full((32, 16), expected))
+
+
+def test_inference_mode_holds_in_the_worker_threads():
+    """Under InferenceMode (as the engine runs) y is an inference tensor that the tiles' worker
+    threads write into: they must see the mode too."""
+    q = torch.randint(-127, 128, (64, 32), dtype=torch.int8)
+    scale, packed = torch.rand(64), cpu_kernels.pack_w8(q)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            x = torch.randn(20, 32)
+            y = cpu_kernels.linear_dequant(x, packed, scale, None, torch.randn(64), 64, 8, 16)
+    finally:
+        torch.set_num_threads(threads)
+    assert y.shape == (20, 64) and y.is_inference()
+
+
+def test_bad_input_is_refused():
+    q = torch.zeros(32, 64, dtype=torch.int8)
+    packed, scale, x = cpu_kernels.pack_w8(q), torch.ones(32), torch.zeros(20, 64)
+    with pytest.raises(RuntimeError, match="tile_cols must be 0 or a multiple of 16"):
+        cpu_kernels.linear_dequant(x, packed, scale, None, None, 32, 8, 24)
+    with pytest.raises(RuntimeError, match="N = 40 does not match"):
+        cpu_kernels.linear_dequant(x, packed, scale.new_ones(40), None, None, 40, 8)
+    with pytest.raises(RuntimeError, match="weight must be uint8 with a zero point"):
+        cpu_kernels.linear_dequant(x, packed, scale[:, None], scale[:, None], None, 32, 8)
+    with pytest.raises(RuntimeError, match="scale must be a contiguous float32"):
+        cpu_kernels.linear_dequant(x, packed, scale[:16], None, None, 32, 8)
+    with pytest.raises(RuntimeError, match=r"x must be a float32 / bfloat16 / float16 CPU tensor \[M, 64\]"):
+        cpu_kernels.linear_dequant(torch.zeros(20, 63), packed, scale, None, None, 32, 8)
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+        cpu_kernels.linear_dequant(x, packed, scale, None, None, 32, 3)
