@@ -6,7 +6,8 @@
 so W ~ scale[:, None] * Q (the per-channel absmax scheme of LLM.int8(), Dettmers et al. 2022,
 without its outlier decomposition; llama.cpp's Q8_0 uses blocks of 32 instead of channels).
 Activations stay in the model dtype. On CPU the matmul is ``pagedllm.kernels.cpu.linear_w8``:
-decode steps stream one byte per weight (half of bf16's) and sum in float32. The lm_head
+decode steps stream one byte per weight (half of bf16's) and sum in float32; many rows
+(prefill) go through ``linear_dequant``, tiles of W dequantized into a bf16 GEMM. The lm_head
 keeps the model dtype (its error reaches the logits directly), as vLLM's weight-only methods do.
 """
 
