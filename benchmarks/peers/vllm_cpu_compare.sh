@@ -77,7 +77,7 @@ for ((r = 0; r < ROUNDS; r++)); do
   vllm ngram --prompts "$WORK/repeat.json"
   vllm ngram --prompts "$WORK/repeat.json" --spec
 done
-"$PY" benchmarks/spec_decode_bench.py --dataset-name repeat --batch-sizes 1 --input-len "$REPEAT_INPUT_LEN" \
+"$PY" benchmarks/spec_decode_bench.py --model "$M" --dataset-name repeat --batch-sizes 1 --input-len "$REPEAT_INPUT_LEN" \
   --output-len "$OUTPUT_LEN" --rounds "$NGRAM_PROMPTS" --num-threads "$THREADS" --kv-cache-memory-bytes 1073741824 \
   --speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}' \
   2>&1 | grep -E '^batch' || true
