@@ -13,7 +13,7 @@ channel weights with dynamic per-token fp8 activations, "FP8" = fp8 tensor weigh
 static per-tensor fp8 ``input_scale``). The input is quantized as ``activation_quant`` says,
 then:
 
-- int8: ``torch._int_mm`` on CPU (oneDNN's int8 GEMM, exact int32 sums), elsewhere a float32
+- int8: ``torch._int_mm`` on a CPU with VNNI (oneDNN's int8 GEMM, exact int32 sums), elsewhere a float32
   matmul of the integer values (exact while a row's sum stays below 2^24); then
   y = acc * s_x[m] * weight_scale[n] (+ bias);
 - fp8: ``linear_fp8`` (float32 sums of the e4m3 products, exact products) on the fp8
@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from pagedllm.kernels import isa
 from pagedllm.model_executor.layers.linear import LinearMethodBase
 from pagedllm.model_executor.layers.quantization.activation_quant import (
     quantize_fp8_activations,
@@ -226,7 +227,10 @@ class CompressedTensorsW8A8LinearMethod(LinearMethodBase):
         else:
             layer.weight = nn.Parameter(weight, requires_grad=False)
             layer.weight_scale = nn.Parameter(scale.float().contiguous(), requires_grad=False)
-            self.int8_matmul = _int_mm if current_platform.is_cpu else _float_int8_mm
+            # oneDNN's int8 GEMM is exact only with VNNI (the avx512_bf16 level implies it);
+            # without, its vpmaddubsw pairs saturate at int16, so the exact float32 path runs.
+            exact_int_mm = current_platform.is_cpu and isa.selected_isa() == "avx512_bf16"
+            self.int8_matmul = _int_mm if exact_int_mm else _float_int8_mm
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype (see the module docstring)."""
