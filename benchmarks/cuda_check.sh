@@ -6,10 +6,11 @@
 #
 #   STAGES="tests bench" bash benchmarks/cuda_check.sh      # both (default)
 #   TESTS="tests/engine/test_greedy_equality.py" STAGES=tests bash benchmarks/cuda_check.sh
+#   STAGES="tests spec" BENCH_PROMPTS=1 ...   # speculative decoding's rows (issue 16) on the GPU
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STAGES=${STAGES:-"tests bench"}
+STAGES=${STAGES:-"tests bench spec"}
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
@@ -39,4 +40,21 @@ if [[ $STAGES == *bench* ]]; then
   done
   timeout 90 python3 -m pagedllm.entrypoints.cli bench latency --model $CKPT --dtype bfloat16 \
     --batch-size 1 --input-len 128 --output-len 128 --output-json "$OUT/bench-latency-1.json" 2>&1 | tail -n 8
+fi
+
+if [[ $STAGES == *spec* ]]; then
+  CKPT=/tmp/qwen2-0.5b-shape
+  [ -d $CKPT ] || python3 benchmarks/make_checkpoint.py --preset qwen2-0.5b-shape --out $CKPT > /dev/null || exit 1
+  python3 benchmarks/make_checkpoint.py --preset qwen2-draft-shape --out /tmp/qwen2-draft-shape --seed 1 > /dev/null || exit 1
+  python3 benchmarks/make_spec_ceiling.py --target $CKPT --out-target /tmp/ceiling-target --out-draft /tmp/ceiling-draft > /dev/null || exit 1
+  SPEC="timeout 100 python3 benchmarks/spec_decode_bench.py --output-len 128 --max-model-len 1024 --rounds 2 --kv-cache-memory-bytes 4294967296"
+  $SPEC --model pagedllm/assets/pagedllm-default --batch-sizes 1 --input-len 256 --dataset-name repeat \
+    --speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}' \
+    --output-json "$OUT/bench-spec-ngram.json" 2>&1 | grep -v '^INFO\|it/s' | tail -n 8
+  $SPEC --model /tmp/ceiling-target --batch-sizes 1 8 --input-len 128 \
+    --speculative-config '{"model": "/tmp/ceiling-draft", "num_speculative_tokens": 4}' \
+    --output-json "$OUT/bench-spec-ceiling.json" 2>&1 | grep -v '^INFO\|it/s' | tail -n 10
+  $SPEC --model $CKPT --batch-sizes 1 8 --input-len 128 \
+    --speculative-config '{"model": "/tmp/qwen2-draft-shape", "num_speculative_tokens": 4}' \
+    --output-json "$OUT/bench-spec-random-draft.json" 2>&1 | grep -v '^INFO\|it/s' | tail -n 10
 fi
