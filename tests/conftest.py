@@ -109,6 +109,31 @@ def kernel():
     return cpu_kernels
 
 
+@pytest.fixture
+def disable_cpu_kernels():
+    """``disable(disabled=True)``: set ``PAGEDLLM_DISABLE_CPU_KERNELS=1`` (or, with False,
+    unset it) for the rest of the test and have the kernels module re-read it at once (it reads
+    the variable once per process: ``cpu_kernels.reread_env``). The variable and the module's
+    reading of it are restored after the test."""
+    from pagedllm.kernels import cpu as cpu_kernels
+
+    before = os.environ.get(cpu_kernels.DISABLE_ENV)
+
+    def disable(disabled: bool = True) -> None:
+        if disabled:
+            os.environ[cpu_kernels.DISABLE_ENV] = "1"
+        else:
+            os.environ.pop(cpu_kernels.DISABLE_ENV, None)
+        cpu_kernels.reread_env()
+
+    yield disable
+    if before is None:
+        os.environ.pop(cpu_kernels.DISABLE_ENV, None)
+    else:
+        os.environ[cpu_kernels.DISABLE_ENV] = before
+    cpu_kernels.reread_env()
+
+
 @pytest.fixture(scope="module", params=supported_isas())
 def isa_kernel(request, kernel):
     """The kernels module switched to each instruction-set level this CPU supports in turn

@@ -34,9 +34,9 @@ def test_both_backends_registered():
 
 
 @cpu_only
-def test_auto_selection_prefers_the_kernel_on_cpu(kernel, no_env, monkeypatch):
+def test_auto_selection_prefers_the_kernel_on_cpu(kernel, no_env, disable_cpu_kernels):
     assert selector.get_attn_backend(64, torch.bfloat16, 16) is CpuAttnBackend
-    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "1")
+    disable_cpu_kernels()
     assert selector.get_attn_backend(64, torch.bfloat16, 16) is TorchSDPABackend
 
 

@@ -118,7 +118,7 @@ def test_rotary_in_place_matches_hf(dtype, head_dim):
     assert torch.equal(qkv[:, (hq + hk) * head_dim :], v_before)  # v untouched
 
 
-def test_layers_use_kernels_and_match_the_torch_path(monkeypatch):
+def test_layers_use_kernels_and_match_the_torch_path(disable_cpu_kernels):
     torch.manual_seed(0)
     norm = RMSNorm(96, 1e-6).to(torch.bfloat16)
     norm.weight.data.normal_()
@@ -128,7 +128,7 @@ def test_layers_use_kernels_and_match_the_torch_path(monkeypatch):
     fast_norm = norm(x.clone())
     fast_pair = norm(x.clone(), residual.clone())
     fast_act = SiluAndMul()(act_in)
-    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "1")
+    disable_cpu_kernels()
     assert not cpu_kernels.is_available()
     assert_close_ulps(fast_norm, norm(x.clone()))
     slow_pair = norm(x.clone(), residual.clone())

@@ -1,8 +1,9 @@
 """``linear_w4`` and ``linear_w8g`` (4- and 8-bit weights with a float32 scale and zero point
 per group of inputs, in ``pack_w4``'s / ``pack_w8``'s blocks) equal the float64 product of the
-dequantized weight within float32 summation error, at every instruction-set level the host supports, on both of its paths (the
-few-row streaming kernel and the dequantizing GEMM), for ragged shapes, group boundaries and
-with or without bias; bad input is refused with a clear error."""
+dequantized weight within float32 summation error, at every instruction-set level the host
+supports (the streaming kernels from AVX2 up, the dequantizing GEMM on the portable level), for
+ragged shapes, group boundaries and with or without bias; more than 16 rows (``linear_dequant``'s)
+and bad input are refused with a clear error."""
 
 from __future__ import annotations
 
@@ -10,12 +11,16 @@ import pytest
 import torch
 
 from pagedllm.kernels import cpu as cpu_kernels
+from tests.grids import latin_grid
 
 pytestmark = pytest.mark.usefixtures("isa_kernel")
 
 # (N, K, group size): odd N, one group per row (channel-wise), groups of 2, 16 (GGUF's Q6_K),
 # 32 and 128.
 SHAPES = [(1, 2, 2), (37, 64, 32), (130, 8, 8), (200, 256, 128), (67, 896, 128), (17, 96, 32), (40, 512, 16)]
+# (bits, x dtype), alternating bits: with latin_grid over shapes and rows, every row tiling meets
+# each pair, and every shape both widths.
+VARIANTS = [(4, torch.float32), (8, torch.bfloat16), (4, torch.bfloat16), (8, torch.float32)]
 
 
 def _random_case(n: int, k: int, group: int, seed: int, bits: int):
@@ -41,11 +46,9 @@ def _dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tor
     return s * (q.double() - z)
 
 
-@pytest.mark.parametrize("n,k,group", SHAPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 17])  # tiles of 2 and 1 rows; the GEMM
-@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bits", [4, 8])
-def test_matches_float64_product(n, k, group, rows, x_dtype, bits):
+@pytest.mark.parametrize("shape,rows,variant", latin_grid(SHAPES, [1, 2, 3], VARIANTS))  # tiles of 2 and 1 rows
+def test_matches_float64_product(shape, rows, variant):
+    (n, k, group), (bits, x_dtype) = shape, variant
     q, scale, zero = _random_case(n, k, group, n * 31 + k + rows, bits)
     x = torch.randn(rows, k).to(x_dtype)
     bias = torch.randn(n) if rows % 2 else None
@@ -92,6 +95,9 @@ def test_bad_input_is_refused():
         cpu_kernels.linear_w4(torch.randn(2, 6), q, ones, ones, None, 32)
     with pytest.raises(RuntimeError, match=r"linear_w8g: weight must be a uint8 CPU tensor in pack_w8's layout"):
         cpu_kernels.linear_w8g(x, q.view(torch.int8), ones, ones, None, 32)
+    for int8_activations in (False, True):
+        with pytest.raises(RuntimeError, match=r"linear_w4: x has 17 rows; this kernel takes at most 16 \(more rows: linear_dequant\)"):
+            cpu_kernels.linear_w4(torch.randn(cpu_kernels.FEW_ROWS_MAX + 1, 8), q, ones, ones, None, 32, int8_activations)
 
 
 # --- int8 activations (int8_dot.h): x quantized per block of 32 inputs, exact int32 dot products.
@@ -125,11 +131,9 @@ def _int8_reference(x, q, scale, zero, bias):
     return exact, magnitude
 
 
-@pytest.mark.parametrize("n,k,group", INT8_SHAPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16])  # passes of 4 rows and the 3 / 2 / 1 tails
-@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bits", [4, 8])
-def test_int8_activations_match_the_same_math_in_float64(n, k, group, rows, x_dtype, bits):
+@pytest.mark.parametrize("shape,rows,variant", latin_grid(INT8_SHAPES, [1, 2, 3, 4, 7, 16], VARIANTS))  # passes of 4 rows and the 3 / 2 / 1 tails
+def test_int8_activations_match_the_same_math_in_float64(shape, rows, variant):
+    (n, k, group), (bits, x_dtype) = shape, variant
     q, scale, zero = _random_case(n, k, group, n * 17 + k + rows, bits)
     x = torch.randn(rows, k).to(x_dtype)
     x[0, :32] = 0  # a block of zeros: d = 0
@@ -179,9 +183,9 @@ def test_int8_activations_stay_within_the_documented_error_of_the_exact_path(bit
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("n,k,group,rows", [(130, 8, 8, 2), (37, 64, 32, 17), (20, 48, 16, 1)])
+@pytest.mark.parametrize("n,k,group,rows", [(130, 8, 8, 2), (20, 48, 16, 1)])
 def test_int8_activations_fall_back_to_the_exact_path(bits, n, k, group, rows):
-    # Groups that are not whole blocks of 32, and more than 16 rows, keep float32 activations.
+    # Groups that are not whole blocks of 32 keep float32 activations.
     q, scale, zero = _random_case(n, k, group, 3, bits)
     x = torch.randn(rows, k)
     assert torch.equal(_linear(bits, x, q, scale, zero, None, n, True), _linear(bits, x, q, scale, zero, None, n))

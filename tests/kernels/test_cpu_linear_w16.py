@@ -12,12 +12,18 @@ import torch
 
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.model_executor.layers import linear as linear_mod
+from tests.grids import latin_grid
 
 pytestmark = pytest.mark.usefixtures("isa_kernel")
 
 # (N, K): ragged N (not a multiple of the 2 / 4 output rows a tile takes, nor of the 64-row
 # chunks), K below, between and above multiples of 8 (the vector width), a model's K.
 SHAPES = [(1, 1), (37, 33), (130, 7), (200, 96), (67, 896), (90, 4864)]
+ROWS = [1, 2, 3, 5, 16, 17]  # tiles of 4, 3, 2 and 1 rows; the GEMM
+# (weight dtype, x dtype): each of the kernel's (weight, output) instantiations, for every row
+# tiling and every shape (latin_grid).
+DTYPES = [(torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+          (torch.float16, torch.float32)]
 
 
 def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -34,11 +40,9 @@ def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tens
     assert bool((err <= bound + 1e-30).all()), float((err - bound).max())
 
 
-@pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 17])  # tiles of 4, 2 and 1 rows; the GEMM
-@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_matches_float64_product(n, k, rows, w_dtype, x_dtype):
+@pytest.mark.parametrize("shape,rows,dtypes", latin_grid(SHAPES, ROWS, DTYPES))
+def test_matches_float64_product(shape, rows, dtypes):
+    (n, k), (w_dtype, x_dtype) = shape, dtypes
     torch.manual_seed(n * 31 + k + rows)
     w = torch.randn(n, k).to(w_dtype)
     x = torch.randn(rows, k).to(x_dtype)

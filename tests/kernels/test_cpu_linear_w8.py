@@ -1,7 +1,8 @@
 """``linear_w8`` (int8 weights with one float32 scale per output, in ``pack_w8``'s blocks)
 equals the float64 product within float32 summation error, at every instruction-set level the
-host supports, on both of its paths (the few-row streaming kernel and the widening GEMM), for
-ragged shapes and with or without bias; bad input is refused with a clear error."""
+host supports (the streaming kernel from AVX2 up, the widening GEMM on the portable level), for
+ragged shapes and with or without bias; more than 16 rows (``linear_dequant``'s) and bad input
+are refused with a clear error."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from pagedllm.kernels import cpu as cpu_kernels
+from tests.grids import latin_grid
 
 pytestmark = pytest.mark.usefixtures("isa_kernel")
 
@@ -19,10 +21,10 @@ def _random_int8(n: int, k: int) -> torch.Tensor:
     return torch.randint(-127, 128, (n, k), dtype=torch.int8)
 
 
-@pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 17])  # tiles of 4, 2 and 1 rows; the GEMM
-@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_matches_float64_product(n, k, rows, x_dtype):
+# Rows: tiles of 4, 3, 2 and 1 rows; each with both x dtypes, every shape with both.
+@pytest.mark.parametrize("shape,rows,x_dtype", latin_grid(SHAPES, [1, 2, 3, 5, 16], [torch.float32, torch.bfloat16]))
+def test_matches_float64_product(shape, rows, x_dtype):
+    n, k = shape
     torch.manual_seed(n * 31 + k + rows)
     q = _random_int8(n, k)
     scale = torch.rand(n) * 0.01 + 1e-4
@@ -61,10 +63,12 @@ def test_bad_input_is_refused():
         cpu_kernels.linear_w8(x, q, torch.ones(40), None, 40)
     with pytest.raises(RuntimeError, match="linear_w8: weight must be a CPU tensor of dtype int8"):
         cpu_kernels.linear_w8(x, q.float(), torch.ones(32), None, 32)
+    with pytest.raises(RuntimeError, match=r"linear_w8: x has 17 rows; this kernel takes at most 16 \(more rows: linear_dequant\)"):
+        cpu_kernels.linear_w8(torch.randn(cpu_kernels.FEW_ROWS_MAX + 1, 8), q, torch.ones(32), None, 32)
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("rows", [1, 2, 17])  # the streaming kernel's tiles; the GEMM
+@pytest.mark.parametrize("rows", [1, 2])  # the streaming kernel's tiles
 def test_fp8_matches_float64_product(n, k, rows):
     """``linear_fp8``: float8 e4m3 weights (every finite value, subnormals included) widened
     exactly, with one scale per output."""
@@ -86,3 +90,12 @@ def test_fp8_needs_float8_weights():
     packed = cpu_kernels.pack_w8(_random_int8(16, 8))
     with pytest.raises(RuntimeError, match="linear_fp8: weight must be a CPU tensor of dtype float8_e4m3fn"):
         cpu_kernels.linear_fp8(torch.randn(1, 8), packed, torch.ones(16), None, 16)
+    fp8 = packed.view(torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="linear_fp8: x has 17 rows; this kernel takes at most 16"):
+        cpu_kernels.linear_fp8(torch.randn(17, 8), fp8, torch.ones(16), None, 16)
+
+
+def test_layers_switch_to_linear_dequant_within_the_few_row_limit():
+    """The few-row kernels refuse more than ``FEW_ROWS_MAX`` rows: the quantized layers'
+    switch to ``linear_dequant`` must come no later."""
+    assert all(rows <= cpu_kernels.FEW_ROWS_MAX + 1 for rows in cpu_kernels.DEQUANT_GEMM_MIN_ROWS.values())

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagedllm.model_executor.layers import linear as linear_mod
+from tests.grids import latin_grid
 
 pytestmark = pytest.mark.usefixtures("kernel")
 
@@ -40,10 +41,10 @@ def _onednn(x, packed, bias):
 SHAPES = [(64, 32), (200, 96), (37, 33), (130, 7), (1152, 896), (896, 4864)]
 
 
-@pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
-@pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32])
-def test_matches_float64_product_like_onednn(bf16_kernel, block_n, n, k, rows, bias_dtype):
+# Every shape and every row count with each bias (latin_grid).
+@pytest.mark.parametrize("shape,rows,bias_dtype", latin_grid(SHAPES, [1, 2, 3, 4, 5, 8, 13, 16], [None, torch.bfloat16, torch.float32]))
+def test_matches_float64_product_like_onednn(bf16_kernel, block_n, shape, rows, bias_dtype):
+    n, k = shape
     torch.manual_seed(n * 31 + k + rows)
     w = torch.randn(n, k).to(torch.bfloat16)
     x = torch.randn(rows, k).to(torch.bfloat16)

@@ -68,8 +68,8 @@ def test_linear_layer_takes_this_machines_path_and_matches_plain(kernel, dtype, 
         torch.testing.assert_close(out.float(), plain, rtol=2 * torch.finfo(dtype).eps, atol=1e-2)
 
 
-def test_packing_off_by_env(monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_DISABLE_CPU_KERNELS", "1")
+def test_packing_off_by_env(disable_cpu_kernels):
+    disable_cpu_kernels()
     for dtype in (torch.float32, torch.bfloat16, torch.float16):  # no oneDNN packing, no linear_w16
         layer = linear_mod.ReplicatedLinear(16, 8, bias=False).to(dtype)
         layer.weight.data.normal_()

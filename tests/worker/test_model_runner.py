@@ -19,9 +19,9 @@ from tests.helpers import model_runner, random_prompts
 
 
 @pytest.mark.parametrize("kernels", [True, False])
-def test_stale_nan_in_fresh_blocks_never_reaches_outputs(kernels, tiny_qwen2, tokenizer, monkeypatch):
+def test_stale_nan_in_fresh_blocks_never_reaches_outputs(kernels, tiny_qwen2, tokenizer, disable_cpu_kernels):
     if not kernels:
-        monkeypatch.setenv("PAGEDLLM_DISABLE_CPU_KERNELS", "1")
+        disable_cpu_kernels()
     prompts = random_prompts([5, 21, 40], len(tokenizer), seed=7)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     llm = LLM(str(tiny_qwen2), dtype="float32", kv_cache_memory_bytes=4 << 20, block_size=16)

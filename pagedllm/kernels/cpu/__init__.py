@@ -24,7 +24,9 @@ their folder, the compiler flags and torch's version, so an edited source builds
 If a level cannot be built (no C++ compiler, no ``ninja``, a compiler without the
 instruction set), the next lower one is tried; if none can, or
 ``PAGEDLLM_DISABLE_CPU_KERNELS=1`` is set, ``is_available()`` returns False — with one
-warning giving the reason — and callers use their portable PyTorch path.
+warning giving the reason — and callers use their portable PyTorch path. The variable is
+read once per process, at the first ``is_available()`` (every kernel call asks it, so it
+must not read the environment each time); ``reread_env()`` reads it again.
 
 Processes that build at the same time (an engine core and a test, say) are serialised by a
 ``flock`` on the build directory, released by the OS even if its holder is killed; torch's
@@ -80,11 +82,21 @@ _lock = threading.Lock()
 _builds: dict[str, str | None] = {}  # level -> None (loaded) or why it could not be built
 _active: str | None = None  # the level whose operators the functions below call
 _error: str | None = None  # why no level could be loaded, once a load was tried
+_disabled: bool | None = None  # DISABLE_ENV as last read (None: not yet)
 _disabled_logged = False
 
 
 def _disabled_by_env() -> bool:
     return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def reread_env() -> None:
+    """Have the next ``is_available()`` read ``PAGEDLLM_DISABLE_CPU_KERNELS`` again (it is
+    read once per process otherwise): for tests that set or clear it at run time. Builds
+    already loaded stay loaded."""
+    global _disabled, _disabled_logged
+    _disabled = None
+    _disabled_logged = False
 
 
 def _build_flags(level: str) -> tuple[list[str], list[str]]:
@@ -223,13 +235,19 @@ def is_available() -> bool:
     and logs the level with the CPU's own.
 
     Returns False (after logging one warning with the reason) when
-    ``PAGEDLLM_DISABLE_CPU_KERNELS`` is set or no level can be built or loaded.
+    ``PAGEDLLM_DISABLE_CPU_KERNELS`` is set (as read by the first call, or the first after
+    ``reread_env()``) or no level can be built or loaded. Once decided, a call costs two
+    global reads: every kernel call asks it.
 
     Raises:
         ValueError: ``PAGEDLLM_CPU_ISA`` names an unknown level or one above this CPU's.
     """
-    global _active, _error, _disabled_logged
-    if _disabled_by_env():
+    global _active, _error, _disabled, _disabled_logged
+    if _active is not None and _disabled is False:
+        return True
+    if _disabled is None:
+        _disabled = _disabled_by_env()
+    if _disabled:
         if not _disabled_logged:
             _disabled_logged = True
             logger.info("pagedllm C++ CPU kernels disabled by %s: portable PyTorch code", DISABLE_ENV)
@@ -312,7 +330,7 @@ def build_info() -> str:
 
 def _require() -> None:
     if not is_available():
-        reason = "disabled by " + DISABLE_ENV if _disabled_by_env() else _error
+        reason = "disabled by " + DISABLE_ENV if _disabled else _error
         raise RuntimeError(f"pagedllm C++ CPU kernels unavailable: {reason}")
 
 
@@ -504,11 +522,13 @@ def linear_w8(
     """``(x Q^T) * scale + b`` for int8 weights Q [n, K] with one float32 scale per output
     (W = scale[:, None] * Q): x [M, K] float32 / bfloat16 / float16, weight ``pack_w8``'s
     output, scale [n] float32 contiguous, bias [n] or None -> [M, n] in x's dtype; float32
-    products and sums. Up to 16 rows a weight-streaming kernel (AVX2 and up) reading one byte
-    per weight; more rows, torch's float32 GEMM on chunks of widened weights.
+    products and sums. M <= ``FEW_ROWS_MAX``: a weight-streaming kernel (AVX2 and up) reading
+    one byte per weight; on the portable level torch's float32 GEMM on chunks of widened
+    weights. More rows go to ``linear_dequant``.
 
     Raises:
-        RuntimeError: unavailable kernels, or bad shapes / dtypes.
+        RuntimeError: unavailable kernels, more than ``FEW_ROWS_MAX`` rows, or bad shapes /
+            dtypes.
     """
     _require()
     return _ops().linear_w8(x, weight, scale, bias, n)
@@ -519,10 +539,11 @@ def linear_fp8(
 ) -> torch.Tensor:
     """``linear_w8`` for float8 e4m3 weights F [n, K] (W = scale[:, None] * F): weight is F's
     bytes packed by ``pack_w8`` and viewed back as ``torch.float8_e4m3fn``; widened to float32
-    exactly inside the kernel (see ``linear_w16.cpp``).
+    exactly inside the kernel (see ``linear_w16.cpp``); at most ``FEW_ROWS_MAX`` rows.
 
     Raises:
-        RuntimeError: unavailable kernels, or bad shapes / dtypes.
+        RuntimeError: unavailable kernels, more than ``FEW_ROWS_MAX`` rows, or bad shapes /
+            dtypes.
     """
     _require()
     return _ops().linear_fp8(x, weight, scale, bias, n)
@@ -552,18 +573,20 @@ def linear_w4(
     """``x W^T + b`` for 4-bit weights W[n, k] = scale[n, g] * (Q[n, k] - zero[n, g]), g = k //
     group_size: x [M, K] float32 / bfloat16 / float16, weight ``pack_w4``'s output for Q [n, K],
     scale and zero [n, K / group_size] float32 contiguous (group_size even), bias [n] or None
-    -> [M, n] in x's dtype; float32 products and sums. Up to 16 rows a weight-streaming kernel
-    (AVX2 and up) reading half a byte per weight; more rows, torch's float32 GEMM on chunks of
-    dequantized weights (see ``linear_grouped.cpp``).
+    -> [M, n] in x's dtype; float32 products and sums. M <= ``FEW_ROWS_MAX``: a
+    weight-streaming kernel (AVX2 and up) reading half a byte per weight; on the portable
+    level torch's float32 GEMM on chunks of dequantized weights (see ``linear_grouped.cpp``).
+    More rows go to ``linear_dequant``.
 
-    ``int8_activations``: up to 16 rows, when group_size is a multiple of 32, x is first
+    ``int8_activations``: when group_size is a multiple of 32, x is first
     quantized to int8 per block of 32 inputs (symmetric, float32 scale max|x| / 127, round half
     to even; llama.cpp's Q8_0 activations) and multiplied with exact int32 dot products
     (AVX512-VNNI, AVX-512BW / AVX2 vpmaddubsw, or plain loops; see ``int8_dot.h``): faster, and
     exactly ``x_q W^T`` up to float32 summation, x_q the dequantized int8 x. Otherwise ignored.
 
     Raises:
-        RuntimeError: unavailable kernels, or bad shapes / dtypes.
+        RuntimeError: unavailable kernels, more than ``FEW_ROWS_MAX`` rows, or bad shapes /
+            dtypes.
     """
     _require()
     return _ops().linear_w4(x, weight, scale, zero, bias, n, int8_activations)
@@ -581,18 +604,23 @@ def linear_w8g(
     """``linear_w4`` for 8-bit unsigned weights (W = scale * (Q - zero) per group, Q 0-255):
     weight is Q [n, K] uint8 in ``pack_w8``'s layout ([ceil(n / 16), K, 16] uint8; pack its
     bytes viewed as int8), scale and zero [n, K / group_size] float32 (see
-    ``linear_grouped.cpp``).
+    ``linear_grouped.cpp``); at most ``FEW_ROWS_MAX`` rows.
 
     Raises:
-        RuntimeError: unavailable kernels, or bad shapes / dtypes.
+        RuntimeError: unavailable kernels, more than ``FEW_ROWS_MAX`` rows, or bad shapes /
+            dtypes.
     """
     _require()
     return _ops().linear_w8g(x, weight, scale, zero, bias, n, int8_activations)
 
 
+#: Rows of x the few-row kernels (``linear_w8``, ``linear_fp8``, ``linear_w8g``, ``linear_w4``)
+#: take at most (``kStreamRows`` in ``weight_blocks.h``); ``linear_w16`` takes any number.
+FEW_ROWS_MAX = 16
+
 #: Weight bits -> rows of x from which the quantized layers call ``linear_dequant`` instead
 #: of the few-row kernels (``linear_w8``, ``linear_w8g`` and ``linear_fp8`` for 8 bits,
-#: ``linear_w4`` for 4). Measured on the 0.5B shape's layers against the float-activation
+#: ``linear_w4`` for 4); at most ``FEW_ROWS_MAX + 1``. Measured on the 0.5B shape's layers against the float-activation
 #: few-row kernels (``benchmarks/quantized_prefill.py --cpu-time --rows 8 16 32``, AVX512-BF16
 #: + AMX, one thread): at 16 rows the int8 kernel and linear_dequant were within 10% and the
 #: int4 kernel 1.3-1.8x slower; at 32 rows both 3-4x slower. The grouped kernels' int8-activation

@@ -30,9 +30,11 @@
 // weights; it reads the same bytes as the float path but does 4 multiply-adds per byte lane
 // per instruction instead of one float32 FMA per widened weight.
 //
-// More rows: chunks of blocks are dequantized into a float32 [K, columns] buffer and
-// multiplied by torch's float32 GEMM (compute-bound rows amortise the dequantization), as
-// linear_w16.cpp does for 16-bit weights. Builds without AVX2 use that path for every M.
+// Builds without AVX2 (the portable level), for float32 activations: chunks of blocks are
+// dequantized into a float32 [K, columns] buffer and multiplied by torch's float32 GEMM.
+//
+// At most kStreamRows rows: the quantized LinearMethods send more to linear_dequant.cpp
+// (DEQUANT_GEMM_MIN_ROWS in __init__.py), and these ops refuse them.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -260,7 +262,8 @@ void stream_int8(const at::Tensor& x32, const at::Tensor& packed, int64_t group_
 }
 
 // y32 [M, N] = x32 [M, K] W^T (+ bias), chunks of blocks dequantized into a float32
-// [K, columns] buffer for torch's float32 GEMM.
+// [K, columns] buffer for torch's float32 GEMM: the few-row path of builds without a
+// streaming kernel for these activations.
 template <int Bits>
 void dequantizing_gemm(const at::Tensor& x32, const at::Tensor& packed, int64_t group_size, const at::Tensor& scale,
                        const at::Tensor& zero, const at::Tensor& bias_f, int64_t n, at::Tensor& y32) {
@@ -304,7 +307,7 @@ void dequantizing_gemm(const at::Tensor& x32, const at::Tensor& packed, int64_t 
 using StreamFn = void (*)(const at::Tensor&, const at::Tensor&, int64_t, const float*, const float*, const float*,
                           int64_t, at::Tensor&);
 
-// The few-row kernel for output type Y: int8 activations where asked and the groups are whole
+// The streaming kernel for output type Y: int8 activations where asked and the groups are whole
 // activation blocks, else the float32 streaming kernel (AVX2 and up), else none (the GEMM).
 template <int Bits, typename Y>
 StreamFn few_rows(bool int8_x, int64_t group_size) {
@@ -344,11 +347,12 @@ at::Tensor linear_grouped(const char* op, const at::Tensor& x, const at::Tensor&
     bias_f = bias->to(at::kFloat).contiguous();
   }
   const int64_t m = x.size(0), group_size = k / scale.size(1);
+  TORCH_CHECK(m <= kStreamRows, op, ": x has ", m, " rows; this kernel takes at most ", kStreamRows,
+              " (more rows: linear_dequant)");
   const at::Tensor x32 = x.to(at::kFloat).contiguous();
-  const StreamFn fn = m > kStreamRows                                  ? nullptr
-                      : xt == at::kFloat                               ? few_rows<Bits, float>(int8_x, group_size)
-                      : xt == at::kBFloat16                            ? few_rows<Bits, c10::BFloat16>(int8_x, group_size)
-                                                                       : few_rows<Bits, c10::Half>(int8_x, group_size);
+  const StreamFn fn = xt == at::kFloat      ? few_rows<Bits, float>(int8_x, group_size)
+                      : xt == at::kBFloat16 ? few_rows<Bits, c10::BFloat16>(int8_x, group_size)
+                                            : few_rows<Bits, c10::Half>(int8_x, group_size);
   if (fn != nullptr) {
     at::Tensor y = at::empty({m, n}, x.options());
     fn(x32, packed, group_size, scale.const_data_ptr<float>(), zero.const_data_ptr<float>(),

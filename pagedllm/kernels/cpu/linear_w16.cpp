@@ -41,14 +41,18 @@
 // (4 weight rows read side by side) and 17-19 GB/s for torch's float32 GEMV on twice the
 // bytes. llama.cpp's AVX2 path for 16-bit GGUF weights widens in registers the same way.
 //
-// More rows (prefill, large batches): compute-bound, so chunks of blocks are widened into a
-// float32 [K, columns] buffer (16 MB: narrower chunks made MKL slower) and multiplied by
+// More rows (linear_w16: prefill, large batches): compute-bound, so chunks of blocks are
+// widened into a float32 [K, columns] buffer (16 MB: narrower chunks made MKL slower) and multiplied by
 // torch's float32 GEMM (MKL / oneDNN), whose float32 throughput on AVX2 is ~5x a bfloat16
 // GEMM without native bf16 (`pagedllm bench roofline` on a 2-core Zen 3: ~115 vs ~21
 // GFLOP/s). Widening cost 8-27% over a float32 weight (128 to 32 rows), so linear.py keeps a
 // float32 copy for these rows where memory allows, and this path serves the rest.
 //
 // Builds without AVX2 (the portable level) use the widening GEMM for every M.
+//
+// linear_w8 and linear_fp8 take at most kStreamRows rows: the quantized LinearMethods send
+// more to linear_dequant.cpp (DEQUANT_GEMM_MIN_ROWS in __init__.py). linear_w16 takes any
+// number (the lm_head, which has no float32 copy, and layers whose copy did not fit).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -269,6 +273,8 @@ at::Tensor linear_scaled_bytes(const char* op, at::ScalarType dtype, const char*
   TORCH_CHECK(scale.device().is_cpu() && scale.dim() == 1 && scale.size(0) == n && scale.scalar_type() == at::kFloat &&
                   scale.is_contiguous(),
               op, ": scale must be a contiguous float32 CPU tensor [", n, "]");
+  TORCH_CHECK(x.dim() != 2 || x.size(0) <= kStreamRows, op, ": x has ", x.size(0),
+              " rows; this kernel takes at most ", kStreamRows, " (more rows: linear_dequant)");
   return linear_blocks(op, x, packed, scale, bias, n);
 }
 
