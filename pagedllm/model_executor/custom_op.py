@@ -20,8 +20,8 @@ class CustomOp(nn.Module):
 
     ``forward_cpu`` and ``forward_cuda`` default to ``forward_native``. A ``forward_cpu``
     that calls ``pagedllm.kernels.cpu`` still asks ``cpu_kernels.is_available()`` per call
-    (the kernels may be disabled by ``PAGEDLLM_DISABLE_CPU_KERNELS`` or a failed build) and
-    falls back to ``forward_native``.
+    (the kernels may be disabled by ``PAGEDLLM_DISABLE_CPU_KERNELS`` or a failed build; once
+    decided, the answer is two global reads) and falls back to ``forward_native``.
     """
 
     def __init__(self) -> None:
