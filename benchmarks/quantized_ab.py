@@ -6,10 +6,14 @@
         --quantization int8 --num-prompts 32 --input-len 128 --output-len 128 --rounds 3
 
 Two engines on the same checkpoint, ``dtype=--dtype``: one unquantized, one with
-``quantization=--quantization`` (each with ``--kv-cache-memory-bytes`` of cache). Each round
+``quantization=--quantization`` (each with ``--kv-cache-memory-bytes`` of cache and
+``--max-model-len``). Each round
 generates ``--num-prompts`` random prompts of ``--input-len`` tokens, ``--output-len`` tokens
 each (EOS ignored, greedy), on both engines, the order alternating per round; prints output
 tokens/s of each round, the medians and their ratio (> 1: the quantized engine is faster).
+``--cpu-time``: one torch thread, each round timed by the process's CPU time
+(``time.process_time``; the engine runs in this process), which other processes on a busy
+machine do not stretch.
 """
 
 from __future__ import annotations
@@ -29,17 +33,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--cpu-time", action="store_true", help="one thread, timed by CPU time")
     args = parser.parse_args()
 
     import torch
 
     from pagedllm import LLM, SamplingParams
 
-    engines = {
-        "bf16": LLM(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_memory_bytes),
-        args.quantization: LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
-                               kv_cache_memory_bytes=args.kv_cache_memory_bytes),
-    }
+    if args.cpu_time:
+        torch.set_num_threads(1)
+    clock = time.process_time if args.cpu_time else time.perf_counter
+
+    common = {"dtype": args.dtype, "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+              "max_model_len": args.max_model_len}
+    engines = {"bf16": LLM(model=args.model, **common),
+               args.quantization: LLM(model=args.model, quantization=args.quantization, **common)}
     vocab = engines["bf16"].get_tokenizer().vocab_size
     gen = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(10, vocab - 10, (args.input_len,), generator=gen).tolist()}
@@ -47,9 +56,9 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
 
     def run(name: str) -> float:
-        start = time.perf_counter()
+        start = clock()
         outputs = engines[name].generate(prompts, params, use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
+        return sum(len(o.outputs[0].token_ids) for o in outputs) / (clock() - start)
 
     names = list(engines)
     for name in names:  # warm-up: oneDNN primitives, the kernels' first calls
@@ -58,7 +67,8 @@ def main() -> None:
     for i in range(args.rounds):
         for name in (names if i % 2 == 0 else names[::-1]):
             results[name].append(run(name))
-            print(f"round {i + 1} {name}: {results[name][-1]:.1f} output tok/s", flush=True)
+            unit = "output tok per CPU-s" if args.cpu_time else "output tok/s"
+            print(f"round {i + 1} {name}: {results[name][-1]:.1f} {unit}", flush=True)
     medians = {name: statistics.median(r) for name, r in results.items()}
     print(" | ".join(f"{name} median {m:.1f} tok/s" for name, m in medians.items())
           + f" | {args.quantization} / bf16 = {medians[args.quantization] / medians['bf16']:.2f}x")
