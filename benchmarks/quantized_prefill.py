@@ -3,7 +3,8 @@
 For each layer shape of the 0.5B model (qkv, o, gate_up, down) and each row count, times
 the bf16 layer's matmul (oneDNN on the packed weight, ``linear.linear``) and, on the same
 random weights quantized, ``linear_dequant`` (int8 per channel, int4 in groups of 128 with
-zero points, FP8) and, up to their 16 rows, the few-row kernels (``linear_w8`` / ``linear_w4``),
+zero points, FP8; int8 with per-token int8 activations through oneDNN's int8 GEMM, where
+exact) and, up to their 16 rows, the few-row kernels (``linear_w8`` / ``linear_w4`` / ``linear_fp8``),
 alternating A, B, C... ``--repeats`` times, and prints the median of each and its ratio to
 bf16 (> 1: slower). Interleaving cancels the load of a shared machine; on a very busy one,
 ``--cpu-time`` runs one thread and times its CPU time (``time.thread_time``), which other
@@ -26,7 +27,7 @@ import torch
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.model_executor.layers import linear as linear_mod
 from pagedllm.model_executor.layers.quantization.fp8 import quantize_fp8_per_tensor
-from pagedllm.model_executor.layers.quantization.int8 import quantize_int8_per_channel
+from pagedllm.model_executor.layers.quantization.int8 import onednn_int8_gemm_exact, quantize_int8_per_channel
 
 #: (name, outputs, inputs) of the 0.5B shape's linear layers (Qwen2-0.5B: hidden 896,
 #: intermediate 4864, 14 query and 2 key/value heads of 64).
@@ -54,7 +55,7 @@ def _variants(n: int, k: int, tile_cols: int) -> dict[str, Callable[[torch.Tenso
     f8, sf = quantize_fp8_per_tensor(w)
     pf = cpu_kernels.pack_w8(f8.view(torch.int8)).view(torch.float8_e4m3fn)
     sf = sf.expand(n).contiguous()
-    return {
+    variants = {
         "bf16": lambda x: linear_mod.linear(x, packed),
         "int8 dequant": lambda x: cpu_kernels.linear_dequant(x, p8, s8, None, None, n, 8, tile_cols),
         "int8 few-row": lambda x: cpu_kernels.linear_w8(x, p8, s8, None, n),
@@ -62,6 +63,10 @@ def _variants(n: int, k: int, tile_cols: int) -> dict[str, Callable[[torch.Tenso
         "int4 few-row": lambda x: cpu_kernels.linear_w4(x, p4, s4, z4, None, n),
         "fp8 dequant": lambda x: cpu_kernels.linear_dequant(x, pf, sf, None, None, n, 8, tile_cols),
     }
+    if onednn_int8_gemm_exact():
+        pi = torch.ops.onednn.qlinear_prepack(q8, None)
+        variants["int8 int8-act"] = lambda x: cpu_kernels.linear_dequant(x, pi, s8, None, None, n, 8)
+    return variants
 
 
 def main() -> None:

@@ -3,8 +3,9 @@ GEMM) equals the float64 product of the weights it dequantizes, at every instruc
 the host supports: in float32 ((Q - zero) * scale, as PyTorch computes it) for the float32
 GEMM, rounded to bfloat16 for the bfloat16 GEMM (x bfloat16 on an AVX512-BF16 build), within
 float32 summation error plus the output's rounding; for each weight format, ragged shapes,
-group boundaries, several tiles with a ragged last one, with or without bias. Bad input is
-refused with a clear error."""
+group boundaries, several tiles with a ragged last one, with or without bias. A oneDNN-packed
+int8 weight takes the int8-activation road: x quantized per row, then an exact int8 GEMM. Bad
+input is refused with a clear error."""
 
 from __future__ import annotations
 
@@ -78,6 +79,37 @@ def test_bfloat16_gemm_on_avx512_bf16_builds():
     assert torch.equal(y.float(), torch.full((32, 16), expected))
 
 
+@pytest.mark.parametrize("n,k,rows", [(1, 2, 1), (37, 64, 300), (67, 896, 3), (130, 8, 17)])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_onednn_packed_int8_quantizes_x_per_row(n, k, rows, x_dtype):
+    """y = (a Q^T) * scale[n] * s[m] + b with a = round_half_even(x / s), s = max|x_row| / 127
+    (torch's float32 arithmetic, the same operations), the int sums exact: within three float32
+    roundings and the output's; an all-zero row gives the bias; 300 rows take two oneDNN calls."""
+    gen = torch.Generator().manual_seed(n * 31 + k + rows)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    scale = torch.rand(n, generator=gen) * 0.01 + 1e-4
+    x = (torch.randn(rows, k, generator=gen) * 3).to(x_dtype)
+    x[0] = 0
+    bias = torch.randn(n, generator=gen) if rows % 2 else None
+    packed = torch.ops.onednn.qlinear_prepack(q, None)
+    got = cpu_kernels.linear_dequant(x, packed, scale, None, bias, n, 8)
+    assert got.shape == (rows, n) and got.dtype == x_dtype
+    xf = x.float()
+    s = xf.abs().amax(dim=1, keepdim=True) / 127
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    a = torch.round(xf / s)
+    assert a.abs().max() <= 127
+    product = (a.double() @ q.double().T) * scale.double() * s.double()
+    b = 0 if bias is None else bias.double()
+    exact = product + b
+    bound = 4 * 2.0**-24 * (product.abs() + abs(b))
+    if x_dtype != torch.float32:
+        info = torch.finfo(x_dtype)
+        bound = bound + exact.abs() * info.eps + info.smallest_normal * info.eps
+    err = (got.double() - exact).abs()
+    assert bool((err <= bound + 1e-30).all()), f"max excess {(err - bound).max().item():.3g}"
+
+
 def test_inference_mode_holds_in_the_worker_threads():
     """Under InferenceMode (as the engine runs) y is an inference tensor that the tiles' worker
     threads write into: they must see the mode too."""
@@ -109,3 +141,6 @@ def test_bad_input_is_refused():
         cpu_kernels.linear_dequant(torch.zeros(20, 63), packed, scale, None, None, 32, 8)
     with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
         cpu_kernels.linear_dequant(x, packed, scale, None, None, 32, 3)
+    onednn = torch.ops.onednn.qlinear_prepack(q, None)
+    with pytest.raises(RuntimeError, match=r"oneDNN-packed weight must be int8 \[K, N\].*N = 40"):
+        cpu_kernels.linear_dequant(x, onednn, scale, None, None, 40, 8)

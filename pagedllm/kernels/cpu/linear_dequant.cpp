@@ -27,6 +27,20 @@
 // threads share the tiles out, and each dequantizes its tile into a [K, tile_cols] buffer of
 // its own and multiplies it at once, single-threaded, into y's columns, while the tile is hot
 // in L2. No dequantized copy of a whole layer is ever made.
+//
+// One more weight takes another road, int8 activations instead of dequantized weights:
+//
+//   weight int8 in oneDNN's packed layout (torch.ops.onednn.qlinear_prepack of Q [N, K], an
+//   opaque mkldnn tensor of shape [K, N]), scale [N], zero None, bits 8:                  W = scale[n] * Q
+//
+// Each row of x is quantized to int8 with one float32 scale (dynamic per-token symmetric
+// quantization, as vLLM's W8A8 int8 layers do: s = max_k |x_k| / 127, a_k = round_half_even(x_k
+// / s), s = 1 for an all-zero row), oneDNN's int8 GEMM (torch.ops.onednn.qlinear_pointwise:
+// AMX-INT8 or VNNI brgemm on the prepacked weight, no per-call reorder) sums a_k Q[n, k] exactly
+// in int32 and scales by scale[n] into float32, and the row's s (and the bias) is applied in
+// float32 before the one rounding to x's dtype. Half the weight bytes of bf16 and twice its
+// multiply rate; oneDNN's int8 GEMM is exact only with VNNI or AMX (below, int16 pairs
+// saturate), so the Python side packs weights this way only at the avx512_bf16 level.
 
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
@@ -34,13 +48,18 @@
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include "library.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "simd.h"
 #include "weight_blocks.h"
@@ -188,10 +207,133 @@ void tiled_gemm(const at::Tensor& xc, const at::Tensor& packed, const at::Tensor
   });
 }
 
+// Row r of x (k values of T) -> a [k] int8 and its scale (see the header comment).
+template <typename T>
+void quantize_row(const T* x, int64_t k, int8_t* a, float* scale) {
+  float amax = 0.f;
+  int64_t i = 0;
+#ifdef PAGEDLLM_VEC
+  VecF peak = pagedllm_simd::vset1(0.f);
+  for (; i + kVecWidth <= k; i += kVecWidth) {
+    const VecF v = pagedllm_simd::vload(x + i);
+    peak = pagedllm_simd::vmax(peak, pagedllm_simd::vmax(v, pagedllm_simd::vset1(0.f) - v));
+  }
+  amax = pagedllm_simd::vreduce_max(peak);
+#endif
+  for (; i < k; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
+  const float s = amax > 0.f ? amax / 127.f : 1.f;
+  *scale = s;
+  i = 0;
+#ifdef PAGEDLLM_VEC
+  const VecF sv = pagedllm_simd::vset1(s);
+  for (; i + kVecWidth <= k; i += kVecWidth) {
+    const VecF r = pagedllm_simd::vround_nearest(pagedllm_simd::vload(x + i) / sv);
+#if defined(__AVX512F__)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a + i), _mm512_cvtsepi32_epi8(_mm512_cvttps_epi32(r.v)));
+#else
+    alignas(32) float rounded[kVecWidth];
+    pagedllm_simd::vstore(rounded, r);
+    for (int j = 0; j < kVecWidth; ++j) a[i + j] = static_cast<int8_t>(rounded[j]);
+#endif
+  }
+#endif
+  for (; i < k; ++i) a[i] = static_cast<int8_t>(std::nearbyint(static_cast<float>(x[i]) / s));
+}
+
+// y[r, :] = acc[r, :] * s[r] + bias, rounded once to T.
+template <typename T>
+void scale_row(const float* acc, float s, const float* bias, int64_t n, T* y) {
+  int64_t j = 0;
+#ifdef PAGEDLLM_VEC
+  const VecF sv = pagedllm_simd::vset1(s);
+  for (; j + kVecWidth <= n; j += kVecWidth) {
+    const VecF b = bias ? pagedllm_simd::vload(bias + j) : pagedllm_simd::vset1(0.f);
+    pagedllm_simd::vstore(y + j, pagedllm_simd::vfmadd(pagedllm_simd::vload(acc + j), sv, b));
+  }
+#endif
+  for (; j < n; ++j) y[j] = static_cast<T>(std::fma(acc[j], s, bias ? bias[j] : 0.f));
+}
+
+// Rows per oneDNN int8 call: bounds its float32 output (at most 256 x N x 4 bytes, which the
+// allocator then reuses from call to call instead of mapping fresh pages): the 0.5B shape's
+// gate_up at 2048 rows took 71 ms in one call, 34 ms in chunks of 256 (one thread).
+constexpr int64_t kInt8RowChunk = 256;
+
+// oneDNN's int8 linear on a qlinear_prepack'ed weight: (x_q Q^T) * scale[n], float32 [M, N]
+// (called boxed: no C++ signature of torch's kernel to match).
+at::Tensor onednn_int8_linear(const at::Tensor& xq, const at::Tensor& packed, const at::Tensor& scale,
+                              const at::Tensor& zero_points) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qlinear_pointwise", "");
+  std::vector<c10::IValue> stack{xq, 1.0, int64_t{0}, packed, scale, zero_points, c10::IValue(), 1.0, int64_t{0},
+                                 c10::IValue(at::kFloat), std::string("none"),
+                                 c10::List<std::optional<at::Scalar>>(), std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+template <typename T>
+at::Tensor int8_activation_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                const at::Tensor& bias_f, int64_t n) {
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1);
+  at::Tensor xq = at::empty({m, k}, xc.options().dtype(at::kChar));
+  at::Tensor row_scale = at::empty({m}, xc.options().dtype(at::kFloat));
+  const T* xp = xc.const_data_ptr<T>();
+  int8_t* qp = xq.mutable_data_ptr<int8_t>();
+  float* sp = row_scale.mutable_data_ptr<float>();
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) quantize_row<T>(xp + r * k, k, qp + r * k, sp + r);
+  });
+  const at::Tensor zero_points = at::zeros({n}, scale.options().dtype(at::kLong));
+  at::Tensor y = at::empty({m, n}, xc.options());
+  const float* bp = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
+  T* yp = y.mutable_data_ptr<T>();
+  for (int64_t r0 = 0; r0 < m; r0 += kInt8RowChunk) {
+    const int64_t rows = std::min(kInt8RowChunk, m - r0);
+    const at::Tensor acc = onednn_int8_linear(xq.narrow(0, r0, rows), packed, scale, zero_points);
+    const float* ap = acc.const_data_ptr<float>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) scale_row<T>(ap + r * n, sp[r0 + r], bp, n, yp + (r0 + r) * n);
+    });
+  }
+  return y;
+}
+
+// The oneDNN-packed int8 weight's road (see the header comment).
+at::Tensor linear_int8_activations(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                   const at::Tensor& zero, const std::optional<at::Tensor>& bias, int64_t n,
+                                   int64_t bits) {
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 2 && packed.size(1) == n && bits == 8 &&
+                  !zero.defined(),
+              "linear_dequant: a oneDNN-packed weight must be int8 [K, N] from onednn::qlinear_prepack with "
+              "per-output scales, zero None and bits 8 (N = ", n, ")");
+  const int64_t k = packed.size(0);
+  TORCH_CHECK(scale.device().is_cpu() && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                  scale.dim() == 1 && scale.size(0) == n,
+              "linear_dequant: scale must be a contiguous float32 CPU tensor [N] (N = ", n, ")");
+  const auto xt = x.scalar_type();
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == k &&
+                  (xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf),
+              "linear_dequant: x must be a float32 / bfloat16 / float16 CPU tensor [M, ", k, "]");
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "linear_dequant: bias must be [", n, "]");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  if (x.size(0) == 0) return at::empty({0, n}, x.options());
+  switch (xt) {
+    case at::kFloat: return int8_activation_gemm<float>(x, packed, scale, bias_f, n);
+    case at::kBFloat16: return int8_activation_gemm<c10::BFloat16>(x, packed, scale, bias_f, n);
+    default: return int8_activation_gemm<c10::Half>(x, packed, scale, bias_f, n);
+  }
+}
+
 at::Tensor linear_dequant(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                           const std::optional<at::Tensor>& zero_opt, const std::optional<at::Tensor>& bias, int64_t n,
                           int64_t bits, int64_t tile_cols) {
   const at::Tensor zero = zero_opt.has_value() ? *zero_opt : at::Tensor();
+  if (packed.is_mkldnn()) return linear_int8_activations(x, packed, scale, zero, bias, n, bits);
   const bool grouped = zero.defined();
   const auto wt = packed.scalar_type();
   TORCH_CHECK(bits == 4 || bits == 8, "linear_dequant: bits must be 4 or 8, got ", bits);

@@ -5,10 +5,16 @@
 
 so W ~ scale[:, None] * Q (the per-channel absmax scheme of LLM.int8(), Dettmers et al. 2022,
 without its outlier decomposition; llama.cpp's Q8_0 uses blocks of 32 instead of channels).
-Activations stay in the model dtype. On CPU the matmul is ``pagedllm.kernels.cpu.linear_w8``:
-decode steps stream one byte per weight (half of bf16's) and sum in float32; many rows
-(prefill) go through ``linear_dequant``, tiles of W dequantized into a bf16 GEMM. The lm_head
-keeps the model dtype (its error reaches the logits directly), as vLLM's weight-only methods do.
+On a CPU with VNNI (the kernels' avx512_bf16 level; AMX-INT8 where present) and int8
+activations enabled (``PAGEDLLM_CPU_INT8_ACTIVATIONS``, default on, as for the grouped
+formats), Q is stored in oneDNN's packed int8 layout and every matmul quantizes x to int8 per
+row (dynamic per-token, as vLLM's W8A8 int8 layers) for oneDNN's exact int8 GEMM
+(``linear_dequant`` on such a weight): half of bf16's weight bytes at twice its multiply rate.
+Elsewhere (or with ``PAGEDLLM_CPU_INT8_ACTIVATIONS=0``) activations stay in the model dtype:
+``pagedllm.kernels.cpu.linear_w8`` streams one byte per weight for decode steps and sums in
+float32, and many rows (prefill) go through ``linear_dequant``, tiles of W dequantized into a
+bf16 GEMM. The lm_head keeps the model dtype (its error reaches the logits directly), as vLLM's
+weight-only methods do.
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.kernels import isa
 from pagedllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from pagedllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from pagedllm.model_executor.layers.quantization.grouped import int8_activations_enabled
 from pagedllm.platforms import current_platform
 
 
@@ -50,11 +58,28 @@ class Int8Config(QuantizationConfig):
         return Int8LinearMethod() if isinstance(layer, LinearBase) else None
 
 
-def store_int8(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
+def onednn_int8_gemm_exact() -> bool:
+    """Whether oneDNN's int8 GEMM runs here with exact int32 sums: the CPU kernels at the
+    avx512_bf16 level (AVX512-VNNI, or AMX-INT8; without VNNI oneDNN's int8 kernels saturate
+    int16 pairs) and torch built with oneDNN's quantized linear ops."""
+    return (
+        current_platform.is_cpu
+        and cpu_kernels.is_available()
+        and isa.selected_isa() == "avx512_bf16"
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.onednn, "qlinear_prepack")
+    )
+
+
+def store_int8(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, int8_activations: bool = False) -> None:
     """Replace ``layer.weight`` by int8 Q (W = scale[:, None] * Q): Q [out, in] int8, scale
     [out] float32 in ``weight_scale``. On CPU with the kernels ``weight`` becomes
-    ``pack_w8``'s [ceil(out / 16), in, 16] int8, else Q itself."""
-    if current_platform.is_cpu and cpu_kernels.is_available():
+    ``pack_w8``'s [ceil(out / 16), in, 16] int8, or with ``int8_activations`` where
+    ``onednn_int8_gemm_exact()`` oneDNN's packed int8 layout (``onednn::qlinear_prepack``, an
+    opaque mkldnn tensor of shape [in, out]; the matmul then quantizes x per row), else Q itself."""
+    if int8_activations and onednn_int8_gemm_exact():
+        q = torch.ops.onednn.qlinear_prepack(q.contiguous(), None)
+    elif current_platform.is_cpu and cpu_kernels.is_available():
         q = cpu_kernels.pack_w8(q)
     layer.weight = nn.Parameter(q, requires_grad=False)
     layer.weight_scale = nn.Parameter(scale.float().contiguous(), requires_grad=False)
@@ -64,12 +89,14 @@ def apply_scaled_8bit(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Te
     """``x W^T + b`` for a layer of 8-bit weights F with one scale per output (W =
     ``weight_scale[:, None]`` * F): x [..., in] -> [..., out] in x's dtype, by ``kernel``
     (``linear_w8`` / ``linear_fp8``) for few rows and ``linear_dequant`` from
-    ``DEQUANT_GEMM_MIN_ROWS[8]`` rows when ``weight`` is in ``pack_w8``'s blocked layout, else a
+    ``DEQUANT_GEMM_MIN_ROWS[8]`` rows when ``weight`` is in ``pack_w8``'s blocked layout,
+    ``linear_dequant`` (int8 activations) for every row count when it is oneDNN-packed, else a
     torch matmul on W rebuilt per call."""
     n = layer.output_size_per_partition
-    if layer.weight.dim() == 3:
+    onednn_packed = layer.weight.is_mkldnn
+    if onednn_packed or layer.weight.dim() == 3:
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] >= cpu_kernels.DEQUANT_GEMM_MIN_ROWS[8]:
+        if onednn_packed or x2.shape[0] >= cpu_kernels.DEQUANT_GEMM_MIN_ROWS[8]:
             y = cpu_kernels.linear_dequant(x2, layer.weight, layer.weight_scale, None, bias, n, 8)
         else:
             y = kernel(x2, layer.weight, layer.weight_scale, bias, n)
@@ -86,6 +113,8 @@ def apply_int8(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) 
 
 def describe_int8(layer: nn.Module) -> str:
     """The start-up log's name of an int8 layer's matmul path."""
+    if layer.weight.is_mkldnn:
+        return "int8 weights, per-channel scales, int8 activations per token (oneDNN int8 GEMM)"
     if layer.weight.dim() == 3:
         return "int8 weight-only, per-channel scales (linear_w8; many rows: linear_dequant)"
     return "int8 weight-only, per-channel scales (torch matmul on dequantized W)"
@@ -98,7 +127,7 @@ class Int8LinearMethod(UnquantizedLinearMethod):
         """Quantize the loaded weight (see the module docstring); a second call changes nothing."""
         if layer.weight.dtype == torch.int8:
             return
-        store_int8(layer, *quantize_int8_per_channel(layer.weight.data))
+        store_int8(layer, *quantize_int8_per_channel(layer.weight.data), int8_activations_enabled())
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return apply_int8(layer, x, bias)
