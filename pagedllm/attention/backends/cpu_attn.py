@@ -106,22 +106,32 @@ class CpuAttnImpl(AttentionImpl[CpuAttnMetadata]):
         k_scale, v_scale = self.kv_scales(layer, kv_cache)
         cpu_kernels.write_kv_cache(kv_cache[0], kv_cache[1], key, value, md.slot_mapping, k_scale, v_scale)
         output = torch.empty_like(query)
-        widened = md.prefill_blocks is not None and is_fp8(kv_cache.dtype)
-        direct = md.num_decodes if widened else query.shape[0]  # tokens that read the cache as it is
-        if direct:
+        if md.prefill_blocks is not None and is_fp8(kv_cache.dtype):
+            self._attend_widened(output, query, kv_cache, md, k_scale, v_scale)
+        else:
             cpu_kernels.paged_decode_attention(
-                output[:direct], query[:direct], kv_cache[0], kv_cache[1], md.block_table[:direct], md.seq_lens[:direct],
-                self.scale, k_scale, v_scale,
-            )
-        if widened:
-            # NOTE: index_select has no FP8 kernels; the blocks are gathered as bytes.
-            blocks = kv_cache.view(torch.uint8).index_select(1, md.prefill_blocks).view(kv_cache.dtype)
-            context, factor = widen(blocks, query.dtype)
-            cpu_kernels.paged_decode_attention(
-                output[direct:], query[direct:], context[0], context[1], md.prefill_block_table, md.seq_lens[direct:],
-                self.scale, k_scale * factor, v_scale * factor,
+                output, query, kv_cache[0], kv_cache[1], md.block_table, md.seq_lens, self.scale, k_scale, v_scale
             )
         return output
+
+    def _attend_widened(self, output: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, md: CpuAttnMetadata,
+                        k_scale: float, v_scale: float) -> None:
+        """Decode tokens over the FP8 cache; prefill tokens over their contexts' blocks widened
+        to the query's dtype (``md.prefill_blocks``, see the module docstring)."""
+        assert md.prefill_block_table is not None
+        nd = md.num_decodes
+        if nd:
+            cpu_kernels.paged_decode_attention(
+                output[:nd], query[:nd], kv_cache[0], kv_cache[1], md.block_table[:nd], md.seq_lens[:nd], self.scale,
+                k_scale, v_scale,
+            )
+        # NOTE: index_select has no FP8 kernels; the blocks are gathered as bytes.
+        blocks = kv_cache.view(torch.uint8).index_select(1, md.prefill_blocks).view(kv_cache.dtype)
+        context, factor = widen(blocks, query.dtype)
+        cpu_kernels.paged_decode_attention(
+            output[nd:], query[nd:], context[0], context[1], md.prefill_block_table, md.seq_lens[nd:], self.scale,
+            k_scale * factor, v_scale * factor,
+        )
 
 
 class CpuAttnBackend(AttentionBackend):
