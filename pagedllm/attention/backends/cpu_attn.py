@@ -14,10 +14,11 @@ an FP8 cache, ``--kv-cache-dtype fp8``, is quantized there) and the attention ke
 the cache directly, one byte per element for FP8. Except for prefills over an FP8 cache:
 every query token of a prompt reads the whole context before it, and widening FP8 rows in
 the kernel made prefill attention 0.87x as fast as over bfloat16. When a step's prefill
-requests average ``FP8_WIDEN_MIN_QUERY_LEN`` query tokens or more, each layer widens their
-contexts' blocks once (``kv_cache_quant.widen``, ~1 ms per 4k tokens) into a compact copy in
-the query's dtype, and their tokens attend over that copy (block tables renumbered by the
-builder); decode tokens still read the FP8 cache (for them it is faster).
+requests average ``FP8_WIDEN_MIN_QUERY_LEN`` query tokens or more (and their contexts hold
+at most ``FP8_WIDEN_MAX_CONTEXT_TOKENS``), each layer widens their contexts' blocks once
+(``kv_cache_quant.widen``, ~1 ms per 4k tokens) into a compact copy in the query's dtype,
+and their tokens attend over that copy (block tables renumbered by the builder); decode
+tokens still read the FP8 cache (for them it is faster).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ from pagedllm.platforms import current_platform
 #: cache are widened once per layer rather than row by row in the kernel (per query token):
 #: widening a row costs about what the kernel's widening of it for ~20 queries does.
 FP8_WIDEN_MIN_QUERY_LEN = 32
+#: At most this many context tokens are widened per layer (the copy is transient, one layer's
+#: at a time: 16 MB for the 0.5B shape, 128 MB for 8 KV heads of 128); a step with more (many
+#: long prefills at once) widens in the kernel instead.
+FP8_WIDEN_MAX_CONTEXT_TOKENS = 32768
 
 
 @dataclass
@@ -81,9 +86,12 @@ class CpuAttnMetadataBuilder(AttentionMetadataBuilder[CpuAttnMetadata]):
         return metadata
 
     def _add_compact_prefill_tables(self, metadata: CpuAttnMetadata, common: CommonAttentionMetadata) -> None:
-        """The prefill requests' context blocks, and each prefill token's table into them."""
+        """The prefill requests' context blocks, and each prefill token's table into them
+        (none when they exceed ``FP8_WIDEN_MAX_CONTEXT_TOKENS``)."""
         num_decodes = common.num_decodes
         used = -(-common.seq_lens[num_decodes:] // self.block_size)  # blocks of each prefill request
+        if used.sum() * self.block_size > FP8_WIDEN_MAX_CONTEXT_TOKENS:
+            return
         width = int(used.max())
         columns = np.arange(width)
         blocks = common.block_table[num_decodes:, :width][columns[None, :] < used[:, None]]
