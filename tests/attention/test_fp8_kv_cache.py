@@ -158,6 +158,10 @@ def test_backend_writes_and_reads_an_fp8_cache(name, widened, fp8, kernel, monke
                       layer.k_scale_float, layer.v_scale_float)
     metadata = backend.get_builder_cls()(8, device).build(common)
     assert (getattr(metadata, "prefill_blocks", None) is not None) == widened
+    if widened:  # contexts past the cap are left to the kernel
+        with monkeypatch.context() as patch:
+            patch.setattr(cpu_attn, "FP8_WIDEN_MAX_CONTEXT_TOKENS", 8)
+            assert backend.get_builder_cls()(8, device).build(common).prefill_blocks is None
     device_cache = cache.to(device)
     out = backend.get_impl_cls()(6, 64, 64**-0.5, 2).forward(
         layer, query.to(device), key.to(device), value.to(device), device_cache, metadata
