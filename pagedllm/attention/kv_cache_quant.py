@@ -33,11 +33,31 @@ def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     return (x.float() / scale).clamp_(-limit, limit).to(dtype)
 
 
+def widen(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """FP8 ``x`` as ``dtype`` (bfloat16, float16 or float32), exactly, divided by a power of
+    two: returns ``(y, factor)`` with ``y * factor == x``, y a new tensor of x's shape.
+
+    Bit moves rather than torch's float8 conversion (7x slower on CPU): an e5m2 byte is the
+    top byte of the float16 of its value (factor 1); an e4m3 byte, sign-extended, shifted
+    left by 7 and with bit 14 (a sign copy) cleared, is the float16 of its value / 256
+    (factor 256, subnormals included). NaN bytes read as finite values (e4m3's as +-480),
+    as in the C++ kernels; the cache writers saturate, so only NaN keys or values make them.
+    """
+    if x.dtype == torch.float8_e5m2:
+        half, factor = x.view(torch.uint8).to(torch.int16).bitwise_left_shift_(8), 1.0
+    else:
+        half, factor = x.view(torch.int8).to(torch.int16).bitwise_left_shift_(7).bitwise_and_(-0x4080), 256.0
+    half = half.view(torch.float16)
+    # NOTE: float16 -> float32 -> bfloat16 is twice as fast as float16 -> bfloat16 on CPU.
+    return (half if dtype == torch.float16 else half.float().to(dtype)), factor
+
+
 def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """FP8 ``x`` times ``scale`` as ``dtype`` (every FP8 value is exact in bfloat16,
-    float16 and float32; the product is rounded once to ``dtype``). A new tensor."""
-    out = x.to(dtype)
-    return out.mul_(scale) if scale != 1.0 else out
+    float16 and float32; the product is rounded once to ``dtype``). A new tensor; NaN
+    bytes read as ``widen`` reads them."""
+    out, factor = widen(x, dtype)
+    return out.mul_(scale * factor) if scale * factor != 1.0 else out
 
 
 def calculate_kv_scales(key: torch.Tensor, value: torch.Tensor) -> tuple[float, float]:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from pagedllm.attention import selector
-from pagedllm.attention.kv_cache_quant import calculate_kv_scales, dequantize, quantize
+from pagedllm.attention.backends import cpu_attn
+from pagedllm.attention.kv_cache_quant import calculate_kv_scales, dequantize, quantize, widen
 from pagedllm.attention.paged_kv_cache import write_to_kv_cache
 from tests.attention.reference import reference_decode_attention
 from pagedllm.platforms import current_platform
@@ -41,6 +42,15 @@ def test_quantize_saturates_and_round_trips():
     finite = every[~every.float().isnan()]
     assert torch.equal(quantize(dequantize(finite, 0.5, torch.float32), 0.5, torch.float8_e4m3fn).view(torch.uint8),
                        finite.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=str)
+def test_widen_is_exact_for_every_byte(fp8):
+    every = torch.arange(256, dtype=torch.uint8).view(fp8)
+    finite = every.float().isfinite()
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        out, factor = widen(every, dtype)
+        assert out.dtype == dtype and torch.equal(out.float()[finite] * factor, every.float()[finite])
 
 
 def test_calculate_kv_scales_is_amax_over_vllm_constants():
@@ -128,11 +138,16 @@ class _Scales:
 
 
 @pytest.mark.parametrize("fp8", FP8, ids=str)
-@pytest.mark.parametrize("name", [pytest.param("CPU_ATTN", marks=cpu_only), "TORCH_SDPA"])
-def test_backend_writes_and_reads_an_fp8_cache(name, fp8, kernel):
+@pytest.mark.parametrize("name, widened", [pytest.param("CPU_ATTN", False, marks=cpu_only),
+                                           pytest.param("CPU_ATTN", True, marks=cpu_only), ("TORCH_SDPA", False)],
+                         ids=["CPU_ATTN", "CPU_ATTN-widened", "TORCH_SDPA"])
+def test_backend_writes_and_reads_an_fp8_cache(name, widened, fp8, kernel, monkeypatch):
     """Both backends quantize the step's K/V into their slots and attend over the FP8
     context as a float64 reference does over the dequantized cache (on the platform's
-    device: torch's float8 types on CUDA)."""
+    device: torch's float8 types on CUDA). CPU_ATTN also with its prefill contexts widened
+    once per layer (its threshold lowered for this step's short prefills)."""
+    if widened:
+        monkeypatch.setattr(cpu_attn, "FP8_WIDEN_MIN_QUERY_LEN", 1)
     device = current_platform.device
     backend = selector.get_attn_backend(64, torch.float32, 8, name, kv_cache_dtype="fp8")
     query, key, value, kv_cache, common = _mixed_step(torch.float32)
@@ -142,6 +157,11 @@ def test_backend_writes_and_reads_an_fp8_cache(name, fp8, kernel):
     write_to_kv_cache(expected_cache, key, value, torch.from_numpy(common.slot_mapping),
                       layer.k_scale_float, layer.v_scale_float)
     metadata = backend.get_builder_cls()(8, device).build(common)
+    assert (getattr(metadata, "prefill_blocks", None) is not None) == widened
+    if widened:  # contexts past the cap are left to the kernel
+        with monkeypatch.context() as patch:
+            patch.setattr(cpu_attn, "FP8_WIDEN_MAX_CONTEXT_TOKENS", 8)
+            assert backend.get_builder_cls()(8, device).build(common).prefill_blocks is None
     device_cache = cache.to(device)
     out = backend.get_impl_cls()(6, 64, 64**-0.5, 2).forward(
         layer, query.to(device), key.to(device), value.to(device), device_cache, metadata
