@@ -58,17 +58,19 @@ def test_draft_model_errors_name_the_key(tiny_llama, tmp_path):
 
 
 def test_ngram_proposer():
-    proposer = NgramProposer(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    proposer = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=3)
     # Suffix [7, 8] occurs at 1 (earliest) and 5: the tokens after the first occurrence.
-    assert proposer.propose_one(np.array([1, 7, 8, 9, 4, 7, 8, 5, 7, 8])) == [9, 4, 7]
+    assert proposer.propose_one(np.array([1, 7, 8, 9, 4, 7, 8, 5, 7, 8]), 3) == [9, 4, 7]
+    assert proposer.propose_one(np.array([1, 7, 8, 9, 4, 7, 8, 5, 7, 8]), 1) == [9]
     # The longest match wins: [3, 7, 8] beats the earlier [7, 8].
-    assert proposer.propose_one(np.array([7, 8, 1, 3, 7, 8, 6, 3, 7, 8])) == [6, 3, 7]
-    assert proposer.propose_one(np.array([1, 2, 3, 4])) == []  # nothing recurs
-    assert proposer.propose_one(np.array([5, 6, 5])) == [6, 5]  # fewer than k tokens follow
-    assert NgramProposer(3, 2, 3).propose_one(np.array([1, 2, 9, 2])) == []  # a 1-token match is too short
+    assert proposer.propose_one(np.array([7, 8, 1, 3, 7, 8, 6, 3, 7, 8]), 3) == [6, 3, 7]
+    assert proposer.propose_one(np.array([1, 2, 3, 4]), 3) == []  # nothing recurs
+    assert proposer.propose_one(np.array([5, 6, 5]), 3) == [6, 5]  # fewer than k tokens follow
+    assert NgramProposer(2, 3).propose_one(np.array([1, 2, 9, 2]), 3) == []  # a 1-token match is too short
     rows = np.array([1, 0])
     token_ids = np.array([[4, 4, 0, 0], [1, 2, 1, 0]])
-    assert proposer.propose(rows, token_ids, np.array([2, 3]), np.zeros((2, 1)), np.zeros(2)) == ([[2, 1], [4]], {})
+    assert proposer.propose(rows, np.array([3, 3]), token_ids, np.array([2, 3]), np.zeros((2, 1)),
+                            np.zeros(2)) == ([[2, 1], [4]], {})
 
 
 def test_scheduler_budgets_drafts_and_rolls_back_rejected(tiny_llama, tokenizer):
