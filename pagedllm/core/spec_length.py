@@ -7,8 +7,9 @@ request's length is chosen anew each step (no torch; the scheduler calls it):
 * acceptance: per request, an exponential moving average of its accepted drafts and of its
   draft "trials" (each verified draft position reached: the accepted ones, plus the first
   rejected one), weighted ``ema_alpha`` for the newest step (vLLM's
-  ``adaptive_k_ema_alpha``), started from a prior; their ratio is alpha, the chance that a
-  draft is accepted once the ones before it were;
+  ``adaptive_k_ema_alpha``); their ratio is alpha, the chance that a draft is accepted once
+  the ones before it were. A new request starts from the same average over all requests'
+  verifications (``_PRIOR_ACCEPTANCE`` before any), worth ``_PRIOR_TRIALS`` draft positions;
 * cost: one draft token's cost relative to a plain step's share per request, measured from
   the engine's steps: a least-squares line of (step seconds / requests) against (draft
   tokens proposed and verified in the step / requests), decaying with ``_COST_DECAY`` per
@@ -29,7 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: Acceptance assumed for a new request, worth ``_PRIOR_TRIALS`` observed draft positions.
+#: Acceptance assumed before any verification; a new request's prior is worth
+#: ``_PRIOR_TRIALS`` observed draft positions.
 _PRIOR_ACCEPTANCE = 0.6
 _PRIOR_TRIALS = 2.0
 #: Steps at k = 0 before the first probe; the interval doubles up to the second.
@@ -79,14 +81,16 @@ class SpeculationLength:
         self.ema_alpha = ema_alpha
         self.prior_cost = prior_cost
         self._requests: dict[str, _Acceptance] = {}
+        # Every request's verifications together: new requests' prior.
+        self._pooled = _Acceptance()
         # Decayed sums of the cost fit: weight, x, y, x*x, x*y (x: draft tokens per request,
         # y: seconds per request).
         self._sums = [0.0] * 5
 
     def acceptance(self, req_id: str) -> float:
         """The request's estimated acceptance rate alpha (the prior for a new one)."""
-        state = self._requests.get(req_id)
-        return _PRIOR_ACCEPTANCE if state is None else state.accepted / state.trials
+        state = self._requests.get(req_id, self._pooled)
+        return state.accepted / state.trials
 
     @property
     def draft_token_cost(self) -> float:
@@ -104,7 +108,7 @@ class SpeculationLength:
     def num_tokens(self, req_id: str) -> int:
         """How many drafts to propose for ``req_id`` after its coming step (call once per
         step in which it samples)."""
-        state = self._requests.setdefault(req_id, _Acceptance())
+        state = self._state(req_id)
         k = best_length(state.accepted / state.trials, self.draft_token_cost, self.max_tokens)
         if k > 0:
             state.idle_steps, state.probe_interval = 0, _PROBE_FIRST
@@ -117,11 +121,18 @@ class SpeculationLength:
 
     def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         """Record one verification of ``req_id``: ``num_accepted`` of ``num_drafts`` drafts."""
-        state = self._requests.setdefault(req_id, _Acceptance())
         keep = 1.0 - self.ema_alpha
         trials = num_accepted + (num_accepted < num_drafts)
-        state.accepted = keep * state.accepted + self.ema_alpha * num_accepted
-        state.trials = keep * state.trials + self.ema_alpha * trials
+        for state in (self._state(req_id), self._pooled):
+            state.accepted = keep * state.accepted + self.ema_alpha * num_accepted
+            state.trials = keep * state.trials + self.ema_alpha * trials
+
+    def _state(self, req_id: str) -> _Acceptance:
+        state = self._requests.get(req_id)
+        if state is None:
+            prior = self._pooled.accepted / self._pooled.trials
+            state = self._requests[req_id] = _Acceptance(prior * _PRIOR_TRIALS, _PRIOR_TRIALS)
+        return state
 
     def observe_step(self, seconds: float, num_requests: int, num_draft_tokens: int) -> None:
         """Record a decode step (no prompt tokens) of ``num_requests`` requests that took
