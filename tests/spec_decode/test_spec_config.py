@@ -23,6 +23,10 @@ def test_forms_and_defaults():
     assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (4, 4)
     draft = SpeculativeConfig.from_dict({"model": "some/draft", "num_speculative_tokens": 2})
     assert draft.method == "draft_model" and draft.uses_draft_model and draft.model == "some/draft"
+    assert (draft.enable_adaptive_k, draft.adaptive_k_ema_alpha) == (True, 0.3)
+    fixed = SpeculativeConfig.from_dict({"model": "d", "num_speculative_tokens": 2, "enable_adaptive_k": False,
+                                         "adaptive_k_ema_alpha": 1})
+    assert (fixed.enable_adaptive_k, fixed.adaptive_k_ema_alpha) == (False, 1.0)
 
 
 @pytest.mark.parametrize(
@@ -39,6 +43,10 @@ def test_forms_and_defaults():
          "speculative_config['prompt_lookup_min'] (4) must not exceed"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "speculative_config['prompt_lookup_min']"),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "speculative_config['lookahead'] is not a known key"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "enable_adaptive_k": "yes"},
+         "speculative_config['enable_adaptive_k'] must be true or false, got 'yes'."),
+        ({"method": "ngram", "num_speculative_tokens": 2, "adaptive_k_ema_alpha": 0},
+         "speculative_config['adaptive_k_ema_alpha'] must be a number in (0, 1], got 0."),
     ],
 )
 def test_bad_configs_fail_when_the_arguments_are_built(config, message):
