@@ -13,7 +13,7 @@ request's length is chosen anew each step (no torch; the scheduler calls it):
 * cost: one draft token's cost relative to a plain step's share per request, measured from
   the engine's steps: a least-squares line of (step seconds / requests) against (draft
   tokens proposed and verified in the step / requests), decaying with ``_COST_DECAY`` per
-  step; until the steps vary enough to draw it, ``prior_cost``;
+  step, never below ``_MIN_COST``; until the steps vary enough to draw it, ``prior_cost``;
 * choice: the k in 0 .. ``num_speculative_tokens`` that maximises the expected tokens per
   unit of cost, E(k) / (1 + k c), with E(k) = 1 + alpha + ... + alpha^k (Leviathan et al.
   2023's expected tokens per step for i.i.d. acceptance; the same goodput rule as DISCO,
@@ -39,6 +39,9 @@ _PROBE_FIRST = 8
 _PROBE_MAX = 64
 #: Weight kept by the cost fit's old steps at each new step (about 50 steps' memory).
 _COST_DECAY = 0.98
+#: The least cost a draft token is taken to have (a verified row is never free; a fit on
+#: noisy timings can give 0, which would make any acceptance worth the longest draft).
+_MIN_COST = 0.02
 #: The fit's draft-token counts must spread this much (a standard deviation, in draft
 #: tokens per request) before its slope replaces the prior.
 _MIN_SPREAD = 0.5
@@ -96,14 +99,14 @@ class SpeculationLength:
     def draft_token_cost(self) -> float:
         """One draft token's cost relative to a plain step's share per request: the fit's
         slope (two per draft token: proposing and verifying) over its intercept, else the
-        prior."""
+        prior; at least ``_MIN_COST``."""
         w, x, y, xx, xy = self._sums
         spread = w * xx - x * x
         if w <= 0 or spread < (_MIN_SPREAD * w) ** 2:
             return self.prior_cost
         slope = max((w * xy - x * y) / spread, 0.0)
         intercept = (y - slope * x) / w
-        return 2.0 * slope / intercept if intercept > 0 else self.prior_cost
+        return max(2.0 * slope / intercept, _MIN_COST) if intercept > 0 else self.prior_cost
 
     def num_tokens(self, req_id: str) -> int:
         """How many drafts to propose for ``req_id`` after its coming step (call once per

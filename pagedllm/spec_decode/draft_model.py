@@ -83,14 +83,18 @@ class DraftModelProposer:
         speculative_config: with ``draft_model_config`` set.
         block_size: tokens per KV-cache block (the target's).
         device: the target's device.
+        max_num_tokens: the most tokens one draft forward takes (the target's
+            ``max_num_batched_tokens``).
     """
 
-    def __init__(self, speculative_config: SpeculativeConfig, block_size: int, device: torch.device) -> None:
+    def __init__(self, speculative_config: SpeculativeConfig, block_size: int, device: torch.device,
+                 max_num_tokens: int) -> None:
         assert speculative_config.draft_model_config is not None
         self.model_config: ModelConfig = speculative_config.draft_model_config
         self.k = speculative_config.num_speculative_tokens
         self.block_size = block_size
         self.device = device
+        self.max_num_tokens = max_num_tokens
         # Per batch row: how many of its first positions the draft's cache holds (its known
         # tokens, in their slots); absent: none.
         self._cached: dict[int, int] = {}
@@ -125,37 +129,56 @@ class DraftModelProposer:
     def forward_step(self, step: TargetStep, rows: np.ndarray) -> None:
         """Bring the draft's cache up to the known tokens of batch ``rows`` ([P] int64: the
         requests that propose after this step, all of which sampled in it) and keep the
-        logits at each one's newest token (see the module docstring); other rows wait."""
-        self._first_rows = {}
-        if not len(rows):
-            return
-        bs = self.block_size
+        logits at each one's newest token (see the module docstring); other rows wait.
+        Forwards take at most ``max_num_tokens`` tokens (a long catch-up, a whole prompt
+        say, is split as a chunked prefill is)."""
         ends = step.num_tokens[rows]
-        starts_a = np.fromiter((self._cached_upto(row, int(end) - 1, step) for row, end in zip(rows.tolist(), ends)),
-                               dtype=np.int64, count=len(rows))
-        lens = ends - starts_a
-        # Single-token requests first (the metadata's decodes), then the others.
-        order = np.argsort(lens != 1, kind="stable")
-        rows, starts_a, lens = rows[order], starts_a[order], lens[order]
+        starts = np.fromiter((self._cached_upto(row, int(end) - 1, step) for row, end in zip(rows.tolist(), ends)),
+                             dtype=np.int64, count=len(rows))
+        first_rows: list[int] = []
+        first_logits: list[torch.Tensor] = []
+        while len(rows):
+            # Shortest first: single-token requests lead (the metadata's decodes).
+            order = np.argsort(ends - starts, kind="stable")
+            rows, starts, ends = rows[order], starts[order], ends[order]
+            left = ends - starts
+            lens = np.minimum(left, np.maximum(self.max_num_tokens - (np.cumsum(left) - left), 0))
+            taken = lens > 0
+            hidden, cu = self._forward(step, rows[taken], starts[taken], lens[taken])
+            starts = starts + lens
+            done = starts == ends  # (rows not taken have starts < ends)
+            first_rows += rows[done].tolist()
+            first_logits.append(self.model.compute_logits(hidden[self._to_device(cu[done[taken]] - 1)]))
+            self._cached.update(zip(rows[taken].tolist(), starts[taken].tolist()))
+            rows, starts, ends = rows[~done], starts[~done], ends[~done]
+        self._first_rows = {row: i for i, row in enumerate(first_rows)}
+        if first_logits:
+            self._first_logits = torch.cat(first_logits) if len(first_logits) > 1 else first_logits[0]
+
+    def _forward(self, step: TargetStep, rows: np.ndarray, starts: np.ndarray,
+                 lens: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        """One draft forward over positions ``starts[i]`` .. + ``lens[i]`` of batch
+        ``rows[i]`` ([n] int64 each); returns the hidden states [sum(lens), hidden] and the
+        [n] cumulative token counts (row i's last token is at ``cu[i] - 1``)."""
+        bs = self.block_size
         cu = np.cumsum(lens)
         token_req = np.repeat(np.arange(len(rows)), lens)
-        positions = starts_a[token_req] + np.arange(int(cu[-1])) - (cu - lens)[token_req]
+        positions = starts[token_req] + np.arange(int(cu[-1])) - (cu - lens)[token_req]
         token_rows = rows[token_req]
-        seq_lens = starts_a + lens
+        seq_lens = starts + lens
         width = -(-int(seq_lens.max()) // bs)
+        single = lens == 1
         metadata = self.metadata_builder.build(CommonAttentionMetadata(
             query_start_loc=np.concatenate(([0], cu)),
             seq_lens=seq_lens,
-            num_computed_tokens=starts_a,
+            num_computed_tokens=starts,
             block_table=step.block_table[rows, :width],
             slot_mapping=step.block_table[token_rows, positions // bs] * bs + positions % bs,
-            num_decodes=int((lens == 1).sum()),
+            num_decodes=len(lens) if single.all() else int(np.argmin(single)),
         ))
         with set_forward_context(metadata):
             hidden = self.model(self._to_device(step.token_ids[token_rows, positions]), self._to_device(positions))
-        self._first_rows = {row: i for i, row in enumerate(rows.tolist())}
-        self._cached.update(zip(rows.tolist(), seq_lens.tolist()))
-        self._first_logits = self.model.compute_logits(hidden[self._to_device(cu - 1)])
+        return hidden, cu
 
     def _cached_upto(self, row: int, end: int, step: TargetStep) -> int:
         """How many of ``row``'s first positions (at most ``end``) the draft's cache holds:

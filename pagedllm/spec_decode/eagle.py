@@ -42,10 +42,13 @@ class EagleProposer(DraftModelProposer):
         speculative_config: method "eagle" or "eagle3", with ``draft_model_config`` set.
         block_size: tokens per KV-cache block (the target's).
         device: the target's device.
+        max_num_tokens: as ``DraftModelProposer``'s (the head runs over the target's steps,
+            which never exceed it).
     """
 
-    def __init__(self, speculative_config: SpeculativeConfig, block_size: int, device: torch.device) -> None:
-        super().__init__(speculative_config, block_size, device)
+    def __init__(self, speculative_config: SpeculativeConfig, block_size: int, device: torch.device,
+                 max_num_tokens: int) -> None:
+        super().__init__(speculative_config, block_size, device, max_num_tokens)
         self.aux_layers = speculative_config.eagle_aux_hidden_state_layer_ids
         # Per batch row that sampled in the last ``forward_step`` (``_first_rows``): its first
         # draft and the head's feature for the next position.

@@ -83,9 +83,10 @@ class ModelRunner:
         if spec is None:
             return None
         if spec.is_eagle:
-            return EagleProposer(spec, self.block_size, self.device)
+            return EagleProposer(spec, self.block_size, self.device, self.scheduler_config.max_num_batched_tokens)
         if spec.uses_draft_model:
-            return DraftModelProposer(spec, self.block_size, self.device)
+            return DraftModelProposer(spec, self.block_size, self.device,
+                                      self.scheduler_config.max_num_batched_tokens)
         assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
 
