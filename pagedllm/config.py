@@ -433,7 +433,8 @@ class AttentionConfig:
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 #: vLLM's methods that are not built yet.
 _SPECULATIVE_METHODS_NOT_BUILT = ("medusa", "mlp_speculator", "suffix", "mtp")
-_SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+_SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "enable_adaptive_k", "adaptive_k_ema_alpha")
 #: EAGLE methods -> (architectures a head's config.json may name, the head class loaded;
 #: vLLM's names, ``pagedllm.model_executor.models.llama_eagle``).
 EAGLE_HEAD_ARCHITECTURES = {
@@ -456,6 +457,12 @@ class SpeculativeConfig:
     ``ModelConfig`` (None for n-gram), and ``eagle_aux_hidden_state_layer_ids`` the
     target layers whose input an EAGLE-3 head reads, both set by
     ``EngineArgs.create_engine_config``.
+
+    ``enable_adaptive_k`` (the key of vLLM's Adaptive K, which is off by default there; on
+    here): ``num_speculative_tokens`` is the most drafts per request and step, and each
+    request proposes 0 .. k of them as its measured acceptance and the measured cost of
+    drafting make worthwhile (``pagedllm.core.spec_length``), ``adaptive_k_ema_alpha``
+    weighting its newest step (vLLM's default 0.3). Off: always k.
     """
 
     method: str
@@ -465,6 +472,14 @@ class SpeculativeConfig:
     model: Optional[str] = None
     draft_model_config: Optional[ModelConfig] = None
     eagle_aux_hidden_state_layer_ids: tuple[int, ...] = ()
+    enable_adaptive_k: bool = True
+    adaptive_k_ema_alpha: float = 0.3
+
+    @property
+    def prior_draft_token_cost(self) -> float:
+        """One draft token's cost relative to a plain step's share per request, assumed
+        until measured: a verified row (n-gram proposals are free), plus a draft forward."""
+        return 0.02 if self.method == "ngram" else 0.1
 
     @property
     def uses_draft_model(self) -> bool:
@@ -485,7 +500,8 @@ class SpeculativeConfig:
         Raises:
             ValueError: "speculative_config[KEY] ...": an unknown key, a missing or unknown
                 ``method``, ``num_speculative_tokens`` missing or below 1, lookup lengths
-                below 1 or min > max, ``model`` missing for a draft model or EAGLE head.
+                below 1 or min > max, ``model`` missing for a draft model or EAGLE head,
+                ``enable_adaptive_k`` not a bool, ``adaptive_k_ema_alpha`` outside (0, 1].
         """
         unknown = sorted(set(config) - set(_SPECULATIVE_KEYS))
         if unknown:
@@ -512,7 +528,13 @@ class SpeculativeConfig:
             if lookup_min > lookup_max:
                 raise ValueError(f"speculative_config['prompt_lookup_min'] ({lookup_min}) must not exceed "
                                  f"'prompt_lookup_max' ({lookup_max}).")
-        return cls(method, k, lookup_min, lookup_max, config.get("model"))
+        adaptive, ema_alpha = config.get("enable_adaptive_k", True), config.get("adaptive_k_ema_alpha", 0.3)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"speculative_config['enable_adaptive_k'] must be true or false, got {adaptive!r}.")
+        if isinstance(ema_alpha, bool) or not isinstance(ema_alpha, (int, float)) or not 0 < ema_alpha <= 1:
+            raise ValueError(f"speculative_config['adaptive_k_ema_alpha'] must be a number in (0, 1], got {ema_alpha!r}.")
+        return cls(method, k, lookup_min, lookup_max, config.get("model"),
+                   enable_adaptive_k=adaptive, adaptive_k_ema_alpha=float(ema_alpha))
 
     def resolve_draft_model(self, target: ModelConfig, revision: Optional[str], download_dir: Optional[str]) -> None:
         """Read the draft model's or EAGLE head's config.json into ``draft_model_config``

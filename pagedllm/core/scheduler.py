@@ -17,7 +17,10 @@ brings the draft tokens the runner proposed (``Request.spec_token_ids``); the sc
 budgets ``1 + k`` tokens for it and lists the drafts in
 ``SchedulerOutput.scheduled_spec_decode_tokens``. Drafts are not the request's tokens: the
 block manager never hashes them, and after the step ``num_computed_tokens`` is rolled back
-by the rejected ones, whose KV slots the next step overwrites.
+by the rejected ones, whose KV slots the next step overwrites. With ``enable_adaptive_k``
+(``pagedllm.core.spec_length``) each request's number of drafts is chosen per step from
+its measured acceptance and the measured cost of drafting, and sent in
+``SchedulerOutput.num_speculative_tokens``.
 
 Micro-batches in flight (pipeline parallelism, ``pagedllm.engine.batch_queue``): a request
 stays *in flight* from the ``schedule`` that includes it to the ``update_from_output`` of
@@ -37,6 +40,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 from pagedllm.config import SchedulerConfig, SpeculativeConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.spec_length import SpeculationLength
 from pagedllm.messages.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.messages.engine_core import (
     EngineCoreEventType,
@@ -109,6 +113,12 @@ class Scheduler:
         self.num_spec_tokens = speculative_config.num_speculative_tokens if speculative_config else 0
         self.num_lookahead_tokens = (self.num_spec_tokens
                                      if speculative_config and speculative_config.uses_draft_model else 0)
+        self.spec_length: Optional[SpeculationLength] = None
+        if speculative_config is not None and speculative_config.enable_adaptive_k:
+            self.spec_length = SpeculationLength(self.num_spec_tokens, speculative_config.adaptive_k_ema_alpha,
+                                                 speculative_config.prior_draft_token_cost)
+        # perf_counter() when the last schedule() returned, and whether its step was decodes only.
+        self._step_started = (0.0, False)
 
     def add_request(self, engine_request: EngineCoreRequest) -> None:
         request = Request(engine_request, self.max_model_len)
@@ -240,7 +250,32 @@ class Scheduler:
         for req_id, num_tokens in num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
         self._add_grammar_bitmask(output)
+        self._choose_spec_lengths(output)
         return output
+
+    def _choose_spec_lengths(self, output: SchedulerOutput) -> None:
+        """With adaptive speculation: each request that samples this step gets its number
+        of drafts to propose after it; the step's start is noted for its cost."""
+        if self.spec_length is None:
+            return
+        spec = output.scheduled_spec_decode_tokens
+        for req_id, num_tokens in output.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            if request.num_computed_tokens >= request.num_tokens + len(spec.get(req_id, ())):
+                output.num_speculative_tokens[req_id] = self.spec_length.num_tokens(req_id)
+        decodes_only = all(n == 1 + len(spec.get(r, ())) for r, n in output.num_scheduled_tokens.items())
+        self._step_started = (time.perf_counter(), decodes_only and not self.use_pp)
+
+    def _observe_spec_step(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        """With adaptive speculation: time a step of decodes only (not with micro-batches
+        in flight) against its draft tokens, proposed and verified."""
+        started, decodes_only = self._step_started
+        if self.spec_length is None or not decodes_only or runner_output.spec_token_ids is None:
+            return
+        num_drafts = sum(map(len, scheduler_output.scheduled_spec_decode_tokens.values()))
+        num_drafts += sum(map(len, runner_output.spec_token_ids))
+        self.spec_length.observe_step(time.perf_counter() - started, len(scheduler_output.num_scheduled_tokens),
+                                      num_drafts)
 
     def _preemption_victim(self, req_index: int) -> Request:
         """Take out of ``running`` the newest request at ``req_index`` or after it (the
@@ -323,6 +358,7 @@ class Scheduler:
         several tokens in one step (speculative decoding): they are taken in order up to the
         first that stops it, and the rest (with their logprobs) are dropped.
         """
+        self._observe_spec_step(scheduler_output, runner_output)
         spec_stats = SpecDecodingStats.new(self.num_spec_tokens) if self.num_spec_tokens else None
         outputs = [self._failed_grammar_output(request) for request in self._failed_grammar]
         self._failed_grammar = []
@@ -342,6 +378,8 @@ class Scheduler:
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if drafts:
                 self._roll_back_rejected(request, len(drafts), len(new_token_ids) - 1, spec_stats)
+                if self.spec_length is not None:
+                    self.spec_length.observe(req_id, len(drafts), len(new_token_ids) - 1)
             new_token_ids = self._append_until_stop(request, new_token_ids)
             if runner_output.spec_token_ids is not None and not request.is_finished:
                 request.spec_token_ids = self._usable_drafts(request, runner_output.spec_token_ids[index])
@@ -477,6 +515,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if self.spec_length is not None:
+            self.spec_length.remove(request.request_id)
         if request.structured_output_request is not None:
             self._num_constrained -= 1
 

@@ -56,6 +56,9 @@ class SchedulerOutput:
     preempted since the previous step). ``scheduled_spec_decode_tokens`` (vLLM's name):
     request id -> the draft tokens it verifies this step (speculative decoding), counted in
     its ``num_scheduled_tokens`` after its one known token; absent for other requests.
+    ``num_speculative_tokens`` (adaptive speculation, ``enable_adaptive_k``): request id ->
+    how many drafts the runner proposes after this step (0: none), for each request that
+    samples in it; empty otherwise (each proposes ``num_speculative_tokens``).
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -64,6 +67,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    num_speculative_tokens: dict[str, int] = field(default_factory=dict)
     # Structured outputs: rows ``structured_output_request_ids[req_id]`` .. + its number of
     # scheduled draft tokens of ``grammar_bitmask`` ([rows, ceil(vocab_size / 32)] int32
     # numpy) mask that request's sampled tokens this step (the next token, then the one after

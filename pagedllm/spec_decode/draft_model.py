@@ -2,16 +2,18 @@
 
 The draft has its own paged KV cache, with as many blocks as the target's and addressed
 by the same block tables and slot mapping, so the scheduler manages one set of blocks for
-both (sized together: ``pagedllm.worker.kv_cache_sizing``). Each step:
+both (sized together: ``pagedllm.worker.kv_cache_sizing``). The draft runs only for the
+requests that propose (``num_speculative_tokens`` > 0 for them this step: with adaptive
+speculation a request may skip drafting for many steps), and catches up lazily. Each step:
 
 1. ``forward_step`` (once the target's step is verified): one forward of the draft over,
-   per request of the step, the positions its cache lacks: prompt chunks, and for a
-   request that sampled, everything up to its newest token at position N - 1, whose logits
-   give its first draft. Positions that the draft's own previous proposals wrote with the
-   tokens now known (in the same slots) are not recomputed: after a verifying step with m
-   of k drafts accepted that is only the newest token (or, with all k accepted, the last
-   draft and the newest token). Running the draft over every verified position again, as
-   well as over the newest token, costs one draft forward per step more;
+   per proposing request, the positions its cache lacks, up to its newest token at
+   position N - 1, whose logits give its first draft: its whole prompt the first time
+   (the draft's KV is never taken from the prefix cache: blocks that the target cached
+   while the draft was skipped hold no draft KV), the tokens of the steps it skipped, and
+   after a verifying step with m of k drafts accepted only the newest token (or, with all
+   k accepted, the last draft and the newest token): positions that its own previous
+   proposals wrote with the tokens now known, in the same slots, are not recomputed;
 2. ``propose``: k - 1 single-token steps at positions N .. N + k - 2 yield drafts
    2 .. k (the scheduler reserved these lookahead slots). Slots of drafts that the target
    later rejects are rewritten by the next step, in both caches.
@@ -56,9 +58,6 @@ class TargetStep:
         sample_indices: [R] int64, for each request that sampled, the index in T of its
             last accepted position (the position before its newest token).
         sample_rows: [R] int64, those requests' batch rows.
-        rows: [Q] int64, the batch rows of every request in the step, in step order.
-        num_computed: [Q] int64, each one's computed tokens before the step.
-        num_scheduled: [Q] int64, each one's tokens in the step.
         token_ids: [max_num_reqs, max_model_len] int64, the batch's token ids (the step's
             accepted and newly sampled tokens appended).
         num_tokens: [max_num_reqs] int64, the batch's known tokens per row.
@@ -72,9 +71,6 @@ class TargetStep:
     metadata: AttentionMetadata
     sample_indices: np.ndarray
     sample_rows: np.ndarray
-    rows: np.ndarray
-    num_computed: np.ndarray
-    num_scheduled: np.ndarray
     token_ids: np.ndarray
     num_tokens: np.ndarray
     block_table: np.ndarray
@@ -87,16 +83,23 @@ class DraftModelProposer:
         speculative_config: with ``draft_model_config`` set.
         block_size: tokens per KV-cache block (the target's).
         device: the target's device.
+        max_num_tokens: the most tokens one draft forward takes (the target's
+            ``max_num_batched_tokens``).
     """
 
-    def __init__(self, speculative_config: SpeculativeConfig, block_size: int, device: torch.device) -> None:
+    def __init__(self, speculative_config: SpeculativeConfig, block_size: int, device: torch.device,
+                 max_num_tokens: int) -> None:
         assert speculative_config.draft_model_config is not None
         self.model_config: ModelConfig = speculative_config.draft_model_config
         self.k = speculative_config.num_speculative_tokens
         self.block_size = block_size
         self.device = device
+        self.max_num_tokens = max_num_tokens
+        # Per batch row: how many of its first positions the draft's cache holds (its known
+        # tokens, in their slots); absent: none.
+        self._cached: dict[int, int] = {}
         # Per batch row: the positions, slots and tokens its last proposal wrote into the
-        # draft's cache ([n] int64 each), so ``forward_step`` skips those that still hold.
+        # draft's cache past those ([n] int64 each), so ``forward_step`` skips those that hold.
         self._written: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         # Per batch row that sampled in the last ``forward_step``: its index in _first_logits.
         self._first_rows: dict[int, int] = {}
@@ -123,76 +126,92 @@ class DraftModelProposer:
         """Allocate the draft's ``num_blocks`` blocks per layer (the target's number)."""
         bind_kv_caches(self.attention_layers, num_blocks, self.block_size, self.model_config.dtype, self.device)
 
-    def forward_step(self, step: TargetStep) -> None:
-        """Bring the draft's cache up to each of the step's requests' known tokens and keep
-        the logits at each sampling request's newest token (see the module docstring)."""
+    def forward_step(self, step: TargetStep, rows: np.ndarray) -> None:
+        """Bring the draft's cache up to the known tokens of batch ``rows`` ([P] int64: the
+        requests that propose after this step, all of which sampled in it) and keep the
+        logits at each one's newest token (see the module docstring); other rows wait.
+        Forwards take at most ``max_num_tokens`` tokens (a long catch-up, a whole prompt
+        say, is split as a chunked prefill is)."""
+        ends = step.num_tokens[rows]
+        starts = np.fromiter((self._cached_upto(row, int(end) - 1, step) for row, end in zip(rows.tolist(), ends)),
+                             dtype=np.int64, count=len(rows))
+        first_rows: list[int] = []
+        first_logits: list[torch.Tensor] = []
+        while len(rows):
+            # Shortest first: single-token requests lead (the metadata's decodes).
+            order = np.argsort(ends - starts, kind="stable")
+            rows, starts, ends = rows[order], starts[order], ends[order]
+            left = ends - starts
+            lens = np.minimum(left, np.maximum(self.max_num_tokens - (np.cumsum(left) - left), 0))
+            taken = lens > 0
+            hidden, cu = self._forward(step, rows[taken], starts[taken], lens[taken])
+            starts = starts + lens
+            done = starts == ends  # (rows not taken have starts < ends)
+            first_rows += rows[done].tolist()
+            first_logits.append(self.model.compute_logits(hidden[self._to_device(cu[done[taken]] - 1)]))
+            self._cached.update(zip(rows[taken].tolist(), starts[taken].tolist()))
+            rows, starts, ends = rows[~done], starts[~done], ends[~done]
+        self._first_rows = {row: i for i, row in enumerate(first_rows)}
+        if first_logits:
+            self._first_logits = torch.cat(first_logits) if len(first_logits) > 1 else first_logits[0]
+
+    def _forward(self, step: TargetStep, rows: np.ndarray, starts: np.ndarray,
+                 lens: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        """One draft forward over positions ``starts[i]`` .. + ``lens[i]`` of batch
+        ``rows[i]`` ([n] int64 each); returns the hidden states [sum(lens), hidden] and the
+        [n] cumulative token counts (row i's last token is at ``cu[i] - 1``)."""
         bs = self.block_size
-        sampled = set(step.sample_rows.tolist())
-        starts, ends = [], []
-        for row, computed, scheduled in zip(step.rows.tolist(), step.num_computed.tolist(),
-                                            step.num_scheduled.tolist()):
-            end = int(step.num_tokens[row]) if row in sampled else computed + scheduled
-            start = computed + self._still_written(row, computed, end - (row in sampled), step)
-            starts.append(start)
-            ends.append(end)
-        starts_a = np.array(starts, dtype=np.int64)
-        lens = np.array(ends, dtype=np.int64) - starts_a
-        if not lens.any():
-            self._first_rows = {}
-            return
-        # Single-token requests first (the metadata's decodes), then the others.
-        order = np.argsort(lens != 1, kind="stable")
-        order = order[lens[order] > 0]
-        rows, starts_a, lens = step.rows[order], starts_a[order], lens[order]
         cu = np.cumsum(lens)
         token_req = np.repeat(np.arange(len(rows)), lens)
-        positions = starts_a[token_req] + np.arange(int(cu[-1])) - (cu - lens)[token_req]
+        positions = starts[token_req] + np.arange(int(cu[-1])) - (cu - lens)[token_req]
         token_rows = rows[token_req]
-        seq_lens = starts_a + lens
+        seq_lens = starts + lens
         width = -(-int(seq_lens.max()) // bs)
+        single = lens == 1
         metadata = self.metadata_builder.build(CommonAttentionMetadata(
             query_start_loc=np.concatenate(([0], cu)),
             seq_lens=seq_lens,
-            num_computed_tokens=starts_a,
+            num_computed_tokens=starts,
             block_table=step.block_table[rows, :width],
             slot_mapping=step.block_table[token_rows, positions // bs] * bs + positions % bs,
-            num_decodes=int((lens == 1).sum()),
+            num_decodes=len(lens) if single.all() else int(np.argmin(single)),
         ))
-        sample_order = np.flatnonzero(np.isin(rows, step.sample_rows))
         with set_forward_context(metadata):
             hidden = self.model(self._to_device(step.token_ids[token_rows, positions]), self._to_device(positions))
-        self._first_rows = {int(rows[i]): j for j, i in enumerate(sample_order.tolist())}
-        self._first_logits = self.model.compute_logits(hidden[self._to_device(cu[sample_order] - 1)])
+        return hidden, cu
 
-    def _still_written(self, row: int, computed: int, end: int, step: TargetStep) -> int:
-        """How many of ``row``'s positions from ``computed`` (up to ``end``) its last proposal
-        wrote with the tokens now known there, into the slots they now have."""
+    def _cached_upto(self, row: int, end: int, step: TargetStep) -> int:
+        """How many of ``row``'s first positions (at most ``end``) the draft's cache holds:
+        those it computed, and after them those its last proposal wrote with the tokens
+        now known there, into the slots they now have."""
+        cached = min(self._cached.get(row, 0), end)
         written = self._written.pop(row, None)
         if written is None:
-            return 0
+            return cached
         positions, slots, tokens = written
-        n = min(len(positions), end - computed)
-        if n <= 0 or positions[0] != computed:
-            return 0
+        n = min(len(positions), end - cached)
+        if n <= 0 or positions[0] != cached:
+            return cached
         now = positions[:n]
         now_slots = step.block_table[row, now // self.block_size] * self.block_size + now % self.block_size
         same = (step.token_ids[row, now] == tokens[:n]) & (now_slots == slots[:n])
-        return n if same.all() else int(np.argmin(same))
+        return cached + (n if same.all() else int(np.argmin(same)))
 
-    def propose(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray, block_table: np.ndarray,
-                temperature: np.ndarray) -> tuple[list[list[int]], dict[int, torch.Tensor]]:
-        """k drafts for each of batch ``rows`` (all sampled in the last ``forward_step``).
+    def propose(self, rows: np.ndarray, num_drafts: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,
+                block_table: np.ndarray, temperature: np.ndarray) -> tuple[list[list[int]], dict[int, torch.Tensor]]:
+        """Drafts for each of batch ``rows`` (those of the last ``forward_step``).
 
         Args:
             rows: [R] int64 batch rows.
+            num_drafts: [R] int64, how many drafts each row asks for (1 .. k).
             token_ids: [max_num_reqs, max_model_len] int64 token ids of all rows.
             num_tokens: [max_num_reqs] int64 known tokens per row.
             block_table: [max_num_reqs, max_blocks] int64 block ids per row.
             temperature: [R] float32; 0 drafts greedily, else samples at that temperature.
 
         Returns:
-            per row, its k drafts; and for each index i of ``rows`` that sampled, the
-            [k, V] float32 distributions its drafts were drawn from.
+            per row, its ``num_drafts`` drafts; and for each index i of ``rows`` that
+            sampled, the [num_drafts[i], V] float32 distributions its drafts were drawn from.
         """
         newest = num_tokens[rows] - 1
         logits = self._first_logits[self._to_device(np.array([self._first_rows[r] for r in rows.tolist()]))]
@@ -200,7 +219,7 @@ class DraftModelProposer:
         sampled_t = self._to_device(sampled)
         scale = self._to_device(temperature[sampled].astype(np.float32)).unsqueeze(1)
         drafts, probs = [], []
-        for step in range(self.k):
+        for step in range(int(num_drafts.max())):
             if step:
                 # Past max_model_len no draft can be verified: the last slot takes the writes.
                 positions = np.minimum(newest + step, self.model_config.max_model_len - 1)
@@ -214,26 +233,27 @@ class DraftModelProposer:
                 probs.append(q)
             drafts.append(ids)
         draft_ids = torch.stack(drafts, dim=1).numpy(force=True)
-        self._remember_written(rows, newest, draft_ids, token_ids, block_table)
-        q_by_row = torch.stack(probs, dim=1) if probs else None
-        return (draft_ids.tolist(),
-                {} if q_by_row is None else dict(zip(sampled.tolist(), q_by_row.unbind(0))))
+        self._remember_written(rows, newest, draft_ids, block_table)
+        q_by_row = torch.stack(probs, dim=1).unbind(0) if probs else ()
+        return ([row[:n] for row, n in zip(draft_ids.tolist(), num_drafts.tolist())],
+                {i: q_by_row[j][: num_drafts[i]] for j, i in enumerate(sampled.tolist())})
 
-    def _remember_written(self, rows: np.ndarray, newest: np.ndarray, draft_ids: np.ndarray, token_ids: np.ndarray,
+    def _remember_written(self, rows: np.ndarray, newest: np.ndarray, draft_ids: np.ndarray,
                           block_table: np.ndarray) -> None:
-        """Record what the draft's cache now holds past each row's known tokens: its newest
-        token at ``newest`` and drafts 1 .. k - 1 after it ([R, k] ``draft_ids``), the last
-        slot before max_model_len excepted (clamped writes land there)."""
+        """Record what the draft's cache now holds past each row's known tokens (up to
+        ``newest``): drafts 1 .. d - 1 ([R, d] ``draft_ids``) after it, the last slot before
+        max_model_len excepted (clamped writes land there)."""
         bs = self.block_size
+        width = draft_ids.shape[1]
         for i, row in enumerate(rows.tolist()):
-            positions = np.arange(newest[i], min(newest[i] + self.k, self.model_config.max_model_len - 1))
-            tokens = np.concatenate(([token_ids[row, newest[i]]], draft_ids[i, : self.k - 1]))[: len(positions)]
+            positions = np.arange(newest[i] + 1, min(newest[i] + width, self.model_config.max_model_len - 1))
             slots = block_table[row, positions // bs] * bs + positions % bs
-            self._written[row] = (positions, slots, tokens)
+            self._written[row] = (positions, slots, draft_ids[i, : len(positions)])
 
     def discard(self, row: int) -> None:
-        """Forget what the last proposal for batch ``row`` wrote (its request is gone)."""
+        """Forget what the draft's cache holds for batch ``row`` (its request is gone)."""
         self._written.pop(row, None)
+        self._cached.pop(row, None)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)

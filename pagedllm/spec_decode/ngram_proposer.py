@@ -10,40 +10,48 @@ the up to k tokens that followed it. No model runs; numpy on the host.
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
-    """Proposes up to ``num_speculative_tokens`` tokens per request by n-gram lookup.
+    """Proposes up to the asked number of tokens per request by n-gram lookup.
 
     Args:
-        num_speculative_tokens: k, the most tokens proposed.
         prompt_lookup_min: the shortest suffix matched (tokens).
         prompt_lookup_max: the longest suffix matched (tokens).
     """
 
-    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
-        self.k = num_speculative_tokens
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
 
-    def propose_one(self, tokens: np.ndarray) -> list[int]:
+    def propose_one(self, tokens: np.ndarray, max_tokens: int) -> list[int]:
         """The proposal for one sequence ``tokens`` ([L] int64, prompt then output): up to
-        k tokens, empty when no suffix of ``prompt_lookup_min`` tokens or more recurs."""
-        num_tokens = len(tokens)
-        for n in range(min(self.max_n, num_tokens - 1), self.min_n - 1, -1):
-            # Windows starting at 0 .. L - n - 1: every occurrence but the suffix itself.
-            windows = sliding_window_view(tokens[:-1], n)
-            starts = np.flatnonzero((windows == tokens[num_tokens - n:]).all(axis=1))
-            if len(starts):
-                follow = int(starts[0]) + n
-                return tokens[follow : follow + self.k].tolist()
+        ``max_tokens`` tokens, empty when no suffix of ``prompt_lookup_min`` tokens or more
+        recurs."""
+        last = len(tokens) - 1
+        # Earlier positions holding the last token: the ends of candidate occurrences,
+        # and how many tokens back from each (up to max_n) match the sequence's suffix.
+        ends = np.flatnonzero(tokens[:last] == tokens[last])
+        matched = np.ones(len(ends), dtype=np.int64)
+        for j in range(1, self.max_n):
+            back = ends - j
+            extends = (matched == j) & (back >= 0) & (tokens[np.maximum(back, 0)] == tokens[last - j])
+            if not extends.any():
+                break
+            matched[extends] = j + 1
+        for n in range(min(self.max_n, last), self.min_n - 1, -1):
+            found = ends[matched >= n]
+            if len(found):
+                follow = int(found[0]) + 1
+                return tokens[follow : follow + max_tokens].tolist()
         return []
 
-    def propose(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray, block_table: np.ndarray,
-                temperature: np.ndarray) -> tuple[list[list[int]], dict]:
-        """Proposals for batch ``rows`` of ``token_ids`` ([R, max_model_len] int64, the
-        first ``num_tokens[row]`` of each row known); ``block_table`` and ``temperature`` are
-        not used (the proposers' common signature: n-gram proposals are deterministic, so no
-        draft distributions are returned)."""
-        return [self.propose_one(token_ids[row, : num_tokens[row]]) for row in rows.tolist()], {}
+    def propose(self, rows: np.ndarray, num_drafts: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,
+                block_table: np.ndarray, temperature: np.ndarray) -> tuple[list[list[int]], dict]:
+        """Proposals of up to ``num_drafts[i]`` ([R] int64) tokens for batch ``rows[i]`` of
+        ``token_ids`` ([R, max_model_len] int64, the first ``num_tokens[row]`` of each row
+        known); ``block_table`` and ``temperature`` are not used (the proposers' common
+        signature: n-gram proposals are deterministic, so no draft distributions are
+        returned)."""
+        return [self.propose_one(token_ids[row, : num_tokens[row]], n)
+                for row, n in zip(rows.tolist(), num_drafts.tolist())], {}

@@ -83,11 +83,12 @@ class ModelRunner:
         if spec is None:
             return None
         if spec.is_eagle:
-            return EagleProposer(spec, self.block_size, self.device)
+            return EagleProposer(spec, self.block_size, self.device, self.scheduler_config.max_num_batched_tokens)
         if spec.uses_draft_model:
-            return DraftModelProposer(spec, self.block_size, self.device)
+            return DraftModelProposer(spec, self.block_size, self.device,
+                                      self.scheduler_config.max_num_batched_tokens)
         assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
-        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def load_model(self) -> None:
         """Choose the attention backend (once; it builds the CPU kernels now if it is
@@ -284,13 +285,15 @@ class ModelRunner:
             batch.num_computed_tokens[state.row] -= count - len(kept)
             last_accepted.append(j + len(kept) - 1)
             j += count
+        num_drafts = self._num_drafts_to_propose(so, order, sampled_token_ids)
+        proposing = np.flatnonzero(num_drafts)
         if isinstance(self.proposer, DraftModelProposer):
             next_positions = np.minimum(positions + 1, self.model_config.max_model_len - 1)
             self.proposer.forward_step(TargetStep(
                 input_ids_t, positions_t, self._to_device(batch.token_ids[token_rows, next_positions]), hidden,
                 metadata, logits_indices[np.array(last_accepted, dtype=np.int64)], rows[np.unique(sample_reqs)],
-                rows, computed, num_sched, batch.token_ids, batch.num_tokens, batch.block_table,
-            ))
+                batch.token_ids, batch.num_tokens, batch.block_table,
+            ), rows[proposing])
         return ModelRunnerOutput(
             req_ids=order,
             req_id_to_index={r: i for i, r in enumerate(order)},
@@ -299,8 +302,21 @@ class ModelRunner:
             logprobs_index=logprobs_index,
             prompt_logprobs_dict=prompt_logprobs,
             failed_req_ids=failed_req_ids,
-            spec_token_ids=self._propose(order, rows, sampled_token_ids),
+            spec_token_ids=self._propose(order, rows, proposing, num_drafts[proposing]),
         )
+
+    def _num_drafts_to_propose(self, so: SchedulerOutput, order: list[str],
+                               sampled_token_ids: list[list[int]]) -> np.ndarray:
+        """[len(order)] int64: how many drafts to propose for each request of the step: the
+        scheduler's choice (``SchedulerOutput.num_speculative_tokens``; without one,
+        ``num_speculative_tokens``) for those that sampled, else 0 (0 too without
+        speculative decoding)."""
+        if self.proposer is None:
+            return np.zeros(len(order), dtype=np.int64)
+        k = self.config.speculative_config.num_speculative_tokens  # type: ignore[union-attr]
+        chosen = so.num_speculative_tokens
+        return np.fromiter((chosen.get(r, k) if tokens else 0 for r, tokens in zip(order, sampled_token_ids)),
+                           dtype=np.int64, count=len(order))
 
     def _intermediate_specs(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Name -> (shape, dtype) of the tensors passed between pipeline stages: the
@@ -368,25 +384,25 @@ class ModelRunner:
         self._replace_logprobs(logprobs, logits, first, kept, sampling.max_num_logprobs)
         return kept
 
-    def _propose(self, order: list[str], rows: np.ndarray,
-                 sampled_token_ids: list[list[int]]) -> Optional[list[list[int]]]:
-        """The proposer's drafts for each request of the step (``order``, batch ``rows``) that
-        sampled tokens, keeping the distributions of sampled drafts for their verification;
-        None without speculative decoding."""
+    def _propose(self, order: list[str], rows: np.ndarray, proposing: np.ndarray,
+                 num_drafts: np.ndarray) -> Optional[list[list[int]]]:
+        """The proposer's drafts for each request of the step (``order``, batch ``rows``):
+        ``num_drafts`` ([P] int64, >= 1) for each index in ``proposing`` ([P] int64), none
+        for the others, keeping the distributions of sampled drafts for their
+        verification; None without speculative decoding."""
         if self.proposer is None:
             return None
-        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        proposing = [i for i, tokens in enumerate(sampled_token_ids) if tokens]
-        if proposing:
+        drafts: list[list[int]] = [[] for _ in order]
+        if len(proposing):
             batch = self.input_batch
             proposing_rows = rows[proposing]
             proposals, draft_probs = self.proposer.propose(
-                proposing_rows, batch.token_ids, batch.num_tokens, batch.block_table,
+                proposing_rows, num_drafts, batch.token_ids, batch.num_tokens, batch.block_table,
                 batch.draft_temperature(proposing_rows))
-            for i, proposal in zip(proposing, proposals):
+            for i, proposal in zip(proposing.tolist(), proposals):
                 drafts[i] = proposal
-            for k, probs in draft_probs.items():
-                self._draft_probs[order[proposing[k]]] = probs
+            for j, probs in draft_probs.items():
+                self._draft_probs[order[proposing[j]]] = probs
         return drafts
 
     @staticmethod

@@ -22,7 +22,8 @@ from tests.spec_decode.test_spec_greedy_equality import assert_every_draft_accep
 
 def eagle_llm(target, method: str, head, k: int, **kwargs) -> LLM:
     return LLM(str(target), dtype="float32", kv_cache_memory_bytes=8 << 20,
-               speculative_config={"method": method, "model": str(head), "num_speculative_tokens": k}, **kwargs)
+               speculative_config={"method": method, "model": str(head), "num_speculative_tokens": k,
+                                   "enable_adaptive_k": False}, **kwargs)
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])

@@ -23,6 +23,10 @@ def test_forms_and_defaults():
     assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (4, 4)
     draft = SpeculativeConfig.from_dict({"model": "some/draft", "num_speculative_tokens": 2})
     assert draft.method == "draft_model" and draft.uses_draft_model and draft.model == "some/draft"
+    assert (draft.enable_adaptive_k, draft.adaptive_k_ema_alpha) == (True, 0.3)
+    fixed = SpeculativeConfig.from_dict({"model": "d", "num_speculative_tokens": 2, "enable_adaptive_k": False,
+                                         "adaptive_k_ema_alpha": 1})
+    assert (fixed.enable_adaptive_k, fixed.adaptive_k_ema_alpha) == (False, 1.0)
 
 
 @pytest.mark.parametrize(
@@ -39,6 +43,10 @@ def test_forms_and_defaults():
          "speculative_config['prompt_lookup_min'] (4) must not exceed"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "speculative_config['prompt_lookup_min']"),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "speculative_config['lookahead'] is not a known key"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "enable_adaptive_k": "yes"},
+         "speculative_config['enable_adaptive_k'] must be true or false, got 'yes'."),
+        ({"method": "ngram", "num_speculative_tokens": 2, "adaptive_k_ema_alpha": 0},
+         "speculative_config['adaptive_k_ema_alpha'] must be a number in (0, 1], got 0."),
     ],
 )
 def test_bad_configs_fail_when_the_arguments_are_built(config, message):
@@ -58,17 +66,19 @@ def test_draft_model_errors_name_the_key(tiny_llama, tmp_path):
 
 
 def test_ngram_proposer():
-    proposer = NgramProposer(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    proposer = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=3)
     # Suffix [7, 8] occurs at 1 (earliest) and 5: the tokens after the first occurrence.
-    assert proposer.propose_one(np.array([1, 7, 8, 9, 4, 7, 8, 5, 7, 8])) == [9, 4, 7]
+    assert proposer.propose_one(np.array([1, 7, 8, 9, 4, 7, 8, 5, 7, 8]), 3) == [9, 4, 7]
+    assert proposer.propose_one(np.array([1, 7, 8, 9, 4, 7, 8, 5, 7, 8]), 1) == [9]
     # The longest match wins: [3, 7, 8] beats the earlier [7, 8].
-    assert proposer.propose_one(np.array([7, 8, 1, 3, 7, 8, 6, 3, 7, 8])) == [6, 3, 7]
-    assert proposer.propose_one(np.array([1, 2, 3, 4])) == []  # nothing recurs
-    assert proposer.propose_one(np.array([5, 6, 5])) == [6, 5]  # fewer than k tokens follow
-    assert NgramProposer(3, 2, 3).propose_one(np.array([1, 2, 9, 2])) == []  # a 1-token match is too short
+    assert proposer.propose_one(np.array([7, 8, 1, 3, 7, 8, 6, 3, 7, 8]), 3) == [6, 3, 7]
+    assert proposer.propose_one(np.array([1, 2, 3, 4]), 3) == []  # nothing recurs
+    assert proposer.propose_one(np.array([5, 6, 5]), 3) == [6, 5]  # fewer than k tokens follow
+    assert NgramProposer(2, 3).propose_one(np.array([1, 2, 9, 2]), 3) == []  # a 1-token match is too short
     rows = np.array([1, 0])
     token_ids = np.array([[4, 4, 0, 0], [1, 2, 1, 0]])
-    assert proposer.propose(rows, token_ids, np.array([2, 3]), np.zeros((2, 1)), np.zeros(2)) == ([[2, 1], [4]], {})
+    assert proposer.propose(rows, np.array([3, 3]), token_ids, np.array([2, 3]), np.zeros((2, 1)),
+                            np.zeros(2)) == ([[2, 1], [4]], {})
 
 
 def test_scheduler_budgets_drafts_and_rolls_back_rejected(tiny_llama, tokenizer):

@@ -82,7 +82,8 @@ def test_draft_equal_to_target_accepts_everything(tiny_qwen2, tokenizer):
     """A draft model identical to the target proposes exactly the greedy tokens: acceptance 1.0,
     k + 1 tokens per verifying step."""
     prompts = random_prompts([5, 40, 90], len(tokenizer), seed=4)
-    llm = float32_llm(tiny_qwen2, {"speculative_config": {"model": str(tiny_qwen2), "num_speculative_tokens": 4}})
+    llm = float32_llm(tiny_qwen2, {"speculative_config": {"model": str(tiny_qwen2), "num_speculative_tokens": 4,
+                                                          "enable_adaptive_k": False}})
     assert_every_draft_accepted(llm, tiny_qwen2, prompts)
 
 
@@ -95,13 +96,15 @@ def test_constructed_ceiling_pair_accepts_everything(tiny_qwen2, tokenizer, tmp_
     assert json.loads((tmp_path / "draft" / "config.json").read_text())["num_hidden_layers"] == 1
     prompts = random_prompts([5, 40, 90], len(tokenizer), seed=4)
     llm = float32_llm(tmp_path / "target",
-                      {"speculative_config": {"model": str(tmp_path / "draft"), "num_speculative_tokens": 4}})
+                      {"speculative_config": {"model": str(tmp_path / "draft"), "num_speculative_tokens": 4,
+                                              "enable_adaptive_k": False}})
     assert_every_draft_accepted(llm, tmp_path / "target", prompts)
 
 
 def assert_every_draft_accepted(llm: LLM, path, prompts: list[list[int]]) -> None:
     """21 greedy tokens per prompt equal transformers', made by 1 prefill step and 4 steps
-    that each verify 4 drafts (k = 4) and keep all of them plus one token."""
+    that each verify 4 drafts (a fixed k = 4: ``enable_adaptive_k`` off) and keep all of
+    them plus one token."""
     stats = record_spec_stats(llm)
     params = SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -28,7 +28,7 @@ def test_seeded_sampling_is_unchanged_by_speculation(case, tiny_llama, noisy_lla
     plain = LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=8 << 20)
     expected = plain.generate(prompts, params, use_tqdm=False)
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=32,
-              speculative_config={"model": str(noisy_llama_draft), "num_speculative_tokens": 3})
+              speculative_config={"model": str(noisy_llama_draft), "num_speculative_tokens": 3, "enable_adaptive_k": False})
     stats = record_spec_stats(llm)
     got = llm.generate(prompts, params, use_tqdm=False)
     for want, out in zip(expected, got):
@@ -55,7 +55,7 @@ def test_stop_string_and_stop_token_inside_accepted_drafts(tiny_llama, tokenizer
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id])
     want = plain.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=8 << 20,
-              speculative_config={"model": str(tiny_llama), "num_speculative_tokens": 4})
+              speculative_config={"model": str(tiny_llama), "num_speculative_tokens": 4, "enable_adaptive_k": False})
     got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
     assert got.token_ids == want.token_ids == greedy[: greedy.index(stop_id) + 1]
     assert got.finish_reason == "stop" and got.stop_reason == stop_id
@@ -68,7 +68,7 @@ def test_sampled_drafts_of_a_copy_are_all_accepted(tiny_llama, tokenizer):
     rounding) every draft is accepted, at any temperature."""
     prompts = [{"prompt_token_ids": p} for p in random_prompts([6, 50], len(tokenizer), seed=12)]
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=8 << 20,
-              speculative_config={"model": str(tiny_llama), "num_speculative_tokens": 4})
+              speculative_config={"model": str(tiny_llama), "num_speculative_tokens": 4, "enable_adaptive_k": False})
     stats = record_spec_stats(llm)
     outputs = llm.generate(prompts, SamplingParams(temperature=1.3, max_tokens=21, ignore_eos=True, logprobs=1),
                            use_tqdm=False)
@@ -87,7 +87,7 @@ def test_sampled_drafts_of_another_model_are_verified(tiny_llama, noisy_llama_dr
     rejected (and replaced by samples from norm(max(0, p - q))); the output is valid."""
     prompts = [{"prompt_token_ids": p} for p in random_prompts([6, 50, 90], len(tokenizer), seed=13)]
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=40,
-              speculative_config={"model": str(noisy_llama_draft), "num_speculative_tokens": 3})
+              speculative_config={"model": str(noisy_llama_draft), "num_speculative_tokens": 3, "enable_adaptive_k": False})
     stats = record_spec_stats(llm)
     params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=24, ignore_eos=True, presence_penalty=0.5, n=2)
     outputs = llm.generate(prompts, params, use_tqdm=False)
