@@ -104,7 +104,7 @@ def test_layer_outputs_equal_the_library_reference(name, llama_128, tmp_path):
         head = layer_name.rpartition(".")[0]
         expected = _reference_layer(path, [f"{prefix}.{head}.{part}" for part in parts], x)
         with torch.inference_mode():
-            got = layer(x)
+            got = layer(x.to(layer.weight_scale.device)).cpu()
         assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max())), (got - expected).abs().max()
 
 

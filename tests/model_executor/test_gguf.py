@@ -19,7 +19,7 @@ from pagedllm.model_executor.gguf_weights import decode_blocks, unpermute_rows
 from pagedllm.model_executor.layers.quantization.grouped import INT8_ACTIVATIONS_ENV
 from pagedllm.testing.gguf_kquant_writer import quantize_k
 from pagedllm.testing.gguf_writer import permute_rows, write_gguf
-from tests.helpers import model_runner, random_prompts
+from tests.helpers import cpu_only, model_runner, random_prompts
 
 PROMPTS = random_prompts([5, 17, 40], 1000, seed=3)
 #: Largest change in a top-5 log-probability from int8 activations on the tiny random model
@@ -84,6 +84,7 @@ def test_greedy_equals_transformers_gguf(request, tmp_path, monkeypatch, model, 
     assert runner.model_config.hf_config.num_hidden_layers == 2 and runner.model_config.architecture.endswith("ForCausalLM")
 
 
+@cpu_only  # the int8 activations are the CPU kernels'
 @pytest.mark.parametrize("linear_type", ["Q8_0", "Q4_0"])
 def test_int8_activations_stay_close_to_float_activations(llama_128, tmp_path, monkeypatch, linear_type):
     # Decode with int8 activations (the default, llama.cpp's arithmetic) against the exact

@@ -64,7 +64,7 @@ def test_target_layer_inputs_match_transformers(tiny_llama, llama_eagle_heads, t
         hf_states = hf_model(tiny_llama)(torch.tensor([prompt]), output_hidden_states=True).hidden_states
     assert len(aux) == 3
     for got, layer in zip(aux, [0, 1, 1]):
-        torch.testing.assert_close(got, hf_states[layer][0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got.cpu(), hf_states[layer][0], atol=1e-4, rtol=1e-4)
 
 
 def test_bad_eagle_configs_fail_at_start_up(tiny_llama, llama_eagle_heads, tmp_path):

@@ -211,7 +211,7 @@ class CompressedTensorsW8A8LinearMethod(LinearMethodBase):
                 f"{self.format_name}: layer {self.prefix}, tensor 'input_scale': expected one scale per tensor "
                 f"(static activations, strategy 'tensor'), got shape {tuple(loaded_weight.shape)}."
             )
-        param.data.copy_(torch.maximum(param.data, loaded_weight.float().reshape(1)))
+        param.data.copy_(torch.maximum(param.data, loaded_weight.to(param.device, torch.float32).reshape(1)))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Hand the weights to their kernel (see the module docstring); a second call changes nothing."""
