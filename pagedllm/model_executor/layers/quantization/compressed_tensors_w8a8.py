@@ -37,7 +37,6 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from pagedllm.kernels import isa
 from pagedllm.model_executor.layers.linear import LinearMethodBase
 from pagedllm.model_executor.layers.quantization.activation_quant import (
     quantize_fp8_activations,
@@ -49,9 +48,8 @@ from pagedllm.model_executor.layers.quantization.fp8 import (
     per_tensor_scale_loader,
     store_fp8,
 )
-from pagedllm.model_executor.layers.quantization.int8 import apply_int8, describe_int8, store_int8
+from pagedllm.model_executor.layers.quantization.int8 import apply_int8, describe_int8, int8_gemm_exact_on_cpu, store_int8
 from pagedllm.model_executor.utils import set_weight_attrs
-from pagedllm.platforms import current_platform
 
 #: The formats of this module (a config group's or the config's ``format``).
 W8A8_FORMATS = ("int-quantized", "float-quantized", "naive-quantized")
@@ -227,10 +225,7 @@ class CompressedTensorsW8A8LinearMethod(LinearMethodBase):
         else:
             layer.weight = nn.Parameter(weight, requires_grad=False)
             layer.weight_scale = nn.Parameter(scale.float().contiguous(), requires_grad=False)
-            # oneDNN's int8 GEMM is exact only with VNNI (the avx512_bf16 level implies it);
-            # without, its vpmaddubsw pairs saturate at int16, so the exact float32 path runs.
-            exact_int_mm = current_platform.is_cpu and isa.selected_isa() == "avx512_bf16"
-            self.int8_matmul = _int_mm if exact_int_mm else _float_int8_mm
+            self.int8_matmul = _int_mm if int8_gemm_exact_on_cpu() else _float_int8_mm
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype (see the module docstring)."""

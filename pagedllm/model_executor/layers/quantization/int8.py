@@ -58,14 +58,19 @@ class Int8Config(QuantizationConfig):
         return Int8LinearMethod() if isinstance(layer, LinearBase) else None
 
 
+def int8_gemm_exact_on_cpu() -> bool:
+    """Whether oneDNN's int8 GEMMs (``torch._int_mm``, its quantized linear ops) sum exactly
+    in int32 here: a CPU at the kernels' avx512_bf16 level (AVX512-VNNI, or AMX-INT8); without
+    VNNI oneDNN's int8 kernels saturate int16 pairs (``vpmaddubsw``)."""
+    return current_platform.is_cpu and isa.selected_isa() == "avx512_bf16"
+
+
 def onednn_int8_gemm_exact() -> bool:
-    """Whether oneDNN's int8 GEMM runs here with exact int32 sums: the CPU kernels at the
-    avx512_bf16 level (AVX512-VNNI, or AMX-INT8; without VNNI oneDNN's int8 kernels saturate
-    int16 pairs) and torch built with oneDNN's quantized linear ops."""
+    """``int8_gemm_exact_on_cpu()``, with the CPU kernels available and torch built with
+    oneDNN's quantized linear ops (``onednn::qlinear_prepack``)."""
     return (
-        current_platform.is_cpu
+        int8_gemm_exact_on_cpu()
         and cpu_kernels.is_available()
-        and isa.selected_isa() == "avx512_bf16"
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.onednn, "qlinear_prepack")
     )
