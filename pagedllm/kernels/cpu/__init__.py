@@ -618,13 +618,14 @@ def linear_w8g(
 #: take at most (``kStreamRows`` in ``weight_blocks.h``); ``linear_w16`` takes any number.
 FEW_ROWS_MAX = 16
 
-#: Weight bits -> rows of x from which the quantized layers call ``linear_dequant`` instead
-#: of the few-row kernels (``linear_w8``, ``linear_w8g`` and ``linear_fp8`` for 8 bits,
-#: ``linear_w4`` for 4); at most ``FEW_ROWS_MAX + 1``. Measured on the 0.5B shape's layers against the float-activation
-#: few-row kernels (``benchmarks/quantized_prefill.py --cpu-time --rows 8 16 32``, AVX512-BF16
-#: + AMX, one thread): at 16 rows the int8 kernel and linear_dequant were within 10% and the
-#: int4 kernel 1.3-1.8x slower; at 32 rows both 3-4x slower. The grouped kernels' int8-activation
-#: path (up to 16 rows, 2-3x faster than their float path) moves the 4-bit crossing to 17 too.
+#: Weight bits -> rows of x from which the quantized layers call ``linear_dequant`` instead of
+#: the few-row kernels (``linear_w8``, ``linear_w8g`` and ``linear_fp8`` for 8 bits,
+#: ``linear_w4`` for 4); at most ``FEW_ROWS_MAX + 1``. Measured on the 0.5B shape's layers
+#: against the float-activation few-row kernels (``benchmarks/quantized_prefill.py --cpu-time
+#: --rows 8 16 32``, AVX512-BF16 + AMX, one thread): at 16 rows the int8 kernel and
+#: linear_dequant were within 10% and the int4 kernel 1.3-1.8x slower; at 32 rows both 3-4x
+#: slower. The grouped kernels' int8-activation path (up to 16 rows, 2-3x faster than their
+#: float path) moves the 4-bit crossing to 17 too.
 DEQUANT_GEMM_MIN_ROWS = {8: 17, 4: 17}
 
 
