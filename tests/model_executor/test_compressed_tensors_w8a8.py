@@ -4,7 +4,8 @@ weights per channel or per tensor, dynamic per-token or static per-tensor fp8 ac
 plus weight-only ``naive-quantized`` groups. Checkpoints are written by the compressed-tensors
 library's own compressors (``pagedllm.testing.compressed_tensors_writer``); greedy output equals
 transformers' on the same checkpoint (its compressed-tensors integration runs these schemes on
-CPU, decompressing the weights and fake-quantizing the activations), and a layer's output
+CPU, decompressing the weights and fake-quantizing the activations; with quantized activations,
+up to the first step float32 rounding can flip: ``assert_greedy_close_to_hf``), and a layer's output
 equals the reference built from the library's ``decompress`` and its activation quantize op.
 Unsupported schemes fail at load, named."""
 
@@ -19,7 +20,7 @@ from safetensors.torch import load_file
 
 from pagedllm import LLM
 from pagedllm.testing.compressed_tensors_writer import write_w8a8
-from tests.helpers import assert_greedy_equals_hf, model_runner, random_prompts
+from tests.helpers import assert_greedy_close_to_hf, assert_greedy_equals_hf, model_runner, random_prompts
 
 #: name -> (weight type, weight strategy, activations, the layers' weight dtype once loaded).
 SCHEMES = {
@@ -53,7 +54,7 @@ _HF_RUNS = sorted(set(SCHEMES) - {"int8-weight-only-channel"})
 def test_greedy_equals_transformers_on_the_same_checkpoint(name, llama_128, tmp_path):
     path = _write(llama_128, tmp_path, name)
     llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=8 << 20)
-    assert_greedy_equals_hf(llm, path)
+    (assert_greedy_equals_hf if SCHEMES[name][2] is None else assert_greedy_close_to_hf)(llm, path)
     layers = _layers(llm)
     assert len(layers) == 8 and {m.weight.dtype for m in layers.values()} == {SCHEMES[name][3]}
     assert model_runner(llm).model.lm_head.weight.dtype == torch.float32
