@@ -197,6 +197,7 @@ class ModelConfig:
     max_model_len: int
     seed: int
     quantization: Optional[str] = None  # --quantization: None = the checkpoint's own format
+    quantization_config: Optional[dict] = None  # --quantization-config: options of a format quantized at load
     trust_remote_code: bool = False  # --trust-remote-code: config.json and tokenizer classes
     generation_config: str = "auto"
     override_generation_config: Optional[dict] = None  # field -> value, over the generation config
@@ -852,6 +853,8 @@ class EngineArgs:
     override_generation_config: Optional[dict] = None  # field -> value, over the generation config
     usage_context: str = "llm"
     quantization: Optional[str] = None
+    #: vLLM's ``quantization_config``: options of an online ``quantization`` (int4: ``{"group_size": 128}``).
+    quantization_config: Optional[dict] = None
     #: vLLM's ``disable_log_stats``: no periodic stats line (``pagedllm.metrics.loggers``);
     #: ``LLM`` sets it by default, as vLLM's.
     disable_log_stats: bool = False
@@ -953,6 +956,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             seed=self.seed,
             quantization=self.quantization,
+            quantization_config=self.quantization_config,
             trust_remote_code=self.trust_remote_code,
             generation_config=self.generation_config,
             override_generation_config=self.override_generation_config,

@@ -145,6 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = summarize_nll(nlls)
     result.update(
         benchmark="perplexity", model=args.model, dtype=args.dtype, quantization=args.quantization,
+        quantization_config=args.quantization_config,
         kv_cache_dtype=args.kv_cache_dtype or "auto", dataset_path=args.dataset_path,
         num_text_tokens=len(ids), context_size=args.context_size, scored_tokens=args.scored_tokens,
         num_chunks=len(windows.token_ids), bos_replaced=adds_bos and args.scored_tokens == "second-half",

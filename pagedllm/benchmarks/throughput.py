@@ -65,6 +65,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-cpu-loras", type=int, default=None)
     engine.add_argument("--quantization", "-q", default=None,
                         help="weight format: int8 / int4 / fp8 at load, or the checkpoint's (gptq, awq ...)")
+    engine.add_argument("--quantization-config", type=json_object_type, default=None,
+                        help="options of --quantization at load, e.g. '{\"group_size\": 128}' for int4")
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                         help="worker processes the model is split over (on CPU: one core each at least)")
     engine.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
@@ -81,7 +83,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 _ENGINE_KEYS = ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
                 "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching",
                 "prefix_caching_hash_algo", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
-                "speculative_config", "quantization", "tensor_parallel_size", "pipeline_parallel_size",
+                "speculative_config", "quantization", "quantization_config", "tensor_parallel_size", "pipeline_parallel_size",
                 "kv_cache_dtype", "calculate_kv_scales")
 
 

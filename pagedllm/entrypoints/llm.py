@@ -46,6 +46,8 @@ class LLM:
             download_dir: where downloads go (default: the Hugging Face cache).
             quantization: "int8" quantizes the weights at load (weight-only, per-channel
                 scales); None keeps the checkpoint's own format.
+            quantization_config: options of a quantization applied at load, e.g.
+                ``{"group_size": 128}`` for "int4" (default 32).
             dtype: "auto", "float32", "bfloat16" or "float16".
             max_model_len: context length in tokens (default: the model's).
             block_size: tokens per KV-cache block (8, 16 or 32).

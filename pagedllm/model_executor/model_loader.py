@@ -53,15 +53,17 @@ def iterate_weights(model_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def get_quant_config(model_config: ModelConfig) -> Optional[QuantizationConfig]:
     """The weight format: config.json's ``quantization_config`` ("gguf" for a GGUF file, with
     the linear modules it holds in types the kernels run), or ``--quantization``'s format applied at
-    load time to an unquantized checkpoint (None: neither).
+    load time to an unquantized checkpoint, with ``--quantization-config``'s options (None: neither).
 
     Raises:
         ValueError: for a format pagedllm does not support (the message lists those it
-            does), a ``--quantization`` that differs from the checkpoint's format, or a
-            checkpoint format asked of an unquantized checkpoint.
+            does), a ``--quantization`` that differs from the checkpoint's format, a
+            checkpoint format asked of an unquantized checkpoint, or ``--quantization-config``
+            keys the format does not read (or given without a format that quantizes at load).
     """
     config = getattr(model_config.hf_config, "quantization_config", None)
-    requested = model_config.quantization
+    requested, options = model_config.quantization, model_config.quantization_config
+    online = "|".join(ONLINE_QUANTIZATION_METHODS)
     if model_config.model_path.suffix == ".gguf":
         reader = open_gguf(model_config.model_path)
         types = tensor_types(reader, model_config.hf_config)
@@ -69,6 +71,8 @@ def get_quant_config(model_config: ModelConfig) -> Optional[QuantizationConfig]:
         config = {"quant_method": "gguf", "module_layouts": layouts}
     if config is None:
         if requested is None:
+            if options:
+                raise ValueError(f"--quantization-config needs --quantization {online}, the format it configures.")
             return None
         method_class = get_quantization_config(requested)
         if requested not in ONLINE_QUANTIZATION_METHODS:
@@ -76,9 +80,20 @@ def get_quant_config(model_config: ModelConfig) -> Optional[QuantizationConfig]:
                 f"--quantization {requested} needs a checkpoint quantized as {requested} (config.json has no "
                 f"quantization_config); the methods that quantize at load are {', '.join(ONLINE_QUANTIZATION_METHODS)}."
             )
-        return method_class.from_config({})
+        unknown = sorted(set(options or {}) - set(method_class.online_config_keys))
+        if unknown:
+            raise ValueError(
+                f"--quantization-config: --quantization {requested} does not read {', '.join(unknown)}; it reads "
+                f"{', '.join(method_class.online_config_keys) or 'no keys'}."
+            )
+        return method_class.from_config(dict(options or {}))
     config = config if isinstance(config, dict) else config.to_dict()
     method = config.get("quant_method")
+    if options:
+        raise ValueError(
+            f"--quantization-config configures a format quantized at load (--quantization {online}); this "
+            f"checkpoint is already quantized as {method!r}."
+        )
     if requested is not None and requested != method:
         raise ValueError(
             f"--quantization {requested} does not match the checkpoint, which is quantized as {method!r} "

@@ -71,6 +71,8 @@ def test_vllm_flags_are_accepted_and_reach_the_engine_and_server():
     }  # fmt: skip
     structured = engine_args_from(_parse("--structured-outputs-config", '{"backend": "guidance", "disable_fallback": true}'))
     assert structured.structured_outputs_config == {"backend": "guidance", "disable_fallback": True}
+    int4 = engine_args_from(_parse("--quantization", "int4", "--quantization-config", '{"group_size": 128}'))
+    assert int4.quantization == "int4" and int4.quantization_config == {"group_size": 128}
     long_forms = _parse("--tensor-parallel-size", "1", "--max_model_len=8k")
     assert long_forms.tensor_parallel_size == 1 and long_forms.max_model_len == 8000
 

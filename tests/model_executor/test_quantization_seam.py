@@ -103,14 +103,19 @@ def test_registry_by_name():
 
 def _model_config(quantization_config) -> SimpleNamespace:
     return SimpleNamespace(
-        hf_config=SimpleNamespace(quantization_config=quantization_config), quantization=None, model_path=Path("m")
+        hf_config=SimpleNamespace(quantization_config=quantization_config), quantization=None,
+        quantization_config=None, model_path=Path("m"),
     )
 
 
 def test_the_loader_reads_config_jsons_quantization_config(monkeypatch):
-    no_format = SimpleNamespace(hf_config=SimpleNamespace(), quantization=None, model_path=Path("m"))
+    no_format = SimpleNamespace(hf_config=SimpleNamespace(), quantization=None, quantization_config=None, model_path=Path("m"))
     assert model_loader.get_quant_config(no_format) is None
     with pytest.raises(ValueError, match="'bitsandbytes' is not supported"):
         model_loader.get_quant_config(_model_config({"quant_method": "bitsandbytes", "bits": 4}))
     monkeypatch.setitem(quantization.QUANTIZATION_METHODS, "recording", RecordingConfig)
     assert isinstance(model_loader.get_quant_config(_model_config({"quant_method": "recording"})), RecordingConfig)
+    quantized = _model_config({"quant_method": "recording"})
+    quantized.quantization_config = {"group_size": 128}
+    with pytest.raises(ValueError, match="--quantization-config configures a format quantized at load .* already quantized as 'recording'"):
+        model_loader.get_quant_config(quantized)

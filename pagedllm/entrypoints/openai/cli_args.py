@@ -274,10 +274,15 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--quantization", "-q", default=None,
         help="Weight format. Quantize a 16/32-bit checkpoint at load: int8 = weight-only int8, one scale "
         "per output channel (half the bytes of bf16 per decode step); int4 = weight-only 4-bit, symmetric "
-        "groups of 128, else 32 (a quarter); fp8 = e4m3 weights, one scale per tensor (vLLM's online FP8). Checkpoint "
+        "groups of 32 as llama.cpp's Q4_0 (a quarter; --quantization-config for 128); fp8 = e4m3 weights, one scale per tensor (vLLM's online FP8). Checkpoint "
         "formats, read from config.json (naming one here checks it): gptq, awq, compressed-tensors (W4A16 / W8A16 "
         "pack-quantized), fp8; a .gguf MODEL is read as gguf. "
         "Default: the checkpoint's own format.",
+    )  # fmt: skip
+    engine.add_argument(
+        "--quantization-config", type=json_object, default=None, metavar="JSON",
+        help="Options of a --quantization applied at load, as JSON (vLLM's quantization_config): int4 reads "
+        "'{\"group_size\": 128}' (32, 64 or 128; default 32).",
     )  # fmt: skip
     engine.add_argument(
         "--generation-config", default="auto", metavar="{auto,vllm,FOLDER}",

@@ -39,6 +39,11 @@ class QuantizeMethodBase(ABC):
 class QuantizationConfig(ABC):
     """A weight format, as config.json's ``quantization_config`` describes it."""
 
+    #: For a format that quantizes at load (``--quantization int4`` ...): the keys of
+    #: ``--quantization-config`` (vLLM's ``quantization_config`` engine argument) it reads; its
+    #: ``from_config`` gets that dict. The loader refuses any other key.
+    online_config_keys: tuple[str, ...] = ()
+
     @classmethod
     @abstractmethod
     def get_name(cls) -> str:

@@ -1,15 +1,19 @@
 """The "int4" format: weight-only 4-bit quantization of a 16/32-bit checkpoint at load time
-(``--quantization int4``), symmetric, one scale per group of ``INT4_GROUP_SIZE`` inputs (32, as
-Q4_0, in a layer whose inputs are not whole groups of 128; the start-up log names each layer's):
+(``--quantization int4``), symmetric, one scale per group of inputs:
 
     m[n, g] = the weight of largest magnitude in the group (sign kept),
     scale[n, g] = m / -8,   Q[n, k] = clamp(round(W[n, k] / scale) + 8, 0, 15),
 
 so W ~ scale * (Q - 8): llama.cpp's Q4_0 arithmetic (the extreme weight maps exactly onto -8,
-using all 16 levels), with groups of 128 inputs as GPTQ / AWQ checkpoints use rather than
-Q4_0's 32 (fewer scale bytes per weight). Activations stay in the model dtype. The storage and
-matmul (``grouped.py``) are shared with the checkpoint formats, which bring their own Q,
-scales and zero points. The lm_head keeps the model dtype, as with int8.
+using all 16 levels), and by default Q4_0's groups of 32 inputs (``INT4_GROUP_SIZE``): on the
+shipped model +0.11% perplexity over bf16, against +0.69% with groups of 128 and +0.16% for
+llama.cpp's own Q4_0 (docs/benchmarks.md). ``--quantization-config '{"group_size": 128}'``
+(vLLM's ``quantization_config`` engine argument; ``LLM(..., quantization_config={...})``)
+chooses 64 or 128 instead, as GPTQ / AWQ checkpoints use: fewer scale bytes per weight, a
+little more error; a layer whose inputs are not whole groups of that size gets groups of 32.
+The start-up log names each layer's group size. Activations stay in the model dtype. The
+storage and matmul (``grouped.py``) are shared with the checkpoint formats, which bring their
+own Q, scales and zero points. The lm_head keeps the model dtype, as with int8.
 """
 
 from __future__ import annotations
@@ -23,24 +27,25 @@ from pagedllm.model_executor.layers.linear import LinearBase, UnquantizedLinearM
 from pagedllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from pagedllm.model_executor.layers.quantization.grouped import apply_grouped, describe_grouped, store_grouped
 
-#: Inputs per scale of ``--quantization int4``, and the fallback where a layer's inputs are
-#: not a multiple of it.
-INT4_GROUP_SIZE = 128
-INT4_FALLBACK_GROUP_SIZE = 32
+#: Inputs per scale of ``--quantization int4`` unless ``group_size`` says otherwise (Q4_0's),
+#: and the fallback where a layer's inputs are not a multiple of the chosen size.
+INT4_GROUP_SIZE = 32
+#: The ``group_size`` values ``--quantization-config`` may choose.
+INT4_GROUP_SIZES = (32, 64, 128)
 
 
-def int4_group_size(num_inputs: int, prefix: str) -> int:
-    """``INT4_GROUP_SIZE`` if ``num_inputs`` is a multiple of it, else ``INT4_FALLBACK_GROUP_SIZE``.
+def int4_group_size(num_inputs: int, prefix: str, group_size: int = INT4_GROUP_SIZE) -> int:
+    """``group_size`` if ``num_inputs`` is a multiple of it, else ``INT4_GROUP_SIZE`` (32).
 
     Raises:
         ValueError: ``num_inputs`` is a multiple of neither (names the layer ``prefix``).
     """
-    for group in (INT4_GROUP_SIZE, INT4_FALLBACK_GROUP_SIZE):
+    for group in (group_size, INT4_GROUP_SIZE):
         if num_inputs % group == 0:
             return group
     raise ValueError(
         f"--quantization int4: layer {prefix} has {num_inputs} inputs, not a multiple of the group size "
-        f"{INT4_GROUP_SIZE} or {INT4_FALLBACK_GROUP_SIZE}; use --quantization int8 for this model."
+        f"{INT4_GROUP_SIZE}; use --quantization int8 for this model."
     )
 
 
@@ -63,8 +68,20 @@ def quantize_int4_per_group(weight: torch.Tensor, group_size: int) -> tuple[torc
 
 
 class Int4Config(QuantizationConfig):
-    """Every linear layer gets ``Int4LinearMethod`` (groups of ``int4_group_size``); the
-    lm_head keeps its own method."""
+    """Every linear layer gets ``Int4LinearMethod`` (groups of ``int4_group_size(...,
+    group_size)``); the lm_head keeps its own method.
+
+    Args:
+        group_size: inputs per scale, one of ``INT4_GROUP_SIZES`` (default 32).
+
+    Raises (``from_config``):
+        ValueError: a ``group_size`` not in ``INT4_GROUP_SIZES`` (names the supported ones).
+    """
+
+    online_config_keys = ("group_size",)
+
+    def __init__(self, group_size: int = INT4_GROUP_SIZE) -> None:
+        self.group_size = group_size
 
     @classmethod
     def get_name(cls) -> str:
@@ -72,17 +89,25 @@ class Int4Config(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "Int4Config":
-        return cls()
+        group_size = config.get("group_size", INT4_GROUP_SIZE)
+        if isinstance(group_size, bool) or group_size not in INT4_GROUP_SIZES:
+            raise ValueError(
+                f"--quantization int4: group_size {group_size!r} is not supported; supported: "
+                f"{', '.join(map(str, INT4_GROUP_SIZES))} (default {INT4_GROUP_SIZE})."
+            )
+        return cls(group_size)
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
-        return Int4LinearMethod(prefix) if isinstance(layer, LinearBase) else None
+        return Int4LinearMethod(prefix, self.group_size) if isinstance(layer, LinearBase) else None
 
 
 class Int4LinearMethod(UnquantizedLinearMethod):
-    """Loads W like the unquantized method, then keeps only its int4 form (``store_grouped``)."""
+    """Loads W like the unquantized method, then keeps only its int4 form (``store_grouped``)
+    in groups of ``group_size`` inputs (32 where the layer's inputs are not whole groups)."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, group_size: int = INT4_GROUP_SIZE) -> None:
         self.prefix = prefix
+        self.group_size = group_size
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Quantize the loaded weight (see the module docstring); a second call changes nothing.
@@ -92,7 +117,7 @@ class Int4LinearMethod(UnquantizedLinearMethod):
         """
         if hasattr(layer, "weight_zero_point"):
             return
-        group = int4_group_size(layer.weight.shape[1], self.prefix)
+        group = int4_group_size(layer.weight.shape[1], self.prefix, self.group_size)
         store_grouped(layer, *quantize_int4_per_group(layer.weight.data, group), bits=4)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
