@@ -7,10 +7,17 @@
 
 Two engines on the same checkpoint, ``dtype=--dtype``: one unquantized, one with
 ``quantization=--quantization`` (each with ``--kv-cache-memory-bytes`` of cache and
-``--max-model-len``). Each round
+``--max-model-len``); ``--quantization-configs`` makes one quantized engine per JSON
+(``quantization_config``), e.g. int4's groups of 32 (``'{}'``, the default) against 128:
+
+    python benchmarks/quantized_ab.py --model benchmarks/checkpoints/qwen2-0.5b-shape --quantization int4 \\
+        --quantization-configs '{}' '{"group_size": 128}' --num-prompts 1 --input-len 16 --output-len 64 \\
+        --rounds 5 --kv-cache-memory-bytes 67108864 --cpu-time
+
+Each round
 generates ``--num-prompts`` random prompts of ``--input-len`` tokens, ``--output-len`` tokens
-each (EOS ignored, greedy), on both engines, the order alternating per round; prints output
-tokens/s of each round, the medians and their ratio (> 1: the quantized engine is faster).
+each (EOS ignored, greedy), on every engine, each engine first in turn; prints output tokens/s
+of each round, the medians and each quantized engine's ratio to bf16 (> 1: it is faster).
 ``--cpu-time``: one torch thread, each round timed by the process's CPU time
 (``time.process_time``; the engine runs in this process), which other processes on a busy
 machine do not stretch.
@@ -19,6 +26,7 @@ machine do not stretch.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -27,6 +35,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--quantization", default="int8")
+    parser.add_argument("--quantization-configs", nargs="+", default=["{}"], metavar="JSON",
+                        help="one quantized engine per JSON quantization_config (default: one, '{}')")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -47,8 +57,11 @@ def main() -> None:
 
     common = {"dtype": args.dtype, "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
               "max_model_len": args.max_model_len}
-    engines = {"bf16": LLM(model=args.model, **common),
-               args.quantization: LLM(model=args.model, quantization=args.quantization, **common)}
+    engines = {"bf16": LLM(model=args.model, **common)}
+    for text in args.quantization_configs:
+        options = json.loads(text)
+        name = args.quantization + (f" {text}" if options else "")
+        engines[name] = LLM(model=args.model, quantization=args.quantization, quantization_config=options or None, **common)
     vocab = engines["bf16"].get_tokenizer().vocab_size
     gen = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(10, vocab - 10, (args.input_len,), generator=gen).tolist()}
@@ -65,13 +78,16 @@ def main() -> None:
         engines[name].generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     results: dict[str, list[float]] = {name: [] for name in names}
     for i in range(args.rounds):
-        for name in (names if i % 2 == 0 else names[::-1]):
+        for name in names[i % len(names):] + names[:i % len(names)]:  # each engine first in turn
             results[name].append(run(name))
             unit = "output tok per CPU-s" if args.cpu_time else "output tok/s"
             print(f"round {i + 1} {name}: {results[name][-1]:.1f} {unit}", flush=True)
     medians = {name: statistics.median(r) for name, r in results.items()}
-    print(" | ".join(f"{name} median {m:.1f} tok/s" for name, m in medians.items())
-          + f" | {args.quantization} / bf16 = {medians[args.quantization] / medians['bf16']:.2f}x")
+    print(" | ".join(f"{name} median {m:.1f} tok/s" for name, m in medians.items()))
+    for name in names[1:]:
+        ratios = [q / b for q, b in zip(results[name], results["bf16"])]
+        print(f"{name} / bf16 = {medians[name] / medians['bf16']:.2f}x (median of rounds' ratios "
+              f"{statistics.median(ratios):.2f}x)")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@ the host supports: in float32 ((Q - zero) * scale, as PyTorch computes it) for t
 GEMM, rounded to bfloat16 for the bfloat16 GEMM (x bfloat16 on an AVX512-BF16 build), within
 float32 summation error plus the output's rounding; for each weight format, ragged shapes,
 group boundaries, several tiles with a ragged last one, with or without bias. A oneDNN-packed
-int8 weight takes the int8-activation road: x quantized per row, then an exact int8 GEMM. Bad
-input is refused with a clear error."""
+int8 weight takes the int8-activation road: x quantized per row, then an exact int8 GEMM.
+Grouped weights stored compactly (float16 scales, no zero points for symmetric ones) give what
+the float32 scales and zero points of the same values give. Bad input is refused with a clear
+error."""
 
 from __future__ import annotations
 
@@ -63,6 +65,20 @@ def test_matches_float64_product(fmt, n, k, group, rows, tile_cols, x_dtype):
         bound = bound + exact.abs() * info.eps + info.smallest_normal * info.eps
     err = (got.double() - exact).abs()
     assert bool((err <= bound + 1e-30).all()), f"max excess {(err - bound).max().item():.3g}"
+
+
+@pytest.mark.parametrize("bits,n,k,group", [(4, 37, 64, 32), (8, 17, 96, 32), (4, 67, 896, 128), (4, 1, 2, 2)])
+def test_float16_scales_and_symmetric_weights_equal_their_float32_form(bits, n, k, group):
+    gen = torch.Generator().manual_seed(n + k)
+    q = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=gen)
+    scale16 = (torch.rand(n, k // group, generator=gen) * 0.01 + 1e-4).half()
+    mid = torch.full(scale16.shape, float(2 ** (bits - 1)))
+    packed = cpu_kernels.pack_w4(q) if bits == 4 else cpu_kernels.pack_w8(q.view(torch.int8)).view(torch.uint8)
+    for x_dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(20, k).to(x_dtype)
+        expected = cpu_kernels.linear_dequant(x, packed, scale16.float(), mid, None, n, bits, 16)
+        assert torch.equal(cpu_kernels.linear_dequant(x, packed, scale16, None, None, n, bits, 16), expected)
+        assert torch.equal(cpu_kernels.linear_dequant(x, packed, scale16, mid, None, n, bits, 16), expected)
 
 
 def test_bfloat16_gemm_on_avx512_bf16_builds():
@@ -133,7 +149,7 @@ def test_bad_input_is_refused():
         cpu_kernels.linear_dequant(x, packed, scale, None, None, 32, 8, 24)
     with pytest.raises(RuntimeError, match="N = 40 does not match"):
         cpu_kernels.linear_dequant(x, packed, scale.new_ones(40), None, None, 40, 8)
-    with pytest.raises(RuntimeError, match="weight must be uint8 with a zero point"):
+    with pytest.raises(RuntimeError, match="weight must be uint8 .* or int8 / float8_e4m3fn with per-output scales and no zero"):
         cpu_kernels.linear_dequant(x, packed, scale[:, None], scale[:, None], None, 32, 8)
     with pytest.raises(RuntimeError, match="scale must be a contiguous float32"):
         cpu_kernels.linear_dequant(x, packed, scale[:16], None, None, 32, 8)

@@ -42,10 +42,12 @@ def test_quantize_per_group_round_trip():
     q, scale, zero = quantize_int4_per_group(w, 32)
     assert q.dtype == torch.uint8 and scale.shape == zero.shape == (6, 2) and bool((zero == 8).all())
     assert int(q.max()) <= 15 and scale[2, 0] == 1 and bool((q[2, :32] == 8).all())
-    # The extreme weight of each group is represented exactly (it maps onto level 0 = -8).
+    # Scales are float16 values (Q4_0's); the extreme weight of each group maps onto level 0 =
+    # -8, exactly up to that rounding.
+    assert torch.equal(scale.half().float(), scale)
     extreme = w.view(6, 2, 32).abs().amax(dim=2)
     deq = scale.repeat_interleave(32, 1) * (q.float() - 8)
-    assert torch.allclose(deq.view(6, 2, 32).abs().amax(dim=2), extreme)
+    assert torch.allclose(deq.view(6, 2, 32).abs().amax(dim=2), extreme, rtol=2.0**-11, atol=0)
     # Rounding error: half a step, or one step where +8 steps is clamped to level 15 (as Q4_0).
     step = scale.abs().repeat_interleave(32, 1)
     err = (deq - w).abs()
@@ -66,9 +68,11 @@ def test_int4_greedy_equals_hf_on_dequantized_weights(llama_128, tmp_path, group
     quantized = [m for m in model.modules() if hasattr(m, "weight_zero_point")]
     assert len(quantized) == 4 * model_runner(llm).model_config.num_layers  # qkv, o, gate_up, down
     assert all(m.weight.dtype == torch.uint8 for m in quantized)
+    # Stored as Q4_0's blocks: a float16 scale per group, no zero points (symmetric).
+    assert all(m.weight_scale.dtype == torch.float16 and m.weight_zero_point is None for m in quantized)
     assert model.lm_head.weight.dtype == torch.float32
     assert _groups(llm) == {128: {group}, 256: {group}}
-    assert f"{len(quantized)} x int4: int4 weight-only, groups of {group} (" in caplog.text
+    assert f"{len(quantized)} x int4: int4 weight-only, groups of {group}, float16 scales, symmetric (" in caplog.text
 
 
 def test_default_groups_of_32_and_group_size_128_falls_back_to_32(tiny_llama):

@@ -565,15 +565,16 @@ def linear_w4(
     x: torch.Tensor,
     weight: torch.Tensor,
     scale: torch.Tensor,
-    zero: torch.Tensor,
+    zero: torch.Tensor | None,
     bias: torch.Tensor | None,
     n: int,
     int8_activations: bool = False,
 ) -> torch.Tensor:
     """``x W^T + b`` for 4-bit weights W[n, k] = scale[n, g] * (Q[n, k] - zero[n, g]), g = k //
     group_size: x [M, K] float32 / bfloat16 / float16, weight ``pack_w4``'s output for Q [n, K],
-    scale and zero [n, K / group_size] float32 contiguous (group_size even), bias [n] or None
-    -> [M, n] in x's dtype; float32 products and sums. M <= ``FEW_ROWS_MAX``: a
+    scale [n, K / group_size] float32 or float16 and zero float32 of the same shape, or None for
+    symmetric weights (zero 8 everywhere: read nothing), contiguous (group_size even), bias [n]
+    or None -> [M, n] in x's dtype; float32 products and sums. M <= ``FEW_ROWS_MAX``: a
     weight-streaming kernel (AVX2 and up) reading half a byte per weight; on the portable
     level torch's float32 GEMM on chunks of dequantized weights (see ``linear_grouped.cpp``).
     More rows go to ``linear_dequant``.
@@ -596,14 +597,14 @@ def linear_w8g(
     x: torch.Tensor,
     weight: torch.Tensor,
     scale: torch.Tensor,
-    zero: torch.Tensor,
+    zero: torch.Tensor | None,
     bias: torch.Tensor | None,
     n: int,
     int8_activations: bool = False,
 ) -> torch.Tensor:
     """``linear_w4`` for 8-bit unsigned weights (W = scale * (Q - zero) per group, Q 0-255):
     weight is Q [n, K] uint8 in ``pack_w8``'s layout ([ceil(n / 16), K, 16] uint8; pack its
-    bytes viewed as int8), scale and zero [n, K / group_size] float32 (see
+    bytes viewed as int8), scale and zero as ``linear_w4``'s (zero None: 128 everywhere; see
     ``linear_grouped.cpp``); at most ``FEW_ROWS_MAX`` rows.
 
     Raises:
@@ -649,7 +650,8 @@ def linear_dequant(
     - ``linear_w8``'s: weight int8 (``pack_w8``), scale [n], zero None, bits 8;
     - ``linear_fp8``'s: weight float8_e4m3fn in ``pack_w8``'s layout, scale [n], zero None, bits 8;
     - ``linear_w8g``'s: weight uint8 in ``pack_w8``'s layout, scale / zero [n, G], bits 8;
-    - ``linear_w4``'s: weight uint8 (``pack_w4``), scale / zero [n, G] (even groups), bits 4.
+    - ``linear_w4``'s: weight uint8 (``pack_w4``), scale / zero [n, G] (even groups), bits 4
+      (for both: scale float32 or float16, zero float32 or None for 2^(bits - 1)).
 
     ``tile_cols``: outputs per tile, a multiple of 16 (0: about 512 KB of dequantized
     weights per tile, the tiles spread evenly over the threads); for benchmarks.

@@ -270,6 +270,41 @@ inline Sums sums_gather(const float* p, int64_t stride, int64_t n_valid, float m
 #endif
   return s;
 }
+// sums_gather for float16 values (minus 0): lane j holds p[j * stride] (clamped as there). p
+// must be 4-byte aligned: each lane gathers the aligned 32-bit word holding its value and
+// shifts it down (an aligned word never crosses a page, so the last one, which may extend two
+// bytes past the array, is safe to read).
+inline Sums sums_gather_half(const c10::Half* p, int64_t stride, int64_t n_valid) {
+  Sums s;
+#if defined(__AVX512F__)
+  const __m512i j = _mm512_min_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                     _mm512_set1_epi32(static_cast<int32_t>(n_valid - 1)));
+  const __m512i e = _mm512_mullo_epi32(j, _mm512_set1_epi32(static_cast<int32_t>(stride)));
+  const __m512i words = _mm512_i32gather_epi32(_mm512_srli_epi32(e, 1), p, 4);
+  const __m512i bits = _mm512_srlv_epi32(words, _mm512_slli_epi32(_mm512_and_si512(e, _mm512_set1_epi32(1)), 4));
+  s.v[0] = {_mm512_cvtph_ps(_mm512_cvtepi32_epi16(bits))};
+#else
+  const __m256i last = _mm256_set1_epi32(static_cast<int32_t>(n_valid - 1));
+  const __m256i step = _mm256_set1_epi32(static_cast<int32_t>(stride));
+  // The low two bytes of each dword, packed into the low 8 bytes of each 128-bit lane.
+  const __m256i low_halves = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                              0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+  for (int i = 0; i < kSumVecs; ++i) {
+    const __m256i j = _mm256_min_epi32(_mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * i)), last);
+    const __m256i e = _mm256_mullo_epi32(j, step);
+    const __m256i words = _mm256_i32gather_epi32(reinterpret_cast<const int*>(p), _mm256_srli_epi32(e, 1), 4);
+    const __m256i bits = _mm256_srlv_epi32(words, _mm256_slli_epi32(_mm256_and_si256(e, _mm256_set1_epi32(1)), 4));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(bits, low_halves), 0x08);
+    s.v[i] = {_mm256_cvtph_ps(_mm256_castsi256_si128(packed))};
+  }
+#endif
+  return s;
+}
+inline Sums sums_set1(float value) {
+  Sums s;
+  for (int i = 0; i < kSumVecs; ++i) s.v[i] = pagedllm_simd::vset1(value);
+  return s;
+}
 // t += d * (dot - zo * asum), in float32 (dot and zo * asum exact for |dot| < 2^24 and integral zo).
 PAGEDLLM_INLINE void fold_block(Sums& t, const Lanes& dot, const Sums& zo, float d, float asum) {
   pagedllm_simd::VecF f[kSumVecs];
@@ -290,6 +325,16 @@ inline void sums_store(float* p, const Sums& s) { std::memcpy(p, s.v, sizeof(s.v
 inline Sums sums_gather(const float* p, int64_t stride, int64_t n_valid, float minus) {
   Sums s;
   for (int64_t j = 0; j < kBlock; ++j) s.v[j] = p[std::min(j, n_valid - 1) * stride] - minus;
+  return s;
+}
+inline Sums sums_gather_half(const c10::Half* p, int64_t stride, int64_t n_valid) {
+  Sums s;
+  for (int64_t j = 0; j < kBlock; ++j) s.v[j] = static_cast<float>(p[std::min(j, n_valid - 1) * stride]);
+  return s;
+}
+inline Sums sums_set1(float value) {
+  Sums s;
+  for (int64_t j = 0; j < kBlock; ++j) s.v[j] = value;
   return s;
 }
 inline void fold_block(Sums& t, const Lanes& dot, const Sums& zo, float d, float asum) {

@@ -16,6 +16,8 @@
 //   weight uint8 [N / 16, K, 16] (pack_w8), scale / zero [N, G], bits 8:  W = scale * (Q - zero)
 //   weight uint8 [N / 16, K / 2, 16] (pack_w4), scale / zero [N, G], bits 4: the same per group
 //
+// (grouped: scale float32 or float16, zero None for symmetric weights; group_scales.h)
+//
 // The GEMM's dtype: bfloat16 when x is bfloat16 in an AVX512-BF16 build (torch's bfloat16 GEMM
 // is oneDNN's, with AMX where the CPU has it, the path of an unquantized bf16 layer); float32
 // elsewhere (without native bfloat16, torch's float32 GEMM is ~5x its bfloat16 one; see
@@ -61,12 +63,14 @@
 #include <string>
 #include <vector>
 
+#include "group_scales.h"
 #include "simd.h"
 #include "weight_blocks.h"
 
 namespace {
 
 using pagedllm_blocks::kBlock;
+using pagedllm_groups::Groups;
 
 constexpr int64_t kTileBytes = 512 << 10;  // dequantized weights per tile (automatic width)
 
@@ -134,13 +138,13 @@ inline VecF load_vec(const uint8_t* block, int64_t i, int h) {
 #endif
 
 // Dequantize blocks [b0, b0 + nblocks) into buf [K, ld] (row k: the tile's outputs in order);
-// scale / zero are per output ([N]) or per output and group ([N, groups]).
+// gs: scales per output ([N], groups 1, zero 0) or per output and group ([N, groups]).
 template <Format F, typename T>
-void dequant_tile(const uint8_t* wp, int64_t k, int64_t n, const float* scale, const float* zero, int64_t groups,
-                  int64_t b0, int64_t nblocks, T* buf, int64_t ld) {
+void dequant_tile(const uint8_t* wp, int64_t k, int64_t n, const Groups& gs, int64_t b0, int64_t nblocks, T* buf,
+                  int64_t ld) {
   constexpr bool grouped = F == Format::kUint8Group || F == Format::kUint4Group;
   constexpr int64_t bytes_per_input = F == Format::kUint4Group ? kBlock / 2 : kBlock;
-  const int64_t group_size = k / groups;
+  const int64_t groups = gs.groups, group_size = k / groups;
   for (int64_t b = b0; b < b0 + nblocks; ++b) {
     const uint8_t* block = wp + b * k * bytes_per_input;
     const int64_t n_valid = std::min(kBlock, n - b * kBlock);
@@ -148,9 +152,9 @@ void dequant_tile(const uint8_t* wp, int64_t k, int64_t n, const float* scale, c
     for (int64_t g = 0; g < groups; ++g) {
       alignas(64) float s[kBlock] = {}, z[kBlock] = {};  // padding outputs: scale 0
       for (int64_t j = 0; j < n_valid; ++j) {
-        const int64_t idx = (b * kBlock + j) * (grouped ? groups : 1) + (grouped ? g : 0);
-        s[j] = scale[idx];
-        z[j] = grouped ? zero[idx] : 0.f;
+        const int64_t idx = (b * kBlock + j) * groups + g;
+        s[j] = gs.scale(idx);
+        z[j] = gs.zero_at(idx);
       }
       int64_t i = g * group_size;
       const int64_t end = (g + 1) * group_size;
@@ -178,13 +182,10 @@ void dequant_tile(const uint8_t* wp, int64_t k, int64_t n, const float* scale, c
 }
 
 template <Format F, typename T>
-void tiled_gemm(const at::Tensor& xc, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero,
-                const at::Tensor& bias_c, int64_t n, int64_t tile_cols, at::Tensor& y) {
+void tiled_gemm(const at::Tensor& xc, const at::Tensor& packed, const Groups& gs, const at::Tensor& bias_c, int64_t n,
+                int64_t tile_cols, at::Tensor& y) {
   const int64_t k = xc.size(1), nb = packed.size(0), tile_blocks = tile_cols / kBlock;
-  const int64_t groups = zero.defined() ? scale.size(1) : 1;
   const uint8_t* wp = static_cast<const uint8_t*>(packed.const_data_ptr());
-  const float* sp = scale.const_data_ptr<float>();
-  const float* zp = zero.defined() ? zero.const_data_ptr<float>() : nullptr;
   const int64_t tiles = (nb + tile_blocks - 1) / tile_blocks;
   // The caller's thread-local state (InferenceMode above all: y is an inference tensor under
   // it, and the workers write into it with ATen ops) holds in the worker threads too.
@@ -195,7 +196,7 @@ void tiled_gemm(const at::Tensor& xc, const at::Tensor& packed, const at::Tensor
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b0 = t * tile_blocks, nblocks = std::min(tile_blocks, nb - b0);
       const int64_t c0 = b0 * kBlock, cols = std::min(nblocks * kBlock, n - c0);
-      dequant_tile<F, T>(wp, k, n, sp, zp, groups, b0, nblocks, buf.mutable_data_ptr<T>(), tile_cols);
+      dequant_tile<F, T>(wp, k, n, gs, b0, nblocks, buf.mutable_data_ptr<T>(), tile_cols);
       at::Tensor out = y.narrow(1, c0, cols);
       const at::Tensor w = buf.narrow(1, 0, cols);
       if (bias_c.defined()) {
@@ -334,25 +335,30 @@ at::Tensor linear_dequant(const at::Tensor& x, const at::Tensor& packed, const a
                           int64_t bits, int64_t tile_cols) {
   const at::Tensor zero = zero_opt.has_value() ? *zero_opt : at::Tensor();
   if (packed.is_mkldnn()) return linear_int8_activations(x, packed, scale, zero, bias, n, bits);
-  const bool grouped = zero.defined();
   const auto wt = packed.scalar_type();
+  const bool grouped = wt == at::kByte;  // uint8: grouped 4 / 8 bits; int8 / float8: per output
   TORCH_CHECK(bits == 4 || bits == 8, "linear_dequant: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous(),
               "linear_dequant: weight must be a CPU tensor in blocks of 16 outputs (pack_w8 / pack_w4)");
-  TORCH_CHECK(grouped ? wt == at::kByte : (bits == 8 && (wt == at::kChar || wt == at::kFloat8_e4m3fn)),
-              "linear_dequant: weight must be uint8 with a zero point (grouped 4 / 8 bits), or int8 / float8_e4m3fn "
-              "with per-output scales (8 bits); got ", wt, " with", grouped ? "" : "out", " zero, bits ", bits);
+  TORCH_CHECK(grouped || (bits == 8 && (wt == at::kChar || wt == at::kFloat8_e4m3fn) && !zero.defined()),
+              "linear_dequant: weight must be uint8 (grouped 4 / 8 bits), or int8 / float8_e4m3fn with per-output "
+              "scales and no zero (8 bits); got ", wt, " with", zero.defined() ? "" : "out", " zero, bits ", bits);
   const int64_t k = bits == 4 ? packed.size(1) * 2 : packed.size(1);
   TORCH_CHECK(n > (packed.size(0) - 1) * kBlock && n <= packed.size(0) * kBlock, "linear_dequant: N = ", n,
               " does not match the packed weight's ", packed.size(0), " blocks of 16 outputs");
-  TORCH_CHECK(scale.device().is_cpu() && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
-                  (grouped ? scale.dim() == 2 && scale.size(0) == n && scale.size(1) >= 1 && k % scale.size(1) == 0
-                           : scale.dim() == 1 && scale.size(0) == n),
-              "linear_dequant: scale must be a contiguous float32 CPU tensor ", grouped ? "[N, G], G dividing K" : "[N]",
-              " (N = ", n, ", K = ", k, ")");
-  TORCH_CHECK(!grouped || (zero.sizes() == scale.sizes() && zero.scalar_type() == at::kFloat && zero.is_contiguous()),
-              "linear_dequant: zero must be a contiguous float32 tensor shaped like scale");
-  TORCH_CHECK(bits != 4 || (k / scale.size(1)) % 2 == 0, "linear_dequant: 4-bit groups must have an even size");
+  at::Tensor scale_holder;
+  Groups gs;
+  if (grouped) {
+    gs = pagedllm_groups::view_groups("linear_dequant", scale, zero, n, bits, scale_holder);
+    TORCH_CHECK(k % gs.groups == 0, "linear_dequant: scale [", n, ", ", gs.groups, "] must divide K = ", k,
+                " into groups");
+    TORCH_CHECK(bits != 4 || (k / gs.groups) % 2 == 0, "linear_dequant: 4-bit groups must have an even size");
+  } else {
+    TORCH_CHECK(scale.device().is_cpu() && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                    scale.dim() == 1 && scale.size(0) == n,
+                "linear_dequant: scale must be a contiguous float32 CPU tensor [N] (N = ", n, ", K = ", k, ")");
+    gs.scale32 = scale.const_data_ptr<float>();  // one group per output, zero 0
+  }
   TORCH_CHECK(tile_cols >= 0 && tile_cols % kBlock == 0, "linear_dequant: tile_cols must be 0 or a multiple of 16, got ",
               tile_cols);
   const auto xt = x.scalar_type();
@@ -382,10 +388,10 @@ at::Tensor linear_dequant(const at::Tensor& x, const at::Tensor& packed, const a
                             : (bits == 4 ? Format::kUint4Group : Format::kUint8Group);
 #define PAGEDLLM_TILED(T)                                                                                       \
   switch (f) {                                                                                                  \
-    case Format::kInt8Channel: tiled_gemm<Format::kInt8Channel, T>(xc, packed, scale, zero, bias_c, n, tile_cols, y); break; \
-    case Format::kFp8Channel: tiled_gemm<Format::kFp8Channel, T>(xc, packed, scale, zero, bias_c, n, tile_cols, y); break;   \
-    case Format::kUint8Group: tiled_gemm<Format::kUint8Group, T>(xc, packed, scale, zero, bias_c, n, tile_cols, y); break;   \
-    case Format::kUint4Group: tiled_gemm<Format::kUint4Group, T>(xc, packed, scale, zero, bias_c, n, tile_cols, y); break;   \
+    case Format::kInt8Channel: tiled_gemm<Format::kInt8Channel, T>(xc, packed, gs, bias_c, n, tile_cols, y); break; \
+    case Format::kFp8Channel: tiled_gemm<Format::kFp8Channel, T>(xc, packed, gs, bias_c, n, tile_cols, y); break;   \
+    case Format::kUint8Group: tiled_gemm<Format::kUint8Group, T>(xc, packed, gs, bias_c, n, tile_cols, y); break;   \
+    case Format::kUint4Group: tiled_gemm<Format::kUint4Group, T>(xc, packed, gs, bias_c, n, tile_cols, y); break;   \
   }
   if (ct == at::kFloat) {
     PAGEDLLM_TILED(float)

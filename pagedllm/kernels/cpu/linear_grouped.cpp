@@ -1,14 +1,16 @@
-// Matmul against 4- and 8-bit unsigned weights with one float32 scale and zero point per group
-// of inputs (weight-only quantization: the arithmetic of GPTQ, AWQ, compressed-tensors' W4A16 /
-// W8A16 and llama.cpp's Q4_0, Q4_1 and Q8_0 blocks):
+// Matmul against 4- and 8-bit unsigned weights with one scale (float32 or float16) and zero
+// point (float32, or none for symmetric weights) per group of inputs (weight-only quantization:
+// the arithmetic of GPTQ, AWQ, compressed-tensors' W4A16 / W8A16 and llama.cpp's Q4_0, Q4_1 and
+// Q8_0 blocks; group_scales.h):
 //
 //   W[n, k] = scale[n, g] * (Q[n, k] - zero[n, g]),   g = k / group_size,  Q in [0, 2^bits)
 //
 // Registered as torch.ops.pagedllm_cpu_<level>.pack_w4 / linear_w4 / linear_w8g (see __init__.py):
 //
 //   pack_w4(q [N, K] uint8, values 0-15, K even)  ->  [ceil(N / 16), K / 2, 16] uint8
-//   linear_w4(x [M, K] float32 / bfloat16 / float16, packed weight, scale [N, G] float32,
-//             zero [N, G] float32, bias [N] or None, N)  ->  x W^T + b, [M, N] in x's dtype
+//   linear_w4(x [M, K] float32 / bfloat16 / float16, packed weight, scale [N, G] float32 or
+//             float16, zero [N, G] float32 or None (symmetric: 2^(bits - 1); group_scales.h),
+//             bias [N] or None, N)  ->  x W^T + b, [M, N] in x's dtype
 //   linear_w8g(x, weight [ceil(N / 16), K, 16] uint8 (pack_w8's layout), scale, zero, bias, N)
 //
 // (both with a last argument int8_x: see "int8 activations" below).
@@ -49,6 +51,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "group_scales.h"
 #include "int8_dot.h"
 #include "simd.h"
 #include "weight_blocks.h"
@@ -57,6 +60,7 @@ namespace {
 
 using pagedllm_blocks::kBlock;
 using pagedllm_blocks::kGemmChunkBytes;
+using pagedllm_groups::Groups;
 using pagedllm_blocks::kStreamRows;
 using pagedllm_int8::bytes_per_input;  // bytes of one block per input (a block holds 16 outputs)
 
@@ -88,23 +92,23 @@ at::Tensor pack_w4(const at::Tensor& weight) {
 
 
 // One block of 16 outputs as the few-row kernels see it: its weights, first output, outputs
-// in range, and its rows of scale, zero point and bias (null without bias).
+// in range, and its rows of scale and zero point and of bias (null without bias).
 struct BlockView {
   const uint8_t* wb;
   int64_t n0, n_valid;
-  const float *sb, *zb, *bb;
+  Groups gs;
+  const float* bb;
 };
 
 // fn(BlockView) for every block of the packed weight, blocks split across threads.
 template <int Bits, typename Fn>
-void for_each_block(const at::Tensor& packed, int64_t k, int64_t groups, int64_t n, const float* scale,
-                    const float* zero, const float* bias, const Fn& fn) {
+void for_each_block(const at::Tensor& packed, int64_t k, int64_t n, const Groups& gs, const float* bias, const Fn& fn) {
   const uint8_t* wp = packed.const_data_ptr<uint8_t>();
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kBlock;
-      fn(BlockView{wp + b * k * bytes_per_input<Bits>(), n0, std::min(kBlock, n - n0), scale + n0 * groups,
-                   zero + n0 * groups, bias ? bias + n0 : nullptr});
+      fn(BlockView{wp + b * k * bytes_per_input<Bits>(), n0, std::min(kBlock, n - n0), gs.from_row(n0),
+                   bias ? bias + n0 : nullptr});
     }
   });
 }
@@ -118,20 +122,20 @@ inline void widen16(__m128i bytes, __m256& w0, __m256& w1) {
 }
 
 // Rows [0, R) of x (float32, row stride ldx; xsum [R][G] its per-group sums) times one block
-// wb (K x 16 weights of Bits bits) with its groups' scale / zero rows (row stride G): y for
-// the first n_valid outputs, plus bias.
+// wb (K x 16 weights of Bits bits) with its groups' scale / zero rows gs: y for the first
+// n_valid outputs, plus bias.
 template <int Bits, typename Y, int R>
-void block_rows(const float* x, int64_t ldx, const float* xsum, int64_t groups, const uint8_t* wb, int64_t k,
-                int64_t group_size, const float* scale, const float* zero, const float* bias, Y* y, int64_t ldy,
-                int64_t n_valid) {
+void block_rows(const float* x, int64_t ldx, const float* xsum, const uint8_t* wb, int64_t group_size,
+                const Groups& gs, const float* bias, Y* y, int64_t ldy, int64_t n_valid) {
+  const int64_t groups = gs.groups;
   const __m128i low4 = _mm_set1_epi8(0x0F);
   __m256 out[R][2];
   for (int r = 0; r < R; ++r) out[r][0] = out[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     alignas(32) float s[kBlock] = {}, sz[kBlock] = {};
     for (int64_t j = 0; j < n_valid; ++j) {
-      s[j] = scale[j * groups + g];
-      sz[j] = s[j] * zero[j * groups + g];
+      s[j] = gs.scale(j * groups + g);
+      sz[j] = s[j] * gs.zero_at(j * groups + g);
     }
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -173,23 +177,23 @@ void block_rows(const float* x, int64_t ldx, const float* xsum, int64_t groups, 
 }
 
 template <int Bits, typename Y>
-void stream(const at::Tensor& x32, const at::Tensor& packed, int64_t group_size, const float* scale,
-            const float* zero, const float* bias, int64_t n, at::Tensor& y) {
-  const int64_t m = x32.size(0), k = x32.size(1), groups = k / group_size;
+void stream(const at::Tensor& x32, const at::Tensor& packed, const Groups& gs, const float* bias, int64_t n,
+            at::Tensor& y) {
+  const int64_t m = x32.size(0), k = x32.size(1), groups = gs.groups, group_size = k / groups;
   const float* xp = x32.const_data_ptr<float>();
   const at::Tensor xsum_t = x32.view({m, groups, group_size}).sum(2).contiguous();
   const float* xs = xsum_t.const_data_ptr<float>();
   Y* yp = y.mutable_data_ptr<Y>();
-  for_each_block<Bits>(packed, k, groups, n, scale, zero, bias, [&](const BlockView& v) {
+  for_each_block<Bits>(packed, k, n, gs, bias, [&](const BlockView& v) {
     int64_t r = 0;
     // Register budget (16 ymm): 4 R accumulators and outputs, 4 widened weights, broadcasts.
     for (; r + 2 <= m; r += 2) {
-      block_rows<Bits, Y, 2>(xp + r * k, k, xs + r * groups, groups, v.wb, k, group_size, v.sb, v.zb, v.bb,
-                             yp + r * n + v.n0, n, v.n_valid);
+      block_rows<Bits, Y, 2>(xp + r * k, k, xs + r * groups, v.wb, group_size, v.gs, v.bb, yp + r * n + v.n0, n,
+                             v.n_valid);
     }
     if (r < m) {
-      block_rows<Bits, Y, 1>(xp + r * k, k, xs + r * groups, groups, v.wb, k, group_size, v.sb, v.zb, v.bb,
-                             yp + r * n + v.n0, n, v.n_valid);
+      block_rows<Bits, Y, 1>(xp + r * k, k, xs + r * groups, v.wb, group_size, v.gs, v.bb, yp + r * n + v.n0, n,
+                             v.n_valid);
     }
   });
 }
@@ -197,20 +201,23 @@ void stream(const at::Tensor& x32, const at::Tensor& packed, int64_t group_size,
 
 
 // Few rows with int8 activations (int8_dot.h): rows [0, R) of the quantized x (a, row stride
-// lda; d / asum [R][xblocks]) times one block wb with its groups' scale / zero rows (row stride
-// groups): per activation block the 16 outputs' exact int32 dots, folded in float32 as
+// lda; d / asum [R][xblocks]) times one block wb with its groups' scale / zero rows gs: per
+// activation block the 16 outputs' exact int32 dots, folded in float32 as
 // d * (dot - (zero - offset) * asum), then scaled once per group.
 template <int Bits, typename Y, int R>
-void block_rows_int8(const int8_t* a, int64_t lda, const float* d, const int32_t* asum, int64_t xblocks, int64_t groups,
-                     int64_t group_size, const uint8_t* wb, const float* scale, const float* zero, const float* bias,
-                     Y* y, int64_t ldy, int64_t n_valid) {
+void block_rows_int8(const int8_t* a, int64_t lda, const float* d, const int32_t* asum, int64_t xblocks,
+                     int64_t group_size, const uint8_t* wb, const Groups& gs, const float* bias, Y* y, int64_t ldy,
+                     int64_t n_valid) {
   using namespace pagedllm_int8;
   Sums out[R];
   for (int r = 0; r < R; ++r) out[r] = sums_zero();
-  const int64_t per_group = group_size / kXBlock;
+  const int64_t groups = gs.groups, per_group = group_size / kXBlock;
+  const float offset = static_cast<float>(kOffset<Bits>);
+  const Sums symmetric_zero = sums_set1(gs.mid - offset);
   for (int64_t g = 0; g < groups; ++g) {
-    const Sums sv = sums_gather(scale + g, groups, n_valid, 0.f);
-    const Sums zv = sums_gather(zero + g, groups, n_valid, static_cast<float>(kOffset<Bits>));
+    const Sums sv = gs.scale16 != nullptr ? sums_gather_half(gs.scale16 + g, groups, n_valid)
+                                          : sums_gather(gs.scale32 + g, groups, n_valid, 0.f);
+    const Sums zv = gs.zero != nullptr ? sums_gather(gs.zero + g, groups, n_valid, offset) : symmetric_zero;
     Sums t[R];
     for (int r = 0; r < R; ++r) t[r] = sums_zero();
     for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
@@ -233,10 +240,10 @@ void block_rows_int8(const int8_t* a, int64_t lda, const float* d, const int32_t
 }
 
 template <int Bits, typename Y>
-void stream_int8(const at::Tensor& x32, const at::Tensor& packed, int64_t group_size, const float* scale,
-                 const float* zero, const float* bias, int64_t n, at::Tensor& y) {
+void stream_int8(const at::Tensor& x32, const at::Tensor& packed, const Groups& gs, const float* bias, int64_t n,
+                 at::Tensor& y) {
   using pagedllm_int8::kXBlock;
-  const int64_t m = x32.size(0), k = x32.size(1), groups = k / group_size, xblocks = k / kXBlock;
+  const int64_t m = x32.size(0), k = x32.size(1), group_size = k / gs.groups, xblocks = k / kXBlock;
   at::Tensor a_t = at::empty({m, k}, x32.options().dtype(at::kChar));
   at::Tensor d_t = at::empty({m, xblocks}, x32.options());
   at::Tensor asum_t = at::empty({m, xblocks}, x32.options().dtype(at::kInt));
@@ -245,10 +252,10 @@ void stream_int8(const at::Tensor& x32, const at::Tensor& packed, int64_t group_
   int32_t* sp = asum_t.mutable_data_ptr<int32_t>();
   pagedllm_int8::quantize_rows(x32.const_data_ptr<float>(), m, k, ap, dp, sp);
   Y* yp = y.mutable_data_ptr<Y>();
-  for_each_block<Bits>(packed, k, groups, n, scale, zero, bias, [&](const BlockView& v) {
-#define PAGEDLLM_ROWS(R)                                                                                           \
-  block_rows_int8<Bits, Y, R>(ap + r * k, k, dp + r * xblocks, sp + r * xblocks, xblocks, groups, group_size, v.wb, \
-                              v.sb, v.zb, v.bb, yp + r * n + v.n0, n, v.n_valid)
+  for_each_block<Bits>(packed, k, n, gs, bias, [&](const BlockView& v) {
+#define PAGEDLLM_ROWS(R)                                                                                              \
+  block_rows_int8<Bits, Y, R>(ap + r * k, k, dp + r * xblocks, sp + r * xblocks, xblocks, group_size, v.wb, v.gs, v.bb, \
+                              yp + r * n + v.n0, n, v.n_valid)
     int64_t r = 0;
     for (; r + kInt8Rows <= m; r += kInt8Rows) PAGEDLLM_ROWS(kInt8Rows);
     switch (m - r) {
@@ -265,14 +272,12 @@ void stream_int8(const at::Tensor& x32, const at::Tensor& packed, int64_t group_
 // [K, columns] buffer for torch's float32 GEMM: the few-row path of builds without a
 // streaming kernel for these activations.
 template <int Bits>
-void dequantizing_gemm(const at::Tensor& x32, const at::Tensor& packed, int64_t group_size, const at::Tensor& scale,
-                       const at::Tensor& zero, const at::Tensor& bias_f, int64_t n, at::Tensor& y32) {
-  const int64_t nb = packed.size(0), k = x32.size(1), groups = k / group_size;
+void dequantizing_gemm(const at::Tensor& x32, const at::Tensor& packed, const Groups& gs, const at::Tensor& bias_f,
+                       int64_t n, at::Tensor& y32) {
+  const int64_t nb = packed.size(0), k = x32.size(1), groups = gs.groups, group_size = k / groups;
   const int64_t chunk = std::max<int64_t>(4, kGemmChunkBytes / (4 * kBlock * std::max<int64_t>(k, 1)));
   at::Tensor wbuf = at::empty({k, std::min(chunk, nb) * kBlock}, x32.options());
   const uint8_t* wp = packed.const_data_ptr<uint8_t>();
-  const float* sp = scale.const_data_ptr<float>();
-  const float* zp = zero.const_data_ptr<float>();
   for (int64_t b0 = 0; b0 < nb; b0 += chunk) {
     const int64_t bc = std::min(chunk, nb - b0), cols = std::min(bc * kBlock, n - b0 * kBlock);
     const int64_t width = bc * kBlock;
@@ -285,7 +290,7 @@ void dequantizing_gemm(const at::Tensor& x32, const at::Tensor& packed, int64_t 
         for (int64_t c = 0; c < cols; ++c) {
           const int64_t nn = b0 * kBlock + c;
           const uint8_t* block = wp + (nn / kBlock) * k * bytes_per_input<Bits>() + nn % kBlock;
-          const float s = sp[nn * groups + g], z = zp[nn * groups + g];
+          const float s = gs.scale(nn * groups + g), z = gs.zero_at(nn * groups + g);
           if constexpr (Bits == 4) {
             const uint8_t byte = block[i * kBlock];
             even[c] = s * (static_cast<float>(byte & 0x0F) - z);
@@ -303,9 +308,8 @@ void dequantizing_gemm(const at::Tensor& x32, const at::Tensor& packed, int64_t 
   if (bias_f.defined()) y32.add_(bias_f);
 }
 
-// A few-row kernel: y [M, N] from x32, the packed weight, group size, scale, zero, bias, N.
-using StreamFn = void (*)(const at::Tensor&, const at::Tensor&, int64_t, const float*, const float*, const float*,
-                          int64_t, at::Tensor&);
+// A few-row kernel: y [M, N] from x32, the packed weight, scales and zero points, bias, N.
+using StreamFn = void (*)(const at::Tensor&, const at::Tensor&, const Groups&, const float*, int64_t, at::Tensor&);
 
 // The streaming kernel for output type Y: int8 activations where asked and the groups are whole
 // activation blocks, else the float32 streaming kernel (AVX2 and up), else none (the GEMM).
@@ -322,7 +326,8 @@ StreamFn few_rows(bool int8_x, int64_t group_size) {
 // x W^T + b for Bits-bit weights in blocks of 16 outputs; ``op`` names the caller in errors.
 template <int Bits>
 at::Tensor linear_grouped(const char* op, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                          const at::Tensor& zero, const std::optional<at::Tensor>& bias, int64_t n, bool int8_x) {
+                          const std::optional<at::Tensor>& zero_opt, const std::optional<at::Tensor>& bias, int64_t n,
+                          bool int8_x) {
   TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous() &&
                   packed.scalar_type() == at::kByte,
               op, Bits == 4 ? ": weight must be a uint8 CPU tensor packed by pack_w4 ([N / 16, K / 2, 16])"
@@ -330,13 +335,11 @@ at::Tensor linear_grouped(const char* op, const at::Tensor& x, const at::Tensor&
   const int64_t k = packed.size(1) * kBlock / bytes_per_input<Bits>();
   TORCH_CHECK(n > (packed.size(0) - 1) * kBlock && n <= packed.size(0) * kBlock, op, ": N = ", n,
               " does not match the packed weight's ", packed.size(0), " blocks of 16 outputs");
-  TORCH_CHECK(scale.device().is_cpu() && scale.dim() == 2 && scale.size(0) == n && scale.size(1) >= 1 &&
-                  k % scale.size(1) == 0 && (k / scale.size(1)) % 2 == 0 && scale.scalar_type() == at::kFloat &&
-                  scale.is_contiguous(),
-              op, ": scale must be a contiguous float32 CPU tensor [", n, ", G] with G dividing K = ", k,
-              " into groups of an even size");
-  TORCH_CHECK(zero.sizes() == scale.sizes() && zero.scalar_type() == at::kFloat && zero.is_contiguous(), op,
-              ": zero must be a contiguous float32 tensor shaped like scale");
+  at::Tensor scale_holder;
+  const Groups gs = pagedllm_groups::view_groups(op, scale, zero_opt.has_value() ? *zero_opt : at::Tensor(), n, Bits,
+                                                 scale_holder);
+  TORCH_CHECK(k % gs.groups == 0 && (k / gs.groups) % 2 == 0, op, ": scale [", n, ", ", gs.groups,
+              "] must divide K = ", k, " into groups of an even size");
   const auto xt = x.scalar_type();
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == k &&
                   (xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf),
@@ -355,22 +358,21 @@ at::Tensor linear_grouped(const char* op, const at::Tensor& x, const at::Tensor&
                                             : few_rows<Bits, c10::Half>(int8_x, group_size);
   if (fn != nullptr) {
     at::Tensor y = at::empty({m, n}, x.options());
-    fn(x32, packed, group_size, scale.const_data_ptr<float>(), zero.const_data_ptr<float>(),
-       bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr, n, y);
+    fn(x32, packed, gs, bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr, n, y);
     return y;
   }
   at::Tensor y32 = at::empty({m, n}, x32.options());
-  dequantizing_gemm<Bits>(x32, packed, group_size, scale, zero, bias_f, n, y32);
+  dequantizing_gemm<Bits>(x32, packed, gs, bias_f, n, y32);
   return xt == at::kFloat ? y32 : y32.to(xt);
 }
 
-at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero,
-                     const std::optional<at::Tensor>& bias, int64_t n, bool int8_x) {
+at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                     const std::optional<at::Tensor>& zero, const std::optional<at::Tensor>& bias, int64_t n, bool int8_x) {
   return linear_grouped<4>("linear_w4", x, packed, scale, zero, bias, n, int8_x);
 }
 
-at::Tensor linear_w8g(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& zero,
-                      const std::optional<at::Tensor>& bias, int64_t n, bool int8_x) {
+at::Tensor linear_w8g(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                      const std::optional<at::Tensor>& zero, const std::optional<at::Tensor>& bias, int64_t n, bool int8_x) {
   return linear_grouped<8>("linear_w8g", x, packed, scale, zero, bias, n, int8_x);
 }
 
@@ -378,8 +380,8 @@ at::Tensor linear_w8g(const at::Tensor& x, const at::Tensor& packed, const at::T
 
 PAGEDLLM_FRAGMENT(m) {
   m.def("pack_w4(Tensor weight) -> Tensor");
-  m.def("linear_w4(Tensor x, Tensor weight, Tensor scale, Tensor zero, Tensor? bias, int n, bool int8_x) -> Tensor");
-  m.def("linear_w8g(Tensor x, Tensor weight, Tensor scale, Tensor zero, Tensor? bias, int n, bool int8_x) -> Tensor");
+  m.def("linear_w4(Tensor x, Tensor weight, Tensor scale, Tensor? zero, Tensor? bias, int n, bool int8_x) -> Tensor");
+  m.def("linear_w8g(Tensor x, Tensor weight, Tensor scale, Tensor? zero, Tensor? bias, int n, bool int8_x) -> Tensor");
 }
 
 PAGEDLLM_IMPL(CompositeExplicitAutograd, m) {

@@ -1,6 +1,12 @@
-"""Storing and multiplying 4- and 8-bit weights with a float32 scale and zero point per group
-of inputs, W = scale * (Q - zero) per group: the form every integer format reaches
+"""Storing and multiplying 4- and 8-bit weights with a scale and zero point per group of
+inputs, W = scale * (Q - zero) per group: the form every integer format reaches
 (``--quantization int4``, GPTQ, AWQ, compressed-tensors, GGUF's Q4_0 / Q4_1 / Q8_0).
+
+Stored compactly, since decode streams them with the weights (at groups of 32, float32 scale
+and zero add half again to a 4-bit weight's bytes): scales in float16 where that is exact (the
+checkpoint formats' own float16 scales, ``--quantization int4``'s), and no zero points at all
+for symmetric weights (zero 2^(bits - 1) everywhere: Q4_0, Q8_0, GPTQ sym, int4), as llama.cpp's
+Q4_0 / Q8_0 blocks hold one float16 scale and nothing else.
 """
 
 from __future__ import annotations
@@ -27,18 +33,31 @@ def int8_activations_enabled() -> bool:
     return os.environ.get(INT8_ACTIVATIONS_ENV, "1").strip() not in ("0", "false", "False", "")
 
 
+def compact_scales(scale: torch.Tensor, zero: torch.Tensor, bits: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(scale, zero) [out, groups] (any float dtype) as stored (see the module docstring): scale
+    float16 if every value is exactly one, else float32; zero None if every value is 2^(bits -
+    1), else float32."""
+    scale32 = scale.float().contiguous()
+    half = scale32.half()
+    compact = half if torch.equal(half.float(), scale32) else scale32
+    symmetric = bool((zero == 2 ** (bits - 1)).all())
+    return compact, None if symmetric else zero.float().contiguous()
+
+
 def store_grouped(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> None:
     """Replace ``layer.weight`` by ``bits``-bit Q (W = scale * (Q - zero) per group): Q [out,
-    in] uint8 values below 2^bits, scale / zero [out, in / group] float32. On CPU with the
-    kernels ``weight`` becomes the kernel's blocked layout (``pack_w4``'s [ceil(out / 16), in /
-    2, 16] for 4 bits, ``pack_w8``'s [ceil(out / 16), in, 16] for 8), else Q itself;
-    ``weight_scale`` / ``weight_zero_point`` hold scale and zero, ``weight_bits`` the width,
-    ``int8_activations`` whether decode quantizes x (``int8_activations_enabled``)."""
+    in] uint8 values below 2^bits, scale / zero [out, in / group] (any float dtype). On CPU with
+    the kernels ``weight`` becomes the kernel's blocked layout (``pack_w4``'s [ceil(out / 16),
+    in / 2, 16] for 4 bits, ``pack_w8``'s [ceil(out / 16), in, 16] for 8), else Q itself;
+    ``weight_scale`` / ``weight_zero_point`` hold scale and zero as ``compact_scales`` returns
+    them (zero None: symmetric), ``weight_bits`` the width, ``int8_activations`` whether decode
+    quantizes x (``int8_activations_enabled``)."""
     if current_platform.is_cpu and cpu_kernels.is_available():
         q = cpu_kernels.pack_w4(q) if bits == 4 else cpu_kernels.pack_w8(q.view(torch.int8)).view(torch.uint8)
+    scale, zero = compact_scales(scale, zero, bits)
     layer.weight = nn.Parameter(q, requires_grad=False)
-    layer.weight_scale = nn.Parameter(scale.float().contiguous(), requires_grad=False)
-    layer.weight_zero_point = nn.Parameter(zero.float().contiguous(), requires_grad=False)
+    layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+    layer.weight_zero_point = None if zero is None else nn.Parameter(zero, requires_grad=False)
     layer.weight_bits = bits
     layer.int8_activations = int8_activations_enabled()
 
@@ -58,8 +77,9 @@ def apply_grouped(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor
             y = kernel(x2, layer.weight, scale, zero, bias, n, layer.int8_activations)
         return y.view(*x.shape[:-1], n)
     group = layer.weight.shape[1] // layer.weight_scale.shape[1]
-    scale = layer.weight_scale.repeat_interleave(group, dim=1)
-    zero = layer.weight_zero_point.repeat_interleave(group, dim=1)
+    scale = layer.weight_scale.float().repeat_interleave(group, dim=1)
+    zero = layer.weight_zero_point
+    zero = 2 ** (layer.weight_bits - 1) if zero is None else zero.repeat_interleave(group, dim=1)
     return F.linear(x, (scale * (layer.weight.float() - zero)).to(x.dtype), bias)
 
 
@@ -73,4 +93,6 @@ def describe_grouped(layer: nn.Module, source: str) -> str:
         kernel += ", int8 activations per 32 inputs up to 16 rows"
     if layer.weight.dim() == 3:
         kernel += "; many rows: linear_dequant"
-    return f"{source}: int{bits} weight-only, groups of {group} ({kernel})"
+    stored = f"{'float16' if layer.weight_scale.dtype == torch.float16 else 'float32'} scales"
+    stored += ", symmetric" if layer.weight_zero_point is None else ", zero points"
+    return f"{source}: int{bits} weight-only, groups of {group}, {stored} ({kernel})"
