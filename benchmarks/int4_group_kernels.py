@@ -6,8 +6,9 @@ the median time of each per shape and the ratios g32 / g128 and g32 / bf16 (> 1:
     PYTHONPATH=. python benchmarks/int4_group_kernels.py [--rows 1] [--repeats 15] [--isa avx2] [--threads 1] [--cpu-time]
 
 The int4 weights are quantized from the same random bf16 weights as the bf16 layer
-(``quantize_int4_per_group``, stored as ``--quantization int4`` stores them: float16 scales, no
-zero points; ``--float32-scales``: float32 scales and zero points, the storage before) and run on
+(``quantize_int4_per_group``, stored as ``--quantization int4`` stores them: float16 scales in
+``pack_groups``' blocks, no zero points; ``--float32-scales``: float32 [N, G] scales and zero
+points, the storage before) and run on
 ``linear_w4`` with the engine's default int8 activations (``--float-activations``: float32 ones).
 """
 
@@ -70,6 +71,7 @@ def _run(args: argparse.Namespace) -> None:
             packed = cpu_kernels.pack_w4(q)
             if not args.float32_scales:
                 scale, zero = compact_scales(scale, zero, 4)
+                scale = cpu_kernels.pack_groups(scale)
             variants[f"g{group}"] = lambda x, p=packed, s=scale, z=zero: cpu_kernels.linear_w4(x, p, s, z, None, n, int8_x)
         x = torch.randn(args.rows, k, dtype=torch.bfloat16)
         times: dict[str, list[float]] = {name: [] for name in variants}

@@ -5,8 +5,9 @@ GEMM, rounded to bfloat16 for the bfloat16 GEMM (x bfloat16 on an AVX512-BF16 bu
 float32 summation error plus the output's rounding; for each weight format, ragged shapes,
 group boundaries, several tiles with a ragged last one, with or without bias. A oneDNN-packed
 int8 weight takes the int8-activation road: x quantized per row, then an exact int8 GEMM.
-Grouped weights stored compactly (float16 scales, no zero points for symmetric ones) give what
-the float32 scales and zero points of the same values give. Bad input is refused with a clear
+Grouped weights stored compactly (float16 scales, no zero points for symmetric ones, scales in
+``pack_groups``' blocks) give what the float32 [N, G] scales and zero points of the same values
+give. Bad input is refused with a clear
 error."""
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ def test_float16_scales_and_symmetric_weights_equal_their_float32_form(bits, n, 
         expected = cpu_kernels.linear_dequant(x, packed, scale16.float(), mid, None, n, bits, 16)
         assert torch.equal(cpu_kernels.linear_dequant(x, packed, scale16, None, None, n, bits, 16), expected)
         assert torch.equal(cpu_kernels.linear_dequant(x, packed, scale16, mid, None, n, bits, 16), expected)
+        blocked = cpu_kernels.pack_groups(scale16), cpu_kernels.pack_groups(mid)
+        assert torch.equal(cpu_kernels.linear_dequant(x, packed, *blocked, None, n, bits, 16), expected)
+        assert torch.equal(cpu_kernels.linear_dequant(x, packed, blocked[0], None, None, n, bits, 16), expected)
 
 
 def test_bfloat16_gemm_on_avx512_bf16_builds():

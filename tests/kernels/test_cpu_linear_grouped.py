@@ -2,8 +2,9 @@
 per group of inputs, in ``pack_w4``'s / ``pack_w8``'s blocks) equal the float64 product of the
 dequantized weight within float32 summation error, at every instruction-set level the host
 supports (the streaming kernels from AVX2 up, the dequantizing GEMM on the portable level), for
-ragged shapes, group boundaries and with or without bias; float16 scales and symmetric weights
-without zero points (the compact storage) give exactly what their float32 form gives; more than
+ragged shapes, group boundaries and with or without bias; float16 scales, symmetric weights
+without zero points and ``pack_groups``' blocked scales (the compact storage) give exactly what
+their float32 [N, G] form gives; more than
 16 rows (``linear_dequant``'s) and bad input are refused with a clear error."""
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def test_matches_float64_product(shape, rows, variant):
     assert bool((err <= bound + 1e-30).all()), float((err - bound).max())
 
 
-# (N, K, group size): ragged last blocks (the gathers' clamped lanes), N * groups odd (the float16
-# gather's last aligned word), one group per row, groups of 32 and 128.
+# (N, K, group size): ragged last blocks (the gathers' clamped lanes, pack_groups' padding), N *
+# groups odd (the float16 gather's last aligned word), one group per row, groups of 32 and 128.
 COMPACT_SHAPES = [(37, 64, 32), (17, 96, 32), (1, 32, 32), (67, 896, 128), (21, 160, 160), (130, 8, 8)]
 
 
@@ -86,10 +87,12 @@ def test_float16_scales_and_symmetric_weights_equal_their_float32_form(shape, bi
         x = torch.randn(rows, k).to(x_dtype)
         bias = torch.randn(n) if rows % 2 else None
         expected = _linear(bits, x, q, scale16.float(), mid, bias, n, int8_activations)
-        for s16 in (scale16, misaligned):
+        for s16 in (scale16, misaligned, cpu_kernels.pack_groups(scale16)):
             assert torch.equal(_linear(bits, x, q, s16, None, bias, n, int8_activations), expected)
         assert torch.equal(_linear(bits, x, q, scale16, mid, bias, n, int8_activations), expected)
         assert torch.equal(_linear(bits, x, q, scale16.float(), None, bias, n, int8_activations), expected)
+        blocked = [cpu_kernels.pack_groups(t) for t in (scale16.float(), mid)]
+        assert torch.equal(_linear(bits, x, q, *blocked, bias, n, int8_activations), expected)
 
 
 def test_pack_w4_layout():
@@ -112,7 +115,7 @@ def test_bad_input_is_refused():
         cpu_kernels.pack_w4(torch.zeros(4, 5, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match=r"linear_w4: scale must be a contiguous float32 or float16 CPU tensor \[32, G\]"):
         cpu_kernels.linear_w4(x, q, torch.ones(32, 2, dtype=torch.bfloat16), None, None, 32)
-    with pytest.raises(RuntimeError, match=r"linear_w4: scale \[32, 3\] must divide K = 8 into groups of an even size"):
+    with pytest.raises(RuntimeError, match=r"linear_w4: scale's 3 groups must divide K = 8 into groups of an even size"):
         cpu_kernels.linear_w4(x, q, torch.ones(32, 3), torch.ones(32, 3), None, 32)
     with pytest.raises(RuntimeError, match="linear_w4: zero must be"):
         cpu_kernels.linear_w4(x, q, ones, torch.ones(32, 4), None, 32)

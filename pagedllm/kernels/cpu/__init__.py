@@ -561,6 +561,18 @@ def pack_w4(weight: torch.Tensor) -> torch.Tensor:
     return _ops().pack_w4(weight)
 
 
+def pack_groups(values: torch.Tensor) -> torch.Tensor:
+    """Per-group scales or zero points [N, G] re-laid out as the weight blocks are, for
+    ``linear_w4`` / ``linear_w8g`` / ``linear_dequant``: [ceil(N / 16), G, 16], the 16 outputs
+    of a block side by side per group (zero padded), so the decode kernels load a group's 16
+    values at once instead of gathering them from 16 rows (see ``group_scales.h``). Pure
+    PyTorch; keeps the dtype."""
+    n, groups = values.shape
+    blocks = -(-n // 16)
+    padded = torch.nn.functional.pad(values, (0, 0, 0, blocks * 16 - n))
+    return padded.view(blocks, 16, groups).transpose(1, 2).contiguous()
+
+
 def linear_w4(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -573,8 +585,9 @@ def linear_w4(
     """``x W^T + b`` for 4-bit weights W[n, k] = scale[n, g] * (Q[n, k] - zero[n, g]), g = k //
     group_size: x [M, K] float32 / bfloat16 / float16, weight ``pack_w4``'s output for Q [n, K],
     scale [n, K / group_size] float32 or float16 and zero float32 of the same shape, or None for
-    symmetric weights (zero 8 everywhere: read nothing), contiguous (group_size even), bias [n]
-    or None -> [M, n] in x's dtype; float32 products and sums. M <= ``FEW_ROWS_MAX``: a
+    symmetric weights (zero 8 everywhere: read nothing), contiguous (group_size even), or both
+    ``pack_groups``' blocked layout (faster at few rows), bias [n] or None -> [M, n] in x's
+    dtype; float32 products and sums. M <= ``FEW_ROWS_MAX``: a
     weight-streaming kernel (AVX2 and up) reading half a byte per weight; on the portable
     level torch's float32 GEMM on chunks of dequantized weights (see ``linear_grouped.cpp``).
     More rows go to ``linear_dequant``.
@@ -651,7 +664,8 @@ def linear_dequant(
     - ``linear_fp8``'s: weight float8_e4m3fn in ``pack_w8``'s layout, scale [n], zero None, bits 8;
     - ``linear_w8g``'s: weight uint8 in ``pack_w8``'s layout, scale / zero [n, G], bits 8;
     - ``linear_w4``'s: weight uint8 (``pack_w4``), scale / zero [n, G] (even groups), bits 4
-      (for both: scale float32 or float16, zero float32 or None for 2^(bits - 1)).
+      (for both: scale float32 or float16, zero float32 or None for 2^(bits - 1), [n, G] or
+      ``pack_groups``' [ceil(n / 16), G, 16]).
 
     ``tile_cols``: outputs per tile, a multiple of 16 (0: about 512 KB of dequantized
     weights per tile, the tiles spread evenly over the threads); for benchmarks.

@@ -305,6 +305,15 @@ inline Sums sums_set1(float value) {
   for (int i = 0; i < kSumVecs; ++i) s.v[i] = pagedllm_simd::vset1(value);
   return s;
 }
+// p[j] - minus in lane j (16 consecutive float32 or float16 values).
+template <typename T>
+inline Sums sums_load(const T* p, float minus) {
+  Sums s;
+  for (int i = 0; i < kSumVecs; ++i) {
+    s.v[i] = pagedllm_simd::vload(p + i * pagedllm_simd::kVecWidth) - pagedllm_simd::vset1(minus);
+  }
+  return s;
+}
 // t += d * (dot - zo * asum), in float32 (dot and zo * asum exact for |dot| < 2^24 and integral zo).
 PAGEDLLM_INLINE void fold_block(Sums& t, const Lanes& dot, const Sums& zo, float d, float asum) {
   pagedllm_simd::VecF f[kSumVecs];
@@ -335,6 +344,12 @@ inline Sums sums_gather_half(const c10::Half* p, int64_t stride, int64_t n_valid
 inline Sums sums_set1(float value) {
   Sums s;
   for (int64_t j = 0; j < kBlock; ++j) s.v[j] = value;
+  return s;
+}
+template <typename T>
+inline Sums sums_load(const T* p, float minus) {
+  Sums s;
+  for (int64_t j = 0; j < kBlock; ++j) s.v[j] = static_cast<float>(p[j]) - minus;
   return s;
 }
 inline void fold_block(Sums& t, const Lanes& dot, const Sums& zo, float d, float asum) {

@@ -16,7 +16,8 @@
 //   weight uint8 [N / 16, K, 16] (pack_w8), scale / zero [N, G], bits 8:  W = scale * (Q - zero)
 //   weight uint8 [N / 16, K / 2, 16] (pack_w4), scale / zero [N, G], bits 4: the same per group
 //
-// (grouped: scale float32 or float16, zero None for symmetric weights; group_scales.h)
+// (grouped: scale float32 or float16, zero None for symmetric weights, both [N, G] or blocked
+// [ceil(N / 16), G, 16]; group_scales.h)
 //
 // The GEMM's dtype: bfloat16 when x is bfloat16 in an AVX512-BF16 build (torch's bfloat16 GEMM
 // is oneDNN's, with AMX where the CPU has it, the path of an unquantized bf16 layer); float32
@@ -152,9 +153,8 @@ void dequant_tile(const uint8_t* wp, int64_t k, int64_t n, const Groups& gs, int
     for (int64_t g = 0; g < groups; ++g) {
       alignas(64) float s[kBlock] = {}, z[kBlock] = {};  // padding outputs: scale 0
       for (int64_t j = 0; j < n_valid; ++j) {
-        const int64_t idx = (b * kBlock + j) * groups + g;
-        s[j] = gs.scale(idx);
-        z[j] = gs.zero_at(idx);
+        s[j] = gs.scale(b * kBlock + j, g);
+        z[j] = gs.zero_at(b * kBlock + j, g);
       }
       int64_t i = g * group_size;
       const int64_t end = (g + 1) * group_size;
@@ -350,8 +350,7 @@ at::Tensor linear_dequant(const at::Tensor& x, const at::Tensor& packed, const a
   Groups gs;
   if (grouped) {
     gs = pagedllm_groups::view_groups("linear_dequant", scale, zero, n, bits, scale_holder);
-    TORCH_CHECK(k % gs.groups == 0, "linear_dequant: scale [", n, ", ", gs.groups, "] must divide K = ", k,
-                " into groups");
+    TORCH_CHECK(k % gs.groups == 0, "linear_dequant: scale's ", gs.groups, " groups must divide K = ", k);
     TORCH_CHECK(bits != 4 || (k / gs.groups) % 2 == 0, "linear_dequant: 4-bit groups must have an even size");
   } else {
     TORCH_CHECK(scale.device().is_cpu() && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&

@@ -9,8 +9,9 @@
 //
 //   pack_w4(q [N, K] uint8, values 0-15, K even)  ->  [ceil(N / 16), K / 2, 16] uint8
 //   linear_w4(x [M, K] float32 / bfloat16 / float16, packed weight, scale [N, G] float32 or
-//             float16, zero [N, G] float32 or None (symmetric: 2^(bits - 1); group_scales.h),
-//             bias [N] or None, N)  ->  x W^T + b, [M, N] in x's dtype
+//             float16, zero [N, G] float32 or None (symmetric: 2^(bits - 1)), or both blocked
+//             [ceil(N / 16), G, 16] (group_scales.h), bias [N] or None, N)
+//     ->  x W^T + b, [M, N] in x's dtype
 //   linear_w8g(x, weight [ceil(N / 16), K, 16] uint8 (pack_w8's layout), scale, zero, bias, N)
 //
 // (both with a last argument int8_x: see "int8 activations" below).
@@ -134,8 +135,8 @@ void block_rows(const float* x, int64_t ldx, const float* xsum, const uint8_t* w
   for (int64_t g = 0; g < groups; ++g) {
     alignas(32) float s[kBlock] = {}, sz[kBlock] = {};
     for (int64_t j = 0; j < n_valid; ++j) {
-      s[j] = gs.scale(j * groups + g);
-      sz[j] = s[j] * gs.zero_at(j * groups + g);
+      s[j] = gs.scale(j, g);
+      sz[j] = s[j] * gs.zero_at(j, g);
     }
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -215,9 +216,15 @@ void block_rows_int8(const int8_t* a, int64_t lda, const float* d, const int32_t
   const float offset = static_cast<float>(kOffset<Bits>);
   const Sums symmetric_zero = sums_set1(gs.mid - offset);
   for (int64_t g = 0; g < groups; ++g) {
-    const Sums sv = gs.scale16 != nullptr ? sums_gather_half(gs.scale16 + g, groups, n_valid)
-                                          : sums_gather(gs.scale32 + g, groups, n_valid, 0.f);
-    const Sums zv = gs.zero != nullptr ? sums_gather(gs.zero + g, groups, n_valid, offset) : symmetric_zero;
+    Sums sv, zv = symmetric_zero;
+    if (gs.blocked) {  // this block's 16 values of group g, side by side
+      sv = gs.scale16 != nullptr ? sums_load(gs.scale16 + g * kBlock, 0.f) : sums_load(gs.scale32 + g * kBlock, 0.f);
+      if (gs.zero != nullptr) zv = sums_load(gs.zero + g * kBlock, offset);
+    } else {
+      sv = gs.scale16 != nullptr ? sums_gather_half(gs.scale16 + g, groups, n_valid)
+                                 : sums_gather(gs.scale32 + g, groups, n_valid, 0.f);
+      if (gs.zero != nullptr) zv = sums_gather(gs.zero + g, groups, n_valid, offset);
+    }
     Sums t[R];
     for (int r = 0; r < R; ++r) t[r] = sums_zero();
     for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
@@ -290,7 +297,7 @@ void dequantizing_gemm(const at::Tensor& x32, const at::Tensor& packed, const Gr
         for (int64_t c = 0; c < cols; ++c) {
           const int64_t nn = b0 * kBlock + c;
           const uint8_t* block = wp + (nn / kBlock) * k * bytes_per_input<Bits>() + nn % kBlock;
-          const float s = gs.scale(nn * groups + g), z = gs.zero_at(nn * groups + g);
+          const float s = gs.scale(nn, g), z = gs.zero_at(nn, g);
           if constexpr (Bits == 4) {
             const uint8_t byte = block[i * kBlock];
             even[c] = s * (static_cast<float>(byte & 0x0F) - z);
@@ -338,8 +345,8 @@ at::Tensor linear_grouped(const char* op, const at::Tensor& x, const at::Tensor&
   at::Tensor scale_holder;
   const Groups gs = pagedllm_groups::view_groups(op, scale, zero_opt.has_value() ? *zero_opt : at::Tensor(), n, Bits,
                                                  scale_holder);
-  TORCH_CHECK(k % gs.groups == 0 && (k / gs.groups) % 2 == 0, op, ": scale [", n, ", ", gs.groups,
-              "] must divide K = ", k, " into groups of an even size");
+  TORCH_CHECK(k % gs.groups == 0 && (k / gs.groups) % 2 == 0, op, ": scale's ", gs.groups,
+              " groups must divide K = ", k, " into groups of an even size");
   const auto xt = x.scalar_type();
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == k &&
                   (xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf),

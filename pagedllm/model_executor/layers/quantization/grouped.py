@@ -50,11 +50,14 @@ def store_grouped(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero: 
     the kernels ``weight`` becomes the kernel's blocked layout (``pack_w4``'s [ceil(out / 16),
     in / 2, 16] for 4 bits, ``pack_w8``'s [ceil(out / 16), in, 16] for 8), else Q itself;
     ``weight_scale`` / ``weight_zero_point`` hold scale and zero as ``compact_scales`` returns
-    them (zero None: symmetric), ``weight_bits`` the width, ``int8_activations`` whether decode
-    quantizes x (``int8_activations_enabled``)."""
+    them (zero None: symmetric), on CPU with the kernels blocked likewise (``pack_groups``:
+    [ceil(out / 16), groups, 16]; dimension 1 is the groups either way), ``weight_bits`` the
+    width, ``int8_activations`` whether decode quantizes x (``int8_activations_enabled``)."""
+    scale, zero = compact_scales(scale, zero, bits)
     if current_platform.is_cpu and cpu_kernels.is_available():
         q = cpu_kernels.pack_w4(q) if bits == 4 else cpu_kernels.pack_w8(q.view(torch.int8)).view(torch.uint8)
-    scale, zero = compact_scales(scale, zero, bits)
+        scale = cpu_kernels.pack_groups(scale)
+        zero = None if zero is None else cpu_kernels.pack_groups(zero)
     layer.weight = nn.Parameter(q, requires_grad=False)
     layer.weight_scale = nn.Parameter(scale, requires_grad=False)
     layer.weight_zero_point = None if zero is None else nn.Parameter(zero, requires_grad=False)
