@@ -15,7 +15,6 @@ points, the storage before) and run on
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import time
 
@@ -26,27 +25,17 @@ from pagedllm.model_executor.layers import linear as linear_mod
 from pagedllm.model_executor.layers.quantization.grouped import compact_scales
 from pagedllm.model_executor.layers.quantization.int4 import quantize_int4_per_group
 
-#: (name, N outputs, K inputs) of Qwen2-0.5B's linear layers (hidden 896, MLP 4864, 2 KV heads).
-SHAPES = [("qkv", 1152, 896), ("o", 896, 896), ("gate_up", 2 * 4864, 896), ("down", 896, 4864)]
+# The sibling script (this folder is sys.path[0] when run as ``python benchmarks/...``).
+from int8_activation_kernels import SHAPES, kernel_parser, run_at_isa  # noqa: E402  isort: skip
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=1, help="rows of x (decode batch size, at most 16)")
-    parser.add_argument("--repeats", type=int, default=15, help="rounds per shape")
-    parser.add_argument("--calls", type=int, default=20, help="kernel calls per timing")
-    parser.add_argument("--isa", default=None, help="kernel level (default: this process's)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser = kernel_parser(__doc__.splitlines()[0])
     parser.add_argument("--cpu-time", action="store_true", help="time this thread's CPU time (use with --threads 1)")
     parser.add_argument("--float-activations", action="store_true", help="float32 activations, not int8")
     parser.add_argument("--float32-scales", action="store_true",
                         help="float32 scales and zero points, not the engine's float16 scales without zeros")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    with cpu_kernels.using_isa(args.isa) if args.isa else contextlib.nullcontext():
-        _run(args)
+    run_at_isa(parser.parse_args(), _run)
 
 
 def _run(args: argparse.Namespace) -> None:

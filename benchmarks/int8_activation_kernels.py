@@ -36,19 +36,28 @@ def _time(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=1, help="rows of x (decode batch size)")
-    parser.add_argument("--repeats", type=int, default=15, help="A, B pairs per shape")
+def kernel_parser(description: str) -> argparse.ArgumentParser:
+    """The options of the decode-kernel benchmarks (this one, ``int4_group_kernels.py``)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--rows", type=int, default=1, help="rows of x (decode batch size, at most 16)")
+    parser.add_argument("--repeats", type=int, default=15, help="rounds per shape")
     parser.add_argument("--calls", type=int, default=20, help="kernel calls per timing")
     parser.add_argument("--isa", default=None, help="kernel level (default: this process's)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    args = parser.parse_args()
+    return parser
+
+
+def run_at_isa(args: argparse.Namespace, run) -> None:
+    """``run(args)`` with ``--threads`` torch threads, seed 0, at kernel level ``--isa``."""
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     with cpu_kernels.using_isa(args.isa) if args.isa else contextlib.nullcontext():
-        _run(args)
+        run(args)
+
+
+def main() -> None:
+    run_at_isa(kernel_parser(__doc__.splitlines()[0]).parse_args(), _run)
 
 
 def _run(args: argparse.Namespace) -> None:
