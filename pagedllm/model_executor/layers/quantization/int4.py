@@ -6,9 +6,9 @@
 
 so W ~ scale * (Q - 8): llama.cpp's Q4_0 arithmetic (the extreme weight maps onto -8, exactly
 up to the float16 scale's rounding, using all 16 levels; a float16 scale, no zero points: the
-bytes of a Q4_0 block, ``grouped.compact_scales``), and by default Q4_0's groups of 32 inputs (``INT4_GROUP_SIZE``): on the
-shipped model +0.12% perplexity over bf16, against +0.67% with groups of 128 and +0.16% for
-llama.cpp's own Q4_0 (docs/benchmarks.md). ``--quantization-config '{"group_size": 128}'``
+bytes of a Q4_0 block, ``grouped.compact_scales``), and by default Q4_0's groups of 32 inputs
+(``INT4_GROUP_SIZE``): on the shipped model +0.12% perplexity over bf16, against +0.67% with
+groups of 128 and +0.16% for llama.cpp's own Q4_0 (docs/benchmarks.md). ``--quantization-config '{"group_size": 128}'``
 (vLLM's ``quantization_config`` engine argument; ``LLM(..., quantization_config={...})``)
 chooses 64 or 128 instead, as GPTQ / AWQ checkpoints use: fewer scale bytes per weight, a
 little more error; a layer whose inputs are not whole groups of that size gets groups of 32.
