@@ -319,7 +319,8 @@ class CompletionRequest(SamplingRequest):
     ids, or a list of token-id lists. ``max_tokens`` absent means OpenAI's default, 16
     (``DEFAULT_MAX_TOKENS``, cut to the room the prompt leaves); null means the model's
     default, else the rest of the context (vLLM: ``max_tokens: int | None = 16``, and None
-    falls back to the rest of the context in ``get_max_tokens``)."""
+    falls back to the rest of the context in ``get_max_tokens``). ``echo`` with
+    ``max_tokens: 0`` returns the prompt alone, with its logprobs (``echo_only``)."""
 
     prompt: Union[list[int], list[list[int]], str, list[str]]
     max_tokens: Optional[int] = DEFAULT_MAX_TOKENS
@@ -343,7 +344,16 @@ class CompletionRequest(SamplingRequest):
         return self
 
     @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt is scored, nothing is generated (OpenAI's
+        legacy completions, used to score prompts; vLLM runs one step and drops its token,
+        as here: ``requested_max_tokens`` is then 1)."""
+        return self.echo and self.max_tokens == 0
+
+    @property
     def requested_max_tokens(self) -> Optional[int]:
+        if self.echo_only:
+            return 1
         return self.max_tokens if "max_tokens" in self.model_fields_set else None
 
     @property

@@ -7,14 +7,16 @@ Request path (vLLM's OpenAI layer)::
         merge_async_iterators --> (prompt index, RequestOutput)
         --> one JSON response (FINAL_ONLY outputs), or SSE chunks (DELTA outputs)
 
-Choice ``index`` is ``prompt_index * n + i``. Streams end with ``data: [DONE]``; an error
-after the first byte is sent as one ``data: {"error": ...}`` event before ``[DONE]``.
-Cancelling or closing a stream (client disconnect) closes the engine generators, which
-aborts the requests in the engine.
+Choice ``index`` is ``prompt_index * n + i``. ``echo`` with ``max_tokens: 0`` generates one
+token and drops it (``_shown``), so the choice holds the prompt alone. Streams end with
+``data: [DONE]``; an error after the first byte is sent as one ``data: {"error": ...}``
+event before ``[DONE]``. Cancelling or closing a stream (client disconnect) closes the
+engine generators, which aborts the requests in the engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import AsyncGenerator, Optional, Sequence, Union
 
@@ -147,7 +149,8 @@ class OpenAIServingCompletion(OpenAIServing):
         for prompt_index, (prompt, final) in enumerate(zip(prompts, finals)):
             num_prompt_tokens += len(final.prompt_token_ids)
             num_cached += final.num_cached_tokens
-            for output in final.outputs:
+            for engine_output in final.outputs:
+                output = _shown(request, engine_output)
                 num_generated += len(output.token_ids)
                 text = self._echo_text(prompt) + output.text if request.echo else output.text
                 logprobs = self._choice_logprobs(
@@ -186,7 +189,7 @@ class OpenAIServingCompletion(OpenAIServing):
             state.num_cached[prompt_index] = output.num_cached_tokens or state.num_cached[prompt_index]
             state.prompt_logprobs[prompt_index].extend(output.prompt_logprobs or [])
             for completion in output.outputs:
-                event = self._stream_event(request, state, prompt_index, completion)
+                event = self._stream_event(request, state, prompt_index, _shown(request, completion))
                 if event is not None:
                     yield event
         if request.include_usage:
@@ -223,6 +226,14 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs=prompt_logprobs_json(state.prompt_logprobs[prompt_index]) if send_prompt_logprobs else None,
         )
         return state.event([choice], state.usage() if request.continuous_usage else None)
+
+
+def _shown(request: CompletionRequest, output: CompletionOutput) -> CompletionOutput:
+    """What the client gets of ``output``: for ``request.echo_only``, not the one token
+    generated (vLLM's rule for ``echo`` with ``max_tokens: 0``), else all of it."""
+    if not request.echo_only:
+        return output
+    return dataclasses.replace(output, text="", token_ids=[], cumulative_logprob=None, logprobs=None)
 
 
 class _StreamState:

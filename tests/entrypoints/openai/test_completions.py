@@ -3,6 +3,7 @@ n x prompts, logprobs, echo, stop strings, include_usage."""
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 from tests.entrypoints.openai.conftest import MODEL_ALIAS, MODEL_NAME, parse_sse
@@ -134,6 +135,27 @@ def test_echo(client, tokenizer):
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing precedes token 0
     assert all(v is not None for v in lp.token_logprobs[1:])
     assert "".join(lp.tokens[: len(ids)]) == tokenizer.decode(ids)
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt(client, tokenizer):
+    """OpenAI's legacy completions and vLLM: echo with max_tokens 0 returns the prompt alone,
+    with its logprobs and no completion tokens (how clients score a prompt)."""
+    ids = tokenizer.encode(PROMPTS[1])
+    with_generation = _greedy(client, PROMPTS[1], max_tokens=3, echo=True, logprobs=1).choices[0].logprobs
+    scored = _greedy(client, PROMPTS[1], max_tokens=0, echo=True, logprobs=1)
+    (choice,) = scored.choices
+    assert choice.text == PROMPTS[1]
+    assert choice.logprobs.tokens == with_generation.tokens[: len(ids)]
+    assert choice.logprobs.text_offset == with_generation.text_offset[: len(ids)]
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(with_generation.token_logprobs[1 : len(ids)], abs=1e-4)
+    assert choice.logprobs.top_logprobs == with_generation.top_logprobs[: len(ids)]
+    assert (scored.usage.prompt_tokens, scored.usage.completion_tokens) == (len(ids), 0)
+    streamed = list(_greedy(client, ids, max_tokens=0, echo=True, stream=True))
+    assert "".join(chunk.choices[0].text for chunk in streamed) == tokenizer.decode(ids)
+    assert streamed[-1].choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be at least 1"):
+        _greedy(client, PROMPTS[1], max_tokens=0)
 
 
 def test_prompt_logprobs_extra(client, tokenizer):
