@@ -316,6 +316,8 @@ def build_app(engine: Any, args: Any) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}")
     async def show_model(model_id: str) -> Response:
+        if not model_id:  # "/v1/models/": the list, as "/health/" is "/health" (Starlette's redirect)
+            return _json(models.list_models())
         return _json(models.show_model(model_id))
 
     if runtime_lora_updating_allowed():

@@ -129,6 +129,8 @@ class OpenAIServingModels:
         """``GET /v1/models/{id}``.
 
         Raises:
-            OpenAIServingError: 404 for an unknown id.
+            OpenAIServingError: 404 for an unknown (or empty) id.
         """
-        return self.card(self.resolve(model_id if model_id else "\0"))
+        if not model_id:
+            raise model_not_found(model_id)
+        return self.card(self.resolve(model_id))

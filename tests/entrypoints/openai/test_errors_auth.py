@@ -133,6 +133,12 @@ def test_unknown_route_and_model_card_404(server):
     _assert_still_serving(server)
 
 
+def test_models_with_a_trailing_slash_is_the_list(server):
+    response = server.get("/v1/models/")
+    assert response.status_code == 200, response.text
+    assert [card["id"] for card in response.json()["data"]] == [MODEL_NAME, MODEL_ALIAS]
+
+
 PROTECTED = [("POST", COMPLETIONS), ("POST", CHAT), ("GET", "/v1/models"), ("GET", f"/v1/models/{MODEL_NAME}"),
              ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version"), ("GET", "/docs")]  # fmt: skip
 
