@@ -29,6 +29,21 @@ def test_readme_starts_with_the_two_setup_commands():
     assert "make test" in ci
 
 
+def test_examples_of_flags_not_built_yet_are_refused():
+    """The vLLM-flags paragraph's examples of values not built yet stop with exit code 2."""
+    text = " ".join(README.read_text().split())
+    sentence = re.search(r"A value asking for something not built yet — (.*?) — stops at once", text)
+    assert sentence, "the README's sentence on flags not built yet is gone"
+    examples = re.findall(r"`([^`]+)`", sentence.group(1))
+    assert len(examples) >= 2
+    for example in examples:
+        result = subprocess.run(
+            [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *example.split()],
+            capture_output=True, text=True, timeout=60, cwd=README.parent,
+        )  # fmt: skip
+        assert result.returncode == 2 and "is not supported yet" in result.stderr, (example, result.stderr)
+
+
 @pytest.fixture(scope="module")
 def default_server():
     assert (default_model_path() / "config.json").is_file(), "the shipped model is missing"
