@@ -45,7 +45,7 @@ def add_bench_subcommands(bench: argparse.ArgumentParser) -> None:
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``bench`` (with its sub-subcommands) to the ``pagedllm`` command's subparsers."""
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, latency, serve, prefix-caching, roofline, startup",
+    bench = subparsers.add_parser("bench", help="benchmarks: " + ", ".join(SUBCOMMANDS),
                                   description="Benchmarks with vLLM's flag names.")
     add_bench_subcommands(bench)
     return bench
