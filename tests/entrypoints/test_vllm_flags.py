@@ -250,6 +250,8 @@ def test_max_logprobs_limits_requests(server):
     assert all(token.startswith("token_id:") for token in [*logprobs["tokens"], *logprobs["top_logprobs"][0]])
     token_id = int(logprobs["tokens"][0].removeprefix("token_id:"))
     assert 0 <= token_id < 32000 and len(logprobs["tokens"]) == 2
+    texts = server.post("/v1/completions", json={**body, "logprobs": 1, "return_tokens_as_token_ids": False})
+    assert not any(token.startswith("token_id:") for token in texts.json()["choices"][0]["logprobs"]["tokens"])
     for field, extra in (("logprobs", {"logprobs": 4}), ("prompt_logprobs", {"prompt_logprobs": 9})):
         too_many = server.post("/v1/completions", json={**body, **extra})
         assert too_many.status_code == 400, field

@@ -56,7 +56,6 @@ NOT_SUPPORTED_YET = {
     "allowed_token_ids": "allowed token ids",
     "truncate_prompt_tokens": "prompt truncation",
     "priority": "priority scheduling",
-    "return_tokens_as_token_ids": "token-id strings in logprobs",
     "kv_transfer_params": "disaggregated prefill",
     "prompt_embeds": "prompt embeddings",
     "functions": "legacy function calling (use tools)",
@@ -185,6 +184,7 @@ class SamplingRequest(OpenAIRequest):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: Optional[int] = None
+    return_tokens_as_token_ids: Optional[bool] = None
     cache_salt: Optional[str] = None
     # Structured outputs (see ``structured_outputs``): OpenAI's, vLLM's, vLLM's older ones
     response_format: Optional[ResponseFormat] = None
@@ -205,7 +205,6 @@ class SamplingRequest(OpenAIRequest):
     allowed_token_ids: Any = None
     truncate_prompt_tokens: Any = None
     priority: Any = None
-    return_tokens_as_token_ids: Any = None
     kv_transfer_params: Any = None
 
     @model_validator(mode="after")

@@ -102,21 +102,25 @@ class OpenAIServingChat(OpenAIServing):
         return self._response(request, request_id, model_name, final, tool_parser)
 
     def _logprobs(
-        self, token_ids: Sequence[int], positions: Optional[Sequence[PositionLogprobs]], num_top: int
+        self, request: ChatCompletionRequest, token_ids: Sequence[int], positions: Optional[Sequence[PositionLogprobs]]
     ) -> ChatCompletionLogProbs:
-        """OpenAI's chat logprobs: per token, its text, logprob, bytes and the ``num_top``
-        most likely tokens."""
+        """OpenAI's chat logprobs: per token, its text (or ``"token_id:{id}"``, see
+        ``tokens_as_ids``), logprob, bytes and the request's ``top_logprobs`` most likely tokens."""
+        num_top = request.num_top_logprobs or 0
+        as_ids = self.tokens_as_ids(request)
         content = []
         for token_id, position in zip(token_ids, positions or [{}] * len(token_ids)):
             chosen = position.get(token_id)
             content.append(
                 ChatCompletionLogProbsContent(
-                    token=self.token_text(token_id, chosen),
+                    token=self.token_text(token_id, chosen, as_ids),
                     logprob=clamp_logprob(chosen.logprob) if chosen is not None else -9999.0,
                     bytes=self.token_bytes(token_id),
                     top_logprobs=[
                         ChatCompletionLogProb(
-                            token=self.token_text(tid, lp), logprob=clamp_logprob(lp.logprob), bytes=self.token_bytes(tid)
+                            token=self.token_text(tid, lp, as_ids),
+                            logprob=clamp_logprob(lp.logprob),
+                            bytes=self.token_bytes(tid),
                         )
                         for tid, lp in top_entries(position, num_top)
                     ],
@@ -150,7 +154,7 @@ class OpenAIServingChat(OpenAIServing):
                 ChatCompletionResponseChoice(
                     index=output.index,
                     message=message,
-                    logprobs=self._logprobs(output.token_ids, output.logprobs, num_top) if num_top is not None else None,
+                    logprobs=self._logprobs(request, output.token_ids, output.logprobs) if num_top is not None else None,
                     finish_reason=reason,
                     stop_reason=output.stop_reason,
                 )
@@ -211,7 +215,7 @@ class OpenAIServingChat(OpenAIServing):
         finished = completion.finish_reason is not None
         logprobs = None
         if num_top is not None and completion.token_ids:
-            logprobs = self._logprobs(completion.token_ids, completion.logprobs, num_top)
+            logprobs = self._logprobs(request, completion.token_ids, completion.logprobs)
         reason = completion.finish_reason
         if tool_stream is None:
             delta = DeltaMessage(content=completion.text if completion.text or not finished else None)

@@ -93,15 +93,16 @@ class OpenAIServingCompletion(OpenAIServing):
         positions: Sequence[Optional[PositionLogprobs]],
         num_top: int,
         initial_offset: int,
+        as_ids: bool,
     ) -> CompletionLogProbs:
         """OpenAI's completions logprobs. ``top_logprobs`` holds the ``num_top`` most likely
         tokens plus the chosen one; a position without logprobs (the first prompt token)
-        has nulls."""
+        has nulls. ``as_ids``: tokens named ``"token_id:{id}"``."""
         result = CompletionLogProbs()
         offset = initial_offset
         for token_id, position in zip(token_ids, positions):
             chosen = position.get(token_id) if position else None
-            token = self.token_text(token_id, chosen)
+            token = self.token_text(token_id, chosen, as_ids)
             result.tokens.append(token)
             result.text_offset.append(offset)
             offset += len(token)
@@ -110,7 +111,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 result.top_logprobs.append(None)
                 continue
             result.token_logprobs.append(clamp_logprob(chosen.logprob))
-            top = {self.token_text(tid, lp): clamp_logprob(lp.logprob) for tid, lp in top_entries(position, num_top)}
+            top = {
+                self.token_text(tid, lp, as_ids): clamp_logprob(lp.logprob) for tid, lp in top_entries(position, num_top)
+            }
             top.setdefault(token, clamp_logprob(chosen.logprob))
             result.top_logprobs.append(top)
         return result
@@ -134,7 +137,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_positions += [None] * (len(prompt.token_ids) - len(prompt_positions))
             all_ids = prompt.token_ids + all_ids
             all_positions = prompt_positions + all_positions
-        return self._logprobs(all_ids, all_positions, request.logprobs, initial_offset)
+        return self._logprobs(all_ids, all_positions, request.logprobs, initial_offset, self.tokens_as_ids(request))
 
     def _response(
         self,

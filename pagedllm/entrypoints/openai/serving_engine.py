@@ -152,7 +152,7 @@ class OpenAIServing:
         log_requests: log one INFO line per request.
         return_tokens_as_token_ids: logprobs name tokens ``"token_id:{id}"`` instead of
             their text (vLLM's ``--return-tokens-as-token-ids``, for tokens that are not
-            JSON-encodable text).
+            JSON-encodable text), unless a request's own field says otherwise.
     """
 
     def __init__(
@@ -318,10 +318,17 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ token texts
 
-    def token_text(self, token_id: int, logprob: Optional[Logprob] = None) -> str:
+    def tokens_as_ids(self, request: SamplingRequest) -> bool:
+        """Whether ``request``'s logprobs name tokens ``"token_id:{id}"``: its own
+        ``return_tokens_as_token_ids`` when set, else the server's (vLLM's rule)."""
+        if request.return_tokens_as_token_ids is not None:
+            return request.return_tokens_as_token_ids
+        return self.return_tokens_as_token_ids
+
+    def token_text(self, token_id: int, logprob: Optional[Logprob] = None, as_id: bool = False) -> str:
         """A token's text alone (special tokens included), as logprobs report it, or
-        ``"token_id:{id}"`` with ``return_tokens_as_token_ids``."""
-        if self.return_tokens_as_token_ids:
+        ``"token_id:{id}"`` with ``as_id`` (see ``tokens_as_ids``)."""
+        if as_id:
             return f"token_id:{token_id}"
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token

@@ -156,7 +156,6 @@ NOT_YET = [
     (COMPLETIONS, "allowed_token_ids", [1, 2]),
     (COMPLETIONS, "truncate_prompt_tokens", 8),
     (CHAT, "priority", 3),
-    (CHAT, "return_tokens_as_token_ids", True),
     (COMPLETIONS, "kv_transfer_params", {"do_remote_decode": True}),
     (COMPLETIONS, "prompt_embeds", "AAAA"),
     (CHAT, "functions", [{"name": "f"}]),
@@ -189,6 +188,28 @@ def test_a_field_not_built_yet_is_a_400_naming_it(server, path, field, value):
     error = response.json()["error"]
     assert error["param"] == field
     assert f"{field} is not supported yet" in error["message"]
+
+
+def test_return_tokens_as_token_ids_per_request(server, tokenizer):
+    """vLLM's request field: logprobs name tokens "token_id:{id}" (the server flag's default
+    is off here); the ids are the tokens of the same text."""
+
+    def ids_of(tokens):
+        assert all(token.startswith("token_id:") for token in tokens), tokens
+        return [int(token.removeprefix("token_id:")) for token in tokens]
+
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    plain = _post(server, COMPLETIONS, body).json()["choices"][0]
+    as_ids = _post(server, COMPLETIONS, {**body, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    assert as_ids["text"] == plain["text"]
+    assert tokenizer.decode(ids_of(as_ids["logprobs"]["tokens"]), skip_special_tokens=True) == plain["text"]
+    assert all(ids_of(list(top)) for top in as_ids["logprobs"]["top_logprobs"])
+    chat = {"model": MODEL_NAME, "messages": USER, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True}  # fmt: skip
+    choice = _post(server, CHAT, chat).json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert tokenizer.decode(ids_of([e["token"] for e in content]), skip_special_tokens=True) == choice["message"]["content"]
+    assert ids_of([top["token"] for entry in content for top in entry["top_logprobs"]])
 
 
 @pytest.mark.parametrize("path, extra", NEUTRAL)
