@@ -228,15 +228,13 @@ class _EngineHandle:
         return f"The engine core process (pid {self.worker.pid}) exited with code {self.worker.exitcode}."
 
     def stop(self, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` for the engine to exit; then terminate (SIGTERM) and kill."""
+        """Wait up to ``timeout_s`` for the engine to exit; then kill it (it ignores SIGTERM
+        while this process lives: ``follow_parent_on_signals``)."""
         self.worker.join(timeout_s)
         if self.in_thread or not self.worker.is_alive():
             return
-        self.worker.terminate()
+        self.worker.kill()
         self.worker.join(2.0)
-        if self.worker.is_alive():
-            self.worker.kill()
-            self.worker.join(2.0)
 
 
 def _cleanup(handle: _EngineHandle, sockets: list[zmq.Socket], ctx: zmq.Context, directory: str) -> None:

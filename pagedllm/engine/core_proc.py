@@ -27,7 +27,6 @@ import enum
 import logging
 import os
 import shutil
-import signal
 import sys
 import threading
 import time
@@ -39,6 +38,7 @@ import msgspec
 import zmq
 
 from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.executor.process_signals import follow_parent_on_signals
 from pagedllm.messages.engine_core import (
     EngineCoreRequest,
 )
@@ -331,10 +331,6 @@ def _place_replica(rank: int, config: EngineConfig) -> None:
     logger.info("Data-parallel engine %d of %d runs on %s.", rank, size, placement)
 
 
-def _exit_on_signal(signum: int, frame: Any) -> None:
-    raise SystemExit(0)
-
-
 def run_engine_core(
     config: EngineConfig | EngineArgs,
     addresses: EngineAddresses,
@@ -348,16 +344,14 @@ def run_engine_core(
     (an error is reported as a start-up FAILED), so the process can be started before the
     front end has imported torch and transformers (``pagedllm serve``'s start-up).
     Builds the ``EngineCoreProc`` (data-parallel replica ``dp_rank``, or None) and serves until
-    SHUTDOWN, SIGTERM or the parent's death.
+    SHUTDOWN or the parent's death (SIGINT, and SIGTERM while the parent lives, are left to
+    the parent: ``follow_parent_on_signals``).
     A process exits with status 1 after a start-up or run-time failure (reported to the
     client first), else 0; a thread just returns.
     """
     in_thread = threading.current_thread() is not threading.main_thread()
-    if install_signal_handlers and not in_thread:
-        # NOTE: Ctrl-C reaches the whole process group; the front end decides when the
-        # engine stops (SHUTDOWN message, or terminate()), so SIGINT is ignored here.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, _exit_on_signal)
+    if install_signal_handlers and not in_thread and parent_pid is not None:
+        follow_parent_on_signals(parent_pid)
     status = 0
     try:
         proc = EngineCoreProc(config, addresses, parent_pid, dp_rank)

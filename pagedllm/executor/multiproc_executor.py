@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import pickle
 import queue
 import signal
@@ -54,6 +55,7 @@ from pagedllm.executor.abstract import (
     RpcMethod,
     run_method,
 )
+from pagedllm.executor.process_signals import follow_parent_on_signals
 from pagedllm.messages.runner_output import ModelRunnerOutput
 from pagedllm.messages.sched_output import SchedulerOutput
 from pagedllm.platforms import current_platform
@@ -119,7 +121,7 @@ def run_worker(config: EngineConfig, rank: int, local_rank: int, distributed_ini
     """Entry point of a worker process: answer the executor's calls on ``conn``, in order,
     until it sends the shutdown call or closes the pipe. Replies ``(True, result)`` or
     ``(False, exception, traceback text)``."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the executor decides
+    follow_parent_on_signals(os.getppid())  # group signals reach the engine too; it decides
     worker = Worker(config, rank, local_rank, distributed_init_method, is_driver_worker=rank == 0,
                     local_world_size=config.parallel_config.local_world_size)
     calls: queue.SimpleQueue = queue.SimpleQueue()
@@ -296,7 +298,7 @@ class MultiprocExecutor(Executor):
         self._failure = error
         for worker in self.workers:
             if worker.process.is_alive():
-                worker.process.terminate()
+                worker.process.kill()
         for worker in self.workers:
             worker.process.join(1.0)
 
@@ -309,8 +311,8 @@ class MultiprocExecutor(Executor):
                 self._raise_dead(worker, "a health check")
 
     def shutdown(self) -> None:
-        """Ask the workers to exit, then terminate those still running after
-        ``_SHUTDOWN_WAIT_S``; idempotent."""
+        """Ask the workers to exit, then kill those still running after ``_SHUTDOWN_WAIT_S``
+        (they ignore SIGTERM while this process lives); idempotent."""
         payload = pickle.dumps((_SHUTDOWN, (), {}))
         for worker in self.workers:
             if worker.process.is_alive():
@@ -322,7 +324,7 @@ class MultiprocExecutor(Executor):
         for worker in self.workers:
             worker.process.join(max(deadline - time.monotonic(), 0.0))
             if worker.process.is_alive():
-                worker.process.terminate()
+                worker.process.kill()
                 worker.process.join(1.0)
             worker.conn.close()
         self.workers = []

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import httpx
+import psutil
 import pytest
 
 from tests.server_utils import RemoteServer
@@ -215,6 +216,31 @@ def test_sigterm_finishes_short_requests_and_ends_long_streams(tiny_llama):
     error = json.loads(long_stream.events[-2])["error"]
     assert error["code"] == 503 and error["type"] == "ServiceUnavailableError" and "shutting down" in error["message"]
     assert "Traceback" not in log
+
+
+def test_sigterm_to_every_process_at_once_still_drains(tiny_llama):
+    """systemd's default KillMode (also `timeout`, `kill -- -PGID`) sends SIGTERM to every
+    process of the service at once: the engine and its workers leave stopping to the server,
+    which lets the running stream finish, exits 0 and logs no engine death."""
+    server = RemoteServer(tiny_llama, "--max-model-len", "2048", "--shutdown-timeout", "30", "-tp", "2")
+    try:
+        stream = StreamReader(server.url + "/v1/completions", {"prompt": "short", "max_tokens": 400, "ignore_eos": True})
+        stream.start()
+        assert stream.first.wait(30) and stream.error is None
+        children = psutil.Process(server.process.pid).children(recursive=True)
+        assert len(children) >= 3  # the engine core and two workers (and multiprocessing's helpers)
+        for process in [*children, psutil.Process(server.process.pid)]:  # the server last: the race it loses
+            process.send_signal(signal.SIGTERM)
+        code = server.process.wait(timeout=30)
+        stream.join(10)
+        log = full_log(server)
+    finally:
+        server.close()
+    assert code == 0, log
+    assert stream.error is None and stream.events[-1] == "[DONE]"
+    finals = [json.loads(event)["choices"][0]["finish_reason"] for event in stream.events[:-1]]
+    assert finals[-1] == "length"
+    assert "engine is dead" not in log and "Traceback" not in log
 
 
 def test_killed_engine_fails_requests_and_the_server_exits_1(tiny_llama):
