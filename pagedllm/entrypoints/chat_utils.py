@@ -95,17 +95,35 @@ def load_chat_template(value: Optional[str]) -> Optional[str]:
 
 
 def template_messages(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The messages as chat templates expect them: the ``function.arguments`` of an
-    assistant message's ``tool_calls`` decoded from JSON text to a dict (OpenAI sends a
-    string; templates such as Qwen's and Llama's write ``arguments | tojson``), as vLLM does.
-    Arguments that are not JSON stay as they are. The input is not changed."""
+    """The messages as chat templates expect them, as vLLM passes them: OpenAI's content
+    parts (``[{"type": "text", "text": ...}, ...]``) joined with newlines into one string;
+    the ``function.arguments`` of an assistant message's ``tool_calls`` decoded from JSON
+    text to a dict (OpenAI sends a string; templates such as Qwen's and Llama's write
+    ``arguments | tojson``); arguments that are not JSON stay as they are. The input is not
+    changed.
+
+    Raises:
+        ValueError: a content part that is not text (images, audio ...).
+    """
     messages = []
     for message in conversation:
+        if isinstance(message.get("content"), list):
+            message = {**message, "content": _joined_text(message["content"])}
         calls = message.get("tool_calls")
         if isinstance(calls, list):
             message = {**message, "tool_calls": [_decoded_call(call) for call in calls]}
         messages.append(message)
     return messages
+
+
+def _joined_text(parts: list[Any]) -> str:
+    texts = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"content parts of type {kind!r} are not supported; only 'text' parts are.")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _decoded_call(call: Any) -> Any:

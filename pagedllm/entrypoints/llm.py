@@ -151,23 +151,26 @@ class LLM:
         self,
         messages: Union[ChatMessages, Sequence[ChatMessages]],
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = True,
+        lora_request: Union[LoRARequest, Sequence[LoRARequest], None] = None,
         chat_template: Optional[str] = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-        chat_template_kwargs: Optional[dict[str, Any]] = None,
-        use_tqdm: bool = True,
-        lora_request: Union[LoRARequest, Sequence[LoRARequest], None] = None,
         tools: Optional[list[dict[str, Any]]] = None,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, formatted with the
-        tokenizer's chat template (or ``chat_template``); ``lora_request`` as ``generate``'s.
-        ``tools`` (OpenAI's function definitions) reach the template as its ``tools``
-        variable, as in vLLM.
+        tokenizer's chat template (or ``chat_template``); the other arguments as
+        ``generate``'s, in vLLM's order. A message's ``content`` is a string or OpenAI's
+        text parts (``[{"type": "text", "text": ...}]``, joined with newlines). ``tools``
+        (OpenAI's function definitions) reach the template as its ``tools`` variable, as in
+        vLLM.
 
         Raises:
             ValueError: if the tokenizer has no chat template and none is given, if
                 ``continue_final_message`` is set without ``add_generation_prompt=False``
-                (``chat_utils.resolve_chat_options``, as vLLM), or as ``generate``.
+                (``chat_utils.resolve_chat_options``, as vLLM), for a content part that is
+                not text, or as ``generate``.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()

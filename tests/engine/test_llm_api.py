@@ -219,6 +219,18 @@ def test_chat_uses_the_template(llm):
     assert len(two) == 2 and two[0].outputs[0].token_ids == out.outputs[0].token_ids[:3]
 
 
+def test_chat_takes_text_parts_and_vllms_positional_order(llm):
+    """vLLM's ``LLM.chat(messages, sampling_params, use_tqdm, lora_request, ...)``, and OpenAI's
+    text parts, joined with newlines as the server joins them."""
+    as_string = llm.chat([{"role": "user", "content": "Hello\nthere"}], greedy(max_tokens=4), False)[0]
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    as_parts = llm.chat([{"role": "user", "content": parts}], greedy(max_tokens=4), False, None)[0]
+    assert as_parts.prompt == as_string.prompt and as_parts.outputs[0].token_ids == as_string.outputs[0].token_ids
+    image = [{"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]
+    with pytest.raises(ValueError, match="content parts of type 'image_url' are not supported"):
+        llm.chat([{"role": "user", "content": image}], greedy(max_tokens=4), use_tqdm=False)
+
+
 def test_engine_abort_frees_blocks(tiny_llama):
     engine = LLMEngine.from_engine_args(
         EngineArgs(model=str(tiny_llama), dtype="float32", kv_cache_memory_bytes=KV_BYTES, max_model_len=512)

@@ -576,11 +576,10 @@ class ChatMessage(OpenAIBaseModel):
     name: Optional[str] = None
 
     def to_template_dict(self) -> dict[str, Any]:
-        """The message as a chat template sees it; text parts are joined with newlines."""
+        """The message as given, null content as ""; ``chat_utils.template_messages`` then
+        joins text parts for the template."""
         message = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            message["content"] = "\n".join(part.text or "" for part in self.content)
-        elif self.content is None:
+        if self.content is None:
             message["content"] = ""
         return message
 
