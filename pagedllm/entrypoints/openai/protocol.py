@@ -621,11 +621,6 @@ class ChatCompletionRequest(SamplingRequest):
     def _check_tool_choice(cls, data: Any) -> Any:
         return check_tool_choice(data)
 
-    @field_validator("echo")
-    @classmethod
-    def _refuse_echo(cls, value: bool) -> bool:
-        return refuse_if_set("echo", value, "echo in chat completions")
-
     @model_validator(mode="after")
     def _check_chat_fields(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:

@@ -9,6 +9,9 @@ generation_config.json's ``max_new_tokens``), else the rest of the context.
 Streams start with one chunk per choice carrying ``delta.role`` ("assistant"); each
 choice then gets content chunks, and exactly one chunk with its ``finish_reason``.
 
+``echo`` (vLLM's): when the last message has the reply's role, its content is put in front
+of each choice's content (the first content chunk of a stream).
+
 With ``tools`` (``tool_calls``): a ``tool_choice`` other than "none" has a tool parser read
 the output into ``message.tool_calls``, streamed as ``delta.tool_calls`` by one
 ``ToolCallStream`` per choice.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncGenerator, Optional, Sequence, Union
 
+from pagedllm.entrypoints.chat_utils import template_messages
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -67,6 +71,14 @@ class OpenAIServingChat(OpenAIServing):
 
     def _role(self, request: ChatCompletionRequest) -> str:
         return self.response_role if request.add_generation_prompt else request.messages[-1].role
+
+    def _echo(self, request: ChatCompletionRequest) -> str:
+        """What ``echo`` puts in front of each reply: the last message's text when it has the
+        reply's role (vLLM's rule), else nothing."""
+        last = request.messages[-1]
+        if not request.echo or last.role != self._role(request):
+            return ""
+        return template_messages([last.to_template_dict()])[0]["content"]
 
     def render_prompt(self, request: ChatCompletionRequest) -> PromptInput:
         text = self.renderer.render_chat(request)
@@ -147,9 +159,12 @@ class OpenAIServingChat(OpenAIServing):
         tool_parser: Optional[ToolParser],
     ) -> ChatCompletionResponse:
         num_top = request.num_top_logprobs
+        echo = self._echo(request)
         choices = []
         for output in final.outputs:
             message, reason = self._message(request, output, tool_parser)
+            if echo:
+                message.content = echo + (message.content or "")
             choices.append(
                 ChatCompletionResponseChoice(
                     index=output.index,
@@ -196,6 +211,9 @@ class OpenAIServingChat(OpenAIServing):
         for index in range(request.n):
             role = DeltaMessage(role=self._role(request), content="")
             yield event([ChatCompletionResponseStreamChoice(index=index, delta=role)])
+        echo = self._echo(request)
+        for index in range(request.n if echo else 0):
+            yield event([ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(content=echo))])
         async for _, output in stream:
             num_cached = output.num_cached_tokens or num_cached
             for completion in output.outputs:

@@ -139,6 +139,25 @@ def test_continue_final_message(server, tokenizer):
     assert response.json()["usage"]["prompt_tokens"] == tokenized["count"]
 
 
+def test_echo_puts_the_continued_message_in_front(client):
+    """vLLM's chat ``echo``: the last message, when it has the reply's role (an assistant
+    message being continued), comes first in each reply, streamed or not; a user message
+    is not echoed."""
+    messages = MESSAGES + [{"role": "assistant", "content": [{"type": "text", "text": "Red, green"}]}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False, "ignore_eos": True}
+    plain = _chat(client, messages, max_tokens=4, extra_body=extra).choices[0].message.content
+    echoed = _chat(client, messages, max_tokens=4, n=2, extra_body={**extra, "echo": True})
+    assert [choice.message.content for choice in echoed.choices] == ["Red, green" + plain] * 2
+    stream = _chat(client, messages, max_tokens=4, n=2, stream=True, extra_body={**extra, "echo": True})
+    texts = ["", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == ["Red, green" + plain] * 2
+    user_last = _chat(client, max_tokens=4, extra_body={"echo": True, "ignore_eos": True}).choices[0].message.content
+    assert user_last == _chat(client, max_tokens=4, extra_body={"ignore_eos": True}).choices[0].message.content
+
+
 def test_chat_template_kwargs_and_request_template(server):
     template = "{% for m in messages %}{{ m['content'] }}|{% endfor %}{{ extra }}"
     response = server.post(

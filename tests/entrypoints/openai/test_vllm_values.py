@@ -160,7 +160,6 @@ NOT_YET = [
     (COMPLETIONS, "prompt_embeds", "AAAA"),
     (CHAT, "functions", [{"name": "f"}]),
     (CHAT, "function_call", {"name": "f"}),
-    (CHAT, "echo", True),
     (COMPLETIONS, "suffix", "tail"),
 ]  # fmt: skip
 # Values of the same fields that ask for nothing: accepted.
