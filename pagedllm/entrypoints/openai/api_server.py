@@ -21,7 +21,7 @@ import logging
 import os
 import secrets
 from contextlib import asynccontextmanager
-from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Optional, Union
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Optional, Sequence, Union
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -124,15 +124,16 @@ def with_cancellation(handler: Callable[..., Awaitable[Any]]) -> Callable[..., A
 
 
 class AuthenticationMiddleware:
-    """Requires ``Authorization: Bearer <api_key>`` on every route but ``PUBLIC_PATHS``.
+    """Requires ``Authorization: Bearer <key>``, with one of ``api_keys``, on every route but
+    ``PUBLIC_PATHS``.
 
     Pure ASGI (not ``BaseHTTPMiddleware``), so streaming and disconnect detection pass
-    through untouched. The key is compared with ``secrets.compare_digest``.
+    through untouched. The key is compared with every accepted key (``secrets.compare_digest``).
     """
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str]) -> None:
         self.app = app
-        self.api_key = api_key.encode("utf-8")
+        self.api_keys = [key.encode("utf-8") for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self._is_public(scope):
@@ -163,8 +164,8 @@ class AuthenticationMiddleware:
         scheme, _, token = (authorization or "").partition(" ")
         provided = token.strip().encode("utf-8")
         # NOTE: compare even when the scheme is wrong, so timing does not tell which failed.
-        matches = secrets.compare_digest(provided, self.api_key)
-        return matches and scheme.lower() == "bearer"
+        matches = [secrets.compare_digest(provided, key) for key in self.api_keys]
+        return any(matches) and scheme.lower() == "bearer"
 
 
 def _json(model: BaseModel) -> Response:
@@ -226,7 +227,8 @@ def build_app(engine: Any, args: Any) -> FastAPI:
     ``args`` is the parsed ``pagedllm serve`` namespace (any object with these
     attributes; missing ones take their defaults): ``served_model_name`` (list or None:
     the engine's model name), ``chat_template`` (the template text, already loaded by
-    ``chat_utils.load_chat_template``, or None), ``api_key`` (None: no auth),
+    ``chat_utils.load_chat_template``, or None), ``api_key`` (a key, a list of keys any of
+    which is accepted, or None: no auth),
     ``disable_log_requests``, ``disable_log_stats`` (False: while the app runs, the
     engine's stats line is logged every ``log_stats_interval()`` seconds), ``response_role``,
     ``enable_auto_tool_choice`` and ``tool_call_parser`` (tool calling with ``tool_choice="auto"``),
@@ -238,6 +240,7 @@ def build_app(engine: Any, args: Any) -> FastAPI:
     """
     served_names = list(getattr(args, "served_model_name", None) or [engine.model_config.model])
     api_key = getattr(args, "api_key", None)
+    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     log_requests = not getattr(args, "disable_log_requests", False)
     renderer = PromptRenderer(engine.get_tokenizer(), getattr(args, "chat_template", None))
     model_config = engine.model_config
@@ -275,8 +278,8 @@ def build_app(engine: Any, args: Any) -> FastAPI:
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan, root_path=root_path)
     app.state.engine = engine
     register_exception_handlers(app)
-    if api_key:
-        app.add_middleware(AuthenticationMiddleware, api_key=api_key)
+    if api_keys:
+        app.add_middleware(AuthenticationMiddleware, api_keys=api_keys)
     # NOTE: added last, so it runs first: CORS preflights are answered without an API key,
     # and 401 answers carry the CORS headers a browser needs to read them.
     app.add_middleware(

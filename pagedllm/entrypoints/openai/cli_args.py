@@ -203,9 +203,9 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "Default: the tokenizer's.",
     )  # fmt: skip
     server.add_argument(
-        "--api-key", default=None,
-        help="Require 'Authorization: Bearer <key>' on every route except /health and /metrics. "
-        f"Also read from ${API_KEY_ENV_VARS[0]}, then ${API_KEY_ENV_VARS[1]}.",
+        "--api-key", default=None, nargs="+", metavar="KEY",
+        help="Require 'Authorization: Bearer <key>', with one of these keys, on every route except /health "
+        f"and /metrics. Also read from ${API_KEY_ENV_VARS[0]}, then ${API_KEY_ENV_VARS[1]} (one key).",
     )  # fmt: skip
     server.add_argument("--disable-log-requests", action="store_true", help="Do not log each request.")
     server.add_argument(
@@ -557,13 +557,14 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_api_key(args: argparse.Namespace) -> Optional[str]:
-    """``--api-key``, else ``$PAGEDLLM_API_KEY``, else ``$VLLM_API_KEY``, else None."""
+def resolve_api_key(args: argparse.Namespace) -> Optional[list[str]]:
+    """The accepted keys: ``--api-key``'s (one or more, as vLLM), else ``$PAGEDLLM_API_KEY``,
+    else ``$VLLM_API_KEY``, else None."""
     if args.api_key:
-        return args.api_key
+        return list(args.api_key)
     for name in API_KEY_ENV_VARS:
         if os.environ.get(name):
-            return os.environ[name]
+            return [os.environ[name]]
     return None
 
 

@@ -119,10 +119,11 @@ def test_api_key_sources(monkeypatch):
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     assert resolve_api_key(_parse()) is None
     monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
-    assert resolve_api_key(_parse()) == "from-vllm"
+    assert resolve_api_key(_parse()) == ["from-vllm"]
     monkeypatch.setenv("PAGEDLLM_API_KEY", "from-pagedllm")
-    assert resolve_api_key(_parse()) == "from-pagedllm"
-    assert resolve_api_key(_parse("--api-key", "from-flag")) == "from-flag"
+    assert resolve_api_key(_parse()) == ["from-pagedllm"]
+    assert resolve_api_key(_parse("--api-key", "from-flag")) == ["from-flag"]
+    assert resolve_api_key(_parse("--api-key", "k1", "k2")) == ["k1", "k2"]  # vLLM: any of them
 
 
 def test_chat_template_file_or_literal(tmp_path):
