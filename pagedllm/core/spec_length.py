@@ -55,18 +55,21 @@ class _Acceptance:
     probe_interval: int = _PROBE_FIRST
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens one step yields with k drafts each accepted with probability ``alpha`` once
-    the previous ones were: 1 + alpha + ... + alpha^k (the target's own token included)."""
-    return sum(alpha**i for i in range(k + 1))
-
-
 def best_length(alpha: float, cost: float, max_tokens: int) -> int:
     """The k in 0 .. ``max_tokens`` with the most expected tokens per unit of step cost,
-    E(k) / (1 + k ``cost``) (``cost``: one draft token relative to a plain step); ties go to
-    the shorter."""
-    rates = [expected_tokens(alpha, k) / (1.0 + k * cost) for k in range(max_tokens + 1)]
-    return max(range(max_tokens + 1), key=lambda k: (rates[k], -k))
+    E(k) / (1 + k ``cost``) (``cost``: one draft token relative to a plain step; E(k) =
+    1 + alpha + ... + alpha^k, the tokens a step yields with k drafts each accepted with
+    probability ``alpha`` once the previous ones were); ties go to the shorter. Runs once per
+    request and step: E(k) is built up term by term."""
+    best, best_rate = 0, 1.0
+    expected, term = 1.0, 1.0
+    for k in range(1, max_tokens + 1):
+        term *= alpha
+        expected += term
+        rate = expected / (1.0 + k * cost)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
 
 
 class SpeculationLength:

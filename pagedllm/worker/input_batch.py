@@ -7,8 +7,9 @@ built by vectorised indexing instead of per-token Python loops. A request is add
 The requests' sampling settings live here too, per row (numpy columns, plus sparse dicts
 for the rare per-request extras: logit bias, min_tokens, seeds). ``sampling_metadata``
 turns them into the sampler's ``SamplingMetadata`` for the rows sampled in a step, and
-keeps it while the batch and those rows stay the same: a steady decode batch rebuilds
-nothing, only the per-step seeds and min_tokens rows are refreshed.
+keeps it while the batch stays the same, for each of the last few row lists (speculative
+decoding samples a request at 1 + k positions, k changing from step to step): a steady
+decode batch rebuilds nothing, only the per-step seeds and min_tokens rows are refreshed.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.messages.sched_output import NewRequestData
 from pagedllm.model_executor.sampling_metadata import SamplingMetadata, min_tokens_blocked_ids
 from pagedllm.sampling_params import _GREEDY_TEMPERATURE, SamplingParams
+
+
+#: Sampling views kept per batch version: enough for a request sampled at 1 .. 1 + k positions
+#: (k <= 7), the row lists of a speculative batch-1 decode.
+_MAX_VIEWS = 8
 
 
 def seed_for_step(seed: int, num_output_tokens: int) -> int:
@@ -52,7 +58,6 @@ class _SamplingView:
     (the requests' own lists, which grow in place), for penalties only.
     """
 
-    version: int
     rows: np.ndarray
     metadata: SamplingMetadata
     seeded: list[tuple[int, torch.Generator, int]]
@@ -95,9 +100,11 @@ class InputBatch:
         self.min_tokens: dict[int, tuple[int, set[int]]] = {}
         self.generators: dict[int, tuple[torch.Generator, int]] = {}
         self.output_token_ids: dict[int, list[int]] = {}
-        # Bumped whenever a row changes hands: a cached view is stale after it.
+        # Bumped whenever a row changes hands: the cached views are stale after it.
         self._version = 0
-        self._view: Optional[_SamplingView] = None
+        # The views of the current version, by their rows' bytes (at most _MAX_VIEWS).
+        self._views: dict[bytes, _SamplingView] = {}
+        self._views_version = 0
 
     def add_request(self, new: NewRequestData) -> None:
         """Give a new (or resumed) request a row.
@@ -177,6 +184,8 @@ class InputBatch:
         """[R] float32 per row: the temperature at which a draft model samples its drafts,
         0 to draft greedily. Greedy and seeded requests draft greedily (so a seeded request
         gives the tokens it gives without speculation: ``spec_decode.rejection_sampler``)."""
+        if not self.generators:
+            return self.temperature[rows]
         seeded = np.isin(rows, np.fromiter(self.generators, dtype=np.int64, count=len(self.generators)))
         return np.where(seeded, 0.0, self.temperature[rows]).astype(np.float32)
 
@@ -185,9 +194,10 @@ class InputBatch:
                           vocab_size: int) -> SamplingMetadata:
         """The sampler's metadata for one sampled position per entry of ``rows``.
 
-        Reused from the previous step when no request was added or removed since and
-        ``rows`` are the same; its seeds, min_tokens rows and (for penalties) output
-        tokens are then refreshed from ``num_output_tokens``.
+        Reused from an earlier step when no request was added or removed since and
+        ``rows`` are the same (one of the last ``_MAX_VIEWS`` row lists); its seeds,
+        min_tokens rows and (for penalties) output tokens are then refreshed from
+        ``num_output_tokens``.
 
         Args:
             rows: [S] int64 batch rows, in sampling order; a row appears once per position
@@ -200,9 +210,15 @@ class InputBatch:
             a ``SamplingMetadata`` whose row j describes entry j (tensors on the batch's
             device); valid until the next call.
         """
-        view = self._view
-        if view is None or view.version != self._version or not np.array_equal(view.rows, rows):
-            view = self._view = self._make_view(rows, vocab_size)
+        if self._views_version != self._version:
+            self._views.clear()
+            self._views_version = self._version
+        key = rows.astype(np.int64, copy=False).tobytes()
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= _MAX_VIEWS:
+                self._views.clear()
+            view = self._views[key] = self._make_view(rows, vocab_size)
         metadata = view.metadata
         for j, generator, seed in view.seeded:
             generator.manual_seed(seed_for_step(seed, int(num_output_tokens[j])))
@@ -263,7 +279,7 @@ class InputBatch:
         min_tokens = [(j, m, blocked) for row, (m, blocked) in self.min_tokens.items()
                       for j in np.flatnonzero(rows == row).tolist()]
         outputs = [] if no_penalties else [self.output_token_ids[row] for row in row_list]
-        return _SamplingView(self._version, rows.copy(), metadata, seeded, min_tokens, outputs)
+        return _SamplingView(rows.copy(), metadata, seeded, min_tokens, outputs)
 
     def _padded_prompts(self, rows: np.ndarray, vocab_size: int) -> torch.Tensor:
         """[S, max_prompt_len] int64 prompt ids of ``rows``, padded with ``vocab_size``."""

@@ -81,6 +81,34 @@ def test_ngram_proposer():
                             np.zeros(2)) == ([[2, 1], [4]], {})
 
 
+
+def _ngram_reference(tokens: list[int], max_tokens: int, min_n: int, max_n: int) -> list[int]:
+    """vLLM's rule by brute force: the longest suffix (min_n .. max_n tokens) that occurs
+    earlier, its earliest occurrence, the tokens after it."""
+    last = len(tokens) - 1
+    for n in range(min(max_n, last), min_n - 1, -1):
+        for start in range(last - n + 1):
+            if tokens[start : start + n] == tokens[last + 1 - n :]:
+                return tokens[start + n : start + n + max_tokens]
+    return []
+
+
+def test_ngram_proposer_matches_reference_and_whole_tokens():
+    """The byte search finds what the brute-force rule finds, on token ids of several
+    bytes too, and never a match that straddles tokens."""
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        tokens = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 40)))
+        if rng.random() < 0.5:
+            tokens = tokens * 65793 + 257  # ids of 3 nonzero bytes
+        for min_n, max_n in ((1, 1), (1, 3), (2, 4), (3, 5)):
+            got = NgramProposer(min_n, max_n).propose_one(tokens, 4)
+            assert got == _ngram_reference(tokens.tolist(), 4, min_n, max_n)
+    assert NgramProposer(2, 2).propose_one(np.array([1, 256, 1, 9, 256, 1]), 2) == [9, 256]
+    # The suffix [1, 1]'s bytes (01 00 x 7, 01 00 x 7) occur one byte into [256, 256, 512]'s
+    # (00 01 00 x 6, 00 01 00 x 6, 00 02 ..): not a token match, so nothing is proposed.
+    assert NgramProposer(2, 2).propose_one(np.array([256, 256, 512, 9, 1, 1]), 2) == []
+
 def test_scheduler_budgets_drafts_and_rolls_back_rejected(tiny_llama, tokenizer):
     """A request brings its drafts into the next step (1 + k tokens, lookahead reserved for a
     draft model); rejected ones are taken off num_computed_tokens."""

@@ -8,20 +8,22 @@ import itertools
 import pytest
 
 from pagedllm import SamplingParams
-from pagedllm.core.spec_length import SpeculationLength, best_length, expected_tokens
+from pagedllm.core.spec_length import SpeculationLength, best_length
 from tests.helpers import check_block_accounting, float32_llm, hf_greedy, random_prompts
 from tests.spec_decode.test_spec_greedy_equality import record_spec_stats
 
 
-def test_expected_tokens_and_best_length():
-    assert expected_tokens(0.5, 0) == 1.0
-    assert expected_tokens(0.5, 3) == pytest.approx(1.875)
-    assert expected_tokens(1.0, 4) == 5.0
+def test_best_length():
     assert best_length(0.0, 0.1, 4) == 0  # nothing accepted: drafting only costs
     assert best_length(1.0, 0.1, 4) == 4  # everything accepted: the cap
     assert best_length(0.5, 0.0, 8) == 8  # free drafts (n-gram): any acceptance pays
     # alpha 0.6, cost 0.1: E(k) / (1 + 0.1 k) = 1.45, 1.63, 1.67, 1.65 for k = 1 .. 4.
     assert best_length(0.6, 0.1, 4) == 3
+    # The same as maximising E(k) / (1 + k cost), E(k) = sum of alpha^i for i <= k, directly.
+    for alpha, cost, cap in itertools.product((0.0, 0.05, 0.3, 0.5, 0.8, 0.95, 1.0), (0.0, 0.02, 0.1, 0.4, 2.0),
+                                              (1, 4, 8)):
+        rates = [sum(alpha**i for i in range(k + 1)) / (1.0 + k * cost) for k in range(cap + 1)]
+        assert best_length(alpha, cost, cap) == max(range(cap + 1), key=lambda k: (rates[k], -k))
 
 
 def lengths(rule: SpeculationLength, accepted: bool, steps: int) -> list[int]:

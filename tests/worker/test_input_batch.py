@@ -92,6 +92,21 @@ def test_view_is_reused_until_the_batch_changes_and_follows_the_outputs():
     assert c.row not in batch.generators and c.row not in batch.output_token_ids
 
 
+
+def test_views_of_several_row_lists_are_kept():
+    """Speculative decoding samples a request at 1 + k positions, k changing from step to
+    step: each row list keeps its view, refreshed for the step, until the batch changes."""
+    batch = make_batch()
+    state = add(batch, "s", [1, 2], SamplingParams(frequency_penalty=1.0), outputs=[5])
+    views = {k: batch.sampling_metadata(np.full(1 + k, state.row), np.arange(1, 2 + k), VOCAB) for k in range(5)}
+    assert len({id(v) for v in views.values()}) == 5
+    batch.append_token(state, 6)
+    again = batch.sampling_metadata(np.full(3, state.row), np.array([2, 3, 4]), VOCAB)
+    assert again is views[2]
+    assert again.output_token_ids == [[5, 6], [5, 6, 0], [5, 6, 0, 0]]  # drafts past the outputs: token_ids
+    add(batch, "t", [3], SamplingParams())
+    assert batch.sampling_metadata(np.full(3, state.row), np.array([2, 3, 4]), VOCAB) is not views[2]
+
 def test_seeded_rows_are_reseeded_for_their_output_position():
     batch = make_batch()
     seeded = add(batch, "s", [1, 2, 3], SamplingParams(seed=42), outputs=[5, 6])
