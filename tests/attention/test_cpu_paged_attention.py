@@ -104,6 +104,56 @@ def test_kernel_matches_torch_path(isa_kernel, shape, dtype, path):
     _assert_close(out, expected, dtype)
 
 
+
+def _runs_case(num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    """Query tokens as CPU_ATTN's builder lays out a step: per request, its tokens in a row,
+    each with the request's block table and its own position + 1 as length. Requests: a
+    verifying step (5 tokens), a decode, a 12-token chunk crossing blocks, a decode whose
+    length follows the previous token's (another table: not one run), a prompt from
+    position 0. Each token's table past its own blocks is padding that differs (-1)."""
+    gen = torch.Generator().manual_seed(seed)
+    requests = [(40, 5), (23, 1), (block_size - 3, 12), (block_size + 10, 1), (0, 7)]
+    max_blocks = max(math.ceil((start + count) / block_size) for start, count in requests) + 1
+    num_blocks = len(requests) * max_blocks + 2
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables, lens = [], []
+    for r, (start, count) in enumerate(requests):
+        blocks = perm[r * max_blocks : (r + 1) * max_blocks]
+        for j in range(count):
+            n = start + j + 1
+            row = blocks.clone()
+            row[math.ceil(n / block_size) :] = -1
+            tables.append(row)
+            lens.append(n)
+    lens[len(lens) - 8] = lens[len(lens) - 9] + 1  # the decode after the chunk: consecutive length
+    table, seq_lens = torch.stack(tables), torch.tensor(lens, dtype=torch.int64)
+    query = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype)
+    return query, kv_cache, table, seq_lens
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(4, 2, 64, 16), (8, 8, 128, 8), (8, 2, 64, 16), (3, 3, 48, 5), (14, 2, 64, 16),
+                                   (4, 1, 32, 32)], ids=lambda s: "Hq{}-Hkv{}-D{}-bs{}".format(*s))
+def test_kernel_runs_of_tokens_over_one_context(isa_kernel, shape, dtype):
+    """Consecutive tokens over one context (a prompt chunk, a verifying step's 1 + k) are
+    computed together on the vector paths (up to 8 / G per run): each still attends to its
+    own positions only, as the float64 reference, and as the kernel does token by token."""
+    query, kv_cache, table, seq_lens = _runs_case(*shape, dtype)
+    scale = shape[2] ** -0.5
+    out = torch.full_like(query, float("nan"))
+    isa_kernel.paged_decode_attention(out, query, kv_cache[0], kv_cache[1], table, seq_lens, scale)
+    _assert_close(out, _reference(query, kv_cache, table.clamp_min(0), seq_lens, scale), dtype)
+    one_by_one = torch.cat([_one_token(isa_kernel, query, kv_cache, table, seq_lens, scale, b) for b in range(len(query))])
+    assert torch.equal(out, one_by_one)
+
+
+def _one_token(kernel, query, kv_cache, table, seq_lens, scale, b):
+    out = torch.empty_like(query[b : b + 1])
+    kernel.paged_decode_attention(out, query[b : b + 1], kv_cache[0], kv_cache[1], table[b : b + 1],
+                                  seq_lens[b : b + 1], scale)
+    return out
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_kernel_never_reads_past_seq_len(isa_kernel, dtype):
     """NaN beyond each seq_len in its last block, and invalid ids in the table's padding,

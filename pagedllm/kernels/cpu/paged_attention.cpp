@@ -19,7 +19,11 @@
 //
 // Work: one (request, kv head) pair at a time; the G = Hq / Hkv query heads of that kv head
 // are computed together, so each K and V row is loaded once (G > 8 is split into sub-groups
-// of at most 8). Two passes in float32: the scores q.k of the whole context into a
+// of at most 8). Consecutive query tokens over one context (a prompt chunk's tokens, or a
+// speculative verifying step's 1 + k: equal block tables over the blocks each reads, lengths
+// growing by one) are computed together too on the vector paths, up to 8 / G tokens, as
+// G x tokens "heads" sharing each K and V row load; token j of such a run has its own length
+// (its scores past it get weight 0; the later tokens' rows it skips are in the cache). Two passes in float32: the scores q.k of the whole context into a
 // per-thread buffer, softmax, then the weighted sum of V. The rows of a request are visited
 // 16 tokens at a time (a "tile", whatever the block size), through a cursor that walks the
 // block table and software-prefetches the rows of the blocks 32 tokens ahead into L2: blocks
@@ -191,13 +195,22 @@ constexpr float kRowLoadFactor = 1.f;
 template <>
 constexpr float kRowLoadFactor<c10::Float8_e4m3fn> = 256.f;
 
-// Query heads [h * group + g0, h * group + g0 + count) against kv head h of request b.
+// Query heads [h * group + g0, h * group + g0 + count) of query tokens b .. b + tokens - 1
+// (one context: a run, see the header) against kv head h; n is the last token's length
+// (token j's is n - (tokens - 1 - j)), and the last token's block table row is read.
+// Member i of the G = count x tokens computed together is head g0 + i % count of token
+// b + i / count.
 struct Work {
-  int64_t b, h, g0, count, n;
+  int64_t b, h, g0, count, n, tokens;
+
+  int64_t token(int64_t i) const { return b + i / count; }
+  int64_t head(const Params& p, int64_t i) const { return h * p.group + g0 + i % count; }
+  int64_t len(int64_t i) const { return n - (tokens - 1 - i / count); }
+  int64_t table_row() const { return b + tokens - 1; }
 };
 
 // ---------------------------------------------------------------------------------------------
-// Portable path.
+// Portable path (single query tokens: runs are formed on the vector paths only).
 
 template <typename T, typename C>
 void attend_portable(const Params& p, const Ptrs<T, C>& x, const Work& wk, const Scratch& w) {
@@ -509,7 +522,7 @@ PAGEDLLM_INLINE void pv_tile_bf16(const R* const* rows, int cnt, const uint16_t*
 
 template <typename T, typename C, int G>
 void attend_avx512(const Params& p, const Ptrs<T, C>& x, const Work& wk, const Scratch& w) {
-  const int64_t D = p.head_dim, cap = w.cap, n = wk.n, b = wk.b, h = wk.h;
+  const int64_t D = p.head_dim, cap = w.cap, n = wk.n, h = wk.h;
   float *scores = w.scores, *acc = w.acc;
 #if defined(__AVX512BF16__)
   // bfloat16 queries over a bfloat16 or FP8 cache: vdpbf16ps (FP8 rows widened to bfloat16).
@@ -521,18 +534,19 @@ void attend_avx512(const Params& p, const Ptrs<T, C>& x, const Work& wk, const S
   // The float32 path reads e4m3 as its value x 2^-8 (load16); the scales restore it.
   const float widen = bf16_dot ? 1.f : kRowLoadFactor<C>;
   const C* zero_row = reinterpret_cast<const C*>(kZeroRow);
-  const T* q_head = x.q + b * p.q_sb + (h * p.group + wk.g0) * p.q_sh;
   const C* rows[kTile];
 
   // Pass 1: scores.
-  RowCursor<C> keys(p, x.block_table, b, x.k + h * p.k_sh, p.k_sb, p.k_st, n);
+  RowCursor<C> keys(p, x.block_table, wk.table_row(), x.k + h * p.k_sh, p.k_sb, p.k_st, n);
   if (bf16_dot) {
     uint16_t* qp = reinterpret_cast<uint16_t*>(w.q);
-    for (int g = 0; g < G; ++g) std::memcpy(qp + g * D, q_head + g * p.q_sh, D * sizeof(T));
+    for (int g = 0; g < G; ++g) std::memcpy(qp + g * D, x.q + wk.token(g) * p.q_sb + wk.head(p, g) * p.q_sh, D * sizeof(T));
   } else {
     const __m512 sc = _mm512_set1_ps(p.scale * p.k_scale * widen);
-    for (int g = 0; g < G; ++g)
-      for (int64_t c = 0; c < D; c += 16) _mm512_store_ps(w.q + g * D + c, _mm512_mul_ps(load16(q_head + g * p.q_sh + c), sc));
+    for (int g = 0; g < G; ++g) {
+      const T* q = x.q + wk.token(g) * p.q_sb + wk.head(p, g) * p.q_sh;
+      for (int64_t c = 0; c < D; c += 16) _mm512_store_ps(w.q + g * D + c, _mm512_mul_ps(load16(q + c), sc));
+    }
   }
   for (int64_t t0 = 0; t0 < n; t0 += kTile) {
     const int cnt = static_cast<int>(std::min<int64_t>(kTile, n - t0));
@@ -554,11 +568,16 @@ void attend_avx512(const Params& p, const Ptrs<T, C>& x, const Work& wk, const S
     qk_tile_f32<C, G>(w.q, D, rows, scores + t0, cap);
   }
 
-  // Softmax (V rows start arriving meanwhile).
-  RowCursor<C> values(p, x.block_table, b, x.v + h * p.v_sh, p.v_sb, p.v_st, n);
+  // Softmax (V rows start arriving meanwhile), each member over its own length; its weights
+  // past it are 0 up to the last tile.
+  RowCursor<C> values(p, x.block_table, wk.table_row(), x.v + h * p.v_sh, p.v_sb, p.v_st, n);
   float inv_sum[G];
-  for (int g = 0; g < G; ++g) inv_sum[g] = softmax_inplace(scores + g * cap, n) * p.v_scale * widen;
   const int64_t n_tiles = round_up(n, kTile);
+  for (int g = 0; g < G; ++g) {
+    const int64_t len = wk.len(g);
+    inv_sum[g] = softmax_inplace(scores + g * cap, len) * p.v_scale * widen;
+    for (int64_t i = round_up(len, 16); i < n_tiles; i += 16) _mm512_storeu_ps(scores + g * cap + i, _mm512_setzero_ps());
+  }
   if (bf16_dot) {  // weights to bfloat16 (round to nearest even)
     for (int g = 0; g < G; ++g) {
       for (int64_t i = 0; i < n_tiles; i += 16) {
@@ -587,7 +606,7 @@ void attend_avx512(const Params& p, const Ptrs<T, C>& x, const Work& wk, const S
   }
 
   for (int g = 0; g < G; ++g) {
-    T* o = x.o + b * p.o_sb + (h * p.group + wk.g0 + g) * p.o_sh;
+    T* o = x.o + wk.token(g) * p.o_sb + wk.head(p, g) * p.o_sh;
     const __m512 inv = _mm512_set1_ps(inv_sum[g]);
     const float* a = acc + g * D;
     if (bf16_dot) {  // undo the unpacklo/hi_epi16 order
@@ -650,14 +669,15 @@ template <typename T, typename C, int G>
 void attend_vec(const Params& p, const Ptrs<T, C>& x, const Work& wk, const Scratch& w) {
   using namespace pagedllm_simd;
   constexpr int64_t kW = kVecWidth;
-  const int64_t D = p.head_dim, cap = w.cap, n = wk.n, b = wk.b, h = wk.h;
+  const int64_t D = p.head_dim, cap = w.cap, n = wk.n, h = wk.h;
   float *scores = w.scores, *acc = w.acc, *qf = w.q;
-  const T* q_head = x.q + b * p.q_sb + (h * p.group + wk.g0) * p.q_sh;
   const VecF scale = vset1(p.scale * p.k_scale * kRowLoadFactor<C>);
-  for (int g = 0; g < G; ++g)
-    for (int64_t c = 0; c < D; c += kW) vstore(qf + g * D + c, vload(q_head + g * p.q_sh + c) * scale);
+  for (int g = 0; g < G; ++g) {
+    const T* q = x.q + wk.token(g) * p.q_sb + wk.head(p, g) * p.q_sh;
+    for (int64_t c = 0; c < D; c += kW) vstore(qf + g * D + c, vload(q + c) * scale);
+  }
 
-  RowCursor<C> keys(p, x.block_table, b, x.k + h * p.k_sh, p.k_sb, p.k_st, n);
+  RowCursor<C> keys(p, x.block_table, wk.table_row(), x.k + h * p.k_sh, p.k_sb, p.k_st, n);
   for (int64_t t = 0; t < n; ++t) {
     const C* k = keys.next();
     VecF a[G];
@@ -669,9 +689,13 @@ void attend_vec(const Params& p, const Ptrs<T, C>& x, const Work& wk, const Scra
     for (int g = 0; g < G; ++g) scores[g * cap + t] = vreduce_add(a[g]);
   }
 
-  RowCursor<C> values(p, x.block_table, b, x.v + h * p.v_sh, p.v_sb, p.v_st, n);
+  RowCursor<C> values(p, x.block_table, wk.table_row(), x.v + h * p.v_sh, p.v_sb, p.v_st, n);
   float inv_sum[G];
-  for (int g = 0; g < G; ++g) inv_sum[g] = softmax_vec(scores + g * cap, n) * p.v_scale * kRowLoadFactor<C>;
+  for (int g = 0; g < G; ++g) {  // each member over its own length; weight 0 past it
+    const int64_t len = wk.len(g);
+    inv_sum[g] = softmax_vec(scores + g * cap, len) * p.v_scale * kRowLoadFactor<C>;
+    std::fill(scores + g * cap + len, scores + g * cap + n, 0.f);
+  }
   std::fill(acc, acc + G * D, 0.f);
   const C* rows[kTile];
   for (int64_t t0 = 0; t0 < n; t0 += kTile) {
@@ -688,7 +712,7 @@ void attend_vec(const Params& p, const Ptrs<T, C>& x, const Work& wk, const Scra
     }
   }
   for (int g = 0; g < G; ++g) {
-    T* o = x.o + b * p.o_sb + (h * p.group + wk.g0 + g) * p.o_sh;
+    T* o = x.o + wk.token(g) * p.o_sb + wk.head(p, g) * p.o_sh;
     const VecF inv = vset1(inv_sum[g]);
     for (int64_t c = 0; c < D; c += kW) vstore(o + c, vload(acc + g * D + c) * inv);
   }
@@ -741,6 +765,17 @@ Kernels<T, C> pick_kernels(const Params& p, bool force_portable) {
   return k;
 }
 
+// Whether query token a + 1 continues token a's run (see the header): one more token over
+// the same context, its block table equal to a's over the blocks a reads.
+inline bool continues_run(const Params& p, const int64_t* block_table, const int64_t* seq_lens, int64_t a) {
+  const int64_t n = seq_lens[a * p.sl_s0], next = seq_lens[(a + 1) * p.sl_s0];
+  if (n < 1 || next != n + 1 || next > p.max_blocks * p.block_size) return false;
+  const int64_t used = (n + p.block_size - 1) / p.block_size;
+  for (int64_t i = 0; i < used; ++i)
+    if (block_table[a * p.bt_s0 + i * p.bt_s1] != block_table[(a + 1) * p.bt_s0 + i * p.bt_s1]) return false;
+  return true;
+}
+
 template <typename T, typename C>
 void run(const Params& p, const Ptrs<T, C>& x, bool force_portable) {
   const Kernels<T, C> kernels = pick_kernels<T, C>(p, force_portable);
@@ -748,16 +783,30 @@ void run(const Params& p, const Ptrs<T, C>& x, bool force_portable) {
   // kMaxGroup, split evenly (G = 10 -> 5 + 5).
   const int64_t num_sub = kernels.vector ? (p.group + kMaxGroup - 1) / kMaxGroup : 1;
   const int64_t sub = (p.group + num_sub - 1) / num_sub;
-  // Items: whole requests when there are enough to balance the threads, else (request, kv head).
+  // Runs of query tokens over one context, up to kMaxGroup heads in all (vector path, whole
+  // groups only): [start, start + length) per run.
+  const int64_t max_run = kernels.vector && num_sub == 1 ? kMaxGroup / p.group : 1;
+  std::vector<int64_t> run_start;
+  run_start.reserve(p.batch + 1);
+  for (int64_t b = 0; b < p.batch;) {
+    run_start.push_back(b);
+    int64_t length = 1;
+    while (length < max_run && b + length < p.batch && continues_run(p, x.block_table, x.seq_lens, b + length - 1))
+      ++length;
+    b += length;
+  }
+  const int64_t num_runs = static_cast<int64_t>(run_start.size());
+  run_start.push_back(p.batch);
+  // Items: whole runs when there are enough to balance the threads, else (run, kv head).
   const int64_t threads = std::max(at::get_num_threads(), 1);
-  const int64_t heads_per_item = p.batch >= 4 * threads ? p.num_kv_heads : 1;
-  const int64_t items_per_request = p.num_kv_heads / heads_per_item;
-  const int64_t total = p.batch * items_per_request;
+  const int64_t heads_per_item = num_runs >= 4 * threads ? p.num_kv_heads : 1;
+  const int64_t items_per_run = p.num_kv_heads / heads_per_item;
+  const int64_t total = num_runs * items_per_run;
   const int64_t cap = round_up(std::max<int64_t>(p.max_blocks * p.block_size, kTile), 32);
   const int64_t num_tasks = std::min<int64_t>(threads, total);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, num_tasks, 1, [&](int64_t, int64_t) {
-    const int64_t G = sub, gd = round_up(G * p.head_dim, 16);
+    const int64_t G = sub * max_run, gd = round_up(G * p.head_dim, 16);
     const int64_t sizes[] = {G * cap, G * cap / 2, gd, gd, p.head_dim, G};
     int64_t total_floats = 16;
     for (int64_t s : sizes) total_floats += round_up(s, 16);
@@ -772,12 +821,13 @@ void run(const Params& p, const Ptrs<T, C>& x, bool force_portable) {
     for (;;) {
       const int64_t item = next.fetch_add(1, std::memory_order_relaxed);
       if (item >= total) break;
-      const int64_t b = item / items_per_request, h0 = item % items_per_request * heads_per_item;
-      const int64_t n = x.seq_lens[b * p.sl_s0];
+      const int64_t r = item / items_per_run, h0 = item % items_per_run * heads_per_item;
+      const int64_t b = run_start[r], tokens = run_start[r + 1] - b, last = b + tokens - 1;
+      const int64_t n = x.seq_lens[last * p.sl_s0];
       TORCH_CHECK(n >= 0 && n <= p.max_blocks * p.block_size, "paged_decode_attention: seq_len ", n, " of request ",
-                  b, " exceeds its block table (", p.max_blocks, " blocks of ", p.block_size, ")");
+                  last, " exceeds its block table (", p.max_blocks, " blocks of ", p.block_size, ")");
       for (int64_t h = h0; h < h0 + heads_per_item; ++h) {
-        if (n == 0) {
+        if (n == 0) {  // (a run's tokens have n >= 1)
           for (int64_t g = 0; g < p.group; ++g) {
             T* o = x.o + b * p.o_sb + (h * p.group + g) * p.o_sh;
             std::fill(o, o + p.head_dim, static_cast<T>(0.f));
@@ -786,8 +836,8 @@ void run(const Params& p, const Ptrs<T, C>& x, bool force_portable) {
         }
         for (int64_t g0 = 0; g0 < p.group; g0 += sub) {
           const int64_t count = std::min(sub, p.group - g0);
-          const Work wk{b, h, g0, count, n};
-          kernels.by_group[kernels.vector ? count : 0](p, x, wk, w);
+          const Work wk{b, h, g0, count, n, tokens};
+          kernels.by_group[kernels.vector ? count * tokens : 0](p, x, wk, w);
         }
       }
     }
