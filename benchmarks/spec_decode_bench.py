@@ -12,8 +12,12 @@ greedy, EOS ignored, timed step by step) on each in turn, round after round with
 prompts for both engines in a round and the order flipped every round, so machine load
 that drifts during the run falls on both alike. Per batch size it prints each round's
 decode tokens/s (tokens after each request's first, per second of decode steps), the
-median of the per-round ratios spec / plain, and the mean acceptance length (decode
-tokens per request per step: 1 + accepted drafts; vLLM's "Mean acceptance length").
+median of the per-round ratios spec / plain, the pooled ratio (all rounds' plain decode
+time over all rounds' spec decode time: the same tokens), and the mean acceptance length
+(decode tokens per request per step: 1 + accepted drafts; vLLM's "Mean acceptance length").
+Where acceptance varies from prompt to prompt (n-gram lookup), the median round is the
+prompt of median acceptance, below the mean acceptance printed; the pooled ratio weighs
+every prompt by its decode time.
 ``--output-json`` keeps every round. On a loaded machine, ``--cpu-time`` (with
 ``--num-threads 1``) times the decode steps by the process's CPU time instead of the wall
 clock, so other jobs' bursts do not land on one side of a round.
@@ -118,12 +122,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "median_ratio": float(np.median([row["ratio"] for row in rounds])),
             "plain_decode_tokens_per_s": float(np.median([row["plain"]["decode_tokens_per_s"] for row in rounds])),
             "spec_decode_tokens_per_s": float(np.median([row["spec"]["decode_tokens_per_s"] for row in rounds])),
+            "pooled_ratio": (sum(1.0 / row["plain"]["decode_tokens_per_s"] for row in rounds)
+                             / sum(1.0 / row["spec"]["decode_tokens_per_s"] for row in rounds)),
             "mean_acceptance_length": float(np.mean([row["spec"]["tokens_per_request_step"] for row in rounds])),
             "rounds": rounds,
         }
         result["batch_sizes"][batch_size] = summary
         print(f"batch {batch_size}: median speed-up {summary['median_ratio']:.2f}x "
               f"({summary['plain_decode_tokens_per_s']:.1f} -> {summary['spec_decode_tokens_per_s']:.1f} decode {unit}), "
+              f"pooled {summary['pooled_ratio']:.2f}x, "
               f"mean acceptance length {summary['mean_acceptance_length']:.2f} "
               f"(k = {args.speculative_config.get('num_speculative_tokens')})", flush=True)
     return result

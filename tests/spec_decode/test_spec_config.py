@@ -178,6 +178,33 @@ def test_bench_latency_with_ngram_on_the_repeat_dataset(tmp_path, capsys):
     assert "repeat dataset" in capsys.readouterr().out
 
 
+
+def test_spec_decode_bench_cpu_time_and_pooled_ratio(tmp_path):
+    """benchmarks/spec_decode_bench.py on the shipped model: per-round ratios, their median,
+    the pooled ratio (all plain decode time over all spec decode time) and, with --cpu-time,
+    steps timed by CPU time."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "spec_decode_bench.py"
+    module_spec = importlib.util.spec_from_file_location("spec_decode_bench", path)
+    bench = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(bench)
+    out = tmp_path / "spec.json"
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+    assert bench.main(["--dataset-name", "repeat", "--batch-sizes", "1", "--input-len", "64", "--output-len", "12",
+                       "--rounds", "2", "--num-iters-warmup", "0", "--kv-cache-memory-bytes", str(16 << 20),
+                       "--cpu-time", "--speculative-config", spec, "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["cpu_time"] is True
+    summary = r["batch_sizes"]["1"]
+    rounds = summary["rounds"]
+    assert len(rounds) == 2 and all(row["ratio"] > 0 for row in rounds)
+    plain = sum(1 / row["plain"]["decode_tokens_per_s"] for row in rounds)
+    assert summary["pooled_ratio"] == pytest.approx(plain / sum(1 / row["spec"]["decode_tokens_per_s"] for row in rounds))
+    assert summary["median_ratio"] == pytest.approx(sum(row["ratio"] for row in rounds) / 2)
+
 def test_repeat_dataset_prompts_repeat_their_start(tokenizer):
     from pagedllm.benchmarks.datasets import REPEAT_CUE_TOKENS, repeat_dataset
 
