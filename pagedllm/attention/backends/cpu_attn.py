@@ -4,8 +4,10 @@ The kernel computes decode attention (one query per request), reading K/V straig
 blocks by block table, threaded over (request, kv head). Prefill tokens go through it too,
 each as one more decode query: the builder gives every token its request's block table and
 its position + 1 as context length (causal attention over the cached tokens and the chunk,
-whose K/V are in the cache by then). One kernel call per layer attends every token of the
-step: 3x PyTorch's CPU flash attention on 128-token prompts, still faster at 8,192.
+whose K/V are in the cache by then); the kernel computes such consecutive tokens of one
+context (a chunk, or a speculative verifying step's 1 + k) together, each K/V row loaded once
+for several of them. One kernel call per layer attends every token of the step: 3x
+PyTorch's CPU flash attention on 128-token prompts, still faster at 8,192.
 
 A decode-only step (the hot path) takes the runner's per-request arrays as they are.
 
