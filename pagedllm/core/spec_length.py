@@ -13,7 +13,12 @@ request's length is chosen anew each step (no torch; the scheduler calls it):
 * cost: one draft token's cost relative to a plain step's share per request, measured from
   the engine's steps: a least-squares line of (step seconds / requests) against (draft
   tokens proposed and verified in the step / requests), decaying with ``_COST_DECAY`` per
-  step, never below ``_MIN_COST``; until the steps vary enough to draw it, ``prior_cost``;
+  step, never below ``_MIN_COST``; until the steps vary enough to draw it, ``prior_cost``.
+  Once drawn, a step is counted at no more than ``_OUTLIER_FACTOR`` times the line's time
+  for it: one step stalled by the machine (another process, two OpenMP threads on a busy
+  host: 10-50x its time) would otherwise tilt the line for ~50 steps, and a steep line
+  stops all drafting (seen with n-gram lookup: cost 0.02 -> 5.7 of a step, k = 0 for a
+  whole request);
 * choice: the k in 0 .. ``num_speculative_tokens`` that maximises the expected tokens per
   unit of cost, E(k) / (1 + k c), with E(k) = 1 + alpha + ... + alpha^k (Leviathan et al.
   2023's expected tokens per step for i.i.d. acceptance; the same goodput rule as DISCO,
@@ -45,6 +50,9 @@ _MIN_COST = 0.02
 #: The fit's draft-token counts must spread this much (a standard deviation, in draft
 #: tokens per request) before its slope replaces the prior.
 _MIN_SPREAD = 0.5
+#: A step enters the fit at no more than this many times the fitted time for its draft
+#: tokens (a lasting slow-down still moves the line: by up to this factor per step).
+_OUTLIER_FACTOR = 2.0
 
 
 @dataclass
@@ -103,13 +111,22 @@ class SpeculationLength:
         """One draft token's cost relative to a plain step's share per request: the fit's
         slope (two per draft token: proposing and verifying) over its intercept, else the
         prior; at least ``_MIN_COST``."""
+        line = self._line()
+        if line is None:
+            return self.prior_cost
+        slope, intercept = line
+        return max(2.0 * slope / intercept, _MIN_COST)
+
+    def _line(self) -> tuple[float, float] | None:
+        """The fit's (slope >= 0, intercept > 0): seconds per request = intercept + slope x
+        draft tokens per request; None until the draft-token counts spread enough."""
         w, x, y, xx, xy = self._sums
         spread = w * xx - x * x
         if w <= 0 or spread < (_MIN_SPREAD * w) ** 2:
-            return self.prior_cost
+            return None
         slope = max((w * xy - x * y) / spread, 0.0)
         intercept = (y - slope * x) / w
-        return max(2.0 * slope / intercept, _MIN_COST) if intercept > 0 else self.prior_cost
+        return (slope, intercept) if intercept > 0 else None
 
     def num_tokens(self, req_id: str) -> int:
         """How many drafts to propose for ``req_id`` after its coming step (call once per
@@ -146,6 +163,9 @@ class SpeculationLength:
         if num_requests <= 0 or seconds <= 0:
             return
         x, y = num_draft_tokens / num_requests, seconds / num_requests
+        line = self._line()
+        if line is not None:
+            y = min(y, _OUTLIER_FACTOR * (line[1] + line[0] * x))
         sums = self._sums
         for i, value in enumerate((1.0, x, y, x * x, x * y)):
             sums[i] = _COST_DECAY * sums[i] + value

@@ -82,6 +82,25 @@ def test_step_costs_are_fitted():
     assert best_length(0.9, rule.draft_token_cost, 4) == 4
 
 
+
+def test_a_stalled_step_does_not_tilt_the_fit():
+    """Steps of 2 ms per request plus 0.05 ms per draft token (cost 0.05); one step with 8
+    draft tokens stalled 10x (another process, a busy host) enters the fit at 2x, so the
+    cost stays below 0.1 and a request accepting 30% keeps drafting (counted in full, the
+    stall made the cost 0.49: no drafting)."""
+    rule = SpeculationLength(max_tokens=4, ema_alpha=0.3, prior_cost=0.05)
+    for _ in range(10):
+        for drafts in (0, 8, 4):
+            rule.observe_step(0.002 + 0.00005 * drafts, 1, drafts)
+    assert rule.draft_token_cost == pytest.approx(0.05)
+    rule.observe_step(10 * 0.0024, 1, 8)
+    assert rule.draft_token_cost < 0.1
+    assert best_length(0.3, rule.draft_token_cost, 4) >= 1
+    for _ in range(40):  # a lasting slow-down of the drafting steps is still learned
+        for drafts in (0, 8):
+            rule.observe_step(0.002 + 0.0005 * drafts, 1, drafts)
+    assert rule.draft_token_cost == pytest.approx(0.5, rel=0.1)
+
 def test_engine_with_varying_lengths_matches_transformers(tiny_llama, noisy_llama_draft, llama_eagle_heads, tokenizer):
     """The scheduler's lengths, here a fixed pattern with 0s (no drafts: the draft model
     skips those steps and catches up later), k < max and k = max, vary per request and
