@@ -2,7 +2,7 @@
 
 ``paged_attention.cpp`` (and the cache writes), ``elementwise.cpp`` (RMSNorm, SwiGLU, rotary embedding),
 ``sampling.cpp`` (greedy argmax), ``packed_linear.cpp`` (few-row matmul on oneDNN-packed
-bf16 weights), ``linear_w16.cpp`` (matmul on 16-bit weights widened to float32, for CPUs
+bf16 weights: vdpbf16ps, or AMX tiles where the CPU and OS allow them), ``linear_w16.cpp`` (matmul on 16-bit weights widened to float32, for CPUs
 without native bf16, and on int8 weights with per-output scales) and ``linear_grouped.cpp``
 (matmul on 4- and 8-bit weights with per-group scales and zero points; with ``int8_dot.h``'s
 integer dot products on int8 activations), ``linear_dequant.cpp`` (the same weights for many
@@ -461,22 +461,29 @@ def has_packed_linear() -> bool:
     return is_available() and _ops().build_info().startswith("avx512_bf16")
 
 
+def has_amx() -> bool:
+    """Whether ``packed_linear(..., amx=True)`` can run here: ``has_packed_linear()``, and the
+    CPU has AMX-TILE and AMX-BF16 and the OS grants their state (Linux 5.16+; asked once)."""
+    return has_packed_linear() and bool(_ops().has_amx())
+
+
 def packed_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 64
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 64, amx: bool = False
 ) -> torch.Tensor:
     """``x W^T + b`` for a few rows: x [M, K] bfloat16 (last dimension contiguous), weight
     [N, K] bfloat16 packed by ``torch.ops.mkldnn._reorder_linear_weight`` into oneDNN's
     ``block_n``-output x 32-input blocks (64 on AVX512-BF16, 32 where oneDNN uses AMX;
     ``linear.py`` checks the layout per shape), bias [N] or None -> [M, N] bfloat16, float32
-    accumulation. Faster than oneDNN's own matmul from 1 to 16 rows (see
-    ``packed_linear.cpp``).
+    accumulation. ``amx``: with AMX tiles (block_n 32, M <= 16, ``has_amx()``), whose sums
+    are oneDNN's own; else with vdpbf16ps. Faster than oneDNN's own matmul from 1 to 16 rows
+    (see ``packed_linear.cpp``).
 
     Raises:
         RuntimeError: unavailable kernels, a build without AVX512-BF16, or bad shapes /
-            dtypes / layout / block_n.
+            dtypes / layout / block_n, or ``amx`` where it cannot run.
     """
     _require()
-    return _ops().packed_linear(x, weight, bias, block_n)
+    return _ops().packed_linear(x, weight, bias, block_n, amx)
 
 
 def pack_w16(weight: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@
 //
 //   x [M, K] bfloat16 (last dimension contiguous), weight [N, K] bfloat16 as returned by
 //   torch.ops.mkldnn._reorder_linear_weight, bias [N] (bfloat16 / float32) or None,
-//   block_n (64 or 32: the layout's outputs per block, see below)
+//   block_n (64 or 32: the layout's outputs per block, see below), amx (use AMX tiles: only
+//   with block_n 32, where has_amx() says the CPU and OS allow them)
 //     ->  y = x W^T + b, [M, N] bfloat16 (float32 accumulation, one rounding at the end)
 //
 // Why: a decode step with one request reads every weight once per token, so its speed is
@@ -29,6 +30,18 @@
 // feeding them all; a block's stream (at most Kpad * 128 bytes, 622 KB for K = 4864) stays
 // in L2 for the next rows.
 //
+// The AMX path (amx = true; M <= 16): oneDNN picks the 32-output layout where it uses AMX, and
+// that layout is the tiles' operand order: for a chunk of 32 inputs (16 pairs), outputs 0-15
+// and 16-31 of a block are two 16-row x 64-byte B tiles at a 128-byte row stride, x's rows
+// one A tile (M rows x 32 inputs), each block's two accumulators C tiles; tdpbf16ps adds a
+// chunk's products to them. Its sums are oneDNN's own (the same instruction over the same
+// chunks in the same order: bit-identical to oneDNN's matmul at 1-16 rows on the shapes
+// tested) and a row's result does not depend on M. On a 2-core Xeon VM with AMX (one thread,
+// process CPU time, alternating in one process, machine loaded; benchmarks/small_m_linear.py
+// and docs/benchmarks.md): shipped-model shapes 1.1-1.7x faster than vdpbf16ps at 1 row and
+// 2.5-6x at 5 rows, 0.5B shapes 1.0-1.8x at 1 row and 1.5-3.5x at 5 rows; faster than oneDNN's
+// matmul at every shape and row count (no per-call set-up).
+//
 // Source of the layout: oneDNN's memory format tags (oneDNN developer guide, "Memory Format
 // Propagation" and dnnl_format_tag_t); the kernel reads the memory through the
 // torch.ops.mkldnn.data_ptr operator.
@@ -50,6 +63,16 @@
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+#endif
+
+// AMX tiles: x86-64 Linux (the OS must grant the tile state: arch_prctl) and a compiler with the
+// amx-tile / amx-bf16 targets, at the avx512_bf16 level only (the functions that use them are
+// compiled for those targets alone; has_amx() checks the CPU before any runs).
+#if defined(__AVX512BF16__) && defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || __GNUC__ >= 11)
+#define PAGEDLLM_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -76,6 +99,22 @@ int64_t mkldnn_nbytes(const at::Tensor& packed) {
 }
 
 #if defined(__AVX512BF16__)
+// Lanes [0, valid) of 16 (valid > 0).
+PAGEDLLM_INLINE __mmask16 valid_mask(int64_t valid) {
+  return valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+}
+
+// Outputs [16 j, 16 j + 16) of a block's bias (zeros without one), lanes outside mask zero.
+PAGEDLLM_INLINE __m512 bias_16(const float* bias, int j, __mmask16 mask) {
+  return bias ? _mm512_maskz_loadu_ps(mask, bias + j * 16) : _mm512_setzero_ps();
+}
+
+// acc + bias rounded to bf16, the lanes in mask stored to y.
+PAGEDLLM_INLINE void store_16(__m512 acc, __m512 bias, __mmask16 mask, c10::BFloat16* y) {
+  // vcvtneps2bf16 rounds to nearest even, as oneDNN's and PyTorch's float -> bf16.
+  _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc, bias)));
+}
+
 // Rows [0, R) of x (as input pairs, row stride x_stride pairs) times one NB-output block w
 // (npairs pairs of inputs), plus bias, into y (row stride y_stride elements), n_valid <= NB
 // outputs written.
@@ -101,14 +140,74 @@ void block_rows(const uint16_t* w, const uint16_t* x, int64_t x_stride, int64_t 
   for (int j = 0; j < V; ++j) {
     const int64_t valid = n_valid - j * 16;
     if (valid <= 0) break;
-    const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + j * 16) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      // vcvtneps2bf16 rounds to nearest even, as oneDNN's and PyTorch's float -> bf16.
-      const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], b));
-      _mm256_mask_storeu_epi16(y + r * y_stride + j * 16, mask, out);
+    const __mmask16 mask = valid_mask(valid);
+    const __m512 b = bias_16(bias, j, mask);
+    for (int r = 0; r < R; ++r) store_16(acc[r][j], b, mask, y + r * y_stride + j * 16);
+  }
+}
+#endif
+
+#if defined(PAGEDLLM_AMX)
+// Whether this process may run AMX tile instructions: the CPU has AMX-TILE and AMX-BF16
+// (CPUID leaf 7: EDX bits 24 and 22) and Linux grants the tile data state
+// (arch_prctl(ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18), Linux 5.16+; oneDNN
+// asks the same). Asked once.
+bool amx_usable() {
+  static const bool usable = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1u) || !((d >> 24) & 1u)) return false;
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
+  return usable;
+}
+
+// The tile configuration (palette 1): tile 0 = A (rows x 64 bytes), tiles 1, 2 = C
+// (rows x 16 floats), tiles 3, 4 = B (16 pairs x 16 outputs x 2 inputs).
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Blocks [begin, end) of a 32-output-block weight w (k_pad inputs) against the rows of x
+// (bf16, k_pad columns, row stride x_stride bytes), plus bias, into y [rows, n]: this thread's
+// share, with its own tile configuration, released at the end.
+__attribute__((target("amx-tile,amx-bf16"))) void amx_blocks(const uint16_t* w, const uint16_t* x, int64_t x_stride,
+                                                              int rows, int64_t k_pad, const float* bias,
+                                                              c10::BFloat16* y, int64_t n, int64_t begin, int64_t end) {
+  TileConfig config;
+  for (int t = 0; t < 3; ++t) config.rows[t] = static_cast<uint8_t>(rows), config.colsb[t] = 64;
+  for (int t = 3; t < 5; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  asm volatile("" ::: "memory");  // the whole configuration written before ldtilecfg reads it
+  _tile_loadconfig(&config);
+  alignas(64) float c[16 * 32];
+  constexpr int64_t kChunk = 32 * kBlockK;  // elements of one 32-input chunk of a block
+  for (int64_t nb = begin; nb < end; ++nb) {
+    const uint16_t* wb = w + nb * k_pad * 32;
+    _tile_zero(1);
+    _tile_zero(2);
+    for (int64_t kc = 0; kc < k_pad / kBlockK; ++kc) {
+      const uint16_t* wc = wb + kc * kChunk;
+      for (int line = 0; line < kChunk * 2 / 64; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(wc + kPrefetchAhead) + 64 * line, _MM_HINT_T0);
+      _tile_loadd(0, x + kc * kBlockK, x_stride);
+      _tile_loadd(3, wc, 128);
+      _tile_loadd(4, wc + 32, 128);
+      _tile_dpbf16ps(1, 0, 3);
+      _tile_dpbf16ps(2, 0, 4);
+    }
+    _tile_stored(1, c, 128);
+    _tile_stored(2, c + 16, 128);
+    const int64_t n0 = nb * 32, n_valid = std::min<int64_t>(32, n - n0);
+    for (int j = 0; j < 2 && n_valid > j * 16; ++j) {
+      const __mmask16 mask = valid_mask(n_valid - j * 16);
+      const __m512 b = bias_16(bias ? bias + n0 : nullptr, j, mask);
+      for (int r = 0; r < rows; ++r) store_16(_mm512_load_ps(c + r * 32 + j * 16), b, mask, y + r * n + n0 + j * 16);
     }
   }
+  _tile_release();
 }
 #endif
 
@@ -153,15 +252,26 @@ void all_blocks(const uint16_t* w, const uint16_t* xp, int64_t m, int64_t x_stri
 }
 #endif
 
+bool has_amx() {
+#if defined(PAGEDLLM_AMX)
+  return amx_usable();
+#else
+  return false;
+#endif
+}
+
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                         int64_t block_n) {
+                         int64_t block_n, bool amx) {
 #if defined(__AVX512BF16__)
   TORCH_CHECK(weight.is_mkldnn() && weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
               "packed_linear: weight must be a bfloat16 [N, K] oneDNN-packed tensor");
   TORCH_CHECK(block_n == 64 || block_n == 32, "packed_linear: block_n must be 64 or 32, not ", block_n);
+  TORCH_CHECK(!amx || (block_n == 32 && has_amx()),
+              "packed_linear: amx needs block_n 32 and a CPU and OS with AMX tiles (has_amx())");
   const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kBFloat16,
               "packed_linear: x must be a bfloat16 CPU tensor [M, ", k, "]");
+  TORCH_CHECK(!amx || x.size(0) <= 16, "packed_linear: amx takes at most 16 rows, not ", x.size(0));
   const int64_t k_pad = round_up(k, kBlockK), n_pad = round_up(n, block_n);
   TORCH_CHECK(mkldnn_nbytes(weight) == n_pad * k_pad * 2, "packed_linear: weight is not in the ", block_n,
               "-output, 32-input blocked layout");
@@ -170,19 +280,31 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const st
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "packed_linear: bias must be [", n, "]");
     bias_f = bias->to(at::kFloat).contiguous();
   }
-  // Pairs of inputs are read as 32-bit words: an odd K or row stride needs a padded copy
-  // (the weight's padding is zero, so the extra input is zero too).
+  // vdpbf16ps reads pairs of inputs as 32-bit words: an odd K or row stride needs a padded
+  // copy; AMX tiles read whole 32-input chunks: K not a multiple of 32 does (the weight's
+  // padding is zero, so the extra inputs are zero too).
   at::Tensor xs = x;
-  if (x.stride(1) != 1 || k % 2 != 0 || x.stride(0) % 2 != 0) {
-    xs = at::zeros({x.size(0), k + k % 2}, x.options());
+  const int64_t k_x = amx ? k_pad : k + k % 2;
+  if (x.stride(1) != 1 || k != k_x || (!amx && x.stride(0) % 2 != 0)) {
+    xs = at::zeros({x.size(0), k_x}, x.options());
     xs.narrow(1, 0, k).copy_(x);
   }
-  const int64_t m = xs.size(0), npairs = (k + 1) / 2, x_stride = xs.stride(0) / 2;
+  const int64_t m = xs.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
   const auto* w = reinterpret_cast<const uint16_t*>(mkldnn_data_ptr(weight));
   const auto* xp = reinterpret_cast<const uint16_t*>(xs.data_ptr());
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto* yp = y.data_ptr<c10::BFloat16>();
+  if (amx) {
+#if defined(PAGEDLLM_AMX)
+    const int64_t x_stride = xs.stride(0) * 2;  // bytes
+    at::parallel_for(0, n_pad / 32, 1, [&](int64_t begin, int64_t end) {
+      amx_blocks(w, xp, x_stride, static_cast<int>(m), k_pad, bp, yp, n, begin, end);
+    });
+#endif
+    return y;
+  }
+  const int64_t npairs = (k + 1) / 2, x_stride = xs.stride(0) / 2;
   if (block_n == 64) {
     all_blocks<64>(w, xp, m, x_stride, npairs, k_pad, bp, yp, n);
   } else {
@@ -190,11 +312,14 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const st
   }
   return y;
 #else
-  (void)x, (void)weight, (void)bias, (void)block_n;
+  (void)x, (void)weight, (void)bias, (void)block_n, (void)amx;
   TORCH_CHECK(false, "packed_linear: this build has no AVX512-BF16 (see build_info())");
 #endif
 }
 
-PAGEDLLM_FRAGMENT(m) { m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias, int block_n) -> Tensor"); }
+PAGEDLLM_FRAGMENT(m) {
+  m.def("packed_linear(Tensor x, Tensor weight, Tensor? bias, int block_n, bool amx=False) -> Tensor");
+  m.def("has_amx() -> bool", &has_amx);
+}
 
 PAGEDLLM_IMPL(CompositeExplicitAutograd, m) { m.impl("packed_linear", &packed_linear); }

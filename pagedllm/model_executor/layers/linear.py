@@ -23,8 +23,23 @@ tensor: use it only through ``linear``. ``PAGEDLLM_DISABLE_CPU_KERNELS=1`` keeps
 Packed bf16 weights of a shape whose layout ``pack_weight`` has checked (oneDNN blocks them
 by 64 outputs on AVX512-BF16 and by 32 where it uses AMX) go, for inputs of
 at most ``SMALL_M_ROWS`` rows, through ``pagedllm.kernels.cpu.packed_linear`` instead of
-oneDNN's matmul: a weight-streaming kernel that reads the same packed bytes 1.3-1.6x
-faster on 1-16 rows (the decode steps of few requests; see ``packed_linear.cpp``).
+oneDNN's matmul: a weight-streaming kernel that reads the same packed bytes (the decode
+steps of few requests, and speculative decoding's verifying steps, 1 + k rows per request;
+see ``packed_linear.cpp``). Which of its two paths, is decided once per shape (no timing, so
+every run computes the same sums):
+
+- 64-output blocks (AVX512-BF16 without AMX, e.g. Zen 4): vdpbf16ps, 1.3-1.6x oneDNN's
+  matmul at 1-16 rows (2-core Zen 4);
+- 32-output blocks where the CPU and OS allow AMX tiles (``has_amx``): AMX tiles, whose
+  sums are oneDNN's own (bit-identical to its matmul at 1-16 rows on the shapes tested, and
+  row by row the same whatever the row count: a verifying step's logits are a plain decode
+  step's). Measured on a 2-core Xeon VM with AMX (one thread, process CPU time, alternating
+  in one process on a loaded machine; ``benchmarks/small_m_linear.py``, docs/benchmarks.md):
+  against vdpbf16ps on the same layout, as fast or faster at every shape and row count
+  (shipped model, 1 / 5 rows: 1.2-1.8x / 2.5-3.6x; 0.5B shape: 1.0-1.8x / 1.4-3.6x), and
+  against oneDNN's matmul 1.1-4.6x (its per-call set-up dominates small layers). The
+  alternative, a per-shape choice between vdpbf16ps and oneDNN's matmul by a timing
+  probe, would be slower than either tile path and not reproducible from run to run.
 
 16-bit weights that oneDNN cannot pack — bfloat16 on CPUs without native bf16 (AVX2, or
 AVX-512 without BF16), and float16 — stay 16-bit, re-laid out in blocks of 16 outputs
@@ -65,13 +80,14 @@ ShardId = Union[str, int]
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 # Rows up to which ``linear`` uses the packed-weight streaming kernel rather than oneDNN's
-# matmul (it was faster at every count from 1 to 16 on a 2-core Zen 4; see packed_linear.cpp).
+# matmul (it was faster at every count from 1 to 16 on a 2-core Zen 4 and, with AMX tiles,
+# on a 2-core Xeon; see packed_linear.cpp). An AMX tile holds 16 rows.
 SMALL_M_ROWS = 16
 
 # [out, in] shapes whose oneDNN-packed bf16 layout ``packed_linear`` was checked to read
-# correctly (``_check_packed_linear``) -> the layout's outputs per block (64, or 32 where
-# oneDNN uses AMX), and the shapes found not to.
-_packed_linear_shapes: dict[tuple[int, int], int] = {}
+# correctly (``_check_packed_linear``) -> (the layout's outputs per block: 64, or 32 where
+# oneDNN uses AMX; whether the kernel uses AMX tiles), and the shapes found not to.
+_packed_linear_shapes: dict[tuple[int, int], tuple[int, bool]] = {}
 _packed_linear_rejected: set[tuple[int, int]] = set()
 _check_lock = threading.Lock()
 
@@ -110,12 +126,13 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def _check_packed_linear(n: int, k: int) -> None:
     """Decide, once per [n, k] shape, whether ``linear`` may send few-row inputs to
-    ``packed_linear``, and with which block: the kernels must be built with AVX512-BF16, and
-    the kernel's product with a random weight packed by oneDNN here must match oneDNN's
-    matmul for one of the block widths it reads (64 outputs; 32 where oneDNN uses AMX). A
-    different blocking would not match. The probe has the shape's K and at most
-    1024 + n % 64 rows: oneDNN blocks N by 32 or 64 from 64 outputs up, so more rows only
-    repeat the same blocks (and the kernel checks each weight's byte size)."""
+    ``packed_linear``, with which block and whether with AMX tiles: the kernels must be built
+    with AVX512-BF16, and the kernel's product with a random weight packed by oneDNN here
+    must match oneDNN's matmul for one of the block widths it reads (64 outputs; 32 where
+    oneDNN uses AMX). A different blocking would not match. 32-output blocks use AMX tiles
+    where ``has_amx()`` and their product matches too. The probe has the shape's K and at
+    most 1024 + n % 64 rows: oneDNN blocks N by 32 or 64 from 64 outputs up, so more rows
+    only repeat the same blocks (and the kernel checks each weight's byte size)."""
     from pagedllm.kernels import cpu as cpu_kernels
 
     shape = (n, k)
@@ -131,14 +148,22 @@ def _check_packed_linear(n: int, k: int) -> None:
             expected = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "").float()
             for block_n in (64, 32):
                 try:
-                    got = cpu_kernels.packed_linear(x, packed, None, block_n).float()
+                    got = cpu_kernels.packed_linear(x, packed, None, block_n)
                 except RuntimeError:
                     continue
-                # Both are float32 sums of the same products, each rounded once to bf16.
-                if torch.allclose(got, expected, rtol=2**-7, atol=1e-2 * float(expected.abs().max())):
-                    _packed_linear_shapes[shape] = block_n
+                if _same_product(got, expected):
+                    amx = block_n == 32 and cpu_kernels.has_amx()
+                    amx = amx and _same_product(cpu_kernels.packed_linear(x, packed, None, block_n, True), expected)
+                    _packed_linear_shapes[shape] = (block_n, amx)
                     return
         _packed_linear_rejected.add(shape)
+
+
+def _same_product(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether two bf16 products of the same operands agree: float32 sums of the same
+    products, each rounded once to bf16, may differ only in summation order."""
+    got = got.float()
+    return torch.allclose(got, expected, rtol=2**-7, atol=1e-2 * float(expected.abs().max()))
 
 
 def packed_linear_reads(n: int, k: int) -> bool:
@@ -161,11 +186,11 @@ def linear(
     """
     if weight.is_mkldnn:
         if x.dim() == 2 and x.shape[0] <= SMALL_M_ROWS and x.dtype == weight.dtype == torch.bfloat16:
-            block_n = _packed_linear_shapes.get(tuple(weight.shape))
-            if block_n is not None:
+            kernel = _packed_linear_shapes.get(tuple(weight.shape))
+            if kernel is not None:
                 from pagedllm.kernels import cpu as cpu_kernels
 
-                return cpu_kernels.packed_linear(x, weight, bias, block_n)
+                return cpu_kernels.packed_linear(x, weight, bias, *kernel)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if weight.dim() == 3:
         if out_features is None:
@@ -336,7 +361,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
         weight = layer.weight
         dtype = str(weight.dtype).removeprefix("torch.")
         if weight.is_mkldnn:
-            few_rows = " (1-16 rows: packed_linear)" if tuple(weight.shape) in _packed_linear_shapes else ""
+            kernel = _packed_linear_shapes.get(tuple(weight.shape))
+            tiles = ", AMX tiles" if kernel is not None and kernel[1] else ""
+            few_rows = f" (1-{SMALL_M_ROWS} rows: packed_linear{tiles})" if kernel is not None else ""
             path = f"oneDNN-packed {dtype}{few_rows}"
         elif weight.dim() == 3:
             path = f"{dtype} widened to float32 in-kernel (linear_w16)"
