@@ -94,8 +94,8 @@ def test_strided_and_odd_row_stride_inputs(bf16_kernel, block_n, paths):
 @pytest.mark.parametrize("shape", [(512, 256), (256, 704), (1152, 896), (200, 96)])
 def test_amx_tiles_give_onednns_product_whatever_the_row_count(amx_kernel, shape):
     """AMX tiles sum each chunk of 32 inputs as oneDNN's AMX matmul does: bit-identical
-    products, and each row's result is the same in a product of 1 to 16 rows (a verifying
-    step's logits are a plain decode step's)."""
+    products, and each row's result is the same in a product of 1 to 16 rows (at batch 1, a
+    verifying step's logits are a plain decode step's)."""
     n, k = shape
     torch.manual_seed(n + k)
     packed = _pack(torch.randn(n, k).to(torch.bfloat16))

@@ -37,10 +37,10 @@
 // chunk's products to them. Its sums are oneDNN's own (the same instruction over the same
 // chunks in the same order: bit-identical to oneDNN's matmul at 1-16 rows on the shapes
 // tested) and a row's result does not depend on M. On a 2-core Xeon VM with AMX (one thread,
-// process CPU time, alternating in one process, machine loaded; benchmarks/small_m_linear.py
-// and docs/benchmarks.md): shipped-model shapes 1.1-1.7x faster than vdpbf16ps at 1 row and
-// 2.5-6x at 5 rows, 0.5B shapes 1.0-1.8x at 1 row and 1.5-3.5x at 5 rows; faster than oneDNN's
-// matmul at every shape and row count (no per-call set-up).
+// process CPU time, alternating in one process, machine loaded; benchmarks/small_m_linear.py,
+// docs/benchmarks.md), time relative to vdpbf16ps on the same layout: 0.80-1.03 at 1 row,
+// 0.37-0.79 at 5 rows, 0.16-0.42 at 16 rows (shipped model's and 0.5B shape's layers); 0.27-0.96
+// of oneDNN's matmul at 1-16 rows (no per-call set-up).
 //
 // Source of the layout: oneDNN's memory format tags (oneDNN developer guide, "Memory Format
 // Propagation" and dnnl_format_tag_t); the kernel reads the memory through the
