@@ -65,6 +65,7 @@ from pagedllm.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.kernels import isa
 from pagedllm.model_executor.layers.quantization import QuantizationConfig, QuantizeMethodBase
 from pagedllm.model_executor.utils import default_weight_loader, load_weight_part, set_weight_attrs
@@ -128,8 +129,6 @@ def _check_packed_linear(n: int, k: int) -> None:
     where ``has_amx()`` and their product matches too. The probe has the shape's K and at
     most 1024 + n % 64 rows: oneDNN blocks N by 32 or 64 from 64 outputs up, so more rows
     only repeat the same blocks (and the kernel checks each weight's byte size)."""
-    from pagedllm.kernels import cpu as cpu_kernels
-
     shape = (n, k)
     with _check_lock:
         if shape in _packed_linear_shapes or shape in _packed_linear_rejected:
@@ -183,15 +182,11 @@ def linear(
         if x.dim() == 2 and x.shape[0] <= SMALL_M_ROWS and x.dtype == weight.dtype == torch.bfloat16:
             kernel = _packed_linear_shapes.get(tuple(weight.shape))
             if kernel is not None:
-                from pagedllm.kernels import cpu as cpu_kernels
-
                 return cpu_kernels.packed_linear(x, weight, bias, *kernel)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if weight.dim() == 3:
         if out_features is None:
             raise ValueError("linear: a pack_w16 weight needs out_features")
-        from pagedllm.kernels import cpu as cpu_kernels
-
         y = cpu_kernels.linear_w16(x.reshape(-1, x.shape[-1]), weight, bias, out_features)
         return y.view(*x.shape[:-1], out_features)
     return F.linear(x, weight, bias)
@@ -213,16 +208,12 @@ def should_widen(weight: torch.Tensor) -> bool:
 
 
 def _kernels_available() -> bool:
-    from pagedllm.kernels import cpu as cpu_kernels
-
     return cpu_kernels.is_available()
 
 
 def pack_w16(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [out, in] in ``linear_w16``'s blocked layout (see
     ``pagedllm.kernels.cpu.pack_w16``). Call only when ``should_widen(weight)``."""
-    from pagedllm.kernels import cpu as cpu_kernels
-
     return cpu_kernels.pack_w16(weight)
 
 
