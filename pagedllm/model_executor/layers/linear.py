@@ -33,17 +33,27 @@ timing, so every run computes the same sums):
 - 32-output blocks where the CPU and OS allow AMX tiles (``has_amx``): AMX tiles, whose
   sums are oneDNN's own (bit-identical to its matmul at 1-16 rows on the shapes tested, and
   row by row the same at any row count up to 16: at batch 1, a verifying step's logits are
-  a plain decode step's. oneDNN's matmul of more rows keeps that up to 32 rows on the
-  shapes tested, not beyond where K > 256: 40 rows of the 0.5B shape's qkv differ). Measured on a 2-core Xeon VM with AMX (one thread, process CPU time, alternating
-  in one process on a loaded machine; ``benchmarks/small_m_linear.py``, docs/benchmarks.md),
-  time relative to vdpbf16ps on the same layout, shipped model / 0.5B shape: 1 row
-  0.81-0.97 / 0.80-1.03, 5 rows 0.37-0.62 / 0.41-0.79, 16 rows 0.16-0.29 / 0.18-0.42; and
-  0.27-0.96 of oneDNN's matmul at 1-16 rows (its per-call set-up dominates small layers). A
-  verifying step of 5 tokens on the shipped model went from 1.25-1.34x a 1-token step to
-  1.07-1.13x; 1-token steps: 0.95 / 0.90 on the 0.5B shape, 1.01-1.05 on the shipped model
-  (noise-level). The alternative, choosing per shape and row count between vdpbf16ps and
-  oneDNN's matmul by a timing probe at load, is slower than the tiles at every shape and
-  row count measured, and a timed choice would not be reproducible from run to run.
+  a plain decode step's; oneDNN's matmul of more rows keeps that up to 32 rows on the
+  shapes tested, not beyond where K > 256: 40 rows of the 0.5B shape's qkv differ).
+  Measured on a 2-core Xeon VM with AMX (one thread, process CPU time, alternating in one
+  process on a loaded machine; ``benchmarks/small_m_linear.py``, docs/benchmarks.md), time
+  relative to vdpbf16ps on the same layout, shipped model / 0.5B shape: 1 row 0.81-0.97 /
+  0.80-1.03, 5 rows 0.37-0.62 / 0.41-0.79, 16 rows 0.16-0.29 / 0.18-0.42; and 0.27-0.96 of
+  oneDNN's matmul at 1-16 rows (its per-call set-up dominates small layers). A verifying
+  step of 5 tokens on the shipped model went from 1.23-1.34x a 1-token step to 1.07-1.13x;
+  1-token steps: 0.90-0.95 on the 0.5B shape, 0.96-1.05 on the shipped model (noise-level).
+  The alternative, choosing per shape and row count between vdpbf16ps and oneDNN's matmul
+  by a timing probe at load, is slower than the tiles at every shape and row count
+  measured, and a timed choice would not be reproducible from run to run.
+
+16-bit weights that oneDNN cannot pack — bfloat16 on CPUs without native bf16 (AVX2, or
+AVX-512 without BF16), and float16 — stay 16-bit, re-laid out in blocks of 16 outputs
+(``pack_w16``), and go through ``pagedllm.kernels.cpu.linear_w16``, which widens them to
+float32 inside the kernel: decode streams half the bytes of float32 weights; inputs of more
+than 16 rows use a float32 copy where memory allows (``fp32_weight_copy``), else torch's
+float32 GEMM on widened chunks. Without it, torch's bf16 matmul on such CPUs is an emulated
+GEMM about 5x slower than float32 (``pagedllm bench roofline``; measured on an AVX2 host,
+32 x 128/128: 12.4 vs 61.3 tok/s).
 """
 
 from __future__ import annotations
