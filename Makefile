@@ -30,8 +30,9 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/pagedllm serve $(ARGS)
 
+# --durations=30 prints the slowest tests, to see where CI's time goes (the limit is 20 minutes).
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=30
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 # process is started, and that start must not wait for a 2-second torch import.
 
 logger = logging.getLogger(__name__)
-_logged_dtype_choices: set = set()
 
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 
@@ -128,11 +127,11 @@ def load_hf_config(model_path: Path, trust_remote_code: bool = False) -> Pretrai
     return hf_config
 
 
-def resolve_dtype(dtype: Any, hf_config: PretrainedConfig) -> torch.dtype:
+def resolve_dtype(dtype: Any, hf_config: PretrainedConfig, log: bool = True) -> torch.dtype:
     """The compute dtype for ``dtype`` ("auto", a name, or a torch.dtype).
 
     "auto" takes the checkpoint's dtype, except float32 (and float16 on CPU) become the
-    platform's 16-bit type, as vLLM does.
+    platform's 16-bit type, as vLLM does; the choice is logged (INFO) when ``log`` is True.
 
     Raises:
         ValueError: for an unknown dtype name.
@@ -161,8 +160,7 @@ def resolve_dtype(dtype: Any, hf_config: PretrainedConfig) -> torch.dtype:
         chosen, why = torch.bfloat16, "for a float16 checkpoint on CPU, as vLLM: float16 activations overflow sooner"
     else:
         chosen, why = config_dtype, "the checkpoint's"
-    if (chosen, why) not in _logged_dtype_choices:  # resolved by the front end and the engine
-        _logged_dtype_choices.add((chosen, why))
+    if log:
         logger.info("--dtype auto: %s (%s)", str(chosen).removeprefix("torch."), why)
     return chosen
 
@@ -912,8 +910,10 @@ class EngineArgs:
                 allowed = ", ".join(repr(v) for v in supported)
                 raise ValueError(f"{name}={value!r} is not supported yet ({why}); supported: {allowed}.")
 
-    def create_engine_config(self) -> EngineConfig:
-        """Check the arguments and resolve defaults.
+    def create_engine_config(self, log_choices: bool = True) -> EngineConfig:
+        """Check the arguments and resolve defaults; ``log_choices``: log what "auto" values
+        resolved to (INFO). An engine process that resolves the arguments its front end
+        resolves too passes False, so that each choice is logged once.
 
         Raises:
             ValueError: naming the bad argument and its allowed values.
@@ -952,7 +952,7 @@ class EngineArgs:
             model_path=model_path,
             tokenizer_path=tokenizer_path,
             hf_config=hf_config,
-            dtype=resolve_dtype(self.dtype, hf_config),
+            dtype=resolve_dtype(self.dtype, hf_config, log=log_choices),
             max_model_len=max_model_len,
             seed=self.seed,
             quantization=self.quantization,

@@ -48,6 +48,17 @@ def check_logprobs(logprobs: Optional[int], field: str = "logprobs") -> None:
         raise ValueError(f"{field} must be non-negative, got {logprobs!r}.")
 
 
+def check_best_of(best_of: Optional[int], n: int) -> None:
+    """``best_of`` must be unset or equal to ``n``: pagedllm, like vLLM V1, returns every
+    completion it generates (no best-of-n selection by cumulative logprob).
+
+    Raises:
+        ValueError: ``"best_of is not supported ..."`` with both values.
+    """
+    if best_of is not None and best_of != n:
+        raise ValueError(f"best_of is not supported (it must be unset or equal to n); got best_of={best_of}, n={n}.")
+
+
 class RequestOutputKind(enum.IntEnum):
     """What each ``RequestOutput`` of a request carries.
 
@@ -166,6 +177,14 @@ class SamplingParams(
         structured_outputs: a ``StructuredOutputsParams`` constraint on the output, or None.
         guided_decoding: the older name of ``structured_outputs`` (vLLM's docs and
             tutorials); given alone, it is moved to ``structured_outputs``.
+        best_of: None or ``n`` (see ``check_best_of``).
+        truncate_prompt_tokens: keep only the last k prompt tokens (-1: the last
+            ``max_model_len``); None keeps the whole prompt (vLLM's field; applied by the
+            engine's ``Processor`` after tokenizing).
+        allowed_token_ids: when set, only these token ids can be sampled (a non-empty list).
+        bad_words: words that cannot be generated: the last token of a word is banned
+            whenever the output ends with the word's other tokens. Each word is tokenized
+            alone and after a space (``update_from_tokenizer``), as vLLM does.
 
     These are the only range rules of a request's sampling fields: the OpenAI server
     builds a ``SamplingParams`` and answers its ``ValueError`` with a 400, so offline and
@@ -200,6 +219,12 @@ class SamplingParams(
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: Optional[StructuredOutputsParams] = None
     guided_decoding: Optional[StructuredOutputsParams] = None
+    best_of: Optional[int] = None
+    truncate_prompt_tokens: Optional[int] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    #: ``bad_words`` as token-id sequences, set by ``update_from_tokenizer``.
+    _bad_words_token_ids: Optional[list[list[int]]] = None
 
     def __post_init__(self) -> None:
         if self.guided_decoding is not None:
@@ -212,6 +237,8 @@ class SamplingParams(
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self._verify()
         if self.top_k == 0:
             self.top_k = -1
@@ -268,11 +295,43 @@ class SamplingParams(
             raise ValueError("stop strings must not be empty.")
         if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
             raise ValueError("logit_bias values must be in [-100, 100].")
+        check_best_of(self.best_of, self.n)
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or not (k == -1 or k >= 1)):
+            raise bad("truncate_prompt_tokens", "-1 (the model's max_model_len) or at least 1")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise bad("allowed_token_ids", "a non-empty list of token ids when set")
+        if any(not isinstance(word, str) or not word.strip() for word in self.bad_words or []):
+            raise bad("bad_words", "a list of non-blank strings")
 
     @property
     def is_greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature ~0 or top_k == 1)."""
         return self.temperature < _GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """``bad_words`` as token-id sequences (empty until ``update_from_tokenizer``)."""
+        return self._bad_words_token_ids or []
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Tokenize ``bad_words`` into ``bad_words_token_ids`` (the engine's ``Processor``
+        calls it). Each word, leading spaces stripped, is encoded alone (the word at the
+        start of the output) and after a space (the word inside the text); the second form
+        is kept when its first token differs from the first form's and it has as many tokens
+        (the rule of vLLM's ``SamplingParams.update_from_tokenizer``).
+
+        Args:
+            tokenizer: a Hugging Face tokenizer (``encode(text, add_special_tokens=False)``).
+        """
+        sequences: list[list[int]] = []
+        for word in self.bad_words or []:
+            alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            sequences.append(alone)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                sequences.append(spaced)
+        self._bad_words_token_ids = sequences
 
     def clone(self) -> "SamplingParams":
         """A deep copy (used to give each of the ``n`` completions its own params)."""

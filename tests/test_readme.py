@@ -47,7 +47,7 @@ def test_examples_of_flags_not_built_yet_are_refused():
 @pytest.fixture(scope="module")
 def default_server():
     assert (default_model_path() / "config.json").is_file(), "the shipped model is missing"
-    server = RemoteServer(None)
+    server = RemoteServer(None, "--dtype", "auto")  # the README's `make serve`: no --dtype
     try:
         yield server
     finally:
@@ -61,6 +61,12 @@ def test_serve_without_model_serves_the_shipped_model(default_server):
         model="pagedllm-default", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8
     )
     assert reply.choices[0].message.content and reply.usage.completion_tokens >= 1
+
+
+def test_start_up_choices_are_logged_once(default_server):
+    """The front end and the engine process both resolve the arguments; one logs them."""
+    log = Path(default_server.log.name).read_text()
+    assert log.count("--dtype auto: ") == 1, log
 
 
 def test_curl_example(default_server):

@@ -204,7 +204,8 @@ class EngineCoreProc:
         try:
             try:
                 if isinstance(config, EngineArgs):
-                    config = config.create_engine_config()
+                    # NOTE: the front end resolves the same arguments and logs the choices.
+                    config = config.create_engine_config(log_choices=False)
                 if dp_rank is not None:
                     _place_replica(dp_rank, config)
                 self.engine_core = EngineCore(config)

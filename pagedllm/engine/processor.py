@@ -141,6 +141,14 @@ class Processor:
             f"A prompt must be a string, a list of token ids, or a dict; got {type(prompt).__name__}."
         )
 
+    def truncate_prompt(self, prompt_token_ids: list[int], truncate_prompt_tokens: Optional[int]) -> list[int]:
+        """The last ``truncate_prompt_tokens`` prompt tokens (-1: the last ``max_model_len``;
+        None: all of them), as vLLM's ``truncate_prompt_tokens`` (left truncation)."""
+        if truncate_prompt_tokens is None:
+            return prompt_token_ids
+        keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        return prompt_token_ids[-keep:]
+
     def resolve_max_tokens(
         self,
         num_prompt_tokens: int,
@@ -195,7 +203,8 @@ class Processor:
 
         Raises:
             ValueError: empty prompt, out-of-vocabulary token id, stop token id or
-                ``logit_bias`` key outside the vocabulary; more ``logprobs`` or
+                ``logit_bias`` key, ``allowed_token_ids`` or ``bad_words`` token outside
+                the vocabulary; more ``logprobs`` or
                 ``prompt_logprobs`` than ``max_logprobs`` (vLLM's message); a
                 ``structured_outputs`` constraint that no allowed backend compiles
                 ("Invalid structured outputs <kind>: <the backend's message>").
@@ -216,6 +225,13 @@ class Processor:
         bad_bias = [t for t in params.logit_bias or {} if not 0 <= t < self.vocab_size]
         if bad_bias:
             raise ValueError(f"logit_bias has token id {bad_bias[0]}, outside [0, {self.vocab_size}).")
+        for field, token_ids in (
+            ("allowed_token_ids", params.allowed_token_ids or []),
+            ("bad_words", [t for word in params.bad_words_token_ids for t in word]),
+        ):
+            outside = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if outside:
+                raise ValueError(f"{field} has token id {outside[0]}, outside [0, {self.vocab_size}).")
         for kind, num_logprobs in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
             if num_logprobs is not None and num_logprobs > self.max_logprobs:
                 raise ValueError(
@@ -241,6 +257,10 @@ class Processor:
             FileNotFoundError: see ``check_lora``.
         """
         prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
+        prompt_token_ids = self.truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens)
+        if params.bad_words and not params.bad_words_token_ids:
+            params = params.clone()
+            params.update_from_tokenizer(self.tokenizer)
         self.validate(prompt_token_ids, params)
         if lora_request is not None:
             lora_request = self.check_lora(lora_request)

@@ -7,7 +7,7 @@ against.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -38,7 +38,7 @@ class SamplingMetadata:
         prompt_token_ids: [B, max_prompt_len] int64 padded with vocab_size; None if
             ``no_penalties``.
         output_token_ids: per row, the tokens generated before the sampled position;
-            empty lists if ``no_penalties`` (nothing reads them then).
+            empty lists if ``no_penalties`` and no row has bad words (nothing reads them then).
         min_tokens: row -> (min_tokens, token ids to block: EOS + stop_token_ids), only
             for rows that have generated fewer than min_tokens tokens. Every listed row
             is blocked.
@@ -47,6 +47,11 @@ class SamplingMetadata:
             wants logprobs.
         allowed_token_bitmask: [B, ceil(V / 32)] int32, or None: bit ``t % 32`` of word
             ``t // 32`` set means token t is allowed (structured outputs fill it).
+        disallowed_token_mask: [B, V] bool, True for the tokens outside a row's
+            ``allowed_token_ids`` (all False for a row without them); None when no row
+            sets them.
+        bad_words_token_ids: row -> its ``SamplingParams.bad_words_token_ids``, for the
+            rows that have bad words.
     """
 
     temperature: torch.Tensor
@@ -66,6 +71,8 @@ class SamplingMetadata:
     logit_bias: list[Optional[dict[int, float]]]
     max_num_logprobs: Optional[int]
     allowed_token_bitmask: Optional[torch.Tensor] = None
+    disallowed_token_mask: Optional[torch.Tensor] = None
+    bad_words_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)
 
     @classmethod
     def from_params(
@@ -102,6 +109,7 @@ class SamplingMetadata:
             for p in params
         )
         requested = [p.logprobs for p in params if p.logprobs is not None]
+        bad_words = {row: p.bad_words_token_ids for row, p in enumerate(params) if p.bad_words_token_ids}
         return cls(
             temperature=column([0.0 if g else p.temperature for g, p in zip(greedy, params)],
                                torch.float32),
@@ -122,10 +130,13 @@ class SamplingMetadata:
                                         torch.float32),
             prompt_token_ids=(None if no_penalties else
                               pad_token_ids(prompt_token_ids, vocab_size, device)),
-            output_token_ids=([[] for _ in params] if no_penalties else [list(ids) for ids in output_token_ids]),
+            output_token_ids=([[] for _ in params] if no_penalties and not bad_words
+                              else [list(ids) for ids in output_token_ids]),
             min_tokens=_rows_under_min_tokens(params, output_token_ids, eos_token_id),
             logit_bias=[p.logit_bias or None for p in params],
             max_num_logprobs=max(requested) if requested else None,
+            disallowed_token_mask=disallowed_token_mask([p.allowed_token_ids for p in params], vocab_size, device),
+            bad_words_token_ids=bad_words,
         )
 
 
@@ -136,6 +147,20 @@ def min_tokens_blocked_ids(params: SamplingParams, eos_token_id: Optional[int]) 
     if eos_token_id is not None and not params.ignore_eos:
         blocked.add(eos_token_id)
     return blocked
+
+
+def disallowed_token_mask(allowed_token_ids: Sequence[Optional[Sequence[int]]], vocab_size: int,
+                          device: torch.device | str) -> Optional[torch.Tensor]:
+    """[B, V] bool, True for the tokens a row may not sample: those outside its
+    ``allowed_token_ids`` (a row with None allows every token); None when no row has any."""
+    if not any(allowed_token_ids):
+        return None
+    mask = torch.zeros(len(allowed_token_ids), vocab_size, dtype=torch.bool)
+    for row, allowed in enumerate(allowed_token_ids):
+        if allowed:
+            mask[row] = True
+            mask[row, list(allowed)] = False
+    return mask.to(device)
 
 
 def pad_token_ids(rows: Sequence[Sequence[int]], vocab_size: int,

@@ -22,7 +22,7 @@ import torch
 
 from pagedllm.lora.request import LoRARequest
 from pagedllm.messages.sched_output import NewRequestData
-from pagedllm.model_executor.sampling_metadata import SamplingMetadata, min_tokens_blocked_ids
+from pagedllm.model_executor.sampling_metadata import SamplingMetadata, disallowed_token_mask, min_tokens_blocked_ids
 from pagedllm.sampling_params import _GREEDY_TEMPERATURE, SamplingParams
 
 
@@ -55,7 +55,7 @@ class _SamplingView:
 
     ``seeded`` lists (metadata row, generator, request seed); ``min_tokens`` lists
     (metadata row, min_tokens, blocked ids); ``outputs`` are the rows' output token lists
-    (the requests' own lists, which grow in place), for penalties only.
+    (the requests' own lists, which grow in place), for penalties and bad words only.
     """
 
     rows: np.ndarray
@@ -97,6 +97,8 @@ class InputBatch:
         self.repetition_penalties = np.ones(max_num_reqs, dtype=np.float32)
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
         self.logit_bias: dict[int, dict[int, float]] = {}
+        self.allowed_token_ids: dict[int, list[int]] = {}
+        self.bad_words_token_ids: dict[int, list[list[int]]] = {}
         self.min_tokens: dict[int, tuple[int, set[int]]] = {}
         self.generators: dict[int, tuple[torch.Generator, int]] = {}
         self.output_token_ids: dict[int, list[int]] = {}
@@ -145,6 +147,10 @@ class InputBatch:
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         if params.logit_bias:
             self.logit_bias[row] = params.logit_bias
+        if params.allowed_token_ids:
+            self.allowed_token_ids[row] = params.allowed_token_ids
+        if params.bad_words_token_ids:
+            self.bad_words_token_ids[row] = params.bad_words_token_ids
         if params.min_tokens > 0:
             self.min_tokens[row] = (params.min_tokens, min_tokens_blocked_ids(params, eos_token_id))
         if params.seed is not None:
@@ -157,7 +163,8 @@ class InputBatch:
         if state is None:
             return
         row = state.row
-        for sparse in (self.logit_bias, self.min_tokens, self.generators, self.output_token_ids):
+        for sparse in (self.logit_bias, self.allowed_token_ids, self.bad_words_token_ids, self.min_tokens,
+                       self.generators, self.output_token_ids):
             sparse.pop(row, None)
         self._free_rows.append(row)
         self._version += 1
@@ -225,7 +232,7 @@ class InputBatch:
         if view.min_tokens:
             metadata.min_tokens = {j: (m, blocked) for j, m, blocked in view.min_tokens
                                    if num_output_tokens[j] < m}
-        if not metadata.no_penalties:
+        if view.outputs:
             metadata.output_token_ids = [
                 self._outputs_before(out, row, n)
                 for out, row, n in zip(view.outputs, view.rows.tolist(), num_output_tokens.tolist())
@@ -267,6 +274,11 @@ class InputBatch:
             min_tokens={},
             logit_bias=[self.logit_bias.get(row) for row in row_list] if self.logit_bias else [None] * len(row_list),
             max_num_logprobs=num_logprobs if num_logprobs >= 0 else None,
+            disallowed_token_mask=(disallowed_token_mask([self.allowed_token_ids.get(row) for row in row_list],
+                                                         vocab_size, self.device)
+                                   if self.allowed_token_ids else None),
+            bad_words_token_ids={j: self.bad_words_token_ids[row] for j, row in enumerate(row_list)
+                                 if row in self.bad_words_token_ids},
         )
         seeded = []
         for row, (generator, seed) in self.generators.items():
@@ -278,7 +290,8 @@ class InputBatch:
                 seeded.append((j, gen, seed))
         min_tokens = [(j, m, blocked) for row, (m, blocked) in self.min_tokens.items()
                       for j in np.flatnonzero(rows == row).tolist()]
-        outputs = [] if no_penalties else [self.output_token_ids[row] for row in row_list]
+        needs_outputs = not no_penalties or metadata.bad_words_token_ids
+        outputs = [self.output_token_ids[row] for row in row_list] if needs_outputs else []
         return _SamplingView(rows.copy(), metadata, seeded, min_tokens, outputs)
 
     def _padded_prompts(self, rows: np.ndarray, vocab_size: int) -> torch.Tensor:

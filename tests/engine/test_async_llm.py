@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import signal
@@ -281,3 +282,15 @@ def test_bad_model_fails_fast_with_clear_error(tiny_llama, tmp_path):
         AsyncLLM.from_engine_args(engine_args(bad))
     assert time.monotonic() - start < 60
     assert "Traceback" in str(info.value.__cause__)  # the engine's traceback rides along
+
+
+def test_dtype_auto_choice_is_logged_once(tiny_llama, caplog):
+    """The front end and the engine both resolve the ``EngineArgs`` (the engine in a thread
+    here, so both log into this process): the ``--dtype auto`` line appears once."""
+    caplog.set_level(logging.INFO, logger="pagedllm.config")
+    llm = AsyncLLM.from_engine_args(
+        EngineArgs(model=str(tiny_llama), dtype="auto", kv_cache_memory_bytes=KV_BYTES), multiprocess=False
+    )
+    llm.shutdown()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("--dtype auto")]
+    assert lines == ["--dtype auto: bfloat16 (16-bit for a float32 checkpoint, as vLLM)"]

@@ -96,6 +96,11 @@ def test_bad_prompt_raises_and_other_requests_finish(tiny_llama, prompt, params,
         ({"max_tokens": 0}, "max_tokens"),
         ({"logprobs": -2}, "logprobs"),
         ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"best_of": 3}, r"best_of is not supported \(it must be unset or equal to n\); got best_of=3, n=1"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be -1"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be -1"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list"),
+        ({"bad_words": ["ok", " "]}, "bad_words must be a list of non-blank strings"),
     ],
 )
 def test_invalid_sampling_params(kwargs, message):
@@ -337,3 +342,65 @@ def test_unknown_keyword_is_a_type_error_with_a_suggestion():
     with pytest.raises(TypeError, match="unexpected keyword argument 'usage_context'"):
         LLM(usage_context="api_server")
 
+
+
+def _banned_by_bad_words(words: list[list[int]], output: list[int]) -> set[int]:
+    """The reference rule (vLLM's ``bad_words``): a word's last token is banned when the
+    output ends with its other tokens."""
+    return {word[-1] for word in words if len(word) - 1 <= len(output) and output[len(output) - len(word) + 1:] == word[:-1]}
+
+
+def test_bad_words_match_a_step_by_step_reference(llm):
+    """Each step of a bad-words request equals one greedy step of the same text with the
+    banned tokens' logits pushed down by ``logit_bias`` (an independent path)."""
+    prompt = "The quick brown fox"
+    base = llm.generate(prompt, greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    tokenizer = llm.get_tokenizer()
+    one_token = tokenizer.decode(base[:1])  # banned from the first step
+    two_tokens = tokenizer.decode(base[5:7])  # its second token is banned after the first
+    for bad_words, first_change in (([one_token], 0), ([two_tokens], 6)):
+        params = greedy(bad_words=bad_words)
+        params.update_from_tokenizer(tokenizer)
+        words = params.bad_words_token_ids
+        assert [base[first_change]] in [w[-1:] for w in words]
+        output = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        assert output[:first_change] == base[:first_change] and output[first_change] != base[first_change]
+        expected: list[int] = []
+        ids = tokenizer.encode(prompt)
+        for _ in range(16):
+            bias = {t: -100.0 for t in _banned_by_bad_words(words, expected)}
+            step = llm.generate({"prompt_token_ids": ids + expected}, greedy(max_tokens=1, logit_bias=bias), use_tqdm=False)
+            expected.append(step[0].outputs[0].token_ids[0])
+        assert output == expected
+
+
+def test_allowed_token_ids(llm, tokenizer):
+    prompt = "The quick brown fox"
+    base = llm.generate(prompt, greedy(), use_tqdm=False)[0].outputs[0].token_ids
+    # every greedy choice allowed: the output is unchanged
+    kept = llm.generate(prompt, greedy(allowed_token_ids=sorted(set(base)) + [7]), use_tqdm=False)
+    assert kept[0].outputs[0].token_ids == base
+    # none of them allowed: only the listed ids come out; one id: only it
+    others = [t for t in range(20, 40) if t not in base]
+    restricted = llm.generate(prompt, greedy(allowed_token_ids=others), use_tqdm=False)[0].outputs[0].token_ids
+    assert set(restricted) <= set(others) and len(restricted) == 16
+    sampled = llm.generate(prompt, SamplingParams(max_tokens=16, seed=3, allowed_token_ids=others), use_tqdm=False)
+    assert set(sampled[0].outputs[0].token_ids) <= set(others)
+    single = llm.generate(prompt, greedy(max_tokens=4, allowed_token_ids=[9]), use_tqdm=False)
+    assert single[0].outputs[0].token_ids == [9, 9, 9, 9]
+    with pytest.raises(ValueError, match=r"allowed_token_ids has token id 1024, outside \[0, 1024\)"):
+        llm.generate(prompt, greedy(allowed_token_ids=[5, 1024]), use_tqdm=False)
+    check_block_accounting(llm)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    ids = list(range(100, 140))
+    (cut,) = llm.generate({"prompt_token_ids": ids}, greedy(truncate_prompt_tokens=7), use_tqdm=False)
+    (short,) = llm.generate({"prompt_token_ids": ids[-7:]}, greedy(), use_tqdm=False)
+    assert cut.prompt_token_ids == ids[-7:]
+    assert cut.outputs[0].token_ids == short.outputs[0].token_ids
+    (whole,) = llm.generate({"prompt_token_ids": ids}, greedy(truncate_prompt_tokens=-1), use_tqdm=False)
+    assert whole.prompt_token_ids == ids  # -1: the last max_model_len (512) tokens
+    params = greedy(max_tokens=12, truncate_prompt_tokens=500)
+    (long,) = llm.generate({"prompt_token_ids": [5] * 600}, params, use_tqdm=False)
+    assert long.prompt_token_ids == [5] * 500 and len(long.outputs[0].token_ids) == 12

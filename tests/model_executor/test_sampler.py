@@ -11,6 +11,7 @@ import torch
 
 from pagedllm.model_executor.layers.logits_processors import (
     LogitsProcessor,
+    apply_bad_words,
     apply_logit_bias,
     apply_min_tokens,
     apply_penalties,
@@ -271,6 +272,27 @@ def test_logit_bias_exact_and_per_row():
     assert out.sampled_token_ids.tolist() == [3, int(raw[1].argmax())]
 
 
+def test_bad_words_exact_and_per_row():
+    logits = torch.zeros(3, 6)
+    words = {0: [[2], [4, 5]], 2: [[1, 3, 5], [0, 4]]}
+    apply_bad_words(logits, words, [[1, 4], [4], [3, 1, 3]])
+    # row 0: [2] always, [4, 5] after a 4; row 1: no words; row 2: [1, 3, 5] after 1, 3 (not [0, 4])
+    assert logits.tolist() == [[0, 0, -math.inf, 0, 0, -math.inf], [0] * 6, [0, 0, 0, 0, 0, -math.inf]]
+
+
+def test_allowed_token_ids_and_bad_words_constrain_greedy_and_random_rows():
+    torch.manual_seed(9)
+    raw = torch.randn(3, 8)
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=[1, 6]),
+              SamplingParams(temperature=0.0, _bad_words_token_ids=[[int(raw[1].argmax())]]),
+              SamplingParams(seed=1, allowed_token_ids=[2, 3])]
+    out = sample(raw, params, generators={2: torch.Generator().manual_seed(1)})
+    best_allowed = 1 if raw[0, 1] >= raw[0, 6] else 6
+    second = int(raw[1].topk(2).indices[1])
+    assert out.sampled_token_ids.tolist()[:2] == [best_allowed, second]
+    assert int(out.sampled_token_ids[2]) in (2, 3)
+
+
 def test_min_tokens_blocks_eos_and_stop_ids():
     eos = 4
     logits = torch.tensor([[0.0, 1.0, 0.0, 9.0, 10.0]] * 4)
@@ -364,9 +386,9 @@ class BanToken(LogitsProcessor):
 def test_default_processors_run_in_vllm_order():
     names = [type(p).__name__ for p in Sampler().logits_processors]
     assert names == ["LogitBiasLogitsProcessor", "MinTokensLogitsProcessor",
-                     "PenaltiesLogitsProcessor", "AllowedTokenBitmaskLogitsProcessor",
-                     "TemperatureLogitsProcessor", "TopKTopPLogitsProcessor"]
-    assert [p.argmax_invariant for p in Sampler().logits_processors] == [False] * 4 + [True] * 2
+                     "PenaltiesLogitsProcessor", "AllowedTokenIdsLogitsProcessor", "BadWordsLogitsProcessor",
+                     "AllowedTokenBitmaskLogitsProcessor", "TemperatureLogitsProcessor", "TopKTopPLogitsProcessor"]
+    assert [p.argmax_invariant for p in Sampler().logits_processors] == [False] * 6 + [True] * 2
 
 
 def test_a_custom_processor_is_applied_and_disables_the_greedy_fast_path():

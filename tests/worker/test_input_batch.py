@@ -37,10 +37,10 @@ def view(batch, states, vocab=VOCAB):
 
 def assert_same_metadata(got: SamplingMetadata, want: SamplingMetadata) -> None:
     for name in ("all_greedy", "all_random", "no_penalties", "output_token_ids", "min_tokens",
-                 "logit_bias", "max_num_logprobs"):
+                 "logit_bias", "max_num_logprobs", "bad_words_token_ids"):
         assert getattr(got, name) == getattr(want, name), name
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalties",
-                 "frequency_penalties", "repetition_penalties", "prompt_token_ids"):
+                 "frequency_penalties", "repetition_penalties", "prompt_token_ids", "disallowed_token_mask"):
         a, b = getattr(got, name), getattr(want, name)
         assert (a is None) == (b is None), name
         if a is not None:
@@ -48,8 +48,8 @@ def assert_same_metadata(got: SamplingMetadata, want: SamplingMetadata) -> None:
 
 
 MIXED = [
-    SamplingParams(temperature=0.0),
-    SamplingParams(temperature=0.7, top_p=0.9, top_k=5, logprobs=3),
+    SamplingParams(temperature=0.0, _bad_words_token_ids=[[3], [20, 4]]),
+    SamplingParams(temperature=0.7, top_p=0.9, top_k=5, logprobs=3, allowed_token_ids=[1, 2, 5]),
     SamplingParams(top_k=1, min_tokens=4, stop_token_ids=[7], logit_bias={3: 2.0}),
     SamplingParams(temperature=1.3, min_p=0.2, repetition_penalty=1.5, presence_penalty=0.5,
                    frequency_penalty=0.25, min_tokens=1, ignore_eos=True),

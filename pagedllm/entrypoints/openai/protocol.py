@@ -39,6 +39,7 @@ from pagedllm.sampling_params import (
     RequestOutputKind,
     SamplingParams,
     StructuredOutputsParams,
+    check_best_of,
     check_logprobs,
 )
 
@@ -338,8 +339,7 @@ class CompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _check_best_of(self) -> "CompletionRequest":
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported (it must be unset or equal to n).")
+        check_best_of(self.best_of, self.n)
         return self
 
     @property

@@ -8,6 +8,7 @@ The default order follows vLLM V1:
 
 ```
 logit_bias -> min_tokens -> repetition / frequency / presence penalties
+  -> allowed_token_ids -> bad words
   -> allowed-token bitmask (structured outputs)     [greedy rows: argmax here]
   -> temperature -> top-k / top-p                   [random rows]
 ```
@@ -80,6 +81,27 @@ class PenaltiesLogitsProcessor(LogitsProcessor):
         return apply_penalties(logits, metadata)
 
 
+class AllowedTokenIdsLogitsProcessor(LogitsProcessor):
+    """vLLM's ``allowed_token_ids``: tokens outside a row's list become -inf."""
+
+    def is_active(self, metadata: SamplingMetadata) -> bool:
+        return metadata.disallowed_token_mask is not None
+
+    def apply(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        assert metadata.disallowed_token_mask is not None
+        return logits.masked_fill_(metadata.disallowed_token_mask, _NEG_INF)
+
+
+class BadWordsLogitsProcessor(LogitsProcessor):
+    """vLLM's ``bad_words`` (see ``apply_bad_words``)."""
+
+    def is_active(self, metadata: SamplingMetadata) -> bool:
+        return bool(metadata.bad_words_token_ids)
+
+    def apply(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        return apply_bad_words(logits, metadata.bad_words_token_ids, metadata.output_token_ids)
+
+
 class AllowedTokenBitmaskLogitsProcessor(LogitsProcessor):
     """Structured outputs: tokens whose bit is clear in
     ``metadata.allowed_token_bitmask`` become -inf."""
@@ -125,6 +147,8 @@ def default_logits_processors() -> list[LogitsProcessor]:
         LogitBiasLogitsProcessor(),
         MinTokensLogitsProcessor(),
         PenaltiesLogitsProcessor(),
+        AllowedTokenIdsLogitsProcessor(),
+        BadWordsLogitsProcessor(),
         AllowedTokenBitmaskLogitsProcessor(),
         TemperatureLogitsProcessor(),
         TopKTopPLogitsProcessor(),
@@ -175,6 +199,35 @@ def apply_min_tokens(logits: torch.Tensor,
     for row, (_, blocked) in min_tokens.items():
         rows.extend([row] * len(blocked))
         cols.extend(blocked)
+    if rows:
+        logits.index_put_(_index_tensors(rows, cols, logits.device),
+                          torch.tensor(_NEG_INF, dtype=logits.dtype, device=logits.device))
+    return logits
+
+
+def apply_bad_words(logits: torch.Tensor, bad_words_token_ids: dict[int, list[list[int]]],
+                    output_token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Ban the last token of each bad word whose other tokens end the row's output, in
+    place (a one-token word is always banned). As vLLM's ``bad_words``: only the output is
+    matched, not the prompt.
+
+    Args:
+        logits: [B, V] float32.
+        bad_words_token_ids: row -> token-id sequences of its bad words.
+        output_token_ids: per row, the tokens generated before the sampled position.
+
+    Returns:
+        ``logits``.
+    """
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, words in bad_words_token_ids.items():
+        output = output_token_ids[row]
+        for word in words:
+            prefix = len(word) - 1
+            if prefix <= len(output) and list(output[len(output) - prefix:]) == word[:prefix]:
+                rows.append(row)
+                cols.append(word[-1])
     if rows:
         logits.index_put_(_index_tensors(rows, cols, logits.device),
                           torch.tensor(_NEG_INF, dtype=logits.dtype, device=logits.device))
