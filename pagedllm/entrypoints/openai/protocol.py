@@ -53,9 +53,6 @@ NOT_SUPPORTED_YET = {
     "length_penalty": "beam search",
     "logits_processors": "custom logits processors",
     "vllm_xargs": "custom logits processors",
-    "bad_words": "bad words",
-    "allowed_token_ids": "allowed token ids",
-    "truncate_prompt_tokens": "prompt truncation",
     "priority": "priority scheduling",
     "kv_transfer_params": "disaggregated prefill",
     "prompt_embeds": "prompt embeddings",
@@ -187,6 +184,9 @@ class SamplingRequest(OpenAIRequest):
     prompt_logprobs: Optional[int] = None
     return_tokens_as_token_ids: Optional[bool] = None
     cache_salt: Optional[str] = None
+    truncate_prompt_tokens: Optional[int] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
     # Structured outputs (see ``structured_outputs``): OpenAI's, vLLM's, vLLM's older ones
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[dict[str, Any]] = None
@@ -202,9 +202,6 @@ class SamplingRequest(OpenAIRequest):
     length_penalty: Any = None
     logits_processors: Any = None
     vllm_xargs: Any = None
-    bad_words: Any = None
-    allowed_token_ids: Any = None
-    truncate_prompt_tokens: Any = None
     priority: Any = None
     kv_transfer_params: Any = None
 
@@ -296,6 +293,9 @@ class SamplingRequest(OpenAIRequest):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=logit_bias,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             structured_outputs=self._structured_outputs,
         )

@@ -45,7 +45,8 @@ SSE_DONE = "data: [DONE]\n\n"
 SAMPLING_FIELDS = (
     "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
     "top_k", "min_p", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
-    "prompt_logprobs", "logit_bias", "max_completion_tokens", "cache_salt",
+    "prompt_logprobs", "logit_bias", "max_completion_tokens", "cache_salt", "truncate_prompt_tokens",
+    "allowed_token_ids", "bad_words",
 )  # fmt: skip
 
 
@@ -211,8 +212,9 @@ class OpenAIServing:
             OpenAIServingError: 400 for a bad field, prompt, or a prompt that does not fit.
         """
         try:
+            num_prompt_tokens = len(self.processor.truncate_prompt(prompt.token_ids, request.truncate_prompt_tokens))
             max_tokens = self.processor.resolve_max_tokens(
-                len(prompt.token_ids), request.requested_max_tokens, request.default_max_tokens, request.max_tokens_param
+                num_prompt_tokens, request.requested_max_tokens, request.default_max_tokens, request.max_tokens_param
             )
             params = request.to_sampling_params(
                 max_tokens, logprobs, prompt_logprobs, self.processor.default_sampling_params

@@ -42,6 +42,9 @@ REFUSED = {
     "max_tokens": [0],
     "logprobs": [-1],
     "prompt_logprobs": [-1],
+    "truncate_prompt_tokens": [0, -2],
+    "allowed_token_ids": [[]],
+    "bad_words": [[" "]],
 }
 # SamplingParams field -> edge values it accepts (each must be accepted online).
 ACCEPTED = {
@@ -52,6 +55,9 @@ ACCEPTED = {
     "min_p": [1.0],
     "logprobs": [20, 0],
     "prompt_logprobs": [0],
+    "truncate_prompt_tokens": [-1, 1],
+    "allowed_token_ids": [[5]],
+    "bad_words": [["hi"]],
 }
 
 
@@ -91,6 +97,32 @@ def test_a_value_accepted_offline_is_accepted_online(server, field, value):
         body["temperature"] = 1.0
     response = _post(server, COMPLETIONS, body)
     assert response.status_code == 200, response.text
+
+
+def test_prompt_truncation_allowed_token_ids_and_bad_words_online(server, tokenizer):
+    """The engine's fields act online as offline: the prompt is cut to its last tokens
+    (usage counts them), only allowed ids are generated, and a one-token bad word gives
+    what pushing its tokens down with logit_bias gives."""
+    body = {"prompt": "one two three four five six", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0, "return_tokens_as_token_ids": True}
+
+    def ids(extra):
+        response = _post(server, COMPLETIONS, {**body, **extra})
+        assert response.status_code == 200, response.text
+        reply = response.json()
+        return reply["usage"]["prompt_tokens"], [int(t.removeprefix("token_id:")) for t in reply["choices"][0]["logprobs"]["tokens"]]
+
+    num_prompt, plain = ids({})
+    assert ids({"truncate_prompt_tokens": 3}) == (3, ids({"prompt": tokenizer.encode(body["prompt"])[-3:]})[1])
+    assert num_prompt > 3
+    assert set(ids({"allowed_token_ids": [7, 8, 9]})[1]) <= {7, 8, 9}
+    word = tokenizer.decode(plain[:1])
+    params = SamplingParams(bad_words=[word])
+    params.update_from_tokenizer(tokenizer)
+    assert plain[0] in [w[0] for w in params.bad_words_token_ids] and all(len(w) == 1 for w in params.bad_words_token_ids)
+    without = ids({"bad_words": [word]})[1]
+    assert without[0] != plain[0]
+    assert without == ids({"logit_bias": {str(w[0]): -100 for w in params.bad_words_token_ids}})[1]
 
 
 def test_chat_top_logprobs_has_the_logprobs_rule_under_its_own_name(server):
@@ -152,9 +184,6 @@ NOT_YET = [
     (COMPLETIONS, "length_penalty", 0.5),
     (COMPLETIONS, "logits_processors", ["my.module:Processor"]),
     (CHAT, "vllm_xargs", {"a": 1}),
-    (COMPLETIONS, "bad_words", ["bad"]),
-    (COMPLETIONS, "allowed_token_ids", [1, 2]),
-    (COMPLETIONS, "truncate_prompt_tokens", 8),
     (CHAT, "priority", 3),
     (COMPLETIONS, "kv_transfer_params", {"do_remote_decode": True}),
     (COMPLETIONS, "prompt_embeds", "AAAA"),
