@@ -13,12 +13,21 @@ each with its own seed, so no two share weights):
 
 ``checkpoint_factory(arch, **kwargs)`` makes any other one (arguments of
 ``pagedllm.testing.checkpoints.make_checkpoint``), cached by its arguments.
+
+Kernel builds: the tests of every instruction-set level (``isa_kernel``) need one C++ build
+per level (about a minute each on 2 cores). They are built at the lowest CPU priority by a
+background process started when those tests are collected, while the other tests run (they
+leave a core idle much of the time), and those tests run last: by then their builds are in
+the cache (a build still running is waited for, through its lock).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -153,3 +162,33 @@ def pytest_report_header(config):
     except ValueError as exc:
         built = f"unavailable ({exc})"
     return f"pagedllm CPU ISA: detected {isa.detected_isa()}, {isa.ENV}={override}; C++ kernels: {built}; kernel tests run at: {', '.join(supported_isas())}"
+
+
+#: Builds each level named on its command line (``using_isa`` builds a level it enters).
+_PREBUILD = "import sys\nfrom pagedllm.kernels import cpu\nfor level in sys.argv[1:]:\n    with cpu.using_isa(level):\n        pass\n"
+_prebuild: list[subprocess.Popen] = []
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own grouping of parametrized fixtures
+def pytest_collection_modifyitems(session, config, items):
+    """Run the tests of every instruction-set level last, and start building their levels
+    in the background now (see the module docstring)."""
+    by_level = [item for item in items if "isa_kernel" in getattr(item, "fixturenames", ())]
+    if not by_level:
+        return
+    items[:] = [item for item in items if "isa_kernel" not in getattr(item, "fixturenames", ())] + by_level
+    if config.option.collectonly or os.environ.get("PAGEDLLM_DISABLE_CPU_KERNELS"):
+        return
+    _prebuild.append(subprocess.Popen(
+        [sys.executable, "-c", _PREBUILD, *supported_isas()], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True, preexec_fn=lambda: os.nice(19),
+    ))  # fmt: skip
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop a background build still running (a run cut short): its process group, compilers
+    included; the build's lock dies with it."""
+    for process in _prebuild:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()

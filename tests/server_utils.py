@@ -36,7 +36,8 @@ class RemoteServer:
     Args:
         model: checkpoint directory (None: no MODEL argument, the shipped default model).
         flags: extra ``serve`` flags.
-        api_key: passed as ``--api-key`` when set.
+        api_key: passed as ``--api-key`` when set (the key ``headers`` and ``client`` use).
+        other_api_keys: more keys given with it (vLLM's ``--api-key`` takes several).
         env: the server's environment instead of this process's.
         log_requests: log each request (by default the server runs with --disable-log-requests).
     """
@@ -46,6 +47,7 @@ class RemoteServer:
         model: Optional[Path],
         *flags: str,
         api_key: Optional[str] = None,
+        other_api_keys: tuple[str, ...] = (),
         env: Optional[dict[str, str]] = None,
         log_requests: bool = False,
     ) -> None:
@@ -59,7 +61,7 @@ class RemoteServer:
             "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", *flags,
         ]  # fmt: skip
         if api_key:
-            command += ["--api-key", api_key]
+            command += ["--api-key", api_key, *other_api_keys]
         env = dict(env if env is not None else os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         for name in ("PAGEDLLM_API_KEY", "VLLM_API_KEY"):
             env.pop(name, None)

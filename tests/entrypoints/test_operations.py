@@ -128,18 +128,6 @@ def test_abort_4xx_and_chat_logger(logging_server):
     wait_for(lambda: f"[pagedllm.entrypoints.openai.serving_chat] Received request {chat_id}" in full_log(server), 5, "the chat log line")
 
 
-def test_disable_log_stats(tiny_llama):
-    env = dict(os.environ, PAGEDLLM_LOG_STATS_INTERVAL="0.3")
-    server = RemoteServer(tiny_llama, "--disable-log-stats", env=env)
-    try:
-        assert server.post("/v1/completions", json={"prompt": "a", "max_tokens": 200, "ignore_eos": True}).status_code == 200
-        time.sleep(0.8)
-        assert not STATS_RE.search(full_log(server))
-        assert server.metrics()["pagedllm:generation_tokens_total"] == 200  # the metrics still count
-    finally:
-        server.close()
-
-
 # --- part 7: failures and shutdown -----------------------------------------------------------
 
 
@@ -243,9 +231,17 @@ def test_sigterm_to_every_process_at_once_still_drains(tiny_llama):
     assert "engine is dead" not in log and "Traceback" not in log
 
 
-def test_killed_engine_fails_requests_and_the_server_exits_1(tiny_llama):
-    server = RemoteServer(tiny_llama, "--max-model-len", "2048")
+def test_disable_log_stats_then_a_killed_engine_fails_requests_and_the_server_exits_1(tiny_llama):
+    """One server for both (each start costs seconds): no stats line with
+    ``--disable-log-stats`` while the metrics still count; then its engine killed."""
+    env = dict(os.environ, PAGEDLLM_LOG_STATS_INTERVAL="0.3")
+    server = RemoteServer(tiny_llama, "--max-model-len", "2048", "--disable-log-stats", env=env)
     try:
+        assert server.post("/v1/completions", json={"prompt": "a", "max_tokens": 200, "ignore_eos": True}).status_code == 200
+        time.sleep(0.8)
+        assert not STATS_RE.search(full_log(server))
+        assert server.metrics()["pagedllm:generation_tokens_total"] == 200  # the metrics still count
+
         (engine_pid,) = server.engine_pids()
         results: dict[str, Any] = {}
 

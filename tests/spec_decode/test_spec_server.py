@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from pagedllm import LLM, SamplingParams
 from tests.server_utils import RemoteServer
 from tests.spec_decode.test_spec_greedy_equality import REPEAT_PASSAGE
 
@@ -13,19 +14,18 @@ NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2
 
 
 def test_serve_with_ngram_speculation_reports_acceptance():
+    """The server's greedy text equals the single-process engine's without speculation
+    (the shipped model, float32 as ``RemoteServer``)."""
     prompt = REPEAT_PASSAGE + "\n\n" + REPEAT_PASSAGE[:60]
-    plain = RemoteServer(None)
-    try:
-        want = plain.client().completions.create(model=plain.client().models.list().data[0].id, prompt=prompt,
-                                                 max_tokens=48, temperature=0)
-    finally:
-        plain.close()
+    plain = LLM(dtype="float32", kv_cache_memory_bytes=16 << 20)
+    (want,) = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)
+    del plain
     server = RemoteServer(None, "--speculative-config", NGRAM)
     try:
         client = server.client()
         got = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=48,
                                         temperature=0)
-        assert got.choices[0].text == want.choices[0].text
+        assert got.choices[0].text == want.outputs[0].text
         metrics = server.metrics()
         drafts = metrics["pagedllm:spec_decode_num_drafts_total"]
         accepted = metrics["pagedllm:spec_decode_num_accepted_tokens_total"]

@@ -1,7 +1,7 @@
 """A real ``pagedllm serve`` process for the OpenAI server tests (``tests.server_utils``).
 
 The ``server`` fixture is one ``RemoteServer`` shared by the whole package (start-up costs
-seconds): API key ``API_KEY``, served names ``MODEL_NAME`` and ``MODEL_ALIAS``,
+seconds): API keys ``API_KEY`` and ``OTHER_API_KEY``, served names ``MODEL_NAME`` and ``MODEL_ALIAS``,
 ``max_model_len`` ``MAX_MODEL_LEN`` (given as ``2K``). Tests that kill the engine start their own.
 """
 
@@ -16,6 +16,8 @@ import pytest
 from tests.server_utils import RemoteServer
 
 API_KEY = "sk-pagedllm-test"
+#: A second key the shared server accepts (``--api-key`` takes several).
+OTHER_API_KEY = "sk-pagedllm-other"
 MODEL_NAME = "tiny-llama"
 MODEL_ALIAS = "tiny-llama-alias"
 MAX_MODEL_LEN = 2048
@@ -28,7 +30,7 @@ def server(tiny_llama: Path) -> Iterator[RemoteServer]:
         tiny_llama,
         "--served-model-name", MODEL_NAME, MODEL_ALIAS,
         "--max-model-len", "2K",  # = MAX_MODEL_LEN (upper-case suffix: x1024, as vLLM)
-        api_key=API_KEY,
+        api_key=API_KEY, other_api_keys=(OTHER_API_KEY,),
     )  # fmt: skip
     try:
         yield remote

@@ -9,7 +9,7 @@ import time
 import openai
 import pytest
 
-from tests.entrypoints.openai.conftest import API_KEY, MAX_MODEL_LEN, MODEL_ALIAS, MODEL_NAME
+from tests.entrypoints.openai.conftest import API_KEY, MAX_MODEL_LEN, MODEL_ALIAS, MODEL_NAME, OTHER_API_KEY
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -157,19 +157,14 @@ def test_missing_or_wrong_key_is_401(server, method, path, authorization):
     _assert_still_serving(server)
 
 
-def test_any_of_several_api_keys_is_accepted(tiny_llama):
-    """vLLM's ``--api-key`` takes several keys; a request may use any of them."""
+def test_any_of_several_api_keys_is_accepted(server):
+    """vLLM's ``--api-key`` takes several keys (the shared server has two); a request may
+    use any of them."""
     import httpx
 
-    from tests.server_utils import RemoteServer
-
-    server = RemoteServer(tiny_llama, "--max-model-len", "256", "--api-key", "key-one", "key-two")
-    try:
-        for key, status in (("key-one", 200), ("key-two", 200), ("key-three", 401)):
-            response = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
-            assert response.status_code == status, (key, response.text)
-    finally:
-        server.close()
+    for key, status in ((API_KEY, 200), (OTHER_API_KEY, 200), ("key-three", 401)):
+        response = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+        assert response.status_code == status, (key, response.text)
 
 
 def test_health_and_metrics_need_no_key(server):
