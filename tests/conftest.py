@@ -14,8 +14,8 @@ each with its own seed, so no two share weights):
 ``checkpoint_factory(arch, **kwargs)`` makes any other one (arguments of
 ``pagedllm.testing.checkpoints.make_checkpoint``), cached by its arguments.
 
-Kernel builds: the tests of every instruction-set level (``isa_kernel``) need one C++ build
-per level (about a minute each on 2 cores). They are built at the lowest CPU priority by a
+Kernel builds: the tests of every instruction-set level (``isa_kernel``, or marked
+``isa_levels``) need one C++ build per level (about a minute each on 2 cores). They are built at the lowest CPU priority by a
 background process started when those tests are collected, while the other tests run (they
 leave a core idle much of the time), and those tests run last: by then their builds are in
 the cache (a build still running is waited for, through its lock).
@@ -169,14 +169,22 @@ _PREBUILD = "import sys\nfrom pagedllm.kernels import cpu\nfor level in sys.argv
 _prebuild: list[subprocess.Popen] = []
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "isa_levels: runs the kernels of every level (in another process): run last")
+
+
+def _needs_every_level(item) -> bool:
+    return "isa_kernel" in getattr(item, "fixturenames", ()) or item.get_closest_marker("isa_levels") is not None
+
+
 @pytest.hookimpl(trylast=True)  # after pytest's own grouping of parametrized fixtures
 def pytest_collection_modifyitems(session, config, items):
     """Run the tests of every instruction-set level last, and start building their levels
     in the background now (see the module docstring)."""
-    by_level = [item for item in items if "isa_kernel" in getattr(item, "fixturenames", ())]
+    by_level = [item for item in items if _needs_every_level(item)]
     if not by_level:
         return
-    items[:] = [item for item in items if "isa_kernel" not in getattr(item, "fixturenames", ())] + by_level
+    items[:] = [item for item in items if not _needs_every_level(item)] + by_level
     if config.option.collectonly or os.environ.get("PAGEDLLM_DISABLE_CPU_KERNELS"):
         return
     _prebuild.append(subprocess.Popen(

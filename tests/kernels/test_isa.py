@@ -60,6 +60,7 @@ print(torch.backends.cpu.get_cpu_capability(), bool(torch.ops.mkldnn._is_mkldnn_
 """
 
 
+@pytest.mark.isa_levels
 @pytest.mark.parametrize("level", isa.supported_isas())
 def test_override_runs_the_whole_process_at_that_level(level):
     """``PAGEDLLM_CPU_ISA=<level>`` in a fresh process: the kernels run at that level and, below
