@@ -374,9 +374,11 @@ def lr_at(step: int, args) -> float:
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cos)
 
 
-def batches(ids, seq_len: int, batch_size: int, seed: int):
-    """Endless seeded stream of [batch, seq_len + 1] windows; each epoch starts at a new
-    random offset and visits the windows in a new random order."""
+def batches(ids, seq_len: int, batch_size: int, seed: int, copy: "CopyExercises | None" = None):
+    """Endless seeded stream of ``(windows, labels)``: windows [batch, seq_len + 1] token
+    ids, labels [batch, seq_len] (the next token of each position, -100 where no loss is
+    taken). Each epoch starts at a new random offset and visits the windows in a new random
+    order; with ``copy``, a share of the rows is replaced by copying exercises."""
     import torch
 
     data = torch.tensor(ids, dtype=torch.long)
@@ -390,7 +392,64 @@ def batches(ids, seq_len: int, batch_size: int, seed: int):
         windows = data[offset : offset + n * span].view(n, span)
         order = torch.randperm(n, generator=gen)
         for i in range(0, n - batch_size + 1, batch_size):
-            yield windows[order[i : i + batch_size]]
+            batch = windows[order[i : i + batch_size]].clone()
+            labels = batch[:, 1:].clone()
+            if copy is not None:
+                copy.apply(batch, labels, data, gen)
+            yield batch, labels
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyExercises:
+    """Copying exercises mixed into training, so that the model learns to continue a passage
+    it has already read (induction heads: Olsson et al. 2022, "In-context Learning and
+    Induction Heads"). That is what n-gram speculation (prompt lookup) relies on when a
+    request quotes, repeats or edits its prompt.
+
+    A chosen row becomes: natural text, a passage ``S`` of 16 to (seq_len - len(sep)) / 2
+    tokens, ``sep`` (a blank line), ``S`` again, then natural text to the end of the window.
+    Half of the passages are training text, half are uniformly random tokens, which only
+    copying can predict; a random passage's first occurrence (and the blank line after it)
+    is left out of the loss, being noise. Fresh exercises are drawn for every batch, so
+    none is memorised.
+
+    Attributes:
+        fraction: share of the rows of each batch replaced, in [0, 1].
+        sep: token ids of the blank line between the two copies.
+        first_token: smallest id a random passage uses (after the special tokens).
+        vocab_size: random passages use ids in [first_token, vocab_size).
+    """
+
+    fraction: float
+    sep: tuple[int, ...]
+    first_token: int
+    vocab_size: int
+
+    def apply(self, batch, labels, data, gen) -> None:
+        """Rewrite a seeded share of the rows of ``batch`` [B, span] and ``labels``
+        [B, span - 1] in place; ``data`` is the training stream (1-D int64)."""
+        import torch
+
+        span = batch.size(1)
+        sep = torch.tensor(self.sep, dtype=torch.long)
+        chosen = torch.rand(batch.size(0), generator=gen) < self.fraction
+        for row in chosen.nonzero().flatten().tolist():
+            max_len = (span - len(sep)) // 2
+            length = int(torch.randint(16, max_len + 1, (1,), generator=gen))
+            if bool(torch.rand(1, generator=gen) < 0.5):
+                passage = torch.randint(self.first_token, self.vocab_size, (length,), generator=gen)
+                random_passage = True
+            else:
+                at = int(torch.randint(0, len(data) - length, (1,), generator=gen))
+                passage = data[at : at + length]
+                random_passage = False
+            exercise = torch.cat([passage, sep, passage])
+            start = int(torch.randint(0, span - len(exercise) + 1, (1,), generator=gen))
+            batch[row, start : start + len(exercise)] = exercise
+            labels[row] = batch[row, 1:]
+            if random_passage:
+                # targets inside the first copy and the blank line after it: noise
+                labels[row, max(0, start - 1) : start + length + len(sep) - 1] = -100
 
 
 def heldout_windows(ids, seq_len: int):
@@ -426,6 +485,28 @@ def evaluate(model, windows, max_windows: int | None = None, batch_size: int = 1
                 count += same[:, 1:].numel()
     model.train(was_training)
     return total / max(1, count), count
+
+
+def copy_accuracy(model, heldout_ids: Sequence[int], sep: Sequence[int], length: int = 120,
+                  num: int = 32, cue: int = 8) -> float:
+    """How well the model continues a passage it has read: ``num`` held-out passages of
+    ``length`` tokens (consecutive, non-overlapping), each fed as passage + ``sep`` +
+    passage; the share of the second copy's tokens after its first ``cue`` that are the
+    model's top-1 prediction (teacher-forced). 1.0 is perfect copying."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    sep_t = torch.tensor(list(sep), dtype=torch.long)
+    data = torch.tensor(list(heldout_ids), dtype=torch.long)
+    rows = [data[i * length : (i + 1) * length] for i in range(min(num, len(data) // length))]
+    batch = torch.stack([torch.cat([r, sep_t, r]) for r in rows])
+    start = length + len(sep) + cue
+    with torch.inference_mode():
+        logits = model(input_ids=batch[:, :-1]).logits
+    hits = logits[:, start - 1 :].argmax(-1) == batch[:, start:]
+    model.train(was_training)
+    return float(hits.float().mean())
 
 
 def unigram_nll(train_ids: Sequence[int], windows, vocab_size: int) -> float:
@@ -470,6 +551,15 @@ def generate_samples(model, hf_tok, max_new_tokens: int = 48) -> list[tuple[str,
 # --------------------------------------------------------------------------------------
 
 
+def _base_training(card: str) -> dict:
+    """The training paragraph and retrain command(s) of the model card of an ``--init-from``
+    checkpoint, to be quoted by the new card."""
+    training = card.split("## Training\n", 1)[1]
+    paragraph = training.split("\nRetrain", 1)[0].strip()
+    command = re.search(r"```bash\n(.*?)```", training, flags=re.S).group(1).strip()
+    return {"paragraph": paragraph, "command": command}
+
+
 def retrain_command(argv: Sequence[str]) -> str:
     return " ".join([".venv/bin/python", "tools/train_default_model.py", *map(shlex.quote, argv)])
 
@@ -480,6 +570,22 @@ def write_model_card(out: pathlib.Path, info: dict) -> None:
         for i, (p, o) in enumerate(info["samples"], 1)
     )
     cfg = info["config"]
+    copying = ""
+    if info["copy_fraction"] > 0:
+        copying = (
+            f"{info['copy_fraction']:.0%} of the training windows{' of the second run' if info['base'] else ''} "
+            "hold a copying exercise (a passage, a blank line, the passage again; half of the passages "
+            "training text, half random tokens, drawn fresh for each batch), so that the model continues "
+            "a passage it has read: what prompt-lookup (n-gram) speculation needs."
+        )
+    base = ""
+    if info["base"]:
+        base = (
+            "Two runs of this script. The first trained the model from scratch:\n\n"
+            f"> {info['base']['paragraph']}\n\n"
+            "The second (`--init-from`) continued training that checkpoint:\n"
+        ).replace("\n> ", "\n> ", 1)
+        base = base.replace(info["base"]["paragraph"], info["base"]["paragraph"].replace("\n", "\n> "))
     card = f"""---
 license: apache-2.0
 language: en
@@ -521,6 +627,7 @@ the docstrings of the standard-library modules (parsed with `ast`; test packages
 `pydoc_data.topics` (the language-reference pages behind `help()`), with doctests, grammar rules
 and code-like paragraphs removed. {info['chat_fraction']:.0%} of the documents are wrapped as ChatML
 conversations (a question naming the function, class, module or topic, answered by its docstring).
+{copying}
 
 - Documents: {info['num_docs']:,} ({info['num_chars']:,} characters); train {info['train_tokens']:,} tokens,
   held-out {info['heldout_tokens']:,} tokens. Held-out split: whole modules / topics chosen by a hash of
@@ -540,12 +647,16 @@ conversations (a question naming the function, class, module or topic, answered 
 held-out perplexity: {info['heldout_ppl']:.2f}; unigram perplexity: {info['unigram_ppl']:.2f}
 ({info['unigram_ppl'] / info['heldout_ppl']:.1f}× lower). Held-out tokens scored: {info['heldout_scored']:,}.
 
+Copying: fed 32 held-out passages of 120 tokens as passage + blank line + passage, the model's top-1
+prediction is the passage's next token for **{info['copy_accuracy']:.1%}** of the second copy's tokens
+(after its first 8).
+
 ## Sample generations (greedy, transformers)
 
 {samples}
 ## Training
 
-Plain PyTorch + `transformers.LlamaForCausalLM`: AdamW (β {info['betas']}, weight decay {info['weight_decay']}),
+{base}Plain PyTorch + `transformers.LlamaForCausalLM`: AdamW (β {info['betas']}, weight decay {info['weight_decay']}),
 peak LR {info['lr']:g} with {info['warmup_steps']} warm-up steps and cosine decay to {info['min_lr_ratio']:g}×,
 gradient clipping 1.0, batch {info['batch_size']} × {info['seq_len']} tokens, {info['steps']} steps
 ({info['tokens_seen']:,} tokens, {info['epochs']:.1f} epochs), {info['autocast']} autocast, {info['threads']} CPU thread(s), seed {info['seed']}.
@@ -553,7 +664,7 @@ Final train loss {info['final_train_loss']:.3f}. Wall time {info['train_seconds'
 ({info['total_seconds'] / 60:.1f} min in all) on {info['machine']}, Python {info['python_version']},
 torch {info['torch_version']}, transformers {info['transformers_version']}, tokenizers {info['tokenizers_version']}.
 
-Retrain (from the repository root; the same Python, torch and thread count reproduce the checkpoint):
+Retrain (from the repository root; the same Python, torch and thread count reproduce the checkpoint{'; the commands in order' if info['base'] else ''}):
 
 ```bash
 {info['retrain_command']}
@@ -595,6 +706,10 @@ def parse_args(argv: Sequence[str] | None = None):
     p.add_argument("--max-chars", type=int, default=0, help="use only the first N characters of text (0: all)")
     p.add_argument("--heldout-percent", type=float, default=5.0)
     p.add_argument("--chat-fraction", type=float, default=0.3)
+    p.add_argument("--init-from", type=pathlib.Path, default=None, metavar="DIR",
+                   help="continue training the checkpoint in DIR (written by this script) with its tokenizer; "
+                   "the architecture options are then ignored")
+    p.add_argument("--copy-fraction", type=float, default=0.0, help="share of rows that are copying exercises")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=100, help="held-out loss every N steps (0: only at the end)")
     p.add_argument("--eval-windows", type=int, default=32, help="windows used for the periodic held-out loss")
@@ -639,14 +754,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
     num_chars = sum(len(d.text) for d in docs)
     log(f"{len(docs)} documents, {num_chars:,} chars; {len(train_texts)} train / {len(heldout_texts)} held-out")
 
-    tok = train_tokenizer(train_texts, args.vocab_size)
+    if args.init_from is not None:
+        tok = tokenizers.Tokenizer.from_file(str(args.init_from / "tokenizer.json"))
+        base_card = (args.init_from / "README.md").read_text(encoding="utf-8")
+    else:
+        tok = train_tokenizer(train_texts, args.vocab_size)
     vocab_size = tok.get_vocab_size()
     train_ids = encode_stream(tok, train_texts)
     heldout_ids = encode_stream(tok, heldout_texts)
     log(f"tokenizer: vocab {vocab_size}; train {len(train_ids):,} tokens, held-out {len(heldout_ids):,} tokens")
 
-    config = build_config(args, vocab_size)
-    model = LlamaForCausalLM(config)
+    if args.init_from is not None:
+        model = LlamaForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+        log(f"initialised from {args.init_from}")
+    else:
+        model = LlamaForCausalLM(build_config(args, vocab_size))
     model.train()
     num_params = sum(p.numel() for p in model.parameters())
     log(f"model: {num_params:,} parameters")
@@ -661,7 +783,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         eps=1e-8,
     )
     windows = heldout_windows(heldout_ids, args.seq_len)
-    stream = batches(train_ids, args.seq_len, args.batch_size, args.seed)
+    sep = tuple(tok.encode("\n\n", add_special_tokens=False).ids)
+    copy = CopyExercises(args.copy_fraction, sep, len(SPECIAL_TOKENS), vocab_size) if args.copy_fraction > 0 else None
+    stream = batches(train_ids, args.seq_len, args.batch_size, args.seed, copy)
 
     losses: list[float] = []
     t_train = time.time()
@@ -669,10 +793,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         lr = lr_at(step, args)
         for group in opt.param_groups:
             group["lr"] = lr
-        batch = next(stream)
+        batch, labels = next(stream)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             logits = model(input_ids=batch[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab_size), batch[:, 1:].reshape(-1))
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab_size), labels.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -684,12 +808,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
             log(f"step {step + 1:5d}/{args.steps}  loss {losses[-1]:.4f}  lr {lr:.2e}  {tok_s:,.0f} tok/s")
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 != args.steps:
             nll, _ = evaluate(model, windows, args.eval_windows)
-            log(f"step {step + 1:5d}  held-out loss {nll:.4f}  ppl {math.exp(nll):.2f} (first {args.eval_windows} windows)")
+            copy_acc = copy_accuracy(model, heldout_ids, sep)
+            log(f"step {step + 1:5d}  held-out loss {nll:.4f}  ppl {math.exp(nll):.2f} (first {args.eval_windows} windows)"
+                f"  copy accuracy {copy_acc:.3f}")
     train_seconds = time.time() - t_train
 
     model.eval()
     nll, scored = evaluate(model, windows)
     uni = unigram_nll(train_ids, windows, vocab_size)
+    copy_acc = copy_accuracy(model, heldout_ids, sep)
+    log(f"held-out copy accuracy {copy_acc:.3f}")
     log(f"held-out: loss {nll:.4f} ppl {math.exp(nll):.2f}; unigram ppl {math.exp(uni):.2f} ({scored:,} tokens)")
 
     # Save in Hugging Face layout.
@@ -745,6 +873,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "heldout_nll": nll,
         "heldout_ppl": math.exp(nll),
         "unigram_ppl": math.exp(uni),
+        "copy_accuracy": copy_acc,
+        "copy_fraction": args.copy_fraction,
         "losses": losses,
         "final_train_loss": sum(losses[-10:]) / len(losses[-10:]),
         "samples": samples,
@@ -762,7 +892,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "threads": args.threads,
         "seed": args.seed,
         "train_seconds": train_seconds,
-        "retrain_command": retrain_command(args.argv),
+        "retrain_command": "\n".join(
+            ([_base_training(base_card)["command"]] if args.init_from is not None else []) + [retrain_command(args.argv)]
+        ),
+        "base": _base_training(base_card) if args.init_from is not None else None,
     }
     info["total_seconds"] = time.time() - t_start
     write_model_card(out, info)

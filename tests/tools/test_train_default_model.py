@@ -136,3 +136,58 @@ def test_rerun_reproduces_the_checkpoint(mini, tmp_path):
     _train(again)
     assert _sha256(again / "tokenizer.json") == _sha256(out / "tokenizer.json")
     assert _sha256(again / "model.safetensors") == _sha256(out / "model.safetensors")
+
+
+def _load_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_default_model", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_copy_exercises_repeat_a_passage_and_mask_only_noise():
+    """Every row becomes natural text, S, the blank line, S, natural text; a random S's first
+    occurrence (and the blank line) carries no loss, everything else does."""
+    import torch
+
+    script = _load_script()
+    sep = (7, 7)
+    exercises = script.CopyExercises(fraction=1.0, sep=sep, first_token=3, vocab_size=500)
+    data = torch.arange(1000, 3000)  # "training text": ids >= 1000, never random ones
+    gen = torch.Generator().manual_seed(0)
+    seen_random = seen_text = 0
+    for _ in range(20):
+        batch = data[:8 * 65].view(8, 65).clone()
+        labels = batch[:, 1:].clone()
+        exercises.apply(batch, labels, data, gen)
+        for row, lab in zip(batch.tolist(), labels.tolist()):
+            at = next(i for i in range(len(row) - 1) if row[i : i + 2] == list(sep))
+            # the passage is the run before the blank line that repeats right after it
+            length = max(n for n in range(16, at + 1) if row[at - n : at] == row[at + 2 : at + 2 + n])
+            start = at - length
+            assert 16 <= length <= (65 - 2) // 2
+            masked = [i for i, v in enumerate(lab) if v == -100]
+            if row[start] < 1000:  # random passage: ids in [3, 500)
+                assert all(3 <= t < 500 for t in row[start:at])
+                assert masked == list(range(max(0, start - 1), at + 1))
+                seen_random += 1
+            else:
+                assert masked == []
+                seen_text += 1
+            assert [v for v in lab if v != -100] == [t for i, t in enumerate(row[1:]) if i not in masked]
+    assert seen_random > 20 and seen_text > 20
+
+
+def test_copy_exercises_fraction_zero_changes_nothing():
+    import torch
+
+    script = _load_script()
+    exercises = script.CopyExercises(fraction=0.0, sep=(7,), first_token=3, vocab_size=500)
+    batch = torch.arange(4 * 33).view(4, 33)
+    labels = batch[:, 1:].clone()
+    exercises.apply(batch, labels, torch.arange(1000), torch.Generator().manual_seed(0))
+    assert torch.equal(batch, torch.arange(4 * 33).view(4, 33))
+    assert torch.equal(labels, batch[:, 1:])
