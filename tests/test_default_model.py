@@ -137,7 +137,10 @@ def test_held_out_perplexity_claim_is_reproduced(hf):
     docs = train.collect_documents()
     texts = train.format_documents(docs, chat_fraction=0.3, seed=0)
     heldout = [t for d, t in zip(docs, texts) if train.is_heldout(d.unit, 5.0)]
-    windows = train.heldout_windows(train.encode_stream(raw_tok, heldout), 256)
+    heldout_ids = train.encode_stream(raw_tok, heldout)
+    window = re.search(r"Non-overlapping windows of (\d+) tokens", _card())
+    assert window, "the model card must say how the held-out stream was cut"
+    windows = train.heldout_windows(heldout_ids, int(window.group(1)) - 1)
     nll, _ = train.evaluate(model, windows)
     ppl = math.exp(nll)
     if same_python:  # same data: the number in the card, up to float summation order
@@ -145,6 +148,27 @@ def test_held_out_perplexity_claim_is_reproduced(hf):
     else:  # another CPython's docstrings differ a little
         assert ppl == pytest.approx(claimed, rel=0.3)
     assert ppl < unigram / 3
+
+
+def test_copy_accuracy_claim_is_reproduced(hf):
+    """The shipped model continues a passage it has read (what n-gram speculation needs): the
+    card's copy accuracy on held-out passages is reproduced, and it is high."""
+    tok, model = hf
+    train = _load_training_script()
+    m = re.search(r"the model's top-1\nprediction is the passage's next token for \*\*([0-9.]+)%\*\*", _card())
+    assert m, "the model card must state the copy accuracy"
+    claimed = float(m.group(1)) / 100
+
+    from tokenizers import Tokenizer
+
+    raw_tok = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    docs = train.collect_documents()
+    texts = train.format_documents(docs, chat_fraction=0.3, seed=0)
+    heldout = [t for d, t in zip(docs, texts) if train.is_heldout(d.unit, 5.0)]
+    sep = raw_tok.encode("\n\n", add_special_tokens=False).ids
+    accuracy = train.copy_accuracy(model, train.encode_stream(raw_tok, heldout), sep)
+    assert accuracy == pytest.approx(claimed, abs=0.02 if platform.python_version() in _card() else 0.1)
+    assert accuracy > 0.75
 
 
 def test_write_heldout_text_keeps_only_held_out_documents(tmp_path, monkeypatch):

@@ -406,8 +406,9 @@ class CopyExercises:
     Induction Heads"). That is what n-gram speculation (prompt lookup) relies on when a
     request quotes, repeats or edits its prompt.
 
-    A chosen row becomes: natural text, a passage ``S`` of 16 to (seq_len - len(sep)) / 2
-    tokens, ``sep`` (a blank line), ``S`` again, then natural text to the end of the window.
+    A chosen row becomes: natural text, a passage ``S``, ``sep`` (a blank line), ``S`` again
+    (2 to ``max_copies`` copies in all, separated by ``sep``, ``S`` of 16 tokens up to what
+    fits in the window), then natural text to the end of the window.
     Half of the passages are training text, half are uniformly random tokens, which only
     copying can predict; a random passage's first occurrence (and the blank line after it)
     is left out of the loss, being noise. Fresh exercises are drawn for every batch, so
@@ -418,12 +419,14 @@ class CopyExercises:
         sep: token ids of the blank line between the two copies.
         first_token: smallest id a random passage uses (after the special tokens).
         vocab_size: random passages use ids in [first_token, vocab_size).
+        max_copies: most copies of a passage in one row (at least 2).
     """
 
     fraction: float
     sep: tuple[int, ...]
     first_token: int
     vocab_size: int
+    max_copies: int = 2
 
     def apply(self, batch, labels, data, gen) -> None:
         """Rewrite a seeded share of the rows of ``batch`` [B, span] and ``labels``
@@ -434,8 +437,9 @@ class CopyExercises:
         sep = torch.tensor(self.sep, dtype=torch.long)
         chosen = torch.rand(batch.size(0), generator=gen) < self.fraction
         for row in chosen.nonzero().flatten().tolist():
-            max_len = (span - len(sep)) // 2
-            length = int(torch.randint(16, max_len + 1, (1,), generator=gen))
+            copies = int(torch.randint(2, self.max_copies + 1, (1,), generator=gen))
+            max_len = (span - (copies - 1) * len(sep)) // copies
+            length = int(torch.randint(16, max(16, max_len) + 1, (1,), generator=gen))
             if bool(torch.rand(1, generator=gen) < 0.5):
                 passage = torch.randint(self.first_token, self.vocab_size, (length,), generator=gen)
                 random_passage = True
@@ -443,7 +447,7 @@ class CopyExercises:
                 at = int(torch.randint(0, len(data) - length, (1,), generator=gen))
                 passage = data[at : at + length]
                 random_passage = False
-            exercise = torch.cat([passage, sep, passage])
+            exercise = torch.cat([passage] + [torch.cat([sep, passage]) for _ in range(copies - 1)])[:span]
             start = int(torch.randint(0, span - len(exercise) + 1, (1,), generator=gen))
             batch[row, start : start + len(exercise)] = exercise
             labels[row] = batch[row, 1:]
@@ -552,12 +556,13 @@ def generate_samples(model, hf_tok, max_new_tokens: int = 48) -> list[tuple[str,
 
 
 def _base_training(card: str) -> dict:
-    """The training paragraph and retrain command(s) of the model card of an ``--init-from``
-    checkpoint, to be quoted by the new card."""
+    """The "Training" section (before its retrain commands) and the retrain commands of the
+    model card of an ``--init-from`` checkpoint, to be carried into the new card; paths inside
+    the repository are made relative to it (the commands run from its root)."""
     training = card.split("## Training\n", 1)[1]
-    paragraph = training.split("\nRetrain", 1)[0].strip()
-    command = re.search(r"```bash\n(.*?)```", training, flags=re.S).group(1).strip()
-    return {"paragraph": paragraph, "command": command}
+    commands = re.search(r"```bash\n(.*?)```", training, flags=re.S).group(1).strip()
+    root = str(pathlib.Path(__file__).resolve().parents[1]) + "/"
+    return {"training": training.split("\nRetrain", 1)[0].strip(), "command": commands.replace(root, "")}
 
 
 def retrain_command(argv: Sequence[str]) -> str:
@@ -573,19 +578,14 @@ def write_model_card(out: pathlib.Path, info: dict) -> None:
     copying = ""
     if info["copy_fraction"] > 0:
         copying = (
-            f"{info['copy_fraction']:.0%} of the training windows{' of the second run' if info['base'] else ''} "
-            "hold a copying exercise (a passage, a blank line, the passage again; half of the passages "
-            "training text, half random tokens, drawn fresh for each batch), so that the model continues "
-            "a passage it has read: what prompt-lookup (n-gram) speculation needs."
+            f" {info['copy_fraction']:.0%} of the windows held a copying exercise (a passage, a blank line and the "
+            f"passage again, {info['copy_max_copies']} copies at most; half of the passages training text, half "
+            "random tokens, drawn fresh for each batch), so that the model continues a passage it has read: "
+            "what prompt-lookup (n-gram) speculation needs."
         )
     base = ""
     if info["base"]:
-        base = (
-            "Two runs of this script. The first trained the model from scratch:\n\n"
-            f"> {info['base']['paragraph']}\n\n"
-            "The second (`--init-from`) continued training that checkpoint:\n"
-        ).replace("\n> ", "\n> ", 1)
-        base = base.replace(info["base"]["paragraph"], info["base"]["paragraph"].replace("\n", "\n> "))
+        base = info["base"]["training"] + "\n\nThen `--init-from` continued training that checkpoint:\n"
     card = f"""---
 license: apache-2.0
 language: en
@@ -627,7 +627,6 @@ the docstrings of the standard-library modules (parsed with `ast`; test packages
 `pydoc_data.topics` (the language-reference pages behind `help()`), with doctests, grammar rules
 and code-like paragraphs removed. {info['chat_fraction']:.0%} of the documents are wrapped as ChatML
 conversations (a question naming the function, class, module or topic, answered by its docstring).
-{copying}
 
 - Documents: {info['num_docs']:,} ({info['num_chars']:,} characters); train {info['train_tokens']:,} tokens,
   held-out {info['heldout_tokens']:,} tokens. Held-out split: whole modules / topics chosen by a hash of
@@ -638,6 +637,9 @@ conversations (a question naming the function, class, module or topic, answered 
 - Model weights and tokenizer: Apache-2.0, like pagedllm.
 
 ## Evaluation (held-out split, same target tokens for both)
+
+Non-overlapping windows of {info['seq_len'] + 1} tokens of the held-out stream, every token after the first
+scored given the ones before it in its window.
 
 | model | held-out perplexity |
 | --- | --- |
@@ -659,7 +661,7 @@ prediction is the passage's next token for **{info['copy_accuracy']:.1%}** of th
 {base}Plain PyTorch + `transformers.LlamaForCausalLM`: AdamW (β {info['betas']}, weight decay {info['weight_decay']}),
 peak LR {info['lr']:g} with {info['warmup_steps']} warm-up steps and cosine decay to {info['min_lr_ratio']:g}×,
 gradient clipping 1.0, batch {info['batch_size']} × {info['seq_len']} tokens, {info['steps']} steps
-({info['tokens_seen']:,} tokens, {info['epochs']:.1f} epochs), {info['autocast']} autocast, {info['threads']} CPU thread(s), seed {info['seed']}.
+({info['tokens_seen']:,} tokens, {info['epochs']:.1f} epochs), {info['autocast']} autocast, {info['threads']} CPU thread(s), seed {info['seed']}.{copying}
 Final train loss {info['final_train_loss']:.3f}. Wall time {info['train_seconds'] / 60:.1f} min training
 ({info['total_seconds'] / 60:.1f} min in all) on {info['machine']}, Python {info['python_version']},
 torch {info['torch_version']}, transformers {info['transformers_version']}, tokenizers {info['tokenizers_version']}.
@@ -710,6 +712,7 @@ def parse_args(argv: Sequence[str] | None = None):
                    help="continue training the checkpoint in DIR (written by this script) with its tokenizer; "
                    "the architecture options are then ignored")
     p.add_argument("--copy-fraction", type=float, default=0.0, help="share of rows that are copying exercises")
+    p.add_argument("--copy-max-copies", type=int, default=2, help="most copies of a passage in one exercise")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=100, help="held-out loss every N steps (0: only at the end)")
     p.add_argument("--eval-windows", type=int, default=32, help="windows used for the periodic held-out loss")
@@ -784,7 +787,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     windows = heldout_windows(heldout_ids, args.seq_len)
     sep = tuple(tok.encode("\n\n", add_special_tokens=False).ids)
-    copy = CopyExercises(args.copy_fraction, sep, len(SPECIAL_TOKENS), vocab_size) if args.copy_fraction > 0 else None
+    copy = CopyExercises(args.copy_fraction, sep, len(SPECIAL_TOKENS), vocab_size, args.copy_max_copies) if args.copy_fraction > 0 else None
     stream = batches(train_ids, args.seq_len, args.batch_size, args.seed, copy)
 
     losses: list[float] = []
@@ -875,6 +878,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "unigram_ppl": math.exp(uni),
         "copy_accuracy": copy_acc,
         "copy_fraction": args.copy_fraction,
+        "copy_max_copies": args.copy_max_copies,
         "losses": losses,
         "final_train_loss": sum(losses[-10:]) / len(losses[-10:]),
         "samples": samples,
