@@ -416,7 +416,7 @@ class CopyExercises:
 
     Attributes:
         fraction: share of the rows of each batch replaced, in [0, 1].
-        sep: token ids of the blank line between the two copies.
+        sep: token ids of the blank line between copies.
         first_token: smallest id a random passage uses (after the special tokens).
         vocab_size: random passages use ids in [first_token, vocab_size).
         max_copies: most copies of a passage in one row (at least 2).
@@ -759,9 +759,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     if args.init_from is not None:
         tok = tokenizers.Tokenizer.from_file(str(args.init_from / "tokenizer.json"))
-        base_card = (args.init_from / "README.md").read_text(encoding="utf-8")
+        base = _base_training((args.init_from / "README.md").read_text(encoding="utf-8"))
     else:
         tok = train_tokenizer(train_texts, args.vocab_size)
+        base = None
     vocab_size = tok.get_vocab_size()
     train_ids = encode_stream(tok, train_texts)
     heldout_ids = encode_stream(tok, heldout_texts)
@@ -896,10 +897,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "threads": args.threads,
         "seed": args.seed,
         "train_seconds": train_seconds,
-        "retrain_command": "\n".join(
-            ([_base_training(base_card)["command"]] if args.init_from is not None else []) + [retrain_command(args.argv)]
-        ),
-        "base": _base_training(base_card) if args.init_from is not None else None,
+        "retrain_command": "\n".join(([base["command"]] if base else []) + [retrain_command(args.argv)]),
+        "base": base,
     }
     info["total_seconds"] = time.time() - t_start
     write_model_card(out, info)

@@ -148,14 +148,16 @@ def _load_script():
     return module
 
 
-def test_copy_exercises_repeat_a_passage_and_mask_only_noise():
-    """Every row becomes natural text, S, the blank line, S, natural text; a random S's first
-    occurrence (and the blank line) carries no loss, everything else does."""
+@pytest.mark.parametrize("max_copies", [2, 3])
+def test_copy_exercises_repeat_a_passage_and_mask_only_noise(max_copies):
+    """Every row becomes natural text, S, the blank line, S (up to ``max_copies`` copies),
+    natural text; a random S's first occurrence (and the blank line) carries no loss,
+    everything else does."""
     import torch
 
     script = _load_script()
     sep = (7, 7)
-    exercises = script.CopyExercises(fraction=1.0, sep=sep, first_token=3, vocab_size=500)
+    exercises = script.CopyExercises(fraction=1.0, sep=sep, first_token=3, vocab_size=500, max_copies=max_copies)
     data = torch.arange(1000, 3000)  # "training text": ids >= 1000, never random ones
     gen = torch.Generator().manual_seed(0)
     seen_random = seen_text = 0
@@ -169,6 +171,9 @@ def test_copy_exercises_repeat_a_passage_and_mask_only_noise():
             length = max(n for n in range(16, at + 1) if row[at - n : at] == row[at + 2 : at + 2 + n])
             start = at - length
             assert 16 <= length <= (65 - 2) // 2
+            copies = 1 + sum(row[at + i * (length + 2) : at + i * (length + 2) + 2 + length] == list(sep) + row[start:at]
+                             for i in range(max_copies))
+            assert 2 <= copies <= max_copies
             masked = [i for i, v in enumerate(lab) if v == -100]
             if row[start] < 1000:  # random passage: ids in [3, 500)
                 assert all(3 <= t < 500 for t in row[start:at])
