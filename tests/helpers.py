@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import shutil
+import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
@@ -186,3 +188,13 @@ def can_host_workers(num_workers: int) -> bool:
     except ValueError:
         return False
     return True
+
+
+def load_training_script():
+    """``tools/train_default_model.py`` as a module (it is a script, not a package module)."""
+    path = Path(__file__).resolve().parents[1] / "tools" / "train_default_model.py"
+    spec = importlib.util.spec_from_file_location("train_default_model", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

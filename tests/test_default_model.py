@@ -4,20 +4,17 @@ reads like English."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import pathlib
 import platform
 import re
-import sys
 
 import pytest
 
 from pagedllm.model_paths import DEFAULT_MODEL_NAME, default_model_path
+from tests.helpers import load_training_script
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "tools" / "train_default_model.py"
 MODEL_DIR = default_model_path()
 
 HF_FILES = [
@@ -28,14 +25,6 @@ HF_FILES = [
     "generation_config.json",
     "README.md",
 ]
-
-
-def _load_training_script():
-    spec = importlib.util.spec_from_file_location("train_default_model", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses need the module registered
-    spec.loader.exec_module(module)
-    return module
 
 
 def _card() -> str:
@@ -126,7 +115,7 @@ def test_held_out_perplexity_claim_is_reproduced(hf):
     """Recompute the held-out perplexity from the same held-out split (rebuilt by the
     training script from this interpreter's standard library) and compare with the card."""
     tok, model = hf
-    train = _load_training_script()
+    train = load_training_script()
     claimed, unigram = _claimed_perplexities()
     m = re.search(r"Python (\d+\.\d+\.\d+)", _card())
     same_python = bool(m) and m.group(1) == platform.python_version()
@@ -154,7 +143,7 @@ def test_copy_accuracy_claim_is_reproduced(hf):
     """The shipped model continues a passage it has read (what n-gram speculation needs): the
     card's copy accuracy on held-out passages is reproduced, and it is high."""
     tok, model = hf
-    train = _load_training_script()
+    train = load_training_script()
     m = re.search(r"the model's top-1\nprediction is the passage's next token for \*\*([0-9.]+)%\*\*", _card())
     assert m, "the model card must state the copy accuracy"
     claimed = float(m.group(1)) / 100
@@ -174,7 +163,7 @@ def test_copy_accuracy_claim_is_reproduced(hf):
 def test_write_heldout_text_keeps_only_held_out_documents(tmp_path, monkeypatch):
     """``--write-heldout-text`` (the text of ``pagedllm bench perplexity`` in docs/benchmarks.md)
     writes the held-out documents' plain text and no training document."""
-    train = _load_training_script()
+    train = load_training_script()
     units = [f"module:m{i}" for i in range(200)]
     docs = [train.Document(unit, unit, "docstring", f"Text of {unit}.") for unit in units]
     monkeypatch.setattr(train, "collect_documents", lambda: docs)

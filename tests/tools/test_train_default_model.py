@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from tests.helpers import load_training_script
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tools" / "train_default_model.py"
 
@@ -138,16 +140,6 @@ def test_rerun_reproduces_the_checkpoint(mini, tmp_path):
     assert _sha256(again / "model.safetensors") == _sha256(out / "model.safetensors")
 
 
-def _load_script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("train_default_model", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("max_copies", [2, 3])
 def test_copy_exercises_repeat_a_passage_and_mask_only_noise(max_copies):
     """Every row becomes natural text, S, the blank line, S (up to ``max_copies`` copies),
@@ -155,7 +147,7 @@ def test_copy_exercises_repeat_a_passage_and_mask_only_noise(max_copies):
     everything else does."""
     import torch
 
-    script = _load_script()
+    script = load_training_script()
     sep = (7, 7)
     exercises = script.CopyExercises(fraction=1.0, sep=sep, first_token=3, vocab_size=500, max_copies=max_copies)
     data = torch.arange(1000, 3000)  # "training text": ids >= 1000, never random ones
@@ -189,7 +181,7 @@ def test_copy_exercises_repeat_a_passage_and_mask_only_noise(max_copies):
 def test_copy_exercises_fraction_zero_changes_nothing():
     import torch
 
-    script = _load_script()
+    script = load_training_script()
     exercises = script.CopyExercises(fraction=0.0, sep=(7,), first_token=3, vocab_size=500)
     batch = torch.arange(4 * 33).view(4, 33)
     labels = batch[:, 1:].clone()
