@@ -185,6 +185,10 @@ class ModelConfig:
 
     ``max_logprobs``: the most logprobs a request may ask for per token (vLLM's
     ``--max-logprobs``; -1: the vocabulary size).
+
+    ``batch_invariant`` (``--batch-invariant``; vLLM's ``VLLM_BATCH_INVARIANT``): every
+    token's logits bit-identical whatever the batch, the prefill chunks, the prefix cache's
+    state and preemption (``pagedllm.model_executor.layers.batch_invariant``).
     """
 
     model: str
@@ -200,6 +204,7 @@ class ModelConfig:
     generation_config: str = "auto"
     override_generation_config: Optional[dict] = None  # field -> value, over the generation config
     max_logprobs: int = 20
+    batch_invariant: bool = False
 
     @property
     def architecture(self) -> str:
@@ -815,7 +820,8 @@ class EngineArgs:
     built (``enable_lora``, ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``: multi-LoRA
     serving, see ``LoRAConfig``; ``trust_remote_code``: passed to transformers when reading config.json;
     ``max_logprobs``: the most logprobs per token a request may ask for, 20, -1 for the
-    vocabulary size; ``num_gpu_blocks_override``: the exact number of KV-cache blocks;
+    vocabulary size; ``batch_invariant``: logprobs bit-identical whatever the batch, see
+    ``ModelConfig`` (unquantized models, no LoRA, no speculative decoding); ``num_gpu_blocks_override``: the exact number of KV-cache blocks;
     ``kv_cache_dtype`` "fp8" / "fp8_e4m3" / "fp8_e5m2" and ``calculate_kv_scales``: an FP8
     KV cache, see ``CacheConfig``);
     and no-ops, that cannot matter here (``enforce_eager``, ``max_seq_len_to_capture``:
@@ -878,6 +884,7 @@ class EngineArgs:
     max_cpu_loras: Optional[int] = None
     trust_remote_code: bool = False
     max_logprobs: int = 20
+    batch_invariant: bool = False
     num_gpu_blocks_override: Optional[int] = None
     # No-ops here (CUDA graphs, swapping and custom all-reduce do not exist in pagedllm;
     # its models attend over the whole context): accepted so vLLM launch lines run.
@@ -896,6 +903,11 @@ class EngineArgs:
         """
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)
+        if self.batch_invariant and (self.enable_lora or self.speculative_config is not None):
+            raise ValueError(
+                "batch_invariant is not supported yet with enable_lora or speculative_config "
+                "(their kernels are not batch-invariant)."
+            )
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (the vocabulary size) or more, got {self.max_logprobs}.")
         if self.enable_lora:
@@ -961,6 +973,7 @@ class EngineArgs:
             generation_config=self.generation_config,
             override_generation_config=self.override_generation_config,
             max_logprobs=self.max_logprobs,
+            batch_invariant=self.batch_invariant,
         )
         self._check_num_gpu_blocks_override(max_model_len)
         kv_cache_memory_bytes, source = self.kv_cache_memory_bytes, "kv_cache_memory_bytes"

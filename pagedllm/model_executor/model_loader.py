@@ -13,6 +13,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.model_executor.layers.batch_invariant import use_batch_invariant_methods
 from pagedllm.model_executor.gguf_weights import KERNEL_TYPES, iterate_gguf_weights, open_gguf, tensor_types
 from pagedllm.model_executor.layers.quantization import (
     ONLINE_QUANTIZATION_METHODS,
@@ -121,7 +122,8 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
 
     Raises:
         ValueError: unsupported architecture or quantization method, missing files, unknown
-            tensor names, shape mismatches, or parameters the checkpoint does not provide.
+            tensor names, shape mismatches, or parameters the checkpoint does not provide;
+            ``batch_invariant`` with a quantized model.
     """
     model_cls = get_model_class(model_config.architecture)
     quant_config = get_quant_config(model_config)
@@ -140,6 +142,8 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"Checkpoint {model_config.model_path} lacks weights for: {sorted(missing)[:8]}")
+    if model_config.batch_invariant:
+        use_batch_invariant_methods(model)
     paths = process_weights_after_loading(model)
     logger.info(
         "Model dtype %s; linear layers: %s",

@@ -104,7 +104,9 @@ class ModelRunner:
             kv_cache_dtype=self.cache_config.cache_dtype,
         )
         logger.info("Attention backend: %s", self.attn_backend.get_name())
-        self.attn_metadata_builder = self.attn_backend.get_builder_cls()(self.block_size, self.device)
+        self.attn_metadata_builder = self.attn_backend.get_builder_cls()(
+            self.block_size, self.device, batch_invariant=self.model_config.batch_invariant
+        )
         start = time.perf_counter()
         with set_attn_backend(self.attn_backend):
             self.model = get_model(self.model_config, self.device)

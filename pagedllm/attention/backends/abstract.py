@@ -92,11 +92,15 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
     Args:
         block_size: tokens per KV-cache block.
         device: where the metadata's tensors go.
+        batch_invariant: every query token is to be attended alone, so that its output does not
+            depend on the other tokens of the step (``--batch-invariant``); each backend's
+            metadata says how it does so.
     """
 
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(self, block_size: int, device: torch.device, batch_invariant: bool = False) -> None:
         self.block_size = block_size
         self.device = device
+        self.batch_invariant = batch_invariant
 
     @abstractmethod
     def build(self, common: CommonAttentionMetadata) -> M:

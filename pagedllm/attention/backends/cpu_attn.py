@@ -21,6 +21,9 @@ at most ``FP8_WIDEN_MAX_CONTEXT_TOKENS``), each layer widens their contexts' blo
 (``kv_cache_quant.widen``, ~1 ms per 4k tokens) into a compact copy in the query's dtype,
 and their tokens attend over that copy (block tables renumbered by the builder); decode
 tokens still read the FP8 cache (for them it is faster).
+
+With ``--batch-invariant`` the kernel forms no runs (``per_token``) and nothing is widened:
+every token is computed alone, from the cache as it is.
 """
 
 from __future__ import annotations
@@ -58,12 +61,14 @@ class CpuAttnMetadata(AttentionMetadata):
         cache; see the module docstring); None otherwise.
     prefill_block_table: [num_prefill_tokens, width] int64 or None: each prefill token's
         block table into the compact copy ``cache[prefill_blocks]``.
+    per_token: the kernel computes every token alone (``--batch-invariant``).
     """
 
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     prefill_blocks: Optional[torch.Tensor] = None
     prefill_block_table: Optional[torch.Tensor] = None
+    per_token: bool = False
 
 
 class CpuAttnMetadataBuilder(AttentionMetadataBuilder[CpuAttnMetadata]):
@@ -82,7 +87,10 @@ class CpuAttnMetadataBuilder(AttentionMetadataBuilder[CpuAttnMetadata]):
             num_prefills=common.num_prefills,
             block_table=self.to_device(block_table),
             seq_lens=self.to_device(seq_lens),
+            per_token=self.batch_invariant,
         )
+        if self.batch_invariant:
+            return metadata
         if common.num_prefills and common.num_tokens - common.num_decodes >= FP8_WIDEN_MIN_QUERY_LEN * common.num_prefills:
             self._add_compact_prefill_tables(metadata, common)
         return metadata
@@ -120,7 +128,8 @@ class CpuAttnImpl(AttentionImpl[CpuAttnMetadata]):
             self._attend_widened(output, query, kv_cache, md, k_scale, v_scale)
         else:
             cpu_kernels.paged_decode_attention(
-                output, query, kv_cache[0], kv_cache[1], md.block_table, md.seq_lens, self.scale, k_scale, v_scale
+                output, query, kv_cache[0], kv_cache[1], md.block_table, md.seq_lens, self.scale, k_scale, v_scale,
+                per_token=md.per_token,
             )
         return output
 

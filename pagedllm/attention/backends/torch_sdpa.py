@@ -17,6 +17,10 @@ dequantized to the query's dtype (``pagedllm.attention.paged_kv_cache.gather_con
 with torch's float8 types: the same code runs on CUDA.
 
 Masks and gather indices are built once per step by the builder, not per layer.
+
+With ``--batch-invariant`` every token, decode or prefill, is attended alone over exactly
+its own context (one SDPA call per token, no padding and no mask): its output then depends
+on its own context only, not on the other tokens of the step.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ class TorchSDPAMetadata(AttentionMetadata):
             each padded query row over its request's context.
         prefill_output_index: [num_prefill_tokens] int64; the padded rows, flattened, that
             are real tokens, in token order.
+        token_seq_lens: ``--batch-invariant``: each token's context length (host ints); the
+            ``decode_*`` tables then have one row per token, and ``prefill_*`` are None.
     """
 
     decode_block_table: torch.Tensor
@@ -56,11 +62,14 @@ class TorchSDPAMetadata(AttentionMetadata):
     prefill_query_index: Optional[torch.Tensor] = None
     prefill_mask: Optional[torch.Tensor] = None
     prefill_output_index: Optional[torch.Tensor] = None
+    token_seq_lens: Optional[list[int]] = None
 
 
 class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
     def build(self, common: CommonAttentionMetadata) -> TorchSDPAMetadata:
         """Decode tables and masks; prefill tables, padded query indices and causal masks."""
+        if self.batch_invariant:
+            return self._build_per_token(common)
         num_decodes = common.num_decodes
         decode_table, decode_valid = self._tables(common.block_table[:num_decodes], common.seq_lens[:num_decodes])
         metadata = TorchSDPAMetadata(
@@ -73,6 +82,21 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
         if common.num_prefills:
             self._add_prefills(metadata, common)
         return metadata
+
+    def _build_per_token(self, common: CommonAttentionMetadata) -> TorchSDPAMetadata:
+        """Every token as a decode of its own: its request's block table, its position + 1."""
+        query_lens = np.diff(common.query_start_loc)
+        token_req = np.repeat(np.arange(common.num_reqs), query_lens)
+        seq_lens = (common.seq_lens - common.query_start_loc[1:] + 1)[token_req] + np.arange(common.num_tokens)
+        table, valid = self._tables(common.block_table[token_req], seq_lens)
+        return TorchSDPAMetadata(
+            slot_mapping=self.to_device(common.slot_mapping),
+            num_decodes=common.num_decodes,
+            num_prefills=common.num_prefills,
+            decode_block_table=table,
+            decode_valid=valid,
+            token_seq_lens=seq_lens.tolist(),
+        )
 
     def _tables(self, block_table: np.ndarray, seq_lens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Block tables cut to the longest context, and [B, nb * block_size] valid positions."""
@@ -106,6 +130,8 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
         scales = self.kv_scales(layer, kv_cache)
         write_to_kv_cache(kv_cache, key, value, attn_metadata.slot_mapping, *scales)
         num_decodes = attn_metadata.num_decodes
+        if attn_metadata.token_seq_lens is not None:
+            return self._per_token(query, kv_cache, scales, attn_metadata)
         if not attn_metadata.num_prefills:
             return self._decode(query, kv_cache, scales, attn_metadata)
         output = torch.empty_like(query)
@@ -125,6 +151,23 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
         mask = md.decode_valid[:, None, None, :]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
         return out.reshape(num_decodes, self.num_heads, self.head_size)
+
+    def _per_token(self, query: torch.Tensor, kv_cache: torch.Tensor, scales: tuple[float, float],
+                   md: TorchSDPAMetadata) -> torch.Tensor:
+        """[num_tokens, num_heads, head_size] queries, each over exactly its own context."""
+        assert md.token_seq_lens is not None
+        output = torch.empty_like(query)
+        group = self.num_heads // self.num_kv_heads
+        block_size = kv_cache.shape[2]
+        for t, seq_len in enumerate(md.token_seq_lens):
+            width = -(-seq_len // block_size)
+            table, valid = md.decode_block_table[t : t + 1, :width], md.decode_valid[t : t + 1, :seq_len]
+            keys = gather_context(kv_cache[0], table, valid, query.dtype, scales[0])
+            values = gather_context(kv_cache[1], table, valid, query.dtype, scales[1])
+            q = query[t].view(1, self.num_kv_heads, group, self.head_size)
+            out = F.scaled_dot_product_attention(q, keys, values, scale=self.scale)
+            output[t] = out.reshape(self.num_heads, self.head_size)
+        return output
 
     def _prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, scales: tuple[float, float],
                  md: TorchSDPAMetadata) -> torch.Tensor:

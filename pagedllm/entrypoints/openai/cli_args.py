@@ -497,6 +497,13 @@ def _add_vllm_engine_flags(engine: Any) -> None:
         "-1: the vocabulary size. Requests asking more get a 400.",
     )  # fmt: skip
     engine.add_argument(
+        "--batch-invariant", action="store_true",
+        help="Logprobs bit-identical whatever the batch, chunk size, prefix-cache state and preemption "
+        "(as vLLM's VLLM_BATCH_INVARIANT=1): each matmul row and each attention query computed alone, "
+        "in one fixed order; slower prefill (docs/benchmarks.md). Unquantized models without LoRA or "
+        "speculative decoding.",
+    )  # fmt: skip
+    engine.add_argument(
         "--num-gpu-blocks-override", type=positive_int, default=None,
         help="Number of KV-cache blocks, exactly (no memory sizing).",
     )  # fmt: skip

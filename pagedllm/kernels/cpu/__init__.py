@@ -345,6 +345,7 @@ def paged_decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     portable: bool = False,
+    per_token: bool = False,
 ) -> None:
     """Decode attention (one query per request) over the paged KV cache, into ``out``.
 
@@ -361,6 +362,9 @@ def paged_decode_attention(
         k_scale, v_scale: an FP8 cache's scales: keys are ``k_scale * key_cache``, values
             ``v_scale * value_cache``.
         portable: run the kernel's portable loops whatever the build (for tests).
+        per_token: compute every query token alone, never several consecutive tokens of one
+            context together: a token's output is then the same whatever else is in the call
+            (``--batch-invariant``).
 
     Raises:
         RuntimeError: if the kernels are unavailable, or on bad shapes, dtypes, block ids or
@@ -368,7 +372,10 @@ def paged_decode_attention(
     """
     _require()
     ops = _ops()
-    op = ops.paged_decode_attention_portable if portable else ops.paged_decode_attention
+    if portable:
+        op = ops.paged_decode_attention_portable
+    else:
+        op = ops.paged_decode_attention_per_token if per_token else ops.paged_decode_attention
     op(out, query, key_cache, value_cache, block_table.long(), seq_lens.long(), float(scale), float(k_scale),
        float(v_scale))
 
@@ -510,6 +517,31 @@ def linear_w16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """
     _require()
     return _ops().linear_w16(x, weight, bias, n)
+
+
+def pack_w32(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] float32 in ``pack_w16``'s layout ([ceil(N / 16), K, 16], float32),
+    for ``linear_rows``.
+
+    Raises:
+        RuntimeError: unavailable kernels, or a bad shape / dtype.
+    """
+    _require()
+    return _ops().pack_w32(weight)
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``x W^T + b`` computed row by row in one fixed order (``--batch-invariant``): each
+    row of the output is the same float32 sums whatever the number of rows and the other
+    rows' values. x [M, K] float32 / bfloat16 / float16, weight ``pack_w16``'s or
+    ``pack_w32``'s output for W [n, K], bias [n] or None -> [M, n] in x's dtype (see
+    ``linear_w16.cpp``).
+
+    Raises:
+        RuntimeError: unavailable kernels, or bad shapes / dtypes.
+    """
+    _require()
+    return _ops().linear_rows(x, weight, bias, n)
 
 
 def pack_w8(weight: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,19 @@
 //
 // Builds without AVX2 (the portable level) use the widening GEMM for every M.
 //
+// Batch-invariant product (linear_rows, for --batch-invariant): every row of y comes from the
+// same float32 operations whatever M and whichever other rows come with it, so a token's
+// output does not depend on the batch, the prompt chunk or the prefix cache's state:
+//
+//   pack_w32(weight [N, K] float32)  ->  [ceil(N / 16), K, 16] float32 (pack_w16's layout)
+//   linear_rows(x [M, K], weight packed by pack_w16 or pack_w32, bias [N] or None, N)
+//     ->  [M, N] in x's dtype
+//
+// It is the few-rows stream above for every M, always with one accumulator set per row
+// (U = 1; the plain stream uses two for one or two rows, which changes the order of the
+// sums). Portable builds: a scalar loop over k in order per (row, output). The cost is a
+// weight pass per 4 rows: for long prompts, several times the GEMM (docs/benchmarks.md).
+//
 // linear_w8 and linear_fp8 take at most kStreamRows rows: the quantized LinearMethods send
 // more to linear_dequant.cpp (DEQUANT_GEMM_MIN_ROWS in __init__.py). linear_w16 takes any
 // number (the lm_head, which has no float32 copy, and layers whose copy did not fit).
@@ -169,7 +182,8 @@ void block_rows(const float* x, int64_t ldx, const W* wb, int64_t k, const float
   }
 }
 
-template <typename W, typename Y>
+// kSameOrder: one accumulator set for every row count (linear_rows), see the header.
+template <typename W, typename Y, bool kSameOrder = false>
 void stream(const at::Tensor& x32, const at::Tensor& packed, const float* scale, const float* bias, int64_t n,
             at::Tensor& y) {
   const int64_t m = x32.size(0), k = x32.size(1);
@@ -187,14 +201,47 @@ void stream(const at::Tensor& x32, const at::Tensor& packed, const float* scale,
       for (; r + 4 <= m; r += 4) block_rows<W, Y, 4, 1>(xp + r * k, k, wb, k, sb, bb, yp + r * n + n0, n, n_valid);
       switch (m - r) {
         case 3: block_rows<W, Y, 3, 1>(xp + r * k, k, wb, k, sb, bb, yp + r * n + n0, n, n_valid); break;
-        case 2: block_rows<W, Y, 2, 2>(xp + r * k, k, wb, k, sb, bb, yp + r * n + n0, n, n_valid); break;
-        case 1: block_rows<W, Y, 1, 2>(xp + r * k, k, wb, k, sb, bb, yp + r * n + n0, n, n_valid); break;
+        case 2: block_rows<W, Y, 2, kSameOrder ? 1 : 2>(xp + r * k, k, wb, k, sb, bb, yp + r * n + n0, n, n_valid); break;
+        case 1: block_rows<W, Y, 1, kSameOrder ? 1 : 2>(xp + r * k, k, wb, k, sb, bb, yp + r * n + n0, n, n_valid); break;
         default: break;
       }
     }
   });
 }
+#else
+// linear_rows without vector registers: y[r][n0 + j] = sum over k in order of x[r][k] W[n0 + j][k], plus bias.
+template <typename W, typename Y>
+void rows_scalar(const at::Tensor& x32, const at::Tensor& packed, const float* bias, int64_t n, at::Tensor& y) {
+  const int64_t m = x32.size(0), k = x32.size(1);
+  const float* xp = x32.const_data_ptr<float>();
+  const W* wp = packed.const_data_ptr<W>();
+  Y* yp = y.mutable_data_ptr<Y>();
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const W* wb = wp + b * k * kBlock;
+      const int64_t n0 = b * kBlock, n_valid = std::min(kBlock, n - n0);
+      for (int64_t r = 0; r < m; ++r) {
+        float acc[kBlock] = {};
+        for (int64_t i = 0; i < k; ++i) {
+          const float xv = xp[r * k + i];
+          for (int64_t j = 0; j < kBlock; ++j) acc[j] += xv * static_cast<float>(wb[i * kBlock + j]);
+        }
+        for (int64_t j = 0; j < n_valid; ++j) yp[r * n + n0 + j] = static_cast<Y>(acc[j] + (bias ? bias[n0 + j] : 0.f));
+      }
+    }
+  });
+}
 #endif
+
+// linear_rows' product for weight dtype W (see the header): every M, every build.
+template <typename W, typename Y>
+void same_order_rows(const at::Tensor& x32, const at::Tensor& packed, const float* bias, int64_t n, at::Tensor& y) {
+#ifdef PAGEDLLM_BLOCK_STREAM
+  stream<W, Y, true>(x32, packed, nullptr, bias, n, y);
+#else
+  rows_scalar<W, Y>(x32, packed, bias, n, y);
+#endif
+}
 
 // y32 [M, N] = x32 [M, K] W^T (* scale) (+ bias), chunks of blocks widened into a float32
 // [K, columns] buffer for torch's float32 GEMM.
@@ -263,6 +310,50 @@ at::Tensor linear_w16(const at::Tensor& x, const at::Tensor& packed, const std::
   return linear_blocks("linear_w16", x, packed, at::Tensor(), bias, n);
 }
 
+at::Tensor pack_w32(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.scalar_type() == at::kFloat,
+              "pack_w32: weight must be a float32 CPU tensor [N, K]");
+  const at::Tensor w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1);
+  at::Tensor out = at::zeros({(n + kBlock - 1) / kBlock, k, kBlock}, w.options());
+  pack_rows(w.const_data_ptr<float>(), n, k, out.mutable_data_ptr<float>());
+  return out;
+}
+
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n) {
+  const auto wt = packed.scalar_type();
+  TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 3 && packed.size(2) == kBlock && packed.is_contiguous() &&
+                  (wt == at::kBFloat16 || wt == at::kHalf || wt == at::kFloat),
+              "linear_rows: weight must be a bfloat16 / float16 / float32 CPU tensor packed by pack_w16 or pack_w32 "
+              "([N / 16, K, 16])");
+  const int64_t k = packed.size(1);
+  TORCH_CHECK(n > (packed.size(0) - 1) * kBlock && n <= packed.size(0) * kBlock, "linear_rows: N = ", n,
+              " does not match the packed weight's ", packed.size(0), " blocks of 16 outputs");
+  const auto xt = x.scalar_type();
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == k &&
+                  (xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf),
+              "linear_rows: x must be a float32 / bfloat16 / float16 CPU tensor [M, ", k, "]");
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "linear_rows: bias must be [", n, "]");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  const float* bp = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+#define PAGEDLLM_ROWS(Y)                                                                \
+  (wt == at::kBFloat16 ? same_order_rows<c10::BFloat16, Y>(x32, packed, bp, n, y)       \
+   : wt == at::kHalf   ? same_order_rows<c10::Half, Y>(x32, packed, bp, n, y)           \
+                       : same_order_rows<float, Y>(x32, packed, bp, n, y))
+  switch (xt) {
+    case at::kFloat: PAGEDLLM_ROWS(float); break;
+    case at::kBFloat16: PAGEDLLM_ROWS(c10::BFloat16); break;
+    default: PAGEDLLM_ROWS(c10::Half); break;
+  }
+#undef PAGEDLLM_ROWS
+  return y;
+}
+
 // An 8-bit weight (int8 or float8 e4m3, ``dtype``) with one scale per output; ``op`` names the caller.
 at::Tensor linear_scaled_bytes(const char* op, at::ScalarType dtype, const char* dtype_name, const at::Tensor& x,
                                const at::Tensor& packed, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
@@ -294,6 +385,8 @@ PAGEDLLM_FRAGMENT(m) {
   m.def("pack_w16(Tensor weight) -> Tensor");
   m.def("linear_w16(Tensor x, Tensor weight, Tensor? bias, int n) -> Tensor");
   m.def("pack_w8(Tensor weight) -> Tensor");
+  m.def("pack_w32(Tensor weight) -> Tensor");
+  m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias, int n) -> Tensor");
   m.def("linear_w8(Tensor x, Tensor weight, Tensor scale, Tensor? bias, int n) -> Tensor");
   m.def("linear_fp8(Tensor x, Tensor weight, Tensor scale, Tensor? bias, int n) -> Tensor");
 }
@@ -302,6 +395,8 @@ PAGEDLLM_IMPL(CompositeExplicitAutograd, m) {
   m.impl("pack_w16", &pack_w16);
   m.impl("linear_w16", &linear_w16);
   m.impl("pack_w8", &pack_w8);
+  m.impl("pack_w32", &pack_w32);
+  m.impl("linear_rows", &linear_rows);
   m.impl("linear_w8", &linear_w8);
   m.impl("linear_fp8", &linear_fp8);
 }

@@ -30,7 +30,8 @@
 // lie anywhere in the cache, so the hardware prefetchers cannot run ahead (without this, 3x
 // slower). Items are handed out to the threads of ATen's pool from an atomic counter, so
 // uneven lengths balance; with enough requests an item is a whole request (its kv heads one
-// after the other on one core).
+// after the other on one core). paged_decode_attention_per_token forms no runs: each token's
+// output then comes from the same operations whatever tokens share the call (--batch-invariant).
 //
 // Vector path (AVX-512F, when the compiler targets it; head_dim % 16 == 0, head_dim <= 256):
 //   scores: the tile's 16 K rows are transposed in registers so that one vector holds one
@@ -777,15 +778,16 @@ inline bool continues_run(const Params& p, const int64_t* block_table, const int
 }
 
 template <typename T, typename C>
-void run(const Params& p, const Ptrs<T, C>& x, bool force_portable) {
+void run(const Params& p, const Ptrs<T, C>& x, bool force_portable, bool runs) {
   const Kernels<T, C> kernels = pick_kernels<T, C>(p, force_portable);
   // Query-head sub-groups: the whole group on the portable path; on the vector path at most
   // kMaxGroup, split evenly (G = 10 -> 5 + 5).
   const int64_t num_sub = kernels.vector ? (p.group + kMaxGroup - 1) / kMaxGroup : 1;
   const int64_t sub = (p.group + num_sub - 1) / num_sub;
   // Runs of query tokens over one context, up to kMaxGroup heads in all (vector path, whole
-  // groups only): [start, start + length) per run.
-  const int64_t max_run = kernels.vector && num_sub == 1 ? kMaxGroup / p.group : 1;
+  // groups only): [start, start + length) per run. Without ``runs`` (the per-token variant)
+  // every token is a run of its own.
+  const int64_t max_run = runs && kernels.vector && num_sub == 1 ? kMaxGroup / p.group : 1;
   std::vector<int64_t> run_start;
   run_start.reserve(p.batch + 1);
   for (int64_t b = 0; b < p.batch;) {
@@ -848,14 +850,14 @@ void run(const Params& p, const Ptrs<T, C>& x, bool force_portable) {
 template <typename T>
 void run_cache(const Params& p, at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
-               bool force_portable) {
+               bool force_portable, bool runs) {
   const auto go = [&](auto cache_tag) {
     using C = decltype(cache_tag);
     run<T, C>(p,
               Ptrs<T, C>{query.const_data_ptr<T>(), out.mutable_data_ptr<T>(), key_cache.const_data_ptr<C>(),
                          value_cache.const_data_ptr<C>(), block_table.const_data_ptr<int64_t>(),
                          seq_lens.const_data_ptr<int64_t>()},
-              force_portable);
+              force_portable, runs);
   };
   switch (key_cache.scalar_type()) {
     case at::kFloat8_e4m3fn: go(c10::Float8_e4m3fn()); break;
@@ -866,7 +868,7 @@ void run_cache(const Params& p, at::Tensor& out, const at::Tensor& query, const 
 
 void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
-                           double scale, double k_scale, double v_scale, bool force_portable) {
+                           double scale, double k_scale, double v_scale, bool force_portable, bool runs) {
   TORCH_CHECK(query.device().is_cpu() && out.device().is_cpu() && key_cache.device().is_cpu() &&
                   value_cache.device().is_cpu() && block_table.device().is_cpu() && seq_lens.device().is_cpu(),
               "paged_decode_attention: all tensors must be on CPU");
@@ -917,9 +919,9 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   p.v_scale = static_cast<float>(v_scale);
   if (p.batch == 0 || p.num_heads == 0) return;
   switch (dtype) {
-    case at::kFloat: run_cache<float>(p, out, query, key_cache, value_cache, block_table, seq_lens, force_portable); break;
-    case at::kBFloat16: run_cache<c10::BFloat16>(p, out, query, key_cache, value_cache, block_table, seq_lens, force_portable); break;
-    case at::kHalf: run_cache<c10::Half>(p, out, query, key_cache, value_cache, block_table, seq_lens, force_portable); break;
+    case at::kFloat: run_cache<float>(p, out, query, key_cache, value_cache, block_table, seq_lens, force_portable, runs); break;
+    case at::kBFloat16: run_cache<c10::BFloat16>(p, out, query, key_cache, value_cache, block_table, seq_lens, force_portable, runs); break;
+    case at::kHalf: run_cache<c10::Half>(p, out, query, key_cache, value_cache, block_table, seq_lens, force_portable, runs); break;
     default: TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", dtype);
   }
 }
@@ -927,14 +929,22 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
 void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
                             double scale, double k_scale, double v_scale) {
-  decode_attention_impl(out, query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale, false);
+  decode_attention_impl(out, query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale, false, true);
+}
+
+// The same with every query token computed alone (no runs): a token's output is then the
+// same whichever tokens share the call (--batch-invariant).
+void paged_decode_attention_per_token(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                      const at::Tensor& value_cache, const at::Tensor& block_table,
+                                      const at::Tensor& seq_lens, double scale, double k_scale, double v_scale) {
+  decode_attention_impl(out, query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale, false, false);
 }
 
 // The same with the portable loops whatever the build, to test them on any machine.
 void paged_decode_attention_portable(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                      const at::Tensor& value_cache, const at::Tensor& block_table,
                                      const at::Tensor& seq_lens, double scale, double k_scale, double v_scale) {
-  decode_attention_impl(out, query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale, true);
+  decode_attention_impl(out, query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale, true, true);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1083,6 +1093,8 @@ PAGEDLLM_LIBRARY(m) {
         "Tensor block_table, Tensor seq_lens, float scale, float k_scale, float v_scale) -> ()");
   m.def("paged_decode_attention_portable(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_table, Tensor seq_lens, float scale, float k_scale, float v_scale) -> ()");
+  m.def("paged_decode_attention_per_token(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_table, Tensor seq_lens, float scale, float k_scale, float v_scale) -> ()");
   m.def("write_kv_cache(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor key, Tensor value, Tensor slot_mapping, "
         "float k_scale, float v_scale) -> ()");
   m.def("build_info() -> str", &build_info);
@@ -1091,5 +1103,6 @@ PAGEDLLM_LIBRARY(m) {
 PAGEDLLM_IMPL(CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("paged_decode_attention_portable", &paged_decode_attention_portable);
+  m.impl("paged_decode_attention_per_token", &paged_decode_attention_per_token);
   m.impl("write_kv_cache", &write_kv_cache);
 }

@@ -33,6 +33,8 @@ inline __m256 widen8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 inline __m256 widen8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// 8 float32 values, as they are (linear_rows' float32 weights).
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
 // 8 int8 values -> 8 float32 lanes, exactly (sign-extended).
 inline __m256 widen8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
