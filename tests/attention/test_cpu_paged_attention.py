@@ -155,6 +155,19 @@ def _one_token(kernel, query, kv_cache, table, seq_lens, scale, b):
     return out
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernel_per_token_computes_each_token_alone(isa_kernel, dtype):
+    """``per_token`` (``--batch-invariant``) forms no runs: every token's output is the
+    kernel's for that token alone, and the float64 reference's within rounding."""
+    query, kv_cache, table, seq_lens = _runs_case(8, 2, 64, 16, dtype, seed=3)
+    scale = 64**-0.5
+    out = torch.full_like(query, float("nan"))
+    isa_kernel.paged_decode_attention(out, query, kv_cache[0], kv_cache[1], table, seq_lens, scale, per_token=True)
+    one_by_one = torch.cat([_one_token(isa_kernel, query, kv_cache, table, seq_lens, scale, b) for b in range(len(query))])
+    assert torch.equal(out, one_by_one)
+    _assert_close(out, _reference(query, kv_cache, table.clamp_min(0), seq_lens, scale), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_kernel_never_reads_past_seq_len(isa_kernel, dtype):
     """NaN beyond each seq_len in its last block, and invalid ids in the table's padding,
     change nothing: those positions are never read."""

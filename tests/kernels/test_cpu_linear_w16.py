@@ -3,7 +3,8 @@ equals the float64 product within float32 summation error (float32 out) or one r
 (16-bit out), at every instruction-set level the host supports, on both of its paths (the
 few-row streaming kernel and the widening GEMM), ragged shapes, strided inputs and bias
 dtypes; layers whose weights oneDNN cannot pack use it, with a float32 copy for many rows;
-bad input is refused with a clear error."""
+bad input is refused with a clear error. ``linear_rows`` (``--batch-invariant``) gives every
+row the same bits whatever the rows around it and their number, within the same bound."""
 
 from __future__ import annotations
 
@@ -165,3 +166,31 @@ def test_float32_copy_modes(monkeypatch):
     monkeypatch.setenv(linear_mod.FP32_COPY_ENV, "yes")
     with pytest.raises(ValueError, match="use auto, 0 or 1"):
         linear_mod.fp32_weight_copy(weight)
+
+
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n,k", [(37, 33), (67, 896), (1, 1)])
+def test_linear_rows_same_bits_for_a_row_whatever_the_batch(isa_kernel, w_dtype, x_dtype, n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen).to(w_dtype)
+    packed = isa_kernel.pack_w32(w) if w_dtype == torch.float32 else isa_kernel.pack_w16(w)
+    x = torch.randn(41, k, generator=gen).to(x_dtype)
+    bias = torch.randn(n, generator=gen)
+    full = isa_kernel.linear_rows(x, packed, bias, n)
+    assert full.shape == (41, n) and full.dtype == x_dtype
+    _check(full, x, w, bias)
+    for start, rows in [(0, 1), (3, 2), (5, 3), (7, 4), (11, 5), (16, 17), (40, 1)]:
+        assert torch.equal(isa_kernel.linear_rows(x[start : start + rows], packed, bias, n), full[start : start + rows])
+    other = torch.cat([x[:1], torch.randn(6, k, generator=gen).to(x_dtype)])  # row 0 beside other rows
+    assert torch.equal(isa_kernel.linear_rows(other, packed, bias, n)[0], full[0])
+
+
+def test_linear_rows_rejects_bad_inputs(isa_kernel):
+    packed = isa_kernel.pack_w16(torch.randn(20, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="linear_rows: x must be"):
+        isa_kernel.linear_rows(torch.randn(2, 9), packed, None, 20)
+    with pytest.raises(RuntimeError, match="does not match the packed weight"):
+        isa_kernel.linear_rows(torch.randn(2, 8), packed, None, 40)
+    with pytest.raises(RuntimeError, match="pack_w32: weight must be a float32"):
+        isa_kernel.pack_w32(torch.randn(4, 4).bfloat16())
