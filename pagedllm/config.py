@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+from pagedllm.arch_config import check_hf_config, disable_sliding_window, min_sliding_window
+
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
@@ -226,6 +228,12 @@ class ModelConfig:
     @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
+
+    @property
+    def sliding_window(self) -> Optional[int]:
+        """The smallest attention window of any layer in tokens (vLLM's ``get_sliding_window``);
+        None: every layer attends over the whole context."""
+        return min_sliding_window(self.hf_config)
 
     # ------------------------------------------------------------ generation config
 
@@ -826,8 +834,14 @@ class EngineArgs:
     KV cache, see ``CacheConfig``);
     and no-ops, that cannot matter here (``enforce_eager``, ``max_seq_len_to_capture``:
     no CUDA graphs; ``swap_space``: preempted requests are recomputed, never swapped;
-    ``disable_custom_all_reduce``: no custom CUDA all-reduce exists; ``disable_sliding_window``: the models here
-    attend over the whole context already, which is what it asks).
+    ``disable_custom_all_reduce``: no custom CUDA all-reduce exists).
+
+    ``disable_sliding_window`` (vLLM's): layers with a sliding window (Mistral's
+    ``sliding_window``, Qwen2's "sliding_attention" ``layer_types``) attend over the whole
+    context instead, and ``max_model_len`` is capped at the smallest window (up to which
+    the model's output is unchanged); a larger ``max_model_len`` raises ``ValueError``. No
+    effect on a model without windows. Without it, windows are served as the model defines
+    them (``pagedllm.arch_config.layer_sliding_windows``).
 
     ``speculative_config``: vLLM's dict, checked by ``SpeculativeConfig.from_dict``.
 
@@ -886,13 +900,14 @@ class EngineArgs:
     max_logprobs: int = 20
     batch_invariant: bool = False
     num_gpu_blocks_override: Optional[int] = None
-    # No-ops here (CUDA graphs, swapping and custom all-reduce do not exist in pagedllm;
-    # its models attend over the whole context): accepted so vLLM launch lines run.
+    #: Full attention in every layer, ``max_model_len`` capped at the sliding window (vLLM's).
+    disable_sliding_window: bool = False
+    # No-ops here (CUDA graphs, swapping and custom all-reduce do not exist in pagedllm):
+    # accepted so vLLM launch lines run.
     enforce_eager: bool = False
     max_seq_len_to_capture: int = 8192
     swap_space: float = 4
     disable_custom_all_reduce: bool = False
-    disable_sliding_window: bool = False
 
     def __post_init__(self) -> None:
         """Refuse at once a value asking for something not built (``PARTLY_BUILT_ARGS``),
@@ -947,12 +962,19 @@ class EngineArgs:
             else model_path
         )
         hf_config = load_hf_config(model_path, self.trust_remote_code)
-        derived = _derived_max_model_len(hf_config)
+        check_hf_config(hf_config)
+        derived, derived_from = _derived_max_model_len(hf_config), "max_position_embeddings in config.json"
+        window = min_sliding_window(hf_config)
+        if self.disable_sliding_window and window is not None:
+            # vLLM's rule: full attention computes what the model does only up to its window.
+            if window < derived:
+                derived, derived_from = window, "the sliding window, as --disable-sliding-window caps it"
+            disable_sliding_window(hf_config)
         max_model_len = self.max_model_len or derived
         if max_model_len > derived:
             raise ValueError(
                 f"max_model_len ({max_model_len}) is larger than the model's maximum context "
-                f"length ({derived}, max_position_embeddings in config.json)."
+                f"length ({derived}, {derived_from})."
             )
         max_num_batched_tokens = self.max_num_batched_tokens or max(
             default_max_num_batched_tokens(self.usage_context), self.max_num_seqs

@@ -27,7 +27,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("model_executor", "lora", "spec_decode"),
     ("distributed",),
     ("attention",),
-    ("config", "platforms", "env_override"),
+    ("config", "arch_config", "platforms", "env_override"),
     ("kernels",),
     ("messages", "sampling_params", "outputs", "tokenizer", "model_paths", "logger", "version", "lora.request"),
 ]

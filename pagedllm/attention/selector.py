@@ -3,8 +3,9 @@
 The choice, made once per engine (``get_attn_backend``): the name given
 (``--attention-backend``), else ``$PAGEDLLM_ATTENTION_BACKEND``, else automatic — the first
 backend of ``current_platform.attn_backend_preference`` that can run with the model's head
-size and dtype and the block size (on CPU: ``CPU_ATTN`` when the C++ kernels build, else
-``TORCH_SDPA``). Another backend (a CUDA one, a test's) joins with ``register_attn_backend``
+size and dtype, the block size, and the model's sliding windows if it has any (on CPU:
+``CPU_ATTN`` when the C++ kernels build and the model has no sliding window, else
+``TORCH_SDPA``); when it passes over a backend it logs why (INFO, once per reason). Another backend (a CUDA one, a test's) joins with ``register_attn_backend``
 and is then chosen by name.
 
 ``Attention`` layers built inside ``set_attn_backend(backend)`` (the model runner's model
@@ -14,6 +15,7 @@ loading) hold that backend's impl; outside it (a model built directly), the auto
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from typing import Iterator, Optional
 
@@ -27,8 +29,11 @@ from pagedllm.platforms import current_platform
 #: Environment variable naming the backend when ``--attention-backend`` is not given.
 ENV = "PAGEDLLM_ATTENTION_BACKEND"
 
+logger = logging.getLogger(__name__)
+
 _registry: dict[str, type[AttentionBackend]] = {}
 _model_backend: Optional[type[AttentionBackend]] = None
+_logged_choices: set[str] = set()
 
 
 def register_attn_backend(backend: type[AttentionBackend]) -> type[AttentionBackend]:
@@ -45,7 +50,7 @@ def registered_attn_backends() -> list[str]:
 
 def get_attn_backend(
     head_size: int, dtype: torch.dtype, block_size: Optional[int], name: Optional[str] = None,
-    kv_cache_dtype: str = "auto",
+    kv_cache_dtype: str = "auto", uses_sliding_window: bool = False,
 ) -> type[AttentionBackend]:
     """The backend to run: ``name`` (case-insensitive), else ``$PAGEDLLM_ATTENTION_BACKEND``,
     else the platform's first that can run.
@@ -55,6 +60,8 @@ def get_attn_backend(
         block_size: tokens per KV-cache block (None: not checked).
         name: a registered backend's name, or None.
         kv_cache_dtype: ``--kv-cache-dtype`` ("auto" or an FP8 type).
+        uses_sliding_window: some layer of the model has a sliding window (a backend must
+            support windows, ``AttentionBackend.supports_sliding_window``).
 
     Raises:
         ValueError: an unknown name (the message lists the registered ones), a named backend
@@ -67,7 +74,7 @@ def get_attn_backend(
             raise ValueError(
                 f"Unknown attention backend {name!r}; registered backends: {', '.join(_registry)}."
             )
-        reasons = backend.validate_configuration(head_size, dtype, block_size, kv_cache_dtype)
+        reasons = backend.validate_configuration(head_size, dtype, block_size, kv_cache_dtype, uses_sliding_window)
         if reasons:
             raise ValueError(f"Attention backend {backend.get_name()} cannot run here: {'; '.join(reasons)}.")
         return backend
@@ -76,11 +83,19 @@ def get_attn_backend(
         backend = _registry.get(candidate)
         if backend is None:  # registered later, if at all (e.g. a CUDA backend)
             continue
-        reasons = backend.validate_configuration(head_size, dtype, block_size, kv_cache_dtype)
+        reasons = backend.validate_configuration(head_size, dtype, block_size, kv_cache_dtype, uses_sliding_window)
         if not reasons:
+            if rejected:
+                _log_once(f"Attention backend {candidate} chosen over {' | '.join(rejected)}.")
             return backend
         rejected.append(f"{candidate}: {'; '.join(reasons)}")
     raise ValueError(f"No attention backend can run here ({' | '.join(rejected)}).")
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged_choices:
+        _logged_choices.add(message)
+        logger.info(message)
 
 
 @contextlib.contextmanager
@@ -94,14 +109,23 @@ def set_attn_backend(backend: type[AttentionBackend]) -> Iterator[None]:
         _model_backend = previous
 
 
-def get_current_attn_backend(head_size: int, dtype: torch.dtype) -> type[AttentionBackend]:
+def get_current_attn_backend(
+    head_size: int, dtype: torch.dtype, uses_sliding_window: bool = False
+) -> type[AttentionBackend]:
     """The backend an ``Attention`` layer being constructed uses: the one of
-    ``set_attn_backend``, else ``get_attn_backend(head_size, dtype, None)``.
+    ``set_attn_backend``, else ``get_attn_backend(head_size, dtype, None, ...)``.
 
     Raises:
-        ValueError: as ``get_attn_backend``.
+        ValueError: as ``get_attn_backend``; or the layer has a sliding window and the
+            backend of ``set_attn_backend`` has none.
     """
-    return _model_backend or get_attn_backend(head_size, dtype, None)
+    if _model_backend is None:
+        return get_attn_backend(head_size, dtype, None, uses_sliding_window=uses_sliding_window)
+    if uses_sliding_window and not _model_backend.supports_sliding_window():
+        raise ValueError(
+            f"Attention backend {_model_backend.get_name()} has no sliding-window attention, which this layer uses."
+        )
+    return _model_backend
 
 
 for _builtin in (CpuAttnBackend, TorchSDPABackend):

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pagedllm.arch_config import check_hf_config
 from pagedllm.config import ModelConfig
 from pagedllm.model_executor.layers.batch_invariant import use_batch_invariant_methods
 from pagedllm.model_executor.gguf_weights import KERNEL_TYPES, iterate_gguf_weights, open_gguf, tensor_types
@@ -121,11 +122,13 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     and load the checkpoint into it.
 
     Raises:
-        ValueError: unsupported architecture or quantization method, missing files, unknown
+        ValueError: unsupported architecture or quantization method, a config.json key the
+            model code would ignore (``pagedllm.arch_config.check_hf_config``), missing files, unknown
             tensor names, shape mismatches, or parameters the checkpoint does not provide;
             ``batch_invariant`` with a quantized model.
     """
     model_cls = get_model_class(model_config.architecture)
+    check_hf_config(model_config.hf_config)
     quant_config = get_quant_config(model_config)
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)

@@ -112,7 +112,8 @@ class DraftModelProposer:
         Raises:
             ValueError: the backend cannot run the draft's head size, or loading fails.
         """
-        get_attn_backend(self.model_config.head_dim, self.model_config.dtype, self.block_size, attn_backend.get_name())
+        get_attn_backend(self.model_config.head_dim, self.model_config.dtype, self.block_size, attn_backend.get_name(),
+                         uses_sliding_window=self.model_config.sliding_window is not None)
         self.metadata_builder = metadata_builder
         with set_attn_backend(attn_backend):
             self.model = get_model(self.model_config, self.device)

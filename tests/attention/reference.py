@@ -6,16 +6,18 @@ import torch
 
 
 def reference_decode_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float
+    query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Query b [Hq, D] attends to the first ``seq_lens[b]`` positions of the context that
-    ``block_table[b]`` pages in ``kv_cache`` [2, num_blocks, block_size, Hkv, D]; float64
-    softmax, returned in the query's dtype, [B, Hq, D]."""
+    ``block_table[b]`` pages in ``kv_cache`` [2, num_blocks, block_size, Hkv, D] (with
+    ``window`` W, to the last W of them only); float64 softmax, returned in the query's
+    dtype, [B, Hq, D]."""
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = query.shape[1] // num_kv_heads
     outs = []
     for b, n in enumerate(seq_lens.tolist()):
-        pos = torch.arange(n)
+        pos = torch.arange(0 if window is None else max(0, n - window), n)
         blocks = block_table[b, pos // block_size]
         keys = kv_cache[0, blocks, pos % block_size].double().repeat_interleave(group, dim=1)  # [n, Hq, D]
         values = kv_cache[1, blocks, pos % block_size].double().repeat_interleave(group, dim=1)

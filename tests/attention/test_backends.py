@@ -16,6 +16,7 @@ from pagedllm.attention.backends.abstract import CommonAttentionMetadata
 from pagedllm.attention.backends.cpu_attn import CpuAttnBackend
 from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAImpl
 from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.platforms import current_platform
 from tests.attention.reference import reference_decode_attention
 from tests.helpers import cpu_only, model_runner
 
@@ -108,9 +109,9 @@ def _mixed_step(dtype: torch.dtype, block_size: int = 8, num_heads: int = 6, num
     return query, key, value, kv_cache, common
 
 
-def _reference(query, key, value, kv_cache, common, scale):
-    """Each token as a decode query over its request's context up to itself, after writing
-    the step's K/V slot by slot."""
+def _reference(query, key, value, kv_cache, common, scale, window=None):
+    """Each token as a decode query over its request's context up to itself (its last
+    ``window`` positions), after writing the step's K/V slot by slot."""
     cache = kv_cache.clone()
     block_size = cache.shape[2]
     for t, slot in enumerate(common.slot_mapping.tolist()):
@@ -120,7 +121,7 @@ def _reference(query, key, value, kv_cache, common, scale):
     token_req = np.repeat(np.arange(common.num_reqs), query_lens)
     positions = common.num_computed_tokens[token_req] + np.arange(common.num_tokens) - common.query_start_loc[token_req]
     table = torch.from_numpy(common.block_table[token_req])
-    return reference_decode_attention(query, cache, table, torch.from_numpy(positions + 1), scale), cache
+    return reference_decode_attention(query, cache, table, torch.from_numpy(positions + 1), scale, window), cache
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -182,3 +183,39 @@ def test_engine_start_fails_clearly_for_an_unknown_backend(tiny_llama, no_env):
 
     with pytest.raises(ValueError, match="Unknown attention backend 'NOPE'; registered backends: CPU_ATTN"):
         LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=4 << 20, attention_backend="NOPE")
+
+
+@pytest.mark.parametrize("window", [1, 7, 8, 9, 22])
+def test_torch_sdpa_sliding_window_matches_reference(window):
+    """A query at position i sees keys i - W + 1 .. i (transformers' ``sliding_window_overlay``):
+    decodes at positions 30 and 9, and prefill chunks whose queries cross position W - 1,
+    W and W + 1 (the 13-token prompt for W 7-9; the chunks after 21 and 32 cached for 22)."""
+    query, key, value, kv_cache, common = _mixed_step(torch.float32)
+    scale = 64**-0.5
+    expected, _ = _reference(query, key, value, kv_cache, common, scale, window)
+    full, _ = _reference(query, key, value, kv_cache, common, scale)
+    metadata = TorchSDPABackend.get_builder_cls()(8, torch.device("cpu")).build(common)
+    out = TorchSDPAImpl(6, 64, scale, 2, sliding_window=window).forward(None, query, key, value, kv_cache, metadata)
+    assert (out - expected).abs().max().item() <= 1e-5
+    assert (full - expected).abs().max().item() > 1e-2  # the window hides keys in this step
+    # A layer without a window in the same step still sees everything (masks kept apart).
+    out_full = TorchSDPAImpl(6, 64, scale, 2).forward(None, query, key, value, kv_cache, metadata)
+    assert (out_full - full).abs().max().item() <= 1e-5
+
+
+def test_sliding_window_backend_choice(no_env, caplog):
+    """CPU_ATTN has no windows: the automatic choice passes over it with an INFO line giving
+    the reason; naming it, or building its impl with a window, is refused."""
+    assert TorchSDPABackend.supports_sliding_window() and not CpuAttnBackend.supports_sliding_window()
+    with caplog.at_level("INFO", logger="pagedllm.attention.selector"):
+        chosen = selector.get_attn_backend(64, torch.float32, 16, uses_sliding_window=True)
+    assert chosen is TorchSDPABackend
+    if current_platform.is_cpu:
+        assert "TORCH_SDPA chosen over CPU_ATTN: it has no sliding-window attention" in caplog.text
+        with pytest.raises(ValueError, match="CPU_ATTN cannot run here: it has no sliding-window attention"):
+            selector.get_attn_backend(64, torch.float32, 16, "CPU_ATTN", uses_sliding_window=True)
+    with pytest.raises(ValueError, match="CpuAttnImpl has no sliding-window attention"):
+        CpuAttnBackend.get_impl_cls()(6, 64, 0.125, 2, sliding_window=16)
+    with selector.set_attn_backend(CpuAttnBackend):
+        with pytest.raises(ValueError, match="CPU_ATTN has no sliding-window attention"):
+            selector.get_current_attn_backend(64, torch.float32, uses_sliding_window=True)

@@ -116,20 +116,38 @@ class AttentionImpl(ABC, Generic[M]):
 
     Args:
         num_heads: query heads; head_size: channels per head; scale: softmax scale;
-        num_kv_heads: key/value heads (``num_heads`` is a multiple of it).
+        num_kv_heads: key/value heads (``num_heads`` is a multiple of it);
+        sliding_window: W tokens: a query at position i attends to keys i - W + 1 .. i
+            only; None: to its whole context.
+
+    Raises:
+        ValueError: ``sliding_window`` set for a backend without sliding windows (its
+            ``supports_sliding_window`` is False), or not a positive int.
     """
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
+    #: Whether the impl honours ``sliding_window`` (``AttentionBackend.supports_sliding_window``).
+    supports_sliding_window: ClassVar[bool] = False
+
+    def __init__(
+        self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, sliding_window: Optional[int] = None
+    ) -> None:
+        if sliding_window is not None:
+            if not self.supports_sliding_window:
+                raise ValueError(f"{type(self).__name__} has no sliding-window attention (sliding_window={sliding_window}).")
+            if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+                raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window!r}.")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
 
     @abstractmethod
     def forward(self, layer: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: M) -> torch.Tensor:
         """Write this step's K/V into ``kv_cache`` at ``attn_metadata.slot_mapping``, then
-        attend: each query sees its request's context up to and including itself.
+        attend: each query sees its request's context up to and including itself (with
+        ``sliding_window`` W, only its last W positions).
 
         Args:
             layer: the calling ``Attention`` layer.
@@ -180,6 +198,11 @@ class AttentionBackend:
         """The per-layer implementation class."""
         return cls.impl_cls
 
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        """Whether the backend masks keys older than a layer's ``sliding_window``."""
+        return cls.impl_cls.supports_sliding_window
+
     @staticmethod
     def get_supported_block_sizes() -> tuple[int, ...]:
         """Block sizes this backend can page with; empty: any."""
@@ -203,7 +226,8 @@ class AttentionBackend:
 
     @classmethod
     def validate_configuration(
-        cls, head_size: int, dtype: torch.dtype, block_size: Optional[int], kv_cache_dtype: str = "auto"
+        cls, head_size: int, dtype: torch.dtype, block_size: Optional[int], kv_cache_dtype: str = "auto",
+        uses_sliding_window: bool = False,
     ) -> list[str]:
         """Why this backend cannot run here with these settings (empty: it can). Subclasses
         add their own reasons (device, kernels) to these.
@@ -211,9 +235,12 @@ class AttentionBackend:
         Args:
             head_size: channels per head; dtype: the model's compute dtype;
             block_size: tokens per block, or None when not yet known (not checked);
-            kv_cache_dtype: ``--kv-cache-dtype``.
+            kv_cache_dtype: ``--kv-cache-dtype``;
+            uses_sliding_window: some layer of the model has a ``sliding_window``.
         """
         reasons = []
+        if uses_sliding_window and not cls.supports_sliding_window():
+            reasons.append("it has no sliding-window attention, which the model uses")
         if dtype not in cls.get_supported_dtypes():
             names = ", ".join(str(d).removeprefix("torch.") for d in cls.get_supported_dtypes())
             reasons.append(f"dtype {str(dtype).removeprefix('torch.')} is not supported (supported: {names})")

@@ -11,6 +11,9 @@ PyTorch's CPU flash attention on 128-token prompts, still faster at 8,192.
 
 A decode-only step (the hot path) takes the runner's per-request arrays as they are.
 
+The kernel attends over a query's whole context: no sliding windows (the backend says so,
+``supports_sliding_window`` False, and the selector picks another for such a model).
+
 The step's K/V go into the cache through the kernels' ``write_kv_cache`` (one call per layer;
 an FP8 cache, ``--kv-cache-dtype fp8``, is quantized there) and the attention kernel reads
 the cache directly, one byte per element for FP8. Except for prefills over an FP8 cache:
@@ -162,11 +165,13 @@ class CpuAttnBackend(AttentionBackend):
 
     @classmethod
     def validate_configuration(
-        cls, head_size: int, dtype: torch.dtype, block_size: Optional[int], kv_cache_dtype: str = "auto"
+        cls, head_size: int, dtype: torch.dtype, block_size: Optional[int], kv_cache_dtype: str = "auto",
+        uses_sliding_window: bool = False,
     ) -> list[str]:
-        """The base checks, the platform (CPU), and the kernels (built or loaded now, at
-        start-up rather than in the first request; ~15 s the first time on a machine)."""
-        reasons = super().validate_configuration(head_size, dtype, block_size, kv_cache_dtype)
+        """The base checks (no sliding windows: the kernel attends over the whole context),
+        the platform (CPU), and the kernels (built or loaded now, at start-up rather than
+        in the first request; ~15 s the first time on a machine)."""
+        reasons = super().validate_configuration(head_size, dtype, block_size, kv_cache_dtype, uses_sliding_window)
         if not current_platform.is_cpu:
             reasons.append(f"it runs on CPU only, not on {current_platform.device_type}")
             return reasons

@@ -12,6 +12,10 @@ too: their contexts are gathered the same way, their queries padded to the longe
 causal mask offset by each request's cached length (``enable_gqa``). The chunk's K/V are in
 the cache by then.
 
+A layer with a ``sliding_window`` W masks, besides, the keys a query at position i does
+not see (positions <= i - W); the windowed masks are built once per step and window, by the
+first such layer, and kept in the metadata for the others.
+
 An FP8 cache (``--kv-cache-dtype fp8``) is read the same way, its gathered contexts
 dequantized to the query's dtype (``pagedllm.attention.paged_kv_cache.gather_context``),
 with torch's float8 types: the same code runs on CUDA.
@@ -25,7 +29,7 @@ on its own context only, not on the other tokens of the step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -51,6 +55,8 @@ class TorchSDPAMetadata(AttentionMetadata):
             each padded query row over its request's context.
         prefill_output_index: [num_prefill_tokens] int64; the padded rows, flattened, that
             are real tokens, in token order.
+        decode_positions: [num_decodes] int64; each decode query's position (seq_len - 1).
+        prefill_positions: [num_prefills, max_query_len] int64; each padded query row's position.
         token_seq_lens: ``--batch-invariant``: each token's context length (host ints); the
             ``decode_*`` tables then have one row per token, and ``prefill_*`` are None.
     """
@@ -62,6 +68,36 @@ class TorchSDPAMetadata(AttentionMetadata):
     prefill_query_index: Optional[torch.Tensor] = None
     prefill_mask: Optional[torch.Tensor] = None
     prefill_output_index: Optional[torch.Tensor] = None
+    decode_positions: Optional[torch.Tensor] = None
+    prefill_positions: Optional[torch.Tensor] = None
+    _window_masks: dict = field(default_factory=dict, repr=False)
+
+    def decode_mask(self, window: Optional[int]) -> torch.Tensor:
+        """[num_decodes, 1, 1, nb * block_size] bool: the keys each decode query attends to
+        (its context; with ``window`` W, its last W positions only)."""
+        if window is None:
+            return self.decode_valid[:, None, None, :]
+        key = ("decode", window)
+        if key not in self._window_masks:
+            assert self.decode_positions is not None
+            keys = torch.arange(self.decode_valid.shape[1], device=self.decode_valid.device)
+            in_window = keys[None, :] > self.decode_positions[:, None] - window
+            self._window_masks[key] = (self.decode_valid & in_window)[:, None, None, :]
+        return self._window_masks[key]
+
+    def prefill_attn_mask(self, window: Optional[int]) -> torch.Tensor:
+        """``prefill_mask``, with ``window`` W also hiding keys at positions <= i - W from a
+        query at position i."""
+        assert self.prefill_mask is not None
+        if window is None:
+            return self.prefill_mask
+        key = ("prefill", window)
+        if key not in self._window_masks:
+            assert self.prefill_positions is not None
+            keys = torch.arange(self.prefill_mask.shape[-1], device=self.prefill_mask.device)
+            in_window = keys[None, None, :] > self.prefill_positions[:, :, None] - window
+            self._window_masks[key] = self.prefill_mask & in_window[:, None]
+        return self._window_masks[key]
     token_seq_lens: Optional[list[int]] = None
 
 
@@ -78,6 +114,7 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
             num_prefills=common.num_prefills,
             decode_block_table=decode_table,
             decode_valid=decode_valid,
+            decode_positions=self.to_device(common.seq_lens[:num_decodes] - 1),
         )
         if common.num_prefills:
             self._add_prefills(metadata, common)
@@ -119,11 +156,14 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
         metadata.prefill_valid = valid[:, :max_seq_len]
         metadata.prefill_query_index = self.to_device(starts[:-1, None] + row)
         metadata.prefill_mask = (torch.arange(max_seq_len, device=self.device) <= query_pos[:, :, None])[:, None]
+        metadata.prefill_positions = query_pos
         real = np.arange(max_query_len)[None, :] < query_lens[:, None]
         metadata.prefill_output_index = self.to_device(np.flatnonzero(real))
 
 
 class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
+    supports_sliding_window = True
+
     def forward(self, layer: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TorchSDPAMetadata) -> torch.Tensor:
         """See ``AttentionImpl.forward``."""
@@ -148,13 +188,14 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
         keys = gather_context(kv_cache[0], md.decode_block_table, md.decode_valid, query.dtype, scales[0])
         values = gather_context(kv_cache[1], md.decode_block_table, md.decode_valid, query.dtype, scales[1])
         q = query.view(num_decodes, self.num_kv_heads, group, self.head_size)
-        mask = md.decode_valid[:, None, None, :]
+        mask = md.decode_mask(self.sliding_window)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
         return out.reshape(num_decodes, self.num_heads, self.head_size)
 
     def _per_token(self, query: torch.Tensor, kv_cache: torch.Tensor, scales: tuple[float, float],
                    md: TorchSDPAMetadata) -> torch.Tensor:
-        """[num_tokens, num_heads, head_size] queries, each over exactly its own context."""
+        """[num_tokens, num_heads, head_size] queries, each over exactly its own context (its
+        last ``sliding_window`` positions in a windowed layer)."""
         assert md.token_seq_lens is not None
         output = torch.empty_like(query)
         group = self.num_heads // self.num_kv_heads
@@ -164,6 +205,8 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
             table, valid = md.decode_block_table[t : t + 1, :width], md.decode_valid[t : t + 1, :seq_len]
             keys = gather_context(kv_cache[0], table, valid, query.dtype, scales[0])
             values = gather_context(kv_cache[1], table, valid, query.dtype, scales[1])
+            if self.sliding_window is not None and seq_len > self.sliding_window:
+                keys, values = keys[:, :, seq_len - self.sliding_window :], values[:, :, seq_len - self.sliding_window :]
             q = query[t].view(1, self.num_kv_heads, group, self.head_size)
             out = F.scaled_dot_product_attention(q, keys, values, scale=self.scale)
             output[t] = out.reshape(self.num_heads, self.head_size)
@@ -178,7 +221,7 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
         values = gather_context(kv_cache[1], md.prefill_block_table, md.prefill_valid, query.dtype, scales[1])
         q = query[md.prefill_query_index].transpose(1, 2)  # [P, num_heads, max_query_len, D]
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=md.prefill_mask, scale=self.scale, enable_gqa=True
+            q, keys, values, attn_mask=md.prefill_attn_mask(self.sliding_window), scale=self.scale, enable_gqa=True
         )
         return out.transpose(1, 2).reshape(-1, self.num_heads, self.head_size)[md.prefill_output_index]
 

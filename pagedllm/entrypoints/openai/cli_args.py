@@ -545,7 +545,8 @@ def _add_vllm_engine_flags(engine: Any) -> None:
     engine.add_argument("--disable-custom-all-reduce", action="store_true", help="No-op: pagedllm has no custom CUDA all-reduce.")
     engine.add_argument(
         "--disable-sliding-window", action="store_true",
-        help="No-op: pagedllm's models already attend over the whole context.",
+        help="Attend over the whole context in layers with a sliding window, and cap --max-model-len at the "
+        "window (vLLM's behaviour). No effect on models without sliding windows.",
     )  # fmt: skip
 
 

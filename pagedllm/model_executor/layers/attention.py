@@ -4,6 +4,7 @@ reference to its layer's KV cache and the cache's FP8 scales, and calls the impl
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 from torch import nn
@@ -23,6 +24,11 @@ class Attention(nn.Module):
     ``kv_cache`` (the backend's ``get_kv_cache_shape``) is bound by the model runner after
     the cache is allocated.
 
+    ``sliding_window`` W (tokens; None: the whole context): a query at position i attends
+    to keys i - W + 1 .. i only (transformers' ``sliding_window_overlay``). The backend
+    must support windows (``AttentionBackend.supports_sliding_window``); every block stays
+    allocated, the backend masks the keys older than the window.
+
     FP8 cache scales (``pagedllm.attention.kv_cache_quant``): the buffers ``k_scale`` /
     ``v_scale`` (float32 scalars, -1 until a checkpoint's scale loads into them) and the
     floats ``k_scale_float`` / ``v_scale_float`` the backends use (1.0 until
@@ -30,17 +36,25 @@ class Attention(nn.Module):
     from its keys and values, once.
 
     Raises:
-        ValueError: no attention backend can run (see ``selector.get_attn_backend``).
+        ValueError: no attention backend can run (see ``selector.get_attn_backend``), or the
+            selected one has no sliding windows and ``sliding_window`` is set.
     """
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+    def __init__(
+        self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, sliding_window: Optional[int] = None
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
-        self.attn_backend = get_current_attn_backend(head_dim, torch.get_default_dtype())
-        self.impl = self.attn_backend.get_impl_cls()(num_heads, head_dim, scale, num_kv_heads)
+        self.sliding_window = sliding_window
+        self.attn_backend = get_current_attn_backend(
+            head_dim, torch.get_default_dtype(), uses_sliding_window=sliding_window is not None
+        )
+        self.impl = self.attn_backend.get_impl_cls()(
+            num_heads, head_dim, scale, num_kv_heads, sliding_window=sliding_window
+        )
         self.kv_cache = torch.empty(0)
         self.register_buffer("k_scale", torch.tensor(-1.0, dtype=torch.float32))
         self.register_buffer("v_scale", torch.tensor(-1.0, dtype=torch.float32))

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from pagedllm.arch_config import layer_sliding_windows
 from pagedllm.distributed import get_pp_group
 from pagedllm.distributed.utils import pp_layer_range
 from pagedllm.model_executor.layers.activation import SiluAndMul
@@ -45,7 +46,8 @@ class PPMissingLayer(nn.Identity):
 
 class LlamaAttention(nn.Module):
     """Self-attention over this rank's heads: ``qkv_proj.num_heads`` query heads and
-    ``qkv_proj.num_kv_heads`` KV heads (all of them at tensor-parallel size 1)."""
+    ``qkv_proj.num_kv_heads`` KV heads (all of them at tensor-parallel size 1); with
+    ``sliding_window`` W, a query at position i attends to keys i - W + 1 .. i only."""
 
     def __init__(
         self,
@@ -55,6 +57,7 @@ class LlamaAttention(nn.Module):
         rotary_emb: RotaryEmbedding,
         quant_config: Optional[QuantizationConfig],
         prefix: str,
+        sliding_window: Optional[int] = None,
     ) -> None:
         super().__init__()
         hidden = config.hidden_size
@@ -77,7 +80,9 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = rotary_emb
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5)
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, sliding_window=sliding_window
+        )
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
@@ -134,9 +139,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, rotary_emb: RotaryEmbedding,
-                 quant_config: Optional[QuantizationConfig], prefix: str) -> None:
+                 quant_config: Optional[QuantizationConfig], prefix: str, sliding_window: Optional[int] = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias, qk_norm, rotary_emb, quant_config, f"{prefix}.self_attn")
+        self.self_attn = LlamaAttention(
+            config, qkv_bias, qk_norm, rotary_emb, quant_config, f"{prefix}.self_attn", sliding_window
+        )
         self.mlp = LlamaMLP(config, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -155,7 +162,9 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """The decoder stack of this pipeline stage: layers ``[start_layer, end_layer)``
     (``pp_layer_range``; the others are ``PPMissingLayer``), the embedding on the first
-    stage (and on the last when the LM head shares it), the final norm on the last."""
+    stage (and on the last when the LM head shares it), the final norm on the last. Each
+    layer's attention window is ``pagedllm.arch_config.layer_sliding_windows``' (Mistral:
+    ``sliding_window`` on all; Qwen2 / Qwen3: on the "sliding_attention" ``layer_types``)."""
 
     def __init__(
         self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, quant_config: Optional[QuantizationConfig], prefix: str
@@ -173,8 +182,9 @@ class LlamaModel(nn.Module):
         rope_theta, rope_scaling = get_rope_parameters(config)
         # One table for every layer (each attention layer holds this same module).
         self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta, rope_scaling)
+        windows = layer_sliding_windows(config)  # per layer, as transformers' code of the architecture
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias, qk_norm, self.rotary_emb, quant_config, f"{prefix}.layers.{i}")
+            LlamaDecoderLayer(config, qkv_bias, qk_norm, self.rotary_emb, quant_config, f"{prefix}.layers.{i}", windows[i])
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )

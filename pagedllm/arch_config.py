@@ -1,0 +1,206 @@
+"""What each architecture's model code reads of config.json, and the load-time refusal of
+what it would ignore.
+
+transformers' modeling code is the reference: a config key changes the output only where
+that code reads it. For each registered architecture, ``ARCH_CONFIG`` states the keys of
+its transformers config class (``AutoConfig.for_model(model_type).to_dict()``) that
+pagedllm's model code honours, and the values of them that are built (``hidden_act``
+"silu", rope types "default" / "llama3", layer kinds "full_attention" / "sliding_attention").
+``BEHAVIOUR_FREE_KEYS`` are the keys no forward pass depends on (ids, labels, training
+settings). ``FOREIGN_KEYS`` are keys other architectures read (soft-capping, multipliers):
+a config.json that sets one to a non-neutral value asks for math the code does not do.
+
+``check_hf_config`` refuses, with a message naming the key, a config that sets a key to a
+value the code would silently ignore or misread; ``layer_sliding_windows`` is each layer's
+attention window (transformers' semantics: a query at position i sees keys i - W + 1 .. i).
+
+Plain Python (no torch): ``EngineArgs`` checks configs before anything is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+#: Keys of the transformers config classes that no forward pass depends on.
+BEHAVIOUR_FREE_KEYS = frozenset({
+    "transformers_version", "_name_or_path", "model_type",
+    "output_hidden_states", "output_attentions", "return_dict",
+    "chunk_size_feed_forward",  # transformers computes the feed-forward in chunks: same values
+    "is_encoder_decoder", "id2label", "label2id", "problem_type",  # heads / tasks not served here
+    "initializer_range", "use_cache",
+    "attention_dropout",  # dropout is off at inference
+    "pad_token_id",  # the embedding's padding_idx only masks its gradient
+    "bos_token_id", "eos_token_id",  # stop tokens: the engine reads them (generation config)
+    "pretraining_tp",  # not read by transformers' Llama since 4.4x: a split matmul, same math
+})
+
+#: Keys read by the engine rather than by the model code (the class, the dtype).
+ENGINE_KEYS = frozenset({"architectures", "dtype"})
+
+_LLAMA_FAMILY_KEYS = frozenset({
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "hidden_act", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
+    "rope_parameters", "head_dim",
+})
+_WINDOW_KEYS = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
+
+#: Rope types ``RotaryEmbedding`` builds.
+ROPE_TYPES = ("default", "llama3")
+#: ``layer_types`` entries the attention layers build.
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    """One architecture's contract with its config.
+
+    Attributes:
+        model_type: the transformers ``model_type`` whose config class it reads.
+        honoured: keys of that class the model code reads (``ENGINE_KEYS`` aside).
+        windows: how layers get a sliding window: "none" (every layer attends over the whole
+            context, as transformers' Llama), "all" (``sliding_window`` on every layer, None:
+            none; Mistral), "layer_types" (``sliding_window`` on the layers whose
+            ``layer_types`` entry is "sliding_attention"; Qwen2 / Qwen3).
+    """
+
+    model_type: str
+    honoured: frozenset[str]
+    windows: str
+
+
+ARCH_CONFIG: dict[str, ArchConfig] = {
+    "LlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
+    "MistralForCausalLM": ArchConfig("mistral", _LLAMA_FAMILY_KEYS | {"sliding_window"}, "all"),
+    "Qwen2ForCausalLM": ArchConfig("qwen2", _LLAMA_FAMILY_KEYS | _WINDOW_KEYS, "layer_types"),
+    "Qwen3ForCausalLM": ArchConfig("qwen3", _LLAMA_FAMILY_KEYS | _WINDOW_KEYS | {"attention_bias"}, "layer_types"),
+    # EAGLE heads: Llama configs (their own keys, ``bias`` ..., are not the class's).
+    "EagleLlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
+    "Eagle3LlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
+}
+
+#: Keys that other architectures' transformers code reads -> whether a value is neutral
+#: (the math of the architectures here). Refused when set otherwise, unless honoured.
+FOREIGN_KEYS: dict[str, Callable[[Any], bool]] = {
+    "attn_logit_softcapping": lambda v: v is None,
+    "final_logit_softcapping": lambda v: v is None,
+    "query_pre_attn_scalar": lambda v: v is None,
+    "logits_scaling": lambda v: v in (None, 1, 1.0),
+    "embedding_multiplier": lambda v: v in (None, 1, 1.0),
+    "residual_multiplier": lambda v: v in (None, 1, 1.0),
+    "attention_multiplier": lambda v: v is None,
+    "clip_qkv": lambda v: v is None,
+    "partial_rotary_factor": lambda v: v in (None, 1, 1.0),
+    "use_qk_norm": lambda v: not v,
+    "attention_bias": lambda v: not v,
+    "mlp_bias": lambda v: not v,
+    "layer_types": lambda v: not v or set(v) == {"full_attention"},
+}
+
+
+def _value(hf_config: Any, key: str) -> Any:
+    return getattr(hf_config, key, None)
+
+
+def _rope_problem(params: Optional[dict]) -> Optional[str]:
+    params = params or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        return f"rope type {rope_type!r} is not built (built: {', '.join(ROPE_TYPES)})"
+    factor = params.get("partial_rotary_factor", 1.0)
+    if factor not in (None, 1, 1.0):
+        return f"partial_rotary_factor {factor} is not built (every channel rotates)"
+    return None
+
+
+def _problems(architecture: str, hf_config: Any) -> list[str]:
+    arch = ARCH_CONFIG[architecture]
+    problems = []
+    act = _value(hf_config, "hidden_act")
+    if act not in (None, "silu"):
+        problems.append(f"hidden_act={act!r} (built: 'silu')")
+    rope = _rope_problem(_value(hf_config, "rope_parameters") or _value(hf_config, "rope_scaling"))
+    if rope:
+        problems.append(f"rope_parameters: {rope}")
+    window = _value(hf_config, "sliding_window")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        problems.append(f"sliding_window={window!r} (a positive number of tokens or null)")
+    if arch.windows == "layer_types":
+        problems += _layer_type_problems(hf_config)
+    if arch.windows == "none" and window is not None and _value(hf_config, "use_sliding_window") is not False:
+        problems.append(
+            f"sliding_window={window} ({architecture} attends over the whole context, as transformers' code does; "
+            "set use_sliding_window false or sliding_window null)"
+        )
+    for key, neutral in FOREIGN_KEYS.items():
+        if key in arch.honoured or key == "sliding_window":
+            continue
+        value = _value(hf_config, key)
+        if not neutral(value):
+            problems.append(f"{key}={value!r} ({architecture}'s code does not read it)")
+    return problems
+
+
+def _layer_type_problems(hf_config: Any) -> list[str]:
+    kinds = _value(hf_config, "layer_types")
+    if kinds is None:
+        return []
+    problems = []
+    unknown = sorted(set(kinds) - set(LAYER_TYPES))
+    if unknown:
+        problems.append(f"layer_types {unknown} (built: {', '.join(LAYER_TYPES)})")
+    if len(kinds) != hf_config.num_hidden_layers:
+        problems.append(f"layer_types has {len(kinds)} entries for {hf_config.num_hidden_layers} layers")
+    if "sliding_attention" in kinds and _value(hf_config, "sliding_window") is None:
+        problems.append("layer_types has sliding_attention layers but sliding_window is null")
+    return problems
+
+
+def check_hf_config(hf_config: Any) -> None:
+    """Refuse a config whose architecture's code would ignore or misread one of its keys.
+
+    Args:
+        hf_config: a transformers ``PretrainedConfig`` (``architectures[0]`` names the class).
+
+    Raises:
+        ValueError: naming each offending key and value; an architecture not in
+            ``ARCH_CONFIG`` is left to the model registry's error.
+    """
+    architecture = (_value(hf_config, "architectures") or ["<none>"])[0]
+    if architecture not in ARCH_CONFIG:
+        return
+    problems = _problems(architecture, hf_config)
+    if problems:
+        raise ValueError(
+            f"config.json of this {architecture} model sets what pagedllm does not build: {'; '.join(problems)}."
+        )
+
+
+def layer_sliding_windows(hf_config: Any) -> list[Optional[int]]:
+    """Each layer's attention window in tokens (None: the whole context), as transformers'
+    modeling code of ``architectures[0]`` applies ``sliding_window`` (see ``ArchConfig.windows``);
+    all None for an architecture not in ``ARCH_CONFIG``."""
+    num_layers = hf_config.num_hidden_layers
+    arch = ARCH_CONFIG.get((_value(hf_config, "architectures") or ["<none>"])[0])
+    window = _value(hf_config, "sliding_window")
+    if arch is None or arch.windows == "none" or window is None:
+        return [None] * num_layers
+    if arch.windows == "all":
+        return [window] * num_layers
+    kinds = _value(hf_config, "layer_types") or ["full_attention"] * num_layers
+    return [window if kind == "sliding_attention" else None for kind in kinds]
+
+
+def min_sliding_window(hf_config: Any) -> Optional[int]:
+    """The smallest window of any layer (vLLM's ``get_sliding_window``); None: no layer has one."""
+    windows = [w for w in layer_sliding_windows(hf_config) if w is not None]
+    return min(windows) if windows else None
+
+
+def disable_sliding_window(hf_config: Any) -> None:
+    """Make every layer of ``hf_config`` attend over the whole context (vLLM's
+    ``--disable-sliding-window``): ``sliding_window`` None, ``layer_types`` all
+    "full_attention". Edits ``hf_config`` in place."""
+    hf_config.sliding_window = None
+    if _value(hf_config, "layer_types") is not None:
+        hf_config.layer_types = ["full_attention"] * len(hf_config.layer_types)
