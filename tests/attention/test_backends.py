@@ -5,6 +5,8 @@ being used by the model."""
 
 from __future__ import annotations
 
+import logging
+
 import math
 
 import numpy as np
@@ -206,6 +208,9 @@ def test_torch_sdpa_sliding_window_matches_reference(window):
 def test_sliding_window_backend_choice(no_env, caplog):
     """CPU_ATTN has no windows: the automatic choice passes over it with an INFO line giving
     the reason; naming it, or building its impl with a window, is refused."""
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(logging.getLogger("pagedllm"), "propagate", True)  # caplog listens at the root
+    monkeypatch.setattr(selector, "_logged_choices", set())  # logged once per process: earlier tests may have
     assert TorchSDPABackend.supports_sliding_window() and not CpuAttnBackend.supports_sliding_window()
     with caplog.at_level("INFO", logger="pagedllm.attention.selector"):
         chosen = selector.get_attn_backend(64, torch.float32, 16, uses_sliding_window=True)
@@ -219,3 +224,4 @@ def test_sliding_window_backend_choice(no_env, caplog):
     with selector.set_attn_backend(CpuAttnBackend):
         with pytest.raises(ValueError, match="CPU_ATTN has no sliding-window attention"):
             selector.get_current_attn_backend(64, torch.float32, uses_sliding_window=True)
+    monkeypatch.undo()

@@ -27,6 +27,8 @@ SCENARIOS = {
     "torch_sdpa_chunked_16": {"attention_backend": "TORCH_SDPA", "max_num_batched_tokens": 16},
     # 12 blocks of 8 tokens: the batch needs ~22, so requests are preempted and recomputed.
     "preemption": {"max_model_len": 96, "block_size": 8, "kv_blocks": 12},
+    # --batch-invariant: every token attended alone over its own window (TORCH_SDPA's per-token path).
+    "batch_invariant_chunked_8": {"batch_invariant": True, "max_num_batched_tokens": 8},
 }
 
 _references: dict = {}
