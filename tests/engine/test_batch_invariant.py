@@ -76,6 +76,12 @@ def test_bit_identical_in_float32_with_kernels(tiny_qwen2, tokenizer):
     _check_bit_identical(tiny_qwen2, tokenizer, dtype="float32", attention_backend="TORCH_SDPA")
 
 
+def test_bit_identical_over_an_fp8_kv_cache(tiny_llama, tokenizer):
+    """A prompt attends over the K/V at the cache's precision whether they were written in
+    this step or found in the cache: over an FP8 cache too, cold and warm runs agree."""
+    _check_bit_identical(tiny_llama, tokenizer, dtype="bfloat16", attention_backend="CPU_ATTN", kv_cache_dtype="fp8")
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_bit_identical_on_the_portable_path(disable_cpu_kernels, tiny_qwen2, tokenizer, dtype):
     disable_cpu_kernels()
