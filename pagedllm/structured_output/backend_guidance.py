@@ -17,22 +17,27 @@ import llguidance.numpy
 import numpy as np
 
 from pagedllm.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar
+from pagedllm.structured_output.json_bounds import bound_schema
 from pagedllm.structured_output.spec import GrammarSpec
 
 
 def build_grammar(spec: GrammarSpec) -> str:
-    """llguidance's grammar text of ``spec`` (not yet checked: see ``validate``).
+    """llguidance's grammar text of ``spec`` (not yet checked: see ``validate``); a JSON
+    schema gets the spec's default bounds (``bound_schema``; whitespace as a pattern of at
+    most ``max_whitespace_cnt`` characters, unless the request gives its own).
 
     Raises:
         ValueError: a kind llguidance does not take.
     """
     if spec.kind == "json":
-        schema = json.loads(spec.text)
+        schema = bound_schema(json.loads(spec.text), spec.max_number_digits, spec.max_string_length)
         if spec.disable_additional_properties:
             schema = _no_additional_properties(schema)
         options: dict[str, Any] = {"whitespace_flexible": spec.any_whitespace}
         if spec.whitespace_pattern is not None:
             options["whitespace_pattern"] = spec.whitespace_pattern
+        elif spec.any_whitespace and spec.max_whitespace_cnt is not None:
+            options["whitespace_pattern"] = f"[\\x20\\x0A\\x0D\\x09]{{0,{spec.max_whitespace_cnt}}}"
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if spec.kind in ("regex", "choice", "grammar"):
         return llguidance.grammar_from(spec.kind, spec.text)  # type: ignore[arg-type]

@@ -27,6 +27,9 @@ class GrammarSpec:
         whitespace_pattern: a regex for that whitespace, or None (the backend's default).
         disable_additional_properties: objects without ``additionalProperties`` take none
             (the request's or the engine's option).
+        max_whitespace_cnt, max_number_digits, max_string_length: the engine's default
+            bounds on JSON (``StructuredOutputsConfig``; None: unbounded), which the
+            backends apply (``json_bounds.bound_schema``).
     """
 
     kind: str
@@ -34,6 +37,9 @@ class GrammarSpec:
     any_whitespace: bool = True
     whitespace_pattern: Optional[str] = None
     disable_additional_properties: bool = False
+    max_whitespace_cnt: Optional[int] = None
+    max_number_digits: Optional[int] = None
+    max_string_length: Optional[int] = None
 
 
 def grammar_spec(params: StructuredOutputsParams, config: StructuredOutputsConfig) -> GrammarSpec:
@@ -62,6 +68,9 @@ def grammar_spec(params: StructuredOutputsParams, config: StructuredOutputsConfi
         whitespace_pattern=params.whitespace_pattern,
         disable_additional_properties=(params.disable_additional_properties
                                        or config.disable_additional_properties),
+        max_whitespace_cnt=config.max_whitespace_cnt,
+        max_number_digits=config.max_number_digits,
+        max_string_length=config.max_string_length,
     )
 
 

@@ -130,6 +130,44 @@ def test_config_rejects_unknown_backend_and_keys():
         StructuredOutputsConfig.from_dict({"bakend": "auto"})
 
 
+def test_config_rejects_bounds_below_one():
+    with pytest.raises(ValueError, match="max_whitespace_cnt must be a positive integer or null, got 0"):
+        StructuredOutputsConfig.from_dict({"max_whitespace_cnt": 0})
+    assert StructuredOutputsConfig.from_dict({"max_number_digits": None}).max_number_digits is None
+
+
+UNBOUNDED = {"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": "number"}, "s": {"type": "string"}},
+             "required": ["n", "x", "s"]}
+
+
+def _completes(backend, tokenizer, text: str, schema=UNBOUNDED, **config) -> bool:
+    """Whether ``text`` is a whole output of ``schema`` under ``config``."""
+    spec = grammar_spec(StructuredOutputsParams(json=schema), StructuredOutputsConfig(**config))
+    grammar = backend.new_grammar(backend.compile(spec))
+    return grammar.accept_tokens(_encode(tokenizer, text)) and tokenizer.eos_token_id in _allowed(grammar)
+
+
+def test_json_whitespace_and_numbers_are_bounded_by_default(backend, tokenizer):
+    assert StructuredOutputsConfig().max_whitespace_cnt == 2 and StructuredOutputsConfig().max_number_digits == 15
+    assert _completes(backend, tokenizer, '{\n "n": -999999999999999, "x": 0.5, "s": "a\\"b"}')
+    for text in ('{"n": 1000000000000000, "x": 0.5, "s": ""}', '{"n": 1, "x": 1e300, "s": ""}',
+                 '{\n\n\n"n": 1, "x": 0.5, "s": ""}'):
+        assert not _completes(backend, tokenizer, text), text
+        assert _completes(backend, tokenizer, text, max_number_digits=None, max_whitespace_cnt=None), text
+    # a bound of the schema's own stays
+    assert _completes(backend, tokenizer, "12345678901234567", {"type": "integer", "minimum": 10**16})
+
+
+def test_max_string_length_bounds_strings_and_keeps_escapes(backend, tokenizer):
+    assert StructuredOutputsConfig().max_string_length is None
+    assert _completes(backend, tokenizer, '{"n": 1, "x": 1, "s": "a\\"\\nb"}', max_string_length=4)
+    assert not _completes(backend, tokenizer, '{"n": 1, "x": 1, "s": "abcde"}', max_string_length=4)
+    keys = {"type": "object", "properties": {"éab": {"const": "é"}, "m": {"type": "string", "minLength": 6}},
+            "required": ["éab", "m"], "additionalProperties": False}
+    assert _completes(backend, tokenizer, '{"éab": "é", "m": "abcdef"}', keys, max_string_length=4)
+    assert not _completes(backend, tokenizer, '{"éab": "é", "m": "abcdefg"}', keys, max_string_length=4)
+
+
 @pytest.mark.parametrize("constraint, text", [
     ({"choice": ['""\\éab', "é", "😀x"]}, '""\\éab'),
     ({"json": {"enum": ["éab", 1]}}, '"éab"'),

@@ -2,9 +2,10 @@
 random-weight model's greedy and sampled outputs satisfy them.
 
 JSON schemas (objects with required and optional properties, arrays, enums, consts,
-anyOf, nested, integer / number bounds, string lengths and formats) must give outputs that
-``jsonschema`` validates; regexes, outputs that ``re.fullmatch``; choices, one of the
-choices. An output cut by ``max_tokens`` is not checked, but most must complete. Every
+anyOf, nested, integer / number bounds, string lengths and formats, and unbounded integers,
+numbers and strings under the engine's default bounds, any whitespace) must give outputs
+that ``jsonschema`` validates; regexes, outputs that ``re.fullmatch``; choices, one of the
+choices. An output cut by ``max_tokens`` is not checked, but 95% must complete. Every
 batch runs in one ``generate`` call on one engine (one step serves all requests), so the
 file stays well under a minute.
 """
@@ -47,6 +48,7 @@ LEAVES = st.one_of(
     st.lists(st.one_of(SHORT_TEXT, st.integers(-5, 5), st.booleans(), st.none()), min_size=1, max_size=4,
              unique_by=json.dumps).map(lambda values: {"enum": values}),
     st.one_of(SHORT_TEXT, st.integers(-5, 5)).map(lambda value: {"const": value}),
+    st.sampled_from([{"type": "integer"}, {"type": "integer", "minimum": 0}, {"type": "number"}, {"type": "string"}]),
 )
 
 
@@ -89,8 +91,11 @@ def draw(strategy: st.SearchStrategy, count: int) -> list:
 
 @pytest.fixture(scope="module")
 def llm(checkpoint_factory):
+    """The default bounds, and strings of at most 16 characters: a random model's strings
+    are noise that rarely ends."""
     path = checkpoint_factory("Qwen2ForCausalLM", seed=5, tie_word_embeddings=True, vocab_size=1056)
-    return LLM(str(path), dtype="float32", kv_cache_memory_bytes=32 << 20, max_num_seqs=512)
+    return LLM(str(path), dtype="float32", kv_cache_memory_bytes=32 << 20, max_num_seqs=512,
+               structured_outputs_config={"max_string_length": 16})
 
 
 def _generate(llm: LLM, constraints: list[StructuredOutputsParams]):
@@ -120,7 +125,7 @@ def _format_checker() -> jsonschema.FormatChecker:
 def _check_most_complete(results) -> list:
     done = [(c, o) for c, o in results if o.finish_reason == "stop"]
     assert {o.finish_reason for _, o in results} <= {"stop", "length"}
-    assert len(done) >= 0.8 * len(results), f"only {len(done)} of {len(results)} completed"
+    assert len(done) >= 0.95 * len(results), f"only {len(done)} of {len(results)} completed"
     return done
 
 
@@ -128,7 +133,7 @@ def test_json_schema_outputs_validate(llm):
     schemas = draw(SCHEMAS, NUM_SCHEMAS)
     kinds = set().union(*(_keywords(s) for s in schemas))
     assert {"properties", "required", "items", "enum", "const", "anyOf", "format"} <= kinds
-    constraints = [StructuredOutputsParams(json=s, disable_any_whitespace=True) for s in schemas]
+    constraints = [StructuredOutputsParams(json=s) for s in schemas]
     checker = _format_checker()
     for constraint, out in _check_most_complete(_generate(llm, constraints)):
         try:

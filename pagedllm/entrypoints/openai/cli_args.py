@@ -532,7 +532,8 @@ def _add_vllm_engine_flags(engine: Any) -> None:
         "--structured-outputs-config", type=json_object_type, default=None, metavar="JSON",
         help="Constrained decoding (response_format, structured_outputs, guided_*): '{\"backend\": \"auto\"}' "
         "(xgrammar, falling back to llguidance for what it cannot compile) | \"xgrammar\" | \"guidance\"; "
-        "also disable_fallback, disable_any_whitespace, disable_additional_properties (true/false).",
+        "also disable_fallback, disable_any_whitespace, disable_additional_properties (true/false), "
+        "max_whitespace_cnt, max_number_digits, max_string_length (bounds on JSON output; null: none).",
     )  # fmt: skip
     engine.add_argument("--enforce-eager", action="store_true", help="No-op: pagedllm captures no CUDA graphs.")
     engine.add_argument(

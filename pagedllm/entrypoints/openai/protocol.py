@@ -512,13 +512,16 @@ def check_tool_choice(data: Any) -> Any:
     return data
 
 
-def tool_call_json_schema(tools: list[ChatCompletionToolsParam], tool_choice: ToolChoice) -> Optional[dict[str, Any]]:
+def tool_call_json_schema(tools: list[ChatCompletionToolsParam], tool_choice: ToolChoice,
+                          parallel_tool_calls: Optional[bool] = True) -> Optional[dict[str, Any]]:
     """The JSON schema that enforces ``tool_choice`` (None for "none" and "auto").
 
     As vLLM (``ChatCompletionRequest._get_json_schema_from_tool``): a named function's
-    ``parameters``; for "required" an array (``minItems`` 1) of objects ``{"name",
-    "parameters"}``, each matching one tool (``anyOf``, the name as a one-value ``enum``,
-    a tool without parameters taking ``{}``), the tools' ``$defs`` gathered at the top.
+    ``parameters``; for "required" an array (``minItems`` 1; ``maxItems`` 1 when
+    ``parallel_tool_calls`` is false, so the grammar ends after one call) of objects
+    ``{"name", "parameters"}``, each matching one tool (``anyOf``, the name as a one-value
+    ``enum``, a tool without parameters taking ``{}``), the tools' ``$defs`` gathered at
+    the top.
 
     Raises:
         ValueError: two tools define the same ``$defs`` name differently.
@@ -542,6 +545,8 @@ def tool_call_json_schema(tools: list[ChatCompletionToolsParam], tool_choice: To
             }
         )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": variants}}
+    if parallel_tool_calls is False:
+        schema["maxItems"] = 1
     if defs:
         schema["$defs"] = defs
     return schema
@@ -653,7 +658,7 @@ class ChatCompletionRequest(SamplingRequest):
             ValueError: see ``SamplingRequest.to_sampling_params`` and ``tool_call_json_schema``.
         """
         params = super().to_sampling_params(*args, **kwargs)
-        schema = tool_call_json_schema(self.tools or [], self.tool_choice or "none")
+        schema = tool_call_json_schema(self.tools or [], self.tool_choice or "none", self.parallel_tool_calls)
         if schema is not None:
             params.structured_outputs = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
         return params

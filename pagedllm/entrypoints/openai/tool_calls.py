@@ -7,7 +7,9 @@
 - "auto": the server's ``--tool-call-parser`` reads calls from the model's text; without
   ``--enable-auto-tool-choice`` the request is a 400.
 - "required" / named: the engine constrains the output to JSON
-  (``protocol.tool_call_json_schema``), read by ``RequiredToolParser`` / ``NamedToolParser``.
+  (``protocol.tool_call_json_schema``), read by ``RequiredToolParser`` / ``NamedToolParser``;
+  its grammar ends after the one call of a named choice, or of "required" with
+  ``parallel_tool_calls`` false.
 
 ``finish_reason`` is "tool_calls" when calls were made in "auto" or "required" mode and
 the model stopped by itself; a named choice keeps "stop" (vLLM and OpenAI), and a call cut

@@ -43,6 +43,18 @@ def client(server: RemoteServer) -> openai.OpenAI:
     return server.client()
 
 
+@pytest.fixture(scope="package")
+def default_model_server() -> Iterator[RemoteServer]:
+    """``pagedllm serve`` of the shipped model, as a first user starts it (default
+    structured-outputs config), with ``--enable-auto-tool-choice --tool-call-parser hermes``
+    (read-only use)."""
+    remote = RemoteServer(None, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    try:
+        yield remote
+    finally:
+        remote.close()
+
+
 def parse_sse(body: str) -> list:
     """The JSON events of an SSE body, ``"[DONE]"`` kept as that string."""
     import json

@@ -53,6 +53,35 @@ def test_sdk_parse_returns_the_pydantic_object(so_client):
     assert message.parsed == Pet.model_validate_json(message.content)
 
 
+class ReadmePet(pydantic.BaseModel):
+    """The README's example."""
+
+    kind: Literal["cat", "dog", "fish"]
+    legs: int = pydantic.Field(ge=0, le=4)
+
+
+class PlainPet(pydantic.BaseModel):
+    """A model with no ``Field`` bounds: an unbounded string and integer."""
+
+    name: str
+    kind: str
+    legs: int
+
+
+@pytest.mark.parametrize("model", [ReadmePet, PlainPet])
+def test_sdk_parse_completes_on_the_shipped_model_with_default_bounds(default_model_server, model):
+    # Before the default bounds, the shipped model wrote '{"kind"' and newlines, or an
+    # integer's digits, until max_tokens.
+    client = default_model_server.client()
+    completion = client.chat.completions.parse(
+        model=_model(client), messages=[{"role": "user", "content": "A pet, as JSON."}], response_format=model,
+        max_tokens=256, temperature=0.0)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    assert choice.message.parsed == model.model_validate_json(choice.message.content)
+    assert completion.usage.completion_tokens < 100, choice.message.content
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_response_format_json_schema_and_json_object(so_server, path):
     base = {"messages": USER} if "chat" in path else {"prompt": "A pet:"}

@@ -17,7 +17,6 @@ from transformers import AutoTokenizer
 
 from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager
 from pagedllm.model_paths import default_model_path
-from tests.server_utils import RemoteServer
 
 UNIT = {"type": "string", "enum": ["celsius", "fahrenheit"]}
 TOOLS = [
@@ -68,17 +67,8 @@ GREEDY = {"temperature": 0.0, "max_tokens": 24}
 
 
 @pytest.fixture(scope="module")
-def tool_server():
-    remote = RemoteServer(None, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    try:
-        yield remote
-    finally:
-        remote.close()
-
-
-@pytest.fixture(scope="module")
-def tool_client(tool_server):
-    return tool_server.client()
+def tool_client(default_model_server):
+    return default_model_server.client()
 
 
 def _model(client) -> str:
@@ -160,6 +150,21 @@ def test_named_choice_calls_that_function_streamed_or_not(tool_client):
     jsonschema.validate(json.loads(call.function.arguments), PARAMETERS["get_time"])
     _, calls, finish = _streamed(tool_client, **kwargs)
     assert calls == [("get_time", call.function.arguments)] and finish == "stop"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_one_call_allowed_ends_the_output_after_it(tool_client, choice):
+    # No max_tokens: the grammar itself must end after the one call (before, "required"
+    # went on writing a second call that was thrown away, until max_model_len).
+    reply = tool_client.chat.completions.create(
+        model=_model(tool_client), messages=MESSAGES, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
+        temperature=0.0)
+    (call,) = reply.choices[0].message.tool_calls
+    assert choice == "required" or call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+    assert reply.choices[0].finish_reason == ("tool_calls" if choice == "required" else "stop")
+    assert reply.usage.completion_tokens < 60, reply.usage
 
 
 @pytest.mark.parametrize(
