@@ -1,0 +1,98 @@
+"""How child processes start (``pagedllm.executor.mp_context``): fork by default, so a script
+without a ``__main__`` guard runs ``-tp 2`` and ``-pp 2`` (greedy output equal to one process,
+after a forward pass in the parent and with a thread running matmuls in it); spawn when the
+variable (ours or vLLM's) asks for it or when forking is unsafe; bad values refused."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedllm.executor import mp_context
+from pagedllm.executor.mp_context import WORKER_MULTIPROC_METHOD_ENV, get_mp_context, requested_method
+from pagedllm.platforms.cpu_binding import BIND_ENV
+from tests.helpers import can_host_workers
+
+SCRIPTS = Path(__file__).parent / "scripts"
+#: A run starts three engines and four workers (15 s on 2 loaded cores): a child hangs.
+SCRIPT_TIMEOUT_S = 120
+needs_two_workers = pytest.mark.skipif(not can_host_workers(2), reason="needs 2 cores (CPU) or 2 GPUs (CUDA)")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in WORKER_MULTIPROC_METHOD_ENV:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def _run_script(script: Path, model: Path, *names: str, **env: str) -> dict:
+    """Run ``script MODEL``, each worker on two OpenMP threads (GNU OpenMP's pool inherited
+    by a fork hangs only then); its JSON line."""
+    environ = {k: v for k, v in os.environ.items() if k not in (*WORKER_MULTIPROC_METHOD_ENV, "OMP_NUM_THREADS")}
+    environ.update(env, PYTHONPATH=str(Path(__file__).parents[2]), **{BIND_ENV: "0-1|0-1"})
+    done = subprocess.run(
+        [sys.executable, str(script), str(model), *names], cwd=script.parent, env=environ,
+        capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@needs_two_workers
+def test_a_script_without_a_main_guard_runs_tp2_and_pp2_by_fork(tiny_llama):
+    result = _run_script(SCRIPTS / "guardless_parallel.py", tiny_llama)
+    assert result["tp2_start_method"] == result["pp2_start_method"] == "fork"
+    assert len(result["tp1"]) == 3 and all(len(t) == 8 for t in result["tp1"])
+    assert result["tp2"] == result["tp1"]
+    assert result["pp2"] == result["tp1"]
+
+
+@needs_two_workers
+def test_spawn_chosen_by_vllms_variable_still_works(tiny_llama, tmp_path):
+    """The same script under a ``__main__`` guard (which spawn needs), with vLLM's name;
+    ``-tp 2`` only (spawned workers import torch again: seconds each)."""
+    body = (SCRIPTS / "guardless_parallel.py").read_text()
+    head, _, rest = body.partition("result = ")
+    guarded = tmp_path / "guarded_parallel.py"
+    guarded.write_text(head + 'if __name__ == "__main__":\n' + "".join(
+        "    " + line + "\n" for line in ("result = " + rest).splitlines()
+    ))
+    result = _run_script(guarded, tiny_llama, "tp2", VLLM_WORKER_MULTIPROC_METHOD="spawn")
+    assert result["tp2_start_method"] == "spawn" and "pp2" not in result
+    assert result["tp2"] == result["tp1"]
+
+
+def test_fork_by_default_and_the_variables_in_order(clean_env):
+    assert requested_method() == "fork"
+    assert get_mp_context().get_start_method() == "fork"
+    clean_env.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    assert get_mp_context().get_start_method() == "spawn"
+    clean_env.setenv("PAGEDLLM_WORKER_MULTIPROC_METHOD", " Fork ")
+    assert requested_method() == "fork"  # ours wins over vLLM's
+
+
+@pytest.mark.parametrize("name", WORKER_MULTIPROC_METHOD_ENV)
+def test_an_unknown_method_is_refused_naming_the_variable(clean_env, name):
+    clean_env.setenv(name, "forkserver")
+    with pytest.raises(ValueError, match=f"{name}='forkserver': use fork or spawn"):
+        get_mp_context()
+
+
+def test_spawn_with_a_warning_where_cuda_is_initialised(clean_env, caplog):
+    clean_env.setattr(torch.cuda, "is_initialized", lambda: True)
+    with caplog.at_level(logging.WARNING, logger=mp_context.__name__):
+        context = get_mp_context()
+    assert context is multiprocessing.get_context("spawn")
+    assert "CUDA is initialised in this process: starting child processes with spawn" in caplog.text
+    clean_env.setenv("PAGEDLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    caplog.clear()
+    assert get_mp_context().get_start_method() == "spawn" and caplog.text == ""  # asked for: no warning
