@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedllm import LLM, SamplingParams
 from pagedllm.executor import mp_context
 from pagedllm.executor.mp_context import WORKER_MULTIPROC_METHOD_ENV, get_mp_context, requested_method
 from pagedllm.platforms.cpu_binding import BIND_ENV
-from tests.helpers import can_host_workers
+from tests.helpers import can_host_workers, random_prompts
 
 SCRIPTS = Path(__file__).parent / "scripts"
 #: A run starts three engines and four workers (15 s on 2 loaded cores): a child hangs.
@@ -34,13 +35,13 @@ def clean_env(monkeypatch):
     return monkeypatch
 
 
-def _run_script(script: Path, model: Path, *names: str, **env: str) -> dict:
+def _run_script(script: Path, model: Path, **env: str) -> dict:
     """Run ``script MODEL``, each worker on two OpenMP threads (GNU OpenMP's pool inherited
     by a fork hangs only then); its JSON line."""
     environ = {k: v for k, v in os.environ.items() if k not in (*WORKER_MULTIPROC_METHOD_ENV, "OMP_NUM_THREADS")}
     environ.update(env, PYTHONPATH=str(Path(__file__).parents[2]), **{BIND_ENV: "0-1|0-1"})
     done = subprocess.run(
-        [sys.executable, str(script), str(model), *names], cwd=script.parent, env=environ,
+        [sys.executable, str(script), str(model)], cwd=script.parent, env=environ,
         capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
@@ -57,18 +58,22 @@ def test_a_script_without_a_main_guard_runs_tp2_and_pp2_by_fork(tiny_llama):
 
 
 @needs_two_workers
-def test_spawn_chosen_by_vllms_variable_still_works(tiny_llama, tmp_path):
-    """The same script under a ``__main__`` guard (which spawn needs), with vLLM's name;
-    ``-tp 2`` only (spawned workers import torch again: seconds each)."""
-    body = (SCRIPTS / "guardless_parallel.py").read_text()
-    head, _, rest = body.partition("result = ")
-    guarded = tmp_path / "guarded_parallel.py"
-    guarded.write_text(head + 'if __name__ == "__main__":\n' + "".join(
-        "    " + line + "\n" for line in ("result = " + rest).splitlines()
-    ))
-    result = _run_script(guarded, tiny_llama, "tp2", VLLM_WORKER_MULTIPROC_METHOD="spawn")
-    assert result["tp2_start_method"] == "spawn" and "pp2" not in result
-    assert result["tp2"] == result["tp1"]
+def test_spawn_chosen_by_vllms_variable_still_works(tiny_llama, clean_env):
+    """In this process (whose main module is guarded): ``-tp 2`` by spawn, greedy output
+    equal to one process."""
+    clean_env.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    kwargs = dict(dtype="float32", max_model_len=128, block_size=8, num_gpu_blocks_override=32)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([8, 3, 1], 1000, seed=3)]
+    expected = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), **kwargs).generate(prompts, greedy, use_tqdm=False)]
+    llm = LLM(str(tiny_llama), tensor_parallel_size=2, **kwargs)
+    try:
+        executor = llm.llm_engine.engine_core.model_executor
+        assert executor.start_method == "spawn"
+        assert {type(w.process).__name__ for w in executor.workers} == {"SpawnProcess"}
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == expected
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 
 def test_fork_by_default_and_the_variables_in_order(clean_env):

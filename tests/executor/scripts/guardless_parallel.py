@@ -1,7 +1,6 @@
 # A script as users write them: no `if __name__ == "__main__":` guard. Run as
-#   python guardless_parallel.py MODEL [tp2] [pp2]
-# it prints one JSON line: the greedy token ids of one process, then of -tp 2 and -pp 2
-# (both when neither is named),
+#   python guardless_parallel.py MODEL
+# it prints one JSON line: the greedy token ids of one process, then of -tp 2 and -pp 2,
 # and how each executor's workers were started. A first engine runs a forward pass on two
 # OpenMP threads in this process before the others start their workers, and a thread keeps
 # running matmuls while they start (run it with two threads per worker too).
@@ -35,8 +34,6 @@ result = {"tp1": tokens(LLM(sys.argv[1], **KWARGS))}
 thread = threading.Thread(target=busy, daemon=True)
 thread.start()
 for name, sizes in (("tp2", dict(tensor_parallel_size=2)), ("pp2", dict(pipeline_parallel_size=2))):
-    if sys.argv[2:] and name not in sys.argv[2:]:
-        continue
     llm = LLM(sys.argv[1], **sizes, **KWARGS)
     executor = llm.llm_engine.engine_core.model_executor
     result[name] = tokens(llm)
