@@ -25,6 +25,9 @@ What a forked child inherits and must not use, and how each is dealt with (``sta
 - Pipe ends the child does not own: closed in it (``close_in_child``), so a worker still
   sees its pipe close when the parent dies.
 - The parent's signal wakeup fd (an asyncio loop's): reset by ``follow_parent_on_signals``.
+- Files the parent registered with ``close_in_forked_children`` (the server's listening
+  socket: a child holding it would keep the port open, accepting connections nobody
+  answers, after the server closed it): closed in every forked child.
 """
 
 from __future__ import annotations
@@ -118,6 +121,22 @@ def start(context: BaseContext, process: Any) -> None:
     if context.get_start_method() == "fork":
         release_openmp_threads()
     process.start()
+
+
+_close_after_fork: list = []
+
+
+def close_in_forked_children(file: Any) -> None:
+    """Close ``file`` (anything with ``close()``: a socket) in every process this one forks
+    from now on, right after the fork (``os.register_at_fork``); this process keeps it."""
+    if not _close_after_fork:
+        os.register_at_fork(after_in_child=_close_registered)
+    _close_after_fork.append(file)
+
+
+def _close_registered() -> None:
+    for file in _close_after_fork:
+        file.close()
 
 
 def close_in_child(context: BaseContext, connections: list) -> list:

@@ -9,6 +9,7 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -35,17 +36,25 @@ def clean_env(monkeypatch):
     return monkeypatch
 
 
-def _run_script(script: Path, model: Path, **env: str) -> dict:
+def _run_script(script: Path, model: Path) -> dict:
     """Run ``script MODEL``, each worker on two OpenMP threads (GNU OpenMP's pool inherited
     by a fork hangs only then); its JSON line."""
     environ = {k: v for k, v in os.environ.items() if k not in (*WORKER_MULTIPROC_METHOD_ENV, "OMP_NUM_THREADS")}
-    environ.update(env, PYTHONPATH=str(Path(__file__).parents[2]), **{BIND_ENV: "0-1|0-1"})
-    done = subprocess.run(
+    two_cores = ",".join(str(core) for core in sorted(os.sched_getaffinity(0))[:2])
+    environ.update({"PYTHONPATH": str(Path(__file__).parents[2]), BIND_ENV: f"{two_cores}|{two_cores}"})
+    # its own process group: on a hang, the workers go too (they would wait for ever)
+    process = subprocess.Popen(
         [sys.executable, str(script), str(model)], cwd=script.parent, env=environ,
-        capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    try:
+        stdout, stderr = process.communicate(timeout=SCRIPT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"the script did not finish in {SCRIPT_TIMEOUT_S} s (a child hangs):\n{stderr[-5000:]}")
+    assert process.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 @needs_two_workers
