@@ -110,3 +110,35 @@ def test_spawn_with_a_warning_where_cuda_is_initialised(clean_env, caplog):
     clean_env.setenv("PAGEDLLM_WORKER_MULTIPROC_METHOD", "spawn")
     caplog.clear()
     assert get_mp_context().get_start_method() == "spawn" and caplog.text == ""  # asked for: no warning
+
+
+def _inode(fd: int):
+    """What ``fd`` refers to now (None: nothing; a closed number may be reused)."""
+    try:
+        return os.fstat(fd).st_ino
+    except OSError:
+        return None
+
+
+def _report_fd(fd: int, conn) -> None:
+    conn.send(_inode(fd))
+
+
+def test_a_registered_socket_is_closed_in_forked_children_only():
+    import socket
+
+    context = multiprocessing.get_context("fork")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        mp_context.close_in_forked_children(sock)
+        fd, inode = sock.fileno(), _inode(sock.fileno())
+        try:
+            receiver, sender = context.Pipe(duplex=False)
+            child = context.Process(target=_report_fd, args=(fd, sender))
+            mp_context.start(context, child)
+            assert receiver.recv() != inode  # closed in the child
+            child.join(10)
+            assert child.exitcode == 0 and sock.fileno() == fd and _inode(fd) == inode  # kept here
+        finally:
+            mp_context._close_after_fork.remove(sock)
