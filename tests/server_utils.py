@@ -24,6 +24,17 @@ from prometheus_client.parser import text_string_to_metric_families
 STARTUP_TIMEOUT_S = 180.0
 
 
+def is_multiprocessing_child(child: psutil.Process, server_command: list[str]) -> bool:
+    """Whether ``child`` (a descendant of the server run as ``server_command``) is one of its
+    engine or worker processes: a spawned one runs ``spawn_main``, a forked one keeps the
+    server's command line (multiprocessing's resource tracker has neither)."""
+    try:
+        cmdline = child.cmdline()
+    except psutil.Error:
+        return False
+    return "spawn_main" in " ".join(cmdline) or cmdline == [str(part) for part in server_command]
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -126,11 +137,13 @@ class RemoteServer:
         return sorted(pid for pid, parent in self._spawned() if parent in engines)
 
     def _spawned(self) -> list[tuple[int, int]]:
-        """(pid, parent pid) of the server's descendants started by ``multiprocessing`` spawn."""
+        """(pid, parent pid) of the server's descendants started by ``multiprocessing`` (fork
+        or spawn: ``is_multiprocessing_child``)."""
+        command = self.process.args
         return [
             (child.pid, child.ppid())
             for child in self._children
-            if child.is_running() and "spawn_main" in " ".join(child.cmdline())
+            if child.is_running() and is_multiprocessing_child(child, command)
         ]
 
     def metrics(self, by_engine: bool = False) -> dict[str, float]:

@@ -44,8 +44,8 @@ class AsyncLLM:
 
     Args:
         config: the resolved engine configuration.
-        multiprocess: run the EngineCore in its own process (spawned; the default, as the
-            server does). False runs the same loop in a thread of this process (tests,
+        multiprocess: run the EngineCore in its own process (forked or spawned:
+            ``mp_context``; the default, as the server does). False runs the same loop in a thread of this process (tests,
             notebooks); the event loop then shares the GIL with the model.
         log_stats: compute request statistics, update ``metrics_registry`` and feed the
             periodic stats line (``do_log_stats``).

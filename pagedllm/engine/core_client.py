@@ -3,8 +3,8 @@ in its own (vLLM V1's ``EngineCoreClient``).
 
 - ``InprocClient``: the EngineCore lives in the caller's process; ``get_output()`` runs
   one step. For offline use and tests.
-- ``MPClient``: the EngineCore runs in a background process (``EngineCoreProc``, spawned)
-  and talks over ZeroMQ; blocking calls.
+- ``MPClient``: the EngineCore runs in a background process (``EngineCoreProc``, forked
+  or spawned: ``pagedllm.executor.mp_context``) and talks over ZeroMQ; blocking calls.
 - ``AsyncMPClient``: the same with asyncio: outputs are read by a task through
   ``zmq.asyncio``, so the event loop never blocks on the engine. With
   ``engine_in_thread=True`` the identical loop runs in a thread of this process instead
@@ -30,7 +30,6 @@ import asyncio
 import collections
 import itertools
 import logging
-import multiprocessing
 import os
 import shutil
 import tempfile
@@ -56,6 +55,7 @@ from pagedllm.engine.core_proc import (
     run_engine_core,
 )
 from pagedllm.engine.exceptions import EngineDeadError, EngineStartupError
+from pagedllm.executor.mp_context import get_mp_context, start
 from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
@@ -195,7 +195,8 @@ class InprocClient(EngineCoreClient):
 
 
 class _EngineHandle:
-    """The background engine: a spawned process, or a daemon thread of this process."""
+    """The background engine: a process (forked or spawned: ``mp_context``), or a daemon
+    thread of this process."""
 
     def __init__(
         self, config: EngineConfig | EngineArgs, addresses: EngineAddresses, in_thread: bool, dp_rank: Optional[int]
@@ -206,14 +207,15 @@ class _EngineHandle:
             self.worker = threading.Thread(
                 target=run_engine_core, args=(config, addresses, None, False), name="EngineCore", daemon=True
             )
-        else:
-            context = multiprocessing.get_context("spawn")
-            self.worker = context.Process(
-                target=run_engine_core,
-                args=(config, addresses, os.getpid(), True, dp_rank),
-                name="EngineCore" if dp_rank is None else f"EngineCore_DP{dp_rank}",
-            )
-        self.worker.start()
+            self.worker.start()
+            return
+        context = get_mp_context()
+        self.worker = context.Process(
+            target=run_engine_core,
+            args=(config, addresses, os.getpid(), True, dp_rank),
+            name="EngineCore" if dp_rank is None else f"EngineCore_DP{dp_rank}",
+        )
+        start(context, self.worker)
 
     @property
     def pid(self) -> int:

@@ -315,7 +315,7 @@ class EngineCoreProc:
 def _place_replica(rank: int, config: EngineConfig) -> None:
     """Make this process data-parallel replica ``rank``: a replica of one worker runs the
     model here and takes its share of the machine now (``place_engine_replica``); one of
-    several workers (``-dp N -tp M``) only schedules, and its workers, spawned by the
+    several workers (``-dp N -tp M``) only schedules, and its workers, started by the
     ``MultiprocExecutor``, take theirs (machine-local ranks from
     ``ParallelConfig.local_rank_offset``)."""
     from pagedllm.platforms import current_platform
@@ -339,7 +339,7 @@ def run_engine_core(
     install_signal_handlers: bool = True,
     dp_rank: Optional[int] = None,
 ) -> None:
-    """Entry point of the engine process (``multiprocessing`` spawn) or thread.
+    """Entry point of the engine process (``multiprocessing`` fork or spawn) or thread.
 
     ``config`` may be the unresolved ``EngineArgs``: the engine then resolves them itself
     (an error is reported as a start-up FAILED), so the process can be started before the

@@ -7,7 +7,7 @@
              ◀──outputs────── merged queue ◀─ AsyncMPClient 1 ──ZeroMQ──▶ EngineCoreProc (DP 1)
                 (engine_index set per replica)        ...
 
-Each replica is a whole engine (scheduler, KV cache, model) in its own spawned process, given
+Each replica is a whole engine (scheduler, KV cache, model) in its own process, given
 its own share of the machine before it loads the model (``Platform.place_engine_replica``: on
 CPU a disjoint set of cores with as many threads, on CUDA its own device). Requests are routed
 by ``DPRouter`` (least loaded, prefix-cache affinity); an abort goes to the replica that serves

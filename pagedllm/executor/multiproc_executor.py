@@ -3,7 +3,7 @@ default for a world size above 1).
 
 ::
 
-    engine core process                              worker process, rank r (spawned)
+    engine core process                              worker process, rank r (forked or spawned)
       MultiprocExecutor                                run_worker: Worker(config, r, ...)
         pipe r  --(method, args, kwargs) pickled-->     loop: recv, run, reply
                 <--(ok, result) | (error, exc, tb)--
@@ -33,7 +33,6 @@ workers take the d-th M of the N x M core sets (CPU) or devices ``d x M .. d x M
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import pickle
 import queue
@@ -55,6 +54,7 @@ from pagedllm.executor.abstract import (
     RpcMethod,
     run_method,
 )
+from pagedllm.executor.mp_context import WORKER_MULTIPROC_METHOD_ENV, close_in_child, get_mp_context, start
 from pagedllm.executor.process_signals import follow_parent_on_signals
 from pagedllm.messages.runner_output import ModelRunnerOutput
 from pagedllm.messages.sched_output import SchedulerOutput
@@ -86,7 +86,7 @@ class RemoteTraceback(Exception):
 @dataclass
 class _WorkerHandle:
     rank: int
-    process: Any  # multiprocessing.context.SpawnProcess
+    process: Any  # a multiprocessing Process (fork or spawn)
     conn: Connection
 
     def describe_exit(self) -> str:
@@ -117,10 +117,17 @@ def _read_calls(conn: Connection, calls: queue.SimpleQueue) -> None:
             return
 
 
-def run_worker(config: EngineConfig, rank: int, local_rank: int, distributed_init_method: str, conn: Connection) -> None:
+def run_worker(
+    config: EngineConfig, rank: int, local_rank: int, distributed_init_method: str, conn: Connection,
+    inherited: tuple[Connection, ...] = (),
+) -> None:
     """Entry point of a worker process: answer the executor's calls on ``conn``, in order,
     until it sends the shutdown call or closes the pipe. Replies ``(True, result)`` or
-    ``(False, exception, traceback text)``."""
+    ``(False, exception, traceback text)``. ``inherited``: the executor's pipe ends a forked
+    worker holds copies of (its own pipe's other end included), closed first so that the
+    pipe closes when the executor's process dies."""
+    for other in inherited:
+        other.close()
     follow_parent_on_signals(os.getppid())  # group signals reach the engine too; it decides
     worker = Worker(config, rank, local_rank, distributed_init_method, is_driver_worker=rank == 0,
                     local_world_size=config.parallel_config.local_world_size)
@@ -167,18 +174,21 @@ class MultiprocExecutor(Executor):
         world_size = parallel.world_size
         current_platform.check_worker_count(parallel.local_world_size, parallel.data_parallel_size)
         init_method = f"tcp://127.0.0.1:{get_open_port()}"
-        context = multiprocessing.get_context("spawn")
+        context = get_mp_context()
+        self._start_method = context.get_start_method()
         self.workers: list[_WorkerHandle] = []
         self._failure: Optional[BaseException] = None
         # Calls written to the workers and not answered by all of them, oldest first.
         self._calls: deque[_Call] = deque()
         for rank in range(world_size):
             conn, child_conn = context.Pipe(duplex=True)
+            inherited = tuple(close_in_child(context, [w.conn for w in self.workers] + [conn]))
             process = context.Process(
-                target=run_worker, args=(self.config, rank, parallel.local_rank_offset + rank, init_method, child_conn),
+                target=run_worker,
+                args=(self.config, rank, parallel.local_rank_offset + rank, init_method, child_conn, inherited),
                 name=_worker_name(parallel.data_parallel_size, parallel.data_parallel_rank, rank), daemon=True,
             )
-            process.start()
+            start(context, process)
             child_conn.close()
             self.workers.append(_WorkerHandle(rank, process, conn))
         try:
@@ -187,6 +197,11 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
+
+    @property
+    def start_method(self) -> str:
+        """How the workers were started: ``fork`` or ``spawn`` (``mp_context.get_mp_context``)."""
+        return self._start_method
 
     @property
     def worker_pids(self) -> list[int]:
@@ -282,9 +297,10 @@ class MultiprocExecutor(Executor):
     def _raise_dead(self, worker: _WorkerHandle, method: RpcMethod) -> None:
         worker.process.join(1.0)  # reap it, for its exit status
         hint = ""
-        if method in _START_UP_METHODS:
+        if method in _START_UP_METHODS and self._start_method == "spawn":
             hint = (" A script that starts workers must keep its top-level code under "
-                    "`if __name__ == \"__main__\":` (spawned workers import it again).")
+                    "`if __name__ == \"__main__\":` (spawned workers import it again; see "
+                    f"{WORKER_MULTIPROC_METHOD_ENV[0]}).")
         error = WorkerDeadError(
             f"Worker rank {worker.rank} (pid {worker.process.pid}) died ({worker.describe_exit()}) during "
             f"{_name(method)}; the engine cannot continue.{hint}"

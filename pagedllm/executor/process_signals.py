@@ -30,3 +30,6 @@ def follow_parent_on_signals(parent_pid: int) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, on_sigterm)
+    # NOTE: a forked child inherits its parent's wakeup fd (an asyncio loop's socket):
+    # its signals would wake the parent's loop as if they were the parent's.
+    signal.set_wakeup_fd(-1)

@@ -6,7 +6,7 @@ in flight, stage 0 running one while stage 1 runs the one before; aborts of requ
 flight; each stage holding only its layers, its KV cache and its end of the model; tensor
 x pipeline parallelism (2 x 2) identical too; and the start-up errors of too many stages.
 
-Spawning workers is slow (torch imports in each), so each engine starts once per module.
+Starting workers takes a while, so each engine starts once per module.
 """
 
 from __future__ import annotations

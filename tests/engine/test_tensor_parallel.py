@@ -5,7 +5,7 @@ logprobs close; seeded sampling identical; KV heads replicated when ranks outnum
 the KV cache sized per rank; a worker's start-up error re-raised as it was; and a killed
 worker making the next step fail at once, not hang.
 
-Spawning workers is slow (torch imports in each), so each engine starts once per module.
+Starting workers takes a while, so each engine starts once per module.
 """
 
 from __future__ import annotations

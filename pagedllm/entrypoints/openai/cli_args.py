@@ -696,6 +696,9 @@ def main(args: argparse.Namespace) -> int:
         sock = bind_unix_socket(args.uds) if args.uds else bind_socket(args.host, args.port)
     except OSError as exc:
         return _fail(str(exc), 1)
+    from pagedllm.executor.mp_context import close_in_forked_children
+
+    close_in_forked_children(sock)  # the engine processes must not keep the port open
     # NOTE: uvicorn re-raises SIGTERM after its graceful shutdown; turning it into
     # SystemExit(0) lets the engine be shut down by the `finally` of `_serve` (also when
     # SIGTERM arrives while the model loads).

@@ -10,7 +10,9 @@ status type                         when
                                     ``context_length_exceeded``)
 401    ``invalid_request_error``    missing or wrong API key (``code``
                                     ``invalid_api_key``, as OpenAI)
-404    ``NotFoundError``            unknown model or route (``code`` 404, as vLLM)
+404    ``NotFoundError``            unknown model or route (``code`` 404, as vLLM; a
+                                    route's message names the method and path)
+405    ``MethodNotAllowedError``    a known route with another method (``Allow`` header)
 500    ``InternalServerError``      the engine died, or a bug (``code`` 500, as vLLM)
 =====  ===========================  =================================================
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from http import HTTPStatus
 from typing import Any, Optional, Union
 
 from fastapi import FastAPI, Request
@@ -50,6 +53,9 @@ _TYPE_BY_STATUS = {
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
+
+#: What the router answers for no route (404) or a route without the method (405).
+_ROUTER_STATUSES = (404, 405)
 
 #: Validation errors listed in one message, at most (a union field can yield many).
 _MAX_LISTED_ERRORS = 3
@@ -166,11 +172,25 @@ async def _serving_error_handler(request: Request, exc: OpenAIServingError) -> J
     return logged_response(request, exc.to_response(), exc.message, exc.request_id)
 
 
+def http_error_message(method: str, path: str, exc: StarletteHTTPException) -> str:
+    """The message of an HTTP error the router raised: for no route at ``path``, OpenAI's
+    "Invalid URL (GET /v1/x)"; for a route without ``method``, the methods it has (its
+    ``Allow`` header); any other error's own detail."""
+    default = HTTPStatus(exc.status_code).phrase if exc.status_code in _ROUTER_STATUSES else None
+    if exc.detail != default:
+        return str(exc.detail)
+    if exc.status_code == 404:
+        return f"Invalid URL ({method} {path})"
+    allowed = (exc.headers or {}).get("Allow", "")
+    return f"Method Not Allowed ({method} {path}); this route accepts {allowed or 'other methods'}"
+
+
 async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    response = error_response(exc.status_code, str(exc.detail))
+    message = http_error_message(request.method, request.url.path, exc)
+    response = error_response(exc.status_code, message)
     if exc.headers:
         response.headers.update(exc.headers)
-    return logged_response(request, response, str(exc.detail))
+    return logged_response(request, response, message)
 
 
 async def _engine_dead_handler(_: Request, exc: EngineDeadError) -> JSONResponse:

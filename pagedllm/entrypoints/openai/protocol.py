@@ -10,7 +10,8 @@ Field names, types and defaults follow OpenAI's API reference for ``/v1/completi
   generation_config.json), else vLLM's, as vLLM's server does.
 - Fields vLLM acts on but pagedllm does not yet (``NOT_SUPPORTED_YET``) get a 400 naming
   the field when they ask for something; truly unknown fields are ignored, as OpenAI
-  does, with one debug log line.
+  does, and named in one WARNING log line ("The following fields were present in the
+  request but ignored: {...}", vLLM's words).
 
 A body that does not validate becomes a 400 ``invalid_request_error`` (see ``errors``).
 """
@@ -85,17 +86,26 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+def unknown_fields(model: type[BaseModel], data: Mapping[Any, Any]) -> list[str]:
+    """The keys of ``data`` that are neither a field name nor an alias of ``model``, sorted."""
+    known = set(model.model_fields)
+    known.update(f.alias for f in model.model_fields.values() if f.alias)
+    return sorted(str(key) for key in data if key not in known)
+
+
 class OpenAIRequest(OpenAIBaseModel):
-    """A request body: unknown fields are dropped (OpenAI's behaviour) with one debug line."""
+    """A request body: unknown top-level fields are dropped (OpenAI's behaviour) and named
+    in one WARNING line per request that validates (vLLM's message)."""
 
     @model_validator(mode="wrap")
     @classmethod
     def _log_unknown_fields(cls, data: Any, handler: Any) -> Any:
         request = handler(data)
         if isinstance(data, Mapping):
-            unknown = sorted(str(key) for key in data if key not in cls.model_fields)
+            unknown = unknown_fields(cls, data)
             if unknown:
-                logger.debug("%s: ignoring unknown fields %s", cls.__name__, ", ".join(unknown))
+                listed = ", ".join(repr(name) for name in unknown)
+                logger.warning("The following fields were present in the request but ignored: {%s}", listed)
         return request
 
     @field_validator(*NOT_SUPPORTED_YET, check_fields=False)
@@ -555,6 +565,10 @@ def tool_call_json_schema(tools: list[ChatCompletionToolsParam], tool_choice: To
 # --------------------------------------------------------------------------- chat
 
 
+#: The message roles of OpenAI's chat API (``developer`` is its newer name for ``system``).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class ChatContentPart(OpenAIBaseModel):
     """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported."""
 
@@ -579,6 +593,14 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: Optional[Union[str, list[ChatContentPart]]] = None
     name: Optional[str] = None
+
+    @field_validator("role")
+    @classmethod
+    def _check_role(cls, value: str) -> str:
+        if value not in CHAT_ROLES:
+            supported = ", ".join(repr(role) for role in CHAT_ROLES)
+            raise ValueError(f"invalid role {value!r}; supported roles are {supported}")
+        return value
 
     def to_template_dict(self) -> dict[str, Any]:
         """The message as given, null content as ""; ``chat_utils.template_messages`` then

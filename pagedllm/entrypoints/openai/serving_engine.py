@@ -180,12 +180,15 @@ class OpenAIServing:
     # ------------------------------------------------------------------ inputs
 
     def context_error(self, exc: ContextLengthError, prompt_param: str) -> OpenAIServingError:
-        """The 400 for a request that does not fit in ``max_model_len`` (vLLM's message)."""
+        """The 400 for a request that does not fit in ``max_model_len`` (vLLM's message, which
+        speaks of "the messages" for a chat and here of "the prompt" for a completion:
+        ``prompt_param`` "prompt")."""
         num_prompt, num_completion = exc.num_prompt_tokens, exc.num_completion_tokens or 0
+        what = "prompt" if prompt_param == "prompt" else "messages"
         return bad_request(
             f"This model's maximum context length is {exc.max_model_len} tokens. However, you "
-            f"requested {num_prompt + num_completion} tokens ({num_prompt} in the messages, "
-            f"{num_completion} in the completion). Please reduce the length of the messages or "
+            f"requested {num_prompt + num_completion} tokens ({num_prompt} in the {what}, "
+            f"{num_completion} in the completion). Please reduce the length of the {what} or "
             f"completion.",
             param=prompt_param,
             code="context_length_exceeded",

@@ -29,7 +29,7 @@ from tests.entrypoints.openai.parallel_serving import (
     settled_metrics,
 )
 from tests.helpers import cpu_only
-from tests.server_utils import RemoteServer
+from tests.server_utils import RemoteServer, is_multiprocessing_child
 
 CPUS = sorted(os.sched_getaffinity(0))
 # NOTE: CPU binding by explicit core lists; on CUDA the replicas' workers need 4 devices.
@@ -50,7 +50,7 @@ def _workers_by_replica(server: RemoteServer) -> list[list[int]]:
     the other, so pid order is start order."""
     engines = sorted(server.engine_pids())
     return [sorted(child.pid for child in psutil.Process(pid).children()
-                   if "spawn_main" in " ".join(child.cmdline())) for pid in engines]
+                   if is_multiprocessing_child(child, server.process.args)) for pid in engines]
 
 
 def test_both_replicas_serve_match_one_process_and_shut_down_cleanly(tiny_llama, server):

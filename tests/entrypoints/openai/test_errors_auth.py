@@ -89,7 +89,8 @@ def test_prompt_that_does_not_fit(server, stream):
     too_long = [5] * (MAX_MODEL_LEN + 10)
     error = _assert_error(server.post(COMPLETIONS, json={"prompt": too_long, "stream": stream}), 400, "invalid_request_error")
     assert f"maximum context length is {MAX_MODEL_LEN} tokens" in error["message"]
-    assert f"({MAX_MODEL_LEN + 10} in the messages, 16 in the completion)" in error["message"]
+    assert f"({MAX_MODEL_LEN + 10} in the prompt, 16 in the completion)" in error["message"]
+    assert "reduce the length of the prompt or completion" in error["message"]
     assert error["param"] == "prompt" and error["code"] == "context_length_exceeded"
     _assert_still_serving(server)
     fits_alone = [5] * (MAX_MODEL_LEN - 20)
@@ -97,7 +98,7 @@ def test_prompt_that_does_not_fit(server, stream):
         server.post(COMPLETIONS, json={"prompt": fits_alone, "max_tokens": 100, "stream": stream}), 400, "invalid_request_error"
     )
     assert (
-        f"However, you requested {MAX_MODEL_LEN + 80} tokens ({MAX_MODEL_LEN - 20} in the messages, "
+        f"However, you requested {MAX_MODEL_LEN + 80} tokens ({MAX_MODEL_LEN - 20} in the prompt, "
         f"100 in the completion)"
     ) in error["message"]
     _assert_still_serving(server)
@@ -107,7 +108,7 @@ def test_prompt_that_does_not_fit(server, stream):
         "invalid_request_error",
     )
     assert f"{MAX_MODEL_LEN} in the completion" in error["message"]
-    assert error["param"] == "messages"
+    assert "in the messages" in error["message"] and error["param"] == "messages"
     _assert_still_serving(server)
 
 
@@ -128,9 +129,48 @@ def test_unknown_model_is_404(server, path):
 
 
 def test_unknown_route_and_model_card_404(server):
-    _assert_error(server.get("/v1/no-such-route"), 404, "NotFoundError")
+    error = _assert_error(server.get("/v1/no-such-route"), 404, "NotFoundError")
+    assert error["message"] == "Invalid URL (GET /v1/no-such-route)" and error["code"] == 404
+    error = _assert_error(server.post("/v1/chat/completion", json={"messages": USER}), 404, "NotFoundError")
+    assert error["message"] == "Invalid URL (POST /v1/chat/completion)"
     _assert_error(server.get("/v1/models/no-such-model"), 404, "NotFoundError")
     _assert_still_serving(server)
+
+
+def test_a_known_route_with_another_method_is_405(server):
+    response = server.get(COMPLETIONS)
+    error = _assert_error(response, 405, "MethodNotAllowedError")
+    assert error["message"] == "Method Not Allowed (GET /v1/completions); this route accepts POST"
+    assert error["code"] == 405 and response.headers["allow"] == "POST"
+
+
+def test_a_message_role_outside_openais_is_400(server, client):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "robot", "content": "hi"}]
+    error = _assert_error(server.post(CHAT, json={"messages": messages}), 400, "invalid_request_error")
+    assert error["param"] == "messages"
+    assert "messages.1.role: invalid role 'robot'; supported roles are 'system', 'developer', 'user'" in error["message"]
+    with pytest.raises(openai.BadRequestError, match="invalid role 'robot'"):
+        client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1)
+    for role in ("developer", "system"):
+        reply = client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": role, "content": "be brief"}, *USER], max_tokens=1
+        )
+        assert reply.choices[0].message.role == "assistant"
+
+
+def test_unknown_fields_are_ignored_with_one_warning_per_request(server, client):
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1, "zz_unknown_a": 1, "aa_unknown_b": {"x": 2}}
+    assert server.post(COMPLETIONS, json=body).status_code == 200
+    line = "The following fields were present in the request but ignored: {'aa_unknown_b', 'zz_unknown_a'}"
+    client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=1, extra_body={"chat_unknown_c": True})
+    chat_line = "The following fields were present in the request but ignored: {'chat_unknown_c'}"
+    deadline = time.monotonic() + 5
+    while chat_line not in server.log_text():
+        assert time.monotonic() < deadline, server.log_text()
+        time.sleep(0.05)
+    log = server.log_text()
+    assert log.count(line) == 1 and log.count(chat_line) == 1
+    assert [entry for entry in log.splitlines() if line in entry][0].startswith("WARNING")
 
 
 def test_models_with_a_trailing_slash_is_the_list(server):

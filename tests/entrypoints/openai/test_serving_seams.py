@@ -89,7 +89,8 @@ def test_server_and_offline_report_a_too_long_prompt_from_one_check(parts):
     assert (offline.value.num_prompt_tokens, offline.value.num_completion_tokens) == (MAX_MODEL_LEN + 10, 16)
     error = server.value
     assert error.status_code == 400 and error.code == "context_length_exceeded" and error.param == "prompt"
-    assert f"({MAX_MODEL_LEN + 10} in the messages, 16 in the completion)" in error.message
+    assert f"({MAX_MODEL_LEN + 10} in the prompt, 16 in the completion)" in error.message
+    assert "Please reduce the length of the prompt or completion." in error.message
     assert engine.requests == []  # nothing reached the engine
 
 
