@@ -14,7 +14,8 @@ requests' greedy tokens differ.
 Speed: the same batch, all together with the default step budget, timed in both modes
 alternately for ``--rounds`` rounds (A, B, A, B ...: a loaded machine's noise falls on
 both), with prefix caching off; prints each mode's median time of the prefill-only run
-(``max_tokens`` 1) and of the whole run, and the batch-invariant / default ratios.
+(``max_tokens`` 1), of the whole run, and of a decode-bound run (the same number of
+8-token prompts, ``--output-len`` tokens each), and the batch-invariant / default ratios.
 """
 
 from __future__ import annotations
@@ -82,18 +83,22 @@ def main() -> None:
         engines[mode] = LLM(args.model, enable_prefix_caching=False, batch_invariant=invariant, **common)
     prefill = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     whole = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    short = [p[:8] for p in prompts]
+    runs = {
+        "prefill": (prompts, prefill, f"{args.num_prompts} x {args.input_len}"),
+        "whole": (prompts, whole, f"{args.num_prompts} x {args.input_len} + {args.output_len} out"),
+        "decode": (short, whole, f"{args.num_prompts} x 8 + {args.output_len} out"),
+    }
     times: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.rounds):
         for mode, llm in engines.items():
-            for name, p in (("prefill", prefill), ("whole", whole)):
+            for name, (batch, p, _) in runs.items():
                 start = time.perf_counter()
-                llm.generate([{"prompt_token_ids": q} for q in prompts], p, use_tqdm=False)
+                llm.generate([{"prompt_token_ids": q} for q in batch], p, use_tqdm=False)
                 times.setdefault((mode, name), []).append(time.perf_counter() - start)
-    for name in ("prefill", "whole"):
+    for name, (_, _, what) in runs.items():
         base, inv = (statistics.median(times[(m, name)]) for m in ("default", "batch-invariant"))
-        print(f"{name:8s} {args.num_prompts} x {args.input_len}"
-              + (f" + {args.output_len} out" if name == "whole" else "")
-              + f": default {base:.3f} s, batch-invariant {inv:.3f} s, ratio {inv / base:.2f}x")
+        print(f"{name:8s} {what}: default {base:.3f} s, batch-invariant {inv:.3f} s, ratio {inv / base:.2f}x")
 
 
 if __name__ == "__main__":

@@ -81,6 +81,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <utility>
 
 #include "simd.h"
 #include "weight_blocks.h"
@@ -262,8 +263,10 @@ void widening_gemm(const at::Tensor& x32, const at::Tensor& packed, const at::Te
 }
 
 // y = x W^T (* scale) (+ bias) for a weight packed by pack_blocks; ``op`` names the caller in errors.
-at::Tensor linear_blocks(const char* op, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                         const std::optional<at::Tensor>& bias, int64_t n) {
+// x as float32 and the bias as float32 (undefined without one), after checking them against a
+// weight packed by pack_blocks for N = ``n`` outputs; ``op`` names the caller in errors.
+std::pair<at::Tensor, at::Tensor> checked_inputs(const char* op, const at::Tensor& x, const at::Tensor& packed,
+                                                 const std::optional<at::Tensor>& bias, int64_t n) {
   const int64_t k = packed.size(1);
   TORCH_CHECK(n > (packed.size(0) - 1) * kBlock && n <= packed.size(0) * kBlock, op, ": N = ", n,
               " does not match the packed weight's ", packed.size(0), " blocks of 16 outputs");
@@ -276,8 +279,14 @@ at::Tensor linear_blocks(const char* op, const at::Tensor& x, const at::Tensor& 
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, op, ": bias must be [", n, "]");
     bias_f = bias->to(at::kFloat).contiguous();
   }
+  return {x.to(at::kFloat).contiguous(), bias_f};
+}
+
+at::Tensor linear_blocks(const char* op, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                         const std::optional<at::Tensor>& bias, int64_t n) {
+  const auto [x32, bias_f] = checked_inputs(op, x, packed, bias, n);
+  const auto xt = x.scalar_type();
   const int64_t m = x.size(0);
-  const at::Tensor x32 = x.to(at::kFloat).contiguous();
 #ifdef PAGEDLLM_BLOCK_STREAM
   if (m <= kStreamRows) {
     at::Tensor y = at::empty({m, n}, x.options());
@@ -326,20 +335,9 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& packed, const std:
                   (wt == at::kBFloat16 || wt == at::kHalf || wt == at::kFloat),
               "linear_rows: weight must be a bfloat16 / float16 / float32 CPU tensor packed by pack_w16 or pack_w32 "
               "([N / 16, K, 16])");
-  const int64_t k = packed.size(1);
-  TORCH_CHECK(n > (packed.size(0) - 1) * kBlock && n <= packed.size(0) * kBlock, "linear_rows: N = ", n,
-              " does not match the packed weight's ", packed.size(0), " blocks of 16 outputs");
+  const auto [x32, bias_f] = checked_inputs("linear_rows", x, packed, bias, n);
   const auto xt = x.scalar_type();
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == k &&
-                  (xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf),
-              "linear_rows: x must be a float32 / bfloat16 / float16 CPU tensor [M, ", k, "]");
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "linear_rows: bias must be [", n, "]");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
   const float* bp = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
-  const at::Tensor x32 = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({x.size(0), n}, x.options());
 #define PAGEDLLM_ROWS(Y)                                                                \
   (wt == at::kBFloat16 ? same_order_rows<c10::BFloat16, Y>(x32, packed, bp, n, y)       \
