@@ -28,6 +28,7 @@ from torch import nn
 
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.model_executor.layers.linear import UnquantizedLinearMethod
+from pagedllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 from pagedllm.platforms import current_platform
 
 
@@ -80,15 +81,10 @@ def use_batch_invariant_methods(model: nn.Module) -> None:
         method = getattr(module, "quant_method", None)
         if method is None:
             continue
-        if type(method) not in (UnquantizedLinearMethod,) and not _is_unquantized_lm_head(method):
+        if type(method) not in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod):
             raise ValueError(
                 f"--batch-invariant supports unquantized models only: layer {name!r} uses "
                 f"{type(method).__name__}, which has no batch-invariant kernel."
             )
         module.quant_method = BatchInvariantLinearMethod()
 
-
-def _is_unquantized_lm_head(method: object) -> bool:
-    from pagedllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-
-    return type(method) is UnquantizedEmbeddingMethod
