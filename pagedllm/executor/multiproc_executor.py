@@ -32,6 +32,7 @@ workers take the d-th M of the N x M core sets (CPU) or devices ``d x M .. d x M
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import pickle
@@ -40,6 +41,7 @@ import signal
 import threading
 import time
 import traceback
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -191,6 +193,11 @@ class MultiprocExecutor(Executor):
             start(context, process)
             child_conn.close()
             self.workers.append(_WorkerHandle(rank, process, conn))
+        # NOTE: the workers ignore SIGTERM while this process lives, and multiprocessing's own
+        # exit handler SIGTERMs daemonic children and then joins them: a script that ends
+        # without shutting the engine down would wait for ever. This handler, registered
+        # later, runs first (atexit is last in, first out) and stops the workers properly.
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
         try:
             self.collective_rpc("init_device")
             self.collective_rpc("load_model")
@@ -344,6 +351,12 @@ class MultiprocExecutor(Executor):
                 worker.process.join(1.0)
             worker.conn.close()
         self.workers = []
+
+
+def _shutdown_at_exit(executor_ref: "weakref.ref[MultiprocExecutor]") -> None:
+    executor = executor_ref()
+    if executor is not None:
+        executor.shutdown()
 
 
 def _worker_name(dp_size: int, dp_rank: int, rank: int) -> str:
