@@ -7,6 +7,7 @@ them and resolves defaults into an ``EngineConfig``.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
@@ -827,6 +828,15 @@ def check_data_parallel_size(data_parallel_size: int, usage_context: str) -> Non
         )
 
 
+#: Turn ``batch_invariant`` on when set to 1 / true (vLLM's variable second; either one).
+BATCH_INVARIANT_ENV = ("PAGEDLLM_BATCH_INVARIANT", "VLLM_BATCH_INVARIANT")
+
+
+def batch_invariant_from_env() -> bool:
+    """Whether one of ``BATCH_INVARIANT_ENV`` is set to 1 / true / yes."""
+    return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes") for name in BATCH_INVARIANT_ENV)
+
+
 @dataclass
 class EngineArgs:
     """Arguments of ``LLM`` / ``LLMEngine`` / ``pagedllm serve``, with vLLM's names and defaults.
@@ -849,7 +859,8 @@ class EngineArgs:
     serving, see ``LoRAConfig``; ``trust_remote_code``: passed to transformers when reading config.json;
     ``max_logprobs``: the most logprobs per token a request may ask for, 20, -1 for the
     vocabulary size; ``batch_invariant``: logprobs bit-identical whatever the batch, see
-    ``ModelConfig`` (unquantized models, no LoRA, no speculative decoding); ``num_gpu_blocks_override``: the exact number of KV-cache blocks;
+    ``ModelConfig`` (unquantized models, no LoRA, no speculative decoding; also turned on by
+    ``BATCH_INVARIANT_ENV``, as vLLM's ``VLLM_BATCH_INVARIANT=1``); ``num_gpu_blocks_override``: the exact number of KV-cache blocks;
     ``kv_cache_dtype`` "fp8" / "fp8_e4m3" / "fp8_e5m2" and ``calculate_kv_scales``: an FP8
     KV cache, see ``CacheConfig``);
     and no-ops, that cannot matter here (``enforce_eager``, ``max_seq_len_to_capture``:
@@ -938,6 +949,7 @@ class EngineArgs:
         """
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)
+        self.batch_invariant = self.batch_invariant or batch_invariant_from_env()
         if self.batch_invariant and (self.enable_lora or self.speculative_config is not None):
             raise ValueError(
                 "batch_invariant is not supported yet with enable_lora or speculative_config "

@@ -96,3 +96,16 @@ def test_refused_with_a_quantized_model(tiny_llama):
 def test_refused_with_lora(tiny_llama):
     with pytest.raises(ValueError, match="batch_invariant is not supported yet with enable_lora"):
         LLM(str(tiny_llama), batch_invariant=True, enable_lora=True)
+
+
+@pytest.mark.parametrize("name", ["VLLM_BATCH_INVARIANT", "PAGEDLLM_BATCH_INVARIANT"])
+def test_the_environment_variable_turns_it_on(monkeypatch, tiny_llama, name):
+    """vLLM's ``VLLM_BATCH_INVARIANT=1`` (or ours) acts as the flag: the linears go row by row,
+    and what the flag refuses is refused."""
+    monkeypatch.setenv(name, "1")
+    with pytest.raises(ValueError, match="batch_invariant is not supported yet with enable_lora"):
+        LLM(str(tiny_llama), enable_lora=True)
+    llm = LLM(str(tiny_llama), kv_cache_memory_bytes=16 << 20)
+    assert llm.llm_engine.config.model_config.batch_invariant
+    layer = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.model.model.layers[0]
+    assert type(layer.mlp.down_proj.quant_method).__name__ == "BatchInvariantLinearMethod"
