@@ -638,9 +638,10 @@ class StructuredOutputsConfig:
             its grammar leaves unbounded (object keys of free-form objects too).
 
     The last three are pagedllm's: a small model left unbounded can fill ``max_tokens``
-    with newlines or digits; None lifts a bound (vLLM's behaviour). Strings are unbounded
-    by default: bounding them costs xgrammar 0.5 s more per schema compiled (n <= 128) or
-    about 3.5 ms a token inside a string (larger n).
+    with newlines, digits or one endless string; None lifts a bound (vLLM's behaviour).
+    Strings default to 1024 characters, long for a JSON field and short enough that a
+    runaway one ends within a few hundred tokens; the bound costs xgrammar a few ms a token
+    inside a string.
 
     Raises:
         ValueError: an unknown backend, a bound below 1, or an unknown key in ``from_dict``.
@@ -652,7 +653,7 @@ class StructuredOutputsConfig:
     disable_additional_properties: bool = False
     max_whitespace_cnt: Optional[int] = 2
     max_number_digits: Optional[int] = 15
-    max_string_length: Optional[int] = None
+    max_string_length: Optional[int] = 1024
 
     def __post_init__(self) -> None:
         if self.backend not in STRUCTURED_OUTPUTS_BACKENDS:

@@ -159,7 +159,7 @@ def test_json_whitespace_and_numbers_are_bounded_by_default(backend, tokenizer):
 
 
 def test_max_string_length_bounds_strings_and_keeps_escapes(backend, tokenizer):
-    assert StructuredOutputsConfig().max_string_length is None
+    assert StructuredOutputsConfig().max_string_length == 1024
     assert _completes(backend, tokenizer, '{"n": 1, "x": 1, "s": "a\\"\\nb"}', max_string_length=4)
     assert not _completes(backend, tokenizer, '{"n": 1, "x": 1, "s": "abcde"}', max_string_length=4)
     keys = {"type": "object", "properties": {"éab": {"const": "é"}, "m": {"type": "string", "minLength": 6}},

@@ -68,6 +68,14 @@ class PlainPet(pydantic.BaseModel):
     legs: int
 
 
+class PlainPerson(pydantic.BaseModel):
+    """A first user's model: on "Give an example." the shipped model's name string runs on
+    until the default string bound ends it."""
+
+    name: str
+    age: int
+
+
 @pytest.mark.parametrize("model", [ReadmePet, PlainPet])
 def test_sdk_parse_completes_on_the_shipped_model_with_default_bounds(default_model_server, model):
     # Before the default bounds, the shipped model wrote '{"kind"' and newlines, or an
@@ -80,6 +88,18 @@ def test_sdk_parse_completes_on_the_shipped_model_with_default_bounds(default_mo
     assert choice.finish_reason == "stop", choice.message.content
     assert choice.message.parsed == model.model_validate_json(choice.message.content)
     assert completion.usage.completion_tokens < 100, choice.message.content
+
+
+def test_sdk_parse_of_a_runaway_string_ends_at_the_default_bound(default_model_server):
+    client = default_model_server.client()
+    completion = client.chat.completions.parse(
+        model=_model(client), messages=[{"role": "user", "content": "Give an example."}], response_format=PlainPerson,
+        temperature=0.0)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    person = choice.message.parsed
+    assert person == PlainPerson.model_validate_json(choice.message.content)
+    assert len(person.name) <= 1024 and completion.usage.completion_tokens < 600
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
