@@ -67,6 +67,13 @@ class CommonAttentionMetadata:
     def num_tokens(self) -> int:
         return len(self.slot_mapping)
 
+    def tokens_as_decodes(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every token of the step as a decode query of its own: ([num_tokens] its request's
+        index, [num_tokens] its position + 1, the context it attends causally)."""
+        token_req = np.repeat(np.arange(self.num_reqs), np.diff(self.query_start_loc))
+        # token t of request r (tokens [start_r, end_r)): position seq_len_r - (end_r - t).
+        return token_req, (self.seq_lens - self.query_start_loc[1:] + 1)[token_req] + np.arange(self.num_tokens)
+
 
 @dataclass
 class AttentionMetadata:

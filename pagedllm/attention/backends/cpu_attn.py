@@ -79,11 +79,8 @@ class CpuAttnMetadataBuilder(AttentionMetadataBuilder[CpuAttnMetadata]):
         """Per-token block tables and causal context lengths (no copies without prefills)."""
         block_table, seq_lens = common.block_table, common.seq_lens
         if common.num_prefills:
-            query_lens = np.diff(common.query_start_loc)
-            token_req = np.repeat(np.arange(common.num_reqs), query_lens)
+            token_req, seq_lens = common.tokens_as_decodes()
             block_table = block_table[token_req]
-            # token t of request r (tokens [start_r, end_r)): position seq_len_r - (end_r - t).
-            seq_lens = (common.seq_lens - common.query_start_loc[1:] + 1)[token_req] + np.arange(common.num_tokens)
         metadata = CpuAttnMetadata(
             slot_mapping=self.to_device(common.slot_mapping),
             num_decodes=common.num_decodes,

@@ -70,6 +70,7 @@ class TorchSDPAMetadata(AttentionMetadata):
     prefill_output_index: Optional[torch.Tensor] = None
     decode_positions: Optional[torch.Tensor] = None
     prefill_positions: Optional[torch.Tensor] = None
+    token_seq_lens: Optional[list[int]] = None
     _window_masks: dict = field(default_factory=dict, repr=False)
 
     def decode_mask(self, window: Optional[int]) -> torch.Tensor:
@@ -98,7 +99,6 @@ class TorchSDPAMetadata(AttentionMetadata):
             in_window = keys[None, None, :] > self.prefill_positions[:, :, None] - window
             self._window_masks[key] = self.prefill_mask & in_window[:, None]
         return self._window_masks[key]
-    token_seq_lens: Optional[list[int]] = None
 
 
 class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
@@ -122,9 +122,7 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
 
     def _build_per_token(self, common: CommonAttentionMetadata) -> TorchSDPAMetadata:
         """Every token as a decode of its own: its request's block table, its position + 1."""
-        query_lens = np.diff(common.query_start_loc)
-        token_req = np.repeat(np.arange(common.num_reqs), query_lens)
-        seq_lens = (common.seq_lens - common.query_start_loc[1:] + 1)[token_req] + np.arange(common.num_tokens)
+        token_req, seq_lens = common.tokens_as_decodes()
         table, valid = self._tables(common.block_table[token_req], seq_lens)
         return TorchSDPAMetadata(
             slot_mapping=self.to_device(common.slot_mapping),
