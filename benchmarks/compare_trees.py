@@ -2,7 +2,9 @@
 
 A refactor that must not change speed is measured here: each round runs every workload on
 the base revision and on the new one (the order flips every round, so neither always runs
-first on a warm or cold machine), and the table gives the median of each and their ratio.
+first on a warm or cold machine), and the table gives the median of each, their ratio, and
+each tree's spread against itself ((max - min) / median of its rounds): a ratio inside the
+spreads is noise.
 
     .venv/bin/python benchmarks/compare_trees.py --base 2083eec --new HEAD --rounds 3 \\
         --output-json benchmarks/results/seams.json
@@ -59,13 +61,26 @@ def _metric(result: dict, name: str) -> float:
     return result[name]
 
 
+def spread_of(values: list[float]) -> float:
+    """A tree's spread against itself: (max - min) / median of its rounds (0 for one round)."""
+    return (max(values) - min(values)) / statistics.median(values) if len(values) > 1 else 0.0
+
+
+def cli_module(tree: Path) -> str:
+    """The module that runs the ``pagedllm`` command in ``tree`` (revisions differ)."""
+    for module in ("pagedllm.cli.main", "pagedllm.entrypoints.cli"):
+        if (tree / (module.replace(".", "/") + ".py")).is_file():
+            return module
+    return "pagedllm"
+
+
 def run_once(tree: Path, workload: str, scratch: Path) -> float:
     """One ``pagedllm bench`` invocation of ``workload`` from the checkout ``tree``; returns
     its metric (tokens/s)."""
     args, metric = WORKLOADS[workload]
     out = scratch / f"{tree.name}-{workload}.json"
     env_path = f"{tree}:{':'.join(site.getsitepackages())}"
-    command = [sys.executable, "-S", "-m", "pagedllm.entrypoints.cli", "bench", *args,
+    command = [sys.executable, "-S", "-m", cli_module(tree), "bench", *args,
                "--dtype", "bfloat16", "--num-threads", "2", "--kv-cache-memory-bytes", "4000000000",
                "--output-json", str(out)]
     done = subprocess.run(command, cwd=scratch, env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"},
@@ -104,11 +119,15 @@ def main() -> None:
             for tree in trees.values():
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
     summary = {}
-    print(f"\n| workload | base {args.base} | new {args.new} | new / base |\n|---|---|---|---|")
+    print(f"\n| workload | base {args.base} | new {args.new} | new / base | spread base | spread new |"
+          "\n|---|---|---|---|---|---|")
     for workload, runs in results.items():
         base, new = statistics.median(runs["base"]), statistics.median(runs["new"])
-        summary[workload] = {**runs, "median_base": base, "median_new": new, "ratio": new / base}
-        print(f"| {workload} | {base:.2f} | {new:.2f} | {new / base:.3f} |")
+        spread = {label: spread_of(runs[label]) for label in ("base", "new")}
+        summary[workload] = {**runs, "median_base": base, "median_new": new, "ratio": new / base,
+                             "spread_base": spread["base"], "spread_new": spread["new"]}
+        print(f"| {workload} | {base:.2f} | {new:.2f} | {new / base:.3f} | "
+              f"{spread['base']:.1%} | {spread['new']:.1%} |")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(summary, indent=2))
 
