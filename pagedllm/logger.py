@@ -6,7 +6,8 @@ Level from the ``PAGEDLLM_LOGGING_LEVEL`` environment variable (e.g. WARNING to 
 from __future__ import annotations
 
 import logging
-import os
+
+from pagedllm import envs
 
 _FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
 
@@ -19,5 +20,5 @@ def configure_logging() -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%m-%d %H:%M:%S"))
     logger.addHandler(handler)
-    logger.setLevel(os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper())
+    logger.setLevel(envs.PAGEDLLM_LOGGING_LEVEL.get().upper())
     logger.propagate = False

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+from pagedllm import envs
 from pagedllm.kernels import isa
 from pagedllm.testing.checkpoints import build_tokenizer, make_checkpoint
 
@@ -185,7 +186,7 @@ def pytest_collection_modifyitems(session, config, items):
     if not by_level:
         return
     items[:] = [item for item in items if not _needs_every_level(item)] + by_level
-    if config.option.collectonly or os.environ.get("PAGEDLLM_DISABLE_CPU_KERNELS"):
+    if config.option.collectonly or envs.PAGEDLLM_DISABLE_CPU_KERNELS.get():
         return
     _prebuild.append(subprocess.Popen(
         [sys.executable, "-c", _PREBUILD, *supported_isas()], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

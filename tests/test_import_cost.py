@@ -22,6 +22,7 @@ LIGHT_MODULES = [
     "pagedllm.messages.sched_output",
     "pagedllm.messages.runner_output",
     "pagedllm.lora.request",
+    "pagedllm.envs",
 ]
 
 

@@ -29,7 +29,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("attention",),
     ("config", "arch_config", "platforms", "env_override"),
     ("kernels",),
-    ("messages", "sampling_params", "outputs", "tokenizer", "model_paths", "logger", "version", "lora.request"),
+    ("messages", "sampling_params", "outputs", "tokenizer", "model_paths", "logger", "version", "lora.request", "envs"),
 ]
 """The layers, top first: entrypoints > engine > executor/worker > core > model_executor >
 attention > kernels, with the plain-data contracts at the bottom."""

@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from typing import Iterator, Optional
 
 import torch
 
+from pagedllm import envs
 from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.attention.backends.cpu_attn import CpuAttnBackend
 from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend
 from pagedllm.platforms import current_platform
 
 #: Environment variable naming the backend when ``--attention-backend`` is not given.
-ENV = "PAGEDLLM_ATTENTION_BACKEND"
+ENV = envs.PAGEDLLM_ATTENTION_BACKEND.name
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def get_attn_backend(
         ValueError: an unknown name (the message lists the registered ones), a named backend
             that cannot run here, or (automatic) none that can — each with the reasons.
     """
-    name = name or os.environ.get(ENV) or None
+    name = name or envs.PAGEDLLM_ATTENTION_BACKEND.get()
     if name is not None:
         backend = _registry.get(name.upper())
         if backend is None:

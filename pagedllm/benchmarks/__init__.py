@@ -16,6 +16,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
+from pagedllm import envs
+
 
 def machine_info() -> dict[str, Any]:
     """CPU model, core count, the CPU's instruction-set level and the one the kernels were
@@ -36,7 +38,7 @@ def machine_info() -> dict[str, Any]:
     from pagedllm.kernels import isa
 
     info["cpu_isa"] = isa.detected_isa()
-    info["cpu_isa_override"] = os.environ.get(isa.ENV) or None
+    info["cpu_isa_override"] = envs.PAGEDLLM_CPU_ISA.get()
     try:
         import torch
 

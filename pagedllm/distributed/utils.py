@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pagedllm import envs
+
 
 def divide(numerator: int, denominator: int) -> int:
     """``numerator / denominator`` for sizes that must split evenly across ranks.
@@ -39,7 +41,7 @@ def get_open_port() -> int:
 
 #: Environment variable overriding the even split of layers over pipeline stages: layer
 #: counts per stage, comma-separated (vLLM's ``VLLM_PP_LAYER_PARTITION``).
-PP_LAYER_PARTITION_ENV = "PAGEDLLM_PP_LAYER_PARTITION"
+PP_LAYER_PARTITION_ENV = envs.PAGEDLLM_PP_LAYER_PARTITION.name
 
 
 def pp_layer_partition(num_layers: int, pp_size: int, partition: str | None = None) -> list[int]:
@@ -83,8 +85,6 @@ def pp_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, in
     Raises:
         ValueError: as ``pp_layer_partition``.
     """
-    import os
-
-    counts = pp_layer_partition(num_layers, pp_size, os.environ.get(PP_LAYER_PARTITION_ENV))
+    counts = pp_layer_partition(num_layers, pp_size, envs.PAGEDLLM_PP_LAYER_PARTITION.get())
     start = sum(counts[:pp_rank])
     return start, start + counts[pp_rank]

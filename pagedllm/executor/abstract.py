@@ -10,12 +10,12 @@ calls from Ray actors on several machines (see ``worker/worker.py`` for the cont
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from typing import Any, Callable, Optional, Union
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.messages.runner_output import ModelRunnerOutput
 from pagedllm.messages.sched_output import SchedulerOutput
@@ -28,7 +28,7 @@ RpcMethod = Union[str, Callable]
 UNSUPPORTED_BACKENDS = ("external_launcher",)
 #: Micro-batches in flight with pipeline parallelism, 1 .. pipeline_parallel_size (default:
 #: pipeline_parallel_size); 1 runs one step at a time, to measure what micro-batches bring.
-PP_MAX_CONCURRENT_BATCHES_ENV = "PAGEDLLM_PP_MAX_CONCURRENT_BATCHES"
+PP_MAX_CONCURRENT_BATCHES_ENV = envs.PAGEDLLM_PP_MAX_CONCURRENT_BATCHES.name
 
 
 class DeferredFuture(Future):
@@ -56,12 +56,8 @@ def pipeline_max_concurrent_batches(pipeline_parallel_size: int) -> int:
     Raises:
         ValueError: the variable is set but not a positive integer.
     """
-    value = os.environ.get(PP_MAX_CONCURRENT_BATCHES_ENV)
-    if not value:
-        return pipeline_parallel_size
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{PP_MAX_CONCURRENT_BATCHES_ENV}={value!r} must be a positive integer (steps in flight).")
-    return min(int(value), pipeline_parallel_size)
+    steps = envs.PAGEDLLM_PP_MAX_CONCURRENT_BATCHES.get()
+    return pipeline_parallel_size if steps is None else min(steps, pipeline_parallel_size)
 
 
 def run_method(obj: Any, method: RpcMethod, args: tuple, kwargs: dict) -> Any:

@@ -40,11 +40,13 @@ import sys
 from multiprocessing.context import BaseContext
 from typing import Any, Optional
 
+from pagedllm import envs
+
 logger = logging.getLogger(__name__)
 
 #: The start method of pagedllm's child processes, ``fork`` or ``spawn`` (vLLM's name second).
-WORKER_MULTIPROC_METHOD_ENV = ("PAGEDLLM_WORKER_MULTIPROC_METHOD", "VLLM_WORKER_MULTIPROC_METHOD")
-START_METHODS = ("fork", "spawn")
+WORKER_MULTIPROC_METHOD_ENV = envs.PAGEDLLM_WORKER_MULTIPROC_METHOD.names
+START_METHODS = envs.PAGEDLLM_WORKER_MULTIPROC_METHOD.choices
 
 
 def requested_method() -> str:
@@ -54,13 +56,9 @@ def requested_method() -> str:
     Raises:
         ValueError: a value other than ``fork`` or ``spawn``.
     """
-    for name in WORKER_MULTIPROC_METHOD_ENV:
-        value = os.environ.get(name, "").strip().lower()
-        if not value:
-            continue
-        if value not in START_METHODS:
-            raise ValueError(f"{name}={value!r}: use fork or spawn.")
-        return value
+    method = envs.PAGEDLLM_WORKER_MULTIPROC_METHOD.get()
+    if method is not None:
+        return method
     return "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
 
 

@@ -46,6 +46,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.executor.abstract import (
     DeferredFuture,
@@ -62,12 +63,12 @@ from pagedllm.worker.worker import Worker
 logger = logging.getLogger(__name__)
 
 #: Seconds to wait for the cluster to host the placement group before refusing to start.
-PLACEMENT_TIMEOUT_S = float(os.environ.get("PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S", "60"))
+PLACEMENT_TIMEOUT_S = envs.PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S.get()
 #: Seconds a health check waits for every actor to answer.
 _HEALTH_TIMEOUT_S = 30.0
 #: Seconds ``shutdown`` waits for the workers to release their memory before killing the actors.
 _SHUTDOWN_TIMEOUT_S = 10.0
-_COLLECTIVES_ENV = "PAGEDLLM_CPU_COLLECTIVES"
+_COLLECTIVES_ENV = envs.PAGEDLLM_CPU_COLLECTIVES.name
 #: Set in a GPU actor's environment: Ray then leaves ``CUDA_VISIBLE_DEVICES`` alone, so the
 #: actor sees its node's GPUs and selects its own by index (as ``MultiprocExecutor``'s ranks).
 _NOSET_CUDA_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"

@@ -33,10 +33,11 @@ This module imports nothing heavy (no torch): ``env_override`` reads it at ``imp
 from __future__ import annotations
 
 import functools
-import os
 import platform
 
-ENV = "PAGEDLLM_CPU_ISA"
+from pagedllm import envs
+
+ENV = envs.PAGEDLLM_CPU_ISA.name
 LEVELS = ("portable", "avx2", "avx512", "avx512_bf16")
 
 _FEATURES = {
@@ -108,7 +109,7 @@ def selected_isa() -> str:
     Raises:
         ValueError: see ``parse_override``.
     """
-    return parse_override(os.environ.get(ENV)) or detected_isa()
+    return parse_override(envs.PAGEDLLM_CPU_ISA.get()) or detected_isa()
 
 
 def library_env(level: str) -> dict[str, str]:
@@ -121,7 +122,7 @@ def override_library_env() -> dict[str, str]:
     else empty (the libraries then pick their own best path, AMX included). An invalid
     override yields empty too; it is reported when the kernels are loaded."""
     try:
-        level = parse_override(os.environ.get(ENV))
+        level = parse_override(envs.PAGEDLLM_CPU_ISA.get())
     except ValueError:
         return {}
     if level is None or level == detected_isa():

@@ -20,41 +20,28 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import time
 from typing import Optional
 
+from pagedllm import envs
 from pagedllm.messages.engine_core import SchedulerStats
 from pagedllm.metrics.spec_decode import SpecDecodingLogging
 from pagedllm.metrics.stats import IterationStats
 
 logger = logging.getLogger(__name__)
 
-#: Environment variables read (in this order) for the interval, in seconds.
-LOG_STATS_INTERVAL_ENV_VARS = ("PAGEDLLM_LOG_STATS_INTERVAL", "VLLM_LOG_STATS_INTERVAL")
-DEFAULT_LOG_STATS_INTERVAL_S = 10.0
 #: Engine steps with prefix-cache lookups that the hit rate covers.
 PREFIX_CACHE_WINDOW = 1000
 
 
 def log_stats_interval() -> float:
-    """Seconds between two stats lines: the first of ``LOG_STATS_INTERVAL_ENV_VARS`` set,
-    else 10 (vLLM's default).
+    """Seconds between two stats lines: ``PAGEDLLM_LOG_STATS_INTERVAL``, else vLLM's
+    ``VLLM_LOG_STATS_INTERVAL``, else 10 (vLLM's default; ``pagedllm.envs``).
 
     Raises:
         ValueError: the variable is not a positive number.
     """
-    for name in LOG_STATS_INTERVAL_ENV_VARS:
-        value = os.environ.get(name)
-        if value:
-            try:
-                seconds = float(value)
-            except ValueError:
-                seconds = 0.0
-            if not seconds > 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}.")
-            return seconds
-    return DEFAULT_LOG_STATS_INTERVAL_S
+    return envs.PAGEDLLM_LOG_STATS_INTERVAL.get()
 
 
 class LoggingStatLogger:

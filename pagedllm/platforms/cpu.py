@@ -11,7 +11,8 @@ from typing import Callable
 import psutil
 import torch
 
-from pagedllm.platforms.cpu_binding import BIND_ENV, available_cores, cores_for_rank
+from pagedllm import envs
+from pagedllm.platforms.cpu_binding import BIND_ENV, available_cores, bind_setting, cores_for_rank
 from pagedllm.platforms.cpu_malloc import tune_malloc
 from pagedllm.platforms.interface import Platform, worker_count_text
 
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 #: ``shm`` or ``gloo``: how the tensor-parallel ranks of one machine all-reduce and
 #: all-gather (``pagedllm.distributed.shm_communicator``). Default ``shm`` on x86-64
 #: (measured 5-8x faster than gloo: see that module), ``gloo`` elsewhere.
-COLLECTIVES_ENV = "PAGEDLLM_CPU_COLLECTIVES"
+COLLECTIVES_ENV = envs.PAGEDLLM_CPU_COLLECTIVES.name
 
 
 class CpuPlatform(Platform):
@@ -75,7 +76,7 @@ class CpuPlatform(Platform):
             ValueError: more workers than the cores this process may use.
         """
         cores = available_cores()
-        if os.environ.get(BIND_ENV, "auto") in ("", "auto") and world_size > len(cores):
+        if bind_setting() == "auto" and world_size > len(cores):
             raise ValueError(
                 f"{worker_count_text(world_size, data_parallel_size)} worker processes need at least one CPU "
                 f"core each, but this process may use {len(cores)} core(s) (or set {BIND_ENV} to core lists "
@@ -100,10 +101,7 @@ class CpuPlatform(Platform):
             ValueError: another value.
         """
         default = "shm" if platform.machine().lower() in ("x86_64", "amd64") else "gloo"
-        choice = os.environ.get(COLLECTIVES_ENV, "").strip().lower() or default
-        if choice not in ("shm", "gloo"):
-            raise ValueError(f"{COLLECTIVES_ENV}={choice!r}: use shm or gloo.")
-        return choice == "shm"
+        return (envs.PAGEDLLM_CPU_COLLECTIVES.get() or default) == "shm"
 
     def prepare_for_steps(self) -> None:
         """From now on step buffers stay in the heap (``cpu_malloc``); not before: the

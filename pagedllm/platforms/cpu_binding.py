@@ -21,7 +21,15 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-BIND_ENV = "PAGEDLLM_CPU_OMP_THREADS_BIND"
+from pagedllm import envs
+
+BIND_ENV = envs.PAGEDLLM_CPU_OMP_THREADS_BIND.name
+
+
+def bind_setting() -> str:
+    """``PAGEDLLM_CPU_OMP_THREADS_BIND`` without surrounding spaces: ``auto`` (also when unset
+    or blank), ``nobind``, or the core lists."""
+    return envs.PAGEDLLM_CPU_OMP_THREADS_BIND.get().strip() or "auto"
 
 
 def available_cores() -> list[int]:
@@ -55,7 +63,7 @@ def cores_for_rank(local_rank: int, local_world_size: int) -> Optional[list[int]
         ValueError: fewer cores than ranks (``auto``), an explicit setting without one list
             per rank, or a malformed list.
     """
-    setting = os.environ.get(BIND_ENV, "auto").strip() or "auto"
+    setting = bind_setting()
     if setting == "nobind":
         return None
     if setting != "auto":

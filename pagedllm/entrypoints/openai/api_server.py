@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import secrets
 from contextlib import asynccontextmanager
 from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Optional, Sequence, Union
@@ -30,6 +29,7 @@ from pydantic import BaseModel
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pagedllm import envs
 from pagedllm.entrypoints.openai.errors import (
     INVALID_REQUEST,
     bad_request,
@@ -189,14 +189,11 @@ async def _log_stats_periodically(engine: Any) -> None:
         await engine.do_log_stats()
 
 
-#: Environment variables that enable ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
-#: (ours, then vLLM's), as "1" or "true".
-RUNTIME_LORA_ENV = ("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
-
-
 def runtime_lora_updating_allowed() -> bool:
-    """Whether adapters may be loaded and unloaded at run time (``RUNTIME_LORA_ENV``)."""
-    return any(os.environ.get(name, "").strip().lower() in ("1", "true") for name in RUNTIME_LORA_ENV)
+    """Whether adapters may be loaded and unloaded at run time: ``/v1/load_lora_adapter`` and
+    ``/v1/unload_lora_adapter`` (``PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING`` or vLLM's
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` turned on; ``pagedllm.envs``)."""
+    return envs.PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING.get()
 
 
 def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:

@@ -31,10 +31,11 @@ import sys
 import types
 from typing import Any, Callable, NoReturn, Optional
 
+from pagedllm import envs
 from pagedllm.entrypoints.arg_parsing import CONFIG_FLAG, make_flexible
 
 #: Environment variables read (in this order) when ``--api-key`` is not given.
-API_KEY_ENV_VARS = ("PAGEDLLM_API_KEY", "VLLM_API_KEY")
+API_KEY_ENV_VARS = envs.PAGEDLLM_API_KEY.names
 
 _SUFFIXES = {
     "": 1,
@@ -571,10 +572,8 @@ def resolve_api_key(args: argparse.Namespace) -> Optional[list[str]]:
     else ``$VLLM_API_KEY``, else None."""
     if args.api_key:
         return list(args.api_key)
-    for name in API_KEY_ENV_VARS:
-        if os.environ.get(name):
-            return [os.environ[name]]
-    return None
+    key = envs.PAGEDLLM_API_KEY.get()
+    return None if key is None else [key]
 
 
 def engine_args_from(args: argparse.Namespace) -> Any:

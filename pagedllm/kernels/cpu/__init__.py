@@ -53,11 +53,12 @@ from typing import Iterator
 
 import torch
 
+from pagedllm import envs
 from pagedllm.kernels import isa as isa_mod
 
 logger = logging.getLogger(__name__)
 
-DISABLE_ENV = "PAGEDLLM_DISABLE_CPU_KERNELS"
+DISABLE_ENV = envs.PAGEDLLM_DISABLE_CPU_KERNELS.name
 _KERNEL_VERSION = 6
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / name for name in ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "packed_linear.cpp", "linear_w16.cpp", "linear_grouped.cpp", "linear_dequant.cpp", "lora.cpp")]
@@ -87,7 +88,7 @@ _disabled_logged = False
 
 
 def _disabled_by_env() -> bool:
-    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+    return envs.PAGEDLLM_DISABLE_CPU_KERNELS.get()
 
 
 def reread_env() -> None:
@@ -263,7 +264,7 @@ def is_available() -> bool:
         for level in reversed(isa_mod.LEVELS[: isa_mod.LEVELS.index(selected) + 1]):
             if _ensure_built(level):
                 _active = level
-                override = os.environ.get(isa_mod.ENV)
+                override = envs.PAGEDLLM_CPU_ISA.get()
                 logger.info(
                     "pagedllm CPU kernels: %s (this CPU supports up to %s%s)",
                     level,

@@ -58,7 +58,6 @@ GEMM about 5x slower than float32 (``pagedllm bench roofline``; measured on an A
 
 from __future__ import annotations
 
-import os
 import threading
 from abc import abstractmethod
 from typing import Any, Optional, Sequence, Union
@@ -67,6 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.distributed import (
     divide,
     kv_heads_per_rank,
@@ -108,7 +108,7 @@ def can_pack(weight: torch.Tensor) -> bool:
     """
     if weight.dim() != 2 or weight.dtype not in _PACKABLE_DTYPES:
         return False
-    if os.environ.get("PAGEDLLM_DISABLE_CPU_KERNELS", "") not in ("", "0"):
+    if envs.PAGEDLLM_DISABLE_CPU_KERNELS.get():
         return False
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         return False
@@ -229,7 +229,7 @@ def pack_w16(weight: torch.Tensor) -> torch.Tensor:
 
 #: ``auto`` (default): float32 copies of widened 16-bit weights while they fit in a quarter of
 #: the memory available when the first is made; ``1``: always; ``0``: never.
-FP32_COPY_ENV = "PAGEDLLM_CPU_FP32_WEIGHT_COPY"
+FP32_COPY_ENV = envs.PAGEDLLM_CPU_FP32_WEIGHT_COPY.name
 _FP32_COPY_SHARE = 0.25
 _fp32_copy_budget: Optional[int] = None  # bytes left for copies under "auto"
 
@@ -250,9 +250,7 @@ def fp32_weight_copy(weight: torch.Tensor) -> Optional[torch.Tensor]:
         ValueError: for a value of the variable other than auto / 0 / 1.
     """
     global _fp32_copy_budget
-    mode = os.environ.get(FP32_COPY_ENV, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"{FP32_COPY_ENV}={mode!r}: use auto, 0 or 1")
+    mode = envs.PAGEDLLM_CPU_FP32_WEIGHT_COPY.get()
     if mode == "0":
         return None
     nbytes = weight.numel() * 4

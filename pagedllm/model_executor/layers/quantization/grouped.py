@@ -11,26 +11,26 @@ Q4_0 / Q8_0 blocks hold one float16 scale and nothing else.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.platforms import current_platform
 
 #: ``PAGEDLLM_CPU_INT8_ACTIVATIONS=0`` keeps decode activations in float32 (the exact
 #: dequantized-weight product); by default (1) the CPU kernels quantize them to int8 per block of
 #: 32 inputs and use integer dot products, as llama.cpp does (``linear_w4``'s docstring).
-INT8_ACTIVATIONS_ENV = "PAGEDLLM_CPU_INT8_ACTIVATIONS"
+INT8_ACTIVATIONS_ENV = envs.PAGEDLLM_CPU_INT8_ACTIVATIONS.name
 
 
 def int8_activations_enabled() -> bool:
     """Whether grouped layers run decode with int8 activations (``INT8_ACTIVATIONS_ENV``, read at
     load time; default on)."""
-    return os.environ.get(INT8_ACTIVATIONS_ENV, "1").strip() not in ("0", "false", "False", "")
+    return envs.PAGEDLLM_CPU_INT8_ACTIVATIONS.get()
 
 
 def compact_scales(scale: torch.Tensor, zero: torch.Tensor, bits: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
