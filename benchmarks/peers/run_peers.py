@@ -3,7 +3,7 @@ markdown table with ratios.
 
     .venv/bin/python benchmarks/peers/run_peers.py --model benchmarks/checkpoints/qwen2-0.5b-shape \\
         --dtype bfloat16 --workload throughput --num-prompts 32 --input-len 128 --output-len 128 \\
-        --repeats 2 --markdown docs/benchmarks.md --title "0.5B shape, 32 x (128 in, 128 out)"
+        --repeats 2 --markdown benchmarks/results/peers.md --title "0.5B shape, 32 x (128 in, 128 out)"
 
 Engines (``--engines``, default: every one that is installed):
 
