@@ -21,7 +21,7 @@ PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[1] / "pagedllm"
 
 FLOORS: list[tuple[str, ...]] = [
     ("entrypoints.cli",),
-    ("benchmarks", "testing"),
+    ("benchmarks",),
     ("entrypoints",),
     ("engine",),
     ("metrics",),
