@@ -13,6 +13,7 @@ same kinds of import count, but those under ``TYPE_CHECKING``, which never run).
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 import pytest
@@ -124,6 +125,7 @@ def _runtime_imports(tree: ast.AST, modules: set[str]) -> set[str]:
     return found
 
 
+@functools.cache
 def _import_graph() -> dict[str, set[str]]:
     """Module name -> the other pagedllm modules it imports at run time (the façade included)."""
     paths = {_module_name(p): p for p in PACKAGE_DIR.rglob("*.py")}
