@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+
 import uvicorn
 
 from pagedllm.engine.protocol import EngineClient
