@@ -17,7 +17,7 @@ measured here compare with the peers' table:
   a speculative-decoding draft for ``qwen2-0.5b-shape`` whose random proposals the target
   (almost) never accepts, to measure the cost of drafting.
 
-Both use the 32000-token byte-level BPE tokenizer of ``pagedllm.testing.checkpoints``
+Both use the 32000-token byte-level BPE tokenizer of ``tests.fixtures.checkpoints``
 with the ChatML chat template. Weights are created directly in ``--dtype`` (default
 bfloat16, as the peers measured), so peak memory is about twice the checkpoint size.
 """
@@ -31,11 +31,9 @@ from pathlib import Path
 
 import torch
 
-try:
-    from pagedllm.testing.checkpoints import make_checkpoint
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from pagedllm.testing.checkpoints import make_checkpoint
+# tests/fixtures is in the checkout, not in the package (and pagedllm too, when not installed).
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from tests.fixtures.checkpoints import make_checkpoint  # noqa: E402
 
 PRESETS: dict[str, dict] = {
     "tiny-llama": dict(

@@ -5,7 +5,7 @@
     python benchmarks/make_eagle_head.py --target benchmarks/checkpoints/qwen2-0.5b-shape --method eagle3 \
         --out benchmarks/checkpoints/qwen2-0.5b-eagle3-head --draft-vocab-size 8000
 
-The layout is the published heads' (``pagedllm.testing.eagle_heads.make_eagle_head``); its
+The layout is the published heads' (``tests.fixtures.eagle_heads.make_eagle_head``); its
 random proposals are (almost) never accepted, so a run with it measures what drafting costs
 (the "random draft" line of docs/benchmarks.md). An EAGLE-3 head reads target layers
 (2, L // 2, L - 3), vLLM's default.
@@ -18,11 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-try:
-    from pagedllm.testing.eagle_heads import make_eagle_head
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from pagedllm.testing.eagle_heads import make_eagle_head
+# tests/fixtures is in the checkout, not in the package (and pagedllm too, when not installed).
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from tests.fixtures.eagle_heads import make_eagle_head  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> Path:

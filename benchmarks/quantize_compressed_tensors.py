@@ -1,5 +1,5 @@
 """Write a 16/32-bit Hugging Face checkpoint as a compressed-tensors 8-bit checkpoint, with the
-compressed-tensors library's own compressors (``pagedllm.testing.compressed_tensors_writer``),
+compressed-tensors library's own compressors (``tests.fixtures.compressed_tensors_writer``),
 in the layout of llm-compressor's presets:
 
     W8A8         int8 weights per channel, dynamic per-token int8 activations (int-quantized)
@@ -16,9 +16,12 @@ llm-compressor's best. For perplexity and speed runs against the bf16 original:
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from pagedllm.testing.compressed_tensors_writer import write_w8a8
+# tests/fixtures is in the checkout, not in the package (and pagedllm too, when not installed).
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from tests.fixtures.compressed_tensors_writer import write_w8a8  # noqa: E402
 
 #: Preset -> (weight type, weight strategy, activations).
 PRESETS = {"W8A8": ("int", "channel", "token"), "FP8_DYNAMIC": ("float", "channel", "token"),

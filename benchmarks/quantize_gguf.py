@@ -1,6 +1,6 @@
 """Re-quantize a GGUF file's linear weights (as llama.cpp's ``llama-quantize TYPE --pure``
 would, for the types the ``gguf`` package can write: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and the
-K-quants Q4_K, Q5_K, Q6_K with ``pagedllm.testing.gguf_kquant_writer``'s plain rounding),
+K-quants Q4_K, Q5_K, Q6_K with ``tests.fixtures.gguf_kquant_writer``'s plain rounding),
 keeping its metadata (tokenizer included) and its other tensors. ``--v-down-type Q6_K`` with
 Q4_K gives Q4_K_M's mix (attn_v and ffn_down in Q6_K). Rows that are not whole 256-input
 super-blocks fall back as llama-quantize does (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0; all
@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
 
-from pagedllm.testing.gguf_kquant_writer import quantize_k
+# tests/fixtures is in the checkout, not in the package (and pagedllm too, when not installed).
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from tests.fixtures.gguf_kquant_writer import quantize_k  # noqa: E402
 
 #: GGUF names of the linear weights (llama.cpp's ``--pure`` quantizes these and keeps the rest).
 LINEAR = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")

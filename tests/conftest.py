@@ -12,7 +12,7 @@ each with its own seed, so no two share weights):
 - ``tiny_mistral``: MistralForCausalLM, no sliding window.
 
 ``checkpoint_factory(arch, **kwargs)`` makes any other one (arguments of
-``pagedllm.testing.checkpoints.make_checkpoint``), cached by its arguments.
+``tests.fixtures.checkpoints.make_checkpoint``), cached by its arguments.
 
 Kernel builds: the tests of every instruction-set level (``isa_kernel``, or marked
 ``isa_levels``) need one C++ build per level (about a minute each on 2 cores). They are built at the lowest CPU priority by a
@@ -34,7 +34,7 @@ import pytest
 
 from pagedllm import envs
 from pagedllm.kernels import isa
-from pagedllm.testing.checkpoints import build_tokenizer, make_checkpoint
+from tests.fixtures.checkpoints import build_tokenizer, make_checkpoint
 
 
 def supported_isas() -> list[str]:

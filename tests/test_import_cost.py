@@ -15,6 +15,7 @@ LIGHT_MODULES = [
     "pagedllm.entrypoints.cli",
     "pagedllm.entrypoints.openai.cli_args",
     "pagedllm.config",
+    "pagedllm.engine.client_factory",
     "pagedllm.engine.core_client",
     "pagedllm.engine.core_proc",
     "pagedllm.core.scheduler",

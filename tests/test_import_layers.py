@@ -5,11 +5,15 @@ floor above its own (docs/architecture.md draws the floors).
 floor and of any floor below. Every import counts: module level, inside functions (lazy
 imports) and under ``TYPE_CHECKING``. The package façade ``pagedllm/__init__.py`` sits above
 every floor (it re-exports ``LLM``); ``import pagedllm`` by itself names the package, not a layer.
+
+No two modules import each other, directly or around a circle, and no two layers do (the
+same kinds of import count, but those under ``TYPE_CHECKING``, which never run).
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 import pytest
@@ -17,7 +21,9 @@ import pytest
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[1] / "pagedllm"
 
 FLOORS: list[tuple[str, ...]] = [
-    ("entrypoints", "benchmarks", "testing"),
+    ("entrypoints.cli",),
+    ("benchmarks",),
+    ("entrypoints",),
     ("engine",),
     ("metrics",),
     ("executor",),
@@ -31,8 +37,9 @@ FLOORS: list[tuple[str, ...]] = [
     ("kernels",),
     ("messages", "sampling_params", "outputs", "tokenizer", "model_paths", "logger", "version", "lora.request", "envs"),
 ]
-"""The layers, top first: entrypoints > engine > executor/worker > core > model_executor >
-attention > kernels, with the plain-data contracts at the bottom."""
+"""The layers, top first: the ``pagedllm`` command (``entrypoints.cli``: ``serve`` and ``bench``)
+> benchmarks > entrypoints > engine > executor/worker > core > model_executor > attention >
+kernels, with the plain-data contracts at the bottom."""
 
 FLOOR_OF = {name: level for level, names in enumerate(FLOORS) for name in names}
 
@@ -88,3 +95,91 @@ def test_no_import_from_a_floor_above(path: pathlib.Path):
         if layer is not None and FLOOR_OF.get(layer, -1) < FLOOR_OF[importer]:
             upward.append(f"line {line}: {importer} imports {name}")
     assert upward == []
+
+
+def _runtime_imports(tree: ast.AST, modules: set[str]) -> set[str]:
+    """The pagedllm modules that running the tree may import (module level and inside
+    functions; not under ``if TYPE_CHECKING:``): each dotted name resolved to the longest
+    module of ``modules`` it starts with, so ``from pagedllm.engine import core`` is
+    ``pagedllm.engine.core`` and ``from pagedllm.config import EngineArgs`` is ``pagedllm.config``."""
+    type_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+        for inner in ast.walk(node)
+    }
+    names = []
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names += [f"{node.module}.{alias.name}" for alias in node.names]
+    found = set()
+    for name in names:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        if name:
+            found.add(name)
+    return found
+
+
+@functools.cache
+def _import_graph() -> dict[str, set[str]]:
+    """Module name -> the other pagedllm modules it imports at run time (the façade included)."""
+    paths = {_module_name(p): p for p in PACKAGE_DIR.rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        graph[name] = _runtime_imports(ast.parse(path.read_text(), str(path)), set(paths)) - {name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Import circles of ``graph``, each as the path that closes it (``[a, b, a]``); at least
+    one for every group of nodes that reach each other (depth-first search, back edges)."""
+    circles: list[list[str]] = []
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            if target in path:
+                circles.append(path[path.index(target) :] + [target])
+            elif target not in done:
+                visit(target)
+        path.pop()
+        done.add(node)
+
+    for node in sorted(graph):
+        if node not in done:
+            visit(node)
+    return circles
+
+
+def test_circles_are_found():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert _circles(graph) == [["a", "b", "c", "a"], ["e", "e"]]
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\nimport pagedllm.x.y\nfrom pagedllm.x import z, Name\n"
+        "def f():\n    from pagedllm.w import V\nif TYPE_CHECKING:\n    from pagedllm.t import T\n"
+    )
+    modules = {"pagedllm.x", "pagedllm.x.y", "pagedllm.x.z", "pagedllm.w", "pagedllm.t"}
+    assert _runtime_imports(tree, modules) == {"pagedllm.x", "pagedllm.x.y", "pagedllm.x.z", "pagedllm.w"}
+
+
+def test_no_module_import_circle():
+    assert [" -> ".join(circle) for circle in _circles(_import_graph())] == []
+
+
+def test_no_layer_import_circle():
+    """Two layers of one floor may import from each other's modules only one way."""
+    layers: dict[str, set[str]] = {}
+    for module, imported in _import_graph().items():
+        importer = _layer(module)
+        if importer is not None:
+            layers.setdefault(importer, set()).update(
+                layer for layer in map(_layer, imported) if layer not in (None, importer)
+            )
+    assert [" -> ".join(circle) for circle in _circles(layers)] == []

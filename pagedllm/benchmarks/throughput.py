@@ -18,7 +18,7 @@ Multi-LoRA (vLLM's ``--lora-path``): with ``--enable-lora --lora-path ADAPTER``,
 runs adapter ``i % --num-loras + 1``, each a distinct adapter id over the same files (as
 vLLM's benchmark does), so the batch mixes ``--num-loras`` adapters uniformly; the result
 adds ``lora_load_time_s`` (reading and checking the adapter, median of 3). Random adapters
-for a checkpoint: ``python -m pagedllm.testing.lora_adapters MODEL OUT_DIR --rank 16``.
+for a checkpoint: ``python -m pagedllm.benchmarks.lora_adapters MODEL OUT_DIR --rank 16``.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from typing import AsyncGenerator, Callable, Iterable, Optional, Union
 from prometheus_client import CollectorRegistry
 
 from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.engine.client_factory import make_client
 from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
@@ -455,4 +456,4 @@ class AsyncLLM:
 
 def _make_async_client(config: EngineConfig | EngineArgs, multiprocess: bool) -> EngineCoreClient:
     """An async engine-core client (``make_client``), started but not waited for."""
-    return EngineCoreClient.make_client(config, multiprocess, asyncio_mode=True, wait_for_ready=False)
+    return make_client(config, multiprocess, asyncio_mode=True, wait_for_ready=False)

@@ -15,7 +15,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.batch_queue import BatchQueue
-from pagedllm.executor.abstract import Executor
+from pagedllm.executor.selector import get_executor_class
 from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.structured_output.manager import StructuredOutputManager
 
@@ -27,16 +27,16 @@ class EngineCore:
 
     Args:
         config: the resolved engine configuration. Building the core starts the executor
-            (``Executor.get_class(config)``), which loads the model, and sizes the KV cache
+            (``get_executor_class(config)``), which loads the model, and sizes the KV cache
             (``config.cache_config.num_gpu_blocks`` is set).
 
-    Raises (constructor): what ``Executor.get_class`` raises for an unsupported executor;
+    Raises (constructor): what ``get_executor_class`` raises for an unsupported executor;
     ``ValueError`` when the KV cache cannot hold one ``max_model_len`` sequence.
     """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_executor = Executor.get_class(config)(config)
+        self.model_executor = get_executor_class(config)(config)
         try:
             num_gpu_blocks = self._initialize_kv_caches()
         except BaseException:

@@ -10,6 +10,8 @@ in its own (vLLM V1's ``EngineCoreClient``).
   ``engine_in_thread=True`` the identical loop runs in a thread of this process instead
   (``AsyncLLM(multiprocess=False)``).
 
+``client_factory.make_client`` chooses the client for a front end.
+
 Failure handling (both background clients):
 
 - Start-up is a handshake (see ``core_proc``): ``wait_for_ready`` (called by the
@@ -79,36 +81,6 @@ class EngineCoreClient(ABC):
     #: Number of KV-cache blocks the engine allocated (known after start-up).
     num_gpu_blocks: int = 0
 
-    @staticmethod
-    def make_client(
-        config: EngineConfig | EngineArgs, multiprocess: bool, asyncio_mode: bool, wait_for_ready: bool = True
-    ) -> "EngineCoreClient":
-        """The client for a front end: ``LLMEngine`` asks for a sync in-process one
-        (``InprocClient``), ``AsyncLLM`` for an async one. Async clients always run the core
-        in the background (a process, or a thread when ``multiprocess`` is False); with
-        ``data_parallel_size`` > 1, one process per replica behind a ``DPAsyncMPClient``.
-
-        ``config`` may be ``EngineArgs`` and ``wait_for_ready`` False only for background
-        clients (see ``_BackgroundClient``); an ``InprocClient`` is ready when built.
-
-        Raises:
-            ValueError: bad settings (from the engine), as the client constructors.
-            EngineStartupError: a background engine crashed while starting.
-        """
-        if asyncio_mode and _data_parallel_size(config) > 1:
-            from pagedllm.engine.dp_client import DPAsyncMPClient  # it builds on this module
-
-            if not multiprocess:
-                raise ValueError("Data-parallel engine replicas run in processes of their own (multiprocess=True).")
-            return DPAsyncMPClient(config, wait_for_ready=wait_for_ready)
-        if asyncio_mode:
-            return AsyncMPClient(config, engine_in_thread=not multiprocess, wait_for_ready=wait_for_ready)
-        if multiprocess:
-            return MPClient(config, wait_for_ready=wait_for_ready)
-        if not isinstance(config, EngineConfig):
-            raise ValueError("An in-process engine core needs a resolved EngineConfig.")
-        return InprocClient(config)
-
     @property
     def is_dead(self) -> bool:
         return False
@@ -158,12 +130,6 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the engine and release its resources; idempotent."""
-
-
-def _data_parallel_size(config: EngineConfig | EngineArgs) -> int:
-    if isinstance(config, EngineConfig):
-        return config.parallel_config.data_parallel_size
-    return config.data_parallel_size
 
 
 class InprocClient(EngineCoreClient):

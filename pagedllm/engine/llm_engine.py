@@ -1,7 +1,7 @@
 """``LLMEngine``: the synchronous front end (as in vLLM): add requests, ``step()``, get
 ``RequestOutput``s. Tokenization and detokenization happen here; the ``EngineCore``
 (scheduler + model runner) only sees token ids, through the same client layer as
-``AsyncLLM`` (``EngineCoreClient.make_client``: here an ``InprocClient``, which calls the
+``AsyncLLM`` (``client_factory.make_client``: here an ``InprocClient``, which calls the
 in-process EngineCore directly, with no copy or serialisation).
 """
 
@@ -12,7 +12,8 @@ from typing import Iterable, Optional, Union
 
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.core import EngineCore
-from pagedllm.engine.core_client import EngineCoreClient, InprocClient
+from pagedllm.engine.client_factory import make_client
+from pagedllm.engine.core_client import InprocClient
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
@@ -42,7 +43,7 @@ class LLMEngine:
         self.model_config = config.model_config
         self.tokenizer = get_tokenizer(config.model_config.tokenizer_path, config.model_config.trust_remote_code)
         self.processor = Processor(config.model_config, self.tokenizer, config.lora_config, config.structured_outputs_config)
-        self.engine_core_client = EngineCoreClient.make_client(config, multiprocess=False, asyncio_mode=False)
+        self.engine_core_client = make_client(config, multiprocess=False, asyncio_mode=False)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_logger: Optional[LoggingStatLogger] = None
         if log_stats:

@@ -1,7 +1,9 @@
 """The ``pagedllm`` command: ``pagedllm serve`` and ``pagedllm bench ...``.
 
 Each subcommand module exposes ``register(subparsers)``, which adds its parser and sets
-``func`` (called with the parsed arguments, returning an exit code).
+``func`` (called with the parsed arguments, returning an exit code). This module is the top
+floor (``tests/test_import_layers.py``): the benchmarks it dispatches to import the rest of
+``entrypoints`` (``LLM``, flag types), which imports nothing of ``benchmarks``.
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ def test_throughput_prints_vllm_style_line(tiny_llama, capsys):
 
 
 def test_throughput_mixes_lora_adapters(tiny_llama, tmp_path, capsys):
-    from pagedllm.testing.lora_adapters import main as make_adapter
+    from pagedllm.benchmarks.lora_adapters import main as make_adapter
 
     make_adapter([str(tiny_llama), str(tmp_path / "adapter"), "--rank", "16"])
     out = tmp_path / "lora.json"

@@ -1,6 +1,6 @@
 """One front end: the request validation point (``Processor``), the one ``n > 1`` fan-out
 used by ``LLMEngine`` and ``AsyncLLM``, and ``LLMEngine`` on the engine-core client layer
-(``EngineCoreClient.make_client`` -> ``InprocClient``)."""
+(``client_factory.make_client`` -> ``InprocClient``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pagedllm.engine import async_llm as async_llm_module
 from pagedllm.engine import llm_engine as llm_engine_module
 from pagedllm.engine import parallel_sampling
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.engine.core_client import EngineCoreClient, InprocClient
+from pagedllm.engine.core_client import InprocClient
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import ContextLengthError, Processor
 from pagedllm.messages.engine_core import EngineCoreRequest
@@ -124,14 +124,14 @@ def fan_out_spy(monkeypatch):
 
 def test_llm_engine_goes_through_make_client_and_the_one_fan_out(tiny_llama, monkeypatch, fan_out_spy):
     made = []
-    original = EngineCoreClient.make_client
+    original = llm_engine_module.make_client
 
     def make_client(*args, **kwargs):
         client = original(*args, **kwargs)
         made.append((kwargs, client))
         return client
 
-    monkeypatch.setattr(EngineCoreClient, "make_client", staticmethod(make_client))
+    monkeypatch.setattr(llm_engine_module, "make_client", make_client)
     engine = LLMEngine.from_engine_args(_engine_args(tiny_llama))
     [(kwargs, client)] = made
     assert kwargs == {"multiprocess": False, "asyncio_mode": False}

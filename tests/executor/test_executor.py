@@ -1,4 +1,4 @@
-"""The executor layer: choosing the executor (``Executor.get_class``), and
+"""The executor layer: choosing the executor (``get_executor_class``), and
 ``UniProcExecutor`` driving its one ``Worker`` (collective_rpc by name and by callable, KV
 sizing and allocation, shutdown); ``MultiprocExecutor`` with one worker process (calls,
 timeout)."""
@@ -12,6 +12,7 @@ import pytest
 from pagedllm.config import EngineArgs
 from pagedllm.executor.abstract import Executor
 from pagedllm.executor.multiproc_executor import MultiprocExecutor, WorkerDeadError
+from pagedllm.executor.selector import get_executor_class
 from pagedllm.executor.uniproc_executor import UniProcExecutor
 from pagedllm.worker.kv_cache_sizing import kv_bytes_per_token
 from pagedllm.worker.model_runner import ModelRunner
@@ -36,45 +37,45 @@ class _OtherExecutor(Executor):
 
 
 @pytest.mark.parametrize("backend", [None, "uni"])
-def test_get_class_uni_for_world_size_one(tiny_llama, backend):
+def test_get_executor_class_uni_for_world_size_one(tiny_llama, backend):
     config = make_config(tiny_llama, distributed_executor_backend=backend)
     assert config.parallel_config.world_size == 1
-    assert Executor.get_class(config) is UniProcExecutor
+    assert get_executor_class(config) is UniProcExecutor
 
 
-def test_get_class_takes_an_executor_subclass(tiny_llama):
-    assert Executor.get_class(make_config(tiny_llama, distributed_executor_backend=_OtherExecutor)) is _OtherExecutor
+def test_get_executor_class_takes_an_executor_subclass(tiny_llama):
+    assert get_executor_class(make_config(tiny_llama, distributed_executor_backend=_OtherExecutor)) is _OtherExecutor
     with pytest.raises(TypeError, match="must be an Executor subclass"):
-        Executor.get_class(make_config(tiny_llama, distributed_executor_backend=Worker))
+        get_executor_class(make_config(tiny_llama, distributed_executor_backend=Worker))
 
 
-def test_get_class_external_launcher_not_supported_yet(tiny_llama):
+def test_get_executor_class_external_launcher_not_supported_yet(tiny_llama):
     with pytest.raises(ValueError, match="distributed_executor_backend='external_launcher' is not supported yet"):
         make_config(tiny_llama, distributed_executor_backend="external_launcher")  # EngineArgs refuses it first
     config = make_config(tiny_llama)
     config.parallel_config.distributed_executor_backend = "external_launcher"
     with pytest.raises(NotImplementedError, match="distributed_executor_backend 'external_launcher' is not supported"):
-        Executor.get_class(config)
+        get_executor_class(config)
 
 
 @pytest.mark.parametrize("backend", [None, "mp"])
-def test_get_class_multiprocess_for_world_size_above_one(tiny_llama, backend):
+def test_get_executor_class_multiprocess_for_world_size_above_one(tiny_llama, backend):
     config = make_config(tiny_llama, tensor_parallel_size=2, distributed_executor_backend=backend)
-    assert Executor.get_class(config) is MultiprocExecutor
-    assert Executor.get_class(make_config(tiny_llama, distributed_executor_backend="mp")) is MultiprocExecutor
+    assert get_executor_class(config) is MultiprocExecutor
+    assert get_executor_class(make_config(tiny_llama, distributed_executor_backend="mp")) is MultiprocExecutor
 
 
-def test_get_class_uni_cannot_run_several_workers(tiny_llama):
+def test_get_executor_class_uni_cannot_run_several_workers(tiny_llama):
     config = make_config(tiny_llama, tensor_parallel_size=2, distributed_executor_backend="uni")
     with pytest.raises(ValueError, match="'uni' runs one worker, but tensor_parallel_size 2 x pipeline_parallel_size 1 = 2"):
-        Executor.get_class(config)
+        get_executor_class(config)
 
 
-def test_get_class_unknown_backend(tiny_llama):
+def test_get_executor_class_unknown_backend(tiny_llama):
     config = make_config(tiny_llama)
     config.parallel_config.distributed_executor_backend = "threads"
     with pytest.raises(ValueError, match="Unknown distributed_executor_backend 'threads'"):
-        Executor.get_class(config)
+        get_executor_class(config)
 
 
 def test_uniproc_executor_drives_its_worker(tiny_llama):

@@ -18,10 +18,10 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from pagedllm import LLM  # noqa: E402
 from pagedllm.config import EngineArgs  # noqa: E402
-from pagedllm.executor.abstract import Executor  # noqa: E402
 from pagedllm.executor import ray_executor  # noqa: E402
 from pagedllm.executor.multiproc_executor import MultiprocExecutor, WorkerDeadError  # noqa: E402
 from pagedllm.executor.ray_executor import RayDistributedExecutor, assign_local_ranks  # noqa: E402
+from pagedllm.executor.selector import get_executor_class  # noqa: E402
 from tests.engine.test_tensor_parallel import ENGINE_KWARGS, _greedy, _prompts  # noqa: E402
 from pagedllm.platforms import current_platform  # noqa: E402
 from tests.helpers import cpu_only  # noqa: E402
@@ -51,11 +51,11 @@ def test_workers_beyond_the_local_gpus_default_to_ray(tiny_llama, monkeypatch):
         raise ValueError(f"{world_size} workers, 2 devices")
 
     monkeypatch.setattr(current_platform, "check_worker_count", too_many)
-    assert Executor.get_class(config) is MultiprocExecutor
+    assert get_executor_class(config) is MultiprocExecutor
     monkeypatch.setattr(current_platform, "ray_beyond_local_devices", True)
-    assert Executor.get_class(config) is RayDistributedExecutor
+    assert get_executor_class(config) is RayDistributedExecutor
     monkeypatch.setattr(current_platform, "check_worker_count", lambda world_size: None)
-    assert Executor.get_class(config) is MultiprocExecutor
+    assert get_executor_class(config) is MultiprocExecutor
 
 
 @pytest.mark.parametrize("sizes", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])

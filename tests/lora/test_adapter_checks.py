@@ -12,7 +12,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.lora.peft_config import check_adapter, read_adapter_config
 from pagedllm.lora.request import LoRARequest
-from pagedllm.testing.lora_adapters import make_random_adapter, write_adapter
+from pagedllm.benchmarks.lora_adapters import make_random_adapter, write_adapter
 from tests.helpers import check_block_accounting
 
 A_Q = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"

@@ -2,7 +2,7 @@
 dynamic per-token or static per-tensor int8 activations) and FP8 (``float-quantized``: float8
 weights per channel or per tensor, dynamic per-token or static per-tensor fp8 activations),
 plus weight-only ``naive-quantized`` groups. Checkpoints are written by the compressed-tensors
-library's own compressors (``pagedllm.testing.compressed_tensors_writer``); greedy output equals
+library's own compressors (``tests.fixtures.compressed_tensors_writer``); greedy output equals
 transformers' on the same checkpoint (its compressed-tensors integration runs these schemes on
 CPU, decompressing the weights and fake-quantizing the activations; with quantized activations,
 up to the first step float32 rounding can flip: ``assert_greedy_close_to_hf``), and a layer's output
@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from pagedllm import LLM
-from pagedllm.testing.compressed_tensors_writer import write_w8a8
+from tests.fixtures.compressed_tensors_writer import write_w8a8
 from tests.helpers import assert_greedy_close_to_hf, assert_greedy_equals_hf, model_runner, random_prompts
 
 #: name -> (weight type, weight strategy, activations, the layers' weight dtype once loaded).

@@ -4,8 +4,8 @@ hyper-parameters from the file's metadata, maps GGUF tensor names back to Huggin
 linear weights on the grouped integer kernels and dequantizes other types at load; greedy output
 equals transformers' own GGUF loading (which dequantizes everything) on the same file, and the
 decoded blocks equal ``gguf.quants.dequantize``. The files are written by
-``pagedllm.testing.gguf_writer`` with the ``gguf`` package's writer and quantizers (K-quants by
-``pagedllm.testing.gguf_kquant_writer``, which gguf cannot write)."""
+``tests.fixtures.gguf_writer`` with the ``gguf`` package's writer and quantizers (K-quants by
+``tests.fixtures.gguf_kquant_writer``, which gguf cannot write)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 from pagedllm import LLM, SamplingParams
 from pagedllm.model_executor.gguf_weights import decode_blocks, unpermute_rows
 from pagedllm.model_executor.layers.quantization.grouped import INT8_ACTIVATIONS_ENV
-from pagedllm.testing.gguf_kquant_writer import quantize_k
-from pagedllm.testing.gguf_writer import permute_rows, write_gguf
+from tests.fixtures.gguf_kquant_writer import quantize_k
+from tests.fixtures.gguf_writer import permute_rows, write_gguf
 from tests.helpers import cpu_only, model_runner, random_prompts
 
 PROMPTS = random_prompts([5, 17, 40], 1000, seed=3)

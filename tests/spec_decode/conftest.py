@@ -36,7 +36,7 @@ def noisy_llama_draft(tiny_llama, tmp_path_factory) -> Path:
 def llama_eagle_heads(tiny_llama, tmp_path_factory) -> dict[str, Path]:
     """Random EAGLE (with fc.bias) and EAGLE-3 (half the vocabulary, layers 0, 1, 1) heads
     for ``tiny_llama``: their drafts are almost never accepted."""
-    from pagedllm.testing.eagle_heads import make_eagle_head
+    from tests.fixtures.eagle_heads import make_eagle_head
 
     out = tmp_path_factory.mktemp("eagle")
     return {"eagle": make_eagle_head(out / "eagle", tiny_llama, "eagle", fc_bias=True, seed=1),
@@ -45,7 +45,7 @@ def llama_eagle_heads(tiny_llama, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def bigram_target(tmp_path_factory) -> Path:
-    from pagedllm.testing.eagle_heads import make_bigram_target
+    from tests.fixtures.eagle_heads import make_bigram_target
 
     return make_bigram_target(tmp_path_factory.mktemp("bigram") / "target", seed=3)
 
@@ -53,7 +53,7 @@ def bigram_target(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def exact_eagle_heads(bigram_target, tmp_path_factory) -> dict[str, Path]:
     """EAGLE and EAGLE-3 heads that reproduce ``bigram_target``'s next token exactly."""
-    from pagedllm.testing.eagle_heads import make_exact_eagle_head
+    from tests.fixtures.eagle_heads import make_exact_eagle_head
 
     out = tmp_path_factory.mktemp("exact-eagle")
     return {method: make_exact_eagle_head(out / method, bigram_target, method) for method in ("eagle", "eagle3")}

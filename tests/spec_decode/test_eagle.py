@@ -2,7 +2,7 @@
 
 Greedy equality under every scheduler scenario is in test_spec_greedy_equality.py (random
 heads: drafts almost never accepted). Here: heads constructed to reproduce their one-layer
-target exactly accept every draft (pagedllm.testing.eagle_heads: this checks that the head
+target exactly accept every draft (tests.fixtures.eagle_heads: this checks that the head
 reads the next token at each position, chains its drafts, and maps EAGLE-3's draft
 vocabulary); seeded sampling is unchanged; the target's layer inputs that EAGLE-3 reads
 match transformers'; and bad configs fail at start-up naming the key.
@@ -15,7 +15,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
-from pagedllm.testing.eagle_heads import make_eagle_head
+from tests.fixtures.eagle_heads import make_eagle_head
 from tests.helpers import check_block_accounting, hf_model, model_runner, random_prompts
 from tests.spec_decode.test_spec_greedy_equality import assert_every_draft_accepted, record_spec_stats
 

@@ -13,7 +13,7 @@ from pagedllm.messages.engine_core import SchedulerStats, SpecDecodingStats
 from pagedllm.metrics.loggers import LoggingStatLogger
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 from pagedllm.spec_decode import NgramProposer
-from pagedllm.testing.checkpoints import make_checkpoint
+from tests.fixtures.checkpoints import make_checkpoint
 
 
 def test_forms_and_defaults():

@@ -1,4 +1,4 @@
-"""The FastAPI application of ``pagedllm serve``: OpenAI routes over an ``AsyncLLM``.
+"""The FastAPI application of ``pagedllm serve``: OpenAI routes over an ``EngineClient`` (``AsyncLLM``).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
@@ -30,6 +30,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm import envs
+from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.errors import (
     INVALID_REQUEST,
     bad_request,
@@ -55,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 #: Routes open without an API key (load balancers and Prometheus scrape them).
 PUBLIC_PATHS = frozenset({"/health", "/metrics"})
-#: Seconds ``/health`` waits for ``AsyncLLM.check_health`` before answering 503.
+#: Seconds ``/health`` waits for ``EngineClient.check_health`` before answering 503.
 HEALTH_TIMEOUT_S = 5.0
 #: Status sent (to nobody) when the client went away before the response was ready.
 CLIENT_CLOSED_REQUEST = 499
@@ -180,7 +181,7 @@ def _to_response(result: Union[BaseModel, AsyncGenerator[str, None], Response]) 
     return SSEResponse(result)
 
 
-async def _log_stats_periodically(engine: Any) -> None:
+async def _log_stats_periodically(engine: EngineClient) -> None:
     """``engine.do_log_stats()`` every ``log_stats_interval()`` seconds, until cancelled
     (vLLM's server does the same)."""
     interval = log_stats_interval()
@@ -218,8 +219,8 @@ def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
         return PlainTextResponse(models.unload_lora_adapter(await body_of(raw_request)))
 
 
-def build_app(engine: Any, args: Any) -> FastAPI:
-    """The FastAPI app serving ``engine`` (an ``AsyncLLM``).
+def build_app(engine: EngineClient, args: Any) -> FastAPI:
+    """The FastAPI app serving ``engine`` (an ``AsyncLLM``; any ``EngineClient``).
 
     ``args`` is the parsed ``pagedllm serve`` namespace (any object with these
     attributes; missing ones take their defaults): ``served_model_name`` (list or None:

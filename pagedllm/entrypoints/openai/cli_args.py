@@ -716,10 +716,10 @@ async def _serve(args: argparse.Namespace, engine_args: Any, sock: socket.socket
     # NOTE: start-up order: the engine process starts first (it imports torch and loads
     # the model on its own), then this process imports torch/transformers/FastAPI,
     # resolves and checks the configuration and loads the tokenizer meanwhile.
-    from pagedllm.engine.core_client import EngineCoreClient
+    from pagedllm.engine.client_factory import make_client
 
     # one engine-core process, or one per data-parallel replica (``-dp``)
-    engine_core = EngineCoreClient.make_client(engine_args, multiprocess=True, asyncio_mode=True, wait_for_ready=False)
+    engine_core = make_client(engine_args, multiprocess=True, asyncio_mode=True, wait_for_ready=False)
     try:
         import uvicorn
 

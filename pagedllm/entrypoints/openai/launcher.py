@@ -15,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import Any
 
 import uvicorn
 
+from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.errors import OpenAIServingError
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ def shutting_down_error() -> OpenAIServingError:
 class _Server(uvicorn.Server):
     """uvicorn's server, ending the engine's open requests after the grace period."""
 
-    def __init__(self, config: uvicorn.Config, engine: Any, shutdown_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, shutdown_timeout: float) -> None:
         super().__init__(config)
         self.engine = engine
         self.shutdown_timeout = shutdown_timeout
@@ -66,17 +66,17 @@ class _Server(uvicorn.Server):
             await asyncio.sleep(_SWEEP_INTERVAL_S)
 
 
-async def _watch_engine(engine: Any, server: _Server) -> None:
+async def _watch_engine(engine: EngineClient, server: _Server) -> None:
     while not engine.errored:
         await asyncio.sleep(WATCHDOG_INTERVAL_S)
     logger.error("The engine is dead (%s); stopping the API server (exit code 1).", engine.dead_error)
     server.should_exit = True
 
 
-async def serve_http(config: uvicorn.Config, engine: Any, sock: socket.socket, shutdown_timeout: float) -> int:
+async def serve_http(config: uvicorn.Config, engine: EngineClient, sock: socket.socket, shutdown_timeout: float) -> int:
     """Serve ``config.app`` on the bound ``sock`` until a signal or the engine's death.
 
-    ``engine`` is an ``AsyncLLM``; ``shutdown_timeout`` is the grace period in seconds.
+    ``engine`` is an ``AsyncLLM`` (any ``EngineClient``); ``shutdown_timeout`` is the grace period in seconds.
     Returns the exit code: 0 after a shutdown by signal, 1 when the engine died.
     The caller shuts the engine down afterwards.
     """

@@ -22,6 +22,7 @@ from typing import Any, AsyncGenerator, Optional, Sequence, TypeVar, Union
 
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.processor import ContextLengthError
+from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.errors import (
     OpenAIServingError,
     bad_request,
@@ -147,7 +148,7 @@ class OpenAIServing:
     request validation (through the engine's ``Processor``), token texts and the engine call.
 
     Args:
-        engine: an ``AsyncLLM`` (see ``pagedllm.engine.async_llm``).
+        engine: an ``AsyncLLM`` (any ``EngineClient``: ``pagedllm.engine.protocol``).
         models: the served model names.
         renderer: tokenizer and chat template (shared with ``/tokenize``).
         log_requests: log one INFO line per request.
@@ -158,7 +159,7 @@ class OpenAIServing:
 
     def __init__(
         self,
-        engine: Any,
+        engine: EngineClient,
         models: OpenAIServingModels,
         renderer: PromptRenderer,
         *,

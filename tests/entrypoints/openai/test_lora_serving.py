@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from pagedllm.testing.lora_adapters import make_random_adapter, write_adapter
+from pagedllm.benchmarks.lora_adapters import make_random_adapter, write_adapter
 from tests.helpers import hf_greedy, make_peft_adapter
 from tests.server_utils import RemoteServer
 

@@ -1,7 +1,8 @@
-"""Random PEFT LoRA adapters for a checkpoint, written without ``peft`` (for benchmarks and
-tests): ``adapter_config.json`` + ``adapter_model.safetensors`` in PEFT's format.
+"""Random PEFT LoRA adapters for a checkpoint, written without ``peft`` (for ``pagedllm bench
+throughput --enable-lora --lora-path``, and tests): ``adapter_config.json`` +
+``adapter_model.safetensors`` in PEFT's format.
 
-    python -m pagedllm.testing.lora_adapters MODEL OUT_DIR [--rank 16] [--targets q_proj,...]
+    python -m pagedllm.benchmarks.lora_adapters MODEL OUT_DIR [--rank 16] [--targets q_proj,...]
 """
 
 from __future__ import annotations
