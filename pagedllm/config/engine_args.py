@@ -7,15 +7,28 @@ them and resolves defaults into an ``EngineConfig``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+import argparse
+from typing import Any, Mapping, Optional, Union
 
 from pagedllm.arch_config import check_hf_config, disable_sliding_window, min_sliding_window
+from pagedllm.config.arg_types import (
+    fraction_type,
+    human_readable_int,
+    int_type,
+    json_object,
+    json_object_type,
+    max_model_len_type,
+    non_negative_float,
+    positive_int,
+)
 from pagedllm.config.attention import AttentionConfig
 from pagedllm.config.cache import SUPPORTED_BLOCK_SIZES, CacheConfig, _cpu_kvcache_space_env, cpu_max_kv_cache_tokens
 from pagedllm.config.engine_config import EngineConfig
+from pagedllm.config.flags import add_flags, flag_field, flag_values, given_flag_values, not_a_flag
 from pagedllm.config.hub import load_hf_config, resolve_model_path
 from pagedllm.config.lora import LoRAConfig
 from pagedllm.config.model import (
+    DTYPES,
     ModelConfig,
     batch_invariant_from_env,
     check_generation_config,
@@ -79,63 +92,346 @@ class EngineArgs:
             ``structured_outputs_config``.
     """
 
-    model: Optional[str] = None
-    tokenizer: Optional[str] = None
-    revision: Optional[str] = None
-    tokenizer_revision: Optional[str] = None
-    download_dir: Optional[str] = None
-    dtype: Any = "auto"
-    max_model_len: Optional[int] = None
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: Optional[int] = None
-    kv_cache_memory_bytes: Optional[int] = None
-    gpu_memory_utilization: float = 0.9
-    seed: int = 0
-    enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: str = "sha256"
-    attention_backend: Optional[str] = None
-    generation_config: str = "auto"
-    override_generation_config: Optional[dict] = None  # field -> value, over the generation config
-    usage_context: str = "llm"
-    quantization: Optional[str] = None
-    #: vLLM's ``quantization_config``: options of an online ``quantization`` (int4: ``{"group_size": 128}``).
-    quantization_config: Optional[dict] = None
-    #: vLLM's ``disable_log_stats``: no periodic stats line (``pagedllm.metrics.loggers``);
-    #: ``LLM`` sets it by default, as vLLM's.
-    disable_log_stats: bool = False
-    distributed_executor_backend: Union[str, type, None] = None
-    # vLLM's other engine arguments (names and defaults as vLLM's ``EngineArgs``).
-    # Partly built ones: see ``PARTLY_BUILT_ARGS``.
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
-    load_format: str = "auto"
-    kv_cache_dtype: str = "auto"  # see CacheConfig.cache_dtype
-    calculate_kv_scales: bool = False  # see CacheConfig.calculate_kv_scales
-    tokenizer_mode: str = "auto"
-    enable_chunked_prefill: Optional[bool] = None
-    cpu_offload_gb: float = 0
-    #: vLLM's ``structured_outputs_config`` (see ``StructuredOutputsConfig``): a dict or the config.
-    structured_outputs_config: Any = None
-    # Built: they act as in vLLM.
-    speculative_config: Optional[dict] = None  # see ``SpeculativeConfig``
-    enable_lora: bool = False  # multi-LoRA serving: see ``LoRAConfig``
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: Optional[int] = None
-    trust_remote_code: bool = False
-    max_logprobs: int = 20
-    batch_invariant: bool = False
-    num_gpu_blocks_override: Optional[int] = None
-    #: Full attention in every layer, ``max_model_len`` capped at the sliding window (vLLM's).
-    disable_sliding_window: bool = False
+    model: Optional[str] = flag_field(
+        None,
+        help=(
+            "Model directory (Hugging Face layout), .gguf file or Hub id; serve: same as MODEL (vLLM's "
+            "older form). Default: the small model shipped with pagedllm."
+        ),
+        group="model",
+    )
+    tokenizer: Optional[str] = flag_field(
+        None,
+        help="Tokenizer directory or Hub id (default: the model's).",
+        group="model",
+    )
+    revision: Optional[str] = flag_field(
+        None,
+        help="Model revision on the Hub: branch, tag or commit (default: main).",
+        group="model",
+    )
+    tokenizer_revision: Optional[str] = flag_field(
+        None,
+        help="Tokenizer revision on the Hub (default: main).",
+        group="model",
+    )
+    download_dir: Optional[str] = flag_field(
+        None,
+        help="Directory for downloaded models (default: the Hugging Face cache, $HF_HOME/hub).",
+        group="model",
+    )
+    dtype: Any = flag_field(
+        "auto",
+        help=(
+            "Compute dtype. 'auto': the checkpoint's, with float32 (and float16 on CPU) turned into "
+            "the platform's 16-bit type."
+        ),
+        choices=("auto", *DTYPES),
+    )
+    max_model_len: Optional[int] = flag_field(
+        None,
+        help=(
+            "Context length in tokens (prompt + output), e.g. 8192, 32k (=32000), 32K (=32768), 1M. "
+            "Default: the model's max_position_embeddings."
+        ),
+        type=max_model_len_type,
+    )
+    block_size: int = flag_field(
+        16,
+        help="Tokens per KV-cache block.",
+        type=int_type, choices=SUPPORTED_BLOCK_SIZES,
+    )
+    max_num_seqs: int = flag_field(
+        256,
+        help="Most requests running at once.",
+        type=positive_int,
+    )
+    max_num_batched_tokens: Optional[int] = flag_field(
+        None,
+        help=(
+            "Token budget of one engine step (default, as vLLM: 2048 on CPU, 8192 on GPU, at least "
+            "--max-num-seqs)."
+        ),
+        type=human_readable_int,
+    )
+    kv_cache_memory_bytes: Optional[int] = flag_field(
+        None,
+        help="Exact KV-cache size in bytes (e.g. 512M, 4G); overrides --gpu-memory-utilization.",
+        type=human_readable_int,
+    )
+    gpu_memory_utilization: float = flag_field(
+        0.9,
+        help=(
+            "Fraction of device memory (on CPU: of the RAM available at start-up) for weights, "
+            "activations and KV cache."
+        ),
+        type=fraction_type,
+    )
+    seed: int = flag_field(
+        0,
+        help="Global random seed.",
+        type=int_type,
+    )
+    enable_prefix_caching: bool = flag_field(
+        True,
+        help="Automatic prefix caching: reuse the KV cache of shared prompt prefixes.",
+        action=argparse.BooleanOptionalAction,
+    )
+    prefix_caching_hash_algo: str = flag_field(
+        'sha256',
+        help=(
+            "Hash of prefix-cache blocks: sha256 (default), sha256_cbor, or xxhash (faster, not "
+            "cryptographic)."
+        ),
+        choices=('sha256', 'sha256_cbor', 'xxhash'),
+    )
+    attention_backend: Optional[str] = flag_field(
+        None,
+        help=(
+            "Attention backend: CPU_ATTN (C++ CPU kernel), TORCH_SDPA (portable PyTorch) or a "
+            "registered one. Default: $PAGEDLLM_ATTENTION_BACKEND, else chosen by platform."
+        ),
+        metavar='NAME',
+    )
+    generation_config: str = flag_field(
+        "auto",
+        help=(
+            "Default sampling parameters of requests that do not set them: 'auto' takes the model's "
+            "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+            "max_new_tokens), 'vllm' uses vLLM's defaults, a FOLDER reads its generation_config.json "
+            "(its max_new_tokens also caps every request)."
+        ),
+        metavar='{auto,vllm,FOLDER}',
+    )
+    override_generation_config: Optional[dict] = flag_field(
+        None,
+        help=(
+            'Sampling defaults that replace the generation config\'s, e.g. \'{"temperature": 0.5}\' '
+            "(same fields as --generation-config)."
+        ),
+        type=json_object, metavar='JSON',
+    )
+    usage_context: str = not_a_flag(
+        "llm", why="set by the caller: 'llm' for LLM / offline, 'api_server' for pagedllm serve"
+    )
+    quantization: Optional[str] = flag_field(
+        None,
+        help=(
+            "Weight format. Quantize a 16/32-bit checkpoint at load: int8 = weight-only int8, one "
+            "scale per output channel (half the bytes of bf16 per decode step); int4 = weight-only "
+            "4-bit, symmetric groups of 32 as llama.cpp's Q4_0 (a quarter; --quantization-config for "
+            "128); fp8 = e4m3 weights, one scale per tensor (vLLM's online FP8). Checkpoint formats, "
+            "read from config.json (naming one here checks it): gptq, awq, compressed-tensors (W4A16 "
+            "/ W8A16 pack-quantized), fp8; a .gguf MODEL is read as gguf. Default: the checkpoint's "
+            "own format."
+        ),
+        aliases=("-q",),
+    )
+    quantization_config: Optional[dict] = flag_field(
+        None,
+        help=(
+            "Options of a --quantization applied at load, as JSON (vLLM's quantization_config): int4 "
+            'reads \'{"group_size": 128}\' (32, 64 or 128; default 32).'
+        ),
+        type=json_object, metavar='JSON',
+    )
+    disable_log_stats: bool = flag_field(
+        False,
+        help=(
+            "Do not log the engine's statistics line (throughput, running and waiting requests, "
+            "KV-cache usage, prefix-cache hit rate) every $PAGEDLLM_LOG_STATS_INTERVAL seconds "
+            "(default 10) while it works."
+        ),
+        action="store_true", group="server",
+    )
+    distributed_executor_backend: Union[str, type, None] = flag_field(
+        None,
+        help=(
+            "How workers run: 'uni' (one worker in the engine process; the default for one worker), "
+            "'mp' (one process per worker on this machine; the default for more) or 'ray' (one Ray "
+            "actor per worker on the nodes of a Ray cluster, `ray start`; the default when Ray is "
+            "connected); 'external_launcher' is not supported yet."
+        ),
+        choices=('ray', 'mp', 'uni', 'external_launcher'),
+    )
+    # vLLM's other engine arguments (names and defaults as vLLM's ``EngineArgs``); partly built
+    # ones: see ``PARTLY_BUILT_ARGS``.
+    tensor_parallel_size: int = flag_field(
+        1,
+        help=(
+            "Worker processes the model's layers are split over (tensor parallelism): one GPU each on"
+            " CUDA, at least one core each on CPU."
+        ),
+        aliases=("-tp",), type=positive_int,
+    )
+    pipeline_parallel_size: int = flag_field(
+        1,
+        help=(
+            "Pipeline stages the model's layers are split over, one worker process each (x the "
+            "tensor-parallel size); at most the model's number of layers."
+        ),
+        aliases=("-pp",), type=positive_int,
+    )
+    data_parallel_size: int = flag_field(
+        1,
+        help=(
+            "Engine replicas behind this server, each in its own process (on CPU: its own share of "
+            "the cores; on CUDA: its own device; with -tp/-pp: its own workers, -dp x -tp x -pp in "
+            "all); requests go to the least loaded one."
+        ),
+        aliases=("-dp",), type=positive_int,
+    )
+    load_format: str = flag_field(
+        "auto",
+        help=(
+            "Checkpoint format: 'auto' / 'safetensors' (*.safetensors), 'gguf' (a .gguf MODEL, also "
+            "read under 'auto'); the others are not supported yet."
+        ),
+        choices=('auto', 'safetensors', 'pt', 'npcache', 'dummy', 'tensorizer', 'sharded_state', 'gguf', 'bitsandbytes', 'mistral', 'runai_streamer', 'fastsafetensors'),
+    )
+    kv_cache_dtype: str = flag_field(
+        "auto",
+        help=(
+            "KV-cache dtype: 'auto' (the model's dtype), or FP8 ('fp8' = 'fp8_e4m3', 'fp8_e5m2'): one"
+            " byte per element, twice the tokens of a 16-bit cache in the same memory, scaled by the "
+            "checkpoint's k_scale / v_scale (else 1.0); 'bfloat16' and 'fp8_inc' are not supported "
+            "yet."
+        ),
+        choices=('auto', 'bfloat16', 'fp8', 'fp8_e4m3', 'fp8_e5m2', 'fp8_inc'),
+    )
+    calculate_kv_scales: bool = flag_field(
+        False,
+        help=(
+            "With an FP8 KV cache: compute each layer's k_scale / v_scale from the first batch (amax "
+            "/ 200 for keys, amax / 100 for values, as vLLM) instead of the checkpoint's or 1.0."
+        ),
+        action="store_true",
+    )
+    tokenizer_mode: str = flag_field(
+        "auto",
+        help="'auto' / 'hf': the Hugging Face fast tokenizer; the others are not supported yet.",
+        choices=('auto', 'hf', 'slow', 'mistral', 'custom'),
+    )
+    enable_chunked_prefill: Optional[bool] = flag_field(
+        None,
+        help=(
+            "Cut long prompts into chunks that fit --max-num-batched-tokens: always on here "
+            "(--no-enable-chunked-prefill is not supported yet)."
+        ),
+        action=argparse.BooleanOptionalAction,
+    )
+    cpu_offload_gb: float = flag_field(
+        0,
+        help="0 only (offloading is not supported yet).",
+        type=non_negative_float,
+    )
+    structured_outputs_config: Any = flag_field(
+        None,
+        help=(
+            'Constrained decoding (response_format, structured_outputs, guided_*): \'{"backend": '
+            '"auto"}\' (xgrammar, falling back to llguidance for what it cannot compile) | "xgrammar" '
+            '| "guidance"; also disable_fallback, disable_any_whitespace, '
+            "disable_additional_properties (true/false), max_whitespace_cnt, max_number_digits, "
+            "max_string_length (bounds on JSON output; null: none)."
+        ),
+        type=json_object_type, metavar='JSON',
+    )
+    speculative_config: Optional[dict] = flag_field(
+        None,
+        help=(
+            'Speculative decoding, as JSON (vLLM\'s keys): {"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_max": 4} or {"model": DRAFT, '
+            '"num_speculative_tokens": 4}.'
+        ),
+        type=json_object_type,
+    )
+    enable_lora: bool = flag_field(
+        False,
+        help=(
+            "Serve LoRA adapters (--lora-modules, or loaded at run time) over the base model, many in"
+            " one batch."
+        ),
+        action="store_true",
+    )
+    max_loras: int = flag_field(
+        1,
+        help="LoRA adapters in one batch (device slots).",
+        type=positive_int,
+    )
+    max_lora_rank: int = flag_field(
+        16,
+        help="Largest LoRA rank served.",
+        type=positive_int,
+    )
+    max_cpu_loras: Optional[int] = flag_field(
+        None,
+        help="LoRA adapters kept loaded in CPU memory (LRU; default: --max-loras).",
+        type=positive_int,
+    )
+    trust_remote_code: bool = flag_field(
+        False,
+        help=(
+            "Let transformers run a checkpoint's own config code. The model must still be one of "
+            "pagedllm's architectures."
+        ),
+        action="store_true",
+    )
+    max_logprobs: int = flag_field(
+        20,
+        help=(
+            "Most logprobs per token a request may ask for (logprobs, top_logprobs, prompt_logprobs);"
+            " -1: the vocabulary size. Requests asking more get a 400."
+        ),
+        type=int_type,
+    )
+    batch_invariant: bool = flag_field(
+        False,
+        help=(
+            "Logprobs bit-identical whatever the batch, chunk size, prefix-cache state and preemption"
+            " (as vLLM's VLLM_BATCH_INVARIANT=1): each matmul row and each attention query computed "
+            "alone, in one fixed order; slower prefill (docs/benchmarks.md). Unquantized models "
+            "without LoRA or speculative decoding."
+        ),
+        action="store_true",
+    )
+    num_gpu_blocks_override: Optional[int] = flag_field(
+        None,
+        help="Number of KV-cache blocks, exactly (no memory sizing).",
+        type=positive_int,
+    )
+    disable_sliding_window: bool = flag_field(
+        False,
+        help=(
+            "Attend over the whole context in layers with a sliding window, and cap --max-model-len "
+            "at the window (vLLM's behaviour). No effect on models without sliding windows."
+        ),
+        action="store_true",
+    )
     # No-ops here (CUDA graphs, swapping and custom all-reduce do not exist in pagedllm):
     # accepted so vLLM launch lines run.
-    enforce_eager: bool = False
-    max_seq_len_to_capture: int = 8192
-    swap_space: float = 4
-    disable_custom_all_reduce: bool = False
+    enforce_eager: bool = flag_field(
+        False,
+        help="No-op: pagedllm captures no CUDA graphs.",
+        action="store_true",
+    )
+    max_seq_len_to_capture: int = flag_field(
+        8192,
+        help="No-op: pagedllm captures no CUDA graphs.",
+        type=positive_int,
+    )
+    swap_space: float = flag_field(
+        4,
+        help=(
+            "GiB of CPU swap space per device. No-op: preempted requests are recomputed, never "
+            "swapped."
+        ),
+        type=non_negative_float,
+    )
+    disable_custom_all_reduce: bool = flag_field(
+        False,
+        help="No-op: pagedllm has no custom CUDA all-reduce.",
+        action="store_true",
+    )
 
     def __post_init__(self) -> None:
         """Refuse at once a value asking for something not built (``PARTLY_BUILT_ARGS``),
@@ -283,3 +579,39 @@ class EngineArgs:
                 f"num_gpu_blocks_override={self.num_gpu_blocks_override} cannot hold one sequence of "
                 f"max_model_len {max_model_len} tokens: that needs {blocks_per_seq} blocks of {self.block_size} tokens."
             )
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineArgs:
+        """The ``EngineArgs`` of parsed flags (vLLM's method): every field that is a flag,
+        from ``args`` (a parser given ``add_engine_args``), then ``overrides`` (e.g.
+        ``usage_context``).
+
+        Raises:
+            ValueError: ``args`` lacks a flag (its parser did not get ``add_engine_args``), or
+                a bad value (see the constructor).
+        """
+        return cls(**{**flag_values(cls, args), **overrides})
+
+
+def add_engine_args(parser: Any, groups: Optional[Mapping[str, Any]] = None, *, unset: bool = False) -> None:
+    """Add ``EngineArgs``' flags to ``parser`` (``pagedllm serve``, the engine benchmarks).
+
+    The model flags (``--model``, ``--tokenizer``, revisions, ``--download-dir``) go to
+    ``groups["model"]``, the others to ``groups["engine"]`` and ``groups["server"]``
+    (``--disable-log-stats``); a group not given is ``parser`` itself for "model", else
+    a new argument group "engine". ``unset``: every default is None, so that a caller
+    passes on only the flags given (``given_engine_kwargs``) and the rest keep ``LLM``'s
+    defaults.
+    """
+    groups = dict(groups or {})
+    groups.setdefault("model", parser)
+    if "engine" not in groups:
+        groups["engine"] = parser.add_argument_group("engine")
+    groups.setdefault("server", groups["engine"])
+    add_flags(EngineArgs, groups, unset=unset)
+
+
+def given_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``LLM(...)`` keyword arguments of the engine flags in ``args`` that are not None
+    (with ``add_engine_args(..., unset=True)``: those given on the command line)."""
+    return given_flag_values(EngineArgs, args)

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 #: dtype names accepted by ``--dtype`` -> torch dtype attribute names.
-_DTYPES = {
+DTYPES = {
     "float32": "float32",
     "float": "float32",
     "bfloat16": "bfloat16",
@@ -43,16 +43,16 @@ def resolve_dtype(dtype: Any, hf_config: PretrainedConfig, log: bool = True) -> 
         return dtype
     if dtype != "auto":
         try:
-            return getattr(torch, _DTYPES[str(dtype)])
+            return getattr(torch, DTYPES[str(dtype)])
         except KeyError:
-            raise ValueError(f"Unknown dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}.") from None
+            raise ValueError(f"Unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}.") from None
     # NOTE: transformers >= 4.56 names it ``dtype`` and warns on every ``torch_dtype`` read.
     if hasattr(hf_config, "dtype"):
         config_dtype = hf_config.dtype
     else:
         config_dtype = getattr(hf_config, "torch_dtype", None)
     if isinstance(config_dtype, str):
-        config_dtype = getattr(torch, _DTYPES.get(config_dtype, "float32"))
+        config_dtype = getattr(torch, DTYPES.get(config_dtype, "float32"))
     if config_dtype in (None, torch.float32):
         chosen, why = current_platform.half_dtype(), "16-bit for a float32 checkpoint, as vLLM"
     elif config_dtype == torch.float16 and not current_platform.is_cuda:
