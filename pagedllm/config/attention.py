@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionConfig:
     """The attention backend by name (``--attention-backend``); None: ``$PAGEDLLM_ATTENTION_BACKEND``,
     else chosen by platform (``pagedllm.attention.selector``, which checks the name at start-up)."""

@@ -15,7 +15,7 @@ SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: block size (tokens), memory budget (bytes), prefix caching.
 
@@ -24,6 +24,8 @@ class CacheConfig:
     Without it the budget is what ``gpu_memory_utilization`` leaves, and on CPU at most
     ``max_kv_cache_tokens`` tokens: what the configuration can use at once.
     ``num_gpu_blocks_override`` (vLLM's) sets the number of blocks exactly, with no sizing.
+    The number of blocks the budget buys is the engine's run-time state, not configuration
+    (``EngineCore.num_gpu_blocks``; the clients' ``num_gpu_blocks``).
     """
 
     block_size: int
@@ -31,7 +33,6 @@ class CacheConfig:
     kv_cache_memory_bytes: Optional[int]
     enable_prefix_caching: bool
     prefix_caching_hash_algo: str
-    num_gpu_blocks: Optional[int] = None  # set once the budget is measured
     kv_cache_memory_source: str = "kv_cache_memory_bytes"
     max_kv_cache_tokens: Optional[int] = None
     num_gpu_blocks_override: Optional[int] = None

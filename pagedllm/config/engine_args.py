@@ -559,8 +559,9 @@ class EngineArgs:
         lora_config = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None
         speculative_config = None
         if self.speculative_config is not None:
-            speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
-            speculative_config.resolve_draft_model(model_config, None, self.download_dir)
+            speculative_config = SpeculativeConfig.from_dict(self.speculative_config).resolve_draft_model(
+                model_config, None, self.download_dir
+            )
         return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, attention_config,
                             lora_config=lora_config, speculative_config=speculative_config,
                             structured_outputs_config=StructuredOutputsConfig.from_dict(self.structured_outputs_config))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoRAConfig:
     """Multi-LoRA serving (``--enable-lora``; vLLM's ``LoRAConfig`` names and defaults):
     ``max_loras`` adapters in one step (device slots), ``max_lora_rank`` the largest rank,
@@ -22,7 +22,7 @@ class LoRAConfig:
 
     def __post_init__(self) -> None:
         if self.max_cpu_loras is None:
-            self.max_cpu_loras = self.max_loras
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)  # frozen: set once, here
         for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")

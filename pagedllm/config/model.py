@@ -74,7 +74,7 @@ _GENERATION_CONFIG_SAMPLING_FIELDS = ("repetition_penalty", "temperature", "top_
 _logged_generation_defaults: set = set()
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """The model: where it is, its HF config, the compute dtype and context length (tokens).
 

@@ -9,7 +9,7 @@ if TYPE_CHECKING:
     from pagedllm.config.model import ModelConfig
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     """How the model spreads over devices: parallel sizes and the executor.
 

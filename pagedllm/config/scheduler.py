@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
     """Batching limits: requests per step, tokens per step, context length (tokens)."""
 

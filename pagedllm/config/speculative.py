@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -25,7 +26,7 @@ EAGLE_HEAD_ARCHITECTURES = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (vLLM's ``--speculative-config`` / ``speculative_config``).
 
@@ -118,9 +119,12 @@ class SpeculativeConfig:
         return cls(method, k, lookup_min, lookup_max, config.get("model"),
                    enable_adaptive_k=adaptive, adaptive_k_ema_alpha=float(ema_alpha))
 
-    def resolve_draft_model(self, target: ModelConfig, revision: Optional[str], download_dir: Optional[str]) -> None:
-        """Read the draft model's or EAGLE head's config.json into ``draft_model_config``
-        (not for n-gram): the target's dtype and context length.
+    def resolve_draft_model(
+        self, target: ModelConfig, revision: Optional[str], download_dir: Optional[str]
+    ) -> SpeculativeConfig:
+        """This config with the draft model's or EAGLE head's config.json read into
+        ``draft_model_config`` (the target's dtype and context length) and, for EAGLE-3, its
+        ``eagle_aux_hidden_state_layer_ids``; itself for n-gram.
 
         Raises:
             ValueError: naming ``speculative_config['model']``: a path that is not a model, a
@@ -130,7 +134,7 @@ class SpeculativeConfig:
                 outside the target (see ``_check_eagle_head``).
         """
         if not self.uses_draft_model:
-            return
+            return self
         try:
             path = resolve_model_path(self.model, revision, download_dir)
             hf_config = load_hf_config(path, target.trust_remote_code)
@@ -142,17 +146,19 @@ class SpeculativeConfig:
         if derived_max_model_len(hf_config) < target.max_model_len:
             raise ValueError(f"speculative_config['model']={self.model!r} handles {derived_max_model_len(hf_config)} "
                              f"tokens of context, fewer than max_model_len ({target.max_model_len}).")
-        if self.is_eagle:
-            self._check_eagle_head(hf_config, target)
-        self.draft_model_config = ModelConfig(
+        layer_ids = self._check_eagle_head(hf_config, target) if self.is_eagle else ()
+        draft_model_config = ModelConfig(
             model=str(self.model), model_path=path, tokenizer_path=target.tokenizer_path, hf_config=hf_config,
             dtype=target.dtype, max_model_len=target.max_model_len, seed=target.seed,
             trust_remote_code=target.trust_remote_code,
         )  # fmt: skip
+        return dataclasses.replace(
+            self, draft_model_config=draft_model_config, eagle_aux_hidden_state_layer_ids=layer_ids
+        )
 
-    def _check_eagle_head(self, hf_config: PretrainedConfig, target: ModelConfig) -> None:
+    def _check_eagle_head(self, hf_config: PretrainedConfig, target: ModelConfig) -> tuple[int, ...]:
         """Check an EAGLE head against its target; name its class (vLLM's architecture
-        name) in ``hf_config.architectures``; resolve the EAGLE-3 layer ids: the config's
+        name) in ``hf_config.architectures``; return the EAGLE-3 layer ids (() for EAGLE): the config's
         ``eagle_aux_hidden_state_layer_ids``, else vLLM's default (2, L // 2, L - 3) for a
         target of L layers; id i is the residual stream entering target layer i.
 
@@ -173,10 +179,10 @@ class SpeculativeConfig:
                                  "reads the target's hidden states and shares its embeddings.")
         hf_config.architectures = [head_class]
         if self.method != "eagle3":
-            return
+            return ()
         num_layers = target.num_layers
         ids = getattr(hf_config, "eagle_aux_hidden_state_layer_ids", None) or (2, num_layers // 2, num_layers - 3)
         if len(ids) != 3 or not all(isinstance(i, int) and 0 <= i < num_layers for i in ids):
             raise ValueError(f"{name}: eagle_aux_hidden_state_layer_ids {list(ids)} must be 3 layer ids of the "
                              f"target's {num_layers} layers (0 .. {num_layers - 1}); the default is (2, L // 2, L - 3).")
-        self.eagle_aux_hidden_state_layer_ids = tuple(ids)
+        return tuple(ids)

@@ -9,7 +9,7 @@ from typing import Optional
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
 
 
-@dataclass
+@dataclass(frozen=True)
 class StructuredOutputsConfig:
     """Constrained decoding options of the engine (vLLM's ``--structured-outputs-config``).
 
