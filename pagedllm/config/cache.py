@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:
     import torch
 
+    from pagedllm.config.engine_args import EngineArgs
+
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 
 #: ``--kv-cache-dtype`` FP8 values -> torch dtype attribute names. "fp8" is e4m3, as vLLM on
@@ -40,6 +42,31 @@ class CacheConfig:
     cache_dtype: str = "auto"
     #: vLLM's ``--calculate-kv-scales``: FP8 scales from the first batch (``pagedllm.attention.kv_cache_quant``).
     calculate_kv_scales: bool = False
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, max_model_len: int) -> CacheConfig:
+        """The cache of ``args``: the budget is ``kv_cache_memory_bytes``, else the CPU
+        KV-cache environment variable (``CPU_KVCACHE_SPACE_ENV_VARS``), else sized from
+        ``gpu_memory_utilization``.
+
+        Raises:
+            ValueError: a KV-cache environment variable that is not a number.
+        """
+        kv_cache_memory_bytes, source = args.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+        if kv_cache_memory_bytes is None:
+            kv_cache_memory_bytes, source = _cpu_kvcache_space_env()
+        return cls(
+            block_size=args.block_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            enable_prefix_caching=args.enable_prefix_caching,
+            prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+            kv_cache_memory_source=source,
+            max_kv_cache_tokens=cpu_max_kv_cache_tokens(args.max_num_seqs, max_model_len, args.enable_prefix_caching),
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+            cache_dtype=args.kv_cache_dtype,
+            calculate_kv_scales=args.calculate_kv_scales,
+        )
 
     def kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The cache's element type: ``model_dtype`` for "auto", else the FP8 type of

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import argparse
-from typing import Any, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
 from pagedllm.arch_config import check_hf_config, disable_sliding_window, min_sliding_window
 from pagedllm.config.arg_types import (
@@ -22,7 +22,7 @@ from pagedllm.config.arg_types import (
     positive_int,
 )
 from pagedllm.config.attention import AttentionConfig
-from pagedllm.config.cache import SUPPORTED_BLOCK_SIZES, CacheConfig, _cpu_kvcache_space_env, cpu_max_kv_cache_tokens
+from pagedllm.config.cache import SUPPORTED_BLOCK_SIZES, CacheConfig
 from pagedllm.config.engine_config import EngineConfig
 from pagedllm.config.flags import add_flags, flag_field, flag_values, given_flag_values, not_a_flag
 from pagedllm.config.hub import load_hf_config, resolve_model_path
@@ -36,10 +36,13 @@ from pagedllm.config.model import (
     resolve_dtype,
 )
 from pagedllm.config.parallel import ParallelConfig, check_data_parallel_size
-from pagedllm.config.scheduler import SchedulerConfig, default_max_num_batched_tokens
+from pagedllm.config.scheduler import SchedulerConfig
 from pagedllm.config.speculative import SpeculativeConfig
 from pagedllm.config.structured_outputs import StructuredOutputsConfig
 from pagedllm.config.vllm_compat import PARTLY_BUILT_ARGS
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # NOTE: torch and transformers are imported inside the functions that need them: this
 # module (``EngineArgs``) is on the import path of ``pagedllm serve`` before the engine
@@ -470,12 +473,7 @@ class EngineArgs:
         Raises:
             ValueError: naming the bad argument and its allowed values.
         """
-        if self.block_size not in SUPPORTED_BLOCK_SIZES:
-            raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size}.")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        self._check_sizes()
         check_generation_config(self.generation_config)
         from pagedllm.kernels import isa
 
@@ -488,24 +486,8 @@ class EngineArgs:
         )
         hf_config = load_hf_config(model_path, self.trust_remote_code)
         check_hf_config(hf_config)
-        derived, derived_from = derived_max_model_len(hf_config), "max_position_embeddings in config.json"
-        window = min_sliding_window(hf_config)
-        if self.disable_sliding_window and window is not None:
-            # vLLM's rule: full attention computes what the model does only up to its window.
-            if window < derived:
-                derived, derived_from = window, "the sliding window, as --disable-sliding-window caps it"
-            disable_sliding_window(hf_config)
-        max_model_len = self.max_model_len or derived
-        if max_model_len > derived:
-            raise ValueError(
-                f"max_model_len ({max_model_len}) is larger than the model's maximum context "
-                f"length ({derived}, {derived_from})."
-            )
-        max_num_batched_tokens = self.max_num_batched_tokens or max(
-            default_max_num_batched_tokens(self.usage_context), self.max_num_seqs
-        )
-        if max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}.")
+        max_model_len = self._max_model_len(hf_config)
+        scheduler_config = SchedulerConfig.from_engine_args(self, max_model_len)
         model_config = ModelConfig(
             model=str(self.model or model_path.name),
             model_path=model_path,
@@ -523,48 +505,67 @@ class EngineArgs:
             batch_invariant=self.batch_invariant,
         )
         self._check_num_gpu_blocks_override(max_model_len)
-        kv_cache_memory_bytes, source = self.kv_cache_memory_bytes, "kv_cache_memory_bytes"
-        if kv_cache_memory_bytes is None:
-            kv_cache_memory_bytes, source = _cpu_kvcache_space_env()
-        cache_config = CacheConfig(
-            block_size=self.block_size,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            enable_prefix_caching=self.enable_prefix_caching,
-            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
-            kv_cache_memory_source=source,
-            max_kv_cache_tokens=cpu_max_kv_cache_tokens(self.max_num_seqs, max_model_len, self.enable_prefix_caching),
-            num_gpu_blocks_override=self.num_gpu_blocks_override,
-            cache_dtype=self.kv_cache_dtype,
-            calculate_kv_scales=self.calculate_kv_scales,
-        )
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-        )
-        parallel_config = ParallelConfig(
-            tensor_parallel_size=self.tensor_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            distributed_executor_backend=self.distributed_executor_backend,
-            data_parallel_size=self.data_parallel_size,
-        )
-        parallel_config.verify_with_model_config(model_config)
-        if self.speculative_config is not None and parallel_config.pipeline_parallel_size > 1:
+        cache_config = CacheConfig.from_engine_args(self, max_model_len)
+        parallel_config = ParallelConfig.from_engine_args(self, model_config)
+        return EngineConfig(
+            model_config, cache_config, scheduler_config, parallel_config, AttentionConfig(self.attention_backend),
+            lora_config=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None,
+            speculative_config=self._speculative_config(model_config, parallel_config),
+            structured_outputs_config=StructuredOutputsConfig.from_dict(self.structured_outputs_config),
+        )  # fmt: skip
+
+    def _check_sizes(self) -> None:
+        """``block_size``, ``max_num_seqs`` and ``gpu_memory_utilization`` in range.
+
+        Raises:
+            ValueError: naming the argument and its allowed values.
+        """
+        if self.block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+
+    def _max_model_len(self, hf_config: PretrainedConfig) -> int:
+        """``max_model_len``, or the model's context length; with ``disable_sliding_window``
+        the model's windows are turned off in ``hf_config`` and the length capped at the
+        smallest (vLLM's rule: full attention computes what the model does only up to it).
+
+        Raises:
+            ValueError: a ``max_model_len`` above the model's (or the window's) length.
+        """
+        derived, derived_from = derived_max_model_len(hf_config), "max_position_embeddings in config.json"
+        window = min_sliding_window(hf_config)
+        if self.disable_sliding_window and window is not None:
+            if window < derived:
+                derived, derived_from = window, "the sliding window, as --disable-sliding-window caps it"
+            disable_sliding_window(hf_config)
+        max_model_len = self.max_model_len or derived
+        if max_model_len > derived:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) is larger than the model's maximum context "
+                f"length ({derived}, {derived_from})."
+            )
+        return max_model_len
+
+    def _speculative_config(
+        self, model_config: ModelConfig, parallel_config: ParallelConfig
+    ) -> Optional[SpeculativeConfig]:
+        """``speculative_config`` checked and its draft model resolved (None: off).
+
+        Raises:
+            ValueError: with pipeline parallelism, or a bad draft model (``resolve_draft_model``).
+        """
+        if self.speculative_config is None:
+            return None
+        if parallel_config.pipeline_parallel_size > 1:
             raise ValueError(
                 f"speculative_config with pipeline_parallel_size {self.pipeline_parallel_size} is not supported yet "
                 f"(drafts are verified on the last stage only); use pipeline_parallel_size 1."
             )
-        attention_config = AttentionConfig(self.attention_backend)
-        lora_config = LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None
-        speculative_config = None
-        if self.speculative_config is not None:
-            speculative_config = SpeculativeConfig.from_dict(self.speculative_config).resolve_draft_model(
-                model_config, None, self.download_dir
-            )
-        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config, attention_config,
-                            lora_config=lora_config, speculative_config=speculative_config,
-                            structured_outputs_config=StructuredOutputsConfig.from_dict(self.structured_outputs_config))
+        spec = SpeculativeConfig.from_dict(self.speculative_config)
+        return spec.resolve_draft_model(model_config, None, self.download_dir)
 
     def _check_num_gpu_blocks_override(self, max_model_len: int) -> None:
         """``num_gpu_blocks_override`` (None, or blocks enough for one ``max_model_len`` sequence).

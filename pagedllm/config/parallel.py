@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
 if TYPE_CHECKING:
+    from pagedllm.config.engine_args import EngineArgs
     from pagedllm.config.model import ModelConfig
 
 
@@ -31,6 +32,22 @@ class ParallelConfig:
     distributed_executor_backend: Union[str, type, None] = None
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, model_config: ModelConfig) -> ParallelConfig:
+        """The parallel sizes and executor of ``args``, checked against the model.
+
+        Raises:
+            ValueError: see ``verify_with_model_config``.
+        """
+        config = cls(
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            distributed_executor_backend=args.distributed_executor_backend,
+            data_parallel_size=args.data_parallel_size,
+        )
+        config.verify_with_model_config(model_config)
+        return config
 
     @property
     def world_size(self) -> int:

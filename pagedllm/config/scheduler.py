@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.config.engine_args import EngineArgs
 
 
 @dataclass(frozen=True)
@@ -12,6 +16,21 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, max_model_len: int) -> SchedulerConfig:
+        """The limits of ``args``; ``max_num_batched_tokens`` defaults by device and use
+        (``default_max_num_batched_tokens``), and never below ``max_num_seqs``.
+
+        Raises:
+            ValueError: a token budget below 1.
+        """
+        max_num_batched_tokens = args.max_num_batched_tokens or max(
+            default_max_num_batched_tokens(args.usage_context), args.max_num_seqs
+        )
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}.")
+        return cls(args.max_num_seqs, max_num_batched_tokens, max_model_len)
 
 
 #: Default ``max_num_batched_tokens`` by (device type, usage context): vLLM's defaults
