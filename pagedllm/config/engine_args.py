@@ -54,6 +54,11 @@ if TYPE_CHECKING:
 class EngineArgs:
     """Arguments of ``LLM`` / ``LLMEngine`` / ``pagedllm serve``, with vLLM's names and defaults.
 
+    Each field declares its command-line flag (``flag_field``: help, type, choices,
+    aliases; ``--max-model-len`` for ``max_model_len``) or says why it has none
+    (``not_a_flag``); ``add_engine_args`` adds them to a parser and ``from_cli_args``
+    reads them back.
+
     ``max_num_batched_tokens`` defaults as in vLLM, by device and use (``usage_context``:
     ``"llm"`` for ``LLM`` / offline, ``"api_server"`` for ``pagedllm serve``): 4096 / 2048
     tokens on CPU, 16384 / 8192 on GPU, and never below ``max_num_seqs``. The server's
