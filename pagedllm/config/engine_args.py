@@ -186,12 +186,12 @@ class EngineArgs:
         action=argparse.BooleanOptionalAction,
     )
     prefix_caching_hash_algo: str = flag_field(
-        'sha256',
+        "sha256",
         help=(
             "Hash of prefix-cache blocks: sha256 (default), sha256_cbor, or xxhash (faster, not "
             "cryptographic)."
         ),
-        choices=('sha256', 'sha256_cbor', 'xxhash'),
+        choices=("sha256", "sha256_cbor", "xxhash"),
     )
     attention_backend: Optional[str] = flag_field(
         None,
@@ -199,7 +199,7 @@ class EngineArgs:
             "Attention backend: CPU_ATTN (C++ CPU kernel), TORCH_SDPA (portable PyTorch) or a "
             "registered one. Default: $PAGEDLLM_ATTENTION_BACKEND, else chosen by platform."
         ),
-        metavar='NAME',
+        metavar="NAME",
     )
     generation_config: str = flag_field(
         "auto",
@@ -209,7 +209,7 @@ class EngineArgs:
             "max_new_tokens), 'vllm' uses vLLM's defaults, a FOLDER reads its generation_config.json "
             "(its max_new_tokens also caps every request)."
         ),
-        metavar='{auto,vllm,FOLDER}',
+        metavar="{auto,vllm,FOLDER}",
     )
     override_generation_config: Optional[dict] = flag_field(
         None,
@@ -217,7 +217,7 @@ class EngineArgs:
             'Sampling defaults that replace the generation config\'s, e.g. \'{"temperature": 0.5}\' '
             "(same fields as --generation-config)."
         ),
-        type=json_object, metavar='JSON',
+        type=json_object, metavar="JSON",
     )
     usage_context: str = not_a_flag(
         "llm", why="set by the caller: 'llm' for LLM / offline, 'api_server' for pagedllm serve"
@@ -241,7 +241,7 @@ class EngineArgs:
             "Options of a --quantization applied at load, as JSON (vLLM's quantization_config): int4 "
             'reads \'{"group_size": 128}\' (32, 64 or 128; default 32).'
         ),
-        type=json_object, metavar='JSON',
+        type=json_object, metavar="JSON",
     )
     disable_log_stats: bool = flag_field(
         False,
@@ -260,7 +260,7 @@ class EngineArgs:
             "actor per worker on the nodes of a Ray cluster, `ray start`; the default when Ray is "
             "connected); 'external_launcher' is not supported yet."
         ),
-        choices=('ray', 'mp', 'uni', 'external_launcher'),
+        choices=("ray", "mp", "uni", "external_launcher"),
     )
     # vLLM's other engine arguments (names and defaults as vLLM's ``EngineArgs``); partly built
     # ones: see ``PARTLY_BUILT_ARGS``.
@@ -295,7 +295,10 @@ class EngineArgs:
             "Checkpoint format: 'auto' / 'safetensors' (*.safetensors), 'gguf' (a .gguf MODEL, also "
             "read under 'auto'); the others are not supported yet."
         ),
-        choices=('auto', 'safetensors', 'pt', 'npcache', 'dummy', 'tensorizer', 'sharded_state', 'gguf', 'bitsandbytes', 'mistral', 'runai_streamer', 'fastsafetensors'),
+        choices=(
+            "auto", "safetensors", "pt", "npcache", "dummy", "tensorizer", "sharded_state", "gguf", "bitsandbytes",
+            "mistral", "runai_streamer", "fastsafetensors",
+        ),  # fmt: skip
     )
     kv_cache_dtype: str = flag_field(
         "auto",
@@ -305,7 +308,7 @@ class EngineArgs:
             "checkpoint's k_scale / v_scale (else 1.0); 'bfloat16' and 'fp8_inc' are not supported "
             "yet."
         ),
-        choices=('auto', 'bfloat16', 'fp8', 'fp8_e4m3', 'fp8_e5m2', 'fp8_inc'),
+        choices=("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc"),
     )
     calculate_kv_scales: bool = flag_field(
         False,
@@ -318,7 +321,7 @@ class EngineArgs:
     tokenizer_mode: str = flag_field(
         "auto",
         help="'auto' / 'hf': the Hugging Face fast tokenizer; the others are not supported yet.",
-        choices=('auto', 'hf', 'slow', 'mistral', 'custom'),
+        choices=("auto", "hf", "slow", "mistral", "custom"),
     )
     enable_chunked_prefill: Optional[bool] = flag_field(
         None,
@@ -342,7 +345,7 @@ class EngineArgs:
             "disable_additional_properties (true/false), max_whitespace_cnt, max_number_digits, "
             "max_string_length (bounds on JSON output; null: none)."
         ),
-        type=json_object_type, metavar='JSON',
+        type=json_object_type, metavar="JSON",
     )
     speculative_config: Optional[dict] = flag_field(
         None,

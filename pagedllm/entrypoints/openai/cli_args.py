@@ -119,7 +119,7 @@ class FrontendConfig:
             "Model name(s) clients use in the 'model' field; the first is the one reported. Default: "
             "MODEL as given (the shipped model: pagedllm-default)."
         ),
-        metavar='NAME', nargs='+',
+        metavar="NAME", nargs="+",
     )
     chat_template: Optional[str] = flag_field(
         None,
@@ -134,7 +134,7 @@ class FrontendConfig:
             "Require 'Authorization: Bearer <key>', with one of these keys, on every route except /health and "
             f"/metrics. Also read from ${API_KEY_ENV_VARS[0]}, then ${API_KEY_ENV_VARS[1]} (one key)."
         ),
-        metavar='KEY', nargs='+',
+        metavar="KEY", nargs="+",
     )
     disable_log_requests: bool = flag_field(
         False,
@@ -157,7 +157,7 @@ class FrontendConfig:
             "On SIGTERM or Ctrl-C, stop accepting connections and let running requests finish for up "
             "to this many seconds; then end each open stream with an error event and [DONE]."
         ),
-        type=non_negative_seconds, metavar='SECONDS',
+        type=non_negative_seconds, metavar="SECONDS",
     )
     config: Optional[str] = flag_field(  # read by ``make_flexible`` (``CONFIG_FLAG``)
         None,
@@ -165,12 +165,12 @@ class FrontendConfig:
             "Read flags from a YAML file: keys are flag names without the leading dashes (e.g. "
             "'tensor-parallel-size: 1'); flags on the command line win over the file."
         ),
-        metavar='FILE.yaml',
+        metavar="FILE.yaml",
     )
     uds: Optional[str] = flag_field(
         None,
         help="Listen on this Unix domain socket instead of --host/--port.",
-        metavar='PATH',
+        metavar="PATH",
     )
     root_path: Optional[str] = flag_field(
         None,
@@ -255,7 +255,7 @@ class FrontendConfig:
             ' ..., "path": ..., "base_model_name": ...}\'; a request selects one by its name in '
             "'model'."
         ),
-        type=lora_module_type, metavar='name=path | JSON', nargs='+',
+        type=lora_module_type, metavar="name=path | JSON", nargs="+",
     )
     disable_log_stats: bool = not_a_flag(False, why="EngineArgs' flag --disable-log-stats (server group)")
 
