@@ -12,9 +12,8 @@ from pagedllm import envs
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIR = ROOT / "pagedllm"
-#: Modules that may read PAGEDLLM_ / VLLM_ variables from ``os.environ`` themselves: envs.py,
-#: and config.py until it reads its two (CPU_KVCACHE_SPACE, BATCH_INVARIANT) through envs.py.
-READS_ALLOWED = {"pagedllm/envs.py", "pagedllm/config.py"}
+#: The one module that reads PAGEDLLM_ / VLLM_ variables from ``os.environ`` itself.
+READS_ALLOWED = {"pagedllm/envs.py"}
 PREFIXES = ("PAGEDLLM_", "VLLM_")
 
 
@@ -138,11 +137,21 @@ def test_callers_read_both_names(clean_env):
     assert resolve_api_key(argparse.Namespace(api_key=["a", "b"])) == ["a", "b"]
 
 
-@pytest.mark.parametrize("ours, theirs", [("4", None), ("0", "2"), (None, "2"), (" 1.5 ", "2"), ("-1", "2"), ("0", None), ("", "0.5")])
-def test_cpu_kvcache_space_agrees_with_config(clean_env, ours, theirs):
-    """The declaration gives what config.py reads today (0 or less: the next name), so
-    config.py can switch to it."""
-    from pagedllm.config import _cpu_kvcache_space_env
+@pytest.mark.parametrize(
+    "ours, theirs, expected",
+    [
+        ("4", None, (4 * 2**30, "PAGEDLLM_CPU_KVCACHE_SPACE=4 GiB")),
+        ("0", "2", (2 * 2**30, "VLLM_CPU_KVCACHE_SPACE=2 GiB")),
+        (None, "2", (2 * 2**30, "VLLM_CPU_KVCACHE_SPACE=2 GiB")),
+        (" 1.5 ", "2", (int(1.5 * 2**30), "PAGEDLLM_CPU_KVCACHE_SPACE=1.5 GiB")),
+        ("-1", "2", (2 * 2**30, "VLLM_CPU_KVCACHE_SPACE=2 GiB")),
+        ("0", None, (None, "")),
+        ("", "0.5", (2**29, "VLLM_CPU_KVCACHE_SPACE=0.5 GiB")),
+    ],
+)
+def test_cpu_kvcache_space(clean_env, ours, theirs, expected):
+    """vLLM-CPU's rule: GiB, 0 or less counts as unset (the next name is read)."""
+    from pagedllm.config.cache import _cpu_kvcache_space_env
     from pagedllm.platforms import current_platform
 
     if not current_platform.is_cpu:
@@ -150,22 +159,32 @@ def test_cpu_kvcache_space_agrees_with_config(clean_env, ours, theirs):
     for name, value in (("PAGEDLLM_CPU_KVCACHE_SPACE", ours), ("VLLM_CPU_KVCACHE_SPACE", theirs)):
         if value is not None:
             clean_env.setenv(name, value)
-    setting = envs.PAGEDLLM_CPU_KVCACHE_SPACE.lookup()
-    nbytes, source = _cpu_kvcache_space_env()
-    if setting is None:
-        assert (nbytes, source) == (None, "")
-    else:
-        assert (nbytes, source) == (int(setting.value * 2**30), f"{setting.name}={setting.text.strip()} GiB")
+    assert _cpu_kvcache_space_env() == expected
 
 
-@pytest.mark.parametrize("ours, theirs", [("1", None), (None, "yes"), ("0", "true"), ("no", "0"), (None, None)])
-def test_batch_invariant_agrees_with_config(clean_env, ours, theirs):
-    from pagedllm.config import batch_invariant_from_env
+def test_cpu_kvcache_space_not_a_number(clean_env):
+    from pagedllm.config.cache import _cpu_kvcache_space_env
+    from pagedllm.platforms import current_platform
+
+    if not current_platform.is_cpu:
+        pytest.skip("the variable is read on CPU only")
+    clean_env.setenv("PAGEDLLM_CPU_KVCACHE_SPACE", "lots")
+    with pytest.raises(ValueError, match="PAGEDLLM_CPU_KVCACHE_SPACE must be a number of GiB, got 'lots'"):
+        _cpu_kvcache_space_env()
+
+
+@pytest.mark.parametrize(
+    "ours, theirs, expected",
+    [("1", None, True), (None, "yes", True), ("0", "true", True), ("no", "0", False), (None, None, False)],
+)
+def test_batch_invariant_from_env(clean_env, ours, theirs, expected):
+    from pagedllm.config import EngineArgs, batch_invariant_from_env
 
     for name, value in (("PAGEDLLM_BATCH_INVARIANT", ours), ("VLLM_BATCH_INVARIANT", theirs)):
         if value is not None:
             clean_env.setenv(name, value)
-    assert envs.PAGEDLLM_BATCH_INVARIANT.get() is batch_invariant_from_env()
+    assert batch_invariant_from_env() is expected
+    assert EngineArgs().batch_invariant is expected
 
 
 # --- numbers and words ------------------------------------------------------------------------
@@ -319,3 +338,16 @@ def test_help_epilog_lists_every_variable_and_its_default():
     for variable in envs.VARIABLES:
         assert "  " + ", ".join(variable.names) in lines
     assert "default: 60)" in text and "`" not in text
+
+
+def test_serve_help_lists_every_variable():
+    """``pagedllm serve --help`` ends with the declarations' list, line breaks kept."""
+    import argparse
+
+    from pagedllm.entrypoints.openai import cli_args
+
+    parser = cli_args.register(argparse.ArgumentParser(prog="pagedllm").add_subparsers())
+    text = parser.format_help()
+    assert text.rstrip().endswith(envs.help_epilog().splitlines()[-1].strip())
+    for variable in envs.VARIABLES:
+        assert f"\n  {', '.join(variable.names)}\n" in text

@@ -60,8 +60,10 @@ class SampleRequest:
 
 
 def add_dataset_args(parser: argparse.ArgumentParser, *, default_input_len: int = 1024,
-                     default_output_len: int = 128) -> None:
-    """Add vLLM's dataset options (random and prefix_repetition) and ``repeat`` to ``parser``."""
+                     default_output_len: int = 128, seed: bool = True) -> None:
+    """Add vLLM's dataset options (random and prefix_repetition) and ``repeat`` to ``parser``;
+    ``seed=False`` leaves out ``--seed`` (a benchmark whose engine flags declare it: the
+    engine's seed is then the dataset's too)."""
     group = parser.add_argument_group("dataset")
     group.add_argument("--dataset-name", default="random", choices=DATASET_NAMES,
                        help="synthetic dataset (default: random)")
@@ -82,7 +84,8 @@ def add_dataset_args(parser: argparse.ArgumentParser, *, default_input_len: int 
                        default=10, help="prefix_repetition: number of distinct prefixes")
     group.add_argument("--prefix-repetition-output-len", dest="prefix_output_len", type=int, default=None,
                        help="prefix_repetition: output tokens (default: --output-len)")
-    group.add_argument("--seed", type=int, default=0, help="dataset (and sampling) seed")
+    if seed:
+        group.add_argument("--seed", type=int, default=0, help="dataset (and sampling) seed")
 
 
 def sample_lengths(mean_len: int, range_ratio: float, num: int, rng: np.random.Generator) -> np.ndarray:

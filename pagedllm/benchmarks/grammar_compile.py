@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from pagedllm.benchmarks import machine_info, write_json
+from pagedllm.config.engine_args import EngineArgs, add_engine_args, given_engine_kwargs
 
 #: A typical 10-field object (a CRM-style record): strings with and without limits, an
 #: enum, integers and a number with bounds, a boolean, a string array and a nested object.
@@ -47,9 +48,7 @@ TEN_FIELD_SCHEMA: dict[str, Any] = {
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="checkpoint folder or Hub id (default: the shipped model)")
-    parser.add_argument("--structured-outputs-config", default=None,
-                        help='JSON, as `pagedllm serve`, e.g. \'{"backend": "guidance"}\'')
+    add_engine_args(parser, unset=True)  # --model, --structured-outputs-config ...: as `pagedllm serve`
     parser.add_argument("--json-schema-path", default=None, help="a JSON schema file (default: a 10-field object)")
     parser.add_argument("--num-repeats", type=int, default=5, help="cold compiles timed (each a fresh variant)")
     parser.add_argument("--output-json", default=None)
@@ -66,11 +65,10 @@ def schema_variant(schema: dict[str, Any], index: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from pagedllm.config import EngineArgs
     from pagedllm.sampling_params import StructuredOutputsParams
     from pagedllm.structured_output.manager import StructuredOutputManager
 
-    config = EngineArgs(model=args.model, structured_outputs_config=json.loads(args.structured_outputs_config or "{}"))
+    config = EngineArgs(**given_engine_kwargs(args))
     engine_config = config.create_engine_config()
     manager = StructuredOutputManager(engine_config.structured_outputs_config, engine_config.model_config)
     schema = TEN_FIELD_SCHEMA

@@ -37,7 +37,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         "repeat (an input-grounded task for n-gram speculation; see benchmarks.datasets)")
     parser.add_argument("--num-iters-warmup", type=int, default=1)
     parser.add_argument("--num-iters", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", default=None)
 
 

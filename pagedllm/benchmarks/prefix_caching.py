@@ -34,7 +34,7 @@ from pagedllm.benchmarks.throughput import add_model_args, build_llm, run_pagedl
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_model_args(parser)
-    add_dataset_args(parser, default_input_len=1024, default_output_len=128)
+    add_dataset_args(parser, default_input_len=1024, default_output_len=128, seed=False)
     parser.add_argument("--mode", choices=["ttft", "throughput"], default="ttft")
     parser.add_argument("--repeats", type=int, default=3, help="throughput mode: runs per setting")
     parser.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length")

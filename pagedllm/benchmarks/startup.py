@@ -31,17 +31,19 @@ from typing import Any, Optional
 import numpy as np
 
 from pagedllm.benchmarks import machine_info, write_json
+from pagedllm.config.engine_args import add_engine_args, given_engine_kwargs
+from pagedllm.entrypoints.arg_parsing import flag_as_args
 
 #: Seconds one start may take before it counts as failed.
 _START_TIMEOUT_S = 300.0
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="checkpoint folder (default: the shipped model)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
-                        help="compute dtype, as `pagedllm serve --dtype` (default: auto)")
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                        help="exact KV-cache size in bytes (default: sized from free memory, after a profile run)")
+    """``pagedllm serve``'s engine flags (``add_engine_args``), given to both the server and
+    ``LLM`` (unset ones keep their defaults; ``--dtype`` defaults to auto), and this
+    benchmark's own."""
+    add_engine_args(parser, unset=True)
+    parser.set_defaults(dtype="auto")
     parser.add_argument("--serve-args", default="", help="extra `pagedllm serve` flags, one string")
     parser.add_argument("--mode", default="serve,llm", help="comma-separated: serve, llm (default: both)")
     parser.add_argument("--num-iters-warmup", type=int, default=1, help="unrecorded starts first (default: 1)")
@@ -63,6 +65,15 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The command-line form of the engine flags given in ``args`` (``--dtype`` always)."""
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    actions = {action.dest: action for action in parser._actions}
+    return [arg for name, value in given_engine_kwargs(args).items()
+            for arg in flag_as_args(actions[name].option_strings[0], actions[name], value)]
+
+
 def time_serve(args: argparse.Namespace) -> float:
     """Seconds from starting ``pagedllm serve`` until ``/health`` is 200.
 
@@ -70,11 +81,7 @@ def time_serve(args: argparse.Namespace) -> float:
         RuntimeError: the server exited or did not become healthy within 300 s.
     """
     port = _free_port()
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port), "--dtype", args.dtype]
-    if args.model:
-        cmd += ["--model", args.model]
-    if args.kv_cache_memory_bytes:
-        cmd += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port), *engine_flags(args)]
     cmd += shlex.split(args.serve_args)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -112,9 +119,7 @@ def time_llm(args: argparse.Namespace) -> dict[str, float]:
     Raises:
         RuntimeError: the child process failed.
     """
-    kwargs: dict[str, Any] = {"model": args.model, "dtype": args.dtype}
-    if args.kv_cache_memory_bytes:
-        kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+    kwargs = given_engine_kwargs(args)
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", _LLM_SCRIPT, json.dumps(kwargs)], capture_output=True, text=True,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=_START_TIMEOUT_S)

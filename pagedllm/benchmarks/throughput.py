@@ -29,7 +29,6 @@ import time
 from typing import Any, Optional
 
 from pagedllm.benchmarks import comm_stats, machine_info, set_num_threads, write_json
-from pagedllm.entrypoints.openai.cli_args import json_object_type
 from pagedllm.benchmarks.datasets import (
     SampleRequest,
     add_dataset_args,
@@ -37,65 +36,25 @@ from pagedllm.benchmarks.datasets import (
     get_samples,
     random_dataset,
 )
+from pagedllm.config.engine_args import add_engine_args, given_engine_kwargs
 
 BACKENDS = ("pagedllm", "hf")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """--model/--tokenizer/--dtype and the engine options (vLLM's names) shared by the
-    offline benchmarks. An option left unset keeps ``LLM``'s default."""
-    parser.add_argument("--model", default=None, help="checkpoint folder or local HF model id "
-                        "(default: the model that ships with pagedllm)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    """``pagedllm serve``'s engine flags (``add_engine_args``: the same names, types and
+    choices) and ``--num-threads``, for the offline benchmarks. A flag left unset keeps
+    ``LLM``'s default; ``--dtype`` (default auto) and ``--seed`` (default 0; also the
+    dataset's) are always passed."""
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
-    engine = parser.add_argument_group("engine (pagedllm backend)")
-    engine.add_argument("--max-model-len", type=int, default=None)
-    engine.add_argument("--block-size", type=int, default=None)
-    engine.add_argument("--max-num-seqs", type=int, default=None)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=None)
-    engine.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    engine.add_argument("--gpu-memory-utilization", type=float, default=None)
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                        help="automatic prefix caching (engine default: on)")
-    engine.add_argument("--prefix-caching-hash-algo", default=None, choices=["sha256", "sha256_cbor", "xxhash"])
-    engine.add_argument("--enable-lora", action="store_true", default=None, help="serve LoRA adapters")
-    engine.add_argument("--max-loras", type=int, default=None, help="LoRA adapters in one batch")
-    engine.add_argument("--max-lora-rank", type=int, default=None)
-    engine.add_argument("--max-cpu-loras", type=int, default=None)
-    engine.add_argument("--quantization", "-q", default=None,
-                        help="weight format: int8 / int4 / fp8 at load, or the checkpoint's (gptq, awq ...)")
-    engine.add_argument("--quantization-config", type=json_object_type, default=None,
-                        help="options of --quantization at load, e.g. '{\"group_size\": 128}' for int4")
-    engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
-                        help="worker processes the model is split over (on CPU: one core each at least)")
-    engine.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
-                        help="KV-cache dtype: the model's (auto) or FP8, one byte per element")
-    engine.add_argument("--calculate-kv-scales", action="store_true", default=None,
-                        help="FP8 KV-cache scales from the first batch")
-    engine.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
-                        help="pipeline stages the model's layers are split over (one worker process each)")
-    engine.add_argument("--speculative-config", type=json_object_type, default=None,
-                        help="speculative decoding, vLLM's JSON, e.g. "
-                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'")
-
-
-_ENGINE_KEYS = ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching",
-                "prefix_caching_hash_algo", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
-                "speculative_config", "quantization", "quantization_config", "tensor_parallel_size", "pipeline_parallel_size",
-                "kv_cache_dtype", "calculate_kv_scales")
+    add_engine_args(parser, {"engine": parser.add_argument_group("engine (pagedllm backend)")}, unset=True)
+    parser.set_defaults(dtype="auto", seed=0)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``LLM(...)`` keyword arguments from the options that were given."""
-    kwargs: dict[str, Any] = {"model": args.model, "tokenizer": args.tokenizer, "dtype": args.dtype,
-                              "seed": getattr(args, "seed", 0)}
-    for key in _ENGINE_KEYS:
-        value = getattr(args, key, None)
-        if value is not None:
-            kwargs[key] = value
-    return kwargs
+    """``LLM(...)`` keyword arguments from the engine flags that were given (and ``dtype``,
+    ``seed``)."""
+    return given_engine_kwargs(args)
 
 
 def build_llm(args: argparse.Namespace):
@@ -116,7 +75,7 @@ def load_tokenizer(args: argparse.Namespace):
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_model_args(parser)
-    add_dataset_args(parser, default_input_len=1024, default_output_len=128)
+    add_dataset_args(parser, default_input_len=1024, default_output_len=128, seed=False)
     parser.add_argument("--backend", default="pagedllm", choices=BACKENDS)
     parser.add_argument("--compare", default=None, choices=["hf"],
                         help="also run this backend on the same prompts and print the ratio")

@@ -102,7 +102,8 @@ class AsyncLLM:
         self.metrics_registry = CollectorRegistry()
         num_engines = config.parallel_config.data_parallel_size
         self.stat_logger = PrometheusStatLogger(
-            self.metrics_registry, self.served_model_name, config, engine_indexes=range(num_engines)
+            self.metrics_registry, self.served_model_name, config, engine_indexes=range(num_engines),
+            num_gpu_blocks=self.engine_core.num_gpu_blocks,
         )
         #: One stats line per engine (prefixed "Engine 001: " with data-parallel replicas, as vLLM).
         self.logging_stat_loggers = [

@@ -28,7 +28,7 @@ class EngineCore:
     Args:
         config: the resolved engine configuration. Building the core starts the executor
             (``get_executor_class(config)``), which loads the model, and sizes the KV cache
-            (``config.cache_config.num_gpu_blocks`` is set).
+            (``num_gpu_blocks``: the number of KV-cache blocks).
 
     Raises (constructor): what ``get_executor_class`` raises for an unsupported executor;
     ``ValueError`` when the KV cache cannot hold one ``max_model_len`` sequence.
@@ -38,7 +38,7 @@ class EngineCore:
         self.config = config
         self.model_executor = get_executor_class(config)(config)
         try:
-            num_gpu_blocks = self._initialize_kv_caches()
+            num_gpu_blocks = self.num_gpu_blocks = self._initialize_kv_caches()
         except BaseException:
             self.model_executor.shutdown()  # worker processes too
             raise
@@ -74,7 +74,6 @@ class EngineCore:
         else:
             logger.info("KV cache: %d blocks, set by num_gpu_blocks_override", num_gpu_blocks)
         self.model_executor.initialize_kv_cache(num_gpu_blocks)
-        self.config.cache_config.num_gpu_blocks = num_gpu_blocks
         return num_gpu_blocks
 
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -142,7 +142,7 @@ class InprocClient(EngineCoreClient):
         from pagedllm.engine.core import EngineCore
 
         self.engine_core = EngineCore(config)
-        self.num_gpu_blocks = config.cache_config.num_gpu_blocks or 0
+        self.num_gpu_blocks = self.engine_core.num_gpu_blocks
 
     def get_output(self) -> EngineCoreOutputs:
         return self.engine_core.step()
@@ -292,7 +292,7 @@ class _BackgroundClient(EngineCoreClient):
 
     def wait_for_ready(self, config: Optional[EngineConfig] = None) -> None:
         """Block until the engine reports READY; set ``num_gpu_blocks`` and ``engine_pid``
-        (and ``config.cache_config.num_gpu_blocks`` when a config is given).
+        (``config``: unused, the interface's).
 
         Raises:
             ValueError: the engine rejected its settings (message from the engine).
@@ -310,8 +310,6 @@ class _BackgroundClient(EngineCoreClient):
         finally:
             self._handshake.close(linger=0)
         self.num_gpu_blocks = info.num_gpu_blocks
-        if config is not None:
-            config.cache_config.num_gpu_blocks = info.num_gpu_blocks
         self.engine_pid = info.pid
 
     @property
@@ -412,8 +410,8 @@ class MPClient(_BackgroundClient):
     """Blocking client of an EngineCore in a background process.
 
     Args:
-        config: the engine configuration (``cache_config.num_gpu_blocks`` is filled in
-            from the engine once it is ready), or ``EngineArgs`` (see ``_BackgroundClient``).
+        config: the engine configuration, or ``EngineArgs`` (see ``_BackgroundClient``);
+            ``num_gpu_blocks`` is the engine's once it is ready.
         engine_in_thread: run the engine loop in a thread of this process instead.
         wait_for_ready: False returns at once (see ``_BackgroundClient``).
 

@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import traceback
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -216,8 +217,7 @@ class EngineCoreProc:
                 raise
             self.input_socket = self._socket(zmq.PULL, addresses.input, bind=True)
             self.output_socket = self._socket(zmq.PUSH, addresses.output, bind=False)
-            num_blocks = config.cache_config.num_gpu_blocks or 0
-            self._send(handshake, EngineCoreOutputType.READY, ReadyInfo(os.getpid(), num_blocks))
+            self._send(handshake, EngineCoreOutputType.READY, ReadyInfo(os.getpid(), self.engine_core.num_gpu_blocks))
         finally:
             if not handshake.closed:
                 handshake.close(linger=5000)
@@ -320,8 +320,7 @@ def _place_replica(rank: int, config: EngineConfig) -> None:
     ``ParallelConfig.local_rank_offset``)."""
     from pagedllm.platforms import current_platform
 
-    parallel = config.parallel_config
-    parallel.data_parallel_rank = rank
+    parallel = config.parallel_config = dataclasses.replace(config.parallel_config, data_parallel_rank=rank)
     size = parallel.data_parallel_size
     if parallel.world_size > 1:
         logger.info("Data-parallel engine %d of %d: workers are local ranks %d-%d of %d.", rank, size,

@@ -72,8 +72,8 @@ class DPAsyncMPClient(EngineCoreClient):
             self.wait_for_ready(config if isinstance(config, EngineConfig) else None)
 
     def wait_for_ready(self, config: Optional[EngineConfig] = None) -> None:
-        """Block until every replica is ready; ``num_gpu_blocks`` (and the config's) is the
-        smallest replica's.
+        """Block until every replica is ready; ``num_gpu_blocks`` is the smallest replica's
+        (``config``: unused, the interface's).
 
         Raises:
             ValueError, EngineStartupError: a replica failed to start (all are stopped).
@@ -85,8 +85,6 @@ class DPAsyncMPClient(EngineCoreClient):
             self.shutdown(timeout_s=0)
             raise
         self.num_gpu_blocks = min(replica.num_gpu_blocks or 0 for replica in self.replicas)
-        if config is not None:
-            config.cache_config.num_gpu_blocks = self.num_gpu_blocks
 
     @property
     def engine_pids(self) -> list[int]:

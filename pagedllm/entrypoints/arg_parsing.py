@@ -107,15 +107,16 @@ def config_file_values(parser: argparse.ArgumentParser, path: str) -> dict[str, 
         if action is None or option == CONFIG_FLAG:
             refuse_unknown(parser, [option], f" in {path}")
         actions.append(action)
-        file_args += _as_args(option, action, value)
+        file_args += flag_as_args(option, action, value)
     namespace, extras = argparse.ArgumentParser.parse_known_args(parser, file_args, argparse.Namespace())
     if extras:
         refuse_unknown(parser, extras, f" in {path}")
     return {action.dest: getattr(namespace, action.dest) for action in actions}
 
 
-def _as_args(option: str, action: argparse.Action, value: Any) -> list[str]:
-    """The command-line form of ``option: value`` from a config file."""
+def flag_as_args(option: str, action: argparse.Action, value: Any) -> list[str]:
+    """The command-line form of ``option: value`` (from a config file): none for None, the
+    switch (or ``--no-`` switch) for a bool, a JSON string for a dict or list."""
     if value is None:
         return []
     if isinstance(value, bool) and action.nargs == 0:

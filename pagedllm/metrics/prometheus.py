@@ -108,12 +108,19 @@ class PrometheusStatLogger:
         registry: where the metrics are registered (must not hold them already).
         model_name: value of the ``model_name`` label (the served model name).
         config: for the cache configuration and the bucket limits (``max_model_len``,
-            ``max_num_batched_tokens``); ``cache_config.num_gpu_blocks`` should be set.
+            ``max_num_batched_tokens``).
         engine_indexes: the engines whose statistics ``record`` receives.
+        num_gpu_blocks: the KV-cache blocks (the engine client's ``num_gpu_blocks``), a label
+            of ``cache_config_info``.
     """
 
     def __init__(
-        self, registry: CollectorRegistry, model_name: str, config: EngineConfig, engine_indexes: Iterable[int] = (0,)
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        config: EngineConfig,
+        engine_indexes: Iterable[int] = (0,),
+        num_gpu_blocks: Optional[int] = None,
     ) -> None:
         # NOTE: as vLLM: no ``*_created`` series (process-wide prometheus_client setting).
         prometheus_client.disable_created_metrics()
@@ -124,7 +131,7 @@ class PrometheusStatLogger:
         self.engines = {
             index: _EngineSeries(families, spec_decoding, [model_name, str(index)]) for index in engine_indexes
         }
-        self._log_cache_config(config, model_name)
+        self._log_cache_config(config, model_name, num_gpu_blocks)
         self.max_lora = None if config.lora_config is None else str(config.lora_config.max_loras)
         self.gauge_lora_info = None if self.max_lora is None else Gauge(
             PREFIX + "lora_requests_info", "Running stats on lora requests.",
@@ -142,7 +149,7 @@ class PrometheusStatLogger:
             running_lora_adapters=",".join(stats.running_lora_adapters),
         ).set_to_current_time()
 
-    def _log_cache_config(self, config: EngineConfig, model_name: str) -> None:
+    def _log_cache_config(self, config: EngineConfig, model_name: str, num_gpu_blocks: Optional[int]) -> None:
         cache = config.cache_config
         info = {
             "block_size": cache.block_size,
@@ -150,7 +157,7 @@ class PrometheusStatLogger:
             "kv_cache_memory_bytes": cache.kv_cache_memory_bytes,
             "enable_prefix_caching": cache.enable_prefix_caching,
             "prefix_caching_hash_algo": cache.prefix_caching_hash_algo,
-            "num_gpu_blocks": cache.num_gpu_blocks,
+            "num_gpu_blocks": num_gpu_blocks,
             "cache_dtype": cache.cache_dtype_name(config.model_config.dtype),
         }
         gauge = Gauge(

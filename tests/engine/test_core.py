@@ -76,7 +76,7 @@ def test_engine_core_runs_the_loop_through_its_executor(tiny_llama):
     executor = core.model_executor
     assert isinstance(executor, FakeExecutor)
     assert executor.calls == ["determine_num_available_blocks", "initialize_kv_cache"]
-    assert executor.worker.num_blocks == config.cache_config.num_gpu_blocks == FAKE_NUM_BLOCKS
+    assert executor.worker.num_blocks == core.num_gpu_blocks == FAKE_NUM_BLOCKS
     assert core.kv_cache_manager.block_pool.num_blocks == FAKE_NUM_BLOCKS
 
     processor = Processor(config.model_config, get_tokenizer(config.model_config.tokenizer_path))

@@ -3,6 +3,7 @@ utility calls, aborts, scheduling events, start-up errors, engine death)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -104,7 +105,7 @@ def test_mp_client_serves_aborts_and_notices_death(tiny_llama):
     processor = make_processor(config)
     client = MPClient(config)
     try:
-        assert client.num_gpu_blocks == config.cache_config.num_gpu_blocks > 0
+        assert client.num_gpu_blocks > 0
         assert client.engine_pid != os.getpid()
         short, _ = processor.process(
             "short", "Hi", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -157,7 +158,9 @@ def test_startup_error_propagates(tiny_llama):
     in a thread here; tests/engine/test_async_llm.py does the same with a process)."""
     # one max_model_len (2048-token) sequence needs 128 blocks; give it 2
     config = make_config(tiny_llama)
-    config.cache_config.kv_cache_memory_bytes = 2 * 16 * kv_bytes_per_token(config.model_config)
+    config.cache_config = dataclasses.replace(
+        config.cache_config, kv_cache_memory_bytes=2 * 16 * kv_bytes_per_token(config.model_config)
+    )
     with pytest.raises(ValueError, match="KV cache cannot hold one sequence") as info:
         MPClient(config, engine_in_thread=True)
     assert "kv_cache_sizing" in str(info.value.__cause__)  # the engine's traceback rides along

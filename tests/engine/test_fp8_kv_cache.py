@@ -79,7 +79,7 @@ def test_same_bytes_hold_more_tokens(tiny_llama, caplog, dtype, factor):
                 llm = LLM(str(tiny_llama), dtype=dtype, kv_cache_memory_bytes=budget, kv_cache_dtype=kv_cache_dtype)
             finally:
                 logging.getLogger("pagedllm").propagate = False
-        blocks[kv_cache_dtype] = num_blocks = llm.llm_engine.config.cache_config.num_gpu_blocks
+        blocks[kv_cache_dtype] = num_blocks = llm.llm_engine.engine_core.num_gpu_blocks
         name = {"auto": dtype, "fp8": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}[kv_cache_dtype]
         line = [r.message for r in caplog.records if r.message.startswith("KV cache:")][-1]
         assert f"KV cache: {num_blocks} blocks of 16 tokens ({num_blocks * 16} tokens, {name}," in line

@@ -287,7 +287,7 @@ def test_vllm_keywords_are_accepted(tiny_llama):
         disable_custom_all_reduce=True, disable_sliding_window=True, enable_chunked_prefill=True,
         load_format="safetensors", kv_cache_dtype="auto", tokenizer_mode="auto", quantization=None,
     )  # fmt: skip
-    assert llm.llm_engine.config.cache_config.num_gpu_blocks == 20
+    assert llm.llm_engine.engine_core.num_gpu_blocks == 20
     assert llm.llm_engine.engine_core.kv_cache_manager.block_pool.num_blocks == 20
     (out,) = llm.generate([5, 6, 7], greedy(max_tokens=3, logprobs=2, prompt_logprobs=2), use_tqdm=False)
     assert len(out.outputs[0].logprobs) == 3 and all(len(position) >= 2 for position in out.outputs[0].logprobs)

@@ -5,6 +5,7 @@ timeout)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -53,7 +54,7 @@ def test_get_executor_class_external_launcher_not_supported_yet(tiny_llama):
     with pytest.raises(ValueError, match="distributed_executor_backend='external_launcher' is not supported yet"):
         make_config(tiny_llama, distributed_executor_backend="external_launcher")  # EngineArgs refuses it first
     config = make_config(tiny_llama)
-    config.parallel_config.distributed_executor_backend = "external_launcher"
+    config.parallel_config = dataclasses.replace(config.parallel_config, distributed_executor_backend="external_launcher")
     with pytest.raises(NotImplementedError, match="distributed_executor_backend 'external_launcher' is not supported"):
         get_executor_class(config)
 
@@ -73,7 +74,7 @@ def test_get_executor_class_uni_cannot_run_several_workers(tiny_llama):
 
 def test_get_executor_class_unknown_backend(tiny_llama):
     config = make_config(tiny_llama)
-    config.parallel_config.distributed_executor_backend = "threads"
+    config.parallel_config = dataclasses.replace(config.parallel_config, distributed_executor_backend="threads")
     with pytest.raises(ValueError, match="Unknown distributed_executor_backend 'threads'"):
         get_executor_class(config)
 
@@ -115,7 +116,7 @@ def test_worker_profiles_once_for_a_memory_share(tiny_llama, monkeypatch):
 
     monkeypatch.setattr(ModelRunner, "profile_run", fake_profile_run)
     config = make_config(tiny_llama, gpu_memory_utilization=0.5)
-    config.cache_config.max_kv_cache_tokens = None  # the CPU cap by demand: test_model_loading.py
+    config.cache_config = dataclasses.replace(config.cache_config, max_kv_cache_tokens=None)  # the CPU cap by demand: test_model_loading.py
     executor = UniProcExecutor(config)
     worker = executor.driver_worker
     expected = int(0.5 * worker.memory_before_load) - worker.model_runner.weights_bytes - (3 << 20)

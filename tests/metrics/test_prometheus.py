@@ -109,9 +109,8 @@ def test_tracker_counts_n_once_per_user_request_and_aborts_unscheduled():
 
 def test_logger_records_exactly_and_registries_are_independent(tiny_llama):
     config = EngineArgs(model=str(tiny_llama), max_num_batched_tokens=512).create_engine_config()
-    config.cache_config.num_gpu_blocks = 123
     registries = [CollectorRegistry(), CollectorRegistry()]
-    loggers = [PrometheusStatLogger(r, MODEL, config) for r in registries]
+    loggers = [PrometheusStatLogger(r, MODEL, config, num_gpu_blocks=123) for r in registries]
     stats = IterationStats(num_prompt_tokens=7, num_generation_tokens=3, num_scheduled_tokens=9)
     stats.time_to_first_tokens_iter = [0.2]
     tracker = RequestStatsTracker()

@@ -90,7 +90,7 @@ def test_budget_from_memory_utilization_logs_blocks_and_concurrency(tiny_llama, 
             llm = LLM(str(tiny_llama), dtype="float32", gpu_memory_utilization=0.01, max_model_len=512)
         finally:
             logging.getLogger("pagedllm").propagate = False
-    num_blocks = llm.llm_engine.config.cache_config.num_gpu_blocks
+    num_blocks = llm.llm_engine.engine_core.num_gpu_blocks
     assert num_blocks >= 32
     assert any(f"KV cache: {num_blocks} blocks" in r.message and "maximum concurrency for 512 tokens per request" in r.message
                for r in caplog.records)
@@ -118,7 +118,7 @@ def _kv_log(tiny_llama, caplog, monkeypatch, env: dict, **kwargs):
             logging.getLogger("pagedllm").propagate = False
     line = [r.message for r in caplog.records if r.message.startswith("KV cache:")][-1]
     config = llm.llm_engine.config
-    return config.cache_config.num_gpu_blocks, line, kv_bytes_per_token(config.model_config) * 16
+    return llm.llm_engine.engine_core.num_gpu_blocks, line, kv_bytes_per_token(config.model_config) * 16
 
 
 @cpu_only

@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm import envs
 from pagedllm.engine.protocol import EngineClient
+from pagedllm.entrypoints.openai.frontend_config import FrontendConfig
 from pagedllm.entrypoints.openai.errors import (
     INVALID_REQUEST,
     bad_request,
@@ -219,45 +220,44 @@ def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
         return PlainTextResponse(models.unload_lora_adapter(await body_of(raw_request)))
 
 
-def build_app(engine: EngineClient, args: Any) -> FastAPI:
-    """The FastAPI app serving ``engine`` (an ``AsyncLLM``; any ``EngineClient``).
+def build_app(engine: EngineClient, frontend: FrontendConfig) -> FastAPI:
+    """The FastAPI app serving ``engine`` (an ``AsyncLLM``; any ``EngineClient``) as ``frontend`` says.
 
-    ``args`` is the parsed ``pagedllm serve`` namespace (any object with these
-    attributes; missing ones take their defaults): ``served_model_name`` (list or None:
-    the engine's model name), ``chat_template`` (the template text, already loaded by
-    ``chat_utils.load_chat_template``, or None), ``api_key`` (a key, a list of keys any of
-    which is accepted, or None: no auth),
-    ``disable_log_requests``, ``disable_log_stats`` (False: while the app runs, the
-    engine's stats line is logged every ``log_stats_interval()`` seconds), ``response_role``,
-    ``enable_auto_tool_choice`` and ``tool_call_parser`` (tool calling with ``tool_choice="auto"``),
-    ``return_tokens_as_token_ids``, ``root_path`` (FastAPI's, for a path-based proxy), and
-    CORS as vLLM (Starlette's ``CORSMiddleware``): ``allowed_origins``, ``allowed_methods``,
-    ``allowed_headers`` (lists, default ``["*"]``), ``allow_credentials``.
+    ``frontend`` (see ``FrontendConfig``): ``served_model_name`` (list or None: the
+    engine's model name), ``chat_template`` (the template text, already loaded by
+    ``chat_utils.load_chat_template``, or None), ``api_key`` (a list of keys any of which
+    is accepted, or None: no auth), ``disable_log_requests``, ``disable_log_stats`` (False:
+    while the app runs, the engine's stats line is logged every ``log_stats_interval()``
+    seconds), ``response_role``, ``enable_auto_tool_choice`` and ``tool_call_parser``
+    (tool calling with ``tool_choice="auto"``), ``return_tokens_as_token_ids``,
+    ``root_path`` (FastAPI's, for a path-based proxy), ``lora_modules``, and CORS as vLLM
+    (Starlette's ``CORSMiddleware``): ``allowed_origins``, ``allowed_methods``,
+    ``allowed_headers``, ``allow_credentials``.
 
     The caller owns the engine (``shutdown`` it after the server stops).
     """
-    served_names = list(getattr(args, "served_model_name", None) or [engine.model_config.model])
-    api_key = getattr(args, "api_key", None)
+    served_names = list(frontend.served_model_name or [engine.model_config.model])
+    api_key = frontend.api_key
     api_keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
-    log_requests = not getattr(args, "disable_log_requests", False)
-    renderer = PromptRenderer(engine.get_tokenizer(), getattr(args, "chat_template", None))
+    log_requests = not frontend.disable_log_requests
+    renderer = PromptRenderer(engine.get_tokenizer(), frontend.chat_template)
     model_config = engine.model_config
     models = OpenAIServingModels(
         served_names, str(getattr(model_config, "model_path", model_config.model)), model_config.max_model_len,
-        getattr(args, "lora_modules", None) or (), getattr(engine.processor, "check_lora", None),
+        frontend.lora_modules or (), getattr(engine.processor, "check_lora", None),
     )  # fmt: skip
-    token_ids = getattr(args, "return_tokens_as_token_ids", False)
+    token_ids = frontend.return_tokens_as_token_ids
     completion = OpenAIServingCompletion(
         engine, models, renderer, log_requests=log_requests, return_tokens_as_token_ids=token_ids
     )
     chat = OpenAIServingChat(
         engine, models, renderer, log_requests=log_requests, return_tokens_as_token_ids=token_ids,
-        response_role=getattr(args, "response_role", "assistant"),
-        tool_parser=getattr(args, "tool_call_parser", None) if getattr(args, "enable_auto_tool_choice", False) else None,
+        response_role=frontend.response_role,
+        tool_parser=frontend.tool_call_parser if frontend.enable_auto_tool_choice else None,
     )  # fmt: skip
     tokenization = OpenAIServingTokenization(models, renderer, model_config.max_model_len, engine.processor.vocab_size)
 
-    log_stats = not getattr(args, "disable_log_stats", False)
+    log_stats = not frontend.disable_log_stats
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -272,7 +272,7 @@ def build_app(engine: EngineClient, args: Any) -> FastAPI:
             if stats_task is not None:
                 stats_task.cancel()
 
-    root_path = getattr(args, "root_path", None) or ""
+    root_path = frontend.root_path or ""
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan, root_path=root_path)
     app.state.engine = engine
     register_exception_handlers(app)
@@ -282,10 +282,10 @@ def build_app(engine: EngineClient, args: Any) -> FastAPI:
     # and 401 answers carry the CORS headers a browser needs to read them.
     app.add_middleware(
         CORSMiddleware,
-        allow_origins=getattr(args, "allowed_origins", ["*"]),
-        allow_methods=getattr(args, "allowed_methods", ["*"]),
-        allow_headers=getattr(args, "allowed_headers", ["*"]),
-        allow_credentials=getattr(args, "allow_credentials", False),
+        allow_origins=frontend.allowed_origins,
+        allow_methods=frontend.allowed_methods,
+        allow_headers=frontend.allowed_headers,
+        allow_credentials=frontend.allow_credentials,
     )
 
     @app.get("/health")

@@ -21,6 +21,7 @@ import pytest
 from pagedllm.config import EngineArgs
 from pagedllm.engine.processor import Processor
 from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.entrypoints.openai.cli_args import FrontendConfig
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.tokenizer import get_tokenizer
@@ -110,11 +111,11 @@ def parts(tiny_llama):
 
 def _client(parts, parser=None):
     engine = _ScriptedEngine(parts.processor, parts.config.model_config, parts.tokenizer)
-    args = SimpleNamespace(
+    frontend = FrontendConfig(
         disable_log_stats=True, disable_log_requests=True,
         enable_auto_tool_choice=parser is not None, tool_call_parser=parser,
     )  # fmt: skip
-    transport = httpx.ASGITransport(app=build_app(engine, args))
+    transport = httpx.ASGITransport(app=build_app(engine, frontend))
     client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=httpx.AsyncClient(transport=transport))
     return engine, client
 

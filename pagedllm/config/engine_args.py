@@ -1,0 +1,627 @@
+"""Engine configuration: what to load, how big the cache is, how the scheduler batches.
+
+``EngineArgs`` carries vLLM's argument names; ``EngineArgs.create_engine_config`` checks
+them and resolves defaults into an ``EngineConfig``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import argparse
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
+
+from pagedllm.arch_config import check_hf_config, disable_sliding_window, min_sliding_window
+from pagedllm.config.arg_types import (
+    fraction_type,
+    human_readable_int,
+    int_type,
+    json_object,
+    json_object_type,
+    max_model_len_type,
+    non_negative_float,
+    positive_int,
+)
+from pagedllm.config.attention import AttentionConfig
+from pagedllm.config.cache import SUPPORTED_BLOCK_SIZES, CacheConfig
+from pagedllm.config.engine_config import EngineConfig
+from pagedllm.config.flags import add_flags, flag_field, flag_values, given_flag_values, not_a_flag
+from pagedllm.config.hub import load_hf_config, resolve_model_path
+from pagedllm.config.lora import LoRAConfig
+from pagedllm.config.model import (
+    DTYPES,
+    ModelConfig,
+    batch_invariant_from_env,
+    check_generation_config,
+    derived_max_model_len,
+    resolve_dtype,
+)
+from pagedllm.config.parallel import ParallelConfig, check_data_parallel_size
+from pagedllm.config.scheduler import SchedulerConfig
+from pagedllm.config.speculative import SpeculativeConfig
+from pagedllm.config.structured_outputs import StructuredOutputsConfig
+from pagedllm.config.vllm_compat import PARTLY_BUILT_ARGS
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+# NOTE: torch and transformers are imported inside the functions that need them: this
+# module (``EngineArgs``) is on the import path of ``pagedllm serve`` before the engine
+# process is started, and that start must not wait for a 2-second torch import.
+
+
+
+@dataclass
+class EngineArgs:
+    """Arguments of ``LLM`` / ``LLMEngine`` / ``pagedllm serve``, with vLLM's names and defaults.
+
+    Each field declares its command-line flag (``flag_field``: help, type, choices,
+    aliases; ``--max-model-len`` for ``max_model_len``) or says why it has none
+    (``not_a_flag``); ``add_engine_args`` adds them to a parser and ``from_cli_args``
+    reads them back.
+
+    ``max_num_batched_tokens`` defaults as in vLLM, by device and use (``usage_context``:
+    ``"llm"`` for ``LLM`` / offline, ``"api_server"`` for ``pagedllm serve``): 4096 / 2048
+    tokens on CPU, 16384 / 8192 on GPU, and never below ``max_num_seqs``. The server's
+    smaller step lets waiting requests start sooner while others decode (time to first
+    token); offline, fewer larger steps cost less. ``gpu_memory_utilization``
+    is the fraction of the device memory (on CPU: of the RAM available at start-up) that
+    weights, activations and KV cache may use together; ``kv_cache_memory_bytes`` overrides
+    it with an exact KV-cache size in bytes. ``attention_backend`` names the attention
+    backend (e.g. ``"TORCH_SDPA"``); None chooses by platform. ``generation_config``: see
+    ``ModelConfig`` (default "auto", as vLLM).
+
+    vLLM's other common arguments are accepted with vLLM's names and defaults, in three
+    kinds: partly built (``PARTLY_BUILT_ARGS``: e.g. ``pipeline_parallel_size`` 1 only; another
+    value raises ``ValueError`` "... is not supported yet" when ``EngineArgs`` is built);
+    built (``enable_lora``, ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``: multi-LoRA
+    serving, see ``LoRAConfig``; ``trust_remote_code``: passed to transformers when reading config.json;
+    ``max_logprobs``: the most logprobs per token a request may ask for, 20, -1 for the
+    vocabulary size; ``batch_invariant``: logprobs bit-identical whatever the batch, see
+    ``ModelConfig`` (unquantized models, no LoRA, no speculative decoding; also turned on by
+    ``BATCH_INVARIANT_ENV``, as vLLM's ``VLLM_BATCH_INVARIANT=1``); ``num_gpu_blocks_override``: the exact number of KV-cache blocks;
+    ``kv_cache_dtype`` "fp8" / "fp8_e4m3" / "fp8_e5m2" and ``calculate_kv_scales``: an FP8
+    KV cache, see ``CacheConfig``);
+    and no-ops, that cannot matter here (``enforce_eager``, ``max_seq_len_to_capture``:
+    no CUDA graphs; ``swap_space``: preempted requests are recomputed, never swapped;
+    ``disable_custom_all_reduce``: no custom CUDA all-reduce exists).
+
+    ``disable_sliding_window`` (vLLM's): layers with a sliding window (Mistral's
+    ``sliding_window``, Qwen2's "sliding_attention" ``layer_types``) attend over the whole
+    context instead, and ``max_model_len`` is capped at the smallest window (up to which
+    the model's output is unchanged); a larger ``max_model_len`` raises ``ValueError``. No
+    effect on a model without windows. Without it, windows are served as the model defines
+    them (``pagedllm.arch_config.layer_sliding_windows``).
+
+    ``speculative_config``: vLLM's dict, checked by ``SpeculativeConfig.from_dict``.
+
+    Raises (constructor):
+        ValueError: a value of ``PARTLY_BUILT_ARGS`` that is not built; ``max_logprobs`` < -1;
+            a bad ``speculative_config`` (the message names the key); a bad
+            ``structured_outputs_config``.
+    """
+
+    model: Optional[str] = flag_field(
+        None,
+        help=(
+            "Model directory (Hugging Face layout), .gguf file or Hub id; serve: same as MODEL (vLLM's "
+            "older form). Default: the small model shipped with pagedllm."
+        ),
+        group="model",
+    )
+    tokenizer: Optional[str] = flag_field(
+        None,
+        help="Tokenizer directory or Hub id (default: the model's).",
+        group="model",
+    )
+    revision: Optional[str] = flag_field(
+        None,
+        help="Model revision on the Hub: branch, tag or commit (default: main).",
+        group="model",
+    )
+    tokenizer_revision: Optional[str] = flag_field(
+        None,
+        help="Tokenizer revision on the Hub (default: main).",
+        group="model",
+    )
+    download_dir: Optional[str] = flag_field(
+        None,
+        help="Directory for downloaded models (default: the Hugging Face cache, $HF_HOME/hub).",
+        group="model",
+    )
+    dtype: Any = flag_field(
+        "auto",
+        help=(
+            "Compute dtype. 'auto': the checkpoint's, with float32 (and float16 on CPU) turned into "
+            "the platform's 16-bit type."
+        ),
+        choices=("auto", *DTYPES),
+    )
+    max_model_len: Optional[int] = flag_field(
+        None,
+        help=(
+            "Context length in tokens (prompt + output), e.g. 8192, 32k (=32000), 32K (=32768), 1M. "
+            "Default: the model's max_position_embeddings."
+        ),
+        type=max_model_len_type,
+    )
+    block_size: int = flag_field(
+        16,
+        help="Tokens per KV-cache block.",
+        type=int_type, choices=SUPPORTED_BLOCK_SIZES,
+    )
+    max_num_seqs: int = flag_field(
+        256,
+        help="Most requests running at once.",
+        type=positive_int,
+    )
+    max_num_batched_tokens: Optional[int] = flag_field(
+        None,
+        help=(
+            "Token budget of one engine step (default, as vLLM: 2048 on CPU, 8192 on GPU, at least "
+            "--max-num-seqs)."
+        ),
+        type=human_readable_int,
+    )
+    kv_cache_memory_bytes: Optional[int] = flag_field(
+        None,
+        help="Exact KV-cache size in bytes (e.g. 512M, 4G); overrides --gpu-memory-utilization.",
+        type=human_readable_int,
+    )
+    gpu_memory_utilization: float = flag_field(
+        0.9,
+        help=(
+            "Fraction of device memory (on CPU: of the RAM available at start-up) for weights, "
+            "activations and KV cache."
+        ),
+        type=fraction_type,
+    )
+    seed: int = flag_field(
+        0,
+        help="Global random seed.",
+        type=int_type,
+    )
+    enable_prefix_caching: bool = flag_field(
+        True,
+        help="Automatic prefix caching: reuse the KV cache of shared prompt prefixes.",
+        action=argparse.BooleanOptionalAction,
+    )
+    prefix_caching_hash_algo: str = flag_field(
+        "sha256",
+        help=(
+            "Hash of prefix-cache blocks: sha256 (default), sha256_cbor, or xxhash (faster, not "
+            "cryptographic)."
+        ),
+        choices=("sha256", "sha256_cbor", "xxhash"),
+    )
+    attention_backend: Optional[str] = flag_field(
+        None,
+        help=(
+            "Attention backend: CPU_ATTN (C++ CPU kernel), TORCH_SDPA (portable PyTorch) or a "
+            "registered one. Default: $PAGEDLLM_ATTENTION_BACKEND, else chosen by platform."
+        ),
+        metavar="NAME",
+    )
+    generation_config: str = flag_field(
+        "auto",
+        help=(
+            "Default sampling parameters of requests that do not set them: 'auto' takes the model's "
+            "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+            "max_new_tokens), 'vllm' uses vLLM's defaults, a FOLDER reads its generation_config.json "
+            "(its max_new_tokens also caps every request)."
+        ),
+        metavar="{auto,vllm,FOLDER}",
+    )
+    override_generation_config: Optional[dict] = flag_field(
+        None,
+        help=(
+            'Sampling defaults that replace the generation config\'s, e.g. \'{"temperature": 0.5}\' '
+            "(same fields as --generation-config)."
+        ),
+        type=json_object, metavar="JSON",
+    )
+    usage_context: str = not_a_flag(
+        "llm", why="set by the caller: 'llm' for LLM / offline, 'api_server' for pagedllm serve"
+    )
+    quantization: Optional[str] = flag_field(
+        None,
+        help=(
+            "Weight format. Quantize a 16/32-bit checkpoint at load: int8 = weight-only int8, one "
+            "scale per output channel (half the bytes of bf16 per decode step); int4 = weight-only "
+            "4-bit, symmetric groups of 32 as llama.cpp's Q4_0 (a quarter; --quantization-config for "
+            "128); fp8 = e4m3 weights, one scale per tensor (vLLM's online FP8). Checkpoint formats, "
+            "read from config.json (naming one here checks it): gptq, awq, compressed-tensors (W4A16 "
+            "/ W8A16 pack-quantized), fp8; a .gguf MODEL is read as gguf. Default: the checkpoint's "
+            "own format."
+        ),
+        aliases=("-q",),
+    )
+    quantization_config: Optional[dict] = flag_field(
+        None,
+        help=(
+            "Options of a --quantization applied at load, as JSON (vLLM's quantization_config): int4 "
+            'reads \'{"group_size": 128}\' (32, 64 or 128; default 32).'
+        ),
+        type=json_object, metavar="JSON",
+    )
+    disable_log_stats: bool = flag_field(
+        False,
+        help=(
+            "Do not log the engine's statistics line (throughput, running and waiting requests, "
+            "KV-cache usage, prefix-cache hit rate) every $PAGEDLLM_LOG_STATS_INTERVAL seconds "
+            "(default 10) while it works."
+        ),
+        action="store_true", group="server",
+    )
+    distributed_executor_backend: Union[str, type, None] = flag_field(
+        None,
+        help=(
+            "How workers run: 'uni' (one worker in the engine process; the default for one worker), "
+            "'mp' (one process per worker on this machine; the default for more) or 'ray' (one Ray "
+            "actor per worker on the nodes of a Ray cluster, `ray start`; the default when Ray is "
+            "connected); 'external_launcher' is not supported yet."
+        ),
+        choices=("ray", "mp", "uni", "external_launcher"),
+    )
+    # vLLM's other engine arguments (names and defaults as vLLM's ``EngineArgs``); partly built
+    # ones: see ``PARTLY_BUILT_ARGS``.
+    tensor_parallel_size: int = flag_field(
+        1,
+        help=(
+            "Worker processes the model's layers are split over (tensor parallelism): one GPU each on"
+            " CUDA, at least one core each on CPU."
+        ),
+        aliases=("-tp",), type=positive_int,
+    )
+    pipeline_parallel_size: int = flag_field(
+        1,
+        help=(
+            "Pipeline stages the model's layers are split over, one worker process each (x the "
+            "tensor-parallel size); at most the model's number of layers."
+        ),
+        aliases=("-pp",), type=positive_int,
+    )
+    data_parallel_size: int = flag_field(
+        1,
+        help=(
+            "Engine replicas behind this server, each in its own process (on CPU: its own share of "
+            "the cores; on CUDA: its own device; with -tp/-pp: its own workers, -dp x -tp x -pp in "
+            "all); requests go to the least loaded one."
+        ),
+        aliases=("-dp",), type=positive_int,
+    )
+    load_format: str = flag_field(
+        "auto",
+        help=(
+            "Checkpoint format: 'auto' / 'safetensors' (*.safetensors), 'gguf' (a .gguf MODEL, also "
+            "read under 'auto'); the others are not supported yet."
+        ),
+        choices=(
+            "auto", "safetensors", "pt", "npcache", "dummy", "tensorizer", "sharded_state", "gguf", "bitsandbytes",
+            "mistral", "runai_streamer", "fastsafetensors",
+        ),  # fmt: skip
+    )
+    kv_cache_dtype: str = flag_field(
+        "auto",
+        help=(
+            "KV-cache dtype: 'auto' (the model's dtype), or FP8 ('fp8' = 'fp8_e4m3', 'fp8_e5m2'): one"
+            " byte per element, twice the tokens of a 16-bit cache in the same memory, scaled by the "
+            "checkpoint's k_scale / v_scale (else 1.0); 'bfloat16' and 'fp8_inc' are not supported "
+            "yet."
+        ),
+        choices=("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc"),
+    )
+    calculate_kv_scales: bool = flag_field(
+        False,
+        help=(
+            "With an FP8 KV cache: compute each layer's k_scale / v_scale from the first batch (amax "
+            "/ 200 for keys, amax / 100 for values, as vLLM) instead of the checkpoint's or 1.0."
+        ),
+        action="store_true",
+    )
+    tokenizer_mode: str = flag_field(
+        "auto",
+        help="'auto' / 'hf': the Hugging Face fast tokenizer; the others are not supported yet.",
+        choices=("auto", "hf", "slow", "mistral", "custom"),
+    )
+    enable_chunked_prefill: Optional[bool] = flag_field(
+        None,
+        help=(
+            "Cut long prompts into chunks that fit --max-num-batched-tokens: always on here "
+            "(--no-enable-chunked-prefill is not supported yet)."
+        ),
+        action=argparse.BooleanOptionalAction,
+    )
+    cpu_offload_gb: float = flag_field(
+        0,
+        help="0 only (offloading is not supported yet).",
+        type=non_negative_float,
+    )
+    structured_outputs_config: Any = flag_field(
+        None,
+        help=(
+            'Constrained decoding (response_format, structured_outputs, guided_*): \'{"backend": '
+            '"auto"}\' (xgrammar, falling back to llguidance for what it cannot compile) | "xgrammar" '
+            '| "guidance"; also disable_fallback, disable_any_whitespace, '
+            "disable_additional_properties (true/false), max_whitespace_cnt, max_number_digits, "
+            "max_string_length (bounds on JSON output; null: none)."
+        ),
+        type=json_object_type, metavar="JSON",
+    )
+    speculative_config: Optional[dict] = flag_field(
+        None,
+        help=(
+            'Speculative decoding, as JSON (vLLM\'s keys): {"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_max": 4} or {"model": DRAFT, '
+            '"num_speculative_tokens": 4}.'
+        ),
+        type=json_object_type,
+    )
+    enable_lora: bool = flag_field(
+        False,
+        help=(
+            "Serve LoRA adapters (--lora-modules, or loaded at run time) over the base model, many in"
+            " one batch."
+        ),
+        action="store_true",
+    )
+    max_loras: int = flag_field(
+        1,
+        help="LoRA adapters in one batch (device slots).",
+        type=positive_int,
+    )
+    max_lora_rank: int = flag_field(
+        16,
+        help="Largest LoRA rank served.",
+        type=positive_int,
+    )
+    max_cpu_loras: Optional[int] = flag_field(
+        None,
+        help="LoRA adapters kept loaded in CPU memory (LRU; default: --max-loras).",
+        type=positive_int,
+    )
+    trust_remote_code: bool = flag_field(
+        False,
+        help=(
+            "Let transformers run a checkpoint's own config code. The model must still be one of "
+            "pagedllm's architectures."
+        ),
+        action="store_true",
+    )
+    max_logprobs: int = flag_field(
+        20,
+        help=(
+            "Most logprobs per token a request may ask for (logprobs, top_logprobs, prompt_logprobs);"
+            " -1: the vocabulary size. Requests asking more get a 400."
+        ),
+        type=int_type,
+    )
+    batch_invariant: bool = flag_field(
+        False,
+        help=(
+            "Logprobs bit-identical whatever the batch, chunk size, prefix-cache state and preemption"
+            " (as vLLM's VLLM_BATCH_INVARIANT=1): each matmul row and each attention query computed "
+            "alone, in one fixed order; slower prefill (docs/benchmarks.md). Unquantized models "
+            "without LoRA or speculative decoding."
+        ),
+        action="store_true",
+    )
+    num_gpu_blocks_override: Optional[int] = flag_field(
+        None,
+        help="Number of KV-cache blocks, exactly (no memory sizing).",
+        type=positive_int,
+    )
+    disable_sliding_window: bool = flag_field(
+        False,
+        help=(
+            "Attend over the whole context in layers with a sliding window, and cap --max-model-len "
+            "at the window (vLLM's behaviour). No effect on models without sliding windows."
+        ),
+        action="store_true",
+    )
+    # No-ops here (CUDA graphs, swapping and custom all-reduce do not exist in pagedllm):
+    # accepted so vLLM launch lines run.
+    enforce_eager: bool = flag_field(
+        False,
+        help="No-op: pagedllm captures no CUDA graphs.",
+        action="store_true",
+    )
+    max_seq_len_to_capture: int = flag_field(
+        8192,
+        help="No-op: pagedllm captures no CUDA graphs.",
+        type=positive_int,
+    )
+    swap_space: float = flag_field(
+        4,
+        help=(
+            "GiB of CPU swap space per device. No-op: preempted requests are recomputed, never "
+            "swapped."
+        ),
+        type=non_negative_float,
+    )
+    disable_custom_all_reduce: bool = flag_field(
+        False,
+        help="No-op: pagedllm has no custom CUDA all-reduce.",
+        action="store_true",
+    )
+
+    def __post_init__(self) -> None:
+        """Refuse at once a value asking for something not built (``PARTLY_BUILT_ARGS``),
+        a ``max_logprobs`` below -1, and bad LoRA limits (``LoRAConfig``).
+
+        Raises:
+            ValueError: "``name=value`` is not supported yet (why); supported: ...".
+        """
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)
+        self.batch_invariant = self.batch_invariant or batch_invariant_from_env()
+        if self.batch_invariant and (self.enable_lora or self.speculative_config is not None):
+            raise ValueError(
+                "batch_invariant is not supported yet with enable_lora or speculative_config "
+                "(their kernels are not batch-invariant)."
+            )
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (the vocabulary size) or more, got {self.max_logprobs}.")
+        if self.enable_lora:
+            LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # checks the values
+        StructuredOutputsConfig.from_dict(self.structured_outputs_config)
+        check_data_parallel_size(self.data_parallel_size, self.usage_context)
+        for name, (supported, why) in PARTLY_BUILT_ARGS.items():
+            value = getattr(self, name)
+            if isinstance(value, type):  # an Executor subclass as distributed_executor_backend
+                continue
+            if value not in supported:
+                allowed = ", ".join(repr(v) for v in supported)
+                raise ValueError(f"{name}={value!r} is not supported yet ({why}); supported: {allowed}.")
+
+    def create_engine_config(self, log_choices: bool = True) -> EngineConfig:
+        """Check the arguments and resolve defaults; ``log_choices``: log what "auto" values
+        resolved to (INFO). An engine process that resolves the arguments its front end
+        resolves too passes False, so that each choice is logged once.
+
+        Raises:
+            ValueError: naming the bad argument and its allowed values.
+        """
+        self._check_sizes()
+        check_generation_config(self.generation_config)
+        from pagedllm.kernels import isa
+
+        isa.selected_isa()  # a bad PAGEDLLM_CPU_ISA fails here, before anything is loaded
+        model_path = resolve_model_path(self.model, self.revision, self.download_dir)
+        tokenizer_path = (
+            resolve_model_path(self.tokenizer, self.tokenizer_revision, self.download_dir)
+            if self.tokenizer
+            else model_path
+        )
+        hf_config = load_hf_config(model_path, self.trust_remote_code)
+        check_hf_config(hf_config)
+        max_model_len = self._max_model_len(hf_config)
+        scheduler_config = SchedulerConfig.from_engine_args(self, max_model_len)
+        model_config = ModelConfig(
+            model=str(self.model or model_path.name),
+            model_path=model_path,
+            tokenizer_path=tokenizer_path,
+            hf_config=hf_config,
+            dtype=resolve_dtype(self.dtype, hf_config, log=log_choices),
+            max_model_len=max_model_len,
+            seed=self.seed,
+            quantization=self.quantization,
+            quantization_config=self.quantization_config,
+            trust_remote_code=self.trust_remote_code,
+            generation_config=self.generation_config,
+            override_generation_config=self.override_generation_config,
+            max_logprobs=self.max_logprobs,
+            batch_invariant=self.batch_invariant,
+        )
+        self._check_num_gpu_blocks_override(max_model_len)
+        cache_config = CacheConfig.from_engine_args(self, max_model_len)
+        parallel_config = ParallelConfig.from_engine_args(self, model_config)
+        return EngineConfig(
+            model_config, cache_config, scheduler_config, parallel_config, AttentionConfig(self.attention_backend),
+            lora_config=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None,
+            speculative_config=self._speculative_config(model_config, parallel_config),
+            structured_outputs_config=StructuredOutputsConfig.from_dict(self.structured_outputs_config),
+        )  # fmt: skip
+
+    def _check_sizes(self) -> None:
+        """``block_size``, ``max_num_seqs`` and ``gpu_memory_utilization`` in range.
+
+        Raises:
+            ValueError: naming the argument and its allowed values.
+        """
+        if self.block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ValueError(f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size}.")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+
+    def _max_model_len(self, hf_config: PretrainedConfig) -> int:
+        """``max_model_len``, or the model's context length; with ``disable_sliding_window``
+        the model's windows are turned off in ``hf_config`` and the length capped at the
+        smallest (vLLM's rule: full attention computes what the model does only up to it).
+
+        Raises:
+            ValueError: a ``max_model_len`` above the model's (or the window's) length.
+        """
+        derived, derived_from = derived_max_model_len(hf_config), "max_position_embeddings in config.json"
+        window = min_sliding_window(hf_config)
+        if self.disable_sliding_window and window is not None:
+            if window < derived:
+                derived, derived_from = window, "the sliding window, as --disable-sliding-window caps it"
+            disable_sliding_window(hf_config)
+        max_model_len = self.max_model_len or derived
+        if max_model_len > derived:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) is larger than the model's maximum context "
+                f"length ({derived}, {derived_from})."
+            )
+        return max_model_len
+
+    def _speculative_config(
+        self, model_config: ModelConfig, parallel_config: ParallelConfig
+    ) -> Optional[SpeculativeConfig]:
+        """``speculative_config`` checked and its draft model resolved (None: off).
+
+        Raises:
+            ValueError: with pipeline parallelism, or a bad draft model (``resolve_draft_model``).
+        """
+        if self.speculative_config is None:
+            return None
+        if parallel_config.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"speculative_config with pipeline_parallel_size {self.pipeline_parallel_size} is not supported yet "
+                f"(drafts are verified on the last stage only); use pipeline_parallel_size 1."
+            )
+        spec = SpeculativeConfig.from_dict(self.speculative_config)
+        return spec.resolve_draft_model(model_config, None, self.download_dir)
+
+    def _check_num_gpu_blocks_override(self, max_model_len: int) -> None:
+        """``num_gpu_blocks_override`` (None, or blocks enough for one ``max_model_len`` sequence).
+
+        Raises:
+            ValueError: a number of blocks that cannot hold one sequence.
+        """
+        if self.num_gpu_blocks_override is None:
+            return
+        blocks_per_seq = -(-max_model_len // self.block_size)
+        if self.num_gpu_blocks_override < blocks_per_seq:
+            raise ValueError(
+                f"num_gpu_blocks_override={self.num_gpu_blocks_override} cannot hold one sequence of "
+                f"max_model_len {max_model_len} tokens: that needs {blocks_per_seq} blocks of {self.block_size} tokens."
+            )
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineArgs:
+        """The ``EngineArgs`` of parsed flags (vLLM's method): every field that is a flag,
+        from ``args`` (a parser given ``add_engine_args``), then ``overrides`` (e.g.
+        ``usage_context``).
+
+        Raises:
+            ValueError: ``args`` lacks a flag (its parser did not get ``add_engine_args``), or
+                a bad value (see the constructor).
+        """
+        return cls(**{**flag_values(cls, args), **overrides})
+
+
+def add_engine_args(parser: Any, groups: Optional[Mapping[str, Any]] = None, *, unset: bool = False) -> None:
+    """Add ``EngineArgs``' flags to ``parser`` (``pagedllm serve``, the engine benchmarks).
+
+    The model flags (``--model``, ``--tokenizer``, revisions, ``--download-dir``) go to
+    ``groups["model"]``, the others to ``groups["engine"]`` and ``groups["server"]``
+    (``--disable-log-stats``); a group not given is ``parser`` itself for "model", else
+    a new argument group "engine". ``unset``: every default is None, so that a caller
+    passes on only the flags given (``given_engine_kwargs``) and the rest keep ``LLM``'s
+    defaults.
+    """
+    groups = dict(groups or {})
+    groups.setdefault("model", parser)
+    if "engine" not in groups:
+        groups["engine"] = parser.add_argument_group("engine")
+    groups.setdefault("server", groups["engine"])
+    add_flags(EngineArgs, groups, unset=unset)
+
+
+def given_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``LLM(...)`` keyword arguments of the engine flags in ``args`` that are not None
+    (with ``add_engine_args(..., unset=True)``: those given on the command line)."""
+    return given_flag_values(EngineArgs, args)

@@ -1,0 +1,223 @@
+"""``ModelConfig``: the model, its compute dtype, context length and generation config."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from pagedllm import envs
+from pagedllm.arch_config import min_sliding_window
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
+
+logger = logging.getLogger(__name__)
+
+#: dtype names accepted by ``--dtype`` -> torch dtype attribute names.
+DTYPES = {
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+}
+
+
+def resolve_dtype(dtype: Any, hf_config: PretrainedConfig, log: bool = True) -> torch.dtype:
+    """The compute dtype for ``dtype`` ("auto", a name, or a torch.dtype).
+
+    "auto" takes the checkpoint's dtype, except float32 (and float16 on CPU) become the
+    platform's 16-bit type, as vLLM does; the choice is logged (INFO) when ``log`` is True.
+
+    Raises:
+        ValueError: for an unknown dtype name.
+    """
+    import torch
+
+    from pagedllm.platforms import current_platform
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        try:
+            return getattr(torch, DTYPES[str(dtype)])
+        except KeyError:
+            raise ValueError(f"Unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}.") from None
+    # NOTE: transformers >= 4.56 names it ``dtype`` and warns on every ``torch_dtype`` read.
+    if hasattr(hf_config, "dtype"):
+        config_dtype = hf_config.dtype
+    else:
+        config_dtype = getattr(hf_config, "torch_dtype", None)
+    if isinstance(config_dtype, str):
+        config_dtype = getattr(torch, DTYPES.get(config_dtype, "float32"))
+    if config_dtype in (None, torch.float32):
+        chosen, why = current_platform.half_dtype(), "16-bit for a float32 checkpoint, as vLLM"
+    elif config_dtype == torch.float16 and not current_platform.is_cuda:
+        chosen, why = torch.bfloat16, "for a float16 checkpoint on CPU, as vLLM: float16 activations overflow sooner"
+    else:
+        chosen, why = config_dtype, "the checkpoint's"
+    if log:
+        logger.info("--dtype auto: %s (%s)", str(chosen).removeprefix("torch."), why)
+    return chosen
+
+
+#: ``--generation-config`` values that are not a folder (vLLM's): the model's own
+#: generation_config.json, or vLLM's neutral sampling defaults.
+GENERATION_CONFIG_MODES = ("auto", "vllm")
+
+#: generation_config.json fields that set default sampling parameters (vLLM's list);
+#: ``max_new_tokens`` becomes ``max_tokens``.
+_GENERATION_CONFIG_SAMPLING_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
+_logged_generation_defaults: set = set()
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model: where it is, its HF config, the compute dtype and context length (tokens).
+
+    ``generation_config`` (vLLM's ``--generation-config``): "auto" (the model's
+    generation_config.json sets default sampling parameters), "vllm" (it does not), or a
+    folder holding the generation_config.json to use instead.
+
+    ``max_logprobs``: the most logprobs a request may ask for per token (vLLM's
+    ``--max-logprobs``; -1: the vocabulary size).
+
+    ``batch_invariant`` (``--batch-invariant``; vLLM's ``VLLM_BATCH_INVARIANT``): every
+    token's logits bit-identical whatever the batch, the prefill chunks, the prefix cache's
+    state and preemption (``pagedllm.model_executor.layers.batch_invariant``).
+    """
+
+    model: str
+    model_path: Path
+    tokenizer_path: Path
+    hf_config: PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int
+    quantization: Optional[str] = None  # --quantization: None = the checkpoint's own format
+    quantization_config: Optional[dict] = None  # --quantization-config: options of a format quantized at load
+    trust_remote_code: bool = False  # --trust-remote-code: config.json and tokenizer classes
+    generation_config: str = "auto"
+    override_generation_config: Optional[dict] = None  # field -> value, over the generation config
+    max_logprobs: int = 20
+    batch_invariant: bool = False
+
+    @property
+    def architecture(self) -> str:
+        return (getattr(self.hf_config, "architectures", None) or ["<none>"])[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        explicit = getattr(self.hf_config, "head_dim", None)
+        return explicit or self.hf_config.hidden_size // self.hf_config.num_attention_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def sliding_window(self) -> Optional[int]:
+        """The smallest attention window of any layer in tokens (vLLM's ``get_sliding_window``);
+        None: every layer attends over the whole context."""
+        return min_sliding_window(self.hf_config)
+
+    # ------------------------------------------------------------ generation config
+
+    @property
+    def generation_config_dir(self) -> Path:
+        """The folder whose generation_config.json is read: the model's, or the one
+        ``generation_config`` names."""
+        if self.generation_config in GENERATION_CONFIG_MODES:
+            return self.model_path.parent if self.model_path.is_file() else self.model_path
+        return Path(self.generation_config).expanduser()
+
+    def try_get_generation_config(self) -> dict[str, Any]:
+        """The fields of generation_config.json that differ from transformers' defaults
+        (``GenerationConfig.to_diff_dict``), read from ``generation_config_dir``; empty when
+        there is none. Read for ``eos_token_id`` and the sampling defaults (as vLLM's
+        ``ModelConfig.try_get_generation_config``; "vllm" still reads it, for eos ids)."""
+        from transformers import GenerationConfig
+
+        try:
+            return GenerationConfig.from_pretrained(self.generation_config_dir).to_diff_dict()
+        except OSError:
+            return {}
+
+    def generation_config_eos_ids(self) -> set[int]:
+        """The ``eos_token_id`` entries of generation_config.json (an int or a list), if any."""
+        eos = self.try_get_generation_config().get("eos_token_id")
+        if eos is None:
+            return set()
+        return {eos} if isinstance(eos, int) else set(eos)
+
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        """Default sampling parameters set by the generation config (vLLM's method and rule).
+
+        The fields ``repetition_penalty``, ``temperature``, ``top_k``, ``top_p``, ``min_p``
+        and ``max_new_tokens`` (as ``max_tokens``) that generation_config.json sets; empty
+        with ``generation_config="vllm"``; ``override_generation_config`` (vLLM's
+        ``--override-generation-config``) replaces any of them, whatever ``generation_config``
+        is. ``do_sample`` is not read: as vLLM, a file with ``do_sample: false`` and a
+        ``temperature`` samples at that temperature. The first call logs the values (vLLM's
+        warning, so a user sees why outputs changed).
+        """
+        config = {} if self.generation_config == "vllm" else dict(self.try_get_generation_config())
+        config.update(self.override_generation_config or {})
+        params = {name: config[name] for name in _GENERATION_CONFIG_SAMPLING_FIELDS if config.get(name) is not None}
+        if "max_new_tokens" in params:
+            params["max_tokens"] = params.pop("max_new_tokens")
+        key = (str(self.generation_config_dir), tuple(sorted(params.items())))
+        if params and key not in _logged_generation_defaults:
+            _logged_generation_defaults.add(key)
+            logger.warning(
+                "Default sampling parameters have been overridden by the model's Hugging Face generation "
+                "config (%s): %s. Requests that do not set these fields use them; pass --generation-config "
+                "vllm (offline: generation_config=\"vllm\") to use vLLM's defaults instead.",
+                self.generation_config_dir / "generation_config.json", params,
+            )  # fmt: skip
+        return params
+
+
+def derived_max_model_len(hf_config: PretrainedConfig) -> int:
+    """The context length config.json allows (``max_position_embeddings``; 2048 without it)."""
+    return int(getattr(hf_config, "max_position_embeddings", 2048))
+
+
+def check_generation_config(value: str) -> None:
+    """``generation_config`` is "auto", "vllm", or a folder with a generation_config.json.
+
+    Raises:
+        ValueError: anything else (vLLM would silently use no defaults for such a folder).
+    """
+    if value in GENERATION_CONFIG_MODES:
+        return
+    if not (Path(value).expanduser() / "generation_config.json").is_file():
+        raise ValueError(
+            f"generation_config must be 'auto', 'vllm' or a folder holding generation_config.json; "
+            f"{value!r} is none of these."
+        )
+
+
+#: Turn ``batch_invariant`` on when set to a true word (vLLM's variable second; either one).
+BATCH_INVARIANT_ENV = envs.PAGEDLLM_BATCH_INVARIANT.names
+
+
+def batch_invariant_from_env() -> bool:
+    """Whether one of ``BATCH_INVARIANT_ENV`` turns it on (``pagedllm.envs``' switch rule).
+
+    Raises:
+        ValueError: a value that is no switch word, naming the variable.
+    """
+    return envs.PAGEDLLM_BATCH_INVARIANT.get()

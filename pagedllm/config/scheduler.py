@@ -1,0 +1,57 @@
+"""``SchedulerConfig``: the batching limits of one engine step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.config.engine_args import EngineArgs
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching limits: requests per step, tokens per step, context length (tokens)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, max_model_len: int) -> SchedulerConfig:
+        """The limits of ``args``; ``max_num_batched_tokens`` defaults by device and use
+        (``default_max_num_batched_tokens``), and never below ``max_num_seqs``.
+
+        Raises:
+            ValueError: a token budget below 1.
+        """
+        max_num_batched_tokens = args.max_num_batched_tokens or max(
+            default_max_num_batched_tokens(args.usage_context), args.max_num_seqs
+        )
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}.")
+        return cls(args.max_num_seqs, max_num_batched_tokens, max_model_len)
+
+
+#: Default ``max_num_batched_tokens`` by (device type, usage context): vLLM's defaults
+#: (``EngineArgs._set_default_args`` in vLLM 0.32).
+_DEFAULT_MAX_NUM_BATCHED_TOKENS = {
+    ("cpu", "llm"): 4096,
+    ("cpu", "api_server"): 2048,
+    ("cuda", "llm"): 16384,
+    ("cuda", "api_server"): 8192,
+}
+
+
+def default_max_num_batched_tokens(usage_context: str) -> int:
+    """The step token budget used when none is given (see ``EngineArgs``).
+
+    Raises:
+        ValueError: for a usage context other than "llm" or "api_server".
+    """
+    from pagedllm.platforms import current_platform
+
+    try:
+        return _DEFAULT_MAX_NUM_BATCHED_TOKENS[(current_platform.device_type, usage_context)]
+    except KeyError:
+        raise ValueError(f"usage_context must be 'llm' or 'api_server', got {usage_context!r}.") from None
