@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig
 
 from pagedllm.kernels import isa
+from pagedllm.model_executor.layers import cpu_gemm
 from pagedllm.model_executor.layers import linear as linear_mod
 from pagedllm.model_executor.models import llama
 from tests.helpers import cpu_only
@@ -51,7 +52,7 @@ def test_linear_layer_takes_this_machines_path_and_matches_plain(kernel, dtype, 
     layer.bias.data.normal_()
     x = torch.randn(num_tokens, 96, dtype=dtype)
     plain = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
-    packable = linear_mod.can_pack(layer.weight.data)
+    packable = cpu_gemm.can_pack(layer.weight.data)
     native_bf16 = isa.selected_isa() == "avx512_bf16" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert packable == (dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16))
     layer.quant_method.process_weights_after_loading(layer)
@@ -77,4 +78,4 @@ def test_packing_off_by_env(disable_cpu_kernels):
         assert not layer.weight.is_mkldnn and layer.weight.shape == (8, 16) and layer.weight_fp32 is None
         x = torch.randn(3, 16, dtype=dtype)
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
-    assert not linear_mod.can_pack(torch.empty(8, 16, dtype=torch.float64))
+    assert not cpu_gemm.can_pack(torch.empty(8, 16, dtype=torch.float64))
