@@ -34,7 +34,7 @@ import torch
 
 from pagedllm.attention.backends.abstract import AttentionMetadata, AttentionMetadataBuilder, AttentionBackend, CommonAttentionMetadata
 from pagedllm.attention.metadata import set_forward_context
-from pagedllm.attention.selector import get_attn_backend, set_attn_backend
+from pagedllm.attention.selector import get_attn_backend
 from pagedllm.config import ModelConfig, SpeculativeConfig
 from pagedllm.model_executor.layers.attention import Attention, bind_kv_caches
 from pagedllm.model_executor.layers.sampler import greedy_sample
@@ -115,8 +115,7 @@ class DraftModelProposer:
         get_attn_backend(self.model_config.head_dim, self.model_config.dtype, self.block_size, attn_backend.get_name(),
                          uses_sliding_window=self.model_config.sliding_window is not None)
         self.metadata_builder = metadata_builder
-        with set_attn_backend(attn_backend):
-            self.model = get_model(self.model_config, self.device)
+        self.model = get_model(self.model_config, self.device, attn_backend)
         tensors = [*self.model.parameters(), *self.model.buffers()]
         self.weights_bytes = sum(t.numel() * t.element_size() for t in tensors)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
