@@ -79,3 +79,22 @@ def test_packing_off_by_env(disable_cpu_kernels):
         x = torch.randn(3, 16, dtype=dtype)
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
     assert not cpu_gemm.can_pack(torch.empty(8, 16, dtype=torch.float64))
+
+
+@cpu_only
+def test_layer_plan_is_chosen_once_at_load(kernel):
+    """A layer multiplies by torch's matmul until its weights are prepared; then by the plan
+    chosen for this machine (fp16: oneDNN never packs it, ``linear_w16``), which a second
+    preparation keeps."""
+    layer = linear_mod.ReplicatedLinear(16, 8, bias=False).to(torch.float16)
+    layer.weight.data.normal_()
+    assert isinstance(layer.gemm_plan, cpu_gemm.TorchGemm)
+    x = torch.randn(3, 16, dtype=torch.float16)
+    expected = torch.nn.functional.linear(x.float(), layer.weight.float())
+    layer.quant_method.process_weights_after_loading(layer)
+    plan = layer.gemm_plan
+    assert isinstance(plan, cpu_gemm.WidenedGemm) and plan.weight is layer.weight and plan.n == 8
+    assert layer.quant_method.describe_path(layer) == plan.describe()
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.gemm_plan is plan
+    torch.testing.assert_close(layer(x).float(), expected, rtol=2e-3, atol=1e-2)
