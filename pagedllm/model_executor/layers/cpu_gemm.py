@@ -29,7 +29,7 @@ from pagedllm.platforms import current_platform
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
-# Rows up to which ``linear`` uses the packed-weight streaming kernel rather than oneDNN's
+# Rows up to which ``OneDnnGemm`` uses the packed-weight streaming kernel rather than oneDNN's
 # matmul (it was faster at every count from 1 to 16 on a 2-core Zen 4 and, with AMX tiles,
 # on a 2-core Xeon; see packed_linear.cpp). An AMX tile holds 16 rows.
 SMALL_M_ROWS = 16
@@ -75,7 +75,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _check_packed_linear(n: int, k: int) -> None:
-    """Decide, once per [n, k] shape, whether ``linear`` may send few-row inputs to
+    """Decide, once per [n, k] shape, whether ``OneDnnGemm`` may send few-row inputs to
     ``packed_linear``, with which block and whether with AMX tiles: the kernels must be built
     with AVX512-BF16, and the kernel's product with a random weight packed by oneDNN here
     must match oneDNN's matmul for one of the block widths it reads (64 outputs; 32 where
@@ -115,7 +115,7 @@ def _same_product(got: torch.Tensor, expected: torch.Tensor) -> bool:
 
 
 def packed_linear_reads(n: int, k: int) -> bool:
-    """Whether ``linear`` sends few-row bf16 inputs of a packed [n, k] weight to
+    """Whether ``OneDnnGemm`` sends few-row bf16 inputs of a packed [n, k] weight to
     ``packed_linear`` here (checking the shape first if needed): False where the kernels lack
     AVX512-BF16, or where oneDNN packs bf16 weights in a layout the kernel does not read."""
     _check_packed_linear(n, k)
