@@ -21,7 +21,7 @@ import time
 import torch
 
 from pagedllm.kernels import cpu as cpu_kernels
-from pagedllm.model_executor.layers import linear as linear_mod
+from pagedllm.model_executor.layers import cpu_gemm
 from pagedllm.model_executor.layers.quantization.grouped import compact_scales
 from pagedllm.model_executor.layers.quantization.int4 import quantize_int4_per_group
 
@@ -53,8 +53,8 @@ def _run(args: argparse.Namespace) -> None:
     print(f"{'shape':8} {'N x K':>12} {'bf16 us':>8} {'g128 us':>8} {'g32 us':>8} {'g32/g128':>9} {'g32/bf16':>9}")
     for shape, n, k in SHAPES:
         w = torch.randn(n, k, dtype=torch.bfloat16) * 0.02
-        packed16 = linear_mod.pack_weight(w) if linear_mod.can_pack(w) else w
-        variants = {"bf16": lambda x, p=packed16: linear_mod.linear(x, p)}
+        packed16 = cpu_gemm.pack_weight(w) if cpu_gemm.can_pack(w) else w
+        variants = {"bf16": lambda x, p=packed16: cpu_gemm.linear(x, p)}
         for group in (128, 32):
             q, scale, zero = quantize_int4_per_group(w, group)
             packed = cpu_kernels.pack_w4(q)

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from pagedllm.kernels import cpu as cpu_kernels
-from pagedllm.model_executor.layers import linear as linear_mod
+from pagedllm.model_executor.layers import cpu_gemm
 from pagedllm.model_executor.layers.quantization.fp8 import quantize_fp8_per_tensor
 from pagedllm.model_executor.layers.quantization.int8 import onednn_int8_gemm_exact, quantize_int8_per_channel
 
@@ -47,7 +47,7 @@ def _int4_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tenso
 
 def _variants(n: int, k: int, tile_cols: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     w = torch.randn(n, k, dtype=torch.bfloat16) * 0.02
-    packed = linear_mod.pack_weight(w) if linear_mod.can_pack(w) else w
+    packed = cpu_gemm.pack_weight(w) if cpu_gemm.can_pack(w) else w
     q8, s8 = quantize_int8_per_channel(w)
     p8 = cpu_kernels.pack_w8(q8)
     q4, s4, z4 = _int4_groups(w, 128)
@@ -56,7 +56,7 @@ def _variants(n: int, k: int, tile_cols: int) -> dict[str, Callable[[torch.Tenso
     pf = cpu_kernels.pack_w8(f8.view(torch.int8)).view(torch.float8_e4m3fn)
     sf = sf.expand(n).contiguous()
     variants = {
-        "bf16": lambda x: linear_mod.linear(x, packed),
+        "bf16": lambda x: cpu_gemm.linear(x, packed),
         "int8 dequant": lambda x: cpu_kernels.linear_dequant(x, p8, s8, None, None, n, 8, tile_cols),
         "int8 few-row": lambda x: cpu_kernels.linear_w8(x, p8, s8, None, n),
         "int4 dequant": lambda x: cpu_kernels.linear_dequant(x, p4, s4, z4, None, n, 4, tile_cols),

@@ -68,10 +68,10 @@ def layer_shapes(model: Path) -> dict[str, tuple[int, int]]:
 def set_amx(amx: bool) -> None:
     """Have ``linear()`` use AMX tiles (where it may) or vdpbf16ps for every checked shape."""
     from pagedllm.kernels import cpu as cpu_kernels
-    from pagedllm.model_executor.layers import linear as linear_mod
+    from pagedllm.model_executor.layers import cpu_gemm
 
-    for shape, (block_n, _) in linear_mod._packed_linear_shapes.items():
-        linear_mod._packed_linear_shapes[shape] = (block_n, amx and block_n == 32 and cpu_kernels.has_amx())
+    for shape, (block_n, _) in cpu_gemm._packed_linear_shapes.items():
+        cpu_gemm._packed_linear_shapes[shape] = (block_n, amx and block_n == 32 and cpu_kernels.has_amx())
 
 
 def step_times(args: argparse.Namespace, model: str, clock: Any) -> None:
@@ -146,7 +146,7 @@ def main() -> None:
     import torch
 
     from pagedllm.kernels import cpu as cpu_kernels
-    from pagedllm.model_executor.layers import linear as linear_mod
+    from pagedllm.model_executor.layers import cpu_gemm
 
     if not cpu_kernels.has_packed_linear():
         sys.exit("packed_linear is not available here (needs the avx512_bf16 kernel level and CPU)")
@@ -168,16 +168,16 @@ def main() -> None:
             if args.layers and name not in args.layers:
                 continue
             torch.manual_seed(n + k)
-            weight = linear_mod.pack_weight(torch.randn(n, k).to(torch.bfloat16))
-            if (n, k) not in linear_mod._packed_linear_shapes:
+            weight = cpu_gemm.pack_weight(torch.randn(n, k).to(torch.bfloat16))
+            if (n, k) not in cpu_gemm._packed_linear_shapes:
                 print(f"{model.name} {name} {n}x{k}: packed_linear does not read this layout; skipped")
                 continue
-            block_n, amx = linear_mod._packed_linear_shapes[(n, k)]
+            block_n, amx = cpu_gemm._packed_linear_shapes[(n, k)]
             variants = {"vdpbf16ps": lambda x: cpu_kernels.packed_linear(x, weight, None, block_n)}
             if amx:
                 variants["amx"] = lambda x: cpu_kernels.packed_linear(x, weight, None, block_n, True)
             variants["onednn"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-            variants["linear"] = lambda x: linear_mod.linear(x, weight)
+            variants["linear"] = lambda x: cpu_gemm.linear(x, weight)
             if name == "qkv" and model == Path(args.model[0]):
                 print(header + "".join(f" {v + ' us':>17}" for v in variants) + "  (relative to the first)")
             for rows in args.rows:

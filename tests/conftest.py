@@ -115,7 +115,7 @@ def kernel():
     there."""
     from pagedllm.kernels import cpu as cpu_kernels
 
-    assert cpu_kernels.is_available(), f"C++ CPU kernels unavailable: {cpu_kernels._error or 'disabled by env'}"
+    assert cpu_kernels.is_available(), f"C++ CPU kernels unavailable: {cpu_kernels.runtime._error or 'disabled by env'}"
     return cpu_kernels
 
 
@@ -159,7 +159,7 @@ def pytest_report_header(config):
 
     override = os.environ.get(isa.ENV) or "unset"
     try:
-        built = f"built, {cpu_kernels.build_info()}" if cpu_kernels.is_available() else f"unavailable ({cpu_kernels._error or 'disabled by env'})"
+        built = f"built, {cpu_kernels.build_info()}" if cpu_kernels.is_available() else f"unavailable ({cpu_kernels.runtime._error or 'disabled by env'})"
     except ValueError as exc:
         built = f"unavailable ({exc})"
     return f"pagedllm CPU ISA: detected {isa.detected_isa()}, {isa.ENV}={override}; C++ kernels: {built}; kernel tests run at: {', '.join(supported_isas())}"

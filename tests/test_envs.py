@@ -60,18 +60,18 @@ def test_disable_cpu_kernels_false_keeps_kernels_and_onednn_packing(clean_env):
     oneDNN packing alike (packing used to read it as "set")."""
     import torch
 
-    from pagedllm.kernels import cpu as cpu_kernels
-    from pagedllm.model_executor.layers import linear
+    from pagedllm.kernels.cpu import runtime
+    from pagedllm.model_executor.layers import cpu_gemm
 
     weight = torch.zeros(8, 8)
-    packable = linear.can_pack(weight)
+    packable = cpu_gemm.can_pack(weight)
     for text in ("false", "no", "off", "FALSE"):
         clean_env.setenv("PAGEDLLM_DISABLE_CPU_KERNELS", text)
-        assert cpu_kernels._disabled_by_env() is False
-        assert linear.can_pack(weight) is packable
+        assert runtime._disabled_by_env() is False
+        assert cpu_gemm.can_pack(weight) is packable
     clean_env.setenv("PAGEDLLM_DISABLE_CPU_KERNELS", "on")
-    assert cpu_kernels._disabled_by_env() is True
-    assert linear.can_pack(weight) is False
+    assert runtime._disabled_by_env() is True
+    assert cpu_gemm.can_pack(weight) is False
 
 
 # --- vLLM's names ---------------------------------------------------------------------------

@@ -8,8 +8,9 @@ size and dtype, the block size, and the model's sliding windows if it has any (o
 ``TORCH_SDPA``); when it passes over a backend it logs why (INFO, once per reason). Another backend (a CUDA one, a test's) joins with ``register_attn_backend``
 and is then chosen by name.
 
-``Attention`` layers built inside ``set_attn_backend(backend)`` (the model runner's model
-loading) hold that backend's impl; outside it (a model built directly), the automatic choice.
+``Attention`` layers are built inside ``set_attn_backend(backend)`` (``get_model``'s
+``attn_backend``, which the model runner chooses) and hold that backend's impl; one built
+outside it is an error.
 """
 
 from __future__ import annotations
@@ -109,18 +110,20 @@ def set_attn_backend(backend: type[AttentionBackend]) -> Iterator[None]:
         _model_backend = previous
 
 
-def get_current_attn_backend(
-    head_size: int, dtype: torch.dtype, uses_sliding_window: bool = False
-) -> type[AttentionBackend]:
-    """The backend an ``Attention`` layer being constructed uses: the one of
-    ``set_attn_backend``, else ``get_attn_backend(head_size, dtype, None, ...)``.
+def get_current_attn_backend(uses_sliding_window: bool = False) -> type[AttentionBackend]:
+    """The backend of the ``set_attn_backend`` block an ``Attention`` layer is being
+    constructed in.
 
     Raises:
-        ValueError: as ``get_attn_backend``; or the layer has a sliding window and the
-            backend of ``set_attn_backend`` has none.
+        RuntimeError: outside any ``set_attn_backend`` block (build models with
+            ``get_model(..., attn_backend)``).
+        ValueError: the layer has a sliding window and the backend has none.
     """
     if _model_backend is None:
-        return get_attn_backend(head_size, dtype, None, uses_sliding_window=uses_sliding_window)
+        raise RuntimeError(
+            "No attention backend set: build models inside selector.set_attn_backend(backend) "
+            "(model_loader.get_model(model_config, device, attn_backend) does)."
+        )
     if uses_sliding_window and not _model_backend.supports_sliding_window():
         raise ValueError(
             f"Attention backend {_model_backend.get_name()} has no sliding-window attention, which this layer uses."

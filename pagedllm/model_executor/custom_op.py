@@ -12,16 +12,18 @@ from typing import Any, Callable
 
 from torch import nn
 
+from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.platforms import current_platform
 
 
 class CustomOp(nn.Module):
     """A module whose ``forward`` is ``forward_<platform>``, bound at construction.
 
-    ``forward_cpu`` and ``forward_cuda`` default to ``forward_native``. A ``forward_cpu``
-    that calls ``pagedllm.kernels.cpu`` still asks ``cpu_kernels.is_available()`` per call
-    (the kernels may be disabled by ``PAGEDLLM_DISABLE_CPU_KERNELS`` or a failed build; once
-    decided, the answer is two global reads) and falls back to ``forward_native``.
+    ``forward_cpu`` and ``forward_cuda`` default to ``forward_native``. An overridden
+    ``forward_cpu`` is the C++ kernels' path (``pagedllm.kernels.cpu``): it runs only where
+    ``cpu_kernels.is_available()``, asked once, at the module's first call (not at
+    construction, so that building a module never builds the kernels); else
+    ``forward_native`` runs.
     """
 
     def __init__(self) -> None:
@@ -42,5 +44,14 @@ class CustomOp(nn.Module):
         return self.forward_native(*args, **kwargs)
 
     def dispatch_forward(self) -> Callable[..., Any]:
-        """The implementation for ``current_platform``: ``forward_<device_type>``."""
+        """The implementation for ``current_platform``: ``forward_<device_type>`` (on CPU an
+        overridden ``forward_cpu`` is chosen at the first call: ``_forward_cpu_once``)."""
+        if current_platform.is_cpu and type(self).forward_cpu is not CustomOp.forward_cpu:
+            return self._forward_cpu_once
         return getattr(self, f"forward_{current_platform.device_type}", self.forward_native)
+
+    def _forward_cpu_once(self, *args: Any, **kwargs: Any) -> Any:
+        """Bind ``forward_cpu`` where the C++ kernels are available, else ``forward_native``,
+        for this and every later call."""
+        self._forward_method = self.forward_cpu if cpu_kernels.is_available() else self.forward_native
+        return self._forward_method(*args, **kwargs)

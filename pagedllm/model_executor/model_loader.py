@@ -13,6 +13,8 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedllm.arch_config import check_hf_config
+from pagedllm.attention.backends.abstract import AttentionBackend
+from pagedllm.attention.selector import set_attn_backend
 from pagedllm.config import ModelConfig
 from pagedllm.model_executor.layers.batch_invariant import use_batch_invariant_methods
 from pagedllm.model_executor.gguf_weights import KERNEL_TYPES, iterate_gguf_weights, open_gguf, tensor_types
@@ -117,9 +119,9 @@ def process_weights_after_loading(model: nn.Module) -> Counter[str]:
     return paths
 
 
-def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
-    """Instantiate the architecture named in config.json on ``device`` in ``model_config.dtype``
-    and load the checkpoint into it.
+def get_model(model_config: ModelConfig, device: torch.device, attn_backend: type[AttentionBackend]) -> nn.Module:
+    """Instantiate the architecture named in config.json on ``device`` in ``model_config.dtype``,
+    its attention layers on ``attn_backend``, and load the checkpoint into it.
 
     Raises:
         ValueError: unsupported architecture or quantization method, a config.json key the
@@ -133,7 +135,7 @@ def get_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), set_attn_backend(attn_backend):
             model = model_cls(model_config.hf_config, quant_config)
     finally:
         torch.set_default_dtype(old_dtype)

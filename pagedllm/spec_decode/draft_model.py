@@ -34,10 +34,10 @@ import torch
 
 from pagedllm.attention.backends.abstract import AttentionMetadata, AttentionMetadataBuilder, AttentionBackend, CommonAttentionMetadata
 from pagedllm.attention.metadata import set_forward_context
-from pagedllm.attention.selector import get_attn_backend, set_attn_backend
+from pagedllm.attention.selector import get_attn_backend
 from pagedllm.config import ModelConfig, SpeculativeConfig
 from pagedllm.model_executor.layers.attention import Attention, bind_kv_caches
-from pagedllm.model_executor.layers.sampler import greedy_sample
+from pagedllm.model_executor.layers.sampler import Argmax
 from pagedllm.model_executor.model_loader import get_model
 
 logger = logging.getLogger(__name__)
@@ -95,6 +95,7 @@ class DraftModelProposer:
         self.block_size = block_size
         self.device = device
         self.max_num_tokens = max_num_tokens
+        self.greedy_sample = Argmax()
         # Per batch row: how many of its first positions the draft's cache holds (its known
         # tokens, in their slots); absent: none.
         self._cached: dict[int, int] = {}
@@ -115,8 +116,7 @@ class DraftModelProposer:
         get_attn_backend(self.model_config.head_dim, self.model_config.dtype, self.block_size, attn_backend.get_name(),
                          uses_sliding_window=self.model_config.sliding_window is not None)
         self.metadata_builder = metadata_builder
-        with set_attn_backend(attn_backend):
-            self.model = get_model(self.model_config, self.device)
+        self.model = get_model(self.model_config, self.device, attn_backend)
         tensors = [*self.model.parameters(), *self.model.buffers()]
         self.weights_bytes = sum(t.numel() * t.element_size() for t in tensors)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -227,7 +227,7 @@ class DraftModelProposer:
                 metadata = decode_metadata(self.metadata_builder, positions, block_table[rows], self.block_size)
                 with set_forward_context(metadata):
                     logits = self.model.compute_logits(self.model(ids, self._to_device(positions)))
-            ids = greedy_sample(logits)
+            ids = self.greedy_sample(logits)
             if len(sampled):
                 q = torch.softmax(logits[sampled_t].float() / scale, dim=-1)
                 ids[sampled_t] = torch.multinomial(q, 1).squeeze(1)

@@ -31,7 +31,6 @@ import torch
 from pagedllm.attention.backends.abstract import AttentionBackend, AttentionMetadataBuilder
 from pagedllm.attention.metadata import set_forward_context
 from pagedllm.config import SpeculativeConfig
-from pagedllm.model_executor.layers.sampler import greedy_sample
 from pagedllm.spec_decode.draft_model import DraftModelProposer, TargetStep, decode_metadata
 
 
@@ -118,6 +117,6 @@ class EagleProposer(DraftModelProposer):
 
     def _draft_ids(self, normed: torch.Tensor) -> torch.Tensor:
         """[N, hidden] head outputs -> [N] int64 target token ids of their argmax."""
-        ids = greedy_sample(self.model.compute_logits(normed))
+        ids = self.greedy_sample(self.model.compute_logits(normed))
         d2t = self.model.draft_id_to_target_id
         return ids if d2t is None else ids + d2t[ids]

@@ -29,7 +29,7 @@ import torch
 
 from pagedllm.attention.backends.abstract import AttentionMetadata, CommonAttentionMetadata
 from pagedllm.attention.metadata import set_forward_context
-from pagedllm.attention.selector import get_attn_backend, set_attn_backend
+from pagedllm.attention.selector import get_attn_backend
 from pagedllm.config import EngineConfig
 from pagedllm.distributed import get_pp_group
 from pagedllm.messages.sched_output import SchedulerOutput
@@ -109,8 +109,7 @@ class ModelRunner:
             self.block_size, self.device, batch_invariant=self.model_config.batch_invariant
         )
         start = time.perf_counter()
-        with set_attn_backend(self.attn_backend):
-            self.model = get_model(self.model_config, self.device)
+        self.model = get_model(self.model_config, self.device, self.attn_backend)
         # Buffers too: the layers' float32 weight copies, rotary tables; and LoRA slots.
         tensors = [*self.model.parameters(), *self.model.buffers()]
         self.weights_bytes = sum(t.numel() * t.element_size() for t in tensors)

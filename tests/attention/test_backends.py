@@ -223,5 +223,18 @@ def test_sliding_window_backend_choice(no_env, caplog):
         CpuAttnBackend.get_impl_cls()(6, 64, 0.125, 2, sliding_window=16)
     with selector.set_attn_backend(CpuAttnBackend):
         with pytest.raises(ValueError, match="CPU_ATTN has no sliding-window attention"):
-            selector.get_current_attn_backend(64, torch.float32, uses_sliding_window=True)
+            selector.get_current_attn_backend(uses_sliding_window=True)
     monkeypatch.undo()
+
+
+def test_attention_layer_takes_the_backend_it_is_built_with():
+    """No silent automatic choice (which ignored block size and KV-cache dtype): a layer
+    built outside ``set_attn_backend`` is an error, one built inside holds that backend."""
+    from pagedllm.model_executor.layers.attention import Attention
+
+    with pytest.raises(RuntimeError, match="No attention backend set: build models inside selector.set_attn_backend"):
+        Attention(4, 32, 2, 0.2)
+    with selector.set_attn_backend(TorchSDPABackend):
+        layer = Attention(4, 32, 2, 0.2)
+    assert layer.attn_backend is TorchSDPABackend
+    assert isinstance(layer.impl, TorchSDPABackend.get_impl_cls())

@@ -19,6 +19,8 @@ from pagedllm.attention import selector
 from pagedllm.attention.backends.cpu_attn import CpuAttnBackend, CpuAttnMetadata
 from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend
 from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.kernels.cpu import build as cpu_build
+from pagedllm.kernels.cpu import runtime as cpu_runtime
 from pagedllm.kernels import isa
 from tests.attention.reference import reference_decode_attention
 
@@ -260,22 +262,22 @@ def test_disable_env_selects_torch_sdpa(monkeypatch, disable_cpu_kernels):
 def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog, disable_cpu_kernels):
     disable_cpu_kernels(False)
     monkeypatch.delenv(selector.ENV, raising=False)
-    monkeypatch.setattr(cpu_kernels, "_active", None)
-    monkeypatch.setattr(cpu_kernels, "_error", None)
-    monkeypatch.setattr(cpu_kernels, "_builds", {})
+    monkeypatch.setattr(cpu_runtime, "_active", None)
+    monkeypatch.setattr(cpu_runtime, "_error", None)
+    monkeypatch.setattr(cpu_runtime, "_builds", {})
     attempts = []
 
     def failing_build(name, cflags, ldflags):
         attempts.append(name)
         raise RuntimeError("no C++ compiler here")
 
-    monkeypatch.setattr(cpu_kernels, "_load_locked", failing_build)
+    monkeypatch.setattr(cpu_build, "_load_locked", failing_build)
     with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
         for _ in range(3):
             assert selector.get_attn_backend(32, torch.float32, 16) is TorchSDPABackend
     # each level from the selected one down to portable was tried once, and never again
     levels = isa.LEVELS[: isa.LEVELS.index(isa.selected_isa()) + 1]
-    tag = f"_v{cpu_kernels._KERNEL_VERSION}_"
+    tag = f"_v{cpu_build._KERNEL_VERSION}_"
     assert [name.split(tag)[1].rsplit("_", 1)[0] for name in attempts] == list(reversed(levels))
     warnings = [r for r in caplog.records if r.name == cpu_kernels.__name__]
     assert len(warnings) == 1 and "no C++ compiler here" in warnings[0].getMessage()
@@ -286,9 +288,9 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog, disable_
 def test_import_does_not_build():
     code = (
         "import pagedllm, pagedllm.attention.selector, pagedllm.model_executor.layers.attention\n"
-        "from pagedllm.kernels import cpu as cpu_kernels\n"
+        "from pagedllm.kernels.cpu import runtime\n"
         "import torch\n"
-        "assert cpu_kernels._active is None and cpu_kernels._error is None and not cpu_kernels._builds\n"
+        "assert runtime._active is None and runtime._error is None and not runtime._builds\n"
         "for level in ('portable', 'avx2', 'avx512', 'avx512_bf16'):\n"
         "    assert not hasattr(getattr(torch.ops, 'pagedllm_cpu_' + level), 'paged_decode_attention')\n"
     )

@@ -103,7 +103,7 @@ def test_bfloat16_logprobs_track_transformers(arch, request, tokenizer, monkeypa
     from transformers import AutoModelForCausalLM
 
     from pagedllm.kernels import cpu as cpu_kernels
-    from pagedllm.model_executor.layers import linear as linear_mod
+    from pagedllm.model_executor.layers import cpu_gemm
 
     calls = []
     real = cpu_kernels.packed_linear
@@ -112,7 +112,7 @@ def test_bfloat16_logprobs_track_transformers(arch, request, tokenizer, monkeypa
         monkeypatch.setattr(
             cpu_kernels,
             "packed_linear",
-            lambda *a: calls.append(tuple(a[1].shape) in linear_mod._packed_linear_shapes) or real(*a),
+            lambda *a: calls.append(tuple(a[1].shape) in cpu_gemm._packed_linear_shapes) or real(*a),
         )
     path = request.getfixturevalue(arch)
     prompts = random_prompts([7, 60, 130], len(tokenizer), seed=3)
@@ -135,4 +135,4 @@ def test_bfloat16_logprobs_track_transformers(arch, request, tokenizer, monkeypa
     assert sum(ours) / len(ours) <= 1.5 * sum(theirs) / len(theirs) + 0.01, (ours, theirs)
     assert max(ours) <= 2 * max(theirs) + 0.02, (ours, theirs)
     # The path this machine takes: packed_linear wherever its layout check accepted the shapes.
-    assert any(calls) == bool(linear_mod._packed_linear_shapes), (calls, linear_mod._packed_linear_shapes)
+    assert any(calls) == bool(cpu_gemm._packed_linear_shapes), (calls, cpu_gemm._packed_linear_shapes)

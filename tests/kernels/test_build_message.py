@@ -1,10 +1,11 @@
-"""A first build of the C++ CPU kernels is announced with its expected duration and timed
-(issue 12, part 4); a load from the cache is not; ``python -m pagedllm.kernels.cpu`` (run by
+"""A build of the C++ CPU kernels is announced with its reason and expected duration and
+timed; a load from the cache is not; ``python -m pagedllm.kernels.cpu`` (run by
 ``make install``) builds them ahead of the first start."""
 
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ import time
 import pytest
 
 from pagedllm.kernels import cpu
+from pagedllm.kernels.cpu import build
 
 
 @pytest.fixture
@@ -28,26 +30,48 @@ def test_first_build_is_announced_and_timed(monkeypatch, tmp_path, messages):
         time.sleep(0.05)
         library.write_bytes(b"")
 
-    monkeypatch.setattr(cpu, "_built_library", lambda name: str(library))
-    monkeypatch.setattr(cpu, "_load_locked", fake_build)
-    monkeypatch.setattr(cpu, "_builds", {})
-    assert cpu._ensure_built("portable")
+    monkeypatch.setattr(build, "_built_library", lambda name: str(library))
+    monkeypatch.setattr(build, "_load_locked", fake_build)
+    assert build.load("portable") is None
     first, built = messages()
-    assert first == f"Building CPU kernels for portable (first start only, about {cpu._DEFAULT_BUILD_ESTIMATE_S} s)..."
+    assert first == (
+        f"Building CPU kernels for portable: no cached build for this key (about {build._DEFAULT_BUILD_ESTIMATE_S} s)..."
+    )
     assert built.startswith("Built CPU kernels for portable in 0.") and str(library.parent) in built
-    assert 0.05 <= float((tmp_path / cpu._BUILD_TIME_FILE).read_text()) < 5
+    assert 0.05 <= float((tmp_path / build._BUILD_TIME_FILE).read_text()) < 5
 
     # another process finds the build in the cache: nothing at INFO
-    monkeypatch.setattr(cpu, "_builds", {})
-    assert cpu._ensure_built("portable")
+    assert build.load("portable") is None
     assert len(messages()) == 2
 
-    # the next build (new sources) announces the duration this machine took last time
+    # a source newer than the cached build: ninja rebuilds, and the rebuild is announced
+    os.utime(library, (1, 1))
+    assert build.load("portable") is None
+    assert messages()[2].startswith("Building CPU kernels for portable: sources changed since the cached build (")
+
+    # the next build announces the duration this machine took last time
     library.unlink()
-    (tmp_path / cpu._BUILD_TIME_FILE).write_text("42.4\n")
-    monkeypatch.setattr(cpu, "_builds", {})
-    assert cpu._ensure_built("portable")
-    assert messages()[2] == "Building CPU kernels for portable (first start only, about 42 s)..."
+    (tmp_path / build._BUILD_TIME_FILE).write_text("42.4\n")
+    assert build.load("portable") is None
+    assert messages()[4] == "Building CPU kernels for portable: no cached build for this key (about 42 s)..."
+
+
+def test_build_key_covers_the_whole_build_command():
+    """The key (hence the build directory) changes with anything ``build.ninja`` holds, so
+    two environments sharing one source tree do not rebuild each other's objects."""
+    cflags, ldflags = build.build_flags("avx2")
+    base = dict(include_paths=["/venv-a/torch/include"], python="/venv-a/bin/python", compiler="/usr/bin/c++")
+    key = build.build_key(cflags, ldflags, **base)
+    assert key == build.build_key(cflags, ldflags, **base) and len(key) == 12
+    variants = [
+        dict(base, include_paths=["/venv-b/torch/include"]),
+        dict(base, python="/venv-b/bin/python"),
+        dict(base, compiler="/usr/bin/clang++"),
+    ]
+    keys = {build.build_key(cflags, ldflags, **variant) for variant in variants}
+    keys |= {build.build_key(cflags + ["-g"], ldflags, **base), build.build_key(cflags, ldflags + ["-g"], **base)}
+    assert key not in keys and len(keys) == 5
+    assert build.extension_name("avx2", cflags, ldflags).endswith("_avx2_" + build.build_key(cflags, ldflags))
 
 
 def test_build_ahead_of_the_first_start():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedllm.kernels import cpu as cpu_kernels
-from pagedllm.model_executor.layers.sampler import greedy_sample
+from pagedllm.model_executor.layers.sampler import Argmax
 
 
 pytestmark = pytest.mark.usefixtures("isa_kernel")
@@ -39,7 +39,7 @@ def test_strided_rows_and_sampler():
     wide = torch.randn(6, 100, dtype=torch.bfloat16)
     logits = wide[:, :64]  # rows 100 apart
     assert torch.equal(cpu_kernels.argmax_rows(logits), logits.argmax(dim=-1))
-    assert torch.equal(greedy_sample(logits), logits.float().argmax(dim=-1))
+    assert torch.equal(Argmax()(logits), logits.float().argmax(dim=-1))
 
 
 def test_bad_input():

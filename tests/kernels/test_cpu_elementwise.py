@@ -130,8 +130,13 @@ def test_layers_use_kernels_and_match_the_torch_path(disable_cpu_kernels):
     fast_act = SiluAndMul()(act_in)
     disable_cpu_kernels()
     assert not cpu_kernels.is_available()
-    assert_close_ulps(fast_norm, norm(x.clone()))
-    slow_pair = norm(x.clone(), residual.clone())
+    # layers built after the toggle take the torch path (a layer decides at its first call)
+    slow = RMSNorm(96, 1e-6).to(torch.bfloat16)
+    slow.weight.data.copy_(norm.weight.data)
+    assert slow(x.clone()) is not None and slow._forward_method == slow.forward_native
+    assert norm._forward_method == norm.forward_cpu
+    assert_close_ulps(fast_norm, slow(x.clone()))
+    slow_pair = slow(x.clone(), residual.clone())
     assert_close_ulps(fast_pair[0], slow_pair[0])
     assert torch.equal(fast_pair[1], slow_pair[1])
     assert_close_ulps(fast_act, SiluAndMul()(act_in), max_mismatch=0.01)

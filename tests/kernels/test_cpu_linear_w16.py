@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.model_executor.layers import cpu_gemm
 from pagedllm.model_executor.layers import linear as linear_mod
 from tests.grids import latin_grid
 
@@ -99,7 +100,7 @@ def test_bad_input_is_refused():
     with pytest.raises(RuntimeError, match=r"bias must be \[64\]"):
         cpu_kernels.linear_w16(torch.randn(1, 32), w, torch.zeros(63), 64)
     with pytest.raises(ValueError, match="needs out_features"):
-        linear_mod.linear(torch.randn(1, 32), w)
+        cpu_gemm.linear(torch.randn(1, 32), w)
 
 
 def test_linear_routes_packed_16bit_weights_to_it(monkeypatch):
@@ -112,7 +113,7 @@ def test_linear_routes_packed_16bit_weights_to_it(monkeypatch):
     packed = cpu_kernels.pack_w16(w)
     for shape in ((1, 16), (40, 16), (2, 3, 16)):
         x = torch.randn(shape).to(torch.bfloat16)
-        out = linear_mod.linear(x, packed, out_features=24)
+        out = cpu_gemm.linear(x, packed, out_features=24)
         assert out.shape == (*shape[:-1], 24)
         torch.testing.assert_close(out.float(), x.float() @ w.float().T, rtol=2**-8, atol=1e-2)
     assert calls == [(1, 16), (40, 16), (6, 16)]
@@ -130,8 +131,8 @@ def _fp16_layer(bias: bool = True) -> linear_mod.ReplicatedLinear:
 def test_layer_multiplies_many_rows_by_its_float32_copy(monkeypatch):
     """A widened 16-bit layer keeps a float32 copy (``auto``, memory permitting): up to 16 rows
     go through ``linear_w16`` on the 16-bit weight, more through the copy; same products."""
-    monkeypatch.delenv(linear_mod.FP32_COPY_ENV, raising=False)
-    monkeypatch.setattr(linear_mod, "_fp32_copy_budget", None)
+    monkeypatch.delenv(cpu_gemm.FP32_COPY_ENV, raising=False)
+    monkeypatch.setattr(cpu_gemm, "_fp32_copy_budget", None)
     layer = _fp16_layer()
     weight = layer.weight.data.clone()
     layer.quant_method.process_weights_after_loading(layer)
@@ -152,20 +153,20 @@ def test_layer_multiplies_many_rows_by_its_float32_copy(monkeypatch):
 
 def test_float32_copy_modes(monkeypatch):
     weight = torch.randn(24, 40).to(torch.bfloat16)
-    monkeypatch.setenv(linear_mod.FP32_COPY_ENV, "0")
-    assert linear_mod.fp32_weight_copy(weight) is None
-    monkeypatch.setenv(linear_mod.FP32_COPY_ENV, "auto")
-    monkeypatch.setattr(linear_mod, "_fp32_copy_budget", 24 * 40 * 4 - 1)  # one byte short
-    assert linear_mod.fp32_weight_copy(weight) is None
-    assert linear_mod._fp32_copy_budget == 24 * 40 * 4 - 1
-    monkeypatch.setattr(linear_mod, "_fp32_copy_budget", 24 * 40 * 4)
-    assert torch.equal(linear_mod.fp32_weight_copy(weight), weight.float())
-    assert linear_mod._fp32_copy_budget == 0
-    monkeypatch.setenv(linear_mod.FP32_COPY_ENV, "1")  # whatever the budget
-    assert linear_mod.fp32_weight_copy(weight) is not None
-    monkeypatch.setenv(linear_mod.FP32_COPY_ENV, "yes")
+    monkeypatch.setenv(cpu_gemm.FP32_COPY_ENV, "0")
+    assert cpu_gemm.fp32_weight_copy(weight) is None
+    monkeypatch.setenv(cpu_gemm.FP32_COPY_ENV, "auto")
+    monkeypatch.setattr(cpu_gemm, "_fp32_copy_budget", 24 * 40 * 4 - 1)  # one byte short
+    assert cpu_gemm.fp32_weight_copy(weight) is None
+    assert cpu_gemm._fp32_copy_budget == 24 * 40 * 4 - 1
+    monkeypatch.setattr(cpu_gemm, "_fp32_copy_budget", 24 * 40 * 4)
+    assert torch.equal(cpu_gemm.fp32_weight_copy(weight), weight.float())
+    assert cpu_gemm._fp32_copy_budget == 0
+    monkeypatch.setenv(cpu_gemm.FP32_COPY_ENV, "1")  # whatever the budget
+    assert cpu_gemm.fp32_weight_copy(weight) is not None
+    monkeypatch.setenv(cpu_gemm.FP32_COPY_ENV, "yes")
     with pytest.raises(ValueError, match="use auto, 0 or 1"):
-        linear_mod.fp32_weight_copy(weight)
+        cpu_gemm.fp32_weight_copy(weight)
 
 
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.model_executor.layers import cpu_gemm
 from tests.grids import latin_grid
 
 pytestmark = pytest.mark.usefixtures("isa_kernel")
@@ -98,4 +99,4 @@ def test_fp8_needs_float8_weights():
 def test_layers_switch_to_linear_dequant_within_the_few_row_limit():
     """The few-row kernels refuse more than ``FEW_ROWS_MAX`` rows: the quantized layers'
     switch to ``linear_dequant`` must come no later."""
-    assert all(rows <= cpu_kernels.FEW_ROWS_MAX + 1 for rows in cpu_kernels.DEQUANT_GEMM_MIN_ROWS.values())
+    assert all(rows <= cpu_kernels.FEW_ROWS_MAX + 1 for rows in cpu_gemm.DEQUANT_GEMM_MIN_ROWS.values())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.model_executor.layers import linear as linear_mod
+from pagedllm.model_executor.layers import cpu_gemm
 from tests.grids import latin_grid
 
 pytestmark = pytest.mark.usefixtures("kernel")
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("kernel")
 def bf16_kernel(kernel):
     if not kernel.has_packed_linear():
         pytest.skip(f"this CPU/build has no AVX512-BF16 ({kernel.build_info()}): packed_linear is not used here")
-    if not linear_mod.packed_linear_reads(200, 96):
+    if not cpu_gemm.packed_linear_reads(200, 96):
         pytest.skip("oneDNN packs bf16 weights in a layout packed_linear does not read on this CPU: it is not used here")
     return kernel
 
@@ -28,7 +28,7 @@ def bf16_kernel(kernel):
 @pytest.fixture(scope="module")
 def block_n(bf16_kernel):
     """The outputs per block of oneDNN's packed bf16 layout here: 64, or 32 with AMX."""
-    return linear_mod._packed_linear_shapes[(200, 96)][0]
+    return cpu_gemm._packed_linear_shapes[(200, 96)][0]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def paths(bf16_kernel, block_n):
 @pytest.fixture(scope="module")
 def amx_kernel(bf16_kernel, paths):
     if True not in paths:
-        pytest.skip(f"no AMX tiles here (block width {linear_mod._packed_linear_shapes[(200, 96)][0]})")
+        pytest.skip(f"no AMX tiles here (block width {cpu_gemm._packed_linear_shapes[(200, 96)][0]})")
     return bf16_kernel
 
 
@@ -159,19 +159,19 @@ def test_linear_routes_few_rows_to_the_kernel(bf16_kernel, block_n, monkeypatch)
     torch.manual_seed(3)
     w = torch.randn(72, 48).to(torch.bfloat16)
     bias = torch.randn(72).to(torch.bfloat16)
-    packed = linear_mod.pack_weight(w)
-    assert (72, 48) in linear_mod._packed_linear_shapes
+    packed = cpu_gemm.pack_weight(w)
+    assert (72, 48) in cpu_gemm._packed_linear_shapes
     calls = []
     real = bf16_kernel.packed_linear
     monkeypatch.setattr(bf16_kernel, "packed_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for rows in (1, linear_mod.SMALL_M_ROWS, linear_mod.SMALL_M_ROWS + 1, 64):
+    for rows in (1, cpu_gemm.SMALL_M_ROWS, cpu_gemm.SMALL_M_ROWS + 1, 64):
         x = torch.randn(rows, 48).to(torch.bfloat16)
         expected = _onednn(x, packed, bias)
-        torch.testing.assert_close(linear_mod.linear(x, packed, bias), expected, rtol=2**-7, atol=1e-2)
-    assert calls == [1, linear_mod.SMALL_M_ROWS]
-    assert linear_mod._packed_linear_shapes[(72, 48)] == (block_n, block_n == 32 and bf16_kernel.has_amx())
+        torch.testing.assert_close(cpu_gemm.linear(x, packed, bias), expected, rtol=2**-7, atol=1e-2)
+    assert calls == [1, cpu_gemm.SMALL_M_ROWS]
+    assert cpu_gemm._packed_linear_shapes[(72, 48)] == (block_n, block_n == 32 and bf16_kernel.has_amx())
     # float32 weights keep oneDNN's matmul (a different packed layout).
-    packed32 = linear_mod.pack_weight(torch.randn(72, 48))
-    assert packed32.dtype == torch.float32 and (72, 48) in linear_mod._packed_linear_shapes
-    linear_mod.linear(torch.randn(2, 48), packed32)
-    assert calls == [1, linear_mod.SMALL_M_ROWS]
+    packed32 = cpu_gemm.pack_weight(torch.randn(72, 48))
+    assert packed32.dtype == torch.float32 and (72, 48) in cpu_gemm._packed_linear_shapes
+    cpu_gemm.linear(torch.randn(2, 48), packed32)
+    assert calls == [1, cpu_gemm.SMALL_M_ROWS]

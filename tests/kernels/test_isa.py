@@ -80,11 +80,12 @@ def test_override_runs_the_whole_process_at_that_level(level):
 
 def test_override_above_the_host_fails_clearly(monkeypatch):
     from pagedllm.kernels import cpu as cpu_kernels
+    from pagedllm.kernels.cpu import runtime
 
     monkeypatch.setattr(isa, "detected_isa", lambda: "portable")
     monkeypatch.setenv(isa.ENV, "avx2")
-    monkeypatch.setattr(cpu_kernels, "_active", None)
-    monkeypatch.setattr(cpu_kernels, "_error", None)
+    monkeypatch.setattr(runtime, "_active", None)
+    monkeypatch.setattr(runtime, "_error", None)
     with pytest.raises(ValueError, match="PAGEDLLM_CPU_ISA='avx2' asks for more than this CPU supports"):
         cpu_kernels.is_available()
 

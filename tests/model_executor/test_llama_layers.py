@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig
 
 from pagedllm.kernels import isa
+from pagedllm.model_executor.layers import cpu_gemm
 from pagedllm.model_executor.layers import linear as linear_mod
 from pagedllm.model_executor.models import llama
 from tests.helpers import cpu_only
@@ -51,7 +52,7 @@ def test_linear_layer_takes_this_machines_path_and_matches_plain(kernel, dtype, 
     layer.bias.data.normal_()
     x = torch.randn(num_tokens, 96, dtype=dtype)
     plain = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
-    packable = linear_mod.can_pack(layer.weight.data)
+    packable = cpu_gemm.can_pack(layer.weight.data)
     native_bf16 = isa.selected_isa() == "avx512_bf16" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert packable == (dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16))
     layer.quant_method.process_weights_after_loading(layer)
@@ -77,4 +78,23 @@ def test_packing_off_by_env(disable_cpu_kernels):
         assert not layer.weight.is_mkldnn and layer.weight.shape == (8, 16) and layer.weight_fp32 is None
         x = torch.randn(3, 16, dtype=dtype)
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
-    assert not linear_mod.can_pack(torch.empty(8, 16, dtype=torch.float64))
+    assert not cpu_gemm.can_pack(torch.empty(8, 16, dtype=torch.float64))
+
+
+@cpu_only
+def test_layer_plan_is_chosen_once_at_load(kernel):
+    """A layer multiplies by torch's matmul until its weights are prepared; then by the plan
+    chosen for this machine (fp16: oneDNN never packs it, ``linear_w16``), which a second
+    preparation keeps."""
+    layer = linear_mod.ReplicatedLinear(16, 8, bias=False).to(torch.float16)
+    layer.weight.data.normal_()
+    assert isinstance(layer.gemm_plan, cpu_gemm.TorchGemm)
+    x = torch.randn(3, 16, dtype=torch.float16)
+    expected = torch.nn.functional.linear(x.float(), layer.weight.float())
+    layer.quant_method.process_weights_after_loading(layer)
+    plan = layer.gemm_plan
+    assert isinstance(plan, cpu_gemm.WidenedGemm) and plan.weight is layer.weight and plan.n == 8
+    assert layer.quant_method.describe_path(layer) == plan.describe()
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.gemm_plan is plan
+    torch.testing.assert_close(layer(x).float(), expected, rtol=2e-3, atol=1e-2)

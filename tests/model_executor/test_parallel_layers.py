@@ -10,6 +10,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend
+from pagedllm.attention.selector import set_attn_backend
 from pagedllm.model_executor.layers import linear as linear_mod
 from pagedllm.model_executor.layers import vocab_parallel_embedding as vocab_mod
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
@@ -125,7 +127,8 @@ def test_vocab_parallel_embedding_looks_up_its_own_rows(rank_1_of_2, monkeypatch
 def test_model_holds_this_ranks_heads(rank_1_of_2):
     config = LlamaConfig(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
                          num_hidden_layers=1, vocab_size=100)
-    model = LlamaForCausalLM(config)
+    with set_attn_backend(TorchSDPABackend):
+        model = LlamaForCausalLM(config)
     attn = model.model.layers[0].self_attn
     assert (attn.num_heads, attn.num_kv_heads, attn.attn.num_heads, attn.attn.num_kv_heads) == (2, 1, 2, 1)
     assert attn.qkv_proj.weight.shape == ((2 + 2 * 1) * 16, 64)

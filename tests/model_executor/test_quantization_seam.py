@@ -13,6 +13,8 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend
+from pagedllm.attention.selector import set_attn_backend
 from pagedllm.model_executor import model_loader
 from pagedllm.model_executor.layers import quantization
 from pagedllm.model_executor.layers.linear import UnquantizedLinearMethod
@@ -61,7 +63,8 @@ LINEAR_NAMES = ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "m
 
 
 def _load(model_cls, path, quant_config=None):
-    model = model_cls(AutoConfig.from_pretrained(path), quant_config)
+    with set_attn_backend(TorchSDPABackend):
+        model = model_cls(AutoConfig.from_pretrained(path), quant_config)
     model.load_weights(model_loader.iterate_weights(path))
     model_loader.process_weights_after_loading(model)
     return model

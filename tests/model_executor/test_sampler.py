@@ -455,9 +455,15 @@ def test_allowed_token_bitmask_constrains_greedy_and_random_rows():
 
 
 def test_argmax_op_is_chosen_once_from_the_platform():
+    """On CPU the kernel path is chosen at the first call (kernels available), never per call."""
+    from pagedllm.kernels import cpu as cpu_kernels
+
     op = Argmax()
-    expected = op.forward_cpu if current_platform.is_cpu else op.forward_cuda
-    assert op._forward_method == expected
     logits = torch.randn(4, 33).to(torch.bfloat16)
     assert torch.equal(op(logits), logits.float().argmax(-1))
+    if current_platform.is_cpu:
+        expected = op.forward_cpu if cpu_kernels.is_available() else op.forward_native
+    else:
+        expected = op.forward_cuda
+    assert op._forward_method == expected
     assert torch.equal(op.forward_native(logits), logits.float().argmax(-1))

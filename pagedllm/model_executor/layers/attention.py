@@ -19,8 +19,8 @@ logger = logging.getLogger(__name__)
 class Attention(nn.Module):
     """Paged multi-head / grouped-query attention over the layer's KV cache.
 
-    The backend is the one the model runner selected (``selector.set_attn_backend`` around
-    model loading), else the automatic choice for ``head_dim`` and the default dtype.
+    The backend is the one the model is built with (``selector.set_attn_backend``, which
+    ``model_loader.get_model``'s ``attn_backend`` sets; the model runner chooses it).
     ``kv_cache`` (the backend's ``get_kv_cache_shape``) is bound by the model runner after
     the cache is allocated.
 
@@ -36,8 +36,8 @@ class Attention(nn.Module):
     from its keys and values, once.
 
     Raises:
-        ValueError: no attention backend can run (see ``selector.get_attn_backend``), or the
-            selected one has no sliding windows and ``sliding_window`` is set.
+        RuntimeError: built outside ``selector.set_attn_backend``.
+        ValueError: the backend has no sliding windows and ``sliding_window`` is set.
     """
 
     def __init__(
@@ -49,9 +49,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
-        self.attn_backend = get_current_attn_backend(
-            head_dim, torch.get_default_dtype(), uses_sliding_window=sliding_window is not None
-        )
+        self.attn_backend = get_current_attn_backend(uses_sliding_window=sliding_window is not None)
         self.impl = self.attn_backend.get_impl_cls()(
             num_heads, head_dim, scale, num_kv_heads, sliding_window=sliding_window
         )

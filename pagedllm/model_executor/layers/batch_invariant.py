@@ -44,28 +44,52 @@ class BatchInvariantLinearMethod(UnquantizedLinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight.data
-        if not current_platform.is_cpu or not cpu_kernels.is_available() or weight.dim() != 2:
+        if weight.dim() != 2:  # prepared already
+            return
+        if not current_platform.is_cpu or not cpu_kernels.is_available():
+            layer.gemm_plan = RowByRowTorchGemm(layer)
             return
         packed = cpu_kernels.pack_w32(weight) if weight.dtype == torch.float32 else cpu_kernels.pack_w16(weight)
         layer.weight = nn.Parameter(packed, requires_grad=False)
+        layer.gemm_plan = RowsGemm(layer.weight, layer.output_size_per_partition)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        n = layer.output_size_per_partition
+        return layer.gemm_plan(x, bias)
+
+
+class RowsGemm:
+    """``linear_rows`` on a ``pack_w16`` / ``pack_w32`` weight for W [n, in] (a GEMM plan,
+    see ``cpu_gemm``)."""
+
+    def __init__(self, weight: torch.Tensor, n: int) -> None:
+        self.weight, self.n = weight, n
+
+    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        y = cpu_kernels.linear_rows(x.reshape(-1, x.shape[-1]), self.weight, bias, self.n)
+        return y.view(*x.shape[:-1], self.n)
+
+    def describe(self) -> str:
+        return f"{str(self.weight.dtype).removeprefix('torch.')} row by row (batch-invariant, linear_rows)"
+
+
+class RowByRowTorchGemm:
+    """One ``F.linear`` call per row of x on ``layer.weight`` [out, in] ([1, in]: the same
+    kernel and blocking for every row; a GEMM plan, see ``cpu_gemm``)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+
+    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        weight, n = self.layer.weight, self.layer.output_size_per_partition
         x2 = x.reshape(-1, x.shape[-1])
-        if layer.weight.dim() == 3:
-            y = cpu_kernels.linear_rows(x2, layer.weight, bias, n)
-        else:
-            y = x2.new_empty(x2.shape[0], n)
-            for i in range(x2.shape[0]):
-                # NOTE: a fresh [1, in] copy: the row's alignment never changes either.
-                y[i] = F.linear(x2[i : i + 1].clone(), layer.weight, bias)[0]
+        y = x2.new_empty(x2.shape[0], n)
+        for i in range(x2.shape[0]):
+            # NOTE: a fresh [1, in] copy: the row's alignment never changes either.
+            y[i] = F.linear(x2[i : i + 1].clone(), weight, bias)[0]
         return y.view(*x.shape[:-1], n)
 
-    def describe_path(self, layer: nn.Module) -> str:
-        dtype = str(layer.weight.dtype).removeprefix("torch.")
-        if layer.weight.dim() == 3:
-            return f"{dtype} row by row (batch-invariant, linear_rows)"
-        return f"{dtype} row by row (batch-invariant, one torch matmul per row)"
+    def describe(self) -> str:
+        return f"{str(self.layer.weight.dtype).removeprefix('torch.')} row by row (batch-invariant, one torch matmul per row)"
 
 
 def use_batch_invariant_methods(model: nn.Module) -> None:

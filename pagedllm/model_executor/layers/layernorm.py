@@ -39,8 +39,6 @@ class RMSNorm(CustomOp):
 
     def forward_cpu(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """As ``forward_native``, in one pass by the fused C++ kernels (``pagedllm.kernels.cpu``)."""
-        if not cpu_kernels.is_available():
-            return self.forward_native(x, residual)
         if residual is None:
             return cpu_kernels.rms_norm(x, self.weight, self.variance_epsilon)
         cpu_kernels.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)

@@ -94,8 +94,6 @@ class RotaryEmbedding(CustomOp):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As ``forward_native``, by the C++ kernel in place (``query`` and ``key`` may be
         views of the fused qkv output), returning them."""
-        if not cpu_kernels.is_available():
-            return self.forward_native(query, key, cos, sin)
         cpu_kernels.rotary_embedding(query, key, cos.squeeze(1), sin.squeeze(1))
         return query, key
 

@@ -68,13 +68,11 @@ class Argmax(CustomOp):
     def forward_cpu(self, logits: torch.Tensor) -> torch.Tensor:
         """The vectorised C++ kernel (PyTorch's CPU argmax of bf16 is scalar) for [B, V]
         rows with a contiguous last dimension."""
-        if logits.dim() == 2 and logits.stride(-1) == 1 and cpu_kernels.is_available():
+        if logits.dim() == 2 and logits.stride(-1) == 1:
             return cpu_kernels.argmax_rows(logits)
         return self.forward_native(logits)
 
 
-#: The argmax every greedy row takes, its implementation chosen once for the platform.
-greedy_sample = Argmax()
 
 
 class Sampler(torch.nn.Module):
@@ -89,6 +87,7 @@ class Sampler(torch.nn.Module):
         super().__init__()
         self.logits_processors = (default_logits_processors() if logits_processors is None
                                   else logits_processors)
+        self.greedy_sample = Argmax()
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample the token of each row.
@@ -105,7 +104,7 @@ class Sampler(torch.nn.Module):
         argmax_changing = [p for p in active if not p.argmax_invariant]
         if metadata.all_greedy and metadata.max_num_logprobs is None and not argmax_changing:
             # Plain greedy: nothing modifies the logits, so no copy is needed.
-            return SamplerOutput(sampled_token_ids=greedy_sample(logits))
+            return SamplerOutput(sampled_token_ids=self.greedy_sample(logits))
         # NOTE: one copy up front, so every processor may work in place without
         # touching the caller's tensor.
         logits = logits.to(torch.float32, copy=True)
@@ -142,7 +141,7 @@ class Sampler(torch.nn.Module):
         active = [p for p in self.logits_processors if p.is_active(metadata)]
         logits = self._apply(logits.to(torch.float32, copy=True), metadata,
                              [p for p in active if not p.argmax_invariant])
-        one_hot = torch.zeros_like(logits).scatter_(1, greedy_sample(logits).unsqueeze(1), 1.0)
+        one_hot = torch.zeros_like(logits).scatter_(1, self.greedy_sample(logits).unsqueeze(1), 1.0)
         probs = self._random_probs(logits, metadata, [p for p in active if p.argmax_invariant])
         probs = probs / probs.sum(dim=-1, keepdim=True)
         return torch.where((metadata.temperature < _GREEDY_TEMPERATURE).unsqueeze(1), one_hot, probs)
@@ -158,7 +157,7 @@ class Sampler(torch.nn.Module):
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata,
                 argmax_invariant: list[LogitsProcessor]) -> torch.Tensor:
-        greedy = None if metadata.all_random else greedy_sample(logits)
+        greedy = None if metadata.all_random else self.greedy_sample(logits)
         if metadata.all_greedy:
             assert greedy is not None
             return greedy

@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.model_executor.layers import cpu_gemm
 from pagedllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from pagedllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
-from pagedllm.model_executor.layers.quantization.int8 import apply_scaled_8bit
 from pagedllm.model_executor.layers.quantization.packed_int import checkpoint_module_names, name_matches
 from pagedllm.model_executor.utils import set_weight_attrs
 from pagedllm.platforms import current_platform
@@ -82,23 +82,32 @@ class Fp8Config(QuantizationConfig):
 
 def store_fp8(layer: nn.Module, weight: torch.Tensor, scale: torch.Tensor) -> None:
     """Replace ``layer.weight`` by F [out, in] float8_e4m3fn with ``weight_scale`` [out]
-    float32 (W = scale[:, None] * F): ``pack_w8``'s blocked layout on CPU with the kernels,
-    else F itself."""
-    if current_platform.is_cpu and cpu_kernels.is_available():
+    float32 (W = scale[:, None] * F), and set ``layer.gemm_plan``: ``pack_w8``'s blocked
+    layout on CPU with the kernels (``Scaled8BitGemm`` with ``linear_fp8``), else F itself
+    (``DequantizedTorchGemm``)."""
+    kernels = current_platform.is_cpu and cpu_kernels.is_available()
+    if kernels:
         weight = cpu_kernels.pack_w8(weight.view(torch.int8)).view(torch.float8_e4m3fn)
     layer.weight = nn.Parameter(weight, requires_grad=False)
     layer.weight_scale = nn.Parameter(scale.float().contiguous(), requires_grad=False)
+    if kernels:
+        n = layer.output_size_per_partition
+        layer.gemm_plan = cpu_gemm.Scaled8BitGemm(layer.weight, layer.weight_scale, n, cpu_kernels.linear_fp8)
+    else:
+        layer.gemm_plan = cpu_gemm.DequantizedTorchGemm(layer.weight, layer.weight_scale)
 
 
 def apply_fp8(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``x W^T + b`` for a layer prepared by ``store_fp8``: x [..., in] -> [..., out] in x's
-    dtype (``linear_fp8`` on CPU, see ``apply_scaled_8bit``)."""
-    return apply_scaled_8bit(layer, x, bias, cpu_kernels.linear_fp8)
+    dtype, by its plan."""
+    return layer.gemm_plan(x, bias)
 
 
 def fp8_kernel_name(layer: nn.Module) -> str:
     """The start-up log's name of a ``store_fp8`` layer's matmul."""
-    return "linear_fp8; many rows: linear_dequant" if layer.weight.dim() == 3 else "torch matmul on dequantized W"
+    if isinstance(layer.gemm_plan, cpu_gemm.Scaled8BitGemm):
+        return "linear_fp8; many rows: linear_dequant"
+    return "torch matmul on dequantized W"
 
 
 def checkpoint_rows(layer: nn.Module, shard_id: tuple[Any, ...]) -> int:
@@ -199,6 +208,7 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
         del layer.weight_scale_inv
         logger.warning("fp8: layer %s has block-wise scales: no kernel for them yet, dequantized at load.", self.prefix)
         layer.weight = nn.Parameter(dequantized.to(layer.params_dtype), requires_grad=False)
+        layer.gemm_plan = cpu_gemm.TorchGemm(layer)
         super().process_weights_after_loading(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

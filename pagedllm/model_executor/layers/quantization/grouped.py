@@ -14,11 +14,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm import envs
 from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.model_executor.layers import cpu_gemm
 from pagedllm.platforms import current_platform
 
 #: ``PAGEDLLM_CPU_INT8_ACTIVATIONS=0`` keeps decode activations in float32 (the exact
@@ -52,9 +52,12 @@ def store_grouped(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero: 
     ``weight_scale`` / ``weight_zero_point`` hold scale and zero as ``compact_scales`` returns
     them (zero None: symmetric), on CPU with the kernels blocked likewise (``pack_groups``:
     [ceil(out / 16), groups, 16]; dimension 1 is the groups either way), ``weight_bits`` the
-    width, ``int8_activations`` whether decode quantizes x (``int8_activations_enabled``)."""
+    width, ``int8_activations`` whether decode quantizes x (``int8_activations_enabled``),
+    ``gemm_plan`` the matmul (``cpu_gemm.GroupedGemm`` on CPU with the kernels, else
+    ``cpu_gemm.GroupedTorchGemm``)."""
     scale, zero = compact_scales(scale, zero, bits)
-    if current_platform.is_cpu and cpu_kernels.is_available():
+    kernels = current_platform.is_cpu and cpu_kernels.is_available()
+    if kernels:
         q = cpu_kernels.pack_w4(q) if bits == 4 else cpu_kernels.pack_w8(q.view(torch.int8)).view(torch.uint8)
         scale = cpu_kernels.pack_groups(scale)
         zero = None if zero is None else cpu_kernels.pack_groups(zero)
@@ -63,27 +66,18 @@ def store_grouped(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero: 
     layer.weight_zero_point = None if zero is None else nn.Parameter(zero, requires_grad=False)
     layer.weight_bits = bits
     layer.int8_activations = int8_activations_enabled()
+    stored = layer.weight, layer.weight_scale, layer.weight_zero_point, bits
+    if kernels:
+        n = layer.output_size_per_partition
+        layer.gemm_plan = cpu_gemm.GroupedGemm(*stored, n, layer.int8_activations)
+    else:
+        layer.gemm_plan = cpu_gemm.GroupedTorchGemm(*stored)
 
 
 def apply_grouped(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``x W^T + b`` for a layer prepared by ``store_grouped``: x [..., in] -> [..., out] in
-    x's dtype (on CPU ``linear_w4`` / ``linear_w8g`` for few rows, ``linear_dequant`` for many,
-    else a torch matmul on W dequantized per call)."""
-    n = layer.output_size_per_partition
-    if layer.weight.dim() == 3:
-        bits, x2 = layer.weight_bits, x.reshape(-1, x.shape[-1])
-        scale, zero = layer.weight_scale, layer.weight_zero_point
-        if x2.shape[0] >= cpu_kernels.DEQUANT_GEMM_MIN_ROWS[bits]:
-            y = cpu_kernels.linear_dequant(x2, layer.weight, scale, zero, bias, n, bits)
-        else:
-            kernel = cpu_kernels.linear_w4 if bits == 4 else cpu_kernels.linear_w8g
-            y = kernel(x2, layer.weight, scale, zero, bias, n, layer.int8_activations)
-        return y.view(*x.shape[:-1], n)
-    group = layer.weight.shape[1] // layer.weight_scale.shape[1]
-    scale = layer.weight_scale.float().repeat_interleave(group, dim=1)
-    zero = layer.weight_zero_point
-    zero = 2 ** (layer.weight_bits - 1) if zero is None else zero.repeat_interleave(group, dim=1)
-    return F.linear(x, (scale * (layer.weight.float() - zero)).to(x.dtype), bias)
+    x's dtype, by its plan."""
+    return layer.gemm_plan(x, bias)
 
 
 def describe_grouped(layer: nn.Module, source: str) -> str:
@@ -91,10 +85,11 @@ def describe_grouped(layer: nn.Module, source: str) -> str:
     bits = layer.weight_bits
     inputs = layer.input_size_per_partition
     group = inputs // layer.weight_scale.shape[1]
-    kernel = ("linear_w4" if bits == 4 else "linear_w8g") if layer.weight.dim() == 3 else "torch matmul on dequantized W"
-    if layer.weight.dim() == 3 and layer.int8_activations and group % 32 == 0:
+    blocked = isinstance(layer.gemm_plan, cpu_gemm.GroupedGemm)
+    kernel = ("linear_w4" if bits == 4 else "linear_w8g") if blocked else "torch matmul on dequantized W"
+    if blocked and layer.int8_activations and group % 32 == 0:
         kernel += ", int8 activations per 32 inputs up to 16 rows"
-    if layer.weight.dim() == 3:
+    if blocked:
         kernel += "; many rows: linear_dequant"
     stored = f"{'float16' if layer.weight_scale.dtype == torch.float16 else 'float32'} scales"
     stored += ", symmetric" if layer.weight_zero_point is None else ", zero points"

@@ -19,14 +19,14 @@ weight-only methods do.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.kernels import isa
+from pagedllm.model_executor.layers import cpu_gemm
 from pagedllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from pagedllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from pagedllm.model_executor.layers.quantization.grouped import int8_activations_enabled
@@ -78,49 +78,39 @@ def onednn_int8_gemm_exact() -> bool:
 
 def store_int8(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, int8_activations: bool = False) -> None:
     """Replace ``layer.weight`` by int8 Q (W = scale[:, None] * Q): Q [out, in] int8, scale
-    [out] float32 in ``weight_scale``. On CPU with the kernels ``weight`` becomes
-    ``pack_w8``'s [ceil(out / 16), in, 16] int8, or with ``int8_activations`` where
-    ``onednn_int8_gemm_exact()`` oneDNN's packed int8 layout (``onednn::qlinear_prepack``, an
-    opaque mkldnn tensor of shape [in, out]; the matmul then quantizes x per row), else Q itself."""
-    if int8_activations and onednn_int8_gemm_exact():
+    [out] float32 in ``weight_scale``, and set ``layer.gemm_plan``. With ``int8_activations``
+    where ``onednn_int8_gemm_exact()``, ``weight`` becomes oneDNN's packed int8 layout
+    (``onednn::qlinear_prepack``, an opaque mkldnn tensor of shape [in, out]; plan
+    ``OneDnnInt8Gemm``); else on CPU with the kernels ``pack_w8``'s [ceil(out / 16), in, 16]
+    int8 (``Scaled8BitGemm`` with ``linear_w8``); else Q itself (``DequantizedTorchGemm``)."""
+    onednn = int8_activations and onednn_int8_gemm_exact()
+    kernels = not onednn and current_platform.is_cpu and cpu_kernels.is_available()
+    if onednn:
         q = torch.ops.onednn.qlinear_prepack(q.contiguous(), None)
-    elif current_platform.is_cpu and cpu_kernels.is_available():
+    elif kernels:
         q = cpu_kernels.pack_w8(q)
     layer.weight = nn.Parameter(q, requires_grad=False)
     layer.weight_scale = nn.Parameter(scale.float().contiguous(), requires_grad=False)
-
-
-def apply_scaled_8bit(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor], kernel: Callable[..., torch.Tensor]) -> torch.Tensor:
-    """``x W^T + b`` for a layer of 8-bit weights F with one scale per output (W =
-    ``weight_scale[:, None]`` * F): x [..., in] -> [..., out] in x's dtype, by ``kernel``
-    (``linear_w8`` / ``linear_fp8``) for few rows and ``linear_dequant`` from
-    ``DEQUANT_GEMM_MIN_ROWS[8]`` rows when ``weight`` is in ``pack_w8``'s blocked layout,
-    ``linear_dequant`` (int8 activations) for every row count when it is oneDNN-packed, else a
-    torch matmul on W rebuilt per call."""
-    n = layer.output_size_per_partition
-    onednn_packed = layer.weight.is_mkldnn
-    if onednn_packed or layer.weight.dim() == 3:
-        x2 = x.reshape(-1, x.shape[-1])
-        if onednn_packed or x2.shape[0] >= cpu_kernels.DEQUANT_GEMM_MIN_ROWS[8]:
-            y = cpu_kernels.linear_dequant(x2, layer.weight, layer.weight_scale, None, bias, n, 8)
-        else:
-            y = kernel(x2, layer.weight, layer.weight_scale, bias, n)
-        return y.view(*x.shape[:-1], n)
-    weight = layer.weight.to(x.dtype) * layer.weight_scale[:, None].to(x.dtype)
-    return F.linear(x, weight, bias)
+    weight, scale, n = layer.weight, layer.weight_scale, layer.output_size_per_partition
+    if onednn:
+        layer.gemm_plan = cpu_gemm.OneDnnInt8Gemm(weight, scale, n)
+    elif kernels:
+        layer.gemm_plan = cpu_gemm.Scaled8BitGemm(weight, scale, n, cpu_kernels.linear_w8)
+    else:
+        layer.gemm_plan = cpu_gemm.DequantizedTorchGemm(weight, scale)
 
 
 def apply_int8(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``x W^T + b`` for a layer prepared by ``store_int8``: x [..., in] -> [..., out] in x's
-    dtype (``linear_w8`` on CPU, see ``apply_scaled_8bit``)."""
-    return apply_scaled_8bit(layer, x, bias, cpu_kernels.linear_w8)
+    dtype, by its plan."""
+    return layer.gemm_plan(x, bias)
 
 
 def describe_int8(layer: nn.Module) -> str:
     """The start-up log's name of an int8 layer's matmul path."""
-    if layer.weight.is_mkldnn:
+    if isinstance(layer.gemm_plan, cpu_gemm.OneDnnInt8Gemm):
         return "int8 weights, per-channel scales, int8 activations per token (oneDNN int8 GEMM)"
-    if layer.weight.dim() == 3:
+    if isinstance(layer.gemm_plan, cpu_gemm.Scaled8BitGemm):
         return "int8 weight-only, per-channel scales (linear_w8; many rows: linear_dequant)"
     return "int8 weight-only, per-channel scales (torch matmul on dequantized W)"
 

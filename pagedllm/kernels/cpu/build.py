@@ -1,0 +1,219 @@
+"""Compiling the C++ CPU kernels: one torch extension per instruction-set level.
+
+``load(level)`` builds (or loads from torch's extensions directory, ``TORCH_EXTENSIONS_DIR``,
+default ``~/.cache/torch_extensions``) the sources in ``_SOURCES`` with ``level``'s flags;
+their operators then live in ``torch.ops.pagedllm_cpu_<level>``. The extension's name, hence
+its build directory, is keyed by everything its ``build.ninja`` holds (``build_key``), so
+two environments or checkouts never rebuild each other's objects. Concurrent builds are
+serialised by a ``flock`` on the build directory. Every build is logged at INFO with its
+reason before it starts and its duration after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+logger = logging.getLogger(__package__)  # the package's logger, as every kernels message
+
+_KERNEL_VERSION = 6
+_DIR = Path(__file__).parent
+_SOURCES = [_DIR / name for name in ("paged_attention.cpp", "elementwise.cpp", "sampling.cpp", "packed_linear.cpp", "linear_w16.cpp", "linear_grouped.cpp", "linear_dequant.cpp", "lora.cpp")]
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+_AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512_FLAGS = [*_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+_ISA_FLAGS = {
+    "portable": [],
+    "avx2": _AVX2_FLAGS,
+    "avx512": _AVX512_FLAGS,
+    "avx512_bf16": [*_AVX512_FLAGS, "-mavx512bf16", "-mavx512vnni"],
+}
+
+#: Seconds a build is announced to take when this machine has not built one yet; later
+#: announcements use the previous build's time, kept in ``_BUILD_TIME_FILE`` beside the builds.
+_DEFAULT_BUILD_ESTIMATE_S = 80
+_BUILD_TIME_FILE = "pagedllm_cpu_kernels_build_seconds"
+
+
+def build_flags(level: str) -> tuple[list[str], list[str]]:
+    """(compiler flags, linker flags) of ``level``'s build."""
+    # -fopenmp makes at::parallel_for use ATen's OpenMP pool (without it, it runs serially).
+    # The extension's libgomp.so.1 dependency resolves to the one torch already loaded (same
+    # soname), so there is one OpenMP runtime in the process. -fvisibility-inlines-hidden keeps
+    # each build's copies of inline header functions (compiled for its level) to itself.
+    cflags = ["-O3", "-fopenmp", "-fvisibility-inlines-hidden", f"-DPAGEDLLM_OPS=pagedllm_cpu_{level}"]
+    if _X86:
+        cflags += _ISA_FLAGS[level]
+    return cflags, ["-fopenmp"]
+
+
+def build_key(
+    cflags: Sequence[str],
+    ldflags: Sequence[str],
+    include_paths: Optional[Sequence[str]] = None,
+    python: Optional[str] = None,
+    compiler: Optional[str] = None,
+) -> str:
+    """12 hex digits hashing what goes into the build's ``build.ninja``: the sources' names
+    and bytes (every ``.cpp`` / ``.h`` beside this file) and their folder, ``cflags``,
+    ``ldflags``, torch's version and include paths, the python executable and the C++
+    compiler (None: this process's)."""
+    from torch.utils import cpp_extension
+
+    h = hashlib.sha256()
+    for source in sorted(_DIR.glob("*.[ch]*")):
+        if source.suffix in (".cpp", ".h"):
+            h.update(source.name.encode())
+            h.update(source.read_bytes())
+    parts = [
+        str(_DIR.resolve()),
+        " ".join(cflags),
+        " ".join(ldflags),
+        torch.__version__,
+        *(cpp_extension.include_paths() if include_paths is None else include_paths),
+        sys.executable if python is None else python,
+        _compiler() if compiler is None else compiler,
+    ]
+    for part in parts:
+        h.update(b"\0" + part.encode())
+    return h.hexdigest()[:12]
+
+
+def _compiler() -> str:
+    """The C++ compiler torch's build runs (``CXX``, else ``c++``), as a resolved path where
+    it is on PATH."""
+    from torch.utils import cpp_extension
+
+    name = cpp_extension.get_cxx_compiler()
+    return shutil.which(name) or name
+
+
+def extension_name(level: str, cflags: Sequence[str], ldflags: Sequence[str]) -> str:
+    """``pagedllm_cpu_kernels_v<version>_<level>_<build_key>``."""
+    return f"pagedllm_cpu_kernels_v{_KERNEL_VERSION}_{level}_{build_key(cflags, ldflags)}"
+
+
+def _ensure_ninja_on_path() -> None:
+    """torch runs ``ninja`` from PATH; the pip ``ninja`` package's binary sits in the venv's
+    bin directory, which is not on PATH when the venv's python is run without activation."""
+    if shutil.which("ninja"):
+        return
+    dirs = [os.path.dirname(sys.executable)]
+    try:
+        import ninja  # type: ignore[import-not-found]
+
+        dirs.insert(0, ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    for d in dirs:
+        if shutil.which("ninja", path=d):
+            os.environ["PATH"] = d + os.pathsep + os.environ.get("PATH", "")
+            return
+
+
+def _load_locked(name: str, cflags: list[str], ldflags: list[str]) -> None:
+    """``cpp_extension.load`` of the extension ``name`` under a ``flock`` on its build
+    directory; torch's own lock file, which a killed build leaves behind (and which would make
+    every later load wait forever), is removed under it."""
+    from torch.utils import cpp_extension
+
+    _ensure_ninja_on_path()
+
+    def build() -> None:
+        cpp_extension.load(
+            name=name,
+            sources=[str(source) for source in _SOURCES],
+            extra_cflags=cflags,
+            extra_ldflags=ldflags,
+            is_python_module=False,
+            verbose=False,
+        )
+
+    try:
+        import fcntl
+
+        build_dir = cpp_extension._get_build_directory(name, verbose=False)
+    except Exception:  # noqa: BLE001 - no flock (Windows) or a torch without the helper
+        build()
+        return
+    with open(os.path.join(build_dir, "pagedllm.flock"), "a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            # Whoever held torch's baton held this flock too: a baton file seen now is stale.
+            stale = os.path.join(build_dir, "lock")
+            if os.path.exists(stale):
+                logger.warning("Removing stale torch extension lock %s", stale)
+                os.remove(stale)
+            build()
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _built_library(name: str) -> str | None:
+    """Path of the extension's shared library in torch's build directory (None when torch
+    has no such helper)."""
+    try:
+        from torch.utils import cpp_extension
+
+        return os.path.join(cpp_extension._get_build_directory(name, verbose=False), f"{name}.so")
+    except Exception:  # noqa: BLE001 - a torch without the helper: no build message
+        return None
+
+
+def _build_estimate_s(library: str) -> int:
+    """Seconds the previous build on this machine took (kept beside the builds), else
+    ``_DEFAULT_BUILD_ESTIMATE_S``."""
+    try:
+        return max(1, round(float(Path(library).parent.parent.joinpath(_BUILD_TIME_FILE).read_text())))
+    except (OSError, ValueError):
+        return _DEFAULT_BUILD_ESTIMATE_S
+
+
+def _rebuild_reason(library: str | None) -> str | None:
+    """Why loading ``library`` will compile: no such file, or a source newer than it (ninja
+    rebuilds by modification time); None when it loads as it is or torch has no helper."""
+    if library is None:
+        return None
+    if not os.path.exists(library):
+        return "no cached build for this key"
+    built = os.path.getmtime(library)
+    if any(source.stat().st_mtime > built for source in _DIR.glob("*.[ch]*") if source.suffix in (".cpp", ".h")):
+        return "sources changed since the cached build"
+    return None
+
+
+def load(level: str) -> str | None:
+    """Build or load ``level``'s extension: None once its operators are registered, else why
+    it could not be (the exception's type and message). Logs a build at INFO before (with its
+    reason and expected duration) and after (with its duration)."""
+    cflags, ldflags = build_flags(level)
+    name = extension_name(level, cflags, ldflags)
+    library = _built_library(name)
+    reason = _rebuild_reason(library)
+    if reason is not None:
+        logger.info("Building CPU kernels for %s: %s (about %d s)...", level, reason, _build_estimate_s(library))
+    start = time.perf_counter()
+    try:
+        _load_locked(name, cflags, ldflags)
+    except Exception as exc:  # noqa: BLE001 - any build failure means "try a lower level"
+        return f"{level}: {type(exc).__name__}: {str(exc).strip()[-2000:]}"
+    elapsed = time.perf_counter() - start
+    if reason is not None:
+        assert library is not None
+        logger.info("Built CPU kernels for %s in %.1f s (cached in %s)", level, elapsed, os.path.dirname(library))
+        with contextlib.suppress(OSError):
+            Path(library).parent.parent.joinpath(_BUILD_TIME_FILE).write_text(f"{elapsed:.1f}\n")
+    else:
+        logger.debug("Loaded CPU kernels %s in %.1f s", name, elapsed)
+    return None
