@@ -22,10 +22,15 @@
 #define PAGEDLLM_FRAGMENT(m) PAGEDLLM_FRAGMENT_EXPAND(PAGEDLLM_OPS, m)
 #define PAGEDLLM_IMPL(key, m) PAGEDLLM_IMPL_EXPAND(PAGEDLLM_OPS, key, m)
 
+// PAGEDLLM_HIDDEN marks a namespace whose symbols several source files of a build share:
+// every ISA build can be loaded in one process (torch loads them with RTLD_GLOBAL), and each
+// must call its own code.
 #if defined(__GNUC__)
 #define PAGEDLLM_INLINE inline __attribute__((always_inline))
 #define PAGEDLLM_NOINLINE __attribute__((noinline))
+#define PAGEDLLM_HIDDEN __attribute__((visibility("hidden")))
 #else
 #define PAGEDLLM_INLINE inline
 #define PAGEDLLM_NOINLINE
+#define PAGEDLLM_HIDDEN
 #endif
