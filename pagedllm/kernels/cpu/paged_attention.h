@@ -132,6 +132,21 @@ class RowCursor {
   const T* base_ = nullptr;
 };
 
+alignas(64) inline constexpr float kZeroRow[kMaxVecDim] = {};  // stands in for the rows past seq_len
+
+// Hands the next n rows of a cursor to f kTile at a time, as f(rows, cnt, t0): rows[j] is
+// token t0 + j for j < cnt, and kZeroRow (zeros of any type) past it.
+template <typename C, typename F>
+PAGEDLLM_INLINE void for_each_tile(RowCursor<C>& cursor, int64_t n, F&& f) {
+  const C* zero_row = reinterpret_cast<const C*>(kZeroRow);
+  const C* rows[kTile];
+  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+    const int cnt = static_cast<int>(std::min<int64_t>(kTile, n - t0));
+    for (int j = 0; j < kTile; ++j) rows[j] = j < cnt ? cursor.next() : zero_row;
+    f(rows, cnt, t0);
+  }
+}
+
 // Query heads [h * group + g0, h * group + g0 + count) of query tokens b .. b + tokens - 1
 // (one context: a run, see paged_attention.cpp) against kv head h; n is the last token's
 // length (token j's is n - (tokens - 1 - j)), and the last token's block table row is read.

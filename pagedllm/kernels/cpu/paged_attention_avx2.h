@@ -1,7 +1,7 @@
 // The steps of the decode-attention vector kernel (paged_attention_vec.cpp) that AVX2 builds
 // do their own way, on simd.h's 8-lane VecF; included by that file only.
 //
-//   scores (qk_tile_f32): one key row at a time, widened once and multiplied into the G
+//   scores (qk_f32): one key row at a time, widened once and multiplied into the G
 //     members' accumulators, each then summed across its lanes;
 //   softmax (softmax_numerators): Cephes' exp (vexp) over whole vectors, std::exp over the
 //     last n % 8 scores.
@@ -18,20 +18,19 @@
 namespace pagedllm_attention PAGEDLLM_HIDDEN {
 using namespace pagedllm_simd;
 
-// Scores of the first cnt rows of a tile for G members: scores[g * cap + j] = qf[g] . rows[j],
-// qf [G][D] the scaled queries.
+// Scores of the next n rows of keys for G members: scores[g * cap + t] = qf[g] . row t, qf
+// [G][D] the scaled queries.
 template <typename C, int G>
-PAGEDLLM_INLINE void qk_tile_f32(const float* qf, int64_t D, const C* const* rows, int cnt, float* scores,
-                                 int64_t cap) {
-  for (int j = 0; j < cnt; ++j) {
-    const C* k = rows[j];
+PAGEDLLM_INLINE void qk_f32(const float* qf, int64_t D, RowCursor<C>& keys, int64_t n, float* scores, int64_t cap) {
+  for (int64_t t = 0; t < n; ++t) {
+    const C* k = keys.next();
     VecF a[G];
     for (int g = 0; g < G; ++g) a[g] = vset1(0.f);
     for (int64_t c = 0; c < D; c += kVecWidth) {
       const VecF kv = vload_scaled(k + c);
       for (int g = 0; g < G; ++g) a[g] = vfmadd(vload(qf + g * D + c), kv, a[g]);
     }
-    for (int g = 0; g < G; ++g) scores[g * cap + j] = vreduce_add(a[g]);
+    for (int g = 0; g < G; ++g) scores[g * cap + t] = vreduce_add(a[g]);
   }
 }
 

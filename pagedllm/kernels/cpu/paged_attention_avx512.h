@@ -1,9 +1,9 @@
 // The steps of the decode-attention vector kernel (paged_attention_vec.cpp) that AVX-512 builds
 // do their own way, on simd.h's 16-lane VecF and AVX-512 shuffles; included by that file only.
 //
-//   scores (qk_tile_f32): the tile's 16 K rows are transposed in registers so that one vector
+//   scores (qk_f32, qk_tile_f32): the tile's 16 K rows are transposed in registers so that one vector
 //     holds one element of 16 tokens; q . k is then a broadcast multiply-add per element, with
-//     no horizontal sums (the rows past the context are paged_attention_vec.cpp's zero row);
+//     no horizontal sums (the rows past the context are kZeroRow);
 //   softmax (softmax_numerators): masked vectors over the whole row, exp by a Taylor polynomial.
 //
 // With AVX512-BF16, bfloat16 queries (Bf16Dot, head_dim % 32 == 0):
@@ -91,7 +91,7 @@ PAGEDLLM_INLINE void transpose16x16(__m512i r[16]) {
 // Scores of one tile (all 16 rows; those past the context read as zeros) for G members,
 // float32 products: qf [G][D] the scaled queries.
 template <typename C, int G>
-PAGEDLLM_INLINE void qk_tile_f32(const float* qf, int64_t D, const C* const* rows, int, float* scores, int64_t cap) {
+PAGEDLLM_INLINE void qk_tile_f32(const float* qf, int64_t D, const C* const* rows, float* scores, int64_t cap) {
   VecF acc[G];
   for (int g = 0; g < G; ++g) acc[g] = vset1(0.f);
   for (int64_t c = 0; c < D; c += 16) {
@@ -104,6 +104,12 @@ PAGEDLLM_INLINE void qk_tile_f32(const float* qf, int64_t D, const C* const* row
     }
   }
   for (int g = 0; g < G; ++g) vstore(scores + g * cap, acc[g]);
+}
+
+// Scores of the next n rows of keys for G members, a tile at a time (qk_tile_f32).
+template <typename C, int G>
+PAGEDLLM_INLINE void qk_f32(const float* qf, int64_t D, RowCursor<C>& keys, int64_t n, float* scores, int64_t cap) {
+  for_each_tile(keys, n, [&](const C* const* rows, int, int64_t t0) { qk_tile_f32<C, G>(qf, D, rows, scores + t0, cap); });
 }
 
 #if defined(__AVX512BF16__)
@@ -220,16 +226,19 @@ struct Bf16Dot {
   }
 
   template <typename C, int G>
-  static PAGEDLLM_INLINE void qk_tile(const Params& p, const float* q, const C* const* rows, int, float* scores,
-                                      int64_t cap) {
+  static PAGEDLLM_INLINE void qk(const Params& p, const float* q, RowCursor<C>& keys, int64_t n, float* scores,
+                                 int64_t cap) {
     const uint16_t* qp = reinterpret_cast<const uint16_t*>(q);
-    if constexpr (kIsFp8<C>) {
-      if (p.head_dim % 64 == 0) {
-        qk_tile_fp8<C, G>(qp, p.head_dim, rows, p.scale * p.k_scale, scores, cap);
-        return;
+    const float scale = p.scale * p.k_scale;
+    for_each_tile(keys, n, [&](const C* const* rows, int, int64_t t0) {
+      if constexpr (kIsFp8<C>) {
+        if (p.head_dim % 64 == 0) {
+          qk_tile_fp8<C, G>(qp, p.head_dim, rows, scale, scores + t0, cap);
+          return;
+        }
       }
-    }
-    qk_tile_bf16<C, G>(qp, p.head_dim, rows, p.scale * p.k_scale, scores, cap);
+      qk_tile_bf16<C, G>(qp, p.head_dim, rows, scale, scores + t0, cap);
+    });
   }
 
   // The weights [G][n_tiles) rounded to bfloat16 (nearest even) into weights16.

@@ -1,13 +1,14 @@
 // The vector decode-attention kernel (head_dim % kVecWidth == 0, head_dim <= 256; simd.h's
 // VecF: 16 lanes in AVX-512 builds, 8 in AVX2 builds; absent from portable builds), written
 // once: attend<Dot, T, C, G> computes the G members of a Work item together, so each K and V
-// row is loaded once, in two passes in float32 over the context, 16 tokens (a tile) at a time:
+// row is loaded once, in two passes in float32 over the context:
 //
-//   1. the scores q.k of every member into the scratch's rows (qk_tile), then the softmax of
+//   1. the scores q.k of every member into the scratch's rows (qk), then the softmax of
 //      each member over its own length, its weights past it 0 (softmax_numerators);
-//   2. the weighted sum of the value rows (pv_tile), times 1 / sum into the output.
+//   2. the weighted sum of the value rows, 16 tokens (a tile) at a time (pv_tile), times
+//      1 / sum into the output.
 //
-// What each ISA does its own way (the scores of a tile, the softmax) comes from
+// What each ISA does its own way (the scores, the softmax) comes from
 // paged_attention_avx512.h or paged_attention_avx2.h. Dot is how the products are taken:
 // F32Dot (below; rows widened to float32, float32 multiply-adds) everywhere, Bf16Dot
 // (paged_attention_avx512.h; vdpbf16ps) for bfloat16 queries with AVX512-BF16. The scale
@@ -33,10 +34,8 @@ namespace pagedllm_attention PAGEDLLM_HIDDEN {
 namespace {
 using namespace pagedllm_simd;
 
-alignas(64) const float kZeroRow[kMaxVecDim] = {};  // stands in for the rows past seq_len
-
 // A Dot gives attend, in the order it uses them: kWiden<C> (what the row loads divide the
-// cache's values by), load_queries (into the scratch's q), qk_tile (a tile's scores),
+// cache's values by), load_queries (into the scratch's q), qk (the scores of the context),
 // round_weights (the softmax weights into the form pv_tile reads), pv_tile (a tile's values
 // into acc) and store_output (acc times 1 / sum into the output row).
 //
@@ -56,9 +55,9 @@ struct F32Dot {
   }
 
   template <typename C, int G>
-  static PAGEDLLM_INLINE void qk_tile(const Params& p, const float* qf, const C* const* rows, int cnt, float* scores,
-                                      int64_t cap) {
-    qk_tile_f32<C, G>(qf, p.head_dim, rows, cnt, scores, cap);
+  static PAGEDLLM_INLINE void qk(const Params& p, const float* qf, RowCursor<C>& keys, int64_t n, float* scores,
+                                 int64_t cap) {
+    qk_f32<C, G>(qf, p.head_dim, keys, n, scores, cap);
   }
 
   template <int G>
@@ -92,17 +91,11 @@ template <typename Dot, typename T, typename C, int G>
 void attend(const Params& p, const Ptrs<T, C>& x, const Work& wk, const Scratch& w) {
   const int64_t D = p.head_dim, cap = w.cap, n = wk.n, h = wk.h;
   float *scores = w.scores, *acc = w.acc;
-  const C* zero_row = reinterpret_cast<const C*>(kZeroRow);
-  const C* rows[kTile];
 
   // Pass 1: scores.
   RowCursor<C> keys(p, x.block_table, wk.table_row(), x.k + h * p.k_sh, p.k_sb, p.k_st, n);
   Dot::template load_queries<T, C, G>(p, x, wk, w.q);
-  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
-    const int cnt = static_cast<int>(std::min<int64_t>(kTile, n - t0));
-    for (int j = 0; j < kTile; ++j) rows[j] = j < cnt ? keys.next() : zero_row;
-    Dot::template qk_tile<C, G>(p, w.q, rows, cnt, scores + t0, cap);
-  }
+  Dot::template qk<C, G>(p, w.q, keys, n, scores, cap);
 
   // Softmax (V rows start arriving meanwhile), each member over its own length; its weights
   // past it are 0 up to the last tile.
@@ -118,11 +111,9 @@ void attend(const Params& p, const Ptrs<T, C>& x, const Work& wk, const Scratch&
 
   // Pass 2: weighted sum of the values.
   std::fill(acc, acc + G * D, 0.f);
-  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
-    const int cnt = static_cast<int>(std::min<int64_t>(kTile, n - t0));
-    for (int j = 0; j < kTile; ++j) rows[j] = j < cnt ? values.next() : zero_row;
+  for_each_tile(values, n, [&](const C* const* rows, int cnt, int64_t t0) {
     Dot::template pv_tile<C, G>(rows, cnt, w, t0, acc, D);
-  }
+  });
   for (int g = 0; g < G; ++g)
     Dot::store_output(x.o + wk.token(g) * p.o_sb + wk.head(p, g) * p.o_sh, acc + g * D, D, inv_sum[g]);
 }
