@@ -109,7 +109,9 @@ PAGEDLLM_INLINE void qk_tile_f32(const float* qf, int64_t D, const C* const* row
 // Scores of the next n rows of keys for G members, a tile at a time (qk_tile_f32).
 template <typename C, int G>
 PAGEDLLM_INLINE void qk_f32(const float* qf, int64_t D, RowCursor<C>& keys, int64_t n, float* scores, int64_t cap) {
-  for_each_tile(keys, n, [&](const C* const* rows, int, int64_t t0) { qk_tile_f32<C, G>(qf, D, rows, scores + t0, cap); });
+  for_each_tile(keys, n, [&](const C* const* rows, int, int64_t t0) PAGEDLLM_INLINE_LAMBDA {
+    qk_tile_f32<C, G>(qf, D, rows, scores + t0, cap);
+  });
 }
 
 #if defined(__AVX512BF16__)
@@ -230,7 +232,7 @@ struct Bf16Dot {
                                  int64_t cap) {
     const uint16_t* qp = reinterpret_cast<const uint16_t*>(q);
     const float scale = p.scale * p.k_scale;
-    for_each_tile(keys, n, [&](const C* const* rows, int, int64_t t0) {
+    for_each_tile(keys, n, [&](const C* const* rows, int, int64_t t0) PAGEDLLM_INLINE_LAMBDA {
       if constexpr (kIsFp8<C>) {
         if (p.head_dim % 64 == 0) {
           qk_tile_fp8<C, G>(qp, p.head_dim, rows, scale, scores + t0, cap);

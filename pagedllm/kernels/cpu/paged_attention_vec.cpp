@@ -111,7 +111,7 @@ void attend(const Params& p, const Ptrs<T, C>& x, const Work& wk, const Scratch&
 
   // Pass 2: weighted sum of the values.
   std::fill(acc, acc + G * D, 0.f);
-  for_each_tile(values, n, [&](const C* const* rows, int cnt, int64_t t0) {
+  for_each_tile(values, n, [&](const C* const* rows, int cnt, int64_t t0) PAGEDLLM_INLINE_LAMBDA {
     Dot::template pv_tile<C, G>(rows, cnt, w, t0, acc, D);
   });
   for (int g = 0; g < G; ++g)
