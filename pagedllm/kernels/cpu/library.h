@@ -22,10 +22,18 @@
 #define PAGEDLLM_FRAGMENT(m) PAGEDLLM_FRAGMENT_EXPAND(PAGEDLLM_OPS, m)
 #define PAGEDLLM_IMPL(key, m) PAGEDLLM_IMPL_EXPAND(PAGEDLLM_OPS, key, m)
 
+// PAGEDLLM_INLINE_LAMBDA (after a lambda's parameters) inlines it as PAGEDLLM_INLINE does a
+// function. PAGEDLLM_HIDDEN marks a namespace whose symbols several source files of a build share:
+// every ISA build can be loaded in one process (torch loads them with RTLD_GLOBAL), and each
+// must call its own code.
 #if defined(__GNUC__)
 #define PAGEDLLM_INLINE inline __attribute__((always_inline))
 #define PAGEDLLM_NOINLINE __attribute__((noinline))
+#define PAGEDLLM_HIDDEN __attribute__((visibility("hidden")))
+#define PAGEDLLM_INLINE_LAMBDA __attribute__((always_inline))
 #else
 #define PAGEDLLM_INLINE inline
 #define PAGEDLLM_NOINLINE
+#define PAGEDLLM_HIDDEN
+#define PAGEDLLM_INLINE_LAMBDA
 #endif

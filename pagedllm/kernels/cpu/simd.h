@@ -6,6 +6,11 @@
 // by 16; float16: vcvtph2ps) and narrowed with round-to-nearest-even, as PyTorch's scalar
 // conversions (c10::BFloat16(float), c10::Half(float)); NaN stays NaN.
 //
+// vload_scaled loads values divided by a power of two, kLoadScale<T>, where that is cheaper
+// (e4m3: through float16). vstore_finite stores finite values, rounded as vstore rounds them,
+// subnormals included (AVX-512's bfloat16 by integer adds, also where AVX512-BF16 has
+// vcvtneps2bf16, which flushes subnormals); what a NaN becomes is left open.
+//
 // vexp is Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, degree-5 polynomial, scaled by 2^n;
 // about 1 ulp in float32, as PyTorch's Sleef exp), the same arithmetic on both ISAs.
 #pragma once
@@ -81,6 +86,12 @@ inline VecF vload(const c10::Float8_e5m2* p) {
   const __m256i half_bits = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
   return {_mm512_cvtph_ps(half_bits)};
 }
+// 16 e4m3 values times 2^-8 (kLoadScale): the sign-extended byte shifted left by 7, with
+// bit 14 (a sign copy) cleared, is the float16 of that product, exactly (subnormals too).
+inline VecF vload_scaled(const c10::Float8_e4m3fn* p) {
+  const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return {_mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBF80))))};
+}
 
 // float32 -> bfloat16 bits, round to nearest even; NaN -> quiet NaN.
 inline __m256i bf16_bits(VecF x) {
@@ -100,6 +111,14 @@ inline void vstore(c10::BFloat16* p, VecF x) { _mm256_storeu_si256(reinterpret_c
 inline void vstore(c10::Half* p, VecF x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
+// float32 -> bfloat16 bits of finite values, round to nearest even, subnormals kept (a NaN can
+// come out as an infinity or zero): integer adds on every AVX-512 level.
+inline __m256i bf16_bits_finite(VecF x) {
+  const __m512i u = _mm512_castps_si512(x.v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16));
+}
+inline void vstore_finite(c10::BFloat16* p, VecF x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits_finite(x)); }
 inline VecF round_bf16(VecF x) { return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(x)), 16))}; }
 inline VecF round_half(VecF x) { return {_mm512_cvtph_ps(_mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))}; }
 
@@ -131,6 +150,11 @@ inline VecF vload(const c10::BFloat16* p) { return {widen8(p)}; }
 inline VecF vload(const c10::Half* p) { return {widen8(p)}; }
 inline VecF vload(const c10::Float8_e4m3fn* p) { return {widen8(p)}; }
 inline VecF vload(const c10::Float8_e5m2* p) { return {widen8(p)}; }
+// 8 e4m3 values times 2^-8 (kLoadScale), exactly, as the AVX-512 vload_scaled does 16.
+inline VecF vload_scaled(const c10::Float8_e4m3fn* p) {
+  const __m128i x = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return {_mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16(static_cast<int16_t>(0xBF80))))};
+}
 
 // float32 -> bfloat16 bits (low 16 bits of each 32-bit lane), round to nearest even; NaN -> quiet NaN.
 inline __m256i bf16_bits32(VecF x) {
@@ -185,6 +209,18 @@ inline uint32_t veq_mask(VecF a, float s) {
   return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a.v, _mm256_set1_ps(s), _CMP_EQ_OQ)));
 }
 #endif
+
+// vload(p) / kLoadScale<C>: e4m3 through float16 (above), every other type as vload.
+template <typename C>
+inline constexpr float kLoadScale = 1.f;
+template <>
+inline constexpr float kLoadScale<c10::Float8_e4m3fn> = 256.f;
+template <typename C>
+inline VecF vload_scaled(const C* p) { return vload(p); }
+
+// vstore for finite values (every type but AVX-512's bfloat16, above, as vstore).
+template <typename T>
+inline void vstore_finite(T* p, VecF x) { vstore(p, x); }
 
 // Round each lane to T's precision and back (identity for float).
 template <typename T>
