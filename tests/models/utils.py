@@ -1,0 +1,81 @@
+"""The checks every architecture's tests run: pagedllm's greedy output token-identical to
+transformers' (float32) on a tiny random checkpoint, under the scheduling regimes that change
+what attention sees (chunked prefill, preemption and recompute, prefix-cache hits), each run
+ending with the block-accounting check.
+
+An architecture's test module builds its checkpoint (``tests.fixtures.checkpoints.make_checkpoint``
+takes any transformers architecture and config keys) and calls ``assert_scenario`` once per
+scenario of ``SCENARIOS`` it parametrizes over; references are computed once per checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from pagedllm import LLM, SamplingParams
+from tests.helpers import check_block_accounting, float32_llm, hf_greedy, random_prompts
+
+#: Prompt lengths: short, one block, and past the 16-32 token windows the tests use.
+PROMPT_LENGTHS = (3, 17, 45, 90)
+MAX_TOKENS = 10
+
+#: Engine arguments of each scenario (``float32_llm``'s; ``kv_blocks`` sizes the cache in blocks).
+SCENARIOS: dict[str, dict] = {
+    # Small blocks and 16-token steps: prefill chunks cross block and window boundaries, and
+    # decodes share steps with chunks.
+    "chunked_prefill": {"block_size": 8, "max_num_batched_tokens": 16},
+    # Too few blocks for the batch (the prompts twice, 16 blocks of 8 tokens): requests are
+    # preempted and recomputed.
+    "preemption": {"block_size": 8, "max_model_len": 128, "kv_blocks": 16, "enable_prefix_caching": False},
+    # The prompts again after a first pass: prefix-cache hits must give the cold run's tokens.
+    "prefix_caching": {"block_size": 8, "enable_prefix_caching": True},
+}
+
+_references: dict[tuple, list[list[int]]] = {}
+
+
+def prompts_for(vocab_size: int, lengths=PROMPT_LENGTHS, seed: int = 7) -> list[list[int]]:
+    """Random prompts of ``lengths`` tokens (the longest two share their first 40 tokens, so a
+    second pass hits the prefix cache across requests too)."""
+    prompts = random_prompts(list(lengths), vocab_size, seed=seed)
+    if len(prompts) >= 2 and len(prompts[-2]) >= 40:
+        prompts[-1][:40] = prompts[-2][:40]
+    return prompts
+
+
+def transformers_greedy(path: Path, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    """transformers' greedy completions of ``prompts`` (cached per checkpoint and prompts)."""
+    key = (str(path), tuple(map(tuple, prompts)), max_tokens)
+    if key not in _references:
+        _references[key] = [hf_greedy(path, p, max_tokens) for p in prompts]
+    return _references[key]
+
+
+def assert_scenario(path: Path, scenario: str, prompts: list[list[int]], max_tokens: int = MAX_TOKENS,
+                    llm: Optional[LLM] = None, **engine_kwargs) -> LLM:
+    """Run ``prompts`` through an engine of ``SCENARIOS[scenario]`` (plus ``engine_kwargs``) and
+    assert each greedy completion equals transformers'; the preemption scenario must preempt,
+    the prefix-caching one must hit on its second pass. Ends with the block-accounting check.
+
+    Returns:
+        the engine (pass it as ``llm`` to reuse it for another check).
+    """
+    kwargs = {**SCENARIOS[scenario], **engine_kwargs}
+    llm = llm or float32_llm(path, kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    expected = transformers_greedy(path, prompts, max_tokens)
+    passes = 2 if scenario == "prefix_caching" else 1
+    batch, expected = (prompts * 2, expected * 2) if scenario == "preemption" else (prompts, expected)
+    for attempt in range(passes):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        for prompt, output, ref in zip(batch, outputs, expected):
+            assert list(output.outputs[0].token_ids) == ref, (
+                f"{scenario} (pass {attempt + 1}): the {len(prompt)}-token prompt diverged from transformers"
+            )
+        if attempt == 1:
+            assert sum(o.num_cached_tokens or 0 for o in outputs) > 0, "the second pass hit no cached block"
+    if scenario == "preemption":
+        assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0, "the scenario did not preempt"
+    check_block_accounting(llm)
+    return llm
