@@ -7,7 +7,7 @@ MLP columns) and attention over the paged KV cache.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -137,14 +137,27 @@ class LlamaMLP(nn.Module):
         return max(64, _CPU_MLP_CHUNK_BYTES // row_bytes // 64 * 64)
 
 
+#: ``make_mlp(config, layer_idx, quant_config, prefix) -> nn.Module``: a layer's feed-forward
+#: block, ``forward(x [T, hidden]) -> [T, hidden]`` (a mixture-of-experts model returns its
+#: expert block on its sparse layers).
+MakeMLP = Callable[[PretrainedConfig, int, Optional[QuantizationConfig], str], nn.Module]
+
+
+def make_llama_mlp(config: PretrainedConfig, layer_idx: int, quant_config: Optional[QuantizationConfig],
+                   prefix: str) -> nn.Module:
+    """The dense SwiGLU MLP on every layer (``MakeMLP``)."""
+    return LlamaMLP(config, quant_config, prefix)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, rotary_emb: RotaryEmbedding,
-                 quant_config: Optional[QuantizationConfig], prefix: str, sliding_window: Optional[int] = None) -> None:
+                 quant_config: Optional[QuantizationConfig], prefix: str, sliding_window: Optional[int] = None,
+                 mlp: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(
             config, qkv_bias, qk_norm, rotary_emb, quant_config, f"{prefix}.self_attn", sliding_window
         )
-        self.mlp = LlamaMLP(config, quant_config, f"{prefix}.mlp")
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -167,7 +180,8 @@ class LlamaModel(nn.Module):
     ``sliding_window`` on all; Qwen2 / Qwen3: on the "sliding_attention" ``layer_types``)."""
 
     def __init__(
-        self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, quant_config: Optional[QuantizationConfig], prefix: str
+        self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, quant_config: Optional[QuantizationConfig], prefix: str,
+        make_mlp: MakeMLP = make_llama_mlp,
     ) -> None:
         super().__init__()
         pp = get_pp_group()
@@ -184,7 +198,10 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta, rope_scaling)
         windows = layer_sliding_windows(config)  # per layer, as transformers' code of the architecture
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias, qk_norm, self.rotary_emb, quant_config, f"{prefix}.layers.{i}", windows[i])
+            LlamaDecoderLayer(
+                config, qkv_bias, qk_norm, self.rotary_emb, quant_config, f"{prefix}.layers.{i}", windows[i],
+                make_mlp(config, i, quant_config, f"{prefix}.layers.{i}.mlp"),
+            )
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
@@ -235,12 +252,14 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
     stacked_params_mapping = STACKED_PARAMS_MAPPING
+    #: Each layer's feed-forward block (``MakeMLP``); MoE variants return their expert block.
+    make_mlp: staticmethod = staticmethod(make_llama_mlp)
 
     def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig] = None) -> None:
         super().__init__()
         self.config = config
         qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.model = LlamaModel(config, qkv_bias, self.qk_norm, quant_config, "model")
+        self.model = LlamaModel(config, qkv_bias, self.qk_norm, quant_config, "model", self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.model.is_last_stage:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config, prefix="lm_head")
