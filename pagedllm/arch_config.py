@@ -74,6 +74,11 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
     "MistralForCausalLM": ArchConfig("mistral", _LLAMA_FAMILY_KEYS | {"sliding_window"}, "all"),
     "Qwen2ForCausalLM": ArchConfig("qwen2", _LLAMA_FAMILY_KEYS | _WINDOW_KEYS, "layer_types"),
     "Qwen3ForCausalLM": ArchConfig("qwen3", _LLAMA_FAMILY_KEYS | _WINDOW_KEYS | {"attention_bias"}, "layer_types"),
+    "Olmo2ForCausalLM": ArchConfig("olmo2", _LLAMA_FAMILY_KEYS | {"attention_bias"}, "none"),
+    "GraniteForCausalLM": ArchConfig("granite", _LLAMA_FAMILY_KEYS | {
+        "attention_bias", "mlp_bias", "embedding_multiplier", "residual_multiplier", "attention_multiplier",
+        "logits_scaling",
+    }, "none"),
     # EAGLE heads: Llama configs (their own keys, ``bias`` ..., are not the class's).
     "EagleLlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
     "Eagle3LlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),

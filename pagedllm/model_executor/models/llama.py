@@ -7,7 +7,7 @@ MLP columns) and attention over the paged KV cache.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -47,7 +47,13 @@ class PPMissingLayer(nn.Identity):
 class LlamaAttention(nn.Module):
     """Self-attention over this rank's heads: ``qkv_proj.num_heads`` query heads and
     ``qkv_proj.num_kv_heads`` KV heads (all of them at tensor-parallel size 1); with
-    ``sliding_window`` W, a query at position i attends to keys i - W + 1 .. i only."""
+    ``sliding_window`` W, a query at position i attends to keys i - W + 1 .. i only.
+
+    ``qk_norm``: a ``norm_cls`` over each query and key head before rope (Qwen3; Gemma 3 with
+    ``GemmaRMSNorm``). ``scale``: the softmax scale (None: head_dim ** -0.5). ``o_bias``: a
+    bias on o_proj (None: ``attention_bias``, as Llama). ``logits_soft_cap`` C: scores become
+    C * tanh(scores / C) before the softmax (Gemma 2; None: none).
+    """
 
     def __init__(
         self,
@@ -58,6 +64,11 @@ class LlamaAttention(nn.Module):
         quant_config: Optional[QuantizationConfig],
         prefix: str,
         sliding_window: Optional[int] = None,
+        *,
+        scale: Optional[float] = None,
+        o_bias: Optional[bool] = None,
+        norm_cls: type[nn.Module] = RMSNorm,
+        logits_soft_cap: Optional[float] = None,
     ) -> None:
         super().__init__()
         hidden = config.hidden_size
@@ -71,17 +82,21 @@ class LlamaAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         # ``attention_bias`` (Llama, Qwen3) puts a bias on q, k, v and o; Qwen2 has q/k/v bias only.
-        o_bias = bool(getattr(config, "attention_bias", False))
+        if o_bias is None:
+            o_bias = bool(getattr(config, "attention_bias", False))
         self.o_proj = RowParallelLinear(
             total_num_heads * self.head_dim, hidden, bias=o_bias, quant_config=quant_config, prefix=f"{prefix}.o_proj"
         )
         self.qk_norm = qk_norm
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = norm_cls(self.head_dim, config.rms_norm_eps)
+            self.k_norm = norm_cls(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = rotary_emb
+        scale = self.head_dim**-0.5 if scale is None else scale
+        # Only a soft-capping layer passes the argument (backends without it are then refused).
+        cap = {} if logits_soft_cap is None else {"logits_soft_cap": logits_soft_cap}
         self.attn = Attention(
-            self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, sliding_window=sliding_window
+            self.num_heads, self.head_dim, self.num_kv_heads, scale, sliding_window=sliding_window, **cap
         )
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
@@ -89,19 +104,27 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         num_tokens = hidden_states.shape[0]
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.norm_qk(
+            q.reshape(num_tokens, self.num_heads, self.head_dim), k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        )
         q, k = self.rotary_emb(q, k, *rope)
         out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.contiguous())
         return self.o_proj(out)
 
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, num_heads, head_dim] and k [T, num_kv_heads, head_dim] as rope takes them:
+        each head normed with ``qk_norm``, else as they are."""
+        if self.qk_norm:
+            return self.q_norm(q), self.k_norm(k)
+        return q, k
+
 
 class LlamaMLP(nn.Module):
-    """SwiGLU MLP; this rank's ``intermediate_size / tp_size`` columns."""
+    """Gated MLP, down(act(gate(x)) * up(x)); this rank's ``intermediate_size / tp_size``
+    columns. ``act_fn``: the gated activation on [gate | up] (None: ``SiluAndMul``, SwiGLU)."""
 
-    def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig], prefix: str) -> None:
+    def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig], prefix: str,
+                 act_fn: Optional[nn.Module] = None) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = MergedColumnParallelLinear(
@@ -111,7 +134,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(
             config.intermediate_size, config.hidden_size, bias=bias, quant_config=quant_config, prefix=f"{prefix}.down_proj"
         )
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul() if act_fn is None else act_fn
         #: Whether long inputs go through in row chunks (on CPU; see ``forward``).
         self.chunk_rows = current_platform.is_cpu
 
@@ -149,27 +172,85 @@ def make_llama_mlp(config: PretrainedConfig, layer_idx: int, quant_config: Optio
     return LlamaMLP(config, quant_config, prefix)
 
 
-class LlamaDecoderLayer(nn.Module):
+class NormNames(NamedTuple):
+    """The checkpoint names of a decoder layer's norms by role (None: the layer has none there):
+    before and after the attention block, before and after the feed-forward block."""
+
+    pre_attn: Optional[str]
+    post_attn: Optional[str]
+    pre_mlp: Optional[str]
+    post_mlp: Optional[str]
+
+
+#: Llama's pre-norm layer: ``input_layernorm`` before attention, ``post_attention_layernorm`` before the MLP.
+LLAMA_NORMS = NormNames("input_layernorm", None, "post_attention_layernorm", None)
+
+
+class DecoderLayer(nn.Module):
+    """One transformer layer on the residual stream h, each block between optional norms::
+
+        h = h + m * post_attn(self_attn(pre_attn(h)))
+        h = h + m * post_mlp(mlp(pre_mlp(h)))
+
+    (m: ``residual_multiplier``, Granite; None: 1). ``norm_names`` names the norms as the
+    checkpoint does (``NormNames``), each a ``make_norm()``. The stream travels as
+    ``(hidden_states, residual)``: a block's output not yet added, so the add fuses into the
+    next norm (``forward``).
+    """
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, norm_names: NormNames,
+                 make_norm: Callable[[], nn.Module], residual_multiplier: Optional[float] = None) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        for name in norm_names:
+            if name is not None:
+                setattr(self, name, make_norm())
+        # By role (plain attributes: the modules are registered under their checkpoint names).
+        self._norms = tuple(None if name is None else getattr(self, name) for name in norm_names)
+        self.residual_multiplier = residual_multiplier
+
+    def forward(self, rope, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]):
+        """(hidden_states, residual) [T, hidden] each (residual None: hidden_states is the
+        stream itself, at the first layer) -> the same pair after this layer. The norms may
+        overwrite their inputs in place."""
+        pre_attn, post_attn, pre_mlp, post_mlp = self._norms
+        hidden_states, residual = _add_and_norm(pre_attn, hidden_states, residual)
+        hidden_states = self._branch(self.self_attn(rope, hidden_states), post_attn)
+        hidden_states, residual = _add_and_norm(pre_mlp, hidden_states, residual)
+        return self._branch(self.mlp(hidden_states), post_mlp), residual
+
+    def _branch(self, out: torch.Tensor, post_norm: Optional[nn.Module]) -> torch.Tensor:
+        if post_norm is not None:
+            out = post_norm(out)
+        if self.residual_multiplier is not None:
+            out = out.mul_(self.residual_multiplier)  # a block's output is a fresh tensor
+        return out
+
+
+def _add_and_norm(norm: Optional[nn.Module], hidden_states: torch.Tensor, residual: Optional[torch.Tensor]):
+    """(norm(stream), stream) with stream = hidden_states + residual (hidden_states alone when
+    residual is None); without a norm the stream itself, which the block must not modify."""
+    if residual is None:
+        return (hidden_states if norm is None else norm(hidden_states)), hidden_states
+    if norm is None:
+        stream = hidden_states + residual
+        return stream, stream
+    return norm(hidden_states, residual)
+
+
+class LlamaDecoderLayer(DecoderLayer):
+    """Llama's layer (``LLAMA_NORMS``): ``LlamaAttention``, then ``mlp`` (None: ``LlamaMLP``)."""
+
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, rotary_emb: RotaryEmbedding,
                  quant_config: Optional[QuantizationConfig], prefix: str, sliding_window: Optional[int] = None,
                  mlp: Optional[nn.Module] = None) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(
-            config, qkv_bias, qk_norm, rotary_emb, quant_config, f"{prefix}.self_attn", sliding_window
+        super().__init__(
+            LlamaAttention(config, qkv_bias, qk_norm, rotary_emb, quant_config, f"{prefix}.self_attn", sliding_window),
+            mlp if mlp is not None else LlamaMLP(config, quant_config, f"{prefix}.mlp"),
+            LLAMA_NORMS,
+            lambda: RMSNorm(config.hidden_size, config.rms_norm_eps),
         )
-        self.mlp = mlp if mlp is not None else LlamaMLP(config, quant_config, f"{prefix}.mlp")
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, rope, hidden_states, residual):
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(rope, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
@@ -177,13 +258,21 @@ class LlamaModel(nn.Module):
     (``pp_layer_range``; the others are ``PPMissingLayer``), the embedding on the first
     stage (and on the last when the LM head shares it), the final norm on the last. Each
     layer's attention window is ``pagedllm.arch_config.layer_sliding_windows``' (Mistral:
-    ``sliding_window`` on all; Qwen2 / Qwen3: on the "sliding_attention" ``layer_types``)."""
+    ``sliding_window`` on all; Qwen2 / Qwen3: on the "sliding_attention" ``layer_types``).
+
+    A variant overrides the hooks: ``norm_cls`` (the final norm's class), ``embedding_scale``
+    (a factor on the embeddings), ``rotary_embeddings`` (the rope table of each layer) and
+    ``make_layer`` (one decoder layer).
+    """
+
+    norm_cls: type[nn.Module] = RMSNorm
 
     def __init__(
         self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, quant_config: Optional[QuantizationConfig], prefix: str,
         make_mlp: MakeMLP = make_llama_mlp,
     ) -> None:
         super().__init__()
+        self.qkv_bias, self.qk_norm = qkv_bias, qk_norm
         pp = get_pp_group()
         self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
         self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, pp.rank_in_group, pp.world_size)
@@ -192,23 +281,40 @@ class LlamaModel(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         else:
             self.embed_tokens = PPMissingLayer()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rope_theta, rope_scaling = get_rope_parameters(config)
-        # One table for every layer (each attention layer holds this same module).
-        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta, rope_scaling)
+        self.embed_scale = self.embedding_scale(config)
+        tables, self.layer_rope = self.rotary_embeddings(config)
+        # Each table computed once per forward; each attention layer holds its own layer's.
+        self.rotary_embs = nn.ModuleList(tables)
+        self.rotary_emb = tables[0]
         windows = layer_sliding_windows(config)  # per layer, as transformers' code of the architecture
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(
-                config, qkv_bias, qk_norm, self.rotary_emb, quant_config, f"{prefix}.layers.{i}", windows[i],
-                make_mlp(config, i, quant_config, f"{prefix}.layers.{i}.mlp"),
+            self.make_layer(
+                config, i, tables[self.layer_rope[i]], windows[i],
+                make_mlp(config, i, quant_config, f"{prefix}.layers.{i}.mlp"), quant_config, f"{prefix}.layers.{i}",
             )
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
+        self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
         #: Layers whose input ``forward`` keeps in ``aux_hidden_states`` (an EAGLE-3 head reads them).
         self.aux_hidden_state_layers: tuple[int, ...] = ()
         self.aux_hidden_states: list[torch.Tensor] = []
+
+    def embedding_scale(self, config: PretrainedConfig) -> Optional[float | torch.Tensor]:
+        """The factor on the token embeddings (None: none; a 0-d tensor multiplies in its dtype)."""
+        return None
+
+    def rotary_embeddings(self, config: PretrainedConfig) -> tuple[list[nn.Module], list[int]]:
+        """(the rope tables, each layer's index into them): one table for every layer here."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rope_theta, rope_scaling = get_rope_parameters(config)
+        table = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta, rope_scaling)
+        return [table], [0] * config.num_hidden_layers
+
+    def make_layer(self, config: PretrainedConfig, layer_idx: int, rotary_emb: nn.Module, sliding_window: Optional[int],
+                   mlp: nn.Module, quant_config: Optional[QuantizationConfig], prefix: str) -> nn.Module:
+        """Decoder layer ``layer_idx`` (``forward(rope, hidden_states, residual)`` as ``DecoderLayer``'s)."""
+        return LlamaDecoderLayer(config, self.qkv_bias, self.qk_norm, rotary_emb, quant_config, prefix, sliding_window, mlp)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -220,16 +326,18 @@ class LlamaModel(nn.Module):
         takes as ``intermediate_tensors`` instead of embedding ``input_ids``."""
         if self.is_first_stage:
             hidden_states, residual = self.embed_tokens(input_ids), None
+            if self.embed_scale is not None:
+                hidden_states = hidden_states * self.embed_scale
         else:
             assert intermediate_tensors is not None
             hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
-        rope = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
+        ropes = [table.cos_sin(positions, hidden_states.dtype) for table in self.rotary_embs]
         captured = {}
         for i in range(self.start_layer, self.end_layer):
             if i in self.aux_hidden_state_layers:
                 # A fresh tensor: the layers' norms overwrite their inputs in place.
                 captured[i] = hidden_states.clone() if residual is None else hidden_states + residual
-            hidden_states, residual = self.layers[i](rope, hidden_states, residual)
+            hidden_states, residual = self.layers[i](ropes[self.layer_rope[i]], hidden_states, residual)
         self.aux_hidden_states = [captured[i] for i in sorted(self.aux_hidden_state_layers)]
         if not self.is_last_stage:
             return {"hidden_states": hidden_states, "residual": residual}
@@ -242,7 +350,8 @@ class LlamaForCausalLM(nn.Module):
     and ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` (model dtype). With pipeline
     parallelism this stage's part only (see ``LlamaModel``; the LM head on the last stage).
 
-    Class attributes ``qkv_bias`` and ``qk_norm`` select the Qwen2 / Qwen3 variants.
+    Class attributes ``qkv_bias`` and ``qk_norm`` select the Qwen2 / Qwen3 variants;
+    ``model_cls`` is the decoder stack (a ``LlamaModel`` with its variant's hooks).
 
     Args:
         config: the HF config.
@@ -254,12 +363,13 @@ class LlamaForCausalLM(nn.Module):
     stacked_params_mapping = STACKED_PARAMS_MAPPING
     #: Each layer's feed-forward block (``MakeMLP``); MoE variants return their expert block.
     make_mlp: staticmethod = staticmethod(make_llama_mlp)
+    model_cls: type[LlamaModel] = LlamaModel
 
     def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig] = None) -> None:
         super().__init__()
         self.config = config
         qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.model = LlamaModel(config, qkv_bias, self.qk_norm, quant_config, "model", self.make_mlp)
+        self.model = self.model_cls(config, qkv_bias, self.qk_norm, quant_config, "model", self.make_mlp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.model.is_last_stage:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config, prefix="lm_head")
