@@ -10,6 +10,9 @@ pagedllm's model code honours, and the values of them that are built (``hidden_a
 settings). ``FOREIGN_KEYS`` are keys other architectures read (soft-capping, multipliers):
 a config.json that sets one to a non-neutral value asks for math the code does not do.
 
+An image-text checkpoint of ``TEXT_PART_ARCHITECTURES`` is served by its language model:
+``language_model_config`` is the config its code reads (config.json's ``text_config``).
+
 ``check_hf_config`` refuses, with a message naming the key, a config that sets a key to a
 value the code would silently ignore or misread; ``layer_sliding_windows`` is each layer's
 attention window (transformers' semantics: a query at position i sees keys i - W + 1 .. i).
@@ -33,6 +36,8 @@ BEHAVIOUR_FREE_KEYS = frozenset({
     "pad_token_id",  # the embedding's padding_idx only masks its gradient
     "bos_token_id", "eos_token_id",  # stop tokens: the engine reads them (generation config)
     "pretraining_tp",  # not read by transformers' Llama since 4.4x: a split matmul, same math
+    "_sliding_window_pattern",  # Gemma 3: the config expands it into layer_types at construction
+    "resid_pdrop", "embd_pdrop",  # Phi-3's dropouts: off at inference
 })
 
 #: Keys read by the engine rather than by the model code (the class, the dtype).
@@ -47,6 +52,9 @@ _WINDOW_KEYS = frozenset({"use_sliding_window", "sliding_window", "max_window_la
 
 #: Rope types ``RotaryEmbedding`` builds.
 ROPE_TYPES = ("default", "llama3")
+#: Gemma's ``hidden_activation`` values built -> ``GeluAndMul``'s ``approximate`` (transformers'
+#: ``gelu_pytorch_tanh`` is the tanh approximation, ``gelu`` the exact form).
+GELU_ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
 #: ``layer_types`` entries the attention layers build.
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -69,12 +77,20 @@ class ArchConfig:
     windows: str
 
 
+_GEMMA_KEYS = (_LLAMA_FAMILY_KEYS - {"hidden_act"}) | {
+    "hidden_activation", "attention_bias", "query_pre_attn_scalar", "sliding_window", "layer_types",
+}
+
 ARCH_CONFIG: dict[str, ArchConfig] = {
     "LlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
     "MistralForCausalLM": ArchConfig("mistral", _LLAMA_FAMILY_KEYS | {"sliding_window"}, "all"),
     "Qwen2ForCausalLM": ArchConfig("qwen2", _LLAMA_FAMILY_KEYS | _WINDOW_KEYS, "layer_types"),
     "Qwen3ForCausalLM": ArchConfig("qwen3", _LLAMA_FAMILY_KEYS | _WINDOW_KEYS | {"attention_bias"}, "layer_types"),
     "Olmo2ForCausalLM": ArchConfig("olmo2", _LLAMA_FAMILY_KEYS | {"attention_bias"}, "none"),
+    "Gemma3ForCausalLM": ArchConfig("gemma3_text", _GEMMA_KEYS | {"final_logit_softcapping"}, "layer_types"),
+    # The text part of an image-text checkpoint (``language_model_config``): transformers'
+    # Gemma3ForConditionalGeneration applies no final_logit_softcapping.
+    "Gemma3ForConditionalGeneration": ArchConfig("gemma3_text", _GEMMA_KEYS, "layer_types"),
     "GraniteForCausalLM": ArchConfig("granite", _LLAMA_FAMILY_KEYS | {
         "attention_bias", "mlp_bias", "embedding_multiplier", "residual_multiplier", "attention_multiplier",
         "logits_scaling",
@@ -100,7 +116,11 @@ FOREIGN_KEYS: dict[str, Callable[[Any], bool]] = {
     "attention_bias": lambda v: not v,
     "mlp_bias": lambda v: not v,
     "layer_types": lambda v: not v or set(v) == {"full_attention"},
+    "use_bidirectional_attention": lambda v: not v,
 }
+
+#: Image-text architectures served by their language model alone (images are not served).
+TEXT_PART_ARCHITECTURES = frozenset({"Gemma3ForConditionalGeneration"})
 
 
 def _value(hf_config: Any, key: str) -> Any:
@@ -124,6 +144,9 @@ def _problems(architecture: str, hf_config: Any) -> list[str]:
     act = _value(hf_config, "hidden_act")
     if act not in (None, "silu"):
         problems.append(f"hidden_act={act!r} (built: 'silu')")
+    act = _value(hf_config, "hidden_activation")
+    if "hidden_activation" in arch.honoured and act not in GELU_ACTIVATIONS:
+        problems.append(f"hidden_activation={act!r} (built: {', '.join(map(repr, GELU_ACTIVATIONS))})")
     rope = _rope_problem(_value(hf_config, "rope_parameters") or _value(hf_config, "rope_scaling"))
     if rope:
         problems.append(f"rope_parameters: {rope}")
@@ -179,6 +202,23 @@ def check_hf_config(hf_config: Any) -> None:
         raise ValueError(
             f"config.json of this {architecture} model sets what pagedllm does not build: {'; '.join(problems)}."
         )
+
+
+def language_model_config(hf_config: Any) -> Any:
+    """The config the model code reads: ``hf_config`` itself, or for an architecture of
+    ``TEXT_PART_ARCHITECTURES`` its ``text_config``, given the whole checkpoint's
+    ``architectures``, ``tie_word_embeddings`` (transformers ties by the outer config),
+    ``dtype`` and ``quantization_config``. Edits that sub-config in place."""
+    architecture = (_value(hf_config, "architectures") or ["<none>"])[0]
+    if architecture not in TEXT_PART_ARCHITECTURES:
+        return hf_config
+    text = hf_config.text_config
+    text.architectures = [architecture]
+    text.tie_word_embeddings = bool(_value(hf_config, "tie_word_embeddings"))
+    for key in ("dtype", "quantization_config"):
+        if _value(hf_config, key) is not None:
+            setattr(text, key, _value(hf_config, key))
+    return text
 
 
 def layer_sliding_windows(hf_config: Any) -> list[Optional[int]]:

@@ -80,16 +80,20 @@ def resolve_model_path(
 def load_hf_config(model_path: Path, trust_remote_code: bool = False) -> PretrainedConfig:
     """The model's Hugging Face config: config.json of a directory, or, for a ``.gguf`` file,
     the one transformers builds from the file's metadata (architecture and hyper-parameters;
-    ``architectures`` filled in from the model type when the file does not name it).
+    ``architectures`` filled in from the model type when the file does not name it). For an
+    image-text checkpoint served by its language model, that model's config
+    (``pagedllm.arch_config.language_model_config``).
 
     Raises:
         ValueError: no readable config (transformers' message).
     """
     from transformers import AutoConfig
 
+    from pagedllm.arch_config import language_model_config
+
     try:
         if model_path.suffix != ".gguf":
-            return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+            return language_model_config(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code))
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         hf_config = AutoConfig.from_pretrained(model_path.parent, gguf_file=model_path.name)

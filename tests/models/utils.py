@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from pagedllm import LLM, SamplingParams
-from tests.helpers import check_block_accounting, float32_llm, hf_greedy, random_prompts
+from tests.helpers import check_block_accounting, float32_llm, hf_greedy, hf_log_softmax, random_prompts
 
 #: Prompt lengths: short, one block, and past the 16-32 token windows the tests use.
 PROMPT_LENGTHS = (3, 17, 45, 90)
@@ -79,3 +79,15 @@ def assert_scenario(path: Path, scenario: str, prompts: list[list[int]], max_tok
         assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0, "the scenario did not preempt"
     check_block_accounting(llm)
     return llm
+
+
+def assert_logprobs_match(llm: LLM, path: Path, prompt: list[int], max_tokens: int = 4, tol: float = 1e-3) -> None:
+    """The greedy tokens' logprobs for ``prompt`` equal transformers' log-softmax (float32)
+    within ``tol``: what greedy tokens cannot show (a logit scale or soft cap keeps the argmax)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+    completion = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    reference = hf_log_softmax(path, prompt + list(completion.token_ids))
+    for j, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        expected = reference[len(prompt) - 1 + j, token].item()
+        assert abs(entry[token].logprob - expected) < tol, f"token {j}: logprob {entry[token].logprob} vs {expected}"
+    check_block_accounting(llm)

@@ -281,7 +281,11 @@ class LlamaModel(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         else:
             self.embed_tokens = PPMissingLayer()
-        self.embed_scale = self.embedding_scale(config)
+        scale = self.embedding_scale(config)
+        if isinstance(scale, torch.Tensor):
+            self.register_buffer("embed_scale", scale, persistent=False)
+        else:
+            self.embed_scale = scale
         tables, self.layer_rope = self.rotary_embeddings(config)
         # Each table computed once per forward; each attention layer holds its own layer's.
         self.rotary_embs = nn.ModuleList(tables)

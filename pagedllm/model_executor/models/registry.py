@@ -10,6 +10,7 @@ from pagedllm.model_executor.models.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from pagedllm.model_executor.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from pagedllm.model_executor.models.granite import GraniteForCausalLM
 from pagedllm.model_executor.models.llama_eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM
 from pagedllm.model_executor.models.olmo2 import Olmo2ForCausalLM
@@ -21,6 +22,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     # Speculative-decoding heads (``speculative_config`` methods "eagle" / "eagle3").
     "EagleLlamaForCausalLM": EagleLlamaForCausalLM,
     "Eagle3LlamaForCausalLM": Eagle3LlamaForCausalLM,
