@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.models.utils import SCENARIOS, assert_scenario, prompts_for
+from tests.models.utils import SCENARIOS, assert_logprobs_match, assert_scenario, prompts_for
+
+#: Two prompts past the 16-token windows the suite uses, 6 tokens each: enough to preempt, cheap.
+PROMPT_LENGTHS, MAX_TOKENS = (30, 45), 6
 
 
 @pytest.fixture(scope="module")
@@ -17,4 +20,7 @@ def granite(checkpoint_factory):
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_granite_greedy_matches_transformers(granite, scenario, tokenizer):
-    assert_scenario(granite, scenario, prompts_for(len(tokenizer)))
+    prompts = prompts_for(len(tokenizer), PROMPT_LENGTHS)
+    llm = assert_scenario(granite, scenario, prompts, MAX_TOKENS)
+    if scenario == "prefix_caching":  # logits_scaling keeps the argmax: the logprobs show it
+        assert_logprobs_match(llm, granite, prompts[1])
