@@ -91,6 +91,7 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
     # The text part of an image-text checkpoint (``language_model_config``): transformers'
     # Gemma3ForConditionalGeneration applies no final_logit_softcapping.
     "Gemma3ForConditionalGeneration": ArchConfig("gemma3_text", _GEMMA_KEYS, "layer_types"),
+    "Phi3ForCausalLM": ArchConfig("phi3", _LLAMA_FAMILY_KEYS | {"sliding_window"}, "all"),
     "GraniteForCausalLM": ArchConfig("granite", _LLAMA_FAMILY_KEYS | {
         "attention_bias", "mlp_bias", "embedding_multiplier", "residual_multiplier", "attention_multiplier",
         "logits_scaling",

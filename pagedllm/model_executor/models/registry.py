@@ -14,6 +14,7 @@ from pagedllm.model_executor.models.gemma3 import Gemma3ForCausalLM, Gemma3ForCo
 from pagedllm.model_executor.models.granite import GraniteForCausalLM
 from pagedllm.model_executor.models.llama_eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM
 from pagedllm.model_executor.models.olmo2 import Olmo2ForCausalLM
+from pagedllm.model_executor.models.phi3 import Phi3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -22,6 +23,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     # Speculative-decoding heads (``speculative_config`` methods "eagle" / "eagle3").
