@@ -79,6 +79,7 @@ class ArchConfig:
 
 _GEMMA_KEYS = (_LLAMA_FAMILY_KEYS - {"hidden_act"}) | {
     "hidden_activation", "attention_bias", "query_pre_attn_scalar", "sliding_window", "layer_types",
+    "use_bidirectional_attention",  # built: false (causal); true is refused
 }
 
 ARCH_CONFIG: dict[str, ArchConfig] = {
@@ -87,11 +88,16 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
     "Qwen2ForCausalLM": ArchConfig("qwen2", _LLAMA_FAMILY_KEYS | _WINDOW_KEYS, "layer_types"),
     "Qwen3ForCausalLM": ArchConfig("qwen3", _LLAMA_FAMILY_KEYS | _WINDOW_KEYS | {"attention_bias"}, "layer_types"),
     "Olmo2ForCausalLM": ArchConfig("olmo2", _LLAMA_FAMILY_KEYS | {"attention_bias"}, "none"),
-    "Gemma3ForCausalLM": ArchConfig("gemma3_text", _GEMMA_KEYS | {"final_logit_softcapping"}, "layer_types"),
+    # attn_logit_softcapping: transformers' Gemma 3 keeps it in its attention layers and never
+    # applies it; ignored here alike.
+    "Gemma3ForCausalLM": ArchConfig(
+        "gemma3_text", _GEMMA_KEYS | {"attn_logit_softcapping", "final_logit_softcapping"}, "layer_types"),
     # The text part of an image-text checkpoint (``language_model_config``): transformers'
-    # Gemma3ForConditionalGeneration applies no final_logit_softcapping.
-    "Gemma3ForConditionalGeneration": ArchConfig("gemma3_text", _GEMMA_KEYS, "layer_types"),
-    "Phi3ForCausalLM": ArchConfig("phi3", _LLAMA_FAMILY_KEYS | {"sliding_window"}, "all"),
+    # Gemma3ForConditionalGeneration applies no final_logit_softcapping either; ignored alike.
+    "Gemma3ForConditionalGeneration": ArchConfig(
+        "gemma3_text", _GEMMA_KEYS | {"attn_logit_softcapping", "final_logit_softcapping"}, "layer_types"),
+    "Phi3ForCausalLM": ArchConfig(
+        "phi3", _LLAMA_FAMILY_KEYS | {"sliding_window", "original_max_position_embeddings"}, "all"),
     "GraniteForCausalLM": ArchConfig("granite", _LLAMA_FAMILY_KEYS | {
         "attention_bias", "mlp_bias", "embedding_multiplier", "residual_multiplier", "attention_multiplier",
         "logits_scaling",
@@ -117,7 +123,6 @@ FOREIGN_KEYS: dict[str, Callable[[Any], bool]] = {
     "attention_bias": lambda v: not v,
     "mlp_bias": lambda v: not v,
     "layer_types": lambda v: not v or set(v) == {"full_attention"},
-    "use_bidirectional_attention": lambda v: not v,
 }
 
 #: Image-text architectures served by their language model alone (images are not served).
@@ -148,6 +153,8 @@ def _problems(architecture: str, hf_config: Any) -> list[str]:
     act = _value(hf_config, "hidden_activation")
     if "hidden_activation" in arch.honoured and act not in GELU_ACTIVATIONS:
         problems.append(f"hidden_activation={act!r} (built: {', '.join(map(repr, GELU_ACTIVATIONS))})")
+    if _value(hf_config, "use_bidirectional_attention"):
+        problems.append("use_bidirectional_attention=True (built: causal attention)")
     rope = _rope_problem(_value(hf_config, "rope_parameters") or _value(hf_config, "rope_scaling"))
     if rope:
         problems.append(f"rope_parameters: {rope}")

@@ -12,6 +12,7 @@ from pagedllm.arch_config import (
     BEHAVIOUR_FREE_KEYS,
     ENGINE_KEYS,
     check_hf_config,
+    language_model_config,
     layer_sliding_windows,
 )
 from pagedllm.model_executor.models.registry import MODEL_REGISTRY
@@ -50,6 +51,10 @@ def test_every_config_key_is_classified(architecture):
         ("Qwen2ForCausalLM", {"attention_bias": True}, "attention_bias=True"),
         ("Qwen2ForCausalLM", {"layer_types": ["full_attention", "chunked_attention"]}, r"layer_types \['chunked_attention'\]"),
         ("Qwen3ForCausalLM", {"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+        ("Gemma3ForCausalLM", {"hidden_activation": "relu"}, "hidden_activation='relu'"),
+        ("Gemma3ForCausalLM", {"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
+        ("Olmo2ForCausalLM", {"logits_scaling": 2.0}, "logits_scaling=2.0"),
+        ("Phi3ForCausalLM", {"attention_multiplier": 0.5}, "attention_multiplier=0.5"),
     ],
 )
 def test_unread_config_keys_are_refused(architecture, kwargs, message):
@@ -67,6 +72,9 @@ def test_unread_config_keys_are_refused(architecture, kwargs, message):
         ("Qwen2ForCausalLM", {"use_sliding_window": False, "sliding_window": 8, "max_window_layers": 1}, [None, None]),
         ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}, [None, 8]),
         ("Qwen3ForCausalLM", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}, [8, 8]),
+        ("Phi3ForCausalLM", {"sliding_window": 8}, [8, 8]),
+        ("Gemma3ForCausalLM", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}, [8, None]),
+        ("Gemma3ForConditionalGeneration", {"sliding_window": 8}, [8, 8]),  # 1 full layer in 6 by default
     ],
 )
 def test_accepted_configs_and_their_windows(architecture, kwargs, windows):
@@ -79,3 +87,15 @@ def test_checkpoint_with_unread_key_is_refused_at_load(checkpoint_factory):
     path = checkpoint_factory("LlamaForCausalLM", attn_logit_softcapping=50.0, seed=41)
     with pytest.raises(ValueError, match="attn_logit_softcapping=50.0 \\(LlamaForCausalLM's code does not read it\\)"):
         LLM(str(path), dtype="float32", kv_cache_memory_bytes=16 << 20)
+
+
+def test_image_text_checkpoint_is_served_by_its_text_config():
+    config = AutoConfig.for_model("gemma3", architectures=["Gemma3ForConditionalGeneration"], tie_word_embeddings=False,
+                                  text_config={"num_hidden_layers": 2, "sliding_window": 8}, dtype="bfloat16")
+    text = language_model_config(config)
+    assert text is config.text_config and text.model_type == "gemma3_text"
+    assert text.architectures == ["Gemma3ForConditionalGeneration"] and text.tie_word_embeddings is False
+    check_hf_config(text)
+    assert layer_sliding_windows(text) == [8, 8]
+    llama = _config("LlamaForCausalLM")
+    assert language_model_config(llama) is llama

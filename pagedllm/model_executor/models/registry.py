@@ -1,47 +1,130 @@
-"""Architecture name (config.json ``architectures[0]``) -> model class."""
+"""Architecture name (config.json ``architectures[0]``) -> model class, with the example
+checkpoints and features docs/models.md lists (``markdown_page``; tools/write_models_doc.py
+writes the file, tests/model_executor/test_registry.py fails when it is out of date)."""
 
 from __future__ import annotations
 
+import difflib
+from dataclasses import dataclass
+
 from torch import nn
 
+from pagedllm.model_executor.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from pagedllm.model_executor.models.granite import GraniteForCausalLM
 from pagedllm.model_executor.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
-from pagedllm.model_executor.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
-from pagedllm.model_executor.models.granite import GraniteForCausalLM
 from pagedllm.model_executor.models.llama_eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM
 from pagedllm.model_executor.models.olmo2 import Olmo2ForCausalLM
 from pagedllm.model_executor.models.phi3 import Phi3ForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Olmo2ForCausalLM": Olmo2ForCausalLM,
-    "GraniteForCausalLM": GraniteForCausalLM,
-    "Phi3ForCausalLM": Phi3ForCausalLM,
-    "Gemma3ForCausalLM": Gemma3ForCausalLM,
-    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+
+@dataclass(frozen=True)
+class SupportedModel:
+    """One architecture: its class, Hugging Face checkpoints of it, what its code does."""
+
+    model_cls: type[nn.Module]
+    examples: tuple[str, ...]
+    features: str
+
+
+SUPPORTED_MODELS: dict[str, SupportedModel] = {
+    "LlamaForCausalLM": SupportedModel(
+        LlamaForCausalLM, ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.2-1B-Instruct"),
+        "llama3 rope scaling; attention / MLP bias"),
+    "MistralForCausalLM": SupportedModel(
+        MistralForCausalLM, ("mistralai/Mistral-7B-Instruct-v0.3",), "sliding window on every layer"),
+    "Qwen2ForCausalLM": SupportedModel(
+        Qwen2ForCausalLM, ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
+        "q/k/v bias; sliding window on the layers past max_window_layers"),
+    "Qwen3ForCausalLM": SupportedModel(
+        Qwen3ForCausalLM, ("Qwen/Qwen3-8B", "Qwen/Qwen3-0.6B"), "per-head q/k RMSNorm; sliding window by layer_types"),
+    "Olmo2ForCausalLM": SupportedModel(
+        Olmo2ForCausalLM, ("allenai/OLMo-2-1124-7B-Instruct", "allenai/OLMo-2-0425-1B-Instruct"),
+        "q/k RMSNorm over the whole projections; norms after each block"),
+    "GraniteForCausalLM": SupportedModel(
+        GraniteForCausalLM, ("ibm-granite/granite-3.3-8b-instruct", "ibm-granite/granite-3.1-2b-instruct"),
+        "embedding / residual / attention multipliers; logits scaling"),
+    "Gemma3ForCausalLM": SupportedModel(
+        Gemma3ForCausalLM, ("google/gemma-3-1b-it",),
+        "(1 + w) RMSNorms before and after each block; GeGLU; per-head q/k norm; sliding window by layer_types "
+        "with its own rope base; final logit soft-capping"),
+    "Gemma3ForConditionalGeneration": SupportedModel(
+        Gemma3ForConditionalGeneration, ("google/gemma-3-4b-it", "google/gemma-3-27b-it"),
+        "the language model only (text_config; images are not served)"),
+    "Phi3ForCausalLM": SupportedModel(
+        Phi3ForCausalLM, ("microsoft/Phi-3-mini-4k-instruct", "microsoft/Phi-3.5-mini-instruct"),
+        "fused q/k/v and gate/up checkpoints; sliding window on every layer"),
     # Speculative-decoding heads (``speculative_config`` methods "eagle" / "eagle3").
-    "EagleLlamaForCausalLM": EagleLlamaForCausalLM,
-    "Eagle3LlamaForCausalLM": Eagle3LlamaForCausalLM,
+    "EagleLlamaForCausalLM": SupportedModel(
+        EagleLlamaForCausalLM, ("yuhuili/EAGLE-LLaMA3.1-Instruct-8B",), "EAGLE draft head (speculative_config)"),
+    "Eagle3LlamaForCausalLM": SupportedModel(
+        Eagle3LlamaForCausalLM, ("yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",), "EAGLE-3 draft head (speculative_config)"),
 }
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {arch: model.model_cls for arch, model in SUPPORTED_MODELS.items()}
+
+#: Families of unsupported architectures (a test on the name -> what pagedllm lacks for them).
+_FAMILIES = (
+    (("Moe", "MoE", "Mixtral", "Deepseek", "GptOss", "Dbrx", "Arctic"),
+     "it is a mixture-of-experts model, and pagedllm has no expert layers (FusedMoE) for it yet"),
+    (("Mamba", "Jamba", "Zamba", "Bamba", "FalconH1", "NemotronH", "Hybrid", "Rwkv", "Next"),
+     "it keeps a recurrent (state-space / linear-attention) state, and pagedllm's KV cache has no state group yet"),
+    (("ConditionalGeneration", "Llava", "VL", "Vision", "Mllama", "Idefics", "PaliGemma", "Pixtral", "Siglip"),
+     "it is an image-text model, and pagedllm serves no vision encoder yet"),
+)
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
     """The model class for ``architecture``.
 
     Raises:
-        ValueError: for an unsupported architecture; the message lists the supported ones.
+        ValueError: for an unsupported architecture: the message names the closest supported
+            ones (difflib) and, for a known family (mixture of experts, recurrent state,
+            image-text), what pagedllm lacks for it.
     """
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:
-        raise ValueError(
-            f"Model architecture {architecture!r} is not supported yet. "
-            f"Supported architectures: {', '.join(sorted(MODEL_REGISTRY))}."
-        ) from None
+        raise ValueError(unsupported_message(architecture)) from None
+
+
+def unsupported_message(architecture: str) -> str:
+    """The error text for an ``architecture`` not in ``MODEL_REGISTRY``."""
+    parts = [f"Model architecture {architecture!r} is not supported yet"]
+    missing = next((why for names, why in _FAMILIES if any(n in architecture for n in names)), None)
+    if missing:
+        parts.append(f": {missing}")
+    close = difflib.get_close_matches(architecture, list(MODEL_REGISTRY), n=3, cutoff=0.6)
+    if close:
+        parts.append(f". Closest supported: {', '.join(close)}")
+    parts.append(f". Supported architectures: {', '.join(sorted(MODEL_REGISTRY))} (docs/models.md).")
+    return "".join(parts)
+
+
+def markdown_page() -> str:
+    """The text of docs/models.md: a table of ``SUPPORTED_MODELS``."""
+    rows = [
+        f"| `{arch}` | {', '.join(f'`{name}`' for name in model.examples)} | {model.features} |"
+        for arch, model in SUPPORTED_MODELS.items()
+    ]
+    return "\n".join([
+        "# Supported models",
+        "",
+        "<!-- Written by tools/write_models_doc.py from pagedllm/model_executor/models/registry.py; "
+        "tests/model_executor/test_registry.py fails when it is out of date. -->",
+        "",
+        "The architectures pagedllm serves, by the `architectures` entry of a checkpoint's "
+        "config.json. Each reads its config as transformers' modeling code does; a config.json "
+        "setting something the code would ignore is refused at load, naming the key "
+        "(`pagedllm/arch_config.py`). Greedy output is tested token-identical to transformers "
+        "(float32) on tiny checkpoints of each architecture (tests/models/).",
+        "",
+        "| architecture | example models | features |",
+        "| --- | --- | --- |",
+        *rows,
+        "",
+    ])  # fmt: skip

@@ -1,0 +1,37 @@
+"""The model registry: docs/models.md lists it, and an unsupported architecture's error says
+what is closest and, for a known family, what is missing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pagedllm.model_executor.models import registry
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_docs_models_md_is_up_to_date():
+    doc = ROOT / "docs" / "models.md"
+    assert doc.read_text() == registry.markdown_page(), "run: .venv/bin/python tools/write_models_doc.py"
+
+
+@pytest.mark.parametrize(
+    ("architecture", "messages"),
+    [
+        ("LlamaForCausalLm", ["Closest supported: LlamaForCausalLM"]),
+        ("Gemma2ForCausalLMX", ["Closest supported: ", "Gemma3ForCausalLM"]),
+        ("MixtralForCausalLM", ["mixture-of-experts", "Closest supported: MistralForCausalLM"]),
+        ("MambaForCausalLM", ["recurrent (state-space / linear-attention) state"]),
+        ("LlavaForConditionalGeneration", ["image-text model", "no vision encoder"]),
+        ("BertModel", ["Supported architectures: ", "docs/models.md"]),
+    ],
+)
+def test_unsupported_architecture_names_the_closest_and_the_gap(architecture, messages):
+    with pytest.raises(ValueError, match=f"Model architecture '{architecture}' is not supported yet") as info:
+        registry.get_model_class(architecture)
+    for message in messages:
+        assert message in str(info.value)
+    if architecture == "BertModel":
+        assert "Closest supported" not in str(info.value)
