@@ -88,6 +88,8 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
     "Qwen2ForCausalLM": ArchConfig("qwen2", _LLAMA_FAMILY_KEYS | _WINDOW_KEYS, "layer_types"),
     "Qwen3ForCausalLM": ArchConfig("qwen3", _LLAMA_FAMILY_KEYS | _WINDOW_KEYS | {"attention_bias"}, "layer_types"),
     "Olmo2ForCausalLM": ArchConfig("olmo2", _LLAMA_FAMILY_KEYS | {"attention_bias"}, "none"),
+    "Gemma2ForCausalLM": ArchConfig(
+        "gemma2", _GEMMA_KEYS | {"attn_logit_softcapping", "final_logit_softcapping"}, "layer_types"),
     # attn_logit_softcapping: transformers' Gemma 3 keeps it in its attention layers and never
     # applies it; ignored here alike.
     "Gemma3ForCausalLM": ArchConfig(

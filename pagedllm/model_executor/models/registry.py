@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from pagedllm.model_executor.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.model_executor.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from pagedllm.model_executor.models.granite import GraniteForCausalLM
 from pagedllm.model_executor.models.llama import (
@@ -48,6 +49,10 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
     "GraniteForCausalLM": SupportedModel(
         GraniteForCausalLM, ("ibm-granite/granite-3.3-8b-instruct", "ibm-granite/granite-3.1-2b-instruct"),
         "embedding / residual / attention multipliers; logits scaling"),
+    "Gemma2ForCausalLM": SupportedModel(
+        Gemma2ForCausalLM, ("google/gemma-2-9b-it", "google/gemma-2-2b-it"),
+        "(1 + w) RMSNorms before and after each block; GeGLU; sliding window on alternate layers; attention "
+        "and final logit soft-capping"),
     "Gemma3ForCausalLM": SupportedModel(
         Gemma3ForCausalLM, ("google/gemma-3-1b-it",),
         "(1 + w) RMSNorms before and after each block; GeGLU; per-head q/k norm; sliding window by layer_types "
