@@ -46,27 +46,21 @@ class RMSNorm(CustomOp):
         return x, residual
 
 
-class GemmaRMSNorm(CustomOp):
+class GemmaRMSNorm(RMSNorm):
     """y = x / sqrt(mean(x^2) + eps) * (1 + weight), over the last dimension, all in float32
     and rounded once to the input dtype (transformers' ``Gemma2RMSNorm`` / ``Gemma3RMSNorm``;
     vLLM's name). The checkpoint's ``weight`` is the offset from 1 (zeros: the identity scale).
-
-    With ``residual`` given, first adds it (in the input dtype, as transformers adds the
-    residual stream) and returns ``(normed, new_residual)``; both inputs are overwritten.
+    ``residual`` as ``RMSNorm``'s (added in the input dtype, as transformers adds the stream).
     """
 
+    # The C++ kernels scale by ``weight`` itself: the portable path on every device.
+    forward_cpu = CustomOp.forward_cpu
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
-        self.variance_epsilon = eps
+        super().__init__(hidden_size, eps)
+        self.weight.data.zero_()
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(self.variance_epsilon))
         return normed.mul_(self.weight.float() + 1.0).to(x.dtype)
-
-    def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        if residual is None:
-            return self._norm(x)
-        x = x.add_(residual)
-        return self._norm(x), x

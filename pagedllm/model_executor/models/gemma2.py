@@ -50,12 +50,13 @@ class Gemma2Model(LlamaModel):
         # A tensor in the model dtype (the default dtype while the model is built), as transformers rounds it.
         return torch.tensor(math.sqrt(config.hidden_size), dtype=torch.get_default_dtype())
 
-    def make_layer(self, config, layer_idx, rotary_emb, sliding_window, mlp, quant_config, prefix):
+    def make_layer(self, config, layer_idx, rotary_emb, sliding_window, quant_config, prefix):
         cap = config.attn_logit_softcapping if self.attn_logit_soft_cap else None
         attn = LlamaAttention(
             config, self.qkv_bias, self.qk_norm, rotary_emb, quant_config, f"{prefix}.self_attn", sliding_window,
             scale=config.query_pre_attn_scalar**-0.5, norm_cls=GemmaRMSNorm, logits_soft_cap=cap,
         )
+        mlp = self.make_mlp(config, layer_idx, quant_config, f"{prefix}.mlp")
         return DecoderLayer(attn, mlp, GEMMA_NORMS, lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps))
 
 

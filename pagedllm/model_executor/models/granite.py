@@ -17,11 +17,12 @@ class GraniteModel(LlamaModel):
     def embedding_scale(self, config: PretrainedConfig) -> float:
         return float(config.embedding_multiplier)
 
-    def make_layer(self, config, layer_idx, rotary_emb, sliding_window, mlp, quant_config, prefix):
+    def make_layer(self, config, layer_idx, rotary_emb, sliding_window, quant_config, prefix):
         attn = LlamaAttention(
             config, self.qkv_bias, False, rotary_emb, quant_config, f"{prefix}.self_attn",
             scale=float(config.attention_multiplier),
         )
+        mlp = self.make_mlp(config, layer_idx, quant_config, f"{prefix}.mlp")
         return DecoderLayer(attn, mlp, LLAMA_NORMS, lambda: RMSNorm(config.hidden_size, config.rms_norm_eps),
                             residual_multiplier=float(config.residual_multiplier))
 

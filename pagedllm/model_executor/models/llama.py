@@ -240,15 +240,15 @@ def _add_and_norm(norm: Optional[nn.Module], hidden_states: torch.Tensor, residu
 
 
 class LlamaDecoderLayer(DecoderLayer):
-    """Llama's layer (``LLAMA_NORMS``): ``LlamaAttention``, then ``mlp`` (None: ``LlamaMLP``)."""
+    """Llama's layer (``LLAMA_NORMS``): ``LlamaAttention``, then ``mlp`` (None: ``LlamaMLP``, built
+    after the attention, as are ``make_mlp``'s)."""
 
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, rotary_emb: RotaryEmbedding,
                  quant_config: Optional[QuantizationConfig], prefix: str, sliding_window: Optional[int] = None,
                  mlp: Optional[nn.Module] = None) -> None:
+        attn = LlamaAttention(config, qkv_bias, qk_norm, rotary_emb, quant_config, f"{prefix}.self_attn", sliding_window)
         super().__init__(
-            LlamaAttention(config, qkv_bias, qk_norm, rotary_emb, quant_config, f"{prefix}.self_attn", sliding_window),
-            mlp if mlp is not None else LlamaMLP(config, quant_config, f"{prefix}.mlp"),
-            LLAMA_NORMS,
+            attn, mlp if mlp is not None else LlamaMLP(config, quant_config, f"{prefix}.mlp"), LLAMA_NORMS,
             lambda: RMSNorm(config.hidden_size, config.rms_norm_eps),
         )
 
@@ -272,7 +272,7 @@ class LlamaModel(nn.Module):
         make_mlp: MakeMLP = make_llama_mlp,
     ) -> None:
         super().__init__()
-        self.qkv_bias, self.qk_norm = qkv_bias, qk_norm
+        self.qkv_bias, self.qk_norm, self.make_mlp = qkv_bias, qk_norm, make_mlp
         pp = get_pp_group()
         self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
         self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, pp.rank_in_group, pp.world_size)
@@ -292,10 +292,7 @@ class LlamaModel(nn.Module):
         self.rotary_emb = tables[0]
         windows = layer_sliding_windows(config)  # per layer, as transformers' code of the architecture
         self.layers = nn.ModuleList(
-            self.make_layer(
-                config, i, tables[self.layer_rope[i]], windows[i],
-                make_mlp(config, i, quant_config, f"{prefix}.layers.{i}.mlp"), quant_config, f"{prefix}.layers.{i}",
-            )
+            self.make_layer(config, i, tables[self.layer_rope[i]], windows[i], quant_config, f"{prefix}.layers.{i}")
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
@@ -316,9 +313,15 @@ class LlamaModel(nn.Module):
         return [table], [0] * config.num_hidden_layers
 
     def make_layer(self, config: PretrainedConfig, layer_idx: int, rotary_emb: nn.Module, sliding_window: Optional[int],
-                   mlp: nn.Module, quant_config: Optional[QuantizationConfig], prefix: str) -> nn.Module:
-        """Decoder layer ``layer_idx`` (``forward(rope, hidden_states, residual)`` as ``DecoderLayer``'s)."""
-        return LlamaDecoderLayer(config, self.qkv_bias, self.qk_norm, rotary_emb, quant_config, prefix, sliding_window, mlp)
+                   quant_config: Optional[QuantizationConfig], prefix: str) -> nn.Module:
+        """Decoder layer ``layer_idx`` (``forward(rope, hidden_states, residual)`` as ``DecoderLayer``'s):
+        its attention, then its feed-forward block ``self.make_mlp(config, layer_idx, quant_config,
+        f"{prefix}.mlp")``."""
+        attn = LlamaAttention(
+            config, self.qkv_bias, self.qk_norm, rotary_emb, quant_config, f"{prefix}.self_attn", sliding_window
+        )
+        mlp = self.make_mlp(config, layer_idx, quant_config, f"{prefix}.mlp")
+        return DecoderLayer(attn, mlp, LLAMA_NORMS, lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -54,11 +54,10 @@ class Olmo2Attention(LlamaAttention):
 
 
 class Olmo2Model(LlamaModel):
-    def make_layer(self, config, layer_idx, rotary_emb, sliding_window, mlp, quant_config, prefix):
-        return DecoderLayer(
-            Olmo2Attention(config, rotary_emb, quant_config, f"{prefix}.self_attn"), mlp, OLMO2_NORMS,
-            lambda: RMSNorm(config.hidden_size, config.rms_norm_eps),
-        )
+    def make_layer(self, config, layer_idx, rotary_emb, sliding_window, quant_config, prefix):
+        attn = Olmo2Attention(config, rotary_emb, quant_config, f"{prefix}.self_attn")
+        mlp = self.make_mlp(config, layer_idx, quant_config, f"{prefix}.mlp")
+        return DecoderLayer(attn, mlp, OLMO2_NORMS, lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):

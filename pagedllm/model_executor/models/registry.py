@@ -1,6 +1,6 @@
 """Architecture name (config.json ``architectures[0]``) -> model class, with the example
-checkpoints and features docs/models.md lists (``markdown_page``; tools/write_models_doc.py
-writes the file, tests/model_executor/test_registry.py fails when it is out of date)."""
+checkpoints and features docs/models.md lists (``markdown_page``; running this module prints
+the page, tests/model_executor/test_registry.py fails when the file is out of date)."""
 
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def markdown_page() -> str:
     return "\n".join([
         "# Supported models",
         "",
-        "<!-- Written by tools/write_models_doc.py from pagedllm/model_executor/models/registry.py; "
+        "<!-- Written by `python -m pagedllm.model_executor.models.registry > docs/models.md`; "
         "tests/model_executor/test_registry.py fails when it is out of date. -->",
         "",
         "The architectures pagedllm serves, by the `architectures` entry of a checkpoint's "
@@ -133,3 +133,7 @@ def markdown_page() -> str:
         *rows,
         "",
     ])  # fmt: skip
+
+
+if __name__ == "__main__":
+    print(markdown_page(), end="")
