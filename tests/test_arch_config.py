@@ -42,7 +42,7 @@ def test_every_config_key_is_classified(architecture):
     [
         ("LlamaForCausalLM", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
         ("LlamaForCausalLM", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
-        ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+        ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "proportional", "partial_rotary_factor": 0.5}}, "rope type .proportional."),
         ("LlamaForCausalLM", {"sliding_window": 16}, "sliding_window=16 .*attends over the whole context"),
         ("MistralForCausalLM", {"mlp_bias": True}, "mlp_bias=True"),
         ("MistralForCausalLM", {"partial_rotary_factor": 0.5}, "partial_rotary_factor.0.5"),
