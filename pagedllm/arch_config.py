@@ -168,7 +168,6 @@ def get_rope_parameters(hf_config: Any, layer_type: Optional[str] = None) -> dic
     else:
         params = dict(_value(hf_config, "rope_parameters") or _value(hf_config, "rope_scaling") or {})
     params.setdefault("rope_type", params.pop("type", "default"))
-    params.pop("type", None)
     if params.get("rope_theta") is None:
         params["rope_theta"] = _value(hf_config, "rope_theta") or 10000.0
     partial = _value(hf_config, "partial_rotary_factor")
@@ -189,9 +188,11 @@ def rope_context_len(max_position_embeddings: int, params: dict) -> int:
     ``max_position_embeddings``), ``max_position_embeddings`` for the others (their scaling
     is already in it)."""
     rope_type, factor = params.get("rope_type", "default"), params.get("factor")
+    if not isinstance(factor, (int, float)):  # none (or a bad one, which check_hf_config names)
+        return int(max_position_embeddings)
     if rope_type in ("linear", "dynamic"):
         return int(max_position_embeddings * factor)
-    if rope_type == "yarn" and factor is not None:
+    if rope_type == "yarn":
         return int(params.get("original_max_position_embeddings", max_position_embeddings) * factor)
     return int(max_position_embeddings)
 

@@ -15,9 +15,9 @@ from transformers.models.glm4 import modeling_glm4
 from transformers.models.llama import modeling_llama
 from transformers.models.phi3 import modeling_phi3
 
-from pagedllm.arch_config import get_rope_parameters, model_context_len
+from pagedllm.arch_config import ROPE_TYPES, get_rope_parameters, model_context_len
 from pagedllm.kernels import cpu as cpu_kernels
-from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope
+from pagedllm.model_executor.layers.rotary_embedding import _INV_FREQ, RotaryEmbedding, get_rope
 
 HEAD_DIM = 16
 SHORT = [1.0 + 0.1 * i for i in range(HEAD_DIM // 2)]
@@ -65,6 +65,11 @@ def _hf_cos_sin_one_at_a_time(hf_rope, num_positions: int) -> tuple[torch.Tensor
     return torch.cat([cos[0] for cos, _ in rows]), torch.cat([sin[0] for _, sin in rows])
 
 
+def test_every_accepted_rope_type_is_built_and_tested():
+    tested = {scaling.get("rope_type", scaling.get("type")) if scaling else "default" for scaling, _, _ in ROPE_CASES.values()}
+    assert set(ROPE_TYPES) == set(_INV_FREQ) == tested
+
+
 @pytest.mark.parametrize("case", ROPE_CASES)
 def test_cos_sin_and_rotation_match_transformers(case):
     rope_scaling, max_position, context_len = ROPE_CASES[case]
@@ -96,7 +101,7 @@ def test_4x_and_5_config_generations_give_the_same_parameters():
     v4 = SimpleNamespace(rope_scaling={"type": "yarn", "factor": 4.0}, rope_theta=1e6, max_position_embeddings=64)
     expected = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e6}
     assert get_rope_parameters(v4) == expected
-    assert {k: v for k, v in get_rope_parameters(v5).items() if k != "type"} == expected
+    assert get_rope_parameters(v5) == expected
     phi3 = SimpleNamespace(rope_scaling={"type": "longrope", "short_factor": SHORT, "long_factor": LONG},
                            original_max_position_embeddings=32, max_position_embeddings=128, partial_rotary_factor=0.5)
     assert get_rope_parameters(phi3) == {

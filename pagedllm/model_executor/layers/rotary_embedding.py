@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from pagedllm.arch_config import ROPE_TYPES, get_rope_parameters, rope_context_len
+from pagedllm.arch_config import get_rope_parameters, rope_context_len
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.model_executor.custom_op import CustomOp
 
@@ -149,7 +149,8 @@ def _llama3(params: dict, base: float, dim: int, max_position: int) -> tuple[tor
     return torch.where(is_medium, smoothed, scaled), 1.0
 
 
-#: rope type -> (params, base, rotary dim, max_position) -> (inv_freq [d / 2] float32, attention factor).
+#: rope type -> (params, base, rotary dim, max_position) -> (inv_freq [d / 2] float32, attention
+#: factor); the types of ``pagedllm.arch_config.ROPE_TYPES``.
 _INV_FREQ: dict[str, Callable[[dict, float, int, int], tuple[torch.Tensor, float]]] = {
     "default": lambda params, base, dim, max_position: (_default_inv_freq(base, dim), 1.0),
     "linear": _linear,
@@ -158,7 +159,6 @@ _INV_FREQ: dict[str, Callable[[dict, float, int, int], tuple[torch.Tensor, float
     "longrope": _longrope,
     "llama3": _llama3,
 }
-assert set(_INV_FREQ) == set(ROPE_TYPES), "arch_config.ROPE_TYPES names the types built here"
 
 
 def _freqs(rope_type: str, params: dict, base: float, dim: int, max_position: int, num_positions: int) -> tuple[torch.Tensor, float]:
@@ -246,8 +246,11 @@ class RotaryEmbedding(CustomOp):
         views of the fused qkv output), returning them."""
         if not self.is_neox_style:
             return self.forward_native(query, key, cos, sin)
-        rd = self.rotary_dim
-        cpu_kernels.rotary_embedding(query[..., :rd], key[..., :rd], cos.squeeze(1), sin.squeeze(1))
+        if self.rotary_dim == self.head_dim:
+            cpu_kernels.rotary_embedding(query, key, cos.squeeze(1), sin.squeeze(1))
+        else:
+            rd = self.rotary_dim
+            cpu_kernels.rotary_embedding(query[..., :rd], key[..., :rd], cos.squeeze(1), sin.squeeze(1))
         return query, key
 
 
