@@ -116,9 +116,9 @@ def _value(hf_config: Any, key: str) -> Any:
     return getattr(hf_config, key, None)
 
 
-def _rope_problem(params: dict, partial_built: bool) -> Optional[str]:
-    """What of one layer type's rope ``params`` is not built; ``partial_built``: the
-    architecture's code honours ``partial_rotary_factor``."""
+def _rope_problem(params: dict, check_partial: bool) -> Optional[str]:
+    """What of one layer type's rope ``params`` is not built; ``check_partial``: refuse a
+    ``partial_rotary_factor`` (the architecture's code rotates every channel)."""
     rope_type = params["rope_type"]
     if rope_type not in ROPE_TYPES:
         return f"rope type {rope_type!r} is not built (built: {', '.join(ROPE_TYPES)})"
@@ -126,7 +126,7 @@ def _rope_problem(params: dict, partial_built: bool) -> Optional[str]:
     if missing:
         return f"rope type {rope_type!r} lacks {', '.join(missing)}"
     factor = params.get("partial_rotary_factor", 1.0)
-    if not partial_built and factor not in (None, 1, 1.0):
+    if check_partial and factor not in (None, 1, 1.0):
         return f"partial_rotary_factor {factor} is not built (every channel rotates)"
     return None
 
@@ -215,9 +215,9 @@ def _problems(architecture: str, hf_config: Any) -> list[str]:
     if act not in (None, "silu"):
         problems.append(f"hidden_act={act!r} (built: 'silu')")
     # A top-level partial_rotary_factor is FOREIGN_KEYS' to report; one inside rope_parameters is here.
-    partial_built = "partial_rotary_factor" in arch.honoured or _value(hf_config, "partial_rotary_factor") is not None
+    check_partial = "partial_rotary_factor" not in arch.honoured and _value(hf_config, "partial_rotary_factor") is None
     for layer_type in _rope_layer_types(hf_config) or [None]:
-        rope = _rope_problem(get_rope_parameters(hf_config, layer_type), partial_built)
+        rope = _rope_problem(get_rope_parameters(hf_config, layer_type), check_partial)
         if rope:
             problems.append(f"rope_parameters{f'[{layer_type!r}]' if layer_type else ''}: {rope}")
     window = _value(hf_config, "sliding_window")

@@ -297,6 +297,9 @@ def get_rope(
             transformers computes it.
         rope_parameters: a layer's ``get_rope_parameters(hf_config, layer_type)`` (its
             ``rope_theta`` is the base; 10000.0 without one), or None: default rope, base 10000.
+            With rope parameters per layer type (Gemma 3), whose ``max_position_embeddings``
+            is already the scaled length, pass ``num_positions=max_position_embeddings``
+            (the engine's ``model_context_len``): the default would scale the table again.
 
     Raises:
         ValueError: as ``RotaryEmbedding``.
