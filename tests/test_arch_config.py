@@ -42,7 +42,9 @@ def test_every_config_key_is_classified(architecture):
     [
         ("LlamaForCausalLM", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
         ("LlamaForCausalLM", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
-        ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+        ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "proportional", "partial_rotary_factor": 0.5}}, "rope type .proportional."),
+        ("Qwen2ForCausalLM", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "partial_rotary_factor": 0.5}},
+         "rope_parameters: partial_rotary_factor 0.5 is not built"),
         ("LlamaForCausalLM", {"sliding_window": 16}, "sliding_window=16 .*attends over the whole context"),
         ("MistralForCausalLM", {"mlp_bias": True}, "mlp_bias=True"),
         ("MistralForCausalLM", {"partial_rotary_factor": 0.5}, "partial_rotary_factor.0.5"),
@@ -67,6 +69,8 @@ def test_unread_config_keys_are_refused(architecture, kwargs, message):
         ("Qwen2ForCausalLM", {"use_sliding_window": False, "sliding_window": 8, "max_window_layers": 1}, [None, None]),
         ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}, [None, 8]),
         ("Qwen3ForCausalLM", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}, [8, 8]),
+        ("Qwen2ForCausalLM", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, [None, None]),
+        ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, [None, None]),
     ],
 )
 def test_accepted_configs_and_their_windows(architecture, kwargs, windows):

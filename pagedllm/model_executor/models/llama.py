@@ -21,7 +21,7 @@ from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.layernorm import RMSNorm
 from pagedllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.model_executor.layers.quantization import QuantizationConfig
-from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
+from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pagedllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model_executor.kv_cache_scales import load_kv_cache_scale
 from pagedllm.model_executor.utils import default_weight_loader
@@ -193,9 +193,8 @@ class LlamaModel(nn.Module):
         else:
             self.embed_tokens = PPMissingLayer()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rope_theta, rope_scaling = get_rope_parameters(config)
         # One table for every layer (each attention layer holds this same module).
-        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta, rope_scaling)
+        self.rotary_emb = get_rope(head_dim, head_dim, config.max_position_embeddings, get_rope_parameters(config))
         windows = layer_sliding_windows(config)  # per layer, as transformers' code of the architecture
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(
