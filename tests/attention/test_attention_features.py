@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention import selector
+from pagedllm.attention.backends import cpu_attn
 from pagedllm.attention.backends.cpu_attn import CpuAttnBackend
 from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend, TorchSDPAImpl
 from pagedllm.attention.kv_cache_quant import quantize
@@ -242,8 +243,13 @@ def test_backend_features_batch_invariant(request, name, feature):
     _assert_close(out, expected, TOLERANCE[torch.float32])
 
 
-@pytest.mark.parametrize("name", BACKENDS)
-def test_backend_features_over_fp8_cache(request, name):
+@pytest.mark.parametrize("name,widened", [pytest.param("CPU_ATTN", False, marks=cpu_only),
+                                          pytest.param("CPU_ATTN", True, marks=cpu_only), ("TORCH_SDPA", False)],
+                         ids=["CPU_ATTN", "CPU_ATTN-widened", "TORCH_SDPA"])
+def test_backend_features_over_fp8_cache(request, name, widened, monkeypatch):
+    """Over an FP8 cache; CPU_ATTN also with its prefill contexts widened once per layer."""
+    if widened:
+        monkeypatch.setattr(cpu_attn, "FP8_WIDEN_MIN_QUERY_LEN", 1)
     out, expected = _backend_step(request, name, "all", torch.float32, fp8=torch.float8_e4m3fn)
     _assert_close(out, expected, 2e-5)
 
