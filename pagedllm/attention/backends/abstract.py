@@ -185,8 +185,8 @@ class AttentionImpl(ABC, Generic[M]):
         """Write this step's K/V into ``kv_cache`` at ``attn_metadata.slot_mapping``, then
         attend: each query sees its request's context up to and including itself (with
         ``sliding_window`` W, only its last W positions; the block-table entries of blocks
-        wholly before them may be any block id, whatever it holds, and do not affect the
-        output). Scores ``scale * q.k``, soft-capped with ``logits_soft_cap``; with
+        wholly before them may name any block of the cache, whatever it holds, NaN included,
+        and do not affect the output). Scores ``scale * q.k``, soft-capped with ``logits_soft_cap``; with
         ``layer.sinks`` (s_h per query head h) the softmax's denominator gains ``exp(s_h)``:
         ``out = sum_j exp(x_j) v_j / (exp(s_h) + sum_j exp(x_j))`` (transformers' gpt_oss).
 

@@ -31,8 +31,9 @@ class Attention(nn.Module):
 
     - ``sliding_window`` W (tokens; None: the whole context): a query at position i attends
       to keys i - W + 1 .. i only (transformers' ``sliding_window_overlay``). The blocks
-      wholly before a query's window are never read: a KV-cache manager may free them (their
-      block-table entries may then be any block id).
+      wholly before a query's window do not affect its output (CPU_ATTN never reads them,
+      TORCH_SDPA zeroes them once gathered): a KV-cache manager may free them, their
+      block-table entries then naming any block of the cache.
     - ``logits_soft_cap`` (None or 0: none): scores become ``cap * tanh(score / cap)``
       before the softmax (Gemma 2's ``attn_logit_softcapping``).
     - ``sinks``: [num_heads] logits (float32; with tensor parallelism this rank's heads),
