@@ -16,8 +16,12 @@ measured here compare with the peers' table:
   size and context (hidden 256, 2 layers, 4 heads / 2 KV heads, FFN 704, tied embeddings):
   a speculative-decoding draft for ``qwen2-0.5b-shape`` whose random proposals the target
   (almost) never accepts, to measure the cost of drafting.
+- ``gemma3-1b-shape``: Gemma3ForCausalLM with Gemma 3 1B's layers (sliding window 512 on 5 of
+  every 6 layers) and vocab 32000.
+- ``qwen3-30b-a3b-cut``: Qwen3MoeForCausalLM with Qwen3-30B-A3B's per-layer shape (128 experts
+  of 768, top-8), 6 layers, vocab 32000.
 
-Both use the 32000-token byte-level BPE tokenizer of ``tests.fixtures.checkpoints``
+All use the 32000-token byte-level BPE tokenizer of ``tests.fixtures.checkpoints``
 with the ChatML chat template. Weights are created directly in ``--dtype`` (default
 bfloat16, as the peers measured), so peak memory is about twice the checkpoint size.
 """
@@ -66,6 +70,46 @@ PRESETS: dict[str, dict] = {
 PRESETS["qwen2-draft-shape"] = dict(
     PRESETS["qwen2-0.5b-shape"], hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, intermediate_size=704,
+)
+
+#: Gemma 3 1B's layers (hidden 1152, 26 layers of 4 heads / 1 KV head of 256, FFN 6912, a
+#: 512-token window on 5 of every 6 layers, local rope base 1e4, global 1e6) with vocab 32000.
+PRESETS["gemma3-1b-shape"] = dict(
+    arch="Gemma3ForCausalLM",
+    hidden_size=1152,
+    num_hidden_layers=26,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=256,
+    intermediate_size=6912,
+    sliding_window=512,
+    query_pre_attn_scalar=256,
+    tie_word_embeddings=True,
+    rope_theta=1000000.0,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    tokenizer_vocab_size=32000,
+)
+
+#: Qwen3-30B-A3B's layer shape (hidden 2048, 32 heads / 4 KV heads of 128, 128 experts of 768,
+#: top-8) cut to 6 layers and vocab 32000, to fit 24 GiB (~3.7B parameters, 7.4 GB in bf16).
+PRESETS["qwen3-30b-a3b-cut"] = dict(
+    arch="Qwen3MoeForCausalLM",
+    hidden_size=2048,
+    num_hidden_layers=6,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    tie_word_embeddings=False,
+    rope_theta=1000000.0,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    tokenizer_vocab_size=32000,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -5,7 +5,7 @@ transformers' modeling code is the reference: a config key changes the output on
 that code reads it. For each registered architecture, ``ARCH_CONFIG`` states the keys of
 its transformers config class (``AutoConfig.for_model(model_type).to_dict()``) that
 pagedllm's model code honours, and the values of them that are built (``hidden_act``
-"silu", rope types "default" / "llama3", layer kinds "full_attention" / "sliding_attention").
+"silu", the rope types of ``ROPE_TYPES``, layer kinds "full_attention" / "sliding_attention").
 ``BEHAVIOUR_FREE_KEYS`` are the keys no forward pass depends on (ids, labels, training
 settings). ``FOREIGN_KEYS`` are keys other architectures read (soft-capping, multipliers):
 a config.json that sets one to a non-neutral value asks for math the code does not do.
@@ -16,6 +16,10 @@ An image-text checkpoint of ``TEXT_PART_ARCHITECTURES`` is served by its languag
 ``check_hf_config`` refuses, with a message naming the key, a config that sets a key to a
 value the code would silently ignore or misread; ``layer_sliding_windows`` is each layer's
 attention window (transformers' semantics: a query at position i sees keys i - W + 1 .. i).
+
+``get_rope_parameters`` is a layer's rope parameters read from either generation of config
+(transformers 5's ``rope_parameters``, flat or keyed by layer type; 4.x's ``rope_scaling`` /
+``rope_theta``), and ``rope_context_len`` the context length a rope scaling allows.
 
 Plain Python (no torch): ``EngineArgs`` checks configs before anything is loaded.
 """
@@ -50,8 +54,18 @@ _LLAMA_FAMILY_KEYS = frozenset({
 })
 _WINDOW_KEYS = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
 
-#: Rope types ``RotaryEmbedding`` builds.
-ROPE_TYPES = ("default", "llama3")
+#: Rope types ``RotaryEmbedding`` builds (transformers' ``ROPE_INIT_FUNCTIONS`` of the same names).
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+#: Keys each rope type reads with no default (transformers' compute functions index them).
+_ROPE_REQUIRED_KEYS = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor",),
+    "longrope": ("short_factor", "long_factor"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+}
+#: Rope types whose parameters carry the pretraining context length.
+_ORIGINAL_LENGTH_TYPES = ("llama3", "yarn", "longrope")
 #: Gemma's ``hidden_activation`` values built -> ``GeluAndMul``'s ``approximate`` (transformers'
 #: ``gelu_pytorch_tanh`` is the tanh approximation, ``gelu`` the exact form).
 GELU_ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
@@ -135,15 +149,96 @@ def _value(hf_config: Any, key: str) -> Any:
     return getattr(hf_config, key, None)
 
 
-def _rope_problem(params: Optional[dict]) -> Optional[str]:
-    params = params or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
+def _rope_problem(params: dict, check_partial: bool) -> Optional[str]:
+    """What of one layer type's rope ``params`` is not built; ``check_partial``: refuse a
+    ``partial_rotary_factor`` (the architecture's code rotates every channel)."""
+    rope_type = params["rope_type"]
     if rope_type not in ROPE_TYPES:
         return f"rope type {rope_type!r} is not built (built: {', '.join(ROPE_TYPES)})"
+    missing = [key for key in _ROPE_REQUIRED_KEYS.get(rope_type, ()) if key not in params]
+    if missing:
+        return f"rope type {rope_type!r} lacks {', '.join(missing)}"
     factor = params.get("partial_rotary_factor", 1.0)
-    if factor not in (None, 1, 1.0):
+    if check_partial and factor not in (None, 1, 1.0):
         return f"partial_rotary_factor {factor} is not built (every channel rotates)"
     return None
+
+
+def _rope_layer_types(hf_config: Any) -> Optional[list[str]]:
+    """The layer types keying transformers 5's per-layer ``rope_parameters`` (Gemma 3:
+    "sliding_attention" / "full_attention"); None when one set serves every layer."""
+    params = _value(hf_config, "rope_parameters")
+    if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
+        return [key for key, v in params.items() if isinstance(v, dict)]
+    return None
+
+
+def get_rope_parameters(hf_config: Any, layer_type: Optional[str] = None) -> dict:
+    """The rope parameters of the layers of ``layer_type`` (None: a model with one set for
+    every layer), standardized as transformers 5's ``standardize_rope_params`` does.
+
+    Read from ``rope_parameters`` (transformers 5; flat, or keyed by layer type, e.g. Gemma 3's
+    {"sliding_attention": {...}, "full_attention": {...}}) or from 4.x's ``rope_scaling``,
+    ``rope_theta`` and ``partial_rotary_factor`` (and Gemma 3's ``rope_local_base_freq``: the
+    "default" rope of its "sliding_attention" layers). Returns a new dict with ``rope_type``
+    ("default" when unset; 4.x's ``type`` read too), ``rope_theta`` (10000.0 when unset),
+    ``partial_rotary_factor`` when the config sets one, ``original_max_position_embeddings``
+    for "llama3" / "yarn" / "longrope" (a top-level one first, as Phi-3's; else
+    ``max_position_embeddings``), and the type's own keys (``factor``, ``beta_fast`` ...).
+
+    Raises:
+        ValueError: per-layer parameters and ``layer_type`` None or not one of their keys.
+    """
+    layer_types = _rope_layer_types(hf_config)
+    if layer_types is not None:
+        if layer_type not in layer_types:
+            raise ValueError(
+                f"rope_parameters are set per layer type ({', '.join(layer_types)}); layer_type={layer_type!r} is none of them."
+            )
+        params = dict(_value(hf_config, "rope_parameters")[layer_type])
+    elif layer_type == "sliding_attention" and _value(hf_config, "rope_local_base_freq") is not None:
+        params = {"rope_type": "default", "rope_theta": _value(hf_config, "rope_local_base_freq")}
+    else:
+        params = dict(_value(hf_config, "rope_parameters") or _value(hf_config, "rope_scaling") or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = _value(hf_config, "rope_theta") or 10000.0
+    partial = _value(hf_config, "partial_rotary_factor")
+    if partial is not None:
+        params.setdefault("partial_rotary_factor", partial)
+    if params["rope_type"] in _ORIGINAL_LENGTH_TYPES:
+        original = _value(hf_config, "original_max_position_embeddings")
+        if original is not None:
+            params["original_max_position_embeddings"] = original
+        params.setdefault("original_max_position_embeddings", _value(hf_config, "max_position_embeddings"))
+    return params
+
+
+def rope_context_len(max_position_embeddings: int, params: dict) -> int:
+    """The context length (tokens) a model of ``max_position_embeddings`` serves with the rope
+    ``params`` (``get_rope_parameters``'), by vLLM's rule: x ``factor`` for "linear" and
+    "dynamic", ``original_max_position_embeddings`` x ``factor`` for "yarn" (a null factor:
+    ``max_position_embeddings``), ``max_position_embeddings`` for the others (their scaling
+    is already in it)."""
+    rope_type, factor = params.get("rope_type", "default"), params.get("factor")
+    if not isinstance(factor, (int, float)):  # none (or a bad one, which check_hf_config names)
+        return int(max_position_embeddings)
+    if rope_type in ("linear", "dynamic"):
+        return int(max_position_embeddings * factor)
+    if rope_type == "yarn":
+        return int(params.get("original_max_position_embeddings", max_position_embeddings) * factor)
+    return int(max_position_embeddings)
+
+
+def model_context_len(hf_config: Any) -> int:
+    """The context length config.json allows: ``max_position_embeddings`` (2048 without it),
+    scaled by the rope scaling (``rope_context_len``) unless the rope parameters are set per
+    layer type (Gemma 3's ``max_position_embeddings`` is already the scaled length, as vLLM
+    reads it)."""
+    max_position = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
+    if _rope_layer_types(hf_config) is not None:
+        return max_position
+    return rope_context_len(max_position, get_rope_parameters(hf_config))
 
 
 def _problems(architecture: str, hf_config: Any) -> list[str]:
@@ -157,9 +252,12 @@ def _problems(architecture: str, hf_config: Any) -> list[str]:
         problems.append(f"hidden_activation={act!r} (built: {', '.join(map(repr, GELU_ACTIVATIONS))})")
     if _value(hf_config, "use_bidirectional_attention"):
         problems.append("use_bidirectional_attention=True (built: causal attention)")
-    rope = _rope_problem(_value(hf_config, "rope_parameters") or _value(hf_config, "rope_scaling"))
-    if rope:
-        problems.append(f"rope_parameters: {rope}")
+    # A top-level partial_rotary_factor is FOREIGN_KEYS' to report; one inside rope_parameters is here.
+    check_partial = "partial_rotary_factor" not in arch.honoured and _value(hf_config, "partial_rotary_factor") is None
+    for layer_type in _rope_layer_types(hf_config) or [None]:
+        rope = _rope_problem(get_rope_parameters(hf_config, layer_type), check_partial)
+        if rope:
+            problems.append(f"rope_parameters{f'[{layer_type!r}]' if layer_type else ''}: {rope}")
     window = _value(hf_config, "sliding_window")
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         problems.append(f"sliding_window={window!r} (a positive number of tokens or null)")

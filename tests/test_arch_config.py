@@ -43,7 +43,9 @@ def test_every_config_key_is_classified(architecture):
     [
         ("LlamaForCausalLM", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
         ("LlamaForCausalLM", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
-        ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+        ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "proportional", "partial_rotary_factor": 0.5}}, "rope type .proportional."),
+        ("Qwen2ForCausalLM", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "partial_rotary_factor": 0.5}},
+         "rope_parameters: partial_rotary_factor 0.5 is not built"),
         ("LlamaForCausalLM", {"sliding_window": 16}, "sliding_window=16 .*attends over the whole context"),
         ("MistralForCausalLM", {"mlp_bias": True}, "mlp_bias=True"),
         ("MistralForCausalLM", {"partial_rotary_factor": 0.5}, "partial_rotary_factor.0.5"),
@@ -75,6 +77,8 @@ def test_unread_config_keys_are_refused(architecture, kwargs, message):
         ("Phi3ForCausalLM", {"sliding_window": 8}, [8, 8]),
         ("Gemma3ForCausalLM", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}, [8, None]),
         ("Gemma3ForConditionalGeneration", {"sliding_window": 8}, [8, 8]),  # 1 full layer in 6 by default
+        ("Qwen2ForCausalLM", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, [None, None]),
+        ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, [None, None]),
     ],
 )
 def test_accepted_configs_and_their_windows(architecture, kwargs, windows):

@@ -3,10 +3,11 @@
 The choice, made once per engine (``get_attn_backend``): the name given
 (``--attention-backend``), else ``$PAGEDLLM_ATTENTION_BACKEND``, else automatic — the first
 backend of ``current_platform.attn_backend_preference`` that can run with the model's head
-size and dtype, the block size, and the model's sliding windows if it has any (on CPU:
-``CPU_ATTN`` when the C++ kernels build and the model has no sliding window, else
-``TORCH_SDPA``); when it passes over a backend it logs why (INFO, once per reason). Another backend (a CUDA one, a test's) joins with ``register_attn_backend``
-and is then chosen by name.
+size and dtype, the block size, and the attention features the model uses (sliding windows,
+logits soft caps, sinks; on CPU: ``CPU_ATTN`` when the C++ kernels build, else
+``TORCH_SDPA``; both have every feature); when it passes over a backend it logs why (INFO,
+once per reason). Another backend (a CUDA one, a test's) joins with
+``register_attn_backend`` and is then chosen by name.
 
 ``Attention`` layers are built inside ``set_attn_backend(backend)`` (``get_model``'s
 ``attn_backend``, which the model runner chooses) and hold that backend's impl; one built
@@ -51,7 +52,8 @@ def registered_attn_backends() -> list[str]:
 
 def get_attn_backend(
     head_size: int, dtype: torch.dtype, block_size: Optional[int], name: Optional[str] = None,
-    kv_cache_dtype: str = "auto", uses_sliding_window: bool = False,
+    kv_cache_dtype: str = "auto", uses_sliding_window: bool = False, uses_logits_soft_cap: bool = False,
+    has_sinks: bool = False,
 ) -> type[AttentionBackend]:
     """The backend to run: ``name`` (case-insensitive), else ``$PAGEDLLM_ATTENTION_BACKEND``,
     else the platform's first that can run.
@@ -62,20 +64,23 @@ def get_attn_backend(
         name: a registered backend's name, or None.
         kv_cache_dtype: ``--kv-cache-dtype`` ("auto" or an FP8 type).
         uses_sliding_window: some layer of the model has a sliding window (a backend must
-            support windows, ``AttentionBackend.supports_sliding_window``).
+            support windows, ``AttentionBackend.supports_sliding_window``);
+        uses_logits_soft_cap, has_sinks: likewise, a logits soft cap, attention sinks
+            (``supports_logits_soft_cap``, ``supports_sinks``).
 
     Raises:
         ValueError: an unknown name (the message lists the registered ones), a named backend
             that cannot run here, or (automatic) none that can — each with the reasons.
     """
     name = name or envs.PAGEDLLM_ATTENTION_BACKEND.get()
+    features = (uses_sliding_window, uses_logits_soft_cap, has_sinks)
     if name is not None:
         backend = _registry.get(name.upper())
         if backend is None:
             raise ValueError(
                 f"Unknown attention backend {name!r}; registered backends: {', '.join(_registry)}."
             )
-        reasons = backend.validate_configuration(head_size, dtype, block_size, kv_cache_dtype, uses_sliding_window)
+        reasons = backend.validate_configuration(head_size, dtype, block_size, kv_cache_dtype, *features)
         if reasons:
             raise ValueError(f"Attention backend {backend.get_name()} cannot run here: {'; '.join(reasons)}.")
         return backend
@@ -84,7 +89,7 @@ def get_attn_backend(
         backend = _registry.get(candidate)
         if backend is None:  # registered later, if at all (e.g. a CUDA backend)
             continue
-        reasons = backend.validate_configuration(head_size, dtype, block_size, kv_cache_dtype, uses_sliding_window)
+        reasons = backend.validate_configuration(head_size, dtype, block_size, kv_cache_dtype, *features)
         if not reasons:
             if rejected:
                 _log_once(f"Attention backend {candidate} chosen over {' | '.join(rejected)}.")
@@ -110,23 +115,27 @@ def set_attn_backend(backend: type[AttentionBackend]) -> Iterator[None]:
         _model_backend = previous
 
 
-def get_current_attn_backend(uses_sliding_window: bool = False) -> type[AttentionBackend]:
+def get_current_attn_backend(
+    uses_sliding_window: bool = False, uses_logits_soft_cap: bool = False, has_sinks: bool = False
+) -> type[AttentionBackend]:
     """The backend of the ``set_attn_backend`` block an ``Attention`` layer is being
     constructed in.
 
     Raises:
         RuntimeError: outside any ``set_attn_backend`` block (build models with
             ``get_model(..., attn_backend)``).
-        ValueError: the layer has a sliding window and the backend has none.
+        ValueError: the layer has a sliding window, a logits soft cap or sinks, and the
+            backend lacks it.
     """
     if _model_backend is None:
         raise RuntimeError(
             "No attention backend set: build models inside selector.set_attn_backend(backend) "
             "(model_loader.get_model(model_config, device, attn_backend) does)."
         )
-    if uses_sliding_window and not _model_backend.supports_sliding_window():
+    missing = _model_backend.missing_features(uses_sliding_window, uses_logits_soft_cap, has_sinks)
+    if missing:
         raise ValueError(
-            f"Attention backend {_model_backend.get_name()} has no sliding-window attention, which this layer uses."
+            f"Attention backend {_model_backend.get_name()} has no {', '.join(missing)}, which this layer uses."
         )
     return _model_backend
 

@@ -94,6 +94,10 @@ class EngineArgs:
 
     ``speculative_config``: vLLM's dict, checked by ``SpeculativeConfig.from_dict``.
 
+    ``hf_overrides`` (vLLM's): a dict merged into the model's HF config once it is read,
+    before anything checks it (``pagedllm.config.hub.apply_hf_overrides``); the default
+    ``max_model_len`` follows the rope scaling it sets (``pagedllm.arch_config.model_context_len``).
+
     Raises (constructor):
         ValueError: a value of ``PARTLY_BUILT_ARGS`` that is not built; ``max_logprobs`` < -1;
             a bad ``speculative_config`` (the message names the key); a bad
@@ -128,6 +132,16 @@ class EngineArgs:
         help="Directory for downloaded models (default: the Hugging Face cache, $HF_HOME/hub).",
         group="model",
     )
+    hf_overrides: Optional[dict] = flag_field(
+        None,
+        help=(
+            "Keys merged into the model's Hugging Face config after it is read, as JSON; a nested "
+            'object is merged key by key, e.g. \'{"rope_parameters": {"rope_type": "yarn", "factor": 4.0, '
+            '"original_max_position_embeddings": 32768}}\' (4.x\'s rope_scaling / rope_theta also '
+            "work) to serve past the original context with --max-model-len."
+        ),
+        type=json_object, metavar="JSON",
+    )
     dtype: Any = flag_field(
         "auto",
         help=(
@@ -140,7 +154,8 @@ class EngineArgs:
         None,
         help=(
             "Context length in tokens (prompt + output), e.g. 8192, 32k (=32000), 32K (=32768), 1M. "
-            "Default: the model's max_position_embeddings."
+            "Default: the model's max_position_embeddings, scaled by its rope scaling as vLLM does "
+            "(x factor for linear / dynamic; original_max_position_embeddings x factor for yarn)."
         ),
         type=max_model_len_type,
     )
@@ -492,7 +507,7 @@ class EngineArgs:
             if self.tokenizer
             else model_path
         )
-        hf_config = load_hf_config(model_path, self.trust_remote_code)
+        hf_config = load_hf_config(model_path, self.trust_remote_code, self.hf_overrides)
         check_hf_config(hf_config)
         max_model_len = self._max_model_len(hf_config)
         scheduler_config = SchedulerConfig.from_engine_args(self, max_model_len)
@@ -507,6 +522,7 @@ class EngineArgs:
             quantization=self.quantization,
             quantization_config=self.quantization_config,
             trust_remote_code=self.trust_remote_code,
+            hf_overrides=self.hf_overrides,
             generation_config=self.generation_config,
             override_generation_config=self.override_generation_config,
             max_logprobs=self.max_logprobs,
@@ -543,7 +559,7 @@ class EngineArgs:
         Raises:
             ValueError: a ``max_model_len`` above the model's (or the window's) length.
         """
-        derived, derived_from = derived_max_model_len(hf_config), "max_position_embeddings in config.json"
+        derived, derived_from = derived_max_model_len(hf_config), "max_position_embeddings in config.json and its rope scaling"
         window = min_sliding_window(hf_config)
         if self.disable_sliding_window and window is not None:
             if window < derived:

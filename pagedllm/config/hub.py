@@ -1,10 +1,12 @@
 """Where a model is: a local folder, a ``.gguf`` file or a Hugging Face Hub id (downloaded);
-its Hugging Face config."""
+its Hugging Face config, with ``--hf-overrides`` merged in."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+from pagedllm.arch_config import language_model_config
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -77,23 +79,31 @@ def resolve_model_path(
         raise ValueError(f"Model {where} could not be downloaded from {constants.ENDPOINT}: {first_line}") from exc
 
 
-def load_hf_config(model_path: Path, trust_remote_code: bool = False) -> PretrainedConfig:
+def load_hf_config(
+    model_path: Path, trust_remote_code: bool = False, hf_overrides: Optional[dict] = None
+) -> PretrainedConfig:
     """The model's Hugging Face config: config.json of a directory, or, for a ``.gguf`` file,
     the one transformers builds from the file's metadata (architecture and hyper-parameters;
-    ``architectures`` filled in from the model type when the file does not name it). For an
-    image-text checkpoint served by its language model, that model's config
+    ``architectures`` filled in from the model type when the file does not name it); then
+    ``hf_overrides`` merged into it (``apply_hf_overrides``). For an image-text checkpoint served
+    by its language model, that model's config after the overrides
     (``pagedllm.arch_config.language_model_config``).
 
     Raises:
-        ValueError: no readable config (transformers' message).
+        ValueError: no readable config (transformers' message); bad ``hf_overrides``.
     """
-    from transformers import AutoConfig
+    hf_config = _read_hf_config(model_path, trust_remote_code)
+    if hf_overrides:
+        apply_hf_overrides(hf_config, hf_overrides)
+    return language_model_config(hf_config)
 
-    from pagedllm.arch_config import language_model_config
+
+def _read_hf_config(model_path: Path, trust_remote_code: bool) -> PretrainedConfig:
+    from transformers import AutoConfig
 
     try:
         if model_path.suffix != ".gguf":
-            return language_model_config(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code))
+            return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         hf_config = AutoConfig.from_pretrained(model_path.parent, gguf_file=model_path.name)
@@ -102,3 +112,61 @@ def load_hf_config(model_path: Path, trust_remote_code: bool = False) -> Pretrai
     if not getattr(hf_config, "architectures", None):
         hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf_config.model_type, hf_config.model_type)]
     return hf_config
+
+
+def apply_hf_overrides(hf_config: Any, overrides: dict) -> None:
+    """Merge ``overrides`` (vLLM's ``--hf-overrides``) into ``hf_config``, in place.
+
+    Each key is set on the config; where the config's value is a dict (``rope_parameters``)
+    or a sub-config (``text_config``) and the override a dict, it is merged into it key by
+    key, recursively, so '{"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}' keeps
+    the config's ``rope_theta``. On a transformers-5 config the 4.x keys ``rope_scaling``
+    and ``rope_theta`` are merged into ``rope_parameters`` (where transformers keeps them;
+    a null ``rope_scaling`` is the "default" rope) and a rope ``type`` names the
+    ``rope_type``. The rope parameters are then standardized as transformers does at load
+    (``standardize_rope_params``: ``original_max_position_embeddings`` ...).
+
+    Raises:
+        ValueError: ``overrides`` is not a dict.
+    """
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides must be a JSON object (dict), got {type(overrides).__name__}: {overrides!r}.")
+    _merge_into(hf_config, _rope_overrides(hf_config, overrides))
+    standardize = getattr(hf_config, "standardize_rope_params", None)
+    if callable(standardize) and getattr(hf_config, "rope_parameters", None):
+        standardize()
+
+
+def _rope_overrides(hf_config: Any, overrides: dict) -> dict:
+    """``overrides`` with 4.x rope keys moved into ``rope_parameters`` on a config that keeps
+    its rope there (a flat dict), and a rope ``type`` copied to ``rope_type``."""
+    overrides = dict(overrides)
+    current = getattr(hf_config, "rope_parameters", None)
+    if isinstance(current, dict) and not any(isinstance(v, dict) for v in current.values()):
+        rope = {}
+        if "rope_scaling" in overrides:
+            rope.update(overrides.pop("rope_scaling") or {"rope_type": "default"})
+        if "rope_theta" in overrides:
+            rope["rope_theta"] = overrides.pop("rope_theta")
+        if rope or "rope_parameters" in overrides:
+            overrides["rope_parameters"] = {**rope, **(overrides.get("rope_parameters") or {})}
+    rope = overrides.get("rope_parameters")
+    if isinstance(rope, dict) and "type" in rope and "rope_type" not in rope:
+        overrides["rope_parameters"] = {**rope, "rope_type": rope["type"]}
+    return overrides
+
+
+def _merge_into(target: Any, overrides: dict) -> None:
+    for key, value in overrides.items():
+        current = target.get(key) if isinstance(target, dict) else getattr(target, key, None)
+        if isinstance(value, dict) and hasattr(current, "to_dict"):  # a sub-config
+            _merge_into(current, value)
+            continue
+        if isinstance(value, dict) and isinstance(current, dict):
+            merged = dict(current)
+            _merge_into(merged, value)
+            value = merged
+        if isinstance(target, dict):
+            target[key] = value
+        else:
+            setattr(target, key, value)

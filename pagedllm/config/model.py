@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from pagedllm import envs
-from pagedllm.arch_config import min_sliding_window
+from pagedllm.arch_config import min_sliding_window, model_context_len
 
 if TYPE_CHECKING:
     import torch
@@ -101,6 +101,7 @@ class ModelConfig:
     quantization: Optional[str] = None  # --quantization: None = the checkpoint's own format
     quantization_config: Optional[dict] = None  # --quantization-config: options of a format quantized at load
     trust_remote_code: bool = False  # --trust-remote-code: config.json and tokenizer classes
+    hf_overrides: Optional[dict] = None  # --hf-overrides: merged into hf_config when it was read
     generation_config: str = "auto"
     override_generation_config: Optional[dict] = None  # field -> value, over the generation config
     max_logprobs: int = 20
@@ -191,8 +192,9 @@ class ModelConfig:
 
 
 def derived_max_model_len(hf_config: PretrainedConfig) -> int:
-    """The context length config.json allows (``max_position_embeddings``; 2048 without it)."""
-    return int(getattr(hf_config, "max_position_embeddings", 2048))
+    """The context length config.json allows: ``max_position_embeddings`` (2048 without it)
+    scaled by the rope scaling as vLLM does (``pagedllm.arch_config.model_context_len``)."""
+    return model_context_len(hf_config)
 
 
 def check_generation_config(value: str) -> None:

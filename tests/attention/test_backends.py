@@ -5,8 +5,6 @@ being used by the model."""
 
 from __future__ import annotations
 
-import logging
-
 import math
 
 import numpy as np
@@ -205,26 +203,17 @@ def test_torch_sdpa_sliding_window_matches_reference(window):
     assert (out_full - full).abs().max().item() <= 1e-5
 
 
-def test_sliding_window_backend_choice(no_env, caplog):
-    """CPU_ATTN has no windows: the automatic choice passes over it with an INFO line giving
-    the reason; naming it, or building its impl with a window, is refused."""
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setattr(logging.getLogger("pagedllm"), "propagate", True)  # caplog listens at the root
-    monkeypatch.setattr(selector, "_logged_choices", set())  # logged once per process: earlier tests may have
-    assert TorchSDPABackend.supports_sliding_window() and not CpuAttnBackend.supports_sliding_window()
-    with caplog.at_level("INFO", logger="pagedllm.attention.selector"):
-        chosen = selector.get_attn_backend(64, torch.float32, 16, uses_sliding_window=True)
-    assert chosen is TorchSDPABackend
-    if current_platform.is_cpu:
-        assert "TORCH_SDPA chosen over CPU_ATTN: it has no sliding-window attention" in caplog.text
-        with pytest.raises(ValueError, match="CPU_ATTN cannot run here: it has no sliding-window attention"):
-            selector.get_attn_backend(64, torch.float32, 16, "CPU_ATTN", uses_sliding_window=True)
-    with pytest.raises(ValueError, match="CpuAttnImpl has no sliding-window attention"):
-        CpuAttnBackend.get_impl_cls()(6, 64, 0.125, 2, sliding_window=16)
+def test_sliding_window_backend_choice(no_env):
+    """Both backends have windows: the automatic choice for a windowed model is the usual
+    one (CPU_ATTN on CPU with the kernels), and its impl takes a window."""
+    assert TorchSDPABackend.supports_sliding_window() and CpuAttnBackend.supports_sliding_window()
+    expected = CpuAttnBackend if current_platform.is_cpu and cpu_kernels.is_available() else TorchSDPABackend
+    assert selector.get_attn_backend(64, torch.float32, 16, uses_sliding_window=True) is expected
+    assert CpuAttnBackend.get_impl_cls()(6, 64, 0.125, 2, sliding_window=16).sliding_window == 16
+    with pytest.raises(ValueError, match="sliding_window must be a positive number of tokens"):
+        CpuAttnBackend.get_impl_cls()(6, 64, 0.125, 2, sliding_window=0)
     with selector.set_attn_backend(CpuAttnBackend):
-        with pytest.raises(ValueError, match="CPU_ATTN has no sliding-window attention"):
-            selector.get_current_attn_backend(uses_sliding_window=True)
-    monkeypatch.undo()
+        assert selector.get_current_attn_backend(uses_sliding_window=True) is CpuAttnBackend
 
 
 def test_attention_layer_takes_the_backend_it_is_built_with():

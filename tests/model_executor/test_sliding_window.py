@@ -1,8 +1,9 @@
 """Sliding-window attention against transformers: Mistral with ``sliding_window`` 16 on every
 layer, and Qwen2 with ``use_sliding_window`` / ``max_window_layers`` 1 (layer 0 full, layer 1
 windowed). Greedy output token-identical under chunked prefill, prefix-cache hits and
-preemption, with TORCH_SDPA named and with the automatic choice; prompt logprobs equal at
-every position (so at W - 1, W and W + 1 one by one); ``--disable-sliding-window``."""
+preemption, with TORCH_SDPA named and with the automatic choice (CPU_ATTN, the C++ kernel,
+on CPU); prompt logprobs equal at every position (so at W - 1, W and W + 1 one by one);
+``--disable-sliding-window``."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ SCENARIOS = {
     "torch_sdpa_chunked_16": {"attention_backend": "TORCH_SDPA", "max_num_batched_tokens": 16},
     # 12 blocks of 8 tokens: the batch needs ~22, so requests are preempted and recomputed.
     "preemption": {"max_model_len": 96, "block_size": 8, "kv_blocks": 12},
-    # --batch-invariant: every token attended alone over its own window (TORCH_SDPA's per-token path).
+    # --batch-invariant: every token attended alone over its own window (the kernel's per-token path).
     "batch_invariant_chunked_8": {"batch_invariant": True, "max_num_batched_tokens": 8},
 }
 
@@ -57,7 +58,8 @@ def test_windowed_greedy_matches_transformers(windowed, scenario, tokenizer):
     prompts = random_prompts(PROMPT_LENGTHS, len(tokenizer), seed=7)
     expected = _expected(windowed, prompts)
     llm = float32_llm(windowed, SCENARIOS[scenario])
-    assert model_runner(llm).attn_backend.get_name() == "TORCH_SDPA"  # CPU_ATTN has no windows
+    # Both backends have windows: the automatic choice is CPU_ATTN's kernel (CPU).
+    assert model_runner(llm).attn_backend.get_name() == SCENARIOS[scenario].get("attention_backend", "CPU_ATTN")
     windows = [layer.sliding_window for layer in model_runner(llm).attention_layers]
     assert windows == ([WINDOW, WINDOW] if "Mistral" in llm.llm_engine.config.model_config.architecture else [None, WINDOW])
     for run in range(2):  # the second run hits the prefix cache

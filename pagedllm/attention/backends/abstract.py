@@ -122,42 +122,76 @@ class AttentionImpl(ABC, Generic[M]):
     """One attention layer's computation, for one backend.
 
     Args:
-        num_heads: query heads; head_size: channels per head; scale: softmax scale;
+        num_heads: query heads; head_size: channels per head; scale: softmax scale (any:
+            scores are ``scale * q.k``, e.g. Gemma's ``query_pre_attn_scalar ** -0.5``);
         num_kv_heads: key/value heads (``num_heads`` is a multiple of it);
         sliding_window: W tokens: a query at position i attends to keys i - W + 1 .. i
             only; None: to its whole context.
+        logits_soft_cap: scores become ``cap * tanh(score / cap)`` before the softmax
+            (Gemma 2's ``attn_logit_softcapping``, vLLM's ``logits_soft_cap``); None (or 0,
+            as in vLLM): none.
+
+    Attention sinks (gpt-oss) are the layer's: ``forward`` reads ``layer.sinks``, [num_heads]
+    float32 or None (see ``forward``).
 
     Raises:
-        ValueError: ``sliding_window`` set for a backend without sliding windows (its
-            ``supports_sliding_window`` is False), or not a positive int.
+        ValueError: ``sliding_window`` or ``logits_soft_cap`` set for a backend without it
+            (its ``supports_sliding_window`` / ``supports_logits_soft_cap`` is False), or not
+            a positive int / number.
     """
 
     #: Whether the impl honours ``sliding_window`` (``AttentionBackend.supports_sliding_window``).
     supports_sliding_window: ClassVar[bool] = False
+    #: Whether the impl honours ``logits_soft_cap``.
+    supports_logits_soft_cap: ClassVar[bool] = False
+    #: Whether the impl honours ``layer.sinks``.
+    supports_sinks: ClassVar[bool] = False
 
     def __init__(
-        self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, sliding_window: Optional[int] = None
+        self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, sliding_window: Optional[int] = None,
+        logits_soft_cap: Optional[float] = None,
     ) -> None:
         if sliding_window is not None:
             if not self.supports_sliding_window:
                 raise ValueError(f"{type(self).__name__} has no sliding-window attention (sliding_window={sliding_window}).")
             if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
                 raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window!r}.")
+        if logits_soft_cap == 0:
+            logits_soft_cap = None
+        if logits_soft_cap is not None:
+            if not self.supports_logits_soft_cap:
+                raise ValueError(f"{type(self).__name__} has no logits soft-capping (logits_soft_cap={logits_soft_cap}).")
+            if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float)) or not (
+                0 < logits_soft_cap < float("inf")
+            ):
+                raise ValueError(f"logits_soft_cap must be a positive finite number, got {logits_soft_cap!r}.")
+            logits_soft_cap = float(logits_soft_cap)
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+
+    @staticmethod
+    def layer_sinks(layer: Optional[nn.Module]) -> Optional[torch.Tensor]:
+        """``layer.sinks`` ([num_heads] logits) or None (also for no layer, as in tests of an
+        impl alone)."""
+        return getattr(layer, "sinks", None) if layer is not None else None
 
     @abstractmethod
     def forward(self, layer: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: M) -> torch.Tensor:
         """Write this step's K/V into ``kv_cache`` at ``attn_metadata.slot_mapping``, then
         attend: each query sees its request's context up to and including itself (with
-        ``sliding_window`` W, only its last W positions).
+        ``sliding_window`` W, only its last W positions; the block-table entries of blocks
+        wholly before them may name any block of the cache, whatever it holds, NaN included,
+        and do not affect the output). Scores ``scale * q.k``, soft-capped with ``logits_soft_cap``; with
+        ``layer.sinks`` (s_h per query head h) the softmax's denominator gains ``exp(s_h)``:
+        ``out = sum_j exp(x_j) v_j / (exp(s_h) + sum_j exp(x_j))`` (transformers' gpt_oss).
 
         Args:
-            layer: the calling ``Attention`` layer.
+            layer: the calling ``Attention`` layer (its ``sinks``, its FP8 scales).
             query: [num_tokens, num_heads, head_size].
             key, value: [num_tokens, num_kv_heads, head_size], the query's dtype.
             kv_cache: the layer's cache, of the backend's ``get_kv_cache_shape``, in the
@@ -210,6 +244,27 @@ class AttentionBackend:
         """Whether the backend masks keys older than a layer's ``sliding_window``."""
         return cls.impl_cls.supports_sliding_window
 
+    @classmethod
+    def supports_logits_soft_cap(cls) -> bool:
+        """Whether the backend soft-caps scores (a layer's ``logits_soft_cap``)."""
+        return cls.impl_cls.supports_logits_soft_cap
+
+    @classmethod
+    def supports_sinks(cls) -> bool:
+        """Whether the backend adds a layer's attention ``sinks`` to the softmax."""
+        return cls.impl_cls.supports_sinks
+
+    @classmethod
+    def missing_features(cls, uses_sliding_window: bool = False, uses_logits_soft_cap: bool = False,
+                         has_sinks: bool = False) -> list[str]:
+        """The features asked for that the backend lacks, by name (empty: none)."""
+        wanted = [
+            (uses_sliding_window, cls.supports_sliding_window, "sliding-window attention"),
+            (uses_logits_soft_cap, cls.supports_logits_soft_cap, "logits soft-capping"),
+            (has_sinks, cls.supports_sinks, "attention sinks"),
+        ]
+        return [what for used, supported, what in wanted if used and not supported()]
+
     @staticmethod
     def get_supported_block_sizes() -> tuple[int, ...]:
         """Block sizes this backend can page with; empty: any."""
@@ -234,7 +289,7 @@ class AttentionBackend:
     @classmethod
     def validate_configuration(
         cls, head_size: int, dtype: torch.dtype, block_size: Optional[int], kv_cache_dtype: str = "auto",
-        uses_sliding_window: bool = False,
+        uses_sliding_window: bool = False, uses_logits_soft_cap: bool = False, has_sinks: bool = False,
     ) -> list[str]:
         """Why this backend cannot run here with these settings (empty: it can). Subclasses
         add their own reasons (device, kernels) to these.
@@ -243,11 +298,12 @@ class AttentionBackend:
             head_size: channels per head; dtype: the model's compute dtype;
             block_size: tokens per block, or None when not yet known (not checked);
             kv_cache_dtype: ``--kv-cache-dtype``;
-            uses_sliding_window: some layer of the model has a ``sliding_window``.
+            uses_sliding_window: some layer of the model has a ``sliding_window``;
+            uses_logits_soft_cap: some layer has a ``logits_soft_cap``;
+            has_sinks: some layer has attention ``sinks``.
         """
-        reasons = []
-        if uses_sliding_window and not cls.supports_sliding_window():
-            reasons.append("it has no sliding-window attention, which the model uses")
+        missing = cls.missing_features(uses_sliding_window, uses_logits_soft_cap, has_sinks)
+        reasons = [f"it has no {', '.join(missing)}, which the model uses"] if missing else []
         if dtype not in cls.get_supported_dtypes():
             names = ", ".join(str(d).removeprefix("torch.") for d in cls.get_supported_dtypes())
             reasons.append(f"dtype {str(dtype).removeprefix('torch.')} is not supported (supported: {names})")

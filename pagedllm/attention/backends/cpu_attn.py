@@ -11,8 +11,10 @@ PyTorch's CPU flash attention on 128-token prompts, still faster at 8,192.
 
 A decode-only step (the hot path) takes the runner's per-request arrays as they are.
 
-The kernel attends over a query's whole context: no sliding windows (the backend says so,
-``supports_sliding_window`` False, and the selector picks another for such a model).
+A layer's sliding window, logits soft cap and attention sinks (``layer.sinks``) go to the
+kernel as they are: a windowed query reads only the blocks of its window (the entries of
+its block table before them are never looked up), soft-capping and sinks act on the
+softmax.
 
 The step's K/V go into the cache through the kernels' ``write_kv_cache`` (one call per layer;
 an FP8 cache, ``--kv-cache-dtype fp8``, is quantized there) and the attention kernel reads
@@ -113,6 +115,10 @@ class CpuAttnMetadataBuilder(AttentionMetadataBuilder[CpuAttnMetadata]):
 
 
 class CpuAttnImpl(AttentionImpl[CpuAttnMetadata]):
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
+    supports_sinks = True
+
     def forward(self, layer: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: CpuAttnMetadata) -> torch.Tensor:
         """See ``AttentionImpl.forward``; head_size must be contiguous in query and cache.
@@ -124,32 +130,35 @@ class CpuAttnImpl(AttentionImpl[CpuAttnMetadata]):
         k_scale, v_scale = self.kv_scales(layer, kv_cache)
         cpu_kernels.write_kv_cache(kv_cache[0], kv_cache[1], key, value, md.slot_mapping, k_scale, v_scale)
         output = torch.empty_like(query)
+        features = {"sliding_window": self.sliding_window, "logits_soft_cap": self.logits_soft_cap,
+                    "sinks": self.layer_sinks(layer)}
         if md.prefill_blocks is not None and is_fp8(kv_cache.dtype):
-            self._attend_widened(output, query, kv_cache, md, k_scale, v_scale)
+            self._attend_widened(output, query, kv_cache, md, k_scale, v_scale, features)
         else:
             cpu_kernels.paged_decode_attention(
                 output, query, kv_cache[0], kv_cache[1], md.block_table, md.seq_lens, self.scale, k_scale, v_scale,
-                per_token=md.per_token,
+                per_token=md.per_token, **features,
             )
         return output
 
     def _attend_widened(self, output: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, md: CpuAttnMetadata,
-                        k_scale: float, v_scale: float) -> None:
+                        k_scale: float, v_scale: float, features: dict) -> None:
         """Decode tokens over the FP8 cache; prefill tokens over their contexts' blocks widened
-        to the query's dtype (``md.prefill_blocks``, see the module docstring)."""
+        to the query's dtype (``md.prefill_blocks``, see the module docstring); ``features``
+        the kernel's window / soft cap / sinks arguments."""
         assert md.prefill_block_table is not None
         nd = md.num_decodes
         if nd:
             cpu_kernels.paged_decode_attention(
                 output[:nd], query[:nd], kv_cache[0], kv_cache[1], md.block_table[:nd], md.seq_lens[:nd], self.scale,
-                k_scale, v_scale,
+                k_scale, v_scale, **features,
             )
         # NOTE: index_select has no FP8 kernels; the blocks are gathered as bytes.
         blocks = kv_cache.view(torch.uint8).index_select(1, md.prefill_blocks).view(kv_cache.dtype)
         context, factor = widen(blocks, query.dtype)
         cpu_kernels.paged_decode_attention(
             output[nd:], query[nd:], context[0], context[1], md.prefill_block_table, md.seq_lens[nd:], self.scale,
-            k_scale * factor, v_scale * factor,
+            k_scale * factor, v_scale * factor, **features,
         )
 
 
@@ -163,12 +172,14 @@ class CpuAttnBackend(AttentionBackend):
     @classmethod
     def validate_configuration(
         cls, head_size: int, dtype: torch.dtype, block_size: Optional[int], kv_cache_dtype: str = "auto",
-        uses_sliding_window: bool = False,
+        uses_sliding_window: bool = False, uses_logits_soft_cap: bool = False, has_sinks: bool = False,
     ) -> list[str]:
-        """The base checks (no sliding windows: the kernel attends over the whole context),
-        the platform (CPU), and the kernels (built or loaded now, at start-up rather than
-        in the first request; ~15 s the first time on a machine)."""
-        reasons = super().validate_configuration(head_size, dtype, block_size, kv_cache_dtype, uses_sliding_window)
+        """The base checks (the kernel has every feature: windows, soft caps, sinks), the
+        platform (CPU), and the kernels (built or loaded now, at start-up rather than in the
+        first request; ~15 s the first time on a machine)."""
+        reasons = super().validate_configuration(
+            head_size, dtype, block_size, kv_cache_dtype, uses_sliding_window, uses_logits_soft_cap, has_sinks
+        )
         if not current_platform.is_cpu:
             reasons.append(f"it runs on CPU only, not on {current_platform.device_type}")
             return reasons

@@ -13,8 +13,15 @@ causal mask offset by each request's cached length (``enable_gqa``). The chunk's
 the cache by then.
 
 A layer with a ``sliding_window`` W masks, besides, the keys a query at position i does
-not see (positions <= i - W); the windowed masks are built once per step and window, by the
-first such layer, and kept in the metadata for the others.
+not see (positions <= i - W), and zeroes the gathered keys and values before every query's
+window, as those past the context: their blocks may hold anything (a KV-cache manager may
+have given them to other requests), NaN included. The windowed masks are built once per
+step and window, by the first such layer, and kept in the metadata for the others.
+
+A layer with a ``logits_soft_cap`` or attention sinks (``layer.sinks``) attends by explicit
+float32 matrix products instead of SDPA (which has neither): scores ``scale * q.k``,
+``cap * tanh(score / cap)``, masked, each head's sink logit appended as one more column of
+the softmax and dropped after it (transformers' Gemma 2 and gpt-oss eager attention).
 
 An FP8 cache (``--kv-cache-dtype fp8``) is read the same way, its gathered contexts
 dequantized to the query's dtype (``pagedllm.attention.paged_kv_cache.gather_context``),
@@ -73,31 +80,35 @@ class TorchSDPAMetadata(AttentionMetadata):
     token_seq_lens: Optional[list[int]] = None
     _window_masks: dict = field(default_factory=dict, repr=False)
 
-    def decode_mask(self, window: Optional[int]) -> torch.Tensor:
-        """[num_decodes, 1, 1, nb * block_size] bool: the keys each decode query attends to
-        (its context; with ``window`` W, its last W positions only)."""
-        if window is None:
-            return self.decode_valid[:, None, None, :]
-        key = ("decode", window)
-        if key not in self._window_masks:
-            assert self.decode_positions is not None
-            keys = torch.arange(self.decode_valid.shape[1], device=self.decode_valid.device)
-            in_window = keys[None, :] > self.decode_positions[:, None] - window
-            self._window_masks[key] = (self.decode_valid & in_window)[:, None, None, :]
-        return self._window_masks[key]
+    def decode_keys(self, window: Optional[int]) -> torch.Tensor:
+        """[num_decodes, nb * block_size] bool: the keys each decode query attends to (its
+        context; with ``window`` W, its last W positions only)."""
+        return self._windowed("decode", window, self.decode_valid, self.decode_positions)
+
+    def prefill_keys(self, window: Optional[int]) -> torch.Tensor:
+        """[num_prefills, max_seq_len] bool: ``prefill_valid``, with ``window`` W only the
+        positions in some query's window (after the first query's position - W)."""
+        assert self.prefill_valid is not None and self.prefill_positions is not None
+        return self._windowed("prefill_keys", window, self.prefill_valid, self.prefill_positions[:, 0])
 
     def prefill_attn_mask(self, window: Optional[int]) -> torch.Tensor:
         """``prefill_mask``, with ``window`` W also hiding keys at positions <= i - W from a
         query at position i."""
-        assert self.prefill_mask is not None
+        assert self.prefill_mask is not None and self.prefill_positions is not None
+        return self._windowed("prefill", window, self.prefill_mask, self.prefill_positions[:, None])
+
+    def _windowed(self, name: str, window: Optional[int], mask: torch.Tensor,
+                  positions: Optional[torch.Tensor]) -> torch.Tensor:
+        """``mask`` [..., L] (as it is without ``window``) less the keys at positions <= p - W
+        for each query position p (``positions``, of mask's shape without L); built once per
+        step and window."""
         if window is None:
-            return self.prefill_mask
-        key = ("prefill", window)
+            return mask
+        key = (name, window)
         if key not in self._window_masks:
-            assert self.prefill_positions is not None
-            keys = torch.arange(self.prefill_mask.shape[-1], device=self.prefill_mask.device)
-            in_window = keys[None, None, :] > self.prefill_positions[:, :, None] - window
-            self._window_masks[key] = self.prefill_mask & in_window[:, None]
+            assert positions is not None
+            keys = torch.arange(mask.shape[-1], device=mask.device)
+            self._window_masks[key] = mask & (keys > positions.unsqueeze(-1) - window)
         return self._window_masks[key]
 
 
@@ -161,66 +172,99 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
 
 class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
     supports_sliding_window = True
+    supports_logits_soft_cap = True
+    supports_sinks = True
 
     def forward(self, layer: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TorchSDPAMetadata) -> torch.Tensor:
         """See ``AttentionImpl.forward``."""
         scales = self.kv_scales(layer, kv_cache)
         write_to_kv_cache(kv_cache, key, value, attn_metadata.slot_mapping, *scales)
+        sinks = self.layer_sinks(layer)
         num_decodes = attn_metadata.num_decodes
         if attn_metadata.token_seq_lens is not None:
-            return self._per_token(query, kv_cache, scales, attn_metadata)
+            return self._per_token(query, kv_cache, scales, attn_metadata, sinks)
         if not attn_metadata.num_prefills:
-            return self._decode(query, kv_cache, scales, attn_metadata)
+            return self._decode(query, kv_cache, scales, attn_metadata, sinks)
         output = torch.empty_like(query)
         if num_decodes:
-            output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, scales, attn_metadata)
-        output[num_decodes:] = self._prefill(query[num_decodes:], kv_cache, scales, attn_metadata)
+            output[:num_decodes] = self._decode(query[:num_decodes], kv_cache, scales, attn_metadata, sinks)
+        output[num_decodes:] = self._prefill(query[num_decodes:], kv_cache, scales, attn_metadata, sinks)
         return output
 
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor],
+                sinks: Optional[torch.Tensor]) -> torch.Tensor:
+        """q [N, Hkv, M, D] (M query rows per kv head: ``group`` heads x ``M / group`` query
+        positions, heads outer), keys and values [N, Hkv, L, D], mask bool broadcastable to
+        [N, Hkv, M, L] (True: attended) or None -> [N, Hkv, M, D] in q's dtype. SDPA without
+        a soft cap or sinks; else explicit float32 products (see the module docstring)."""
+        if self.logits_soft_cap is None and sinks is None:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)).mul_(self.scale)
+        if self.logits_soft_cap is not None:
+            scores = scores.div_(self.logits_soft_cap).tanh_().mul_(self.logits_soft_cap)
+        if mask is not None:
+            scores = scores.masked_fill_(~mask, float("-inf"))
+        if sinks is not None:
+            group = self.num_heads // self.num_kv_heads
+            rows = sinks.float().view(self.num_kv_heads, group).repeat_interleave(q.shape[2] // group, dim=1)
+            scores = torch.cat([scores, rows[None, :, :, None].expand(*scores.shape[:-1], 1)], dim=-1)
+        probs = scores.softmax(dim=-1)
+        if sinks is not None:
+            probs = probs[..., :-1]
+        return torch.matmul(probs, values.float()).to(q.dtype)
+
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, scales: tuple[float, float],
-                md: TorchSDPAMetadata) -> torch.Tensor:
+                md: TorchSDPAMetadata, sinks: Optional[torch.Tensor]) -> torch.Tensor:
         """[num_decodes, num_heads, head_size] queries -> their attention output."""
         num_decodes = query.shape[0]
         group = self.num_heads // self.num_kv_heads
-        keys = gather_context(kv_cache[0], md.decode_block_table, md.decode_valid, query.dtype, scales[0])
-        values = gather_context(kv_cache[1], md.decode_block_table, md.decode_valid, query.dtype, scales[1])
+        attended = md.decode_keys(self.sliding_window)
+        keys = gather_context(kv_cache[0], md.decode_block_table, attended, query.dtype, scales[0])
+        values = gather_context(kv_cache[1], md.decode_block_table, attended, query.dtype, scales[1])
         q = query.view(num_decodes, self.num_kv_heads, group, self.head_size)
-        mask = md.decode_mask(self.sliding_window)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        out = self._attend(q, keys, values, attended[:, None, None, :], sinks)
         return out.reshape(num_decodes, self.num_heads, self.head_size)
 
     def _per_token(self, query: torch.Tensor, kv_cache: torch.Tensor, scales: tuple[float, float],
-                   md: TorchSDPAMetadata) -> torch.Tensor:
+                   md: TorchSDPAMetadata, sinks: Optional[torch.Tensor]) -> torch.Tensor:
         """[num_tokens, num_heads, head_size] queries, each over exactly its own context (its
-        last ``sliding_window`` positions in a windowed layer)."""
+        last ``sliding_window`` positions in a windowed layer, gathered from their blocks only)."""
         assert md.token_seq_lens is not None
         output = torch.empty_like(query)
         group = self.num_heads // self.num_kv_heads
         block_size = kv_cache.shape[2]
         for t, seq_len in enumerate(md.token_seq_lens):
-            width = -(-seq_len // block_size)
-            table, valid = md.decode_block_table[t : t + 1, :width], md.decode_valid[t : t + 1, :seq_len]
-            keys = gather_context(kv_cache[0], table, valid, query.dtype, scales[0])
-            values = gather_context(kv_cache[1], table, valid, query.dtype, scales[1])
-            if self.sliding_window is not None and seq_len > self.sliding_window:
-                keys, values = keys[:, :, seq_len - self.sliding_window :], values[:, :, seq_len - self.sliding_window :]
+            start = 0 if self.sliding_window is None else max(0, seq_len - self.sliding_window)
+            first_block, width = start // block_size, -(-seq_len // block_size)
+            table = md.decode_block_table[t : t + 1, first_block:width]
+            valid = md.decode_valid[t : t + 1, first_block * block_size : seq_len]
+            skip = start - first_block * block_size
+            keys = gather_context(kv_cache[0], table, valid, query.dtype, scales[0])[:, :, skip:]
+            values = gather_context(kv_cache[1], table, valid, query.dtype, scales[1])[:, :, skip:]
             q = query[t].view(1, self.num_kv_heads, group, self.head_size)
-            out = F.scaled_dot_product_attention(q, keys, values, scale=self.scale)
+            out = self._attend(q, keys, values, None, sinks)
             output[t] = out.reshape(self.num_heads, self.head_size)
         return output
 
     def _prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, scales: tuple[float, float],
-                 md: TorchSDPAMetadata) -> torch.Tensor:
+                 md: TorchSDPAMetadata, sinks: Optional[torch.Tensor]) -> torch.Tensor:
         """[num_prefill_tokens, num_heads, head_size] queries -> their attention output."""
-        assert md.prefill_block_table is not None and md.prefill_valid is not None
-        assert md.prefill_query_index is not None and md.prefill_output_index is not None
-        keys = gather_context(kv_cache[0], md.prefill_block_table, md.prefill_valid, query.dtype, scales[0])
-        values = gather_context(kv_cache[1], md.prefill_block_table, md.prefill_valid, query.dtype, scales[1])
+        assert md.prefill_block_table is not None and md.prefill_query_index is not None
+        assert md.prefill_output_index is not None
+        attended = md.prefill_keys(self.sliding_window)
+        keys = gather_context(kv_cache[0], md.prefill_block_table, attended, query.dtype, scales[0])
+        values = gather_context(kv_cache[1], md.prefill_block_table, attended, query.dtype, scales[1])
         q = query[md.prefill_query_index].transpose(1, 2)  # [P, num_heads, max_query_len, D]
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=md.prefill_attn_mask(self.sliding_window), scale=self.scale, enable_gqa=True
-        )
+        mask = md.prefill_attn_mask(self.sliding_window)  # [P, 1, max_query_len, max_seq_len]
+        if self.logits_soft_cap is None and sinks is None:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        else:
+            num_prefills, _, query_len, _ = q.shape
+            group = self.num_heads // self.num_kv_heads
+            rows = q.reshape(num_prefills, self.num_kv_heads, group * query_len, self.head_size)
+            row_mask = mask.repeat(1, 1, group, 1)  # [P, 1, group * max_query_len, max_seq_len]
+            out = self._attend(rows, keys, values, row_mask, sinks).view(q.shape)
         return out.transpose(1, 2).reshape(-1, self.num_heads, self.head_size)[md.prefill_output_index]
 
 

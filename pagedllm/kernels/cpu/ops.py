@@ -9,7 +9,7 @@ operators are defined in the ``.cpp`` files beside this one.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -49,6 +49,9 @@ def paged_decode_attention(
     v_scale: float = 1.0,
     portable: bool = False,
     per_token: bool = False,
+    sliding_window: Optional[int] = None,
+    logits_soft_cap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> None:
     """Decode attention (one query per request) over the paged KV cache, into ``out``.
 
@@ -61,25 +64,34 @@ def paged_decode_attention(
         block_table: [B, max_blocks] int64 (other integer dtypes are converted).
         seq_lens: [B] int64 (likewise), context length including the new token; cache
             positions at or beyond it are not read.
-        scale: softmax scale.
+        scale: softmax scale (any: it multiplies q.k before the soft cap and the softmax).
         k_scale, v_scale: an FP8 cache's scales: keys are ``k_scale * key_cache``, values
             ``v_scale * value_cache``.
         portable: run the kernel's portable loops whatever the build (for tests).
         per_token: compute every query token alone, never several consecutive tokens of one
             context together: a token's output is then the same whatever else is in the call
             (``--batch-invariant``).
+        sliding_window: W tokens: a query of context length n attends to positions
+            max(0, n - W) .. n - 1 only; the blocks wholly before them are never read (their
+            block-table entries may be any id). None: the whole context.
+        logits_soft_cap: scores become ``cap * tanh(score / cap)`` before the softmax
+            (Gemma 2's ``attn_logit_softcapping``); None: none.
+        sinks: [Hq] float32 (other float dtypes are converted): a logit per query head that
+            joins the softmax's denominator only (gpt-oss); None: none.
 
     Raises:
-        RuntimeError: if the kernels are unavailable, or on bad shapes, dtypes, block ids or
-            lengths.
+        RuntimeError: if the kernels are unavailable, or on bad shapes, dtypes, block ids,
+            lengths, windows or caps.
     """
     ops = _ns
     if portable:
         op = ops.paged_decode_attention_portable
     else:
         op = ops.paged_decode_attention_per_token if per_token else ops.paged_decode_attention
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()  # no copy when it is already
     op(out, query, key_cache, value_cache, block_table.long(), seq_lens.long(), float(scale), float(k_scale),
-       float(v_scale))
+       float(v_scale), sliding_window or 0, float(logits_soft_cap or 0.0), sinks)
 
 
 def write_kv_cache(

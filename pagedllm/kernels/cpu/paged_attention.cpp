@@ -11,6 +11,14 @@
 //   seq_lens    [B] int64, context length including the new token; cache positions
 //               >= seq_len are never read.
 //   k_scale, v_scale  FP8 caches: K = k_scale * stored key, V = v_scale * stored value (1 otherwise).
+//   sliding_window    W > 0: the query at position n - 1 attends positions max(0, n - W) .. n - 1
+//                     only (the blocks wholly before them are not looked up: their block-table
+//                     entries may hold any id); 0: its whole context.
+//   logits_soft_cap   cap > 0: scores become cap * tanh(score / cap) before the softmax (Gemma 2);
+//                     0: none.
+//   sinks             [Hq] float32 or None: a logit per query head that joins the softmax's
+//                     denominator only (out = sum_j e^(s_j - m) v_j / (e^(sink - m) + sum_j
+//                     e^(s_j - m)), gpt-oss).
 //
 // The caches have the query's dtype, or float8 (e4m3fn or e5m2: --kv-cache-dtype fp8), widened
 // exactly as they are loaded, 16 or 32 at a time, by moving bits (no per-element multiply);
@@ -49,6 +57,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -71,12 +80,14 @@ Kernels<T, C> pick_kernels(const Params& p, bool force_portable) {
 }
 
 // Whether query token a + 1 continues token a's run (see the header): one more token over
-// the same context, its block table equal to a's over the blocks a reads.
-inline bool continues_run(const Params& p, const int64_t* block_table, const int64_t* seq_lens, int64_t a) {
+// the same context, its block table equal to a's over the blocks a reads from the run's first
+// block `from` (the first block its first token's window reads).
+inline bool continues_run(const Params& p, const int64_t* block_table, const int64_t* seq_lens, int64_t a,
+                          int64_t from) {
   const int64_t n = seq_lens[a * p.sl_s0], next = seq_lens[(a + 1) * p.sl_s0];
   if (n < 1 || next != n + 1 || next > p.max_blocks * p.block_size) return false;
   const int64_t used = (n + p.block_size - 1) / p.block_size;
-  for (int64_t i = 0; i < used; ++i)
+  for (int64_t i = from; i < used; ++i)
     if (block_table[a * p.bt_s0 + i * p.bt_s1] != block_table[(a + 1) * p.bt_s0 + i * p.bt_s1]) return false;
   return true;
 }
@@ -97,7 +108,9 @@ void run(const Params& p, const Ptrs<T, C>& x, bool force_portable, bool runs) {
   for (int64_t b = 0; b < p.batch;) {
     run_start.push_back(b);
     int64_t length = 1;
-    while (length < max_run && b + length < p.batch && continues_run(p, x.block_table, x.seq_lens, b + length - 1))
+    const int64_t from = window_start(p, std::max<int64_t>(x.seq_lens[b * p.sl_s0], 0)) / p.block_size;
+    while (length < max_run && b + length < p.batch &&
+           continues_run(p, x.block_table, x.seq_lens, b + length - 1, from))
       ++length;
     b += length;
   }
@@ -108,7 +121,8 @@ void run(const Params& p, const Ptrs<T, C>& x, bool force_portable, bool runs) {
   const int64_t heads_per_item = num_runs >= 4 * threads ? p.num_kv_heads : 1;
   const int64_t items_per_run = p.num_kv_heads / heads_per_item;
   const int64_t total = num_runs * items_per_run;
-  const int64_t cap = round_up(std::max<int64_t>(p.max_blocks * p.block_size, kTile), 32);
+  // (With a window, a member's softmax starts past the row's start, and AVX-512's writes up to a tile past its end.)
+  const int64_t cap = round_up(std::max<int64_t>(p.max_blocks * p.block_size, kTile) + (p.window > 0 ? kTile : 0), 32);
   const int64_t num_tasks = std::min<int64_t>(threads, total);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, num_tasks, 1, [&](int64_t, int64_t) {
@@ -172,7 +186,9 @@ void run_cache(const Params& p, at::Tensor& out, const at::Tensor& query, const 
 
 void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
-                           double scale, double k_scale, double v_scale, bool force_portable, bool runs) {
+                           double scale, double k_scale, double v_scale, int64_t sliding_window,
+                           double logits_soft_cap, const std::optional<at::Tensor>& sinks, bool force_portable,
+                           bool runs) {
   TORCH_CHECK(query.device().is_cpu() && out.device().is_cpu() && key_cache.device().is_cpu() &&
                   value_cache.device().is_cpu() && block_table.device().is_cpu() && seq_lens.device().is_cpu(),
               "paged_decode_attention: all tensors must be on CPU");
@@ -189,6 +205,15 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   TORCH_CHECK(block_table.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "block_table and seq_lens must be int64");
   TORCH_CHECK(block_table.dim() == 2 && seq_lens.dim() == 1, "block_table [B, max_blocks], seq_lens [B]");
+  TORCH_CHECK(sliding_window >= 0, "paged_decode_attention: sliding_window must be >= 0 (0: none), got ", sliding_window);
+  TORCH_CHECK(logits_soft_cap >= 0, "paged_decode_attention: logits_soft_cap must be >= 0 (0: none), got ",
+              logits_soft_cap);
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
+                    sinks->size(0) == query.size(1) && sinks->is_contiguous(),
+                "paged_decode_attention: sinks must be a contiguous float32 CPU tensor [num_heads] (", query.size(1),
+                "), got ", sinks->scalar_type(), " ", sinks->sizes());
+  }
 
   Params p;
   p.batch = query.size(0);
@@ -221,6 +246,9 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   p.scale = static_cast<float>(scale);
   p.k_scale = static_cast<float>(k_scale);
   p.v_scale = static_cast<float>(v_scale);
+  p.window = sliding_window;
+  p.soft_cap = static_cast<float>(logits_soft_cap);
+  p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
   if (p.batch == 0 || p.num_heads == 0) return;
   switch (dtype) {
     case at::kFloat: run_cache<float>(p, out, query, key_cache, value_cache, block_table, seq_lens, force_portable, runs); break;
@@ -230,40 +258,33 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   }
 }
 
-void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                            const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
-                            double scale, double k_scale, double v_scale) {
-  decode_attention_impl(out, query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale, false, true);
-}
-
-// The same with every query token computed alone (no runs): a token's output is then the
-// same whichever tokens share the call (--batch-invariant).
-void paged_decode_attention_per_token(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                                      const at::Tensor& value_cache, const at::Tensor& block_table,
-                                      const at::Tensor& seq_lens, double scale, double k_scale, double v_scale) {
-  decode_attention_impl(out, query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale, false, false);
-}
-
-// The same with the portable loops whatever the build, to test them on any machine.
-void paged_decode_attention_portable(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                                     const at::Tensor& value_cache, const at::Tensor& block_table,
-                                     const at::Tensor& seq_lens, double scale, double k_scale, double v_scale) {
-  decode_attention_impl(out, query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale, true, true);
+// The operators: kPortable runs the portable loops whatever the build (to test them on any
+// machine); without kRuns every query token is computed alone, so that its output is the same
+// whichever tokens share the call (--batch-invariant: paged_decode_attention_per_token).
+template <bool kPortable, bool kRuns>
+void decode_attention_op(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                         double scale, double k_scale, double v_scale, int64_t sliding_window, double logits_soft_cap,
+                         const std::optional<at::Tensor>& sinks) {
+  decode_attention_impl(out, query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale,
+                        sliding_window, logits_soft_cap, sinks, kPortable, kRuns);
 }
 
 }  // namespace
 
+#define PAGEDLLM_DECODE_SCHEMA                                                                                \
+  "(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor seq_lens, " \
+  "float scale, float k_scale, float v_scale, int sliding_window=0, float logits_soft_cap=0., "               \
+  "Tensor? sinks=None) -> ()"
+
 PAGEDLLM_FRAGMENT(m) {
-  m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_table, Tensor seq_lens, float scale, float k_scale, float v_scale) -> ()");
-  m.def("paged_decode_attention_portable(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_table, Tensor seq_lens, float scale, float k_scale, float v_scale) -> ()");
-  m.def("paged_decode_attention_per_token(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_table, Tensor seq_lens, float scale, float k_scale, float v_scale) -> ()");
+  m.def("paged_decode_attention" PAGEDLLM_DECODE_SCHEMA);
+  m.def("paged_decode_attention_portable" PAGEDLLM_DECODE_SCHEMA);
+  m.def("paged_decode_attention_per_token" PAGEDLLM_DECODE_SCHEMA);
 }
 
 PAGEDLLM_IMPL(CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
-  m.impl("paged_decode_attention_portable", &paged_decode_attention_portable);
-  m.impl("paged_decode_attention_per_token", &paged_decode_attention_per_token);
+  m.impl("paged_decode_attention", &decode_attention_op<false, true>);
+  m.impl("paged_decode_attention_portable", &decode_attention_op<true, true>);
+  m.impl("paged_decode_attention_per_token", &decode_attention_op<false, false>);
 }

@@ -8,6 +8,12 @@
 //
 // A kernel computes one Work item (the query heads of one kv head, over one context) into the
 // output; its scratch comes from the caller, one Scratch per thread.
+//
+// The softmax's variants (Params): a sliding window W (a query at position i attends keys
+// i - W + 1 .. i: the rows before are never read, the blocks wholly before them not even
+// looked up), logits soft-capping (score = cap * tanh(score / cap), Gemma 2) and attention
+// sinks (a logit per query head that joins the softmax's denominator only, gpt-oss). Each is
+// decided once per Work item member, outside the loops over rows.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -18,6 +24,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #include "library.h"
 
@@ -35,7 +42,18 @@ struct Params {
   int64_t bt_s0, bt_s1, sl_s0;
   float scale;
   float k_scale, v_scale;  // FP8 cache: stored K = key / k_scale, V = value / v_scale (1 otherwise)
+  int64_t window;          // sliding window in tokens; 0: the whole context
+  float soft_cap;          // logits soft cap; 0: none
+  const float* sinks;      // [num_heads] sink logits (contiguous float32); nullptr: none
 };
+
+// The first position a query of context length n attends to.
+inline int64_t window_start(const Params& p, int64_t n) { return p.window > 0 && n > p.window ? n - p.window : 0; }
+
+// Query head hq's sink logit; -inf without sinks (then exp(sink - max) adds exactly 0).
+inline float sink_logit(const Params& p, int64_t hq) {
+  return p.sinks != nullptr ? p.sinks[hq] : -std::numeric_limits<float>::infinity();
+}
 
 // T: query and output; C: the cache (T, or float8 e4m3 / e5m2).
 template <typename T, typename C>
@@ -49,7 +67,7 @@ struct Ptrs {
 };
 
 // Per-thread scratch (64-byte aligned parts): scores [group][cap] float (cap >= every seq_len
-// rounded up to the tile, a multiple of 32), weights16 [group][cap] 16-bit, acc
+// rounded up to the tile, plus a tile with a sliding window; a multiple of 32), weights16 [group][cap] 16-bit, acc
 // [group * head_dim] float, q [group * head_dim] float, row [head_dim] float, inv_sum [group].
 struct Scratch {
   float* scores;
@@ -83,19 +101,25 @@ inline void prefetch_l2(const void* ptr) {
 #endif
 }
 
-// The rows of one kv head of one request, in token order: walks the block table (checking
-// each block id) and prefetches the rows of the block kPrefetchTokens ahead. Constructing it
+// The rows of one kv head of one request, in token order from token `first` (< n): walks the
+// block table from first's block (the entries before it are never read; checking each block
+// id it reads) and prefetches the rows of the block kPrefetchTokens ahead. Constructing it
 // prefetches the first blocks.
 template <typename T>
 class RowCursor {
  public:
   RowCursor(const Params& p, const int64_t* block_table, int64_t b, const T* head, int64_t stride_block,
-            int64_t stride_token, int64_t n)
+            int64_t stride_token, int64_t first, int64_t n)
       : p_(p), block_table_(block_table), b_(b), head_(head), stride_block_(stride_block),
         stride_token_(stride_token), num_seq_blocks_((n + p.block_size - 1) / p.block_size),
         ahead_(std::max<int64_t>(1, (kPrefetchTokens + p.block_size - 1) / p.block_size)),
-        row_bytes_(p.head_dim * static_cast<int64_t>(sizeof(T))), off_(p.block_size) {
-    for (int64_t i = 0; i < ahead_; ++i) prefetch_block(i);
+        row_bytes_(p.head_dim * static_cast<int64_t>(sizeof(T))), index_(first / p.block_size - 1),
+        off_(p.block_size) {
+    for (int64_t i = index_ + 1; i <= index_ + ahead_; ++i) prefetch_block(i);
+    if (first % p.block_size != 0) {
+      next_block();
+      off_ = first % p.block_size;
+    }
   }
 
   PAGEDLLM_INLINE const T* next() {
@@ -127,22 +151,28 @@ class RowCursor {
   int64_t b_;
   const T* head_;
   int64_t stride_block_, stride_token_, num_seq_blocks_, ahead_, row_bytes_;
-  int64_t index_ = -1;
+  int64_t index_;
   int64_t off_;
   const T* base_ = nullptr;
 };
 
 alignas(64) inline constexpr float kZeroRow[kMaxVecDim] = {};  // stands in for the rows past seq_len
 
-// Hands the next n rows of a cursor to f kTile at a time, as f(rows, cnt, t0): rows[j] is
-// token t0 + j for j < cnt, and kZeroRow (zeros of any type) past it.
+// Hands `lead` rows of kZeroRow (zeros of any type) then the next n rows of a cursor to f kTile
+// at a time, as f(rows, cnt, t0): rows[j] is row t0 + j of those lead + n for j < cnt, and
+// kZeroRow past them.
 template <typename C, typename F>
-PAGEDLLM_INLINE void for_each_tile(RowCursor<C>& cursor, int64_t n, F&& f) {
+PAGEDLLM_INLINE void for_each_tile(RowCursor<C>& cursor, int64_t lead, int64_t n, F&& f) {
   const C* zero_row = reinterpret_cast<const C*>(kZeroRow);
   const C* rows[kTile];
-  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
-    const int cnt = static_cast<int>(std::min<int64_t>(kTile, n - t0));
-    for (int j = 0; j < kTile; ++j) rows[j] = j < cnt ? cursor.next() : zero_row;
+  const int64_t total = lead + n;
+  for (int64_t t0 = 0; t0 < total; t0 += kTile) {
+    const int cnt = static_cast<int>(std::min<int64_t>(kTile, total - t0));
+    const int skip = static_cast<int>(std::min<int64_t>(std::max<int64_t>(lead - t0, 0), cnt));
+    int j = 0;
+    for (; j < skip; ++j) rows[j] = zero_row;
+    for (; j < cnt; ++j) rows[j] = cursor.next();
+    for (; j < kTile; ++j) rows[j] = zero_row;
     f(rows, cnt, t0);
   }
 }
@@ -158,6 +188,7 @@ struct Work {
   int64_t token(int64_t i) const { return b + i / count; }
   int64_t head(const Params& p, int64_t i) const { return h * p.group + g0 + i % count; }
   int64_t len(int64_t i) const { return n - (tokens - 1 - i / count); }
+  int64_t start(const Params& p, int64_t i) const { return window_start(p, len(i)); }
   int64_t table_row() const { return b + tokens - 1; }
 };
 

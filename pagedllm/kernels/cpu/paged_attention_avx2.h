@@ -4,7 +4,7 @@
 //   scores (qk_f32): one key row at a time, widened once and multiplied into the G
 //     members' accumulators, each then summed across its lanes;
 //   softmax (softmax_numerators): Cephes' exp (vexp) over whole vectors, std::exp over the
-//     last n % 8 scores.
+//     last n % 8 scores (and a sink logit).
 #pragma once
 
 #include <algorithm>
@@ -34,9 +34,10 @@ PAGEDLLM_INLINE void qk_f32(const float* qf, int64_t D, RowCursor<C>& keys, int6
   }
 }
 
-// Softmax numerators of s[0, n) in place. Returns 1 / sum.
-inline float softmax_numerators(float* s, int64_t n) {
-  float mx = -std::numeric_limits<float>::infinity();
+// Softmax numerators of s[0, n) in place, with a sink logit (-inf: none) in the maximum and
+// the sum. Returns 1 / sum.
+inline float softmax_numerators(float* s, int64_t n, float sink) {
+  float mx = sink;
   int64_t i = 0;
   if (n >= kVecWidth) {
     VecF mv = vset1(mx);
@@ -56,7 +57,7 @@ inline float softmax_numerators(float* s, int64_t n) {
     s[i] = std::exp(s[i] - mx);
     sum += s[i];
   }
-  return 1.f / (vreduce_add(sv) + sum);
+  return 1.f / (vreduce_add(sv) + sum + std::exp(sink - mx));
 }
 
 }  // namespace pagedllm_attention

@@ -4,7 +4,8 @@
 //   scores (qk_f32, qk_tile_f32): the tile's 16 K rows are transposed in registers so that one vector
 //     holds one element of 16 tokens; q . k is then a broadcast multiply-add per element, with
 //     no horizontal sums (the rows past the context are kZeroRow);
-//   softmax (softmax_numerators): masked vectors over the whole row, exp by a Taylor polynomial.
+//   softmax (softmax_numerators): masked vectors over the whole row, exp by a Taylor polynomial
+//     (std::exp for a sink logit).
 //
 // With AVX512-BF16, bfloat16 queries (Bf16Dot, head_dim % 32 == 0):
 //   scores: pairs of elements go through vdpbf16ps (bf16 products are exact in float32);
@@ -18,6 +19,7 @@
 
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -44,11 +46,13 @@ inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
 }
 
-// Softmax numerators of s[0, n) in place; s[n, round_up(n, 16)) set to 0. Returns 1 / sum.
-inline float softmax_numerators(float* s, int64_t n) {
-  VecF mv = vset1(-std::numeric_limits<float>::infinity());
+// Softmax numerators of s[0, n) in place, with a sink logit (-inf: none) in the maximum and
+// the sum; s[n, round_up(n, 16)) set to 0. Returns 1 / sum.
+inline float softmax_numerators(float* s, int64_t n, float sink) {
+  VecF mv = vset1(sink);
   for (int64_t i = 0; i < n; i += 16) mv = vmax(mv, {_mm512_mask_loadu_ps(mv.v, tail_mask(n - i), s + i)});
-  const VecF mx = vset1(vreduce_max(mv));
+  const float m_max = vreduce_max(mv);
+  const VecF mx = vset1(m_max);
   VecF sv = vset1(0.f);
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = tail_mask(n - i);
@@ -56,7 +60,7 @@ inline float softmax_numerators(float* s, int64_t n) {
     vstore(s + i, e);
     sv = sv + e;
   }
-  return 1.f / vreduce_add(sv);
+  return 1.f / (vreduce_add(sv) + std::exp(sink - m_max));
 }
 
 // In-place transpose of a 16 x 16 matrix of 32-bit elements: r[i] lane j -> r[j] lane i.
@@ -109,7 +113,7 @@ PAGEDLLM_INLINE void qk_tile_f32(const float* qf, int64_t D, const C* const* row
 // Scores of the next n rows of keys for G members, a tile at a time (qk_tile_f32).
 template <typename C, int G>
 PAGEDLLM_INLINE void qk_f32(const float* qf, int64_t D, RowCursor<C>& keys, int64_t n, float* scores, int64_t cap) {
-  for_each_tile(keys, n, [&](const C* const* rows, int, int64_t t0) PAGEDLLM_INLINE_LAMBDA {
+  for_each_tile(keys, 0, n, [&](const C* const* rows, int, int64_t t0) PAGEDLLM_INLINE_LAMBDA {
     qk_tile_f32<C, G>(qf, D, rows, scores + t0, cap);
   });
 }
@@ -219,6 +223,9 @@ struct Bf16Dot {
   static constexpr bool kApplies = std::is_same<T, c10::BFloat16>::value && (std::is_same<C, T>::value || kIsFp8<C>);
   template <typename C>
   static constexpr float kWiden = 1.f;
+  // pv_tile pairs rows (2j, 2j + 1) of a tile: from an even position, a token's pairs are the
+  // same alone and in a run whatever its window start.
+  static constexpr int64_t kRowAlign = 2;
 
   template <typename T, typename C, int G>
   static void load_queries(const Params& p, const Ptrs<T, C>& x, const Work& wk, float* q) {
@@ -227,12 +234,13 @@ struct Bf16Dot {
       std::memcpy(qp + g * p.head_dim, x.q + wk.token(g) * p.q_sb + wk.head(p, g) * p.q_sh, p.head_dim * sizeof(T));
   }
 
+  // Scores of `lead` zero rows then the next n rows of keys.
   template <typename C, int G>
-  static PAGEDLLM_INLINE void qk(const Params& p, const float* q, RowCursor<C>& keys, int64_t n, float* scores,
-                                 int64_t cap) {
+  static PAGEDLLM_INLINE void qk(const Params& p, const float* q, RowCursor<C>& keys, int64_t lead, int64_t n,
+                                 float* scores, int64_t cap) {
     const uint16_t* qp = reinterpret_cast<const uint16_t*>(q);
     const float scale = p.scale * p.k_scale;
-    for_each_tile(keys, n, [&](const C* const* rows, int, int64_t t0) PAGEDLLM_INLINE_LAMBDA {
+    for_each_tile(keys, lead, n, [&](const C* const* rows, int, int64_t t0) PAGEDLLM_INLINE_LAMBDA {
       if constexpr (kIsFp8<C>) {
         if (p.head_dim % 64 == 0) {
           qk_tile_fp8<C, G>(qp, p.head_dim, rows, scale, scores + t0, cap);

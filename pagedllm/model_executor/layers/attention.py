@@ -24,10 +24,23 @@ class Attention(nn.Module):
     ``kv_cache`` (the backend's ``get_kv_cache_shape``) is bound by the model runner after
     the cache is allocated.
 
-    ``sliding_window`` W (tokens; None: the whole context): a query at position i attends
-    to keys i - W + 1 .. i only (transformers' ``sliding_window_overlay``). The backend
-    must support windows (``AttentionBackend.supports_sliding_window``); every block stays
-    allocated, the backend masks the keys older than the window.
+    Scores are ``scale * q.k`` for any ``scale`` (``head_dim ** -0.5``, Gemma's
+    ``query_pre_attn_scalar ** -0.5``, Granite's ``attention_multiplier``). Features (vLLM's
+    ``Attention`` arguments; the backend must have each one used, see
+    ``AttentionBackend.validate_configuration``):
+
+    - ``sliding_window`` W (tokens; None: the whole context): a query at position i attends
+      to keys i - W + 1 .. i only (transformers' ``sliding_window_overlay``). The blocks
+      wholly before a query's window do not affect its output (CPU_ATTN never reads them,
+      TORCH_SDPA zeroes them once gathered): a KV-cache manager may free them, their
+      block-table entries then naming any block of the cache.
+    - ``logits_soft_cap`` (None or 0: none): scores become ``cap * tanh(score / cap)``
+      before the softmax (Gemma 2's ``attn_logit_softcapping``).
+    - ``sinks``: [num_heads] logits (float32; with tensor parallelism this rank's heads),
+      one per query head, that join the softmax's denominator only (gpt-oss). The model owns
+      the tensor (usually its ``nn.Parameter``, loaded under the model's name); the layer keeps
+      a reference as ``self.sinks`` without registering it, and the impl reads it at each
+      forward.
 
     FP8 cache scales (``pagedllm.attention.kv_cache_quant``): the buffers ``k_scale`` /
     ``v_scale`` (float32 scalars, -1 until a checkpoint's scale loads into them) and the
@@ -37,21 +50,34 @@ class Attention(nn.Module):
 
     Raises:
         RuntimeError: built outside ``selector.set_attn_backend``.
-        ValueError: the backend has no sliding windows and ``sliding_window`` is set.
+        ValueError: the backend lacks a feature the layer uses; a bad ``sliding_window`` or
+            ``logits_soft_cap``; ``sinks`` not a floating tensor of shape [num_heads].
     """
 
     def __init__(
-        self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, sliding_window: Optional[int] = None
+        self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, sliding_window: Optional[int] = None,
+        logits_soft_cap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
     ) -> None:
         super().__init__()
+        if sinks is not None and (
+            not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or tuple(sinks.shape) != (num_heads,)
+        ):
+            shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+            raise ValueError(f"sinks must be a floating-point tensor of shape ({num_heads},) (num_heads), got {shape}.")
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
-        self.attn_backend = get_current_attn_backend(uses_sliding_window=sliding_window is not None)
+        self.logits_soft_cap = logits_soft_cap or None
+        # NOTE: a plain attribute, not a registered parameter: the model's module owns it.
+        object.__setattr__(self, "sinks", sinks)
+        self.attn_backend = get_current_attn_backend(
+            uses_sliding_window=sliding_window is not None, uses_logits_soft_cap=self.logits_soft_cap is not None,
+            has_sinks=sinks is not None,
+        )
         self.impl = self.attn_backend.get_impl_cls()(
-            num_heads, head_dim, scale, num_kv_heads, sliding_window=sliding_window
+            num_heads, head_dim, scale, num_kv_heads, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
         )
         self.kv_cache = torch.empty(0)
         self.register_buffer("k_scale", torch.tensor(-1.0, dtype=torch.float32))

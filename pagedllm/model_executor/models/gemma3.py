@@ -12,16 +12,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from pagedllm.model_executor.layers.rotary_embedding import get_rope, get_rope_parameters
 from pagedllm.model_executor.models.gemma2 import Gemma2ForCausalLM, Gemma2Model
-
-
-def layer_type_rope(config: PretrainedConfig, layer_type: str) -> tuple[float, dict | None]:
-    """(rope_theta, rope scaling or None) of the layers of ``layer_type`` (transformers 5's
-    ``rope_parameters`` keyed by layer type)."""
-    params = dict(config.rope_parameters[layer_type])
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    return float(params["rope_theta"]), (None if rope_type == "default" else params)
 
 
 class Gemma3Model(Gemma2Model):
@@ -30,7 +22,12 @@ class Gemma3Model(Gemma2Model):
     def rotary_embeddings(self, config: PretrainedConfig) -> tuple[list[nn.Module], list[int]]:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kinds = sorted(set(config.layer_types))
-        tables = [RotaryEmbedding(head_dim, config.max_position_embeddings, *layer_type_rope(config, k)) for k in kinds]
+        # max_position_embeddings is already the scaled length: the tables cover just that.
+        max_position = config.max_position_embeddings
+        tables = [
+            get_rope(head_dim, head_dim, max_position, get_rope_parameters(config, kind), num_positions=max_position)
+            for kind in kinds
+        ]
         return tables, [kinds.index(kind) for kind in config.layer_types]
 
 

@@ -21,7 +21,7 @@ from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.layernorm import RMSNorm
 from pagedllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.model_executor.layers.quantization import QuantizationConfig
-from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
+from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pagedllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model_executor.kv_cache_scales import load_kv_cache_scale
 from pagedllm.model_executor.utils import default_weight_loader
@@ -93,10 +93,9 @@ class LlamaAttention(nn.Module):
             self.k_norm = norm_cls(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = rotary_emb
         scale = self.head_dim**-0.5 if scale is None else scale
-        # Only a soft-capping layer passes the argument (backends without it are then refused).
-        cap = {} if logits_soft_cap is None else {"logits_soft_cap": logits_soft_cap}
         self.attn = Attention(
-            self.num_heads, self.head_dim, self.num_kv_heads, scale, sliding_window=sliding_window, **cap
+            self.num_heads, self.head_dim, self.num_kv_heads, scale, sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
         )
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
@@ -306,10 +305,10 @@ class LlamaModel(nn.Module):
         return None
 
     def rotary_embeddings(self, config: PretrainedConfig) -> tuple[list[nn.Module], list[int]]:
-        """(the rope tables, each layer's index into them): one table for every layer here."""
+        """(the rope tables, each layer's index into them): one table for every layer here,
+        rotating every channel (the Llama family refuses ``partial_rotary_factor``)."""
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rope_theta, rope_scaling = get_rope_parameters(config)
-        table = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta, rope_scaling)
+        table = get_rope(head_dim, head_dim, config.max_position_embeddings, get_rope_parameters(config))
         return [table], [0] * config.num_hidden_layers
 
     def make_layer(self, config: PretrainedConfig, layer_idx: int, rotary_emb: nn.Module, sliding_window: Optional[int],

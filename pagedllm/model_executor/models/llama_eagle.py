@@ -44,7 +44,7 @@ from transformers import PretrainedConfig
 from pagedllm.model_executor.layers.layernorm import RMSNorm
 from pagedllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear
 from pagedllm.model_executor.layers.quantization import QuantizationConfig
-from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
+from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pagedllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from pagedllm.model_executor.models.llama import (
     LlamaAttention,
@@ -57,8 +57,7 @@ from pagedllm.model_executor.models.llama import (
 
 def _rotary_embedding(config: PretrainedConfig) -> RotaryEmbedding:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    rope_theta, rope_scaling = get_rope_parameters(config)
-    return RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta, rope_scaling)
+    return get_rope(head_dim, head_dim, config.max_position_embeddings, get_rope_parameters(config))
 
 
 class _EagleHead(nn.Module):
