@@ -113,7 +113,9 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
     "Gemma3ForConditionalGeneration": ArchConfig(
         "gemma3_text", _GEMMA_KEYS | {"attn_logit_softcapping", "final_logit_softcapping"}, "layer_types"),
     "Phi3ForCausalLM": ArchConfig(
-        "phi3", _LLAMA_FAMILY_KEYS | {"sliding_window", "original_max_position_embeddings"}, "all"),
+        "phi3", _LLAMA_FAMILY_KEYS | {"sliding_window", "original_max_position_embeddings", "partial_rotary_factor"},
+        "all"),
+    "Glm4ForCausalLM": ArchConfig("glm4", _LLAMA_FAMILY_KEYS | {"attention_bias", "partial_rotary_factor"}, "none"),
     "GraniteForCausalLM": ArchConfig("granite", _LLAMA_FAMILY_KEYS | {
         "attention_bias", "mlp_bias", "embedding_multiplier", "residual_multiplier", "attention_multiplier",
         "logits_scaling",

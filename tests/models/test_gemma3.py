@@ -26,7 +26,7 @@ def test_gemma3_greedy_matches_transformers(checkpoint_factory, scenario, tokeni
     path = checkpoint_factory("Gemma3ForCausalLM", **GEMMA3_CONFIG, seed=63, tie_word_embeddings=True,
                               final_logit_softcapping=4.0)
     prompts = prompts_for(len(tokenizer), PROMPT_LENGTHS)
-    llm = assert_scenario(path, scenario, prompts, MAX_TOKENS, attention_backend="TORCH_SDPA")
+    llm = assert_scenario(path, scenario, prompts, MAX_TOKENS)
     if scenario == "prefix_caching":
         assert_logprobs_match(llm, path, prompts[1])
 
@@ -34,5 +34,5 @@ def test_gemma3_greedy_matches_transformers(checkpoint_factory, scenario, tokeni
 def test_gemma3_image_text_checkpoint_serves_its_language_model(checkpoint_factory, tokenizer):
     path = checkpoint_factory("Gemma3ForConditionalGeneration", **GEMMA3_CONFIG, seed=64)
     prompts = prompts_for(len(tokenizer), PROMPT_LENGTHS)
-    llm = assert_scenario(path, "chunked_prefill", prompts, MAX_TOKENS, attention_backend="TORCH_SDPA")
+    llm = assert_scenario(path, "chunked_prefill", prompts, MAX_TOKENS)
     assert_logprobs_match(llm, path, prompts[1])

@@ -11,6 +11,7 @@ from torch import nn
 
 from pagedllm.model_executor.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.model_executor.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from pagedllm.model_executor.models.glm4 import Glm4ForCausalLM
 from pagedllm.model_executor.models.granite import GraniteForCausalLM
 from pagedllm.model_executor.models.llama import (
     LlamaForCausalLM,
@@ -61,8 +62,11 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         Gemma3ForConditionalGeneration, ("google/gemma-3-4b-it", "google/gemma-3-27b-it"),
         "the language model only (text_config; images are not served)"),
     "Phi3ForCausalLM": SupportedModel(
-        Phi3ForCausalLM, ("microsoft/Phi-3-mini-4k-instruct", "microsoft/Phi-3.5-mini-instruct"),
-        "fused q/k/v and gate/up checkpoints; sliding window on every layer"),
+        Phi3ForCausalLM, ("microsoft/Phi-3-mini-4k-instruct", "microsoft/Phi-3.5-mini-instruct", "microsoft/Phi-4-mini-instruct"),
+        "fused q/k/v and gate/up checkpoints; sliding window on every layer; longrope; partial rotary (Phi-4-mini)"),
+    "Glm4ForCausalLM": SupportedModel(
+        Glm4ForCausalLM, ("THUDM/GLM-4-9B-0414", "THUDM/GLM-Z1-9B-0414"),
+        "norms before and after each block; q/k/v bias; partial rotary in interleaved pairs"),
     # Speculative-decoding heads (``speculative_config`` methods "eagle" / "eagle3").
     "EagleLlamaForCausalLM": SupportedModel(
         EagleLlamaForCausalLM, ("yuhuili/EAGLE-LLaMA3.1-Instruct-8B",), "EAGLE draft head (speculative_config)"),
