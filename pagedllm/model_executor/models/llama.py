@@ -3,6 +3,13 @@
 Architecture as in the HF transformers implementations of the same names; our own code,
 with fused q/k/v and gate/up projections (tensor-parallel layers: this rank's heads and
 MLP columns) and attention over the paged KV cache.
+
+Its pieces are the shared blocks of the other dense architectures (olmo2, granite, gemma2,
+gemma3, phi3, glm4): ``LlamaAttention`` (scale, o_proj bias, q/k norm, soft cap as
+arguments), ``LlamaMLP`` (any gated activation), ``DecoderLayer`` (norms before and / or
+after each block, by their checkpoint names) and ``LlamaModel`` / ``LlamaForCausalLM``,
+whose hooks a variant overrides (``model_cls``, ``make_mlp``, ``make_layer``,
+``rotary_embeddings``, ``embedding_scale``, ``norm_cls``, ``compute_logits``).
 """
 
 from __future__ import annotations
