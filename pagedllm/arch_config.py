@@ -5,7 +5,9 @@ transformers' modeling code is the reference: a config key changes the output on
 that code reads it. For each registered architecture, ``ARCH_CONFIG`` states the keys of
 its transformers config class (``AutoConfig.for_model(model_type).to_dict()``) that
 pagedllm's model code honours, and the values of them that are built (``hidden_act``
-"silu", the rope types of ``ROPE_TYPES``, layer kinds "full_attention" / "sliding_attention").
+"silu", Gemma's ``hidden_activation`` of ``GELU_ACTIVATIONS``, the rope types of ``ROPE_TYPES``,
+layer kinds "full_attention" / "sliding_attention", causal attention only). A key transformers'
+code keeps but never applies (Gemma 3's ``attn_logit_softcapping``) is honoured by ignoring it alike.
 ``BEHAVIOUR_FREE_KEYS`` are the keys no forward pass depends on (ids, labels, training
 settings). ``FOREIGN_KEYS`` are keys other architectures read (soft-capping, multipliers):
 a config.json that sets one to a non-neutral value asks for math the code does not do.
