@@ -33,6 +33,7 @@ BEHAVIOUR_FREE_KEYS = frozenset({
     "pad_token_id",  # the embedding's padding_idx only masks its gradient
     "bos_token_id", "eos_token_id",  # stop tokens: the engine reads them (generation config)
     "pretraining_tp",  # not read by transformers' Llama since 4.4x: a split matmul, same math
+    "output_router_logits", "router_aux_loss_coef", "router_jitter_noise",  # MoE training: aux loss, noise
 })
 
 #: Keys read by the engine rather than by the model code (the class, the dtype).
@@ -74,6 +75,10 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
     "MistralForCausalLM": ArchConfig("mistral", _LLAMA_FAMILY_KEYS | {"sliding_window"}, "all"),
     "Qwen2ForCausalLM": ArchConfig("qwen2", _LLAMA_FAMILY_KEYS | _WINDOW_KEYS, "layer_types"),
     "Qwen3ForCausalLM": ArchConfig("qwen3", _LLAMA_FAMILY_KEYS | _WINDOW_KEYS | {"attention_bias"}, "layer_types"),
+    # Mixture of experts: the Llama family's keys and the routing's.
+    "MixtralForCausalLM": ArchConfig(
+        "mixtral", _LLAMA_FAMILY_KEYS | {"sliding_window", "num_local_experts", "num_experts_per_tok"}, "all"
+    ),
     # EAGLE heads: Llama configs (their own keys, ``bias`` ..., are not the class's).
     "EagleLlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
     "Eagle3LlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),

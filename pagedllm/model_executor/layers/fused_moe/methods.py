@@ -1,0 +1,69 @@
+"""How a ``FusedMoE`` layer stores and applies its experts: ``FusedMoEMethodBase`` (the
+LinearMethod seam for experts: ``create_weights``, ``process_weights_after_loading``,
+``apply``) and ``UnquantizedFusedMoEMethod`` (weights in the model dtype).
+
+A quantized format plugs in as another method: its ``QuantizationConfig.get_quant_method``
+returns it for a ``FusedMoE`` layer (None keeps the unquantized one), it creates parameters
+loaded through the layer's ``weight_loader`` and runs each expert inside
+``expert_groups.fused_experts``.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.model_executor.layers.fused_moe.expert_groups import fused_experts, group_by_expert
+from pagedllm.model_executor.layers.quantization import QuantizeMethodBase
+from pagedllm.model_executor.utils import set_weight_attrs
+
+
+class FusedMoEMethodBase(QuantizeMethodBase):
+    """How a ``FusedMoE`` layer stores its experts' W13 ([gate | up], [2 x I, H] each) and
+    W2 ([H, I] each) and computes the routed experts' weighted sum."""
+
+    @abstractmethod
+    def create_weights(
+        self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+        params_dtype: torch.dtype, **extra_weight_attrs: Any,
+    ) -> None:
+        """Register on ``layer`` what stores this rank's ``num_experts`` experts (their
+        ``intermediate_size_per_partition`` columns of I), each parameter with
+        ``extra_weight_attrs`` (``weight_loader``) as attributes."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H] with each token's ``topk_ids`` [T, k] (global expert ids, int64) and
+        ``topk_weights`` [T, k] (float32) -> [T, H] in x's dtype: the sum of this rank's
+        experts' weighted outputs (a partial sum under tensor or expert parallelism)."""
+
+
+class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
+    """``w13_weight`` [E, 2 x I, H] ([gate | up] rows per expert) and ``w2_weight`` [E, H, I]
+    in the model dtype (E, I: this rank's experts and intermediate columns); each expert is two
+    torch matmuls and ``layer.act_fn`` over its group of tokens."""
+
+    def create_weights(
+        self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+        params_dtype: torch.dtype, **extra_weight_attrs: Any,
+    ) -> None:
+        inter = intermediate_size_per_partition
+        for name, shape in (("w13_weight", (num_experts, 2 * inter, hidden_size)),
+                            ("w2_weight", (num_experts, hidden_size, inter))):
+            weight = nn.Parameter(torch.empty(shape, dtype=params_dtype), requires_grad=False)
+            set_weight_attrs(weight, extra_weight_attrs)
+            layer.register_parameter(name, weight)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        w13, w2 = layer.w13_weight, layer.w2_weight
+
+        def expert_forward(expert: int, rows: torch.Tensor) -> torch.Tensor:
+            return torch.mm(layer.act_fn(torch.mm(rows, w13[expert].t())), w2[expert].t())
+
+        groups = group_by_expert(topk_weights, topk_ids, layer.local_num_experts, layer.expert_map)
+        return fused_experts(x, groups, expert_forward)
