@@ -15,6 +15,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 from pagedllm.model_executor.layers.fused_moe import FusedMoE, expert_range
 from pagedllm.model_executor.layers.fused_moe.expert_groups import fused_experts, group_by_expert
 from pagedllm.model_executor.layers.fused_moe.router import grouped_topk, select_experts, softmax_topk, topk_softmax
+from tests.helpers import as_tensor_parallel_rank
 
 HIDDEN, TOKENS = 32, 64
 
@@ -90,18 +91,29 @@ def test_router_errors():
         select_experts(logits, 2, True, scoring_func="sigmoid")
 
 
-def _experts_pair(num_experts=8, inter=16, seed=5):
-    """transformers' ``MixtralExperts`` with random weights, and a ``FusedMoE`` holding the same."""
+def _reference_experts(num_experts=8, inter=16, seed=5) -> MixtralExperts:
+    """transformers' ``MixtralExperts`` with random weights."""
     config = MixtralConfig(hidden_size=HIDDEN, intermediate_size=inter, num_local_experts=num_experts)
-    ref = _randomized(MixtralExperts(config), seed)
-    layer = FusedMoE(num_experts, 2, HIDDEN, inter, prefix="experts")
+    return _randomized(MixtralExperts(config), seed)
+
+
+def _loaded_layer(ref: MixtralExperts, **kwargs) -> FusedMoE:
+    """A ``FusedMoE`` (this process's rank's part) loaded with ``ref``'s experts, one at a time."""
+    num_experts, inter = ref.gate_up_proj.shape[0], ref.gate_up_proj.shape[1] // 2
+    layer = FusedMoE(num_experts, 2, HIDDEN, inter, prefix="experts", **kwargs)
     for e in range(num_experts):
         gate, up = ref.gate_up_proj[e].chunk(2)
         for shard, w in (("w1", gate), ("w3", up), ("w2", ref.down_proj[e])):
             param = layer.w2_weight if shard == "w2" else layer.w13_weight
             layer.weight_loader(param, w, f"experts.{e}.{shard}", shard, e)
     assert layer.missing_weights() == []
-    return ref, layer
+    return layer
+
+
+def _experts_pair(num_experts=8, inter=16, seed=5):
+    """transformers' ``MixtralExperts`` with random weights, and a ``FusedMoE`` holding the same."""
+    ref = _reference_experts(num_experts, inter, seed)
+    return ref, _loaded_layer(ref)
 
 
 def test_fused_moe_equals_transformers_expert_loop():
@@ -111,6 +123,25 @@ def test_fused_moe_equals_transformers_expert_loop():
     with torch.inference_mode():
         torch.testing.assert_close(layer.quant_method.apply(layer, x, weights, ids), ref(x, ids, weights),
                                    rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_two_ranks_partial_sums_equal_the_whole(monkeypatch, expert_parallel):
+    """Tensor parallelism (each rank half of every expert's I) and expert parallelism (5
+    experts: 3 on rank 0, 2 on rank 1): the ranks' outputs add up to transformers'."""
+    ref = _reference_experts(num_experts=5, seed=6)
+    x = _hidden(5)
+    weights, ids = softmax_topk(torch.randn(TOKENS, 5, generator=torch.Generator().manual_seed(10)), 2, True)
+    partials = []
+    for rank in range(2):
+        as_tensor_parallel_rank(monkeypatch, rank, 2)
+        layer = _loaded_layer(ref, enable_expert_parallel=expert_parallel)
+        assert (layer.local_num_experts, layer.intermediate_size_per_partition) == (
+            ((3, 2)[rank], 16) if expert_parallel else (5, 8))
+        with torch.inference_mode():
+            partials.append(layer.quant_method.apply(layer, x, weights, ids))
+    with torch.inference_mode():
+        torch.testing.assert_close(partials[0] + partials[1], ref(x, ids, weights), rtol=1e-5, atol=1e-5)
 
 
 def test_one_token_touches_only_its_experts():
