@@ -35,11 +35,17 @@ class FusedMoEMethodBase(QuantizeMethodBase):
         ``extra_weight_attrs`` (``weight_loader``) as attributes."""
 
     @abstractmethod
+    def expert_forward(self, layer: nn.Module, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        """Local expert ``expert``'s SwiGLU MLP on its tokens: rows [n, H] -> [n, H] (this
+        rank's intermediate columns only: a partial sum under tensor parallelism)."""
+
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H] with each token's ``topk_ids`` [T, k] (global expert ids, int64) and
         ``topk_weights`` [T, k] (float32) -> [T, H] in x's dtype: the sum of this rank's
-        experts' weighted outputs (a partial sum under tensor or expert parallelism)."""
+        experts' weighted outputs (``expert_groups``: one ``expert_forward`` per active expert)."""
+        groups = group_by_expert(topk_weights, topk_ids, layer.local_num_experts, layer.expert_map)
+        return fused_experts(x, groups, lambda expert, rows: self.expert_forward(layer, expert, rows))
 
 
 class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
@@ -58,12 +64,6 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
             set_weight_attrs(weight, extra_weight_attrs)
             layer.register_parameter(name, weight)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-        w13, w2 = layer.w13_weight, layer.w2_weight
-
-        def expert_forward(expert: int, rows: torch.Tensor) -> torch.Tensor:
-            return torch.mm(layer.act_fn(torch.mm(rows, w13[expert].t())), w2[expert].t())
-
-        groups = group_by_expert(topk_weights, topk_ids, layer.local_num_experts, layer.expert_map)
-        return fused_experts(x, groups, expert_forward)
+    def expert_forward(self, layer: nn.Module, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate_up = torch.mm(rows, layer.w13_weight[expert].t())
+        return torch.mm(layer.act_fn(gate_up), layer.w2_weight[expert].t())

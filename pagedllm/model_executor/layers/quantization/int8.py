@@ -14,7 +14,8 @@ Elsewhere (or with ``PAGEDLLM_CPU_INT8_ACTIVATIONS=0``) activations stay in the 
 ``pagedllm.kernels.cpu.linear_w8`` streams one byte per weight for decode steps and sums in
 float32, and many rows (prefill) go through ``linear_dequant``, tiles of W dequantized into a
 bf16 GEMM. The lm_head keeps the model dtype (its error reaches the logits directly), as vLLM's
-weight-only methods do.
+weight-only methods do. ``FusedMoE`` experts (``Int8FusedMoEMethod``): each expert's W13 and
+W2 quantized the same way, one plan per matrix; routers stay in the model dtype.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import nn
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.kernels import isa
 from pagedllm.model_executor.layers import cpu_gemm
+from pagedllm.model_executor.layers.fused_moe import FusedMoE, UnquantizedFusedMoEMethod
 from pagedllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from pagedllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from pagedllm.model_executor.layers.quantization.grouped import int8_activations_enabled
@@ -44,7 +46,8 @@ def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 class Int8Config(QuantizationConfig):
-    """Every linear layer gets ``Int8LinearMethod``; the lm_head keeps its own method."""
+    """Every linear layer gets ``Int8LinearMethod``, every ``FusedMoE`` ``Int8FusedMoEMethod``;
+    the lm_head keeps its own method."""
 
     @classmethod
     def get_name(cls) -> str:
@@ -55,6 +58,8 @@ class Int8Config(QuantizationConfig):
         return cls()
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
+        if isinstance(layer, FusedMoE):
+            return Int8FusedMoEMethod()
         return Int8LinearMethod() if isinstance(layer, LinearBase) else None
 
 
@@ -129,3 +134,35 @@ class Int8LinearMethod(UnquantizedLinearMethod):
 
     def describe_path(self, layer: nn.Module) -> str:
         return describe_int8(layer)
+
+
+class _ExpertMatrix(nn.Module):
+    """One expert matrix in int8 form (``store_int8``'s ``weight``, ``weight_scale``, ``gemm_plan``)."""
+
+    def __init__(self, weight: torch.Tensor, int8_activations: bool) -> None:
+        super().__init__()
+        self.output_size_per_partition = weight.shape[0]
+        store_int8(self, *quantize_int8_per_channel(weight), int8_activations)
+
+
+class Int8FusedMoEMethod(UnquantizedFusedMoEMethod):
+    """Loads the experts like the unquantized method, then keeps each expert's W13 [2 x I, H]
+    and W2 [H, I] only in int8 form, per output channel (``store_int8``; ``layer.w13_int8`` /
+    ``layer.w2_int8``, one module per local expert)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Quantize the loaded experts; a second call changes nothing."""
+        if not hasattr(layer, "w13_weight"):
+            return
+        int8_activations = int8_activations_enabled()
+        for name in ("w13", "w2"):
+            weights = getattr(layer, f"{name}_weight").data
+            setattr(layer, f"{name}_int8", nn.ModuleList(_ExpertMatrix(w, int8_activations) for w in weights))
+            delattr(layer, f"{name}_weight")
+
+    def expert_forward(self, layer: nn.Module, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate_up = layer.w13_int8[expert].gemm_plan(rows, None)
+        return layer.w2_int8[expert].gemm_plan(layer.act_fn(gate_up), None)
+
+    def describe_path(self, layer: nn.Module) -> str:
+        return f"experts: {describe_int8(layer.w13_int8[0])}" if len(layer.w13_int8) else "experts: int8 (none here)"
