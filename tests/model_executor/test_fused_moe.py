@@ -4,6 +4,8 @@ batch 1), expert placement, and the loading of expert tensors (both layouts, cle
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from transformers import DeepseekV3Config, GptOssConfig, MixtralConfig, Qwen2MoeConfig
@@ -176,3 +178,16 @@ def test_weight_loader_errors():
         layer.weight_loader(layer.w13_weight, torch.zeros(8, HIDDEN), "experts.0.w1", "w1", 0)
     with pytest.raises(ValueError, match="unknown expert shard id 'w4'"):
         layer.weight_loader(layer.w13_weight, torch.zeros(16, HIDDEN), "experts.0.w4", "w4", 0)
+
+
+def test_debug_log_counts_tokens_per_expert(caplog, monkeypatch):
+    monkeypatch.setattr(logging.getLogger("pagedllm"), "propagate", True)  # to caplog's handler
+    _, layer = _experts_pair(num_experts=4)
+    logits = torch.tensor([[9.0, 0, 8, 0], [9, 0, 0, 8], [0, 9, 8, 0]])
+    name = "pagedllm.model_executor.layers.fused_moe.layer"
+    with torch.inference_mode():
+        layer(_hidden()[:3], logits)  # at INFO: nothing
+        with caplog.at_level("DEBUG", logger=name):
+            layer(_hidden()[:3], logits)
+    messages = [r.getMessage() for r in caplog.records if r.name == name]
+    assert messages == ["experts: 3 tokens; tokens per expert [2, 1, 2, 1]"]
