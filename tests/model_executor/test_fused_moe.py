@@ -180,14 +180,21 @@ def test_weight_loader_errors():
         layer.weight_loader(layer.w13_weight, torch.zeros(16, HIDDEN), "experts.0.w4", "w4", 0)
 
 
-def test_debug_log_counts_tokens_per_expert(caplog, monkeypatch):
-    monkeypatch.setattr(logging.getLogger("pagedllm"), "propagate", True)  # to caplog's handler
+def test_debug_log_counts_tokens_per_expert(monkeypatch):
     _, layer = _experts_pair(num_experts=4)
     logits = torch.tensor([[9.0, 0, 8, 0], [9, 0, 0, 8], [0, 9, 8, 0]])
-    name = "pagedllm.model_executor.layers.fused_moe.layer"
-    with torch.inference_mode():
-        layer(_hidden()[:3], logits)  # at INFO: nothing
-        with caplog.at_level("DEBUG", logger=name):
+    logger = logging.getLogger("pagedllm.model_executor.layers.fused_moe.layer")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    monkeypatch.setattr(logger, "handlers", [handler])
+    level = logger.level
+    try:
+        with torch.inference_mode():
+            logger.setLevel(logging.INFO)
             layer(_hidden()[:3], logits)
-    messages = [r.getMessage() for r in caplog.records if r.name == name]
-    assert messages == ["experts: 3 tokens; tokens per expert [2, 1, 2, 1]"]
+            logger.setLevel(logging.DEBUG)
+            layer(_hidden()[:3], logits)
+    finally:
+        logger.setLevel(level)
+    assert [r.getMessage() for r in records] == ["experts: 3 tokens; tokens per expert [2, 1, 2, 1]"]
