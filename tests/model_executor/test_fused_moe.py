@@ -14,10 +14,11 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts, MixtralTopKRouter
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 
+from pagedllm.model_executor.layers import cpu_gemm
 from pagedllm.model_executor.layers.fused_moe import FusedMoE, expert_range
 from pagedllm.model_executor.layers.fused_moe.expert_groups import fused_experts, group_by_expert
 from pagedllm.model_executor.layers.fused_moe.router import grouped_topk, select_experts, softmax_topk, topk_softmax
-from tests.helpers import as_tensor_parallel_rank
+from tests.helpers import as_tensor_parallel_rank, cpu_only
 
 HIDDEN, TOKENS = 32, 64
 
@@ -198,3 +199,24 @@ def test_debug_log_counts_tokens_per_expert(monkeypatch):
     finally:
         logger.setLevel(level)
     assert [r.getMessage() for r in records] == ["experts: 3 tokens; tokens per expert [2, 1, 2, 1]"]
+
+
+@cpu_only
+def test_bfloat16_experts_get_one_widening_plan_per_matrix_where_needed():
+    """On a CPU without native bf16 matmuls each expert matrix gets ``linear_w16``; the output
+    stays that of torch's matmul on the stacked weights (to bf16 rounding)."""
+    ref = _reference_experts(num_experts=4)
+    with torch.no_grad():
+        ref.gate_up_proj.copy_(ref.gate_up_proj.bfloat16())
+        ref.down_proj.copy_(ref.down_proj.bfloat16())
+    layer = _loaded_layer(ref, params_dtype=torch.bfloat16)
+    x = _hidden(6).bfloat16()
+    weights, ids = softmax_topk(torch.randn(TOKENS, 4, generator=torch.Generator().manual_seed(11)), 2, True)
+    with torch.inference_mode():
+        stacked = layer.quant_method.apply(layer, x, weights, ids)
+        widen = cpu_gemm.should_widen(layer.w13_weight.data[0])
+        layer.quant_method.process_weights_after_loading(layer)
+        assert hasattr(layer, "w13_experts") == widen and hasattr(layer, "w13_weight") != widen
+        if widen:
+            assert all(isinstance(m.gemm_plan, cpu_gemm.WidenedGemm) for m in [*layer.w13_experts, *layer.w2_experts])
+        torch.testing.assert_close(layer.quant_method.apply(layer, x, weights, ids), stacked, rtol=2e-2, atol=2e-2)

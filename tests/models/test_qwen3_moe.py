@@ -34,7 +34,7 @@ def test_int8_experts_equal_transformers_on_dequantized_weights(qwen3_moe, tmp_p
     dequantized = rewrite_linear_weights(qwen3_moe, tmp_path / "dequantized", _int8_round_trip)
     llm = LLM(str(qwen3_moe), dtype="float32", quantization="int8", kv_cache_memory_bytes=8 << 20)
     experts = [m for m in model_runner(llm).model.modules() if isinstance(m, FusedMoE)]
-    assert experts and all(m.w13_int8[0].weight_scale.shape == (64,) for m in experts)
+    assert experts and all(m.w13_experts[0].weight_scale.shape == (64,) for m in experts)
     assert not any(hasattr(m, "w13_weight") for m in experts)
     assert_greedy_equals_hf(llm, dequantized)
     check_block_accounting(llm)

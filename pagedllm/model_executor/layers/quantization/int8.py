@@ -29,6 +29,7 @@ from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.kernels import isa
 from pagedllm.model_executor.layers import cpu_gemm
 from pagedllm.model_executor.layers.fused_moe import FusedMoE, UnquantizedFusedMoEMethod
+from pagedllm.model_executor.layers.fused_moe.methods import split_experts
 from pagedllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from pagedllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from pagedllm.model_executor.layers.quantization.grouped import int8_activations_enabled
@@ -136,33 +137,15 @@ class Int8LinearMethod(UnquantizedLinearMethod):
         return describe_int8(layer)
 
 
-class _ExpertMatrix(nn.Module):
-    """One expert matrix in int8 form (``store_int8``'s ``weight``, ``weight_scale``, ``gemm_plan``)."""
-
-    def __init__(self, weight: torch.Tensor, int8_activations: bool) -> None:
-        super().__init__()
-        self.output_size_per_partition = weight.shape[0]
-        store_int8(self, *quantize_int8_per_channel(weight), int8_activations)
-
-
 class Int8FusedMoEMethod(UnquantizedFusedMoEMethod):
     """Loads the experts like the unquantized method, then keeps each expert's W13 [2 x I, H]
-    and W2 [H, I] only in int8 form, per output channel (``store_int8``; ``layer.w13_int8`` /
-    ``layer.w2_int8``, one module per local expert)."""
+    and W2 [H, I] only in int8 form, per output channel (``store_int8`` on each of
+    ``fused_moe.methods.split_experts``' matrices)."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Quantize the loaded experts; a second call changes nothing."""
-        if not hasattr(layer, "w13_weight"):
-            return
         int8_activations = int8_activations_enabled()
-        for name in ("w13", "w2"):
-            weights = getattr(layer, f"{name}_weight").data
-            setattr(layer, f"{name}_int8", nn.ModuleList(_ExpertMatrix(w, int8_activations) for w in weights))
-            delattr(layer, f"{name}_weight")
-
-    def expert_forward(self, layer: nn.Module, expert: int, rows: torch.Tensor) -> torch.Tensor:
-        gate_up = layer.w13_int8[expert].gemm_plan(rows, None)
-        return layer.w2_int8[expert].gemm_plan(layer.act_fn(gate_up), None)
+        split_experts(layer, lambda m: store_int8(m, *quantize_int8_per_channel(m.weight.data), int8_activations))
 
     def describe_path(self, layer: nn.Module) -> str:
-        return f"experts: {describe_int8(layer.w13_int8[0])}" if len(layer.w13_int8) else "experts: int8 (none here)"
+        return f"experts: {describe_int8(layer.w13_experts[0])}" if len(layer.w13_experts) else "experts: int8"
