@@ -12,7 +12,7 @@ rsLoRA (Kalajdzievski 2023; PEFT's ``use_rslora``).
 Supported: ``target_modules`` among the Llama family's q/k/v/o_proj and gate/up/down_proj,
 ``bias: "none"``. Refused with a ``ValueError`` naming the option: DoRA (``use_dora``),
 ``modules_to_save``, extra vocabulary (embedding / lm_head adapters), mixture-of-experts
-experts (``EXPERT_TARGETS``, tensors under ``.experts.``), per-module
+experts (tensors under ``.experts.``), per-module
 ``rank_pattern`` / ``alpha_pattern``, a rank above ``max_lora_rank``, modules the model lacks
 and tensors whose shapes do not fit the base.
 """
@@ -35,9 +35,8 @@ TARGET_PARENTS = {
     "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
 }
 
-#: Target names of mixture-of-experts expert matrices (Mixtral's w1 / w2 / w3, stacked experts).
-EXPERT_TARGETS = ("w1", "w2", "w3", "experts", "gate_up_proj")
-EXPERTS_REFUSED = "LoRA on experts (FusedMoE) is not supported: target the attention's q/k/v/o_proj"
+#: Why an adapter on mixture-of-experts experts (Mixtral's w1 / w2 / w3 ...) is refused.
+EXPERTS_REFUSED = "LoRA on mixture-of-experts experts (FusedMoE) is not supported"
 
 _WEIGHT_NAME = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])\.weight")
 
@@ -84,12 +83,10 @@ def read_adapter_config(lora_path: str) -> PeftAdapterConfig:
     targets = raw.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else list(targets)
     unknown = sorted(t for t in targets if t not in TARGET_PARENTS)
-    experts = [t for t in unknown if t in EXPERT_TARGETS]
-    if experts:
-        raise ValueError(f"{where}: target module(s) {experts} are mixture-of-experts experts; {EXPERTS_REFUSED}.")
     if unknown:
         raise ValueError(
-            f"{where}: target module(s) {unknown} are not in this model; LoRA applies to {sorted(TARGET_PARENTS)}."
+            f"{where}: target module(s) {unknown} are not in this model; LoRA applies to {sorted(TARGET_PARENTS)} "
+            f"({EXPERTS_REFUSED})."
         )
     r = raw.get("r")
     if not isinstance(r, int) or r < 1:
@@ -137,7 +134,7 @@ def parse_weight_name(name: str, lora_path: str) -> tuple[int, str, str]:
             DoRA magnitudes; biases; modules outside the supported targets).
     """
     if ".experts." in name:
-        raise ValueError(f"LoRA adapter {lora_path!r}: tensor {name!r} adapts an expert; {EXPERTS_REFUSED}.")
+        raise ValueError(f"LoRA adapter {lora_path!r}: tensor {name!r} adapts an expert: {EXPERTS_REFUSED}.")
     match = _WEIGHT_NAME.fullmatch(name)
     if match is None or TARGET_PARENTS.get(match.group(3)) != match.group(2):
         raise ValueError(
