@@ -1,6 +1,7 @@
 """Mixtral: greedy token-identical to transformers (float32) under chunked prefill, preemption
 and prefix caching; both expert layouts load (the Hub's per-expert tensors, transformers'
-stacked ones); a missing, extra or mis-shaped expert tensor is refused by name."""
+stacked ones); a missing, extra or mis-shaped expert tensor is refused by name; a pipeline
+stage loads its own layers' experts only."""
 
 from __future__ import annotations
 
@@ -68,3 +69,13 @@ def test_bad_expert_tensors_are_refused(mixtral, edit, message):
         weights[name.format(0, 2, "w1")] = weights[name.format(0, 2, "w1")][:16]
     with pytest.raises(ValueError, match=message):
         model.load_weights(weights.items())
+
+
+def test_a_pipeline_stage_loads_only_its_experts(mixtral, monkeypatch):
+    from pagedllm.distributed import parallel_state
+
+    monkeypatch.setattr(parallel_state, "_pp_group", parallel_state.GroupCoordinator([0, 1], 1))  # the last stage
+    model, weights = _model_and_weights(mixtral)
+    loaded = model.load_weights(weights.items())
+    assert "model.layers.1.mlp.experts.w13_weight" in loaded
+    assert not any(name.startswith("model.layers.0.") for name in loaded)
