@@ -304,6 +304,14 @@ class EngineArgs:
         ),
         aliases=("-dp",), type=positive_int,
     )
+    enable_expert_parallel: bool = flag_field(
+        False,
+        help=(
+            "Mixture-of-experts models: each tensor-parallel worker holds whole experts (a contiguous "
+            "range of them) instead of a slice of every expert; tokens go to their experts' workers."
+        ),
+        action="store_true",
+    )
     load_format: str = flag_field(
         "auto",
         help=(

@@ -99,17 +99,20 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU MLP; this rank's ``intermediate_size / tp_size`` columns."""
+    """SwiGLU MLP; this rank's ``intermediate_size / tp_size`` columns (``intermediate_size``
+    None: the config's; a mixture-of-experts model's shared expert passes its own)."""
 
-    def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig], prefix: str) -> None:
+    def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig], prefix: str,
+                 intermediate_size: Optional[int] = None) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
+        intermediate_size = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias=bias,
+            config.hidden_size, [intermediate_size] * 2, bias=bias,
             quant_config=quant_config, prefix=f"{prefix}.gate_up_proj",
         )
         self.down_proj = RowParallelLinear(
-            config.intermediate_size, config.hidden_size, bias=bias, quant_config=quant_config, prefix=f"{prefix}.down_proj"
+            intermediate_size, config.hidden_size, bias=bias, quant_config=quant_config, prefix=f"{prefix}.down_proj"
         )
         self.act_fn = SiluAndMul()
         #: Whether long inputs go through in row chunks (on CPU; see ``forward``).

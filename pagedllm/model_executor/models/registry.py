@@ -11,12 +11,19 @@ from pagedllm.model_executor.models.llama import (
     Qwen3ForCausalLM,
 )
 from pagedllm.model_executor.models.llama_eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM
+from pagedllm.model_executor.models.mixtral import MixtralForCausalLM
+from pagedllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
+from pagedllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # Mixture of experts (``FusedMoE``).
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     # Speculative-decoding heads (``speculative_config`` methods "eagle" / "eagle3").
     "EagleLlamaForCausalLM": EagleLlamaForCausalLM,
     "Eagle3LlamaForCausalLM": Eagle3LlamaForCausalLM,
