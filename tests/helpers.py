@@ -58,17 +58,15 @@ def hf_model(path: Path):
 
 
 def hf_greedy(path: Path, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy ``generate`` for one prompt, EOS ignored."""
+    """transformers' greedy ``generate`` for one prompt: ``max_new_tokens`` tokens, EOS neither
+    stopping it nor suppressed (the engine's ``ignore_eos``; ``min_new_tokens`` would mask EOS
+    out of the logits instead)."""
+    from transformers import GenerationConfig
+
     ids = torch.tensor([prompt_token_ids])
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0)
     with torch.inference_mode():
-        out = hf_model(path).generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
+        out = hf_model(path).generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     return out[0, len(prompt_token_ids) :].tolist()
 
 
