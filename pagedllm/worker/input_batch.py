@@ -123,7 +123,7 @@ class InputBatch:
         self.num_prompt_tokens[row] = new.num_prompt_tokens
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
-        self.append_block_ids(row, new.block_ids)
+        self.append_block_ids(row, new.block_ids[0])
         state = CachedRequestState(
             req_id=new.req_id,
             row=row,

@@ -211,7 +211,7 @@ class ModelRunner:
         cached = so.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             state = batch.requests[req_id]
-            batch.append_block_ids(state.row, block_ids)
+            batch.append_block_ids(state.row, block_ids[0])
             batch.num_computed_tokens[state.row] = num_computed
         for req_id, num_computed, token_ids in zip(cached.req_ids, cached.num_computed_tokens, cached.new_token_ids):
             batch.write_tokens(batch.requests[req_id].row, num_computed, token_ids)
