@@ -175,12 +175,14 @@ def make_peft_adapter(base: Path, out_dir: Path, *, r: int, lora_alpha: float, t
 
 def float32_llm(path, kwargs: dict) -> LLM:
     """An ``LLM`` of ``path`` in float32 with ``kwargs``: 16 MiB of KV cache unless given;
-    ``kv_blocks`` in ``kwargs`` sizes the cache in blocks instead (measured on a probe)."""
+    ``kv_blocks`` in ``kwargs`` sizes the cache in blocks requests can hold instead
+    (measured on a probe; one more where a sliding window reserves the null block)."""
     kwargs = dict(kwargs)
     kv_blocks = kwargs.pop("kv_blocks", None)
     kwargs.setdefault("kv_cache_memory_bytes", 16 << 20)
     if kv_blocks is not None:
         probe = LLM(str(path), dtype="float32", **kwargs)
+        kv_blocks += probe.llm_engine.engine_core.kv_cache_manager.block_pool.null_block is not None
         kwargs["kv_cache_memory_bytes"] = kv_blocks * kv_block_bytes(probe)
         del probe
     return LLM(str(path), dtype="float32", **kwargs)
