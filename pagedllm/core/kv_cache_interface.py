@@ -30,8 +30,8 @@ def cdiv(a: int, b: int) -> int:
 
 
 @dataclass(frozen=True)
-class FullAttentionSpec:
-    """A layer attending over the whole context (vLLM's ``FullAttentionSpec``).
+class AttentionSpec:
+    """What every attention layer's KV cache has (vLLM's ``AttentionSpec``).
 
     Attributes:
         block_size: tokens per block; num_kv_heads: this rank's KV heads;
@@ -48,6 +48,11 @@ class FullAttentionSpec:
         """Bytes of one block of this layer: K and V of ``block_size`` tokens."""
         return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
 
+
+@dataclass(frozen=True)
+class FullAttentionSpec(AttentionSpec):
+    """A layer attending over the whole context (vLLM's ``FullAttentionSpec``)."""
+
     def max_num_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         """The most blocks one request holds in this layer's group: its whole context."""
         del max_num_batched_tokens
@@ -58,11 +63,15 @@ class FullAttentionSpec:
 
 
 @dataclass(frozen=True)
-class SlidingWindowSpec(FullAttentionSpec):
+class SlidingWindowSpec(AttentionSpec):
     """A layer whose query at position i sees keys i - W + 1 .. i (vLLM's
-    ``SlidingWindowSpec``; ``sliding_window`` W in tokens)."""
+    ``SlidingWindowSpec``; ``sliding_window`` W in tokens).
 
-    sliding_window: int = 0
+    Raises:
+        ValueError: a window below 1 token.
+    """
+
+    sliding_window: int
 
     def __post_init__(self) -> None:
         if self.sliding_window < 1:

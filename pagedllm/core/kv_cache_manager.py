@@ -39,7 +39,7 @@ class KVCacheBlocks:
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         """The block ids, per group."""
-        return tuple([b.block_id for b in group] for group in self.blocks)
+        return tuple([[b.block_id for b in group] for group in self.blocks])
 
 
 def single_group(block_size: int) -> KVCacheGroups:
@@ -163,17 +163,19 @@ class KVCacheManager:
         num_computed_tokens = request.num_computed_tokens + len(new_computed[0]) * self.block_size
         num_tokens_after = num_computed_tokens + num_new_tokens
         num_slots = num_tokens_after + num_lookahead_tokens
-        for manager in self.managers:
-            manager.remove_skipped_blocks(req_id, request.num_computed_tokens)
-        num_needed = sum(
-            manager.get_num_blocks_to_allocate(req_id, num_slots, computed, num_computed_tokens)
-            for manager, computed in zip(self.managers, new_computed)
-        )
-        if num_needed > self.block_pool.get_num_free_blocks():
+        managers = self.managers
+        if self.block_pool.null_block is not None:  # some group has a window
+            for manager in managers:
+                manager.remove_skipped_blocks(req_id, request.num_computed_tokens)
+        num_needed = 0
+        for manager, computed in zip(managers, new_computed):
+            num_needed += manager.get_num_blocks_to_allocate(req_id, num_slots, computed, num_computed_tokens)
+        if num_needed > self.block_pool.free_block_queue.num_free_blocks:
             return None
         new_blocks = []
-        for manager, computed in zip(self.managers, new_computed):
-            manager.save_new_computed_blocks(req_id, computed)
+        for manager, computed in zip(managers, new_computed):
+            if computed:
+                manager.save_new_computed_blocks(req_id, computed)
             new_blocks.append(manager.allocate_new_blocks(req_id, num_slots, num_computed_tokens))
         if self.enable_caching:
             num_cached_tokens = min(num_tokens_after, request.num_tokens)
@@ -200,6 +202,12 @@ class KVCacheManager:
     def has_requests(self) -> bool:
         """Whether any request holds a block table (in any group)."""
         return any(m.req_to_blocks for m in self.managers)
+
+    def num_requests_holding_blocks(self) -> int:
+        """Requests that hold at least one block (the null block aside) in some group."""
+        null = self.block_pool.null_block
+        return len({req_id for m in self.managers for req_id, blocks in m.req_to_blocks.items()
+                    if any(b is not null for b in blocks)})
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks; False while any block is in use."""

@@ -36,11 +36,6 @@ class SingleTypeKVCacheManager:
         # Request id -> blocks of it already registered in the prefix cache (or null).
         self.num_cached_blocks: dict[str, int] = {}
 
-    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        """Leading tokens no later query attends to (none for full attention)."""
-        del num_computed_tokens
-        return 0
-
     def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_length: int) -> list[KVCacheBlock]:
         """The cached blocks of the longest prefix of at most ``max_length`` tokens (a
         multiple of the block size) whose KV this group has: the blocks of the leading
@@ -55,33 +50,25 @@ class SingleTypeKVCacheManager:
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Free the request's blocks that no query from ``num_computed_tokens`` on sees,
-        replacing them by the null block (nothing for full attention)."""
-        num_skipped_blocks = self.num_skipped_tokens(num_computed_tokens) // self.block_size
-        if num_skipped_blocks == 0:
-            return
-        blocks = self.req_to_blocks.get(request_id)
-        if not blocks:
-            return
-        null = self.block_pool.null_block
-        removed = []
-        for i in range(min(num_skipped_blocks, len(blocks)) - 1, -1, -1):
-            if blocks[i] is null:
-                break  # the ones before it were removed by an earlier call
-            removed.append(blocks[i])
-            blocks[i] = null  # type: ignore[assignment]
-        self.block_pool.free_blocks(removed)
+        replacing them by the null block: none for full attention."""
 
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed_blocks: list[KVCacheBlock], num_computed_tokens: int,
     ) -> int:
-        """Free blocks that giving the request slots for ``num_tokens`` tokens takes:
-        the new blocks (not those of skipped tokens) and the prefix-cache hits that sit in
-        the free queue."""
-        num_held = len(self.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
-        num_skipped_blocks = self.num_skipped_tokens(num_computed_tokens) // self.block_size
-        num_new = max(cdiv(num_tokens, self.block_size) - max(num_held, num_skipped_blocks), 0)
+        """Free blocks that giving the request slots for ``num_tokens`` tokens takes
+        (``num_computed_tokens`` of them computed): the new blocks, and the prefix-cache
+        hits ``new_computed_blocks`` that sit in the free queue."""
+        del num_computed_tokens
+        blocks = self.req_to_blocks.get(request_id)
+        num_new = -(-num_tokens // self.block_size) - (len(blocks) if blocks else 0) - len(new_computed_blocks)
+        if new_computed_blocks:
+            num_new = max(num_new, 0) + self._num_evictable(new_computed_blocks)
+        return max(num_new, 0)
+
+    def _num_evictable(self, blocks: list[KVCacheBlock]) -> int:
+        """Blocks among ``blocks`` that taking a reference removes from the free queue."""
         null = self.block_pool.null_block
-        return num_new + sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and b is not null)
+        return sum(1 for b in blocks if b.ref_cnt == 0 and b is not null)
 
     def save_new_computed_blocks(self, request_id: str, new_computed_blocks: list[KVCacheBlock]) -> None:
         """Start a new request's list with its prefix-cache hits (referenced now; already cached)."""
@@ -92,13 +79,18 @@ class SingleTypeKVCacheManager:
         self.num_cached_blocks[request_id] = len(new_computed_blocks)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_computed_tokens: int) -> list[KVCacheBlock]:
-        """New blocks so the request has slots for ``num_tokens`` tokens (the null block
-        first for skipped tokens it never had blocks for)."""
-        blocks = self.req_to_blocks.setdefault(request_id, [])
-        num_skipped_blocks = self.num_skipped_tokens(num_computed_tokens) // self.block_size
-        if len(blocks) < num_skipped_blocks:
-            blocks.extend([self.block_pool.null_block] * (num_skipped_blocks - len(blocks)))  # type: ignore[list-item]
-        new_blocks = self.block_pool.get_new_blocks(max(cdiv(num_tokens, self.block_size) - len(blocks), 0))
+        """New blocks so the request has slots for ``num_tokens`` tokens (``num_computed_tokens``
+        of them computed)."""
+        del num_computed_tokens
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            blocks = self.req_to_blocks[request_id] = []
+        return self._extend(blocks, -(-num_tokens // self.block_size) - len(blocks))
+
+    def _extend(self, blocks: list[KVCacheBlock], num_new: int) -> list[KVCacheBlock]:
+        if num_new <= 0:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(num_new)
         blocks.extend(new_blocks)
         return new_blocks
 
@@ -140,6 +132,43 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens before the window of the next query (at position ``num_computed_tokens``)."""
         return max(num_computed_tokens - self.sliding_window + 1, 0)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """See the base class; the blocks wholly before the window of the query at
+        ``num_computed_tokens`` go back to the pool (keeping their hash)."""
+        num_skipped_blocks = self.num_skipped_tokens(num_computed_tokens) // self.block_size
+        blocks = self.req_to_blocks.get(request_id)
+        if not num_skipped_blocks or not blocks:
+            return
+        null = self.block_pool.null_block
+        removed = []
+        for i in range(min(num_skipped_blocks, len(blocks)) - 1, -1, -1):
+            if blocks[i] is null:
+                break  # the ones before it were removed by an earlier call
+            removed.append(blocks[i])
+            blocks[i] = null  # type: ignore[assignment]
+        self.block_pool.free_blocks(removed)
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: list[KVCacheBlock], num_computed_tokens: int,
+    ) -> int:
+        """See the base class; blocks of skipped tokens are not needed."""
+        blocks = self.req_to_blocks.get(request_id)
+        num_held = (len(blocks) if blocks else 0) + len(new_computed_blocks)
+        num_skipped_blocks = self.num_skipped_tokens(num_computed_tokens) // self.block_size
+        num_new = max(-(-num_tokens // self.block_size) - max(num_held, num_skipped_blocks), 0)
+        return num_new + (self._num_evictable(new_computed_blocks) if new_computed_blocks else 0)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_computed_tokens: int) -> list[KVCacheBlock]:
+        """See the base class; the null block first for skipped tokens the request never
+        had blocks for."""
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            blocks = self.req_to_blocks[request_id] = []
+        num_skipped_blocks = self.num_skipped_tokens(num_computed_tokens) // self.block_size
+        if len(blocks) < num_skipped_blocks:
+            blocks.extend([self.block_pool.null_block] * (num_skipped_blocks - len(blocks)))  # type: ignore[list-item]
+        return self._extend(blocks, -(-num_tokens // self.block_size) - len(blocks))
 
     def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_length: int) -> list[KVCacheBlock]:
         """The longest prefix of at most ``max_length`` tokens whose last W - 1 tokens'

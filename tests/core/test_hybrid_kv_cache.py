@@ -73,7 +73,11 @@ def test_sliding_group_frees_blocks_outside_the_window_and_they_are_reused():
         assert len(full.req_to_blocks["a"]) == cdiv(a.num_computed_tokens, BS)
         freed |= before - {b.block_id for b in sliding.req_to_blocks["a"]}
     assert freed and 0 not in freed
-    manager.block_pool.check_integrity()
+    # Back in the pool with their hashes: still prefix-cache hits.
+    pool = manager.block_pool
+    assert all(pool.blocks[i].ref_cnt == 0 and pool.blocks[i].block_hash is not None for i in freed)
+    assert all(pool.get_cached_block(pool.blocks[i].block_hash) is pool.blocks[i] for i in freed)
+    pool.check_integrity()
     # Another request takes the blocks the window let go (the LRU head holds never-used
     # blocks first: fill the pool so freed ones must come back).
     num_free = manager.block_pool.get_num_free_blocks()
