@@ -176,13 +176,14 @@ def num_kv_blocks(
                 f"{', x 2 for prefix caching' if cache_config.enable_prefix_caching else ''}), below {derivation}"
             )
     if num_blocks < blocks_per_seq:
+        tensors = (f"{num_tensors}: cache tensors of this stage's {num_layers_per_stage(model_config)} layers "
+                   f"grouped by attention kind" if len(groups.groups) > 1 else f"{num_tensors}")
         raise ValueError(
             f"The KV cache cannot hold one sequence of max_model_len = {max_len} tokens. "
-            f"KV bytes per block = 2 x block_size ({block_size}) x cache tensors ({num_tensors}: layers of "
-            f"this stage, {num_layers_per_stage(model_config)}, grouped by attention kind) x num_kv_heads "
+            f"KV bytes per token = 2 x num_layers ({tensors}) x num_kv_heads "
             f"({num_kv_heads_per_rank(model_config)}) x head_dim ({model_config.head_dim}) x dtype bytes "
-            f"({cache_dtype.itemsize}) = {per_block:,}; one sequence needs {blocks_per_seq} blocks "
-            f"= {blocks_per_seq * per_block:,} bytes, but the budget "
+            f"({cache_dtype.itemsize}) = {per_block // block_size:,}; one sequence needs {blocks_per_seq} blocks "
+            f"of {block_size} tokens = {blocks_per_seq * per_block:,} bytes, but the budget "
             f"({budget.derivation}) holds {num_blocks} blocks. Lower max_model_len, or raise "
             f"kv_cache_memory_bytes / gpu_memory_utilization."
         )
