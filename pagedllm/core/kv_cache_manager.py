@@ -28,7 +28,11 @@ from pagedllm.core.kv_cache_utils import (
     root_block_hash,
 )
 from pagedllm.core.request import Request
-from pagedllm.core.single_type_kv_cache_manager import SingleTypeKVCacheManager, SlidingWindowManager
+from pagedllm.core.single_type_kv_cache_manager import (
+    FullAttentionManager,
+    SingleTypeKVCacheManager,
+    SlidingWindowManager,
+)
 
 
 @dataclass
@@ -82,7 +86,7 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching, use_null_block=groups.has_sliding_window)
         self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             SlidingWindowManager(g.kv_cache_spec, self.block_pool, i) if isinstance(g.kv_cache_spec, SlidingWindowSpec)
-            else SingleTypeKVCacheManager(g.kv_cache_spec, self.block_pool, i)
+            else FullAttentionManager(g.kv_cache_spec, self.block_pool, i)
             for i, g in enumerate(groups.groups)
         )
         self.hash_fn = get_hash_fn(hash_algo)
@@ -91,10 +95,6 @@ class KVCacheManager:
         # Prefix-cache statistics in tokens (read and reset by the scheduler each step).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.managers)
 
     def _update_block_hashes(self, request: Request, num_full_blocks: int) -> None:
         extend_block_hashes(
