@@ -145,3 +145,28 @@ def test_sliding_window_spec_bounds():
     assert FULL.max_num_blocks(4096, 8) == 512
     with pytest.raises(ValueError, match="sliding_window"):
         SlidingWindowSpec(BS, 2, 16, 4, 0)
+
+
+def test_scheduler_sends_a_table_per_group_with_null_blocks_after_a_hit():
+    from pagedllm.config import SchedulerConfig
+    from pagedllm.core.scheduler import Scheduler
+    from pagedllm.messages.engine_core import EngineCoreRequest
+    from pagedllm.messages.runner_output import ModelRunnerOutput
+    from pagedllm.sampling_params import SamplingParams
+
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
+    s = Scheduler(config, KVCacheManager(64, BS, kv_cache_groups=group_layers(specs("sf"))))
+    prompt = list(range(1, 61))  # 60 tokens, then one more
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    for req_id in ("a", "b"):
+        s.add_request(EngineCoreRequest(req_id, prompt + [100], params, 0, 0.0))
+        out = s.schedule()
+        (new,) = out.scheduled_new_reqs
+        s.update_from_output(out, ModelRunnerOutput([req_id], {req_id: 0}, [[5]]))
+    # "b" hit the 7 full blocks of "a": all 7 in the full group, the window's 2 in the sliding one.
+    assert new.num_computed_tokens == 56 and len(new.block_ids) == 2
+    full_ids, sliding_ids = new.block_ids
+    assert len(full_ids) == len(sliding_ids) == 8
+    assert sliding_ids[:5] == [0] * 5 and 0 not in sliding_ids[5:] and 0 not in full_ids
+    assert not s.kv_cache_manager.has_requests()
+    s.kv_cache_manager.block_pool.check_integrity()
