@@ -2,8 +2,10 @@
 Qwen2 of 4 layers (sliding, full, sliding, sliding; window 16, blocks of 8), prompts and
 generations far past the window. Greedy output token-identical to transformers float32
 under chunked prefill crossing window boundaries, with a warm prefix-cache run equal to the
-cold one, and under preemption; the KV-cache sizing of the same budget against the model's
-all-full-attention variant."""
+cold one, under preemption, with a draft model (lookahead slots in every group; the draft
+writes through the full-attention group's table) and with two pipeline stages (each
+allocating its layers' share of the shared cache tensors); the KV-cache sizing of the same
+budget against the model's all-full-attention variant."""
 
 from __future__ import annotations
 
@@ -16,7 +18,14 @@ from pagedllm import SamplingParams
 from pagedllm.config import EngineArgs
 from pagedllm.core.kv_cache_interface import cdiv
 from pagedllm.worker.kv_cache_sizing import kv_cache_budget, kv_cache_groups, num_kv_blocks
-from tests.helpers import check_block_accounting, float32_llm, hf_greedy, model_runner, random_prompts
+from tests.helpers import (
+    can_host_workers,
+    check_block_accounting,
+    float32_llm,
+    hf_greedy,
+    model_runner,
+    random_prompts,
+)
 
 WINDOW, BLOCK = 16, 8
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
@@ -86,6 +95,29 @@ def test_preemption_matches_transformers(hybrid, prompts):
     for prompt, output, ref in zip(prompts, outputs, expected):
         assert output.outputs[0].token_ids == ref, f"prompt of {len(prompt)} tokens diverged"
     check_block_accounting(llm)
+
+
+def test_draft_model_matches_transformers(hybrid, prompts):
+    expected = _expected(hybrid, prompts)
+    llm = float32_llm(hybrid, {**BASE, "max_num_batched_tokens": 16,
+                               "speculative_config": {"model": str(hybrid), "num_speculative_tokens": 3}})
+    outputs = _generate(llm, prompts)
+    for prompt, output, ref in zip(prompts, outputs, expected):
+        assert output.outputs[0].token_ids == ref, f"prompt of {len(prompt)} tokens diverged"
+    check_block_accounting(llm)
+
+
+@pytest.mark.skipif(not can_host_workers(2), reason="needs 2 cores (CPU) or 2 GPUs (CUDA)")
+def test_two_pipeline_stages_match_transformers(hybrid, prompts):
+    expected = _expected(hybrid, prompts)
+    llm = float32_llm(hybrid, {**BASE, "max_num_batched_tokens": 16, "pipeline_parallel_size": 2})
+    try:
+        outputs = _generate(llm, prompts)
+        for prompt, output, ref in zip(prompts, outputs, expected):
+            assert output.outputs[0].token_ids == ref, f"prompt of {len(prompt)} tokens diverged"
+        check_block_accounting(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 
 def test_same_budget_admits_more_long_requests_than_all_full_attention(checkpoint_factory, caplog):
