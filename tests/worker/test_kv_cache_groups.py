@@ -97,6 +97,26 @@ def test_preemption_matches_transformers(hybrid, prompts):
     check_block_accounting(llm)
 
 
+def test_groups_of_two_layers_with_padding_match_transformers(checkpoint_factory, prompts):
+    """5 layers, 3 sliding : 2 full: groups of 2 ((2, 4) full, (0, 3) and (1,) sliding, the
+    last padded), so 2 cache tensors, each shared by one layer of every group."""
+    path = checkpoint_factory("Qwen2ForCausalLM", num_hidden_layers=5, use_sliding_window=True, sliding_window=WINDOW,
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                           "sliding_attention", "full_attention"], seed=43)
+    expected = _expected(path, prompts)
+    llm = float32_llm(path, {**BASE, "max_num_batched_tokens": 16})
+    groups = llm.llm_engine.engine_core.kv_cache_manager.kv_cache_groups
+    assert [g.layer_indices for g in groups.groups] == [(2, 4), (0, 3), (1,)] and groups.group_size == 2
+    caches = [layer.kv_cache.data_ptr() for layer in model_runner(llm).attention_layers]
+    assert caches[0] == caches[1] == caches[2] != caches[3] == caches[4]
+    for run in range(2):
+        outputs = _generate(llm, prompts)
+        for prompt, output, ref in zip(prompts, outputs, expected):
+            assert output.outputs[0].token_ids == ref, f"run {run}: prompt of {len(prompt)} tokens diverged"
+    assert outputs[0].num_cached_tokens == 56
+    check_block_accounting(llm)
+
+
 def test_draft_model_matches_transformers(hybrid, prompts):
     expected = _expected(hybrid, prompts)
     llm = float32_llm(hybrid, {**BASE, "max_num_batched_tokens": 16,
