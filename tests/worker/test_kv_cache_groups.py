@@ -21,6 +21,7 @@ from pagedllm.worker.kv_cache_sizing import kv_cache_budget, kv_cache_groups, nu
 from tests.helpers import (
     can_host_workers,
     check_block_accounting,
+    cpu_only,
     float32_llm,
     hf_greedy,
     model_runner,
@@ -33,6 +34,8 @@ MAX_TOKENS = 20
 #: Far past the window, one ending just after it, one whose chunks end on block boundaries.
 PROMPT_LENGTHS = [60, WINDOW + 1, 32]
 BASE = {"attention_backend": "TORCH_SDPA", "block_size": BLOCK}
+#: Both backends (each must keep freed blocks before a query's window out of its output).
+BACKENDS = ["TORCH_SDPA", pytest.param("CPU_ATTN", marks=cpu_only)]
 
 _references: dict = {}
 
@@ -63,9 +66,10 @@ def _generate(llm, prompts):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
-def test_chunked_prefill_and_prefix_hits_match_transformers(hybrid, prompts):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunked_prefill_and_prefix_hits_match_transformers(hybrid, prompts, backend):
     expected = _expected(hybrid, prompts)
-    llm = float32_llm(hybrid, {**BASE, "max_num_batched_tokens": 8})  # chunks of 8 cross the window's edge
+    llm = float32_llm(hybrid, {**BASE, "attention_backend": backend, "max_num_batched_tokens": 8})  # chunks of 8 cross the window's edge
     runner = model_runner(llm)
     groups = llm.llm_engine.engine_core.kv_cache_manager.kv_cache_groups
     assert [(g.layer_indices, getattr(g.kv_cache_spec, "sliding_window", None)) for g in groups.groups] == [
@@ -85,11 +89,13 @@ def test_chunked_prefill_and_prefix_hits_match_transformers(hybrid, prompts):
     check_block_accounting(llm)
 
 
-def test_preemption_matches_transformers(hybrid, prompts):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_preemption_matches_transformers(hybrid, prompts, backend):
     expected = _expected(hybrid, prompts)
     # 32 blocks of 8 tokens shared by 4 groups (one request needs at most 12 + 3 x 5, and
     # the null block): the batch needs more, so requests are preempted.
-    llm = float32_llm(hybrid, {**BASE, "max_model_len": 96, "max_num_batched_tokens": 16, "num_gpu_blocks_override": 32})
+    llm = float32_llm(hybrid, {**BASE, "attention_backend": backend, "max_model_len": 96, "max_num_batched_tokens": 16,
+                               "num_gpu_blocks_override": 32})
     outputs = _generate(llm, prompts)
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
     for prompt, output, ref in zip(prompts, outputs, expected):
