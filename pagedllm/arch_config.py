@@ -44,6 +44,7 @@ BEHAVIOUR_FREE_KEYS = frozenset({
     "pretraining_tp",  # not read by transformers' Llama since 4.4x: a split matmul, same math
     "_sliding_window_pattern",  # Gemma 3: the config expands it into layer_types at construction
     "resid_pdrop", "embd_pdrop",  # Phi-3's dropouts: off at inference
+    "output_router_logits", "router_aux_loss_coef", "router_jitter_noise",  # MoE training: aux loss, noise
 })
 
 #: Keys read by the engine rather than by the model code (the class, the dtype).
@@ -55,6 +56,10 @@ _LLAMA_FAMILY_KEYS = frozenset({
     "rope_parameters", "head_dim",
 })
 _WINDOW_KEYS = frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
+#: Qwen2-MoE / Qwen3-MoE: which layers hold experts, and their routing.
+_QWEN_MOE_KEYS = frozenset({
+    "decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size", "num_experts_per_tok", "norm_topk_prob",
+})
 
 #: Rope types ``RotaryEmbedding`` builds (transformers' ``ROPE_INIT_FUNCTIONS`` of the same names).
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
@@ -122,6 +127,20 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
         "attention_bias", "mlp_bias", "embedding_multiplier", "residual_multiplier", "attention_multiplier",
         "logits_scaling",
     }, "none"),
+    # Mixture of experts: the Llama family's keys and the routing's.
+    "MixtralForCausalLM": ArchConfig(
+        "mixtral", _LLAMA_FAMILY_KEYS | {"sliding_window", "num_local_experts", "num_experts_per_tok"}, "all"
+    ),
+    "Qwen2MoeForCausalLM": ArchConfig(
+        "qwen2_moe",
+        _LLAMA_FAMILY_KEYS | _WINDOW_KEYS | _QWEN_MOE_KEYS | {"num_experts", "shared_expert_intermediate_size", "qkv_bias"},
+        "layer_types",
+    ),
+    "Qwen3MoeForCausalLM": ArchConfig(
+        "qwen3_moe",
+        _LLAMA_FAMILY_KEYS | _QWEN_MOE_KEYS | {"num_local_experts", "attention_bias", "use_sliding_window", "sliding_window"},
+        "all",
+    ),
     # EAGLE heads: Llama configs (their own keys, ``bias`` ..., are not the class's).
     "EagleLlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
     "Eagle3LlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
@@ -263,6 +282,8 @@ def _problems(architecture: str, hf_config: Any) -> list[str]:
         if rope:
             problems.append(f"rope_parameters{f'[{layer_type!r}]' if layer_type else ''}: {rope}")
     window = _value(hf_config, "sliding_window")
+    if window == 0 and _value(hf_config, "use_sliding_window") is False:
+        window = None  # Qwen2-MoE's config class writes 0 for "no window"
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         problems.append(f"sliding_window={window!r} (a positive number of tokens or null)")
     if arch.windows == "layer_types":

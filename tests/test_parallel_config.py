@@ -1,6 +1,6 @@
 """``ParallelConfig.verify_with_model_config``: the start-up errors for tensor-parallel sizes
 that do not split the model, naming the numbers; more pipeline stages than layers; data and
-tensor parallelism together."""
+tensor parallelism together; --enable-expert-parallel reaching it."""
 
 from __future__ import annotations
 
@@ -51,3 +51,14 @@ def test_pipeline_stages_need_a_layer_each():
     ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=4).verify_with_model_config(_model(4, 2, layers=4))
     with pytest.raises(ValueError, match="pipeline_parallel_size 5 exceeds the model's num_hidden_layers 4: every stage"):
         ParallelConfig(pipeline_parallel_size=5).verify_with_model_config(_model(4, 2, layers=4))
+
+
+def test_enable_expert_parallel_flag_reaches_the_parallel_config():
+    from pagedllm.entrypoints.cli import build_parser
+    from pagedllm.entrypoints.openai.cli_args import engine_args_from
+
+    for argv, expected in (([], False), (["--enable-expert-parallel"], True)):
+        args = build_parser().parse_args(["serve", "-tp", "2", *argv])
+        args.model = args.model_tag or args.model
+        config = ParallelConfig.from_engine_args(engine_args_from(args), _model(4, 2))
+        assert config.enable_expert_parallel is expected

@@ -32,6 +32,9 @@ class ParallelConfig:
     distributed_executor_backend: Union[str, type, None] = None
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    #: Mixture-of-experts layers place whole experts over the tensor-parallel ranks
+    #: (``--enable-expert-parallel``; ``pagedllm.model_executor.layers.fused_moe``).
+    enable_expert_parallel: bool = False
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, model_config: ModelConfig) -> ParallelConfig:
@@ -45,6 +48,7 @@ class ParallelConfig:
             pipeline_parallel_size=args.pipeline_parallel_size,
             distributed_executor_backend=args.distributed_executor_backend,
             data_parallel_size=args.data_parallel_size,
+            enable_expert_parallel=args.enable_expert_parallel,
         )
         config.verify_with_model_config(model_config)
         return config

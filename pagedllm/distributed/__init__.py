@@ -4,6 +4,7 @@ and the arithmetic of sharding (``utils``)."""
 
 from pagedllm.distributed.parallel_state import (
     destroy_distributed_environment,
+    expert_parallel_enabled,
     get_comm_stats,
     get_pipeline_model_parallel_rank,
     get_pipeline_model_parallel_world_size,
@@ -22,6 +23,7 @@ from pagedllm.distributed.utils import divide, get_open_port, kv_heads_per_rank
 __all__ = [
     "destroy_distributed_environment",
     "divide",
+    "expert_parallel_enabled",
     "get_comm_stats",
     "get_open_port",
     "get_pipeline_model_parallel_rank",

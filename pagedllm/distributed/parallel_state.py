@@ -167,6 +167,7 @@ class GroupCoordinator:
 
 _tp_group: Optional[GroupCoordinator] = None
 _pp_group: Optional[GroupCoordinator] = None
+_expert_parallel = False
 
 
 def init_distributed_environment(
@@ -199,11 +200,13 @@ def init_distributed_environment(
     )
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> None:
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                              enable_expert_parallel: bool = False) -> None:
     """Build the tensor- and pipeline-parallel groups (ranks laid out as in the module
     docstring). Without ``torch.distributed`` (one process) both must be 1: groups of one.
     On CPU with shared-memory collectives chosen (``Platform.use_shared_memory_collectives``)
-    each TP group gets a ``ShmCommunicator``.
+    each TP group gets a ``ShmCommunicator``. ``enable_expert_parallel``: mixture-of-experts
+    layers place whole experts over the TP group (``expert_parallel_enabled``).
 
     Raises:
         ValueError: a size below 1, or tp x pp different from the world size.
@@ -219,6 +222,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
             f"(init_distributed_environment first for more than one process)."
         )
     destroy_model_parallel()
+    global _expert_parallel
+    _expert_parallel = enable_expert_parallel
     rank = dist.get_rank() if dist.is_initialized() else 0
     use_shm = world_size > 1 and current_platform.use_shared_memory_collectives()
     # Every process creates every group, in the same order (torch.distributed requires it).
@@ -241,10 +246,11 @@ def _new_group(ranks: list[int]) -> Optional[dist.ProcessGroup]:
 
 def destroy_model_parallel() -> None:
     """Forget the groups (releasing the shared-memory buffer); idempotent."""
-    global _tp_group, _pp_group
+    global _tp_group, _pp_group, _expert_parallel
     if _tp_group is not None:
         _tp_group.destroy()
     _tp_group = _pp_group = None
+    _expert_parallel = False
 
 
 def destroy_distributed_environment() -> None:
@@ -266,6 +272,12 @@ def get_tp_group() -> GroupCoordinator:
 def get_pp_group() -> GroupCoordinator:
     """This process's pipeline-parallel group (a group of one before ``initialize_model_parallel``)."""
     return _group(_pp_group)
+
+
+def expert_parallel_enabled() -> bool:
+    """Whether mixture-of-experts layers hold whole experts per TP rank (``--enable-expert-parallel``)
+    rather than a slice of every expert."""
+    return _expert_parallel
 
 
 def get_tensor_model_parallel_world_size() -> int:

@@ -11,7 +11,8 @@ rsLoRA (Kalajdzievski 2023; PEFT's ``use_rslora``).
 
 Supported: ``target_modules`` among the Llama family's q/k/v/o_proj and gate/up/down_proj,
 ``bias: "none"``. Refused with a ``ValueError`` naming the option: DoRA (``use_dora``),
-``modules_to_save``, extra vocabulary (embedding / lm_head adapters), per-module
+``modules_to_save``, extra vocabulary (embedding / lm_head adapters), mixture-of-experts
+experts (tensors under ``.experts.``), per-module
 ``rank_pattern`` / ``alpha_pattern``, a rank above ``max_lora_rank``, modules the model lacks
 and tensors whose shapes do not fit the base.
 """
@@ -33,6 +34,9 @@ TARGET_PARENTS = {
     "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
     "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
 }
+
+#: Why an adapter on mixture-of-experts experts (Mixtral's w1 / w2 / w3 ...) is refused.
+EXPERTS_REFUSED = "LoRA on mixture-of-experts experts (FusedMoE) is not supported"
 
 _WEIGHT_NAME = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])\.weight")
 
@@ -81,7 +85,8 @@ def read_adapter_config(lora_path: str) -> PeftAdapterConfig:
     unknown = sorted(t for t in targets if t not in TARGET_PARENTS)
     if unknown:
         raise ValueError(
-            f"{where}: target module(s) {unknown} are not in this model; LoRA applies to {sorted(TARGET_PARENTS)}."
+            f"{where}: target module(s) {unknown} are not in this model; LoRA applies to {sorted(TARGET_PARENTS)} "
+            f"({EXPERTS_REFUSED})."
         )
     r = raw.get("r")
     if not isinstance(r, int) or r < 1:
@@ -128,6 +133,8 @@ def parse_weight_name(name: str, lora_path: str) -> tuple[int, str, str]:
         ValueError: any other tensor (embedding or lm_head adapters: extra vocabulary;
             DoRA magnitudes; biases; modules outside the supported targets).
     """
+    if ".experts." in name:
+        raise ValueError(f"LoRA adapter {lora_path!r}: tensor {name!r} adapts an expert: {EXPERTS_REFUSED}.")
     match = _WEIGHT_NAME.fullmatch(name)
     if match is None or TARGET_PARENTS.get(match.group(3)) != match.group(2):
         raise ValueError(

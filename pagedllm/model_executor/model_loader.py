@@ -17,6 +17,7 @@ from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.attention.selector import set_attn_backend
 from pagedllm.config import ModelConfig
 from pagedllm.model_executor.layers.batch_invariant import use_batch_invariant_methods
+from pagedllm.model_executor.layers.rotary_embedding import rope_cache_scope
 from pagedllm.model_executor.gguf_weights import KERNEL_TYPES, iterate_gguf_weights, open_gguf, tensor_types
 from pagedllm.model_executor.layers.quantization import (
     ONLINE_QUANTIZATION_METHODS,
@@ -135,7 +136,7 @@ def get_model(model_config: ModelConfig, device: torch.device, attn_backend: typ
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
     try:
-        with torch.device(device), set_attn_backend(attn_backend):
+        with torch.device(device), set_attn_backend(attn_backend), rope_cache_scope():
             model = model_cls(model_config.hf_config, quant_config)
     finally:
         torch.set_default_dtype(old_dtype)

@@ -101,7 +101,8 @@ class Worker:
         if world_size > 1:
             current_platform.bind_worker(self.local_rank, local_world_size)
             init_distributed_environment(world_size, self.rank, self.distributed_init_method or "", self.local_rank)
-        initialize_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+        initialize_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+                                  parallel.enable_expert_parallel)
         self.device = current_platform.device
         torch.manual_seed(self.config.model_config.seed)
         cache_config = self.config.cache_config
@@ -129,7 +130,8 @@ class Worker:
         """
         spec = self.config.speculative_config
         return num_kv_blocks(self.config.model_config, self.config.cache_config, self._budget(),
-                             spec.draft_model_config if spec else None)
+                             spec.draft_model_config if spec else None, self.model_runner.kv_cache_groups,
+                             self.config.scheduler_config.max_num_batched_tokens)
 
     def _budget(self) -> KVCacheBudget:
         if self._kv_cache_budget is None:

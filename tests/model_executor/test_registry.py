@@ -22,7 +22,7 @@ def test_docs_models_md_is_up_to_date():
     [
         ("LlamaForCausalLm", ["Closest supported: LlamaForCausalLM"]),
         ("Gemma2ForCausalLMX", ["Closest supported: ", "Gemma3ForCausalLM"]),
-        ("MixtralForCausalLM", ["mixture-of-experts", "Closest supported: MistralForCausalLM"]),
+        ("PhimoeForCausalLM", ["mixture-of-experts", "Closest supported: Phi3ForCausalLM"]),
         ("MambaForCausalLM", ["recurrent (state-space / linear-attention) state"]),
         ("LlavaForConditionalGeneration", ["image-text model", "no vision encoder"]),
         ("BertModel", ["Supported architectures: ", "docs/models.md"]),

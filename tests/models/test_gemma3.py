@@ -14,8 +14,8 @@ from tests.models.utils import SCENARIOS, assert_logprobs_match, assert_scenario
 #: Two prompts past the 16-token windows, 6 tokens each: enough to preempt, cheap.
 PROMPT_LENGTHS, MAX_TOKENS = (30, 45), 6
 GEMMA3_CONFIG = dict(
-    num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
-    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    num_hidden_layers=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=16,
+    layer_types=["sliding_attention", "full_attention"],
     rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
 )

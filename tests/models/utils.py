@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Optional
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineArgs
+from pagedllm.worker.kv_cache_sizing import kv_cache_groups
 from tests.helpers import check_block_accounting, float32_llm, hf_greedy, hf_log_softmax, random_prompts
 
 #: Prompt lengths: short, one block, and past the 16-32 token windows the tests use.
@@ -62,6 +64,8 @@ def assert_scenario(path: Path, scenario: str, prompts: list[list[int]], max_tok
         the engine (pass it as ``llm`` to reuse it for another check).
     """
     kwargs = {**SCENARIOS[scenario], **engine_kwargs}
+    if "kv_blocks" in kwargs:
+        kwargs = _with_windowed_cache(path, kwargs)
     llm = llm or float32_llm(path, kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     expected = transformers_greedy(path, prompts, max_tokens)
@@ -79,6 +83,21 @@ def assert_scenario(path: Path, scenario: str, prompts: list[list[int]], max_tok
         assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0, "the scenario did not preempt"
     check_block_accounting(llm)
     return llm
+
+
+def _with_windowed_cache(path: Path, kwargs: dict) -> dict:
+    """``kwargs`` for a model with sliding windows: 16-token steps (a window's KV-cache group
+    holds its window plus a step's tokens per request) and ``kv_blocks`` one block more than
+    one ``max_model_len`` request can hold over all groups (so requests still outgrow the
+    cache); ``kwargs`` itself without windows."""
+    engine_args = {k: v for k, v in kwargs.items() if k != "kv_blocks"}
+    config = EngineArgs(model=str(path), dtype="float32", **engine_args).create_engine_config()
+    if config.model_config.sliding_window is None:
+        return kwargs
+    engine_args.setdefault("max_num_batched_tokens", 16)
+    groups = kv_cache_groups(EngineArgs(model=str(path), dtype="float32", **engine_args).create_engine_config())
+    needed = groups.max_num_blocks_per_request(config.model_config.max_model_len, engine_args["max_num_batched_tokens"])
+    return {**engine_args, "kv_blocks": needed + 1}
 
 
 def assert_logprobs_match(llm: LLM, path: Path, prompt: list[int], max_tokens: int = 4, tol: float = 1e-3) -> None:

@@ -33,8 +33,9 @@ returns new tensors. ``get_rope`` builds one per set of parameters and shares it
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -284,12 +285,27 @@ def _frozen(value: Any) -> Any:
 _ROPE_CACHE: dict[Any, RotaryEmbedding] = {}
 
 
+@contextlib.contextmanager
+def rope_cache_scope() -> Iterator[None]:
+    """Within the block, ``get_rope`` shares modules among the calls made in it only (one
+    model's construction: ``get_model``), so a model never holds another's rope, whose
+    device, dtype and kernel binding (``CustomOp``, bound at its first call) are that
+    other model's."""
+    global _ROPE_CACHE
+    outer, _ROPE_CACHE = _ROPE_CACHE, {}
+    try:
+        yield
+    finally:
+        _ROPE_CACHE = outer
+
+
 def get_rope(
     head_dim: int, rotary_dim: int, max_position: int, rope_parameters: Optional[dict],
     is_neox_style: bool = True, num_positions: Optional[int] = None,
 ) -> RotaryEmbedding:  # fmt: skip
     """The ``RotaryEmbedding`` of these parameters (vLLM's ``get_rope``): one module per set
-    of arguments and default device, shared by every layer (and model) asking for it.
+    of arguments and default device, shared by every layer asking for it (of one model,
+    inside ``rope_cache_scope``).
 
     Args:
         head_dim, max_position, is_neox_style, num_positions: as ``RotaryEmbedding``'s.

@@ -127,18 +127,21 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     """Gated MLP, down(act(gate(x)) * up(x)); this rank's ``intermediate_size / tp_size``
-    columns. ``act_fn``: the gated activation on [gate | up] (None: ``SiluAndMul``, SwiGLU)."""
+    columns (``intermediate_size`` None: the config's; a mixture-of-experts model's shared
+    expert passes its own). ``act_fn``: the gated activation on [gate | up] (None:
+    ``SiluAndMul``, SwiGLU)."""
 
     def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig], prefix: str,
-                 act_fn: Optional[nn.Module] = None) -> None:
+                 intermediate_size: Optional[int] = None, act_fn: Optional[nn.Module] = None) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
+        intermediate_size = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias=bias,
+            config.hidden_size, [intermediate_size] * 2, bias=bias,
             quant_config=quant_config, prefix=f"{prefix}.gate_up_proj",
         )
         self.down_proj = RowParallelLinear(
-            config.intermediate_size, config.hidden_size, bias=bias, quant_config=quant_config, prefix=f"{prefix}.down_proj"
+            intermediate_size, config.hidden_size, bias=bias, quant_config=quant_config, prefix=f"{prefix}.down_proj"
         )
         self.act_fn = SiluAndMul() if act_fn is None else act_fn
         #: Whether long inputs go through in row chunks (on CPU; see ``forward``).

@@ -20,8 +20,11 @@ from pagedllm.model_executor.models.llama import (
     Qwen3ForCausalLM,
 )
 from pagedllm.model_executor.models.llama_eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM
+from pagedllm.model_executor.models.mixtral import MixtralForCausalLM
 from pagedllm.model_executor.models.olmo2 import Olmo2ForCausalLM
 from pagedllm.model_executor.models.phi3 import Phi3ForCausalLM
+from pagedllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
+from pagedllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,14 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
     "Glm4ForCausalLM": SupportedModel(
         Glm4ForCausalLM, ("THUDM/GLM-4-9B-0414", "THUDM/GLM-Z1-9B-0414"),
         "norms before and after each block; q/k/v bias; partial rotary in interleaved pairs"),
+    # Mixture of experts (``FusedMoE``).
+    "MixtralForCausalLM": SupportedModel(
+        MixtralForCausalLM, ("mistralai/Mixtral-8x7B-Instruct-v0.1",), "mixture of experts (FusedMoE); sliding window"),
+    "Qwen2MoeForCausalLM": SupportedModel(
+        Qwen2MoeForCausalLM, ("Qwen/Qwen1.5-MoE-A2.7B-Chat", "Qwen/Qwen2-57B-A14B-Instruct"),
+        "mixture of experts (FusedMoE) with a gated shared expert; q/k/v bias"),
+    "Qwen3MoeForCausalLM": SupportedModel(
+        Qwen3MoeForCausalLM, ("Qwen/Qwen3-30B-A3B",), "mixture of experts (FusedMoE); per-head q/k RMSNorm"),
     # Speculative-decoding heads (``speculative_config`` methods "eagle" / "eagle3").
     "EagleLlamaForCausalLM": SupportedModel(
         EagleLlamaForCausalLM, ("yuhuili/EAGLE-LLaMA3.1-Instruct-8B",), "EAGLE draft head (speculative_config)"),
@@ -79,7 +90,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {arch: model.model_cls for arch, mo
 #: Families of unsupported architectures (a test on the name -> what pagedllm lacks for them).
 _FAMILIES = (
     (("Moe", "MoE", "Mixtral", "Deepseek", "GptOss", "Dbrx", "Arctic"),
-     "it is a mixture-of-experts model, and pagedllm has no expert layers (FusedMoE) for it yet"),
+     "it is a mixture-of-experts model whose routing and expert weights are not mapped onto FusedMoE yet"),
     (("Mamba", "Jamba", "Zamba", "Bamba", "FalconH1", "NemotronH", "Hybrid", "Rwkv", "Next"),
      "it keeps a recurrent (state-space / linear-attention) state, and pagedllm's KV cache has no state group yet"),
     (("ConditionalGeneration", "Llava", "VL", "Vision", "Mllama", "Idefics", "PaliGemma", "Pixtral", "Siglip"),
@@ -104,7 +115,8 @@ def get_model_class(architecture: str) -> type[nn.Module]:
 def unsupported_message(architecture: str) -> str:
     """The error text for an ``architecture`` not in ``MODEL_REGISTRY``."""
     parts = [f"Model architecture {architecture!r} is not supported yet"]
-    missing = next((why for names, why in _FAMILIES if any(n in architecture for n in names)), None)
+    lowered = architecture.lower()
+    missing = next((why for names, why in _FAMILIES if any(n.lower() in lowered for n in names)), None)
     if missing:
         parts.append(f": {missing}")
     close = difflib.get_close_matches(architecture, list(MODEL_REGISTRY), n=3, cutoff=0.6)

@@ -14,7 +14,8 @@ Elsewhere (or with ``PAGEDLLM_CPU_INT8_ACTIVATIONS=0``) activations stay in the 
 ``pagedllm.kernels.cpu.linear_w8`` streams one byte per weight for decode steps and sums in
 float32, and many rows (prefill) go through ``linear_dequant``, tiles of W dequantized into a
 bf16 GEMM. The lm_head keeps the model dtype (its error reaches the logits directly), as vLLM's
-weight-only methods do.
+weight-only methods do. ``FusedMoE`` experts (``Int8FusedMoEMethod``): each expert's W13 and
+W2 quantized the same way, one plan per matrix; routers stay in the model dtype.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from torch import nn
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.kernels import isa
 from pagedllm.model_executor.layers import cpu_gemm
+from pagedllm.model_executor.layers.fused_moe import FusedMoE, UnquantizedFusedMoEMethod
+from pagedllm.model_executor.layers.fused_moe.methods import split_experts
 from pagedllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from pagedllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from pagedllm.model_executor.layers.quantization.grouped import int8_activations_enabled
@@ -44,7 +47,8 @@ def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 class Int8Config(QuantizationConfig):
-    """Every linear layer gets ``Int8LinearMethod``; the lm_head keeps its own method."""
+    """Every linear layer gets ``Int8LinearMethod``, every ``FusedMoE`` ``Int8FusedMoEMethod``;
+    the lm_head keeps its own method."""
 
     @classmethod
     def get_name(cls) -> str:
@@ -55,6 +59,8 @@ class Int8Config(QuantizationConfig):
         return cls()
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
+        if isinstance(layer, FusedMoE):
+            return Int8FusedMoEMethod()
         return Int8LinearMethod() if isinstance(layer, LinearBase) else None
 
 
@@ -129,3 +135,17 @@ class Int8LinearMethod(UnquantizedLinearMethod):
 
     def describe_path(self, layer: nn.Module) -> str:
         return describe_int8(layer)
+
+
+class Int8FusedMoEMethod(UnquantizedFusedMoEMethod):
+    """Loads the experts like the unquantized method, then keeps each expert's W13 [2 x I, H]
+    and W2 [H, I] only in int8 form, per output channel (``store_int8`` on each of
+    ``fused_moe.methods.split_experts``' matrices)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Quantize the loaded experts; a second call changes nothing."""
+        int8_activations = int8_activations_enabled()
+        split_experts(layer, lambda m: store_int8(m, *quantize_int8_per_channel(m.weight.data), int8_activations))
+
+    def describe_path(self, layer: nn.Module) -> str:
+        return f"experts: {describe_int8(layer.w13_experts[0])}" if len(layer.w13_experts) else "experts: int8"

@@ -1,0 +1,234 @@
+"""``FusedMoE`` (vLLM's name): a mixture-of-experts feed-forward layer, the routed experts of
+one decoder layer, their weights stacked and held by a ``FusedMoEMethodBase``.
+
+Sharding over the tensor-parallel group (the router is replicated by the model):
+
+- tensor parallelism (default): every rank holds every expert, its 1 / tp of each expert's
+  intermediate dimension: rows of each half ([gate | up]) of W13, columns of W2; the ranks'
+  partial sums are added by one all-reduce (``reduce_results``), as the dense MLP's down_proj.
+- expert parallelism (``enable_expert_parallel``): rank r holds whole experts, a contiguous
+  range (``expert_range``: vLLM's placement, the first E % tp ranks one expert more), and
+  computes the tokens routed to them; the same all-reduce combines the ranks' outputs.
+
+Checkpoint tensors arrive per expert through ``weight_loader`` (``shard_id`` "w1" gate, "w3"
+up, "w2" down; vLLM's ids), or stacked for all experts (``load_stacked_experts``: the 3-D
+``gate_up_proj`` / ``down_proj`` of transformers' expert modules). ``missing_weights`` names
+what the checkpoint has not provided.
+
+At DEBUG level the logger of this module reports, per forward, the tokens routed to each
+expert (load balance): ``PAGEDLLM_LOGGING_LEVEL=DEBUG``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pagedllm.distributed import (
+    divide,
+    expert_parallel_enabled,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+)
+from pagedllm.model_executor.layers.activation import SiluAndMul
+from pagedllm.model_executor.layers.fused_moe.methods import FusedMoEMethodBase, UnquantizedFusedMoEMethod
+from pagedllm.model_executor.layers.fused_moe.router import RoutingFunction, select_experts
+from pagedllm.model_executor.layers.quantization import QuantizationConfig
+from pagedllm.model_executor.utils import load_weight_part
+
+logger = logging.getLogger(__name__)
+
+#: Checkpoint matrices of an expert, as ``weight_loader``'s shard ids: gate, down, up.
+EXPERT_SHARD_IDS = ("w1", "w2", "w3")
+#: transformers' stacked expert tensors -> the shard ids they hold, in order along their rows.
+STACKED_EXPERT_TENSORS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
+
+
+def expert_range(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int]:
+    """(first global expert id, number of experts) held by rank ``ep_rank`` of ``ep_size``:
+    contiguous ranges, the first ``num_experts % ep_size`` ranks holding one more (vLLM's
+    ``determine_expert_map``).
+
+    Raises:
+        ValueError: fewer experts than ranks (a rank would hold none).
+    """
+    if num_experts < ep_size:
+        raise ValueError(f"Expert parallelism over {ep_size} ranks needs at least {ep_size} experts, got {num_experts}.")
+    base, extra = divmod(num_experts, ep_size)
+    return ep_rank * base + min(ep_rank, extra), base + (ep_rank < extra)
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of a layer: ``forward(hidden_states [T, H], router_logits [T, E])
+    -> [T, H]`` (hidden_states' dtype; summed over the ranks when ``reduce_results``).
+
+    Args:
+        num_experts, top_k: experts E, and experts per token k.
+        hidden_size, intermediate_size: H, and each expert's I (all ranks together).
+        params_dtype: the weights' dtype (None: torch's default dtype).
+        reduce_results: whether ``forward`` all-reduces over the tensor-parallel ranks.
+        renormalize, use_grouped_topk, num_expert_group, topk_group, scoring_func,
+        routed_scaling_factor, e_score_correction_bias, custom_routing_function: the routing
+            (``router.select_experts``).
+        activation: the experts' activation ("silu": SwiGLU, the only one built).
+        quant_config: ``get_quant_method(self, prefix)`` may return a ``FusedMoEMethodBase``;
+            None (or a None answer): ``UnquantizedFusedMoEMethod``.
+        prefix: the layer's name in the model (``model.layers.0.mlp.experts``).
+        enable_expert_parallel: whole experts per rank (see the module docstring); None:
+            ``pagedllm.distributed.expert_parallel_enabled()`` (``--enable-expert-parallel``).
+
+    Raises:
+        ValueError: an activation not built, an I the tensor-parallel size does not divide,
+            fewer experts than expert-parallel ranks, or a quantization method for linear
+            layers only.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        params_dtype: Optional[torch.dtype] = None,
+        reduce_results: bool = False,
+        renormalize: bool = True,
+        use_grouped_topk: bool = False,
+        num_expert_group: Optional[int] = None,
+        topk_group: Optional[int] = None,
+        quant_config: Optional[QuantizationConfig] = None,
+        prefix: str = "",
+        custom_routing_function: Optional[RoutingFunction] = None,
+        scoring_func: str = "softmax",
+        routed_scaling_factor: float = 1.0,
+        e_score_correction_bias: Optional[torch.Tensor] = None,
+        activation: str = "silu",
+        enable_expert_parallel: Optional[bool] = None,
+    ) -> None:
+        super().__init__()
+        if activation != "silu":
+            raise ValueError(f"FusedMoE activation {activation!r} is not built (built: 'silu').")
+        self.global_num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
+        self.reduce_results, self.prefix = reduce_results, prefix
+        self.routing = dict(
+            renormalize=renormalize, use_grouped_topk=use_grouped_topk, num_expert_group=num_expert_group,
+            topk_group=topk_group, scoring_func=scoring_func, routed_scaling_factor=routed_scaling_factor,
+            custom_routing_function=custom_routing_function,
+        )
+        self.e_score_correction_bias = e_score_correction_bias
+        self.tp_size, self.tp_rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        expert_parallel = expert_parallel_enabled() if enable_expert_parallel is None else enable_expert_parallel
+        self.use_ep = expert_parallel and self.tp_size > 1
+        ep_size, ep_rank = (self.tp_size, self.tp_rank) if self.use_ep else (1, 0)
+        self.moe_tp_size, self.moe_tp_rank = (1, 0) if self.use_ep else (self.tp_size, self.tp_rank)
+        self.expert_start, self.local_num_experts = expert_range(num_experts, ep_size, ep_rank)
+        self.register_buffer("expert_map", self._expert_map(), persistent=False)
+        self.intermediate_size_per_partition = divide(intermediate_size, self.moe_tp_size)
+        self.act_fn = SiluAndMul()
+        method = None if quant_config is None else quant_config.get_quant_method(self, prefix)
+        if method is not None and not isinstance(method, FusedMoEMethodBase):
+            raise ValueError(f"{prefix}: quantization method {type(method).__name__} does not apply to FusedMoE experts.")
+        self.quant_method: FusedMoEMethodBase = method or UnquantizedFusedMoEMethod()
+        self.quant_method.create_weights(
+            self, self.local_num_experts, hidden_size, self.intermediate_size_per_partition,
+            params_dtype or torch.get_default_dtype(), weight_loader=self.weight_loader,
+        )
+        self._loaded: set[tuple[int, str]] = set()
+
+    def _expert_map(self) -> Optional[torch.Tensor]:
+        """[E] int64: global expert id -> local id, -1 for experts held elsewhere (None: all here)."""
+        if self.local_num_experts == self.global_num_experts:
+            return None
+        expert_map = torch.full((self.global_num_experts,), -1, dtype=torch.int64)
+        local = slice(self.expert_start, self.expert_start + self.local_num_experts)
+        expert_map[local] = torch.arange(self.local_num_experts)
+        return expert_map
+
+    def local_expert(self, expert_id: int) -> Optional[int]:
+        """This rank's index of global expert ``expert_id``, or None if another rank holds it.
+
+        Raises:
+            ValueError: an id outside 0 .. E - 1.
+        """
+        if not 0 <= expert_id < self.global_num_experts:
+            raise ValueError(f"{self.prefix}: expert {expert_id} does not exist (the layer has {self.global_num_experts}).")
+        local = expert_id - self.expert_start
+        return local if 0 <= local < self.local_num_experts else None
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id: str,
+                      expert_id: int) -> None:
+        """Copy this rank's part of expert ``expert_id``'s checkpoint matrix ``shard_id`` ("w1"
+        gate [I, H], "w3" up [I, H], "w2" down [H, I]; named ``weight_name``) into ``param``;
+        nothing if another rank holds the expert.
+
+        Raises:
+            ValueError: an unknown shard id or expert, or a shape that does not fit.
+        """
+        if shard_id not in EXPERT_SHARD_IDS:
+            raise ValueError(f"{weight_name}: unknown expert shard id {shard_id!r} (expected {', '.join(EXPERT_SHARD_IDS)}).")
+        local = self.local_expert(expert_id)
+        if local is None:
+            return
+        inter = self.intermediate_size_per_partition
+        if shard_id == "w2":
+            target, dim = param.data[local], 1
+        else:
+            target, dim = param.data[local].narrow(0, 0 if shard_id == "w1" else inter, inter), 0
+        try:
+            load_weight_part(target, loaded_weight, dim, self.moe_tp_rank, self.moe_tp_size)
+        except ValueError as error:
+            raise ValueError(f"Checkpoint tensor {weight_name!r}: {error}") from None
+        self._loaded.add((expert_id, shard_id))
+
+    def load_stacked_experts(self, name: str, loaded_weight: torch.Tensor, kind: str) -> None:
+        """Load a tensor holding every expert (``kind`` "gate_up_proj": [E, 2 x I, H], gate rows
+        then up rows; "down_proj": [E, H, I]; transformers' stacked expert parameters).
+
+        Raises:
+            ValueError: an unknown kind or a shape that does not fit.
+        """
+        shard_ids = STACKED_EXPERT_TENSORS.get(kind)
+        if shard_ids is None:
+            raise ValueError(f"Checkpoint tensor {name!r}: unknown stacked expert tensor {kind!r}.")
+        if loaded_weight.dim() != 3 or loaded_weight.shape[0] != self.global_num_experts:
+            raise ValueError(
+                f"Checkpoint tensor {name!r} has shape {tuple(loaded_weight.shape)}; expected "
+                f"[{self.global_num_experts}, ...] (one matrix per expert)."
+            )
+        param = self.w2_weight if kind == "down_proj" else self.w13_weight
+        for expert_id, matrix in enumerate(loaded_weight):
+            if len(shard_ids) == 1:
+                self.weight_loader(param, matrix, name, shard_ids[0], expert_id)
+                continue
+            if matrix.shape[0] % 2:
+                raise ValueError(f"Checkpoint tensor {name!r}: {matrix.shape[0]} rows do not split into gate and up.")
+            for shard_id, part in zip(shard_ids, matrix.chunk(2, dim=0)):
+                self.weight_loader(param, part, name, shard_id, expert_id)
+
+    def missing_weights(self) -> list[str]:
+        """``"expert <id> <shard id>"`` for each matrix of this rank's experts not loaded yet."""
+        held = range(self.expert_start, self.expert_start + self.local_num_experts)
+        return [f"expert {e} {s}" for e in held for s in EXPERT_SHARD_IDS if (e, s) not in self._loaded]
+
+    def select_experts(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """router_logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int64)."""
+        return select_experts(router_logits, self.top_k, e_score_correction_bias=self.e_score_correction_bias,
+                              **self.routing)
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.select_experts(router_logits)
+        if logger.isEnabledFor(logging.DEBUG):
+            counts = torch.bincount(topk_ids.reshape(-1), minlength=self.global_num_experts).tolist()
+            logger.debug("%s: %d tokens; tokens per expert %s", self.prefix, hidden_states.shape[0], counts)
+        out = self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
+        if self.reduce_results and self.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.local_num_experts}/{self.global_num_experts} (from {self.expert_start}), "
+                f"top_k={self.top_k}, hidden={self.hidden_size}, intermediate={self.intermediate_size_per_partition}, "
+                f"ep={self.use_ep}")

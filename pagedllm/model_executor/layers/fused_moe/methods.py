@@ -1,0 +1,115 @@
+"""How a ``FusedMoE`` layer stores and applies its experts: ``FusedMoEMethodBase`` (the
+LinearMethod seam for experts: ``create_weights``, ``process_weights_after_loading``,
+``apply``) and ``UnquantizedFusedMoEMethod`` (weights in the model dtype).
+
+A quantized format plugs in as another method: its ``QuantizationConfig.get_quant_method``
+returns it for a ``FusedMoE`` layer (None keeps the unquantized one), it creates parameters
+loaded through the layer's ``weight_loader`` and runs each expert inside
+``expert_groups.fused_experts``. Once loaded, a method may re-lay the stacked weights out as
+one ``ExpertMatrix`` per expert matrix (``split_experts``), each with its own ``cpu_gemm`` plan.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from pagedllm.model_executor.layers import cpu_gemm
+from pagedllm.model_executor.layers.fused_moe.expert_groups import fused_experts, group_by_expert
+from pagedllm.model_executor.layers.quantization import QuantizeMethodBase
+from pagedllm.model_executor.utils import set_weight_attrs
+from pagedllm.platforms import current_platform
+
+
+class ExpertMatrix(nn.Module):
+    """One expert's matrix W [out, in] and its matmul ``gemm_plan(x [n, in], bias) -> [n, out]``,
+    with the attributes ``cpu_gemm``'s plans and ``store_int8`` read of a linear layer
+    (``weight``, ``weight_fp32``, ``output_size_per_partition``); torch's matmul until prepared."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.register_buffer("weight_fp32", None, persistent=False)
+        self.output_size_per_partition = weight.shape[0]
+        self.gemm_plan = cpu_gemm.TorchGemm(self)
+
+
+def split_experts(layer: nn.Module, prepare: Callable[[ExpertMatrix], None]) -> None:
+    """Replace ``layer``'s stacked ``w13_weight`` / ``w2_weight`` by ``w13_experts`` /
+    ``w2_experts``, one ``ExpertMatrix`` per local expert, each passed to ``prepare`` (which
+    sets its layout and plan); a second call changes nothing."""
+    if not hasattr(layer, "w13_weight"):
+        return
+    for name in ("w13", "w2"):
+        matrices = nn.ModuleList(ExpertMatrix(w) for w in getattr(layer, f"{name}_weight").data)
+        for matrix in matrices:
+            prepare(matrix)
+        delattr(layer, f"{name}_weight")
+        setattr(layer, f"{name}_experts", matrices)
+
+
+class FusedMoEMethodBase(QuantizeMethodBase):
+    """How a ``FusedMoE`` layer stores its experts' W13 ([gate | up], [2 x I, H] each) and
+    W2 ([H, I] each) and computes the routed experts' weighted sum."""
+
+    @abstractmethod
+    def create_weights(
+        self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+        params_dtype: torch.dtype, **extra_weight_attrs: Any,
+    ) -> None:
+        """Register on ``layer`` what stores this rank's ``num_experts`` experts (their
+        ``intermediate_size_per_partition`` columns of I), each parameter with
+        ``extra_weight_attrs`` (``weight_loader``) as attributes."""
+
+    @abstractmethod
+    def expert_forward(self, layer: nn.Module, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        """Local expert ``expert``'s SwiGLU MLP on its tokens: rows [n, H] -> [n, H] (this
+        rank's intermediate columns only: a partial sum under tensor parallelism)."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H] with each token's ``topk_ids`` [T, k] (global expert ids, int64) and
+        ``topk_weights`` [T, k] (float32) -> [T, H] in x's dtype: the sum of this rank's
+        experts' weighted outputs (``expert_groups``: one ``expert_forward`` per active expert)."""
+        groups = group_by_expert(topk_weights, topk_ids, layer.local_num_experts, layer.expert_map)
+        return fused_experts(x, groups, lambda expert, rows: self.expert_forward(layer, expert, rows))
+
+
+class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
+    """``w13_weight`` [E, 2 x I, H] ([gate | up] rows per expert) and ``w2_weight`` [E, H, I]
+    in the model dtype (E, I: this rank's experts and intermediate columns); each expert is two
+    torch matmuls and ``layer.act_fn`` over its group of tokens."""
+
+    def create_weights(
+        self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+        params_dtype: torch.dtype, **extra_weight_attrs: Any,
+    ) -> None:
+        inter = intermediate_size_per_partition
+        for name, shape in (("w13_weight", (num_experts, 2 * inter, hidden_size)),
+                            ("w2_weight", (num_experts, hidden_size, inter))):
+            weight = nn.Parameter(torch.empty(shape, dtype=params_dtype), requires_grad=False)
+            set_weight_attrs(weight, extra_weight_attrs)
+            layer.register_parameter(name, weight)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """On CPU, 16-bit experts that this machine has no native matmul for get one
+        ``linear_w16`` plan per matrix (``cpu_gemm.plan_unquantized``, no float32 copy: the
+        experts are most of the model); otherwise the stacked weights stay for torch's matmul."""
+        if (current_platform.is_cpu and hasattr(layer, "w13_weight")
+                and cpu_gemm.should_widen(layer.w13_weight.data[0])):
+            split_experts(layer, lambda matrix: setattr(matrix, "gemm_plan", cpu_gemm.plan_unquantized(matrix, False)))
+
+    def expert_forward(self, layer: nn.Module, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        if hasattr(layer, "w13_experts"):
+            gate_up = layer.w13_experts[expert].gemm_plan(rows, None)
+            return layer.w2_experts[expert].gemm_plan(layer.act_fn(gate_up), None)
+        gate_up = torch.mm(rows, layer.w13_weight[expert].t())
+        return torch.mm(layer.act_fn(gate_up), layer.w2_weight[expert].t())
+
+    def describe_path(self, layer: nn.Module) -> str:
+        if hasattr(layer, "w13_experts"):
+            return f"experts: {layer.w13_experts[0].gemm_plan.describe()}" if len(layer.w13_experts) else "experts"
+        return f"experts: torch {str(layer.w13_weight.dtype).removeprefix('torch.')} matmul"
