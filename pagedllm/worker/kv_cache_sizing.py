@@ -2,7 +2,8 @@
 
 bytes per token = 2 (K and V) x num_layers x num_kv_heads x head_dim x cache dtype bytes
 (the model's dtype, or 1 for an FP8 cache: ``--kv-cache-dtype fp8`` holds twice the tokens of
-a 16-bit cache in the same budget);
+a 16-bit cache in the same budget); with multi-head latent attention (``ModelConfig.use_mla``)
+1 (the latent) x num_layers x 1 x (kv_lora_rank + qk_rope_head_dim) x dtype bytes;
 bytes per block = bytes per token x block_size. ``num_kv_heads`` is this rank's (the KV heads
 its attention layers hold; all of them at tensor-parallel size 1), ``num_layers`` this
 pipeline stage's (all of them at pipeline-parallel size 1).
@@ -40,7 +41,8 @@ def kv_bytes_per_token(model_config: ModelConfig, cache_dtype: Optional[torch.dt
     """KV-cache bytes one token occupies across this stage's layers on this rank, in a cache
     of ``cache_dtype`` (None: the model's dtype; see ``CacheConfig.kv_cache_dtype``)."""
     itemsize = (cache_dtype or model_config.dtype).itemsize
-    return 2 * num_layers_per_stage(model_config) * num_kv_heads_per_rank(model_config) * model_config.head_dim * itemsize
+    return (model_config.num_kv_cache_tensors * num_layers_per_stage(model_config) * num_kv_heads_per_rank(model_config)
+            * model_config.head_dim * itemsize)
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ def num_kv_blocks(
     if num_blocks < blocks_per_seq:
         raise ValueError(
             f"The KV cache cannot hold one sequence of max_model_len = {max_len} tokens. "
-            f"KV bytes per token = 2 x num_layers ({num_layers_per_stage(model_config)}) x num_kv_heads "
+            f"KV bytes per token = {model_config.num_kv_cache_tensors} x num_layers ({num_layers_per_stage(model_config)}) x num_kv_heads "
             f"({num_kv_heads_per_rank(model_config)}) x head_dim ({model_config.head_dim}) x dtype bytes "
             f"({cache_dtype.itemsize}) = {per_token:,}; one sequence needs {blocks_per_seq} blocks "
             f"of {cache_config.block_size} tokens = {blocks_per_seq * per_block:,} bytes, but the budget "

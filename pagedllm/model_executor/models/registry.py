@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from pagedllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedllm.model_executor.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -24,6 +25,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    # Multi-head latent attention (``TORCH_MLA``) with DeepSeekMoE.
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     # Speculative-decoding heads (``speculative_config`` methods "eagle" / "eagle3").
     "EagleLlamaForCausalLM": EagleLlamaForCausalLM,
     "Eagle3LlamaForCausalLM": Eagle3LlamaForCausalLM,
