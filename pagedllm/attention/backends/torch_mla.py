@@ -79,12 +79,15 @@ class TorchMLAImpl(AttentionImpl[TorchSDPAMetadata]):
         w_uk, w_uv = layer.absorbed_weights(query.dtype)
         nope = layer.qk_nope_head_dim
         q_latent = torch.einsum("nhd,hdl->nhl", query[..., :nope], w_uk)
-        q = torch.cat((q_latent, query[..., nope:]), dim=-1).unsqueeze(1)  # [N, 1, H, L + R]
-        context = self._gather(kv_cache, md.decode_block_table, md.decode_valid, query.dtype).unsqueeze(1)
-        latent_values = context[..., : layer.kv_lora_rank]
-        out = F.scaled_dot_product_attention(q, context, latent_values, attn_mask=md.decode_valid[:, None, None, :],
-                                             scale=self.scale)  # [N, 1, H, kv_lora_rank]
-        return torch.einsum("nhl,hvl->nhv", out[:, 0], w_uv)
+        q = torch.cat((q_latent, query[..., nope:]), dim=-1)  # [N, H, L + R]
+        context = self._gather(kv_cache, md.decode_block_table, md.decode_valid, query.dtype)  # [N, len, L + R]
+        # NOTE: explicit products: one KV head of width L + R, values of width L (SDPA's
+        # general path is slower here on CPU).
+        scores = torch.bmm(q, context.transpose(1, 2)).mul_(self.scale)
+        scores.masked_fill_(~md.decode_valid[:, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(query.dtype)
+        out = torch.bmm(probs, context[..., : layer.kv_lora_rank])  # [N, H, kv_lora_rank]
+        return torch.einsum("nhl,hvl->nhv", out, w_uv)
 
     def _prefill(self, layer: nn.Module, query: torch.Tensor, kv_cache: torch.Tensor,
                  md: TorchSDPAMetadata) -> torch.Tensor:
