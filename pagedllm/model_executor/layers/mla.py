@@ -81,7 +81,7 @@ class MLAAttention(Attention):
     def forward(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """q [T, H, qk_nope_head_dim + qk_rope_head_dim] (rope part rotated), kv_c [T,
         kv_lora_rank] (normalised), k_pe [T, qk_rope_head_dim] (rotated) -> [T, H * v_head_dim]."""
-        out = self.impl.forward(self, q, kv_c, k_pe, self.kv_cache, get_forward_context())
+        out = self.impl.forward(self, q, kv_c, k_pe, self.kv_cache, get_forward_context(self.kv_cache_group_id))
         return out.reshape(q.shape[0], -1)
 
     def absorbed_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
