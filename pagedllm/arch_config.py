@@ -61,6 +61,14 @@ _QWEN_MOE_KEYS = frozenset({
     "decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size", "num_experts_per_tok", "norm_topk_prob",
 })
 
+#: DeepSeek-V2 / V3: multi-head latent attention, and the DeepSeekMoE layers and routing.
+_DEEPSEEK_KEYS = frozenset({
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "qk_head_dim", "v_head_dim",
+    "attention_bias", "first_k_dense_replace", "moe_layer_freq", "n_routed_experts", "n_shared_experts",
+    "moe_intermediate_size", "num_experts_per_tok", "n_group", "topk_group", "routed_scaling_factor",
+    "norm_topk_prob",  # V3's router renormalises with it; transformers' V2 router does not read it
+})
+
 #: Rope types ``RotaryEmbedding`` builds (transformers' ``ROPE_INIT_FUNCTIONS`` of the same names).
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 #: Keys each rope type reads with no default (transformers' compute functions index them).
@@ -140,6 +148,13 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
         "qwen3_moe",
         _LLAMA_FAMILY_KEYS | _QWEN_MOE_KEYS | {"num_local_experts", "attention_bias", "use_sliding_window", "sliding_window"},
         "all",
+    ),
+    "DeepseekV2ForCausalLM": ArchConfig(
+        "deepseek_v2", _LLAMA_FAMILY_KEYS | _DEEPSEEK_KEYS | {"topk_method", "mlp_bias"}, "none"
+    ),
+    # ``num_nextn_predict_layers``: multi-token-prediction layers past the decoder, not run.
+    "DeepseekV3ForCausalLM": ArchConfig(
+        "deepseek_v3", _LLAMA_FAMILY_KEYS | _DEEPSEEK_KEYS | {"rope_interleave", "num_nextn_predict_layers"}, "none"
     ),
     # EAGLE heads: Llama configs (their own keys, ``bias`` ..., are not the class's).
     "EagleLlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),

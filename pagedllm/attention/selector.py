@@ -6,7 +6,9 @@ backend of ``current_platform.attn_backend_preference`` that can run with the mo
 size and dtype, the block size, and the attention features the model uses (sliding windows,
 logits soft caps, sinks; on CPU: ``CPU_ATTN`` when the C++ kernels build, else
 ``TORCH_SDPA``; both have every feature); when it passes over a backend it logs why (INFO,
-once per reason). Another backend (a CUDA one, a test's) joins with
+once per reason). A model with multi-head latent attention (``use_mla``: DeepSeek-V2 / V3)
+runs on an MLA backend (``AttentionBackend.is_mla``; built: ``TORCH_MLA``), any other on a
+backend that is not one. Another backend (a CUDA one, a test's) joins with
 ``register_attn_backend`` and is then chosen by name.
 
 ``Attention`` layers are built inside ``set_attn_backend(backend)`` (``get_model``'s
@@ -25,6 +27,7 @@ import torch
 from pagedllm import envs
 from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.attention.backends.cpu_attn import CpuAttnBackend
+from pagedllm.attention.backends.torch_mla import TorchMLABackend
 from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend
 from pagedllm.platforms import current_platform
 
@@ -53,7 +56,7 @@ def registered_attn_backends() -> list[str]:
 def get_attn_backend(
     head_size: int, dtype: torch.dtype, block_size: Optional[int], name: Optional[str] = None,
     kv_cache_dtype: str = "auto", uses_sliding_window: bool = False, uses_logits_soft_cap: bool = False,
-    has_sinks: bool = False,
+    has_sinks: bool = False, use_mla: bool = False,
 ) -> type[AttentionBackend]:
     """The backend to run: ``name`` (case-insensitive), else ``$PAGEDLLM_ATTENTION_BACKEND``,
     else the platform's first that can run.
@@ -67,6 +70,8 @@ def get_attn_backend(
             support windows, ``AttentionBackend.supports_sliding_window``);
         uses_logits_soft_cap, has_sinks: likewise, a logits soft cap, attention sinks
             (``supports_logits_soft_cap``, ``supports_sinks``).
+        use_mla: the model's attention is MLA: only MLA backends qualify (automatic: the
+            registered ones, in order); else only the others.
 
     Raises:
         ValueError: an unknown name (the message lists the registered ones), a named backend
@@ -81,11 +86,14 @@ def get_attn_backend(
                 f"Unknown attention backend {name!r}; registered backends: {', '.join(_registry)}."
             )
         reasons = backend.validate_configuration(head_size, dtype, block_size, kv_cache_dtype, *features)
+        if backend.is_mla() != use_mla:
+            reasons.append("the model's attention is MLA" if use_mla else "it runs MLA only, which the model does not use")
         if reasons:
             raise ValueError(f"Attention backend {backend.get_name()} cannot run here: {'; '.join(reasons)}.")
         return backend
     rejected = []
-    for candidate in current_platform.attn_backend_preference:
+    preference = [n for n, b in _registry.items() if b.is_mla()] if use_mla else current_platform.attn_backend_preference
+    for candidate in preference:
         backend = _registry.get(candidate)
         if backend is None:  # registered later, if at all (e.g. a CUDA backend)
             continue
@@ -140,5 +148,5 @@ def get_current_attn_backend(
     return _model_backend
 
 
-for _builtin in (CpuAttnBackend, TorchSDPABackend):
+for _builtin in (CpuAttnBackend, TorchSDPABackend, TorchMLABackend):
     register_attn_backend(_builtin)

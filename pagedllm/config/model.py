@@ -116,13 +116,32 @@ class ModelConfig:
         return self.hf_config.num_hidden_layers
 
     @property
+    def use_mla(self) -> bool:
+        """Whether the model's attention is multi-head latent attention (DeepSeek-V2 / V3:
+        a ``kv_lora_rank``; vLLM's ``ModelConfig.use_mla``): its KV cache holds one latent
+        per token and layer (``num_kv_heads`` 1 of ``head_dim`` kv_lora_rank + qk_rope_head_dim)."""
+        return getattr(self.hf_config, "kv_lora_rank", None) is not None
+
+    @property
     def num_kv_heads(self) -> int:
+        """KV heads of a layer's cache (all ranks): 1 with MLA (vLLM's ``get_num_kv_heads``)."""
+        if self.use_mla:
+            return 1
         return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
 
     @property
     def head_dim(self) -> int:
+        """Channels of one cached head: with MLA the latent's, kv_lora_rank + qk_rope_head_dim
+        (vLLM's ``get_head_size``)."""
+        if self.use_mla:
+            return self.hf_config.kv_lora_rank + self.hf_config.qk_rope_head_dim
         explicit = getattr(self.hf_config, "head_dim", None)
         return explicit or self.hf_config.hidden_size // self.hf_config.num_attention_heads
+
+    @property
+    def num_kv_cache_tensors(self) -> int:
+        """Tensors cached per layer and token: 2 (keys and values), 1 with MLA (the latent)."""
+        return 1 if self.use_mla else 2
 
     @property
     def vocab_size(self) -> int:

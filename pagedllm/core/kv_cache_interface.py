@@ -88,7 +88,22 @@ class SlidingWindowSpec(AttentionSpec):
         return f"sliding window {self.sliding_window}"
 
 
-KVCacheSpec = Union[FullAttentionSpec, SlidingWindowSpec]
+@dataclass(frozen=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """A multi-head latent attention layer (vLLM's ``MLAAttentionSpec``): full attention
+    whose cache holds one latent per token (``num_kv_heads`` 1 of ``head_size``
+    kv_lora_rank + qk_rope_head_dim), not keys and values."""
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block of this layer: the latents of ``block_size`` tokens."""
+        return self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
+
+    def describe(self) -> str:
+        return "latent attention (MLA)"
+
+
+KVCacheSpec = Union[FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec]
 
 
 @dataclass(frozen=True)
@@ -165,10 +180,13 @@ def group_layers(layer_specs: Sequence[KVCacheSpec]) -> KVCacheGroups:
 
 def layer_kv_cache_specs(
     layer_windows: Sequence[Optional[int]], block_size: int, num_kv_heads: int, head_size: int, dtype_bytes: int,
+    use_mla: bool = False,
 ) -> list[KVCacheSpec]:
-    """Each layer's spec from its attention window (None: full attention)."""
+    """Each layer's spec from its attention window (None: full attention; with ``use_mla``
+    latent attention, ``MLAAttentionSpec``)."""
+    full = MLAAttentionSpec if use_mla else FullAttentionSpec
     return [
-        FullAttentionSpec(block_size, num_kv_heads, head_size, dtype_bytes) if window is None
+        full(block_size, num_kv_heads, head_size, dtype_bytes) if window is None
         else SlidingWindowSpec(block_size, num_kv_heads, head_size, dtype_bytes, window)
         for window in layer_windows
     ]

@@ -2,7 +2,9 @@
 
 A layer's page (one block of it) = 2 (K and V) x block_size x num_kv_heads x head_dim x
 cache dtype bytes (the model's dtype, or 1 for an FP8 cache: ``--kv-cache-dtype fp8`` holds
-twice the tokens of a 16-bit cache in the same budget). Layers are grouped by attention
+twice the tokens of a 16-bit cache in the same budget); with multi-head latent attention
+(``ModelConfig.use_mla``) 1 (the latent) x block_size x 1 x (kv_lora_rank + qk_rope_head_dim)
+x dtype bytes. Layers are grouped by attention
 kind (``pagedllm.core.kv_cache_interface``); bytes per block = the page x the cache tensors
 of this pipeline stage (the most layers of one group it holds: all its layers with one
 kind of attention). ``num_kv_heads`` is this rank's (the KV heads its attention layers
@@ -75,7 +77,7 @@ def _groups(model_config: ModelConfig, cache_config: CacheConfig, windows: list[
     num_kv_heads = kv_heads_per_rank(model_config.num_kv_heads, tp_size)
     dtype_bytes = cache_config.kv_cache_dtype(model_config.dtype).itemsize
     return group_layers(layer_kv_cache_specs(windows, cache_config.block_size, num_kv_heads, model_config.head_dim,
-                                             dtype_bytes))
+                                             dtype_bytes, use_mla=model_config.use_mla))
 
 
 def kv_bytes_per_block(model_config: ModelConfig, groups: KVCacheGroups,
@@ -101,7 +103,8 @@ def kv_bytes_per_token(model_config: ModelConfig, cache_dtype: Optional[torch.dt
     """KV-cache bytes one token occupies across this stage's layers on this rank, in a cache
     of ``cache_dtype`` (None: the model's dtype; see ``CacheConfig.kv_cache_dtype``)."""
     itemsize = (cache_dtype or model_config.dtype).itemsize
-    return 2 * num_layers_per_stage(model_config) * num_kv_heads_per_rank(model_config) * model_config.head_dim * itemsize
+    return (model_config.num_kv_cache_tensors * num_layers_per_stage(model_config) * num_kv_heads_per_rank(model_config)
+            * model_config.head_dim * itemsize)
 
 
 @dataclass(frozen=True)
@@ -180,7 +183,7 @@ def num_kv_blocks(
                    f"grouped by attention kind" if len(groups.groups) > 1 else f"{num_tensors}")
         raise ValueError(
             f"The KV cache cannot hold one sequence of max_model_len = {max_len} tokens. "
-            f"KV bytes per token = 2 x num_layers ({tensors}) x num_kv_heads "
+            f"KV bytes per token = {model_config.num_kv_cache_tensors} x num_layers ({tensors}) x num_kv_heads "
             f"({num_kv_heads_per_rank(model_config)}) x head_dim ({model_config.head_dim}) x dtype bytes "
             f"({cache_dtype.itemsize}) = {per_block // block_size:,}; one sequence needs {blocks_per_seq} blocks "
             f"of {block_size} tokens = {blocks_per_seq * per_block:,} bytes, but the budget "

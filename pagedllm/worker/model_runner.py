@@ -108,7 +108,7 @@ class ModelRunner:
         self.attn_backend = get_attn_backend(
             self.model_config.head_dim, self.model_config.dtype, self.block_size, self.config.attention_config.backend,
             kv_cache_dtype=self.cache_config.cache_dtype,
-            uses_sliding_window=self.model_config.sliding_window is not None,
+            uses_sliding_window=self.model_config.sliding_window is not None, use_mla=self.model_config.use_mla,
         )
         logger.info("Attention backend: %s", self.attn_backend.get_name())
         self.attn_metadata_builder = self.attn_backend.get_builder_cls()(

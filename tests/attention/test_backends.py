@@ -72,6 +72,19 @@ def test_unsupported_configuration_is_refused(no_env, monkeypatch):
         selector.get_attn_backend(64, torch.float32, 8, "ONLY_16_TEST")
 
 
+def test_mla_models_run_on_an_mla_backend_only(no_env):
+    from pagedllm.attention.backends.torch_mla import TorchMLABackend
+
+    assert selector.get_attn_backend(40, torch.float32, 16, use_mla=True) is TorchMLABackend
+    assert selector.get_attn_backend(40, torch.float32, 16, "torch_mla", use_mla=True) is TorchMLABackend
+    with pytest.raises(ValueError, match="TORCH_SDPA cannot run here: the model's attention is MLA"):
+        selector.get_attn_backend(40, torch.float32, 16, "TORCH_SDPA", use_mla=True)
+    with pytest.raises(ValueError, match="TORCH_MLA cannot run here: it runs MLA only"):
+        selector.get_attn_backend(64, torch.float32, 16, "TORCH_MLA")
+    with pytest.raises(ValueError, match="TORCH_MLA cannot run here: kv_cache_dtype fp8 is not supported"):
+        selector.get_attn_backend(40, torch.float32, 16, "TORCH_MLA", kv_cache_dtype="fp8", use_mla=True)
+
+
 def _mixed_step(dtype: torch.dtype, block_size: int = 8, num_heads: int = 6, num_kv_heads: int = 2, head_dim: int = 64):
     """A step of 2 decodes, a whole 13-token prompt, a 7-token chunk after 21 cached tokens
     and a 16-token chunk after 32 (ending on a block boundary); block tables are random,

@@ -8,7 +8,8 @@ import logging
 
 import pytest
 import torch
-from transformers import DeepseekV3Config, GptOssConfig, MixtralConfig, Qwen2MoeConfig
+from transformers import DeepseekV2Config, DeepseekV3Config, GptOssConfig, MixtralConfig, Qwen2MoeConfig
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts, MixtralTopKRouter
@@ -75,6 +76,16 @@ def test_deepseek_v3_router_grouped_sigmoid_with_bias_and_scaling():
     # The bias moves the choice: without it other experts win for some tokens.
     unbiased = grouped_topk(logits, 4, True, 4, 2, "sigmoid", None, 2.5)
     assert not torch.equal(_by_expert(*unbiased)[1], _by_expert(*ours)[1])
+
+
+@pytest.mark.parametrize(("topk_method", "n_group", "topk_group"), [("greedy", 1, 1), ("group_limited_greedy", 4, 2)])
+def test_deepseek_v2_router_softmax_groups_scored_by_their_best(topk_method, n_group, topk_group):
+    config = DeepseekV2Config(hidden_size=HIDDEN, n_routed_experts=16, num_experts_per_tok=4, n_group=n_group,
+                              topk_group=topk_group, topk_method=topk_method, routed_scaling_factor=16.0)
+    logits, weights, ids = _randomized(DeepseekV2TopkRouter(config), 5)(_hidden(4))
+    ours = select_experts(logits, 4, renormalize=False, use_grouped_topk=True, num_expert_group=n_group,
+                          topk_group=topk_group, scoring_func="softmax", routed_scaling_factor=16.0)
+    _assert_same_routing(ours, (weights, ids))
 
 
 def test_gpt_oss_router_softmax_over_the_chosen():

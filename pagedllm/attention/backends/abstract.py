@@ -240,6 +240,12 @@ class AttentionBackend:
         return cls.impl_cls
 
     @classmethod
+    def is_mla(cls) -> bool:
+        """Whether the backend runs multi-head latent attention (``MLAAttention`` layers, a
+        latent cache) rather than ``Attention`` over keys and values (vLLM's ``is_mla``)."""
+        return False
+
+    @classmethod
     def supports_sliding_window(cls) -> bool:
         """Whether the backend masks keys older than a layer's ``sliding_window``."""
         return cls.impl_cls.supports_sliding_window

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from pagedllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedllm.model_executor.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.model_executor.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from pagedllm.model_executor.models.glm4 import Glm4ForCausalLM
@@ -78,6 +79,15 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         "mixture of experts (FusedMoE) with a gated shared expert; q/k/v bias"),
     "Qwen3MoeForCausalLM": SupportedModel(
         Qwen3MoeForCausalLM, ("Qwen/Qwen3-30B-A3B",), "mixture of experts (FusedMoE); per-head q/k RMSNorm"),
+    # Multi-head latent attention (``TORCH_MLA``) with DeepSeekMoE.
+    "DeepseekV2ForCausalLM": SupportedModel(
+        DeepseekV2ForCausalLM, ("deepseek-ai/DeepSeek-V2-Lite-Chat", "deepseek-ai/DeepSeek-V2.5"),
+        "multi-head latent attention (latent KV cache, TORCH_MLA); DeepSeekMoE with shared experts; softmax / "
+        "group-limited routing"),
+    "DeepseekV3ForCausalLM": SupportedModel(
+        DeepseekV3ForCausalLM, ("deepseek-ai/DeepSeek-V3", "deepseek-ai/DeepSeek-R1"),
+        "multi-head latent attention (latent KV cache, TORCH_MLA); DeepSeekMoE with shared experts; sigmoid "
+        "router with score bias and grouped top-k; YaRN"),
     # Speculative-decoding heads (``speculative_config`` methods "eagle" / "eagle3").
     "EagleLlamaForCausalLM": SupportedModel(
         EagleLlamaForCausalLM, ("yuhuili/EAGLE-LLaMA3.1-Instruct-8B",), "EAGLE draft head (speculative_config)"),

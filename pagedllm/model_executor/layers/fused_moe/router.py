@@ -10,9 +10,11 @@ row is not part of the contract (the expert outputs are summed).
   ``MixtralTopKRouter`` / ``Qwen2MoeTopKRouter``).
 - ``grouped_topk``: DeepSeek-V3's sigmoid (or softmax) scores, plus ``e_score_correction_bias``
   for the choice only; experts in ``num_expert_group`` groups, a group scored by the sum of its
-  two best biased scores, the ``topk_group`` best groups kept, the k best experts in them; the
-  weights are the unbiased scores, renormalised (+1e-20) with ``renormalize``, times
-  ``routed_scaling_factor`` (``DeepseekV3TopkRouter``).
+  two best biased scores (without a bias: by its best score, DeepSeek-V2's
+  ``group_limited_greedy``; vLLM's rule), the ``topk_group`` best groups kept, the k best
+  experts in them; the weights are the unbiased scores, renormalised (+1e-20) with
+  ``renormalize``, times ``routed_scaling_factor`` (``DeepseekV3TopkRouter``,
+  ``DeepseekV2TopkRouter``; V2's "greedy" is one group).
 - ``topk_softmax``: the k largest logits, then a softmax over those k only (gpt-oss's
   ``GptOssTopKRouter``).
 """
@@ -81,7 +83,10 @@ def grouped_topk(
     scores = _scores(router_logits.float(), scoring_func)
     choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
     grouped = choice.view(num_tokens, num_expert_group, per_group)
-    group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)
+    if e_score_correction_bias is None:
+        group_scores = grouped.max(dim=-1).values
+    else:
+        group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)
     kept_groups = torch.topk(group_scores, topk_group, dim=-1).indices
     group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
     choice = choice.masked_fill(~group_mask.repeat_interleave(per_group, dim=1), float("-inf"))
