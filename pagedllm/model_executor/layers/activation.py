@@ -1,4 +1,5 @@
-"""SwiGLU activation (Shazeer 2020, arXiv:2002.05202) on a fused [gate | up] input."""
+"""Gated activations on a fused [gate | up] input: SwiGLU (Shazeer 2020, arXiv:2002.05202)
+and gpt-oss's clamped variant."""
 
 import torch
 import torch.nn.functional as F
@@ -19,3 +20,22 @@ class SiluAndMul(CustomOp):
         if x.dim() == 2:
             return cpu_kernels.silu_and_mul(x)
         return self.forward_native(x)
+
+
+class SwigluOAIAndMul(CustomOp):
+    """[..., 2d] -> [..., d]: gpt-oss's clamped SwiGLU on [gate | up] halves (transformers'
+    ``GptOssExperts._apply_gate``, vLLM's "swigluoai"): gate clamped above at ``limit``, up to
+    [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    def __init__(self, alpha: float = 1.702, limit: float = 7.0) -> None:
+        super().__init__()
+        self.alpha, self.limit = float(alpha), float(limit)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return up.clamp(-self.limit, self.limit).add_(1.0).mul_(glu)
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, limit={self.limit}"
