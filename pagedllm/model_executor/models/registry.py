@@ -10,6 +10,7 @@ from pagedllm.model_executor.models.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from pagedllm.model_executor.models.gpt_oss import GptOssForCausalLM
 from pagedllm.model_executor.models.llama_eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM
 from pagedllm.model_executor.models.mixtral import MixtralForCausalLM
 from pagedllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -24,6 +25,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     # Speculative-decoding heads (``speculative_config`` methods "eagle" / "eagle3").
     "EagleLlamaForCausalLM": EagleLlamaForCausalLM,
     "Eagle3LlamaForCausalLM": Eagle3LlamaForCausalLM,
