@@ -6,8 +6,17 @@ on the dequantized weights."""
 
 from __future__ import annotations
 
-import pytest
+import json
+import logging
+import shutil
 
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagedllm.model_executor.layers.quantization import mxfp4 as mxfp4_module
+from pagedllm.model_executor.layers.quantization.mxfp4 import E2M1_VALUES, MXFP4_BLOCK, dequantize_mxfp4
+from tests.helpers import float32_llm
 from tests.models.utils import SCENARIOS, assert_scenario, prompts_for
 
 # swiglu_limit 1.0: the expert activations (std ~0.7 here) pass the clamp often. YaRN as the
@@ -27,3 +36,55 @@ def gpt_oss(checkpoint_factory):
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_greedy_equals_transformers(gpt_oss, scenario):
     assert_scenario(gpt_oss, scenario, prompts_for(1024))
+
+
+def _encode_mxfp4(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., rows, cols] float -> (blocks uint8 [..., rows, cols / 32, 16], scales uint8
+    [..., rows, cols / 32]) by the OCP MX spec: a block's shared scale 2^(floor(log2 amax) - 2)
+    (e2m1's largest exponent is 2), each element the nearest E2M1 value of x / scale (saturating
+    at +-6), two codes a byte, the even element in the low nibble."""
+    *lead, rows, cols = matrix.shape
+    x = matrix.float().reshape(*lead, rows, cols // MXFP4_BLOCK, MXFP4_BLOCK)
+    amax = x.abs().amax(dim=-1, keepdim=True).clamp(min=2.0**-126)
+    exponent = torch.floor(torch.log2(amax)) - 2
+    magnitudes = torch.tensor(E2M1_VALUES[:8])
+    scaled = (x / torch.exp2(exponent)).clamp(-6.0, 6.0)
+    codes = (scaled.abs()[..., None] - magnitudes).abs().argmin(dim=-1) | ((scaled < 0).long() << 3)
+    codes = codes.to(torch.uint8).reshape(*x.shape[:-1], MXFP4_BLOCK // 2, 2)
+    blocks = codes[..., 0] | (codes[..., 1] << 4)
+    return blocks, (exponent[..., 0] + 127).to(torch.uint8)
+
+
+def _write_like(source, target, tensors: dict, config_edit=None):
+    """A copy of checkpoint folder ``source`` at ``target`` holding ``tensors`` (config.json
+    edited by ``config_edit``)."""
+    shutil.copytree(source, target)
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    if config_edit is not None:
+        config = json.loads((target / "config.json").read_text())
+        config_edit(config)
+        (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def test_mxfp4_checkpoint_loads_dequantized(gpt_oss, tmp_path, caplog):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    weights, quantized, dequantized = load_file(gpt_oss / "model.safetensors"), {}, {}
+    for name, tensor in weights.items():
+        if not name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            quantized[name] = dequantized[name] = tensor
+            continue
+        blocks, scales = _encode_mxfp4(tensor.transpose(1, 2).contiguous())  # [E, out, in], as published
+        quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
+        dequantized[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # transformers' reading
+        assert torch.equal(dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2), dequantized[name])
+        assert not torch.equal(dequantized[name], tensor)  # really quantized
+    reference = _write_like(gpt_oss, tmp_path / "dequantized", dequantized)
+    mxfp4 = _write_like(gpt_oss, tmp_path / "mxfp4", quantized, lambda config: config.update(quantization_config={
+        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                            "model.embed_tokens", "lm_head"]}))
+    with caplog.at_level(logging.WARNING, logger=mxfp4_module.__name__):
+        llm = float32_llm(mxfp4, SCENARIOS["chunked_prefill"])
+    assert any("MXFP4 weights are dequantized to float32" in r.getMessage() for r in caplog.records)
+    assert_scenario(reference, "chunked_prefill", prompts_for(1024), llm=llm)
