@@ -2,7 +2,7 @@
 and prefix caching (attention sinks, alternating 16-token windows, YaRN rope, biased router and
 experts with a clamped SwiGLU whose clamp the activations reach); an MXFP4 checkpoint (the
 experts quantized by an encoder of the OCP MX spec) loads dequantized and equals transformers
-on the dequantized weights."""
+on the dequantized weights; over two tensor-parallel workers the output is the same."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from safetensors.torch import load_file, save_file
 
 from pagedllm.model_executor.layers.quantization import mxfp4 as mxfp4_module
 from pagedllm.model_executor.layers.quantization.mxfp4 import E2M1_VALUES, MXFP4_BLOCK, dequantize_mxfp4
-from tests.helpers import float32_llm
-from tests.models.utils import SCENARIOS, assert_scenario, prompts_for
+from pagedllm import LLM, SamplingParams
+from tests.helpers import can_host_workers, check_block_accounting, float32_llm
+from tests.models.utils import MAX_TOKENS, SCENARIOS, assert_scenario, prompts_for, transformers_greedy
 
 # swiglu_limit 1.0: the expert activations (std ~0.7 here) pass the clamp often. YaRN as the
 # published configs (no truncation), its original context 64 tokens: the prompts pass it.
@@ -87,4 +88,20 @@ def test_mxfp4_checkpoint_loads_dequantized(gpt_oss, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger=mxfp4_module.__name__):
         llm = float32_llm(mxfp4, SCENARIOS["chunked_prefill"])
     assert any("MXFP4 weights are dequantized to float32" in r.getMessage() for r in caplog.records)
-    assert_scenario(reference, "chunked_prefill", prompts_for(1024), llm=llm)
+    assert_scenario(reference, "chunked_prefill", prompts_for(1024, lengths=(17, 90)), llm=llm)
+
+
+@pytest.mark.skipif(not can_host_workers(2), reason="needs 2 cores (CPU) or 2 GPUs (CUDA)")
+def test_greedy_equals_transformers_over_two_tensor_parallel_workers(gpt_oss):
+    """Each worker holds half the heads' sinks and half of each expert's columns and W13 bias;
+    W2's bias is added once."""
+    prompts = prompts_for(1024)
+    llm = LLM(str(gpt_oss), dtype="float32", tensor_parallel_size=2, max_model_len=128, block_size=8,
+              max_num_batched_tokens=64)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == transformers_greedy(gpt_oss, prompts)
+        check_block_accounting(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
