@@ -6,6 +6,7 @@ import importlib.util
 import random
 import shutil
 import sys
+from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
@@ -123,14 +124,19 @@ def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[l
 
 
 def check_block_accounting(llm: LLM, expect_idle: bool = True) -> None:
-    """free + in use == total; with no unfinished request, nothing is in use."""
+    """free + in use == total; each block's ref count is the number of block tables (of
+    every KV-cache group) that hold it; with no unfinished request, nothing is in use."""
     core = llm.llm_engine.engine_core
     pool = core.kv_cache_manager.block_pool
     pool.check_integrity()
+    refs = Counter(b.block_id for manager in core.kv_cache_manager.managers
+                   for blocks in manager.req_to_blocks.values() for b in blocks if b is not pool.null_block)
+    assert all(pool.blocks[i].ref_cnt == n for i, n in refs.items()), "a block's ref count is not its holders'"
+    assert sum(refs.values()) == sum(b.ref_cnt for b in pool.blocks), "a block is referenced by no table"
     if expect_idle:
         assert not core.scheduler.has_unfinished_requests()
-        assert pool.get_num_free_blocks() == pool.num_blocks, "blocks still held after all requests finished"
-        assert not core.kv_cache_manager.req_to_blocks
+        assert pool.get_num_free_blocks() == pool.num_usable_blocks, "blocks still held after all requests finished"
+        assert not core.kv_cache_manager.has_requests(), "a request still holds a block table"
 
 
 def model_runner(llm: LLM) -> ModelRunner:
@@ -167,12 +173,14 @@ def make_peft_adapter(base: Path, out_dir: Path, *, r: int, lora_alpha: float, t
 
 def float32_llm(path, kwargs: dict) -> LLM:
     """An ``LLM`` of ``path`` in float32 with ``kwargs``: 16 MiB of KV cache unless given;
-    ``kv_blocks`` in ``kwargs`` sizes the cache in blocks instead (measured on a probe)."""
+    ``kv_blocks`` in ``kwargs`` sizes the cache in blocks requests can hold instead
+    (measured on a probe; one more where a sliding window reserves the null block)."""
     kwargs = dict(kwargs)
     kv_blocks = kwargs.pop("kv_blocks", None)
     kwargs.setdefault("kv_cache_memory_bytes", 16 << 20)
     if kv_blocks is not None:
         probe = LLM(str(path), dtype="float32", **kwargs)
+        kv_blocks += probe.llm_engine.engine_core.kv_cache_manager.block_pool.null_block is not None
         kwargs["kv_cache_memory_bytes"] = kv_blocks * kv_block_bytes(probe)
         del probe
     return LLM(str(path), dtype="float32", **kwargs)

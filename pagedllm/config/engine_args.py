@@ -436,8 +436,9 @@ class EngineArgs:
     disable_sliding_window: bool = flag_field(
         False,
         help=(
-            "Attend over the whole context in layers with a sliding window, and cap --max-model-len "
-            "at the window (vLLM's behaviour). No effect on models without sliding windows."
+            "Attend over the whole context in layers with a sliding window, so every layer keeps all "
+            "its KV-cache blocks (one full-attention KV-cache group), and cap --max-model-len at the "
+            "smallest window (vLLM's behaviour). No effect on models without sliding windows."
         ),
         action="store_true",
     )

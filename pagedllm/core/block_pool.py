@@ -7,6 +7,10 @@ Free queue layout (a doubly linked list threaded through the blocks themselves):
 
 ``popleft`` takes the least recently freed block; freeing appends at the tail; a
 prefix-cache hit on a free block removes it from the middle in O(1).
+
+With sliding-window layers the pool reserves block 0 as the *null block* (vLLM's
+``null_block``): it stands in a block table for blocks that fell out of a window, is never
+handed out, never freed and never counted (its ref count stays 0).
 """
 
 from __future__ import annotations
@@ -91,25 +95,34 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """All KV-cache blocks: the free queue and the ``block_hash -> block`` prefix-cache map.
 
-    Invariant (checked by ``check_integrity``): every block is either in use
-    (``ref_cnt > 0``) or in the free queue; a block in the map has that hash.
+    Invariant (checked by ``check_integrity``): every block but the null block is either in
+    use (``ref_cnt > 0``) or in the free queue; a block in the map has that hash. The map's
+    keys are ``hash_with_group_id``'s: each KV-cache group caches its own blocks.
+
+    Args:
+        num_blocks: physical blocks (block ids 0 .. num_blocks - 1).
+        enable_caching: keep freed blocks' hashes (prefix caching).
+        use_null_block: reserve block 0 as the null block (``null_block``; None without).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}.")
+    def __init__(self, num_blocks: int, enable_caching: bool, use_null_block: bool = False) -> None:
+        if num_blocks < 1 + use_null_block:
+            raise ValueError(f"num_blocks must be at least {1 + use_null_block}, got {num_blocks}.")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.null_block: Optional[KVCacheBlock] = self.blocks[0] if use_null_block else None
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[int(use_null_block):])
+        #: Blocks requests can hold (all but the null block).
+        self.num_usable_blocks = num_blocks - int(use_null_block)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 
     def get_usage(self) -> float:
-        """Fraction of blocks in use by requests, 0.0 - 1.0."""
-        return 1.0 - self.get_num_free_blocks() / self.num_blocks
+        """Fraction of the usable blocks in use by requests, 0.0 - 1.0."""
+        return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks
 
     def get_cached_block(self, block_hash: BlockHash) -> Optional[KVCacheBlock]:
         return self.cached_block_hash_to_block.get(block_hash)
@@ -140,8 +153,11 @@ class BlockPool:
         block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take a reference on prefix-cache hits, removing free ones from the free queue."""
+        """Take a reference on prefix-cache hits, removing free ones from the free queue
+        (the null block is skipped)."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
@@ -156,8 +172,10 @@ class BlockPool:
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching 0 go to the free queue's
         tail in the given order (so pass a request's blocks in reverse: its chain's tail
-        is then evicted first)."""
+        is then evicted first). The null block is skipped."""
         for block in ordered_blocks:
+            if block is self.null_block:
+                continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if not self.enable_caching:
@@ -166,7 +184,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Returns False (and changes nothing) while any block is in use."""
-        if self.get_num_free_blocks() != self.num_blocks:
+        if self.get_num_free_blocks() != self.num_usable_blocks:
             return False
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
@@ -183,8 +201,11 @@ class BlockPool:
         in_use = [b for b in self.blocks if b.ref_cnt > 0]
         assert all(b.ref_cnt == 0 for b in free), "a block in the free queue has references"
         assert len(free) == self.free_block_queue.num_free_blocks
-        assert len(free) + len(in_use) == self.num_blocks, (
-            f"free ({len(free)}) + in use ({len(in_use)}) != total ({self.num_blocks})"
+        assert len(free) + len(in_use) == self.num_usable_blocks, (
+            f"free ({len(free)}) + in use ({len(in_use)}) != total ({self.num_usable_blocks})"
         )
+        if self.null_block is not None:
+            assert self.null_block.ref_cnt == 0 and self.null_block.block_hash is None, "the null block was used"
+            assert self.null_block not in free, "the null block is in the free queue"
         for block_hash, block in self.cached_block_hash_to_block.items():
             assert block.block_hash == block_hash, "prefix-cache map points at a re-used block"

@@ -1,18 +1,26 @@
-"""Per-request block tables on top of the ``BlockPool`` (no torch).
+"""Per-request block tables on top of the ``BlockPool``, one per KV-cache group (vLLM's
+``KVCacheManager`` over its coordinator; no torch).
 
 Token ``i`` of a request lives in ``block_table[i // block_size]`` at offset
-``i % block_size``; a request holds ``ceil(num_tokens / block_size)`` blocks, never more
-(plus those of the lookahead slots it asked for, see ``allocate_slots``)::
+``i % block_size`` of each group's table; a full-attention group holds
+``ceil(num_tokens / block_size)`` blocks, never more (plus those of the lookahead slots it
+asked for, see ``allocate_slots``); a sliding-window group only those its window still
+sees, the others being the null block (``pagedllm.core.single_type_kv_cache_manager``)::
 
-    tokens:      0 .. 15 | 16 .. 31 | 32 .. 37
-    block_table: [  B4   ,    B9    ,    B1    ]   (B1 partly filled)
+    tokens:           0 .. 15 | 16 .. 31 | 32 .. 37
+    full attention:   [  B4   ,    B9    ,    B1    ]   (B1 partly filled)
+    sliding, W = 16:  [  N    ,    B3    ,    B8    ]
+
+A model with one kind of attention has one group: one table per request, as before groups.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.kv_cache_interface import FullAttentionSpec, KVCacheGroups, KVCacheGroupSpec, SlidingWindowSpec
 from pagedllm.core.kv_cache_utils import (
     extend_block_hashes,
     first_block_extra_keys,
@@ -20,22 +28,44 @@ from pagedllm.core.kv_cache_utils import (
     root_block_hash,
 )
 from pagedllm.core.request import Request
+from pagedllm.core.single_type_kv_cache_manager import (
+    FullAttentionManager,
+    SingleTypeKVCacheManager,
+    SlidingWindowManager,
+)
 
 
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division of non-negative integers."""
-    return -(-a // b)
+@dataclass
+class KVCacheBlocks:
+    """Blocks of one request, per group (vLLM's ``KVCacheBlocks``): ``blocks[g]`` for group g."""
+
+    blocks: tuple[list[KVCacheBlock], ...]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        """The block ids, per group."""
+        return tuple([[b.block_id for b in group] for group in self.blocks])
+
+
+def single_group(block_size: int) -> KVCacheGroups:
+    """The groups of a model whose layers all attend fully: one group (layers unnamed)."""
+    return KVCacheGroups((KVCacheGroupSpec((), FullAttentionSpec(block_size, 0, 0, 0)),), 1)
 
 
 class KVCacheManager:
-    """Allocates, shares (prefix caching) and frees the blocks of each request.
+    """Allocates, shares (prefix caching) and frees the blocks of each request, in every group.
 
     Args:
-        num_blocks: number of physical blocks.
+        num_blocks: number of physical blocks (block 0 is the null block when a group has a
+            sliding window).
         block_size: tokens per block.
         enable_caching: automatic prefix caching on/off.
         hash_algo: ``sha256``, ``sha256_cbor`` or ``xxhash``.
         hash_seed: seed of the root hash (see ``root_block_hash``).
+        kv_cache_groups: the model's groups (``pagedllm.core.kv_cache_interface``); None: one
+            full-attention group.
+
+    Raises:
+        ValueError: groups of another block size.
     """
 
     def __init__(
@@ -45,14 +75,23 @@ class KVCacheManager:
         enable_caching: bool = True,
         hash_algo: str = "sha256",
         hash_seed: Optional[str] = None,
+        kv_cache_groups: Optional[KVCacheGroups] = None,
     ) -> None:
+        groups = kv_cache_groups or single_group(block_size)
+        if groups.block_size != block_size:
+            raise ValueError(f"KV-cache groups of block size {groups.block_size}, not {block_size}.")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.kv_cache_groups = groups
+        self.block_pool = BlockPool(num_blocks, enable_caching, use_null_block=groups.has_sliding_window)
+        self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
+            SlidingWindowManager(g.kv_cache_spec, self.block_pool, i) if isinstance(g.kv_cache_spec, SlidingWindowSpec)
+            else FullAttentionManager(g.kv_cache_spec, self.block_pool, i)
+            for i, g in enumerate(groups.groups)
+        )
         self.hash_fn = get_hash_fn(hash_algo)
         self.root_hash = root_block_hash(self.hash_fn, hash_algo, hash_seed)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.num_cached_blocks: dict[str, int] = {}
+        self.empty_blocks = KVCacheBlocks(tuple([] for _ in self.managers))
         # Prefix-cache statistics in tokens (read and reset by the scheduler each step).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -68,87 +107,107 @@ class KVCacheManager:
             num_full_blocks,
         )
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The longest cached prefix of the request's tokens, as (blocks, number of tokens).
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The longest cached prefix of the request's tokens valid for every group, as
+        (blocks per group, number of tokens): each group's longest hit within the length
+        the others allow, until all agree (vLLM's hybrid coordinator). A sliding-window
+        group needs only the blocks inside its window at the hit's end.
 
         The hit never covers the whole sequence: the last token is always computed so its
         logits exist. Requests asking for prompt logprobs skip the cache (those need the
         logits of every prompt position).
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0
+            return self.empty_blocks, 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         self._update_block_hashes(request, max_hit_blocks)
-        hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
+        hit_length = max_hit_blocks * self.block_size
+        hits: list[list[KVCacheBlock]] = [[] for _ in self.managers]
+        agreed = False
+        while not agreed:
+            agreed = True
+            for g, manager in enumerate(self.managers):
+                hits[g] = manager.find_longest_cache_hit(request.block_hashes, hit_length)
+                if len(hits[g]) * self.block_size < hit_length:
+                    hit_length = len(hits[g]) * self.block_size
+                    agreed = len(self.managers) == 1
+        num_hit_blocks = hit_length // self.block_size
         self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_hit_tokens
-        return hits, num_hit_tokens
+        self.prefix_cache_hits += hit_length
+        return KVCacheBlocks(tuple(h[:num_hit_blocks] for h in hits)), hit_length
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: Optional[list[KVCacheBlock]] = None,
+        new_computed_blocks: Optional[KVCacheBlocks] = None,
         num_lookahead_tokens: int = 0,
-    ) -> Optional[list[KVCacheBlock]]:
+    ) -> Optional[KVCacheBlocks]:
         """Make room for ``num_new_tokens`` more tokens of ``request``, plus
-        ``num_lookahead_tokens`` slots after them (for speculative tokens).
+        ``num_lookahead_tokens`` slots after them (for speculative tokens), in every group.
 
         ``new_computed_blocks`` are prefix-cache hits being added at admission (their
-        tokens count as computed). Lookahead slots get blocks but are never cached: only
-        full blocks of the request's own tokens are hashed. With block_size 4, 4 computed
-        tokens (c), 3 new (n) and 4 lookahead slots (L)::
+        tokens count as computed). First the blocks that fell out of a sliding window go
+        back to the pool. Lookahead slots get blocks but are never cached: only full blocks
+        of the request's own tokens are hashed. With block_size 4, 4 computed tokens (c), 3
+        new (n) and 4 lookahead slots (L)::
 
             | c c c c | n n n L | L L L . |
               cached    not cached (holds a lookahead slot), not cached
 
-        Returns the newly allocated blocks (possibly empty), or None, changing nothing,
-        when too few blocks are free.
+        Returns the newly allocated blocks per group (possibly none), or None, allocating
+        nothing, when too few blocks are free for all groups together.
         """
-        new_computed_blocks = new_computed_blocks or []
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_computed_tokens = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        new_computed = (new_computed_blocks or self.empty_blocks).blocks
+        req_id = request.request_id
+        num_computed_tokens = request.num_computed_tokens + len(new_computed[0]) * self.block_size
         num_tokens_after = num_computed_tokens + num_new_tokens
-        num_required = cdiv(num_tokens_after + num_lookahead_tokens, self.block_size)
-        num_new_blocks = num_required - len(blocks) - len(new_computed_blocks)
-        # Hits that sit in the free queue stop being available once touched.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:
-            if not blocks:
-                del self.req_to_blocks[request.request_id]
+        num_slots = num_tokens_after + num_lookahead_tokens
+        managers = self.managers
+        if self.block_pool.null_block is not None:  # some group has a window
+            for manager in managers:
+                manager.remove_skipped_blocks(req_id, request.num_computed_tokens)
+        num_needed = 0
+        for manager, computed in zip(managers, new_computed):
+            num_needed += manager.get_num_blocks_to_allocate(req_id, num_slots, computed, num_computed_tokens)
+        if num_needed > self.block_pool.free_block_queue.num_free_blocks:
             return None
-        self.block_pool.touch(new_computed_blocks)
-        blocks.extend(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
-        blocks.extend(new_blocks)
+        new_blocks = []
+        for manager, computed in zip(managers, new_computed):
+            if computed:
+                manager.save_new_computed_blocks(req_id, computed)
+            new_blocks.append(manager.allocate_new_blocks(req_id, num_slots, num_computed_tokens))
         if self.enable_caching:
-            self._cache_full_blocks(request, blocks, min(num_tokens_after, request.num_tokens))
-        return new_blocks
-
-    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
-        num_full = num_tokens // self.block_size
-        start = self.num_cached_blocks.get(request.request_id, 0)
-        if num_full <= start:
-            return
-        self._update_block_hashes(request, num_full)
-        for i in range(start, num_full):
-            self.block_pool.cache_full_block(blocks[i], request.block_hashes[i])
-        self.num_cached_blocks[request.request_id] = num_full
+            num_cached_tokens = min(num_tokens_after, request.num_tokens)
+            if num_cached_tokens // self.block_size > len(request.block_hashes):
+                self._update_block_hashes(request, num_cached_tokens // self.block_size)
+            for manager in self.managers:
+                manager.cache_blocks(request, num_cached_tokens)
+        return KVCacheBlocks(tuple(new_blocks))
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first (so the chain's tail is evicted first)."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_blocks.pop(request.request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        """Release the request's blocks in every group, tail first (so the chain's tail is
+        evicted first)."""
+        for manager in self.managers:
+            manager.free(request.request_id)
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        """The request's blocks, per group (the null block where a window let go)."""
+        return KVCacheBlocks(tuple(list(m.req_to_blocks.get(request_id, ())) for m in self.managers))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block table, per group."""
+        return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.managers)
+
+    def has_requests(self) -> bool:
+        """Whether any request holds a block table (in any group)."""
+        return any(m.req_to_blocks for m in self.managers)
+
+    def num_requests_holding_blocks(self) -> int:
+        """Requests that hold at least one block (the null block aside) in some group."""
+        null = self.block_pool.null_block
+        return len({req_id for m in self.managers for req_id, blocks in m.req_to_blocks.items()
+                    if any(b is not null for b in blocks)})
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks; False while any block is in use."""

@@ -85,6 +85,15 @@ def hash_block_tokens(
     return BlockHash(hash_fn((parent_block_hash, tuple(block_token_ids), extra_keys)))
 
 
+def hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHash:
+    """The prefix-cache key of a block of KV-cache group ``group_id``: the same tokens have
+    a block in each group, each with its own key (vLLM's ``BlockHashWithGroupId``). Group
+    0's key is the hash itself (a model with one group keys its blocks as before groups)."""
+    if group_id == 0:
+        return block_hash
+    return BlockHash(block_hash + group_id.to_bytes(4, "big"))
+
+
 def first_block_extra_keys(
     cache_salt: Optional[str], lora_key: Optional[tuple[str, int, int]]
 ) -> Optional[tuple[Any, ...]]:

@@ -165,7 +165,7 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
-            new_ids = [b.block_id for b in new_blocks]
+            new_ids = new_blocks.get_block_ids()
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append(new_ids)
             cached.num_computed_tokens.append(request.num_computed_tokens)

@@ -18,6 +18,7 @@ from pagedllm.engine.batch_queue import BatchQueue
 from pagedllm.executor.selector import get_executor_class
 from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.structured_output.manager import StructuredOutputManager
+from pagedllm.worker.kv_cache_sizing import kv_cache_groups
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,8 @@ class EngineCore:
     Args:
         config: the resolved engine configuration. Building the core starts the executor
             (``get_executor_class(config)``), which loads the model, and sizes the KV cache
-            (``num_gpu_blocks``: the number of KV-cache blocks).
+            (``num_gpu_blocks``: the number of KV-cache blocks, shared by the model's KV-cache
+            groups: ``kv_cache_sizing.kv_cache_groups``).
 
     Raises (constructor): what ``get_executor_class`` raises for an unsupported executor;
     ``ValueError`` when the KV cache cannot hold one ``max_model_len`` sequence.
@@ -48,6 +50,7 @@ class EngineCore:
             block_size=cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
             hash_algo=cache_config.prefix_caching_hash_algo,
+            kv_cache_groups=kv_cache_groups(config),
         )
         max_loras = config.lora_config.max_loras if config.lora_config is not None else None
         self.structured_output_manager = StructuredOutputManager(config.structured_outputs_config, config.model_config)

@@ -57,8 +57,9 @@ UTILITY_METHODS = frozenset({"reset_prefix_cache", "has_unfinished_requests"})
 
 def block_accounting(engine_core: Any) -> dict[str, int]:
     """The KV-block accounting check (for tests and debugging): runs the block pool's
-    integrity check and returns ``num_blocks``, ``num_free_blocks``,
-    ``num_unfinished_requests`` and ``num_requests_holding_blocks``.
+    integrity check and returns ``num_blocks`` (those requests can hold: all but the null
+    block of sliding windows), ``num_free_blocks``, ``num_unfinished_requests`` and
+    ``num_requests_holding_blocks`` (in any KV-cache group).
 
     Raises:
         AssertionError: free + in use != total, or the prefix-cache map is inconsistent.
@@ -67,10 +68,10 @@ def block_accounting(engine_core: Any) -> dict[str, int]:
     pool = manager.block_pool
     pool.check_integrity()
     return {
-        "num_blocks": pool.num_blocks,
+        "num_blocks": pool.num_usable_blocks,
         "num_free_blocks": pool.get_num_free_blocks(),
         "num_unfinished_requests": engine_core.scheduler.get_num_unfinished_requests(),
-        "num_requests_holding_blocks": sum(1 for blocks in manager.req_to_blocks.values() if blocks),
+        "num_requests_holding_blocks": manager.num_requests_holding_blocks(),
     }
 
 

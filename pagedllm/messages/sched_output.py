@@ -17,7 +17,8 @@ class NewRequestData:
     """A request the model runner has not seen (or is seeing again after a preemption).
 
     ``token_ids`` holds every known token (prompt, then any outputs generated before a
-    preemption); ``block_ids`` is the whole block table so far; ``lora_request`` is its
+    preemption); ``block_ids`` is the whole block table so far, one list per KV-cache group
+    (block 0, the null block, where a sliding window let a block go); ``lora_request`` is its
     LoRA adapter (None: the base model).
     """
 
@@ -27,15 +28,15 @@ class NewRequestData:
     output_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     lora_request: LoRARequest | None = None
 
 
 @dataclass
 class CachedRequestData:
-    """Changes to requests the runner already holds: blocks appended this step and the
-    number of computed tokens before this step (parallel lists).
+    """Changes to requests the runner already holds: blocks appended this step (per
+    KV-cache group) and the number of computed tokens before this step (parallel lists).
 
     ``new_token_ids`` (pipeline parallelism only, else empty; vLLM's field): the known
     tokens each request computes this step, from position ``num_computed_tokens`` on; the
@@ -43,7 +44,7 @@ class CachedRequestData:
     """
 
     req_ids: list[str] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
     new_token_ids: list[list[int]] = field(default_factory=list)
 

@@ -1,7 +1,8 @@
 """The model runner's persistent batch: one row per request it holds, kept across steps.
 
-Token ids and block tables live in preallocated numpy arrays so each step's inputs are
-built by vectorised indexing instead of per-token Python loops. A request is added once
+Token ids and block tables (one per KV-cache group: ``pagedllm.core.kv_cache_interface``)
+live in preallocated numpy arrays so each step's inputs are built by vectorised indexing
+instead of per-token Python loops. A request is added once
 (or again after a preemption) and then only updated with diffs.
 
 The requests' sampling settings live here too, per row (numpy columns, plus sparse dicts
@@ -66,11 +67,12 @@ class _SamplingView:
 
 
 class InputBatch:
-    """Rows of token ids [max_num_reqs, max_model_len] and block tables
-    [max_num_reqs, max_blocks_per_req], both int64 numpy arrays, and the rows' sampling
-    settings."""
+    """Rows of token ids [max_num_reqs, max_model_len] and, per KV-cache group, block tables
+    [max_num_reqs, max_blocks_per_req] (``block_tables[g]``; ``block_table`` is group 0's),
+    all int64 numpy arrays, and the rows' sampling settings."""
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device,
+                 num_kv_cache_groups: int = 1) -> None:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.device = device
@@ -79,8 +81,10 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int64)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_tables = [np.zeros((max_num_reqs, max_blocks), dtype=np.int64) for _ in range(num_kv_cache_groups)]
+        self.block_table = self.block_tables[0]
+        # Blocks in each row's table, per group: [num_kv_cache_groups, max_num_reqs].
+        self.num_blocks = np.zeros((num_kv_cache_groups, max_num_reqs), dtype=np.int64)
         self.requests: dict[str, CachedRequestState] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         self._init_sampling_state(max_num_reqs)
@@ -122,7 +126,7 @@ class InputBatch:
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = new.num_prompt_tokens
         self.num_computed_tokens[row] = new.num_computed_tokens
-        self.num_blocks[row] = 0
+        self.num_blocks[:, row] = 0
         self.append_block_ids(row, new.block_ids)
         state = CachedRequestState(
             req_id=new.req_id,
@@ -169,10 +173,12 @@ class InputBatch:
         self._free_rows.append(row)
         self._version += 1
 
-    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
-        start = self.num_blocks[row]
-        self.block_table[row, start : start + len(block_ids)] = block_ids
-        self.num_blocks[row] = start + len(block_ids)
+    def append_block_ids(self, row: int, block_ids: tuple[list[int], ...]) -> None:
+        """Append to ``row``'s table of each group g the ids ``block_ids[g]``."""
+        for table, num_blocks, ids in zip(self.block_tables, self.num_blocks, block_ids):
+            start = num_blocks[row]
+            table[row, start : start + len(ids)] = ids
+            num_blocks[row] = start + len(ids)
 
     def append_token(self, state: CachedRequestState, token_id: int) -> None:
         row = state.row

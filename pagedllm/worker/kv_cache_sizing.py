@@ -1,11 +1,16 @@
-"""How many KV-cache blocks fit in the memory budget.
+"""The model's KV-cache groups, and how many KV-cache blocks fit in the memory budget.
 
-bytes per token = 2 (K and V) x num_layers x num_kv_heads x head_dim x cache dtype bytes
-(the model's dtype, or 1 for an FP8 cache: ``--kv-cache-dtype fp8`` holds twice the tokens of
-a 16-bit cache in the same budget);
-bytes per block = bytes per token x block_size. ``num_kv_heads`` is this rank's (the KV heads
-its attention layers hold; all of them at tensor-parallel size 1), ``num_layers`` this
-pipeline stage's (all of them at pipeline-parallel size 1).
+A layer's page (one block of it) = 2 (K and V) x block_size x num_kv_heads x head_dim x
+cache dtype bytes (the model's dtype, or 1 for an FP8 cache: ``--kv-cache-dtype fp8`` holds
+twice the tokens of a 16-bit cache in the same budget). Layers are grouped by attention
+kind (``pagedllm.core.kv_cache_interface``); bytes per block = the page x the cache tensors
+of this pipeline stage (the most layers of one group it holds: all its layers with one
+kind of attention). ``num_kv_heads`` is this rank's (the KV heads its attention layers
+hold; all of them at tensor-parallel size 1).
+
+A request needs, per group, every block of its context (full attention) or those of its
+window and chunk (a sliding window), so the same budget admits more long requests in a
+model of mostly sliding-window layers.
 """
 
 from __future__ import annotations
@@ -14,7 +19,15 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from pagedllm.config import CacheConfig, ModelConfig
+from pagedllm.arch_config import layer_sliding_windows
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig
+from pagedllm.core.kv_cache_interface import (
+    KVCacheGroups,
+    SlidingWindowSpec,
+    cdiv,
+    group_layers,
+    layer_kv_cache_specs,
+)
 from pagedllm.distributed import get_pp_group, get_tensor_model_parallel_world_size, kv_heads_per_rank
 from pagedllm.distributed.utils import pp_layer_range
 
@@ -29,11 +42,59 @@ def num_kv_heads_per_rank(model_config: ModelConfig) -> int:
     return kv_heads_per_rank(model_config.num_kv_heads, get_tensor_model_parallel_world_size())
 
 
+def stage_layer_range(model_config: ModelConfig) -> tuple[int, int]:
+    """Decoder layers ``[start, end)`` of this pipeline stage (``pp_layer_range``)."""
+    pp = get_pp_group()
+    return pp_layer_range(model_config.num_layers, pp.rank_in_group, pp.world_size)
+
+
 def num_layers_per_stage(model_config: ModelConfig) -> int:
     """Decoder layers of this pipeline stage (``pp_layer_range``)."""
-    pp = get_pp_group()
-    start, end = pp_layer_range(model_config.num_layers, pp.rank_in_group, pp.world_size)
+    start, end = stage_layer_range(model_config)
     return end - start
+
+
+def kv_cache_groups(config: EngineConfig) -> KVCacheGroups:
+    """The target model's KV-cache groups (the same on every rank and stage): its layers'
+    windows (``layer_sliding_windows``), block size, KV heads per tensor-parallel rank, head
+    size and cache dtype. A drafter with its own KV cache (a draft model, an EAGLE head)
+    writes through a full-attention group's table: when the target has no full-attention
+    layer, its windowed layers keep every block (one full-attention group; the backend
+    still masks the window).
+    """
+    model_config = config.model_config
+    windows = layer_sliding_windows(model_config.hf_config)[: model_config.num_layers]
+    spec = config.speculative_config
+    if spec is not None and spec.uses_draft_model and None not in windows:
+        windows = [None] * len(windows)
+    return _groups(model_config, config.cache_config, windows, config.parallel_config.tensor_parallel_size)
+
+
+def _groups(model_config: ModelConfig, cache_config: CacheConfig, windows: list[Optional[int]],
+            tp_size: int) -> KVCacheGroups:
+    num_kv_heads = kv_heads_per_rank(model_config.num_kv_heads, tp_size)
+    dtype_bytes = cache_config.kv_cache_dtype(model_config.dtype).itemsize
+    return group_layers(layer_kv_cache_specs(windows, cache_config.block_size, num_kv_heads, model_config.head_dim,
+                                             dtype_bytes))
+
+
+def kv_bytes_per_block(model_config: ModelConfig, groups: KVCacheGroups,
+                       draft_model_config: Optional[ModelConfig] = None) -> int:
+    """KV-cache bytes one block id takes on this stage and rank: one page in each of the
+    stage's cache tensors (``num_stage_cache_tensors``), plus the draft model's block
+    (``kv_bytes_per_token`` x block size) with speculative decoding."""
+    num_tensors = num_stage_cache_tensors(groups, stage_layer_range(model_config))
+    per_block = num_tensors * groups.groups[0].kv_cache_spec.page_size_bytes
+    if draft_model_config is not None:
+        per_block += kv_bytes_per_token(draft_model_config) * groups.block_size
+    return per_block
+
+
+def num_stage_cache_tensors(groups: KVCacheGroups, layer_range: tuple[int, int]) -> int:
+    """Cache tensors a stage holding layers ``[start, end)`` allocates: the most layers of
+    one group among them (tensor j is shared by the j-th of them in every group)."""
+    start, end = layer_range
+    return max(sum(start <= i < end for i in g.layer_indices) for g in groups.groups)
 
 
 def kv_bytes_per_token(model_config: ModelConfig, cache_dtype: Optional[torch.dtype] = None) -> int:
@@ -72,56 +133,92 @@ def kv_cache_budget(
 
 def num_kv_blocks(
     model_config: ModelConfig, cache_config: CacheConfig, budget: KVCacheBudget,
-    draft_model_config: Optional[ModelConfig] = None,
+    draft_model_config: Optional[ModelConfig] = None, groups: Optional[KVCacheGroups] = None,
+    max_num_batched_tokens: Optional[int] = None,
 ) -> int:
     """Number of blocks: the budget (see ``kv_cache_budget``) divided by the bytes per block
-    (of the target's cache, in ``cache_config``'s dtype, and, with speculative decoding, the
-    draft model's, in its own dtype, which has as many blocks),
-    and, unless the size was given exactly, no more than ``max_kv_cache_tokens`` hold (CPU).
-    The log line gives the size and where it came from.
+    (of the target's cache tensors on this stage, in ``cache_config``'s dtype, and, with
+    speculative decoding, the draft model's, in its own dtype, which has as many blocks),
+    and, unless the size was given exactly, no more than the requests of
+    ``max_kv_cache_tokens`` need (CPU). The log line gives the size, the tokens each
+    group holds and where it came from.
+
+    Args:
+        groups: the target's KV-cache groups (``kv_cache_groups``); None: one
+            full-attention group of every layer (this rank's heads).
+        max_num_batched_tokens: the scheduler's token budget per step (the chunk a
+            sliding-window group holds besides its window); None: ``max_model_len``.
 
     Raises:
         ValueError: if the budget cannot hold one sequence of ``max_model_len`` tokens;
             the message gives the formula, the numbers and the settings to change.
     """
     cache_dtype = cache_config.kv_cache_dtype(model_config.dtype)
-    per_token = kv_bytes_per_token(model_config, cache_dtype)
-    if draft_model_config is not None:
-        per_token += kv_bytes_per_token(draft_model_config)
-    per_block = per_token * cache_config.block_size
+    block_size = cache_config.block_size
+    max_len = model_config.max_model_len
+    chunk = max_num_batched_tokens or max_len
+    if groups is None:
+        groups = _groups(model_config, cache_config, [None] * model_config.num_layers,
+                         get_tensor_model_parallel_world_size())
+    num_tensors = num_stage_cache_tensors(groups, stage_layer_range(model_config))
+    per_block = kv_bytes_per_block(model_config, groups, draft_model_config)
+    num_null = int(groups.has_sliding_window)
+    blocks_per_seq = groups.max_num_blocks_per_request(max_len, chunk) + num_null
     num_blocks = max(budget.num_bytes, 0) // per_block
     derivation = budget.derivation
     max_tokens = cache_config.max_kv_cache_tokens
     if cache_config.kv_cache_memory_bytes is None and max_tokens is not None:
-        demand_blocks = -(-max_tokens // cache_config.block_size)
+        demand_blocks = _demand_blocks(groups, max_tokens, block_size, max_len, chunk) + num_null
         if demand_blocks < num_blocks:
             num_blocks = demand_blocks
             derivation = (
                 f"what the configuration can use: {max_tokens:,} tokens (max_num_seqs x max_model_len"
                 f"{', x 2 for prefix caching' if cache_config.enable_prefix_caching else ''}), below {derivation}"
             )
-    max_len = model_config.max_model_len
-    blocks_per_seq = -(-max_len // cache_config.block_size)
     if num_blocks < blocks_per_seq:
+        tensors = (f"{num_tensors}: cache tensors of this stage's {num_layers_per_stage(model_config)} layers "
+                   f"grouped by attention kind" if len(groups.groups) > 1 else f"{num_tensors}")
         raise ValueError(
             f"The KV cache cannot hold one sequence of max_model_len = {max_len} tokens. "
-            f"KV bytes per token = 2 x num_layers ({num_layers_per_stage(model_config)}) x num_kv_heads "
+            f"KV bytes per token = 2 x num_layers ({tensors}) x num_kv_heads "
             f"({num_kv_heads_per_rank(model_config)}) x head_dim ({model_config.head_dim}) x dtype bytes "
-            f"({cache_dtype.itemsize}) = {per_token:,}; one sequence needs {blocks_per_seq} blocks "
-            f"of {cache_config.block_size} tokens = {blocks_per_seq * per_block:,} bytes, but the budget "
+            f"({cache_dtype.itemsize}) = {per_block // block_size:,}; one sequence needs {blocks_per_seq} blocks "
+            f"of {block_size} tokens = {blocks_per_seq * per_block:,} bytes, but the budget "
             f"({budget.derivation}) holds {num_blocks} blocks. Lower max_model_len, or raise "
             f"kv_cache_memory_bytes / gpu_memory_utilization."
         )
     logger.info(
-        "KV cache: %d blocks of %d tokens (%d tokens, %s, %.2f GiB); maximum concurrency for %d tokens per "
+        "KV cache: %d blocks of %d tokens (%d tokens, %s, %.2f GiB; %s); maximum concurrency for %d tokens per "
         "request: %.2fx. Budget from %s.",
         num_blocks,
-        cache_config.block_size,
-        num_blocks * cache_config.block_size,
+        block_size,
+        num_blocks * block_size,
         cache_config.cache_dtype_name(model_config.dtype),
         num_blocks * per_block / 2**30,
+        _tokens_per_group(groups, num_blocks - num_null, block_size),
         max_len,
-        num_blocks / blocks_per_seq,
+        (num_blocks - num_null) / (blocks_per_seq - num_null),
         derivation,
     )
     return int(num_blocks)
+
+
+def _demand_blocks(groups: KVCacheGroups, max_tokens: int, block_size: int, max_model_len: int, chunk: int) -> int:
+    """Blocks the ``max_tokens / max_model_len`` longest requests ``max_kv_cache_tokens``
+    counts need at once: ``max_tokens`` tokens in a full-attention group, a request's
+    bound (``SlidingWindowSpec.max_num_blocks``) per request in a sliding one."""
+    num_seqs = cdiv(max_tokens, max_model_len)
+    return sum(num_seqs * g.kv_cache_spec.max_num_blocks(max_model_len, chunk)
+               if isinstance(g.kv_cache_spec, SlidingWindowSpec) else cdiv(max_tokens, block_size)
+               for g in groups.groups)
+
+
+def _tokens_per_group(groups: KVCacheGroups, num_blocks: int, block_size: int) -> str:
+    """The log's words for the tokens each kind of group holds when the blocks are shared
+    evenly among the groups (as vLLM reports them)."""
+    tokens = num_blocks // len(groups.groups) * block_size
+    kinds: dict[str, int] = {}
+    for g in groups.groups:
+        kinds[g.kv_cache_spec.describe()] = kinds.get(g.kv_cache_spec.describe(), 0) + 1
+    return "; ".join(f"{kind}: {tokens} tokens" + (f" in each of {n} groups" if n > 1 else "")
+                     for kind, n in kinds.items())

@@ -44,7 +44,7 @@ from pagedllm.spec_decode.draft_model import TargetStep
 from pagedllm.spec_decode.rejection_sampler import num_accepted_matching, rejection_sample
 from pagedllm.worker.grammar_bitmask import sampled_rows_bitmask
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
-from pagedllm.worker.kv_cache_sizing import kv_bytes_per_token
+from pagedllm.worker.kv_cache_sizing import kv_bytes_per_block, kv_cache_groups, stage_layer_range
 from pagedllm.messages.runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,11 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     """Owns the model, the KV caches and the persistent batch on one device.
+
+    KV-cache groups (``kv_cache_groups``; one for a model with one kind of attention): each
+    request has a block table per group, each step a slot mapping and an attention metadata
+    per group, and each attention layer reads its group's (``Attention.kv_cache_group_id``).
+    A drafter with its own KV cache uses group 0 (full attention, whenever there is one).
 
     Its ``Worker`` sets it up in steps: ``load_model``, ``profile_run`` (when the KV cache
     is sized from the memory left), ``initialize_kv_cache``; then ``execute_model`` runs
@@ -70,6 +75,7 @@ class ModelRunner:
         self.scheduler_config = config.scheduler_config
         self.device = device
         self.block_size = self.cache_config.block_size
+        self.kv_cache_groups = kv_cache_groups(config)
         #: The KV cache's element type: the model's dtype, or FP8 (``--kv-cache-dtype``).
         self.kv_cache_dtype = self.cache_config.kv_cache_dtype(self.model_config.dtype)
         self.pp = get_pp_group()
@@ -119,6 +125,7 @@ class ModelRunner:
         logger.info("Loaded %s (%.1f MB) in %.2f s", self.model_config.model_path,
                     self.weights_bytes / 1e6, time.perf_counter() - start)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self._layer_groups = self._attention_layer_groups()
         init_kv_scales(self.attention_layers, self.cache_config.cache_dtype, self.cache_config.calculate_kv_scales)
         if isinstance(self.proposer, EagleProposer):
             self.proposer.load_model(self.attn_backend, self.attn_metadata_builder, self.model)
@@ -126,6 +133,27 @@ class ModelRunner:
             self.proposer.load_model(self.attn_backend, self.attn_metadata_builder)
         if isinstance(self.proposer, DraftModelProposer):
             self.weights_bytes += self.proposer.weights_bytes
+
+    def _attention_layer_groups(self) -> list[tuple[int, int]]:
+        """Per attention layer of this stage (one per decoder layer, in order): its KV-cache
+        group, and its cache tensor (the j-th of the stage's layers in its group uses
+        tensor j: ``kv_cache_sizing.num_stage_cache_tensors`` of them).
+
+        Raises:
+            ValueError: a model whose attention layers are not one per decoder layer.
+        """
+        start, end = stage_layer_range(self.model_config)
+        if len(self.attention_layers) != end - start:
+            raise ValueError(f"{len(self.attention_layers)} attention layers for decoder layers {start} .. {end - 1}: "
+                             "KV-cache groups need one attention layer per decoder layer.")
+        group_of = self.kv_cache_groups.group_of_layer()
+        num_in_group: dict[int, int] = {}
+        layer_groups = []
+        for layer in range(start, end):
+            group = group_of[layer][0]
+            layer_groups.append((group, num_in_group.get(group, 0)))
+            num_in_group[group] = num_in_group.get(group, 0) + 1
+        return layer_groups
 
     def _make_lora_manager(self):
         """Wrap the model's linear layers for multi-LoRA (``pagedllm.lora``)."""
@@ -148,16 +176,18 @@ class ModelRunner:
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.initialize_kv_cache(num_blocks)
         self.input_batch = InputBatch(
-            self.scheduler_config.max_num_seqs, self.model_config.max_model_len, self.block_size, self.device
+            self.scheduler_config.max_num_seqs, self.model_config.max_model_len, self.block_size, self.device,
+            len(self.kv_cache_groups.groups),
         )
         self.sampler = Sampler()
         current_platform.prepare_for_steps()
 
     # ------------------------------------------------------------------ set-up
     def _allocate_kv_caches(self, num_blocks: int, zeroed: bool = False) -> list[torch.Tensor]:
-        """One tensor per layer, in the cache dtype (see ``bind_kv_caches``)."""
+        """The cache tensors (one per layer of a group), in the cache dtype (see
+        ``bind_kv_caches``); block 0 zeroed where it is the null block."""
         return bind_kv_caches(self.attention_layers, num_blocks, self.block_size, self.kv_cache_dtype,
-                              self.device, zeroed)
+                              self.device, zeroed, self._layer_groups, self.kv_cache_groups.has_sliding_window)
 
     @torch.inference_mode()
     def profile_run(self) -> int:
@@ -191,7 +221,7 @@ class ModelRunner:
         if not self.pp.is_first_rank:
             intermediate = {name: torch.zeros(shape, dtype=dtype, device=self.device)
                             for name, (shape, dtype) in self._intermediate_specs(num_tokens).items()}
-        with set_forward_context(metadata):
+        with set_forward_context([metadata] * len(self.kv_cache_groups.groups)):
             hidden = self.model(input_ids, positions, intermediate)
         if self.pp.is_last_rank:
             self.model.compute_logits(hidden[: self.scheduler_config.max_num_seqs])
@@ -248,9 +278,11 @@ class ModelRunner:
         token_rows = rows[token_req]
         input_ids = batch.token_ids[token_rows, positions]
         bs = self.block_size
-        slot_mapping = batch.block_table[token_rows, positions // bs] * bs + positions % bs
+        block_index, offset = positions // bs, positions % bs
         seq_lens = computed + num_sched
-        metadata = self._attention_metadata(rows, seq_lens, computed, cu, len(decodes), slot_mapping)
+        metadata = [self._attention_metadata(table, rows, seq_lens, computed, cu, len(decodes),
+                                             table[token_rows, block_index] * bs + offset)
+                    for table in batch.block_tables]
         if self.lora_manager is not None:
             self.lora_manager.set_token_slots(np.array([request_slots[r] for r in order], dtype=np.int64)[token_req])
 
@@ -293,7 +325,7 @@ class ModelRunner:
             next_positions = np.minimum(positions + 1, self.model_config.max_model_len - 1)
             self.proposer.forward_step(TargetStep(
                 input_ids_t, positions_t, self._to_device(batch.token_ids[token_rows, next_positions]), hidden,
-                metadata, logits_indices[np.array(last_accepted, dtype=np.int64)], rows[np.unique(sample_reqs)],
+                metadata[0], logits_indices[np.array(last_accepted, dtype=np.int64)], rows[np.unique(sample_reqs)],
                 batch.token_ids, batch.num_tokens, batch.block_table,
             ), rows[proposing])
         return ModelRunnerOutput(
@@ -424,6 +456,7 @@ class ModelRunner:
 
     def _attention_metadata(
         self,
+        block_table: np.ndarray,
         rows: np.ndarray,
         seq_lens: np.ndarray,
         computed: np.ndarray,
@@ -431,15 +464,16 @@ class ModelRunner:
         num_decodes: int,
         slot_mapping: np.ndarray,
     ) -> AttentionMetadata:
-        """The step's metadata, by the backend's builder; ``rows`` / ``seq_lens`` /
+        """One KV-cache group's metadata of the step, by the backend's builder: the group's
+        ``block_table`` ([max_num_reqs, max_blocks] int64); ``rows`` / ``seq_lens`` /
         ``computed`` / ``cu`` (cumulative scheduled tokens) per request (decodes first),
-        ``slot_mapping`` per token."""
+        ``slot_mapping`` (in the group's blocks) per token."""
         width = int(-(-seq_lens.max() // self.block_size))
         common = CommonAttentionMetadata(
             query_start_loc=np.concatenate(([0], cu)),
             seq_lens=seq_lens,
             num_computed_tokens=computed,
-            block_table=self.input_batch.block_table[rows, :width],
+            block_table=block_table[rows, :width],
             slot_mapping=slot_mapping,
             num_decodes=num_decodes,
         )
@@ -509,7 +543,8 @@ class ModelRunner:
         return result
 
     def kv_cache_bytes_per_token(self) -> int:
-        """KV-cache bytes per token: the target's, plus the draft model's if any."""
+        """KV-cache bytes per token of a block: the target's cache tensors', plus the draft
+        model's if any (``kv_cache_sizing.kv_bytes_per_block`` / block size)."""
         spec = self.config.speculative_config
         draft = spec.draft_model_config if spec else None
-        return kv_bytes_per_token(self.model_config, self.kv_cache_dtype) + (kv_bytes_per_token(draft) if draft else 0)
+        return kv_bytes_per_block(self.model_config, self.kv_cache_groups, draft) // self.block_size

@@ -130,7 +130,8 @@ class Worker:
         """
         spec = self.config.speculative_config
         return num_kv_blocks(self.config.model_config, self.config.cache_config, self._budget(),
-                             spec.draft_model_config if spec else None)
+                             spec.draft_model_config if spec else None, self.model_runner.kv_cache_groups,
+                             self.config.scheduler_config.max_num_batched_tokens)
 
     def _budget(self) -> KVCacheBudget:
         if self._kv_cache_budget is None:

@@ -21,6 +21,11 @@ def make_request(req_id: str, tokens: list[int], cache_salt=None, **params) -> R
     return Request(core_req, max_model_len=4096)
 
 
+def table(manager: KVCacheManager, req_id: str) -> list:
+    """The request's blocks in the one group of a full-attention model."""
+    return manager.get_blocks(req_id).blocks[0]
+
+
 def admit(manager: KVCacheManager, request: Request) -> int:
     """Admit like the scheduler does; returns the number of prefix-cache hit tokens."""
     hits, num_hit = manager.get_computed_blocks(request)
@@ -37,7 +42,7 @@ def test_hits_count_whole_blocks_and_never_the_last_token(algo):
     assert admit(manager, first) == 0
     second = make_request("b", prefix + [7, 8])
     assert admit(manager, second) == 96
-    assert manager.req_to_blocks["b"][:6] == manager.req_to_blocks["a"][:6]
+    assert table(manager, "b")[:6] == table(manager, "a")[:6]
     exact = list(range(300, 364))  # 64 tokens, exactly 4 blocks
     assert admit(manager, make_request("c", exact)) == 0
     assert admit(manager, make_request("d", exact)) == 48
@@ -53,7 +58,7 @@ def test_cache_salt_isolates_and_same_salt_shares():
     assert admit(manager, make_request("b", tokens, cache_salt="tenant-2")) == 0
     assert admit(manager, make_request("c", tokens)) == 0
     assert admit(manager, make_request("d", tokens, cache_salt="tenant-1")) == 32
-    ids = {r: set(b.block_id for b in manager.req_to_blocks[r]) for r in "abcd"}
+    ids = {r: set(b.block_id for b in table(manager, r)) for r in "abcd"}
     assert not ids["a"] & ids["b"] and not ids["a"] & ids["c"] and not ids["b"] & ids["c"]
     assert len(ids["a"] & ids["d"]) == 2
 
@@ -62,7 +67,7 @@ def test_freed_blocks_stay_findable_and_lru_evicts_chain_tails_first():
     manager = KVCacheManager(8, BS)
     old = make_request("old", list(range(48)) + [999])  # 3 full blocks + 1 partial
     admit(manager, old)
-    old_blocks = list(manager.req_to_blocks["old"])
+    old_blocks = table(manager, "old")
     manager.free(old)
     # Freed in reverse: the partial tail block, then block 2, 1, 0 (the chain's head last).
     free_order = [b.block_id for b in manager.block_pool.free_block_queue]
@@ -79,7 +84,7 @@ def test_freed_blocks_stay_findable_and_lru_evicts_chain_tails_first():
     assert evicted == [old_blocks[2]]
     probe = make_request("probe", list(range(48)) + [1])
     hits, num = manager.get_computed_blocks(probe)
-    assert num == 32 and hits == old_blocks[:2]
+    assert num == 32 and hits.blocks[0] == old_blocks[:2]
     manager.block_pool.check_integrity()
 
 
@@ -88,7 +93,7 @@ def test_blocks_in_use_are_never_evicted():
     holder = make_request("holder", list(range(33)))  # 3 blocks, in use
     admit(manager, holder)
     assert manager.allocate_slots(make_request("big", list(range(500, 540))), 40) is None
-    assert all(b.ref_cnt == 1 for b in manager.req_to_blocks["holder"])
+    assert all(b.ref_cnt == 1 for b in table(manager, "holder"))
     manager.block_pool.check_integrity()
 
 
@@ -98,10 +103,10 @@ def test_a_shared_block_is_never_written():
     admit(manager, a)
     b = make_request("b", list(range(32)) + [77, 78])
     assert admit(manager, b) == 32
-    shared = manager.req_to_blocks["a"][:2]
+    shared = table(manager, "a")[:2]
     assert all(block.ref_cnt == 2 for block in shared)
     # b computes from token 32 on: its writes go to blocks it owns alone.
-    assert manager.req_to_blocks["b"][2].ref_cnt == 1
+    assert table(manager, "b")[2].ref_cnt == 1
 
 
 def test_disabled_caching_never_hits():
@@ -137,7 +142,7 @@ def test_sha256_cbor_hashes_are_identical_across_processes():
 def test_lookahead_slots_get_blocks_that_are_never_cached():
     manager = KVCacheManager(16, BS)
     request = make_request("a", list(range(40)))  # 2 full blocks + 8 tokens
-    blocks = manager.allocate_slots(request, 40, num_lookahead_tokens=30)
+    blocks = manager.allocate_slots(request, 40, num_lookahead_tokens=30).blocks[0]
     assert len(blocks) == 5  # ceil(70 / 16): 3 for the tokens, 2 more for the lookahead
     request.num_computed_tokens = 40
     # Only the two full blocks of real tokens are hashed; the block that the tokens
@@ -146,7 +151,7 @@ def test_lookahead_slots_get_blocks_that_are_never_cached():
     assert len(manager.block_pool.cached_block_hash_to_block) == 2
     # The reserved slots cover the next decode steps: no new block until token 70.
     request.append_output_token_id(1)
-    assert manager.allocate_slots(request, 1, num_lookahead_tokens=29) == []
+    assert manager.allocate_slots(request, 1, num_lookahead_tokens=29).blocks == ([],)
     manager.free(request)
     manager.block_pool.check_integrity()
     assert manager.block_pool.get_num_free_blocks() == 16
@@ -156,6 +161,6 @@ def test_lookahead_counts_against_free_blocks():
     manager = KVCacheManager(4, BS)
     request = make_request("a", list(range(40)))
     assert manager.allocate_slots(request, 40, num_lookahead_tokens=25) is None  # needs 5
-    assert "a" not in manager.req_to_blocks
-    assert len(manager.allocate_slots(request, 40, num_lookahead_tokens=24)) == 4
+    assert not manager.has_requests()
+    assert len(manager.allocate_slots(request, 40, num_lookahead_tokens=24).blocks[0]) == 4
     manager.block_pool.check_integrity()

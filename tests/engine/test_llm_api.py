@@ -271,7 +271,7 @@ def test_paged_cache_runs_4x_more_sequences_than_contiguous(tiny_llama, tokenize
     while engine.has_unfinished_requests():
         engine.step()
         for request in core.scheduler.running:
-            held = len(core.kv_cache_manager.req_to_blocks[request.request_id])
+            held = len(core.kv_cache_manager.get_blocks(request.request_id).blocks[0])
             assert held == -(-request.num_computed_tokens // 16), "more than one partial block held"
     assert core.scheduler.max_num_running_observed >= 4 * 2
     core.kv_cache_manager.block_pool.check_integrity()

@@ -11,6 +11,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
+from pagedllm.worker.kv_cache_sizing import kv_cache_groups
 from tests.helpers import check_block_accounting, float32_llm, hf_greedy, hf_log_softmax, model_runner, random_prompts
 
 WINDOW = 16
@@ -26,8 +27,10 @@ ARCHS = {
 SCENARIOS = {
     "auto_chunked_8": {"max_num_batched_tokens": 8},
     "torch_sdpa_chunked_16": {"attention_backend": "TORCH_SDPA", "max_num_batched_tokens": 16},
-    # 12 blocks of 8 tokens: the batch needs ~22, so requests are preempted and recomputed.
-    "preemption": {"max_model_len": 96, "block_size": 8, "kv_blocks": 12},
+    # Blocks of 8 tokens, room for one request at its longest and one block more (a
+    # windowed group frees what falls out of the window: the block count is the model's,
+    # ``_one_request_blocks``): the batch needs more, so requests are preempted and recomputed.
+    "preemption": {"max_model_len": 96, "block_size": 8, "max_num_batched_tokens": 16},
     # --batch-invariant: every token attended alone over its own window (the kernel's per-token path).
     "batch_invariant_chunked_8": {"batch_invariant": True, "max_num_batched_tokens": 8},
 }
@@ -48,6 +51,12 @@ def _expected(path, prompts):
     return _references[key]
 
 
+def _one_request_blocks(path, kwargs) -> int:
+    """Blocks one request of ``max_model_len`` tokens holds at most, over the KV-cache groups."""
+    config = EngineArgs(model=str(path), **kwargs).create_engine_config()
+    return kv_cache_groups(config).max_num_blocks_per_request(kwargs["max_model_len"], kwargs["max_num_batched_tokens"])
+
+
 def _generate(llm, prompts):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -57,7 +66,10 @@ def _generate(llm, prompts):
 def test_windowed_greedy_matches_transformers(windowed, scenario, tokenizer):
     prompts = random_prompts(PROMPT_LENGTHS, len(tokenizer), seed=7)
     expected = _expected(windowed, prompts)
-    llm = float32_llm(windowed, SCENARIOS[scenario])
+    kwargs = dict(SCENARIOS[scenario])
+    if scenario == "preemption":
+        kwargs["kv_blocks"] = _one_request_blocks(windowed, kwargs) + 1
+    llm = float32_llm(windowed, kwargs)
     # Both backends have windows: the automatic choice is CPU_ATTN's kernel (CPU).
     assert model_runner(llm).attn_backend.get_name() == SCENARIOS[scenario].get("attention_backend", "CPU_ATTN")
     windows = [layer.sliding_window for layer in model_runner(llm).attention_layers]

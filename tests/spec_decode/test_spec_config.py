@@ -122,7 +122,7 @@ def test_scheduler_budgets_drafts_and_rolls_back_rejected(tiny_llama, tokenizer)
     first = core.scheduler.schedule()
     assert first.num_scheduled_tokens == {"r": 10} and not first.scheduled_spec_decode_tokens
     # 10 prompt tokens + 3 lookahead slots: 2 blocks of 8.
-    assert len(core.kv_cache_manager.get_block_ids("r")) == 2
+    assert len(core.kv_cache_manager.get_block_ids("r")[0]) == 2
     core.scheduler.update_from_output(first, core.model_executor.execute_model(first))
     request = core.scheduler.requests["r"]
     assert len(request.spec_token_ids) == 3 and request.num_computed_tokens == 10

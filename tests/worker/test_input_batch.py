@@ -23,7 +23,7 @@ def make_batch() -> InputBatch:
 def add(batch, req_id, prompt, params, outputs=()):
     batch.add_request(NewRequestData(
         req_id=req_id, token_ids=list(prompt) + list(outputs), num_prompt_tokens=len(prompt),
-        output_token_ids=list(outputs), sampling_params=params, eos_token_id=EOS, block_ids=[],
+        output_token_ids=list(outputs), sampling_params=params, eos_token_id=EOS, block_ids=([],),
         num_computed_tokens=0))
     return batch.requests[req_id]
 

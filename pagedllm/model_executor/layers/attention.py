@@ -32,8 +32,8 @@ class Attention(nn.Module):
     - ``sliding_window`` W (tokens; None: the whole context): a query at position i attends
       to keys i - W + 1 .. i only (transformers' ``sliding_window_overlay``). The blocks
       wholly before a query's window do not affect its output (CPU_ATTN never reads them,
-      TORCH_SDPA zeroes them once gathered): a KV-cache manager may free them, their
-      block-table entries then naming any block of the cache.
+      TORCH_SDPA zeroes them once gathered): the KV-cache manager frees them, their
+      block-table entries then naming the zeroed null block or a block another request reuses.
     - ``logits_soft_cap`` (None or 0: none): scores become ``cap * tanh(score / cap)``
       before the softmax (Gemma 2's ``attn_logit_softcapping``).
     - ``sinks``: [num_heads] logits (float32; with tensor parallelism this rank's heads),
@@ -41,6 +41,9 @@ class Attention(nn.Module):
       the tensor (usually its ``nn.Parameter``, loaded under the model's name); the layer keeps
       a reference as ``self.sinks`` without registering it, and the impl reads it at each
       forward.
+
+    ``kv_cache_group_id``: the layer's KV-cache group (its block table and metadata:
+    ``get_forward_context(kv_cache_group_id)``), set by ``bind_kv_caches``; 0 with one group.
 
     FP8 cache scales (``pagedllm.attention.kv_cache_quant``): the buffers ``k_scale`` /
     ``v_scale`` (float32 scalars, -1 until a checkpoint's scale loads into them) and the
@@ -80,6 +83,7 @@ class Attention(nn.Module):
             num_heads, head_dim, scale, num_kv_heads, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
         )
         self.kv_cache = torch.empty(0)
+        self.kv_cache_group_id = 0
         self.register_buffer("k_scale", torch.tensor(-1.0, dtype=torch.float32))
         self.register_buffer("v_scale", torch.tensor(-1.0, dtype=torch.float32))
         self.k_scale_float = self.v_scale_float = 1.0
@@ -97,7 +101,7 @@ class Attention(nn.Module):
             k.view(num_tokens, self.num_kv_heads, self.head_dim),
             v.view(num_tokens, self.num_kv_heads, self.head_dim),
             self.kv_cache,
-            get_forward_context(),
+            get_forward_context(self.kv_cache_group_id),
         )
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
@@ -133,25 +137,33 @@ def init_kv_scales(layers: list[Attention], cache_dtype: str, calculate: bool = 
 
 def bind_kv_caches(
     layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-    zeroed: bool = False,
+    zeroed: bool = False, layer_groups: Optional[list[tuple[int, int]]] = None, zero_null_block: bool = False,
 ) -> list[torch.Tensor]:
-    """Allocate one KV cache per layer, of its backend's ``get_kv_cache_shape`` for
+    """Allocate the KV caches of ``layers``, of their backend's ``get_kv_cache_shape`` for
     ``num_blocks`` blocks of ``block_size`` tokens, in ``dtype`` (the model's, or FP8), and
-    bind it to the layer.
+    bind them: one per layer, or with ``layer_groups[i]`` = (KV-cache group, position in
+    it) of layer i, one per position, shared by that position's layer of every group (one
+    block id is then the same bytes in each group; ``pagedllm.core.kv_cache_interface``).
 
     NOTE: allocated uninitialised unless ``zeroed`` (memory is committed only
     as blocks are used) and never cleared: no backend lets a slot past a request's
-    context reach its output (see ``pagedllm.attention.paged_kv_cache``).
+    context reach its output (see ``pagedllm.attention.paged_kv_cache``). With
+    ``zero_null_block``, block 0 (the null block of sliding windows) is zeroed, so what a
+    backend gathers from it and masks stays finite.
 
     Returns:
-        the caches, in ``layers`` order.
+        the caches, in order of first use by ``layers``.
     """
-    caches = []
-    for layer in layers:
-        shape = layer.attn_backend.get_kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
-        cache = torch.empty(shape, dtype=dtype, device=device)
-        if zeroed:
-            cache.view(torch.uint8).zero_()  # all-zero bytes are 0.0 in every float type
-        layer.kv_cache = cache
-        caches.append(cache)
-    return caches
+    caches: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(layers):
+        group, position = layer_groups[i] if layer_groups is not None else (0, i)
+        if position not in caches:
+            shape = layer.attn_backend.get_kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+            cache = caches[position] = torch.empty(shape, dtype=dtype, device=device)
+            if zeroed:
+                cache.view(torch.uint8).zero_()  # all-zero bytes are 0.0 in every float type
+            elif zero_null_block:
+                cache.view(torch.uint8)[:, 0].zero_()
+        layer.kv_cache = caches[position]
+        layer.kv_cache_group_id = group
+    return list(caches.values())

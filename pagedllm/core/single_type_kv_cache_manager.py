@@ -1,0 +1,193 @@
+"""The blocks of one KV-cache group per request: full attention keeps them all, a sliding
+window frees those that fell out of it (vLLM's ``FullAttentionManager`` /
+``SlidingWindowManager``; plain Python, no torch).
+
+With window W, block size 4 and W = 6, after 13 computed tokens the next query (position
+13) sees keys 8 .. 13; blocks wholly before token 13 - W + 1 = 8 are replaced by the null
+block (N) and go back to the pool, keeping their prefix-cache hash::
+
+    tokens:      0..3 | 4..7 | 8..11 | 12..
+    block_table: [ N  ,  N   ,  B7   ,  B2  ]
+"""
+
+from __future__ import annotations
+
+from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.kv_cache_interface import KVCacheSpec, SlidingWindowSpec, cdiv
+from pagedllm.core.kv_cache_utils import BlockHash, hash_with_group_id
+from pagedllm.core.request import Request
+
+
+class SingleTypeKVCacheManager:
+    """Per-request block lists of one group; the base class is full attention.
+
+    Args:
+        kv_cache_spec: the group's spec.
+        block_pool: the pool shared by every group.
+        group_id: the group's index (its prefix-cache keys: ``hash_with_group_id``).
+    """
+
+    def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, group_id: int) -> None:
+        self.kv_cache_spec = kv_cache_spec
+        self.block_size = kv_cache_spec.block_size
+        self.block_pool = block_pool
+        self.group_id = group_id
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Request id -> blocks of it already registered in the prefix cache (or null).
+        self.num_cached_blocks: dict[str, int] = {}
+
+    def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_length: int) -> list[KVCacheBlock]:
+        """The cached blocks of the longest prefix of at most ``max_length`` tokens (a
+        multiple of the block size) whose KV this group has: the blocks of the leading
+        run of hits."""
+        hits = []
+        for block_hash in block_hashes[: max_length // self.block_size]:
+            block = self.block_pool.get_cached_block(hash_with_group_id(block_hash, self.group_id))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free the request's blocks that no query from ``num_computed_tokens`` on sees,
+        replacing them by the null block: none for full attention."""
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: list[KVCacheBlock], num_computed_tokens: int,
+    ) -> int:
+        """Free blocks that giving the request slots for ``num_tokens`` tokens takes
+        (``num_computed_tokens`` of them computed): the new blocks, and the prefix-cache
+        hits ``new_computed_blocks`` that sit in the free queue."""
+        del num_computed_tokens
+        blocks = self.req_to_blocks.get(request_id)
+        num_new = -(-num_tokens // self.block_size) - (len(blocks) if blocks else 0) - len(new_computed_blocks)
+        if new_computed_blocks:
+            num_new = max(num_new, 0) + self._num_evictable(new_computed_blocks)
+        return max(num_new, 0)
+
+    def _num_evictable(self, blocks: list[KVCacheBlock]) -> int:
+        """Blocks among ``blocks`` that taking a reference removes from the free queue."""
+        null = self.block_pool.null_block
+        return sum(1 for b in blocks if b.ref_cnt == 0 and b is not null)
+
+    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: list[KVCacheBlock]) -> None:
+        """Start a new request's list with its prefix-cache hits (referenced now; already cached)."""
+        if not new_computed_blocks:
+            return
+        self.block_pool.touch(new_computed_blocks)
+        self.req_to_blocks.setdefault(request_id, []).extend(new_computed_blocks)
+        self.num_cached_blocks[request_id] = len(new_computed_blocks)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_computed_tokens: int) -> list[KVCacheBlock]:
+        """New blocks so the request has slots for ``num_tokens`` tokens (``num_computed_tokens``
+        of them computed)."""
+        del num_computed_tokens
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            blocks = self.req_to_blocks[request_id] = []
+        return self._extend(blocks, -(-num_tokens // self.block_size) - len(blocks))
+
+    def _extend(self, blocks: list[KVCacheBlock], num_new: int) -> list[KVCacheBlock]:
+        if num_new <= 0:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks full after ``num_tokens`` tokens in the prefix
+        cache (``request.block_hashes`` must cover them)."""
+        num_full = num_tokens // self.block_size
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        blocks = self.req_to_blocks[request.request_id]
+        null = self.block_pool.null_block
+        for i in range(start, num_full):
+            if blocks[i] is not null:
+                self.block_pool.cache_full_block(blocks[i], hash_with_group_id(request.block_hashes[i], self.group_id))
+        self.num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks, tail first (so the chain's tail is evicted first)."""
+        blocks = self.req_to_blocks.pop(request_id, [])
+        self.num_cached_blocks.pop(request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+
+FullAttentionManager = SingleTypeKVCacheManager
+
+
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """A group of layers with a sliding window of W tokens (``SlidingWindowSpec``)."""
+
+    def __init__(self, kv_cache_spec: SlidingWindowSpec, block_pool: BlockPool, group_id: int) -> None:
+        if block_pool.null_block is None:
+            raise ValueError("A sliding-window group needs a block pool with a null block.")
+        super().__init__(kv_cache_spec, block_pool, group_id)
+        self.sliding_window = kv_cache_spec.sliding_window
+        # A hit at position p needs the blocks of tokens p - W + 1 .. p - 1.
+        self.num_hit_blocks_needed = cdiv(self.sliding_window - 1, self.block_size)
+
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens before the window of the next query (at position ``num_computed_tokens``)."""
+        return max(num_computed_tokens - self.sliding_window + 1, 0)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """See the base class; the blocks wholly before the window of the query at
+        ``num_computed_tokens`` go back to the pool (keeping their hash)."""
+        num_skipped_blocks = self.num_skipped_tokens(num_computed_tokens) // self.block_size
+        blocks = self.req_to_blocks.get(request_id)
+        if not num_skipped_blocks or not blocks:
+            return
+        null = self.block_pool.null_block
+        removed = []
+        for i in range(min(num_skipped_blocks, len(blocks)) - 1, -1, -1):
+            if blocks[i] is null:
+                break  # the ones before it were removed by an earlier call
+            removed.append(blocks[i])
+            blocks[i] = null  # type: ignore[assignment]
+        self.block_pool.free_blocks(removed)
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: list[KVCacheBlock], num_computed_tokens: int,
+    ) -> int:
+        """See the base class; blocks of skipped tokens are not needed."""
+        blocks = self.req_to_blocks.get(request_id)
+        num_held = (len(blocks) if blocks else 0) + len(new_computed_blocks)
+        num_skipped_blocks = self.num_skipped_tokens(num_computed_tokens) // self.block_size
+        num_new = max(-(-num_tokens // self.block_size) - max(num_held, num_skipped_blocks), 0)
+        return num_new + (self._num_evictable(new_computed_blocks) if new_computed_blocks else 0)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_computed_tokens: int) -> list[KVCacheBlock]:
+        """See the base class; the null block first for skipped tokens the request never
+        had blocks for."""
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            blocks = self.req_to_blocks[request_id] = []
+        num_skipped_blocks = self.num_skipped_tokens(num_computed_tokens) // self.block_size
+        if len(blocks) < num_skipped_blocks:
+            blocks.extend([self.block_pool.null_block] * (num_skipped_blocks - len(blocks)))  # type: ignore[list-item]
+        return self._extend(blocks, -(-num_tokens // self.block_size) - len(blocks))
+
+    def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_length: int) -> list[KVCacheBlock]:
+        """The longest prefix of at most ``max_length`` tokens whose last W - 1 tokens'
+        blocks are cached (vLLM's ``SlidingWindowManager.find_longest_cache_hit``): searched
+        from the right; the blocks before the window are the null block. Without such a run,
+        the leading run of hits (a prefix shorter than the window)."""
+        num_blocks = max_length // self.block_size
+        null = self.block_pool.null_block
+        hits: list[KVCacheBlock] = [null] * num_blocks  # type: ignore[list-item]
+        if self.num_hit_blocks_needed == 0:
+            return hits  # W = 1: a query sees itself only
+        run = 0
+        for i in range(num_blocks - 1, -1, -1):
+            block = self.block_pool.get_cached_block(hash_with_group_id(block_hashes[i], self.group_id))
+            if block is None:
+                run = 0
+                continue
+            hits[i] = block
+            run += 1
+            if run >= self.num_hit_blocks_needed:
+                return hits[: i + run]
+        return hits[:run]
