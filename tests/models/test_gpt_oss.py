@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from pagedllm.model_executor.layers.quantization import mxfp4 as mxfp4_module
 from pagedllm.model_executor.layers.quantization.mxfp4 import E2M1_VALUES, MXFP4_BLOCK, dequantize_mxfp4
 from pagedllm import LLM, SamplingParams
+from pagedllm.model_executor.layers.activation import SwigluOAIAndMul
 from tests.helpers import can_host_workers, check_block_accounting, float32_llm
 from tests.models.utils import MAX_TOKENS, SCENARIOS, assert_scenario, prompts_for, transformers_greedy
 
@@ -42,6 +43,19 @@ SCENARIO_KWARGS = {"preemption": {"kv_blocks": 40}}
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_greedy_equals_transformers(gpt_oss, scenario):
     assert_scenario(gpt_oss, scenario, prompts_for(1024), **SCENARIO_KWARGS.get(scenario, {}))
+
+
+def test_clamped_swiglu_equals_transformers():
+    """``SwigluOAIAndMul`` on [gate | up] equals ``GptOssExperts._apply_gate`` on the interleaved
+    columns, values on both sides of the clamps included."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = GptOssConfig(hidden_size=8, intermediate_size=16, num_local_experts=1, swiglu_alpha=1.3, swiglu_limit=2.0)
+    gate_up = torch.randn(5, 32, generator=torch.Generator().manual_seed(0)) * 4
+    expected = GptOssExperts(config)._apply_gate(gate_up)
+    halves = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=-1)
+    assert torch.equal(SwigluOAIAndMul(1.3, 2.0).forward_native(halves), expected)
 
 
 def _encode_mxfp4(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

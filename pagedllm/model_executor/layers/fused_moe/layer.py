@@ -88,9 +88,9 @@ class FusedMoE(nn.Module):
             ``pagedllm.distributed.expert_parallel_enabled()`` (``--enable-expert-parallel``).
 
     Raises:
-        ValueError: an activation not built, biases the method does not apply, an I the tensor-parallel size does not divide,
-            fewer experts than expert-parallel ranks, or a quantization method for linear
-            layers only.
+        ValueError: an activation not built, biases the method does not apply, an I the
+            tensor-parallel size does not divide, fewer experts than expert-parallel ranks, or
+            a quantization method for linear layers only.
     """
 
     def __init__(
