@@ -102,8 +102,9 @@ class GptOssForCausalLM(LlamaMoEForCausalLM):
         """
         moe = next((m for m in self.modules() if isinstance(m, FusedMoE)), None)
         dtype = moe.w13_weight.dtype if moe is not None else torch.get_default_dtype()
-        # Dequantized [E, out, in], transposed to the dense checkpoints' [E, in, out].
-        return super().load_weights(dequantize_mxfp4_weights(weights, dtype, transpose=True))
+        # The experts' matrices dequantize as [E, out, in]: transposed to the dense checkpoints' [E, in, out].
+        matrices = (".experts.gate_up_proj", ".experts.down_proj")
+        return super().load_weights(dequantize_mxfp4_weights(weights, dtype, transpose_suffixes=matrices))
 
     def _load_expert(self, layer: FusedMoE, match: re.Match, name: str, tensor: torch.Tensor) -> str:
         """Load one stacked expert tensor (``_EXPERT_TENSORS``) into ``layer``: matrices

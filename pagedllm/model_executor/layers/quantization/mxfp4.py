@@ -49,11 +49,12 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 
 def dequantize_mxfp4_weights(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
-                             transpose: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                             transpose_suffixes: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """``weights`` with each ``<name>_blocks`` / ``<name>_scales`` pair replaced by
-    ``(<name>, dequantize_mxfp4(...))`` in ``dtype``, [..., rows, cols] (``transpose``: its
-    view [..., cols, rows]); the pair's order and distance in the stream do not matter, the
-    other tensors pass through. Warns once that it dequantizes.
+    ``(<name>, dequantize_mxfp4(...))`` in ``dtype``, [..., rows, cols] (its view [..., cols,
+    rows] where ``<name>`` ends with one of ``transpose_suffixes``); the pair's order and
+    distance in the stream do not matter, the other tensors pass through. Warns once that it
+    dequantizes.
 
     Raises:
         ValueError: a ``_blocks`` or ``_scales`` tensor left without its other half.
@@ -81,7 +82,7 @@ def dequantize_mxfp4_weights(weights: Iterable[tuple[str, torch.Tensor]], dtype:
             matrix = dequantize_mxfp4(blocks, scales, dtype)
         except ValueError as error:
             raise ValueError(f"Checkpoint tensors {base}_blocks / {base}_scales: {error}") from None
-        yield base, matrix.transpose(-1, -2) if transpose else matrix
+        yield base, matrix.transpose(-1, -2) if transpose_suffixes and base.endswith(transpose_suffixes) else matrix
     if pending:
         names = [f"{base}{suffix}" for base, (suffix, _) in pending.items()]
         raise ValueError(f"MXFP4 checkpoint tensors without their blocks / scales counterpart: {', '.join(names[:8])}.")
