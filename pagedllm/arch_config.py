@@ -156,6 +156,12 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
     "DeepseekV3ForCausalLM": ArchConfig(
         "deepseek_v3", _LLAMA_FAMILY_KEYS | _DEEPSEEK_KEYS | {"rope_interleave", "num_nextn_predict_layers"}, "none"
     ),
+    "GptOssForCausalLM": ArchConfig(
+        "gpt_oss",
+        _LLAMA_FAMILY_KEYS | {"sliding_window", "layer_types", "attention_bias", "num_local_experts",
+                              "num_experts_per_tok", "swiglu_alpha", "swiglu_limit"},
+        "layer_types",
+    ),
     # EAGLE heads: Llama configs (their own keys, ``bias`` ..., are not the class's).
     "EagleLlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
     "Eagle3LlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),

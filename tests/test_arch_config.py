@@ -79,6 +79,7 @@ def test_unread_config_keys_are_refused(architecture, kwargs, message):
         ("Gemma3ForConditionalGeneration", {"sliding_window": 8}, [8, 8]),  # 1 full layer in 6 by default
         ("Qwen2ForCausalLM", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, [None, None]),
         ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, [None, None]),
+        ("GptOssForCausalLM", {"sliding_window": 8}, [8, None]),  # alternating from its default layer_types
     ],
 )
 def test_accepted_configs_and_their_windows(architecture, kwargs, windows):

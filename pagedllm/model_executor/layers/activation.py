@@ -1,5 +1,5 @@
 """Gated activations on a fused [gate | up] input: SwiGLU (Shazeer 2020, arXiv:2002.05202)
-and its GELU variant GeGLU (Gemma's MLP)."""
+and its GELU variant GeGLU (Gemma's MLP), and gpt-oss's clamped variant."""
 
 import torch
 import torch.nn.functional as F
@@ -44,3 +44,22 @@ class GeluAndMul(CustomOp):
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate=self.approximate).mul_(up)
+
+
+class SwigluOAIAndMul(CustomOp):
+    """[..., 2d] -> [..., d]: gpt-oss's clamped SwiGLU on [gate | up] halves (transformers'
+    ``GptOssExperts._apply_gate``, vLLM's "swigluoai"): gate clamped above at ``limit``, up to
+    [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    def __init__(self, alpha: float = 1.702, limit: float = 7.0) -> None:
+        super().__init__()
+        self.alpha, self.limit = float(alpha), float(limit)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return up.clamp(-self.limit, self.limit).add_(1.0).mul_(glu)
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, limit={self.limit}"

@@ -13,6 +13,7 @@ from pagedllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM, De
 from pagedllm.model_executor.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.model_executor.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from pagedllm.model_executor.models.glm4 import Glm4ForCausalLM
+from pagedllm.model_executor.models.gpt_oss import GptOssForCausalLM
 from pagedllm.model_executor.models.granite import GraniteForCausalLM
 from pagedllm.model_executor.models.llama import (
     LlamaForCausalLM,
@@ -79,6 +80,10 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         "mixture of experts (FusedMoE) with a gated shared expert; q/k/v bias"),
     "Qwen3MoeForCausalLM": SupportedModel(
         Qwen3MoeForCausalLM, ("Qwen/Qwen3-30B-A3B",), "mixture of experts (FusedMoE); per-head q/k RMSNorm"),
+    "GptOssForCausalLM": SupportedModel(
+        GptOssForCausalLM, ("openai/gpt-oss-20b", "openai/gpt-oss-120b"),
+        "mixture of experts (FusedMoE) with biased experts and clamped SwiGLU; attention sinks; sliding window on "
+        "alternate layers; YaRN; MXFP4 experts dequantized at load"),
     # Multi-head latent attention (``TORCH_MLA``) with DeepSeekMoE.
     "DeepseekV2ForCausalLM": SupportedModel(
         DeepseekV2ForCausalLM, ("deepseek-ai/DeepSeek-V2-Lite-Chat", "deepseek-ai/DeepSeek-V2.5"),

@@ -34,7 +34,7 @@ from pagedllm.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from pagedllm.model_executor.layers.activation import SiluAndMul
+from pagedllm.model_executor.layers.activation import SiluAndMul, SwigluOAIAndMul
 from pagedllm.model_executor.layers.fused_moe.methods import FusedMoEMethodBase, UnquantizedFusedMoEMethod
 from pagedllm.model_executor.layers.fused_moe.router import RoutingFunction, select_experts
 from pagedllm.model_executor.layers.quantization import QuantizationConfig
@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 #: Checkpoint matrices of an expert, as ``weight_loader``'s shard ids: gate, down, up.
 EXPERT_SHARD_IDS = ("w1", "w2", "w3")
+#: The experts' gated activations on [gate | up] (vLLM's names): SwiGLU, and gpt-oss's clamped one.
+MOE_ACTIVATIONS = ("silu", "swigluoai")
 #: transformers' stacked expert tensors -> the shard ids they hold, in order along their rows.
 STACKED_EXPERT_TENSORS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
 
@@ -74,7 +76,11 @@ class FusedMoE(nn.Module):
         renormalize, use_grouped_topk, num_expert_group, topk_group, scoring_func,
         routed_scaling_factor, e_score_correction_bias, custom_routing_function: the routing
             (``router.select_experts``).
-        activation: the experts' activation ("silu": SwiGLU, the only one built).
+        activation: the experts' activation on [gate | up]: "silu" (SwiGLU) or "swigluoai"
+            (``SwigluOAIAndMul(swiglu_alpha, swiglu_limit)``, gpt-oss's clamped SwiGLU).
+        has_bias: each expert's W13 and W2 have a bias (``w13_bias`` [E, 2 x I] as [gate |
+            up], ``w2_bias`` [E, H]; gpt-oss), loaded with ``shard_id`` as the weights'.
+        swiglu_alpha, swiglu_limit: the "swigluoai" activation's sigmoid gain and clamp.
         quant_config: ``get_quant_method(self, prefix)`` may return a ``FusedMoEMethodBase``;
             None (or a None answer): ``UnquantizedFusedMoEMethod``.
         prefix: the layer's name in the model (``model.layers.0.mlp.experts``).
@@ -82,9 +88,9 @@ class FusedMoE(nn.Module):
             ``pagedllm.distributed.expert_parallel_enabled()`` (``--enable-expert-parallel``).
 
     Raises:
-        ValueError: an activation not built, an I the tensor-parallel size does not divide,
-            fewer experts than expert-parallel ranks, or a quantization method for linear
-            layers only.
+        ValueError: an activation not built, biases the method does not apply, an I the
+            tensor-parallel size does not divide, fewer experts than expert-parallel ranks, or
+            a quantization method for linear layers only.
     """
 
     def __init__(
@@ -107,10 +113,14 @@ class FusedMoE(nn.Module):
         e_score_correction_bias: Optional[torch.Tensor] = None,
         activation: str = "silu",
         enable_expert_parallel: Optional[bool] = None,
+        has_bias: bool = False,
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float = 7.0,
     ) -> None:
         super().__init__()
-        if activation != "silu":
-            raise ValueError(f"FusedMoE activation {activation!r} is not built (built: 'silu').")
+        if activation not in MOE_ACTIVATIONS:
+            raise ValueError(f"FusedMoE activation {activation!r} is not built (built: {', '.join(MOE_ACTIVATIONS)}).")
+        self.has_bias = has_bias
         self.global_num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
         self.reduce_results, self.prefix = reduce_results, prefix
         self.routing = dict(
@@ -127,11 +137,13 @@ class FusedMoE(nn.Module):
         self.expert_start, self.local_num_experts = expert_range(num_experts, ep_size, ep_rank)
         self.register_buffer("expert_map", self._expert_map(), persistent=False)
         self.intermediate_size_per_partition = divide(intermediate_size, self.moe_tp_size)
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul() if activation == "silu" else SwigluOAIAndMul(swiglu_alpha, swiglu_limit)
         method = None if quant_config is None else quant_config.get_quant_method(self, prefix)
         if method is not None and not isinstance(method, FusedMoEMethodBase):
             raise ValueError(f"{prefix}: quantization method {type(method).__name__} does not apply to FusedMoE experts.")
         self.quant_method: FusedMoEMethodBase = method or UnquantizedFusedMoEMethod()
+        if has_bias and not self.quant_method.supports_bias:
+            raise ValueError(f"{prefix}: {type(self.quant_method).__name__} does not apply expert biases.")
         self.quant_method.create_weights(
             self, self.local_num_experts, hidden_size, self.intermediate_size_per_partition,
             params_dtype or torch.get_default_dtype(), weight_loader=self.weight_loader,
@@ -162,7 +174,8 @@ class FusedMoE(nn.Module):
                       expert_id: int) -> None:
         """Copy this rank's part of expert ``expert_id``'s checkpoint matrix ``shard_id`` ("w1"
         gate [I, H], "w3" up [I, H], "w2" down [H, I]; named ``weight_name``) into ``param``;
-        nothing if another rank holds the expert.
+        nothing if another rank holds the expert. Into ``w13_bias`` / ``w2_bias`` the matrix's
+        bias ("w1", "w3" [I]; "w2" [H], whole on every rank).
 
         Raises:
             ValueError: an unknown shard id or expert, or a shape that does not fit.
@@ -174,14 +187,15 @@ class FusedMoE(nn.Module):
             return
         inter = self.intermediate_size_per_partition
         if shard_id == "w2":
-            target, dim = param.data[local], 1
+            target = param.data[local]
+            dim = 1 if target.dim() == 2 else None  # a bias [H] is not split
         else:
             target, dim = param.data[local].narrow(0, 0 if shard_id == "w1" else inter, inter), 0
         try:
             load_weight_part(target, loaded_weight, dim, self.moe_tp_rank, self.moe_tp_size)
         except ValueError as error:
             raise ValueError(f"Checkpoint tensor {weight_name!r}: {error}") from None
-        self._loaded.add((expert_id, shard_id))
+        self._loaded.add((expert_id, shard_id if param.data.dim() == 3 else f"{shard_id} bias"))
 
     def load_stacked_experts(self, name: str, loaded_weight: torch.Tensor, kind: str) -> None:
         """Load a tensor holding every expert (``kind`` "gate_up_proj": [E, 2 x I, H], gate rows
@@ -209,9 +223,11 @@ class FusedMoE(nn.Module):
                 self.weight_loader(param, part, name, shard_id, expert_id)
 
     def missing_weights(self) -> list[str]:
-        """``"expert <id> <shard id>"`` for each matrix of this rank's experts not loaded yet."""
+        """``"expert <id> <shard id>"`` (and ``"... <shard id> bias"`` with ``has_bias``) for each
+        matrix of this rank's experts not loaded yet."""
         held = range(self.expert_start, self.expert_start + self.local_num_experts)
-        return [f"expert {e} {s}" for e in held for s in EXPERT_SHARD_IDS if (e, s) not in self._loaded]
+        parts = [*EXPERT_SHARD_IDS, *(f"{s} bias" for s in EXPERT_SHARD_IDS if self.has_bias)]
+        return [f"expert {e} {s}" for e in held for s in parts if (e, s) not in self._loaded]
 
     def select_experts(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int64)."""

@@ -12,7 +12,7 @@ one ``ExpertMatrix`` per expert matrix (``split_experts``), each with its own ``
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -51,9 +51,26 @@ def split_experts(layer: nn.Module, prepare: Callable[[ExpertMatrix], None]) -> 
         setattr(layer, f"{name}_experts", matrices)
 
 
+def _expert_biases(layer: nn.Module, expert: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Local expert ``expert``'s W13 bias [2 x I] and W2 bias [H] (None without biases; W2's
+    None on tensor-parallel ranks other than 0, whose partial sums add to rank 0's)."""
+    if not getattr(layer, "has_bias", False):
+        return None, None
+    return layer.w13_bias[expert], (layer.w2_bias[expert] if layer.moe_tp_rank == 0 else None)
+
+
+def _mm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [n, in] @ weight [out, in]^T (+ bias [out], added after the product as transformers does)."""
+    out = torch.mm(x, weight.t())
+    return out if bias is None else out.add_(bias)
+
+
 class FusedMoEMethodBase(QuantizeMethodBase):
     """How a ``FusedMoE`` layer stores its experts' W13 ([gate | up], [2 x I, H] each) and
     W2 ([H, I] each) and computes the routed experts' weighted sum."""
+
+    #: Whether the method applies ``FusedMoE(has_bias=True)``'s ``w13_bias`` / ``w2_bias``.
+    supports_bias = False
 
     @abstractmethod
     def create_weights(
@@ -66,8 +83,8 @@ class FusedMoEMethodBase(QuantizeMethodBase):
 
     @abstractmethod
     def expert_forward(self, layer: nn.Module, expert: int, rows: torch.Tensor) -> torch.Tensor:
-        """Local expert ``expert``'s SwiGLU MLP on its tokens: rows [n, H] -> [n, H] (this
-        rank's intermediate columns only: a partial sum under tensor parallelism)."""
+        """Local expert ``expert``'s gated MLP (``layer.act_fn``) on its tokens: rows [n, H] ->
+        [n, H] (this rank's intermediate columns only: a partial sum under tensor parallelism)."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
@@ -81,15 +98,21 @@ class FusedMoEMethodBase(QuantizeMethodBase):
 class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
     """``w13_weight`` [E, 2 x I, H] ([gate | up] rows per expert) and ``w2_weight`` [E, H, I]
     in the model dtype (E, I: this rank's experts and intermediate columns); each expert is two
-    torch matmuls and ``layer.act_fn`` over its group of tokens."""
+    torch matmuls and ``layer.act_fn`` over its group of tokens. With ``layer.has_bias``, also
+    ``w13_bias`` [E, 2 x I] and ``w2_bias`` [E, H] (added by tensor-parallel rank 0 only: the
+    ranks' partial sums are added up)."""
+
+    supports_bias = True
 
     def create_weights(
         self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
         params_dtype: torch.dtype, **extra_weight_attrs: Any,
     ) -> None:
         inter = intermediate_size_per_partition
-        for name, shape in (("w13_weight", (num_experts, 2 * inter, hidden_size)),
-                            ("w2_weight", (num_experts, hidden_size, inter))):
+        shapes = [("w13_weight", (num_experts, 2 * inter, hidden_size)), ("w2_weight", (num_experts, hidden_size, inter))]
+        if getattr(layer, "has_bias", False):
+            shapes += [("w13_bias", (num_experts, 2 * inter)), ("w2_bias", (num_experts, hidden_size))]
+        for name, shape in shapes:
             weight = nn.Parameter(torch.empty(shape, dtype=params_dtype), requires_grad=False)
             set_weight_attrs(weight, extra_weight_attrs)
             layer.register_parameter(name, weight)
@@ -103,11 +126,12 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
             split_experts(layer, lambda matrix: setattr(matrix, "gemm_plan", cpu_gemm.plan_unquantized(matrix, False)))
 
     def expert_forward(self, layer: nn.Module, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        w13_bias, w2_bias = _expert_biases(layer, expert)
         if hasattr(layer, "w13_experts"):
-            gate_up = layer.w13_experts[expert].gemm_plan(rows, None)
-            return layer.w2_experts[expert].gemm_plan(layer.act_fn(gate_up), None)
-        gate_up = torch.mm(rows, layer.w13_weight[expert].t())
-        return torch.mm(layer.act_fn(gate_up), layer.w2_weight[expert].t())
+            gate_up = layer.w13_experts[expert].gemm_plan(rows, w13_bias)
+            return layer.w2_experts[expert].gemm_plan(layer.act_fn(gate_up), w2_bias)
+        gate_up = _mm(rows, layer.w13_weight[expert], w13_bias)
+        return _mm(layer.act_fn(gate_up), layer.w2_weight[expert], w2_bias)
 
     def describe_path(self, layer: nn.Module) -> str:
         if hasattr(layer, "w13_experts"):

@@ -1,7 +1,8 @@
 """Weight formats by name: ``get_quantization_config("unquantized")`` -> its config class.
 
 "unquantized"; the load-time formats "int8", "int4" and "fp8"; the checkpoint formats "gptq",
-"awq", "compressed-tensors" and "gguf" (their integer weights share ``packed_int``), and "fp8".
+"awq", "compressed-tensors" and "gguf" (their integer weights share ``packed_int``), "fp8", and
+"mxfp4" (gpt-oss's experts, dequantized at load).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ QUANTIZATION_METHODS: dict[str, Union[str, type[QuantizationConfig]]] = {
     "compressed-tensors": "compressed_tensors:CompressedTensorsConfig",
     "gguf": "gguf:GGUFConfig",
     "fp8": "fp8:Fp8Config",
+    "mxfp4": "mxfp4:Mxfp4Config",
 }
 
 
