@@ -80,7 +80,7 @@ def test_int8_activations_stay_close_to_float_activations(tiny_llama, monkeypatc
 
 
 def test_unknown_format_and_mismatch_fail_at_load(tiny_llama, tmp_path):
-    with pytest.raises(ValueError, match=r"Quantization method 'int3' is not supported yet. Supported: awq, compressed-tensors, fp8, gguf, gptq, int4, int8, unquantized"):
+    with pytest.raises(ValueError, match=r"Quantization method 'int3' is not supported yet. Supported: awq, compressed-tensors, fp8, gguf, gptq, int4, int8, mxfp4, unquantized"):
         LLM(str(tiny_llama), quantization="int3", kv_cache_memory_bytes=8 << 20)
     checkpoint = tmp_path / "gptq-labelled"
     shutil.copytree(tiny_llama, checkpoint)

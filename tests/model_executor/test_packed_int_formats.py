@@ -205,7 +205,7 @@ def _gptq_checkpoint(llama_128, tmp_path, **overrides) -> Path:
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        ({"quant_method": "bitsandbytes"}, r"Quantization method 'bitsandbytes' is not supported yet. Supported: awq, compressed-tensors, fp8, gguf, gptq, int4, int8, unquantized"),
+        ({"quant_method": "bitsandbytes"}, r"Quantization method 'bitsandbytes' is not supported yet. Supported: awq, compressed-tensors, fp8, gguf, gptq, int4, int8, mxfp4, unquantized"),
         ({"bits": 3}, r"gptq: 3-bit weights are not supported; supported: \(4, 8\)"),
         ({"group_size": 48}, r"gptq: group_size 48 is not supported; supported: \(-1, 32, 64, 128\)"),
         ({"group_size": 64}, r"gptq: layer model\.layers\.0\.\S+( \(part '\w+'\))?, tensor '\w+': Checkpoint tensor shape .*Expected 4-bit weights in groups of 64"),
