@@ -62,28 +62,26 @@ async def _stream_until_failure(client: openai.AsyncOpenAI, started: asyncio.Eve
     raise AssertionError("the stream ended without an error")
 
 
-def test_a_killed_replica_fails_open_requests_and_the_server_exits_1(tiny_llama):
-    remote = RemoteServer(tiny_llama, "--served-model-name", MODEL_NAME, "--max-model-len", "2K", "-dp", "2")
-    try:
-        pids = remote.engine_pids()
-        replica_1 = max(pids, key=lambda pid: psutil.Process(pid).cpu_affinity()[0])  # the second share
-        survivor = next(pid for pid in pids if pid != replica_1)
+def test_a_killed_replica_fails_open_requests_and_the_server_exits_1(dp_server):
+    """On the module's server, after the tests that need it alive (it ends that server)."""
+    remote = dp_server
+    pids = remote.engine_pids()
+    replica_1 = max(pids, key=lambda pid: psutil.Process(pid).cpu_affinity()[0])  # the second share
+    survivor = next(pid for pid in pids if pid != replica_1)
 
-        async def scenario() -> list[BaseException]:
-            client = remote.async_client(timeout=30)
-            started = [asyncio.Event() for _ in range(4)]
-            streams = [asyncio.create_task(_stream_until_failure(client, event)) for event in started]
-            for event in started:  # every stream is running (two on each replica)
-                await asyncio.wait_for(event.wait(), 30)
-            os.kill(replica_1, signal.SIGKILL)
-            return list(await asyncio.wait_for(asyncio.gather(*streams), 30))
+    async def scenario() -> list[BaseException]:
+        client = remote.async_client(timeout=30)
+        started = [asyncio.Event() for _ in range(4)]
+        streams = [asyncio.create_task(_stream_until_failure(client, event)) for event in started]
+        for event in started:  # every stream is running (two on each replica)
+            await asyncio.wait_for(event.wait(), 30)
+        os.kill(replica_1, signal.SIGKILL)
+        return list(await asyncio.wait_for(asyncio.gather(*streams), 30))
 
-        errors = asyncio.run(scenario())
-        code = remote.process.wait(timeout=30)
-        log = remote.log_text()
-        survivor_gone = not psutil.pid_exists(survivor) or psutil.Process(survivor).status() == psutil.STATUS_ZOMBIE
-    finally:
-        remote.close()
+    errors = asyncio.run(scenario())
+    code = remote.process.wait(timeout=30)
+    log = remote.log_text()
+    survivor_gone = not psutil.pid_exists(survivor) or psutil.Process(survivor).status() == psutil.STATUS_ZOMBIE
     assert code == 1
     dead = f"Data-parallel engine 1 (of 2) is dead: The engine core process (pid {replica_1}) exited with code -9"
     assert all(dead in str(error) for error in errors), errors
