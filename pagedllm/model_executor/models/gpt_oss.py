@@ -22,16 +22,14 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from pagedllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-from pagedllm.model_executor.layers.attention import Attention
+from pagedllm.model_executor.layers.layernorm import RMSNorm
 from pagedllm.model_executor.layers.fused_moe import FusedMoE
 from pagedllm.model_executor.layers.fused_moe.router import topk_softmax
 from pagedllm.model_executor.layers.linear import ReplicatedLinear
 from pagedllm.model_executor.layers.quantization import QuantizationConfig
 from pagedllm.model_executor.layers.quantization.mxfp4 import dequantize_mxfp4_weights
-from pagedllm.model_executor.models.llama import LlamaAttention, PPMissingLayer
+from pagedllm.model_executor.models.llama import LLAMA_NORMS, DecoderLayer, LlamaAttention, LlamaModel
 from pagedllm.model_executor.models.llama_moe import LlamaMoEForCausalLM
-from pagedllm.model_executor.utils import load_weight_part, set_weight_attrs
 
 #: Checkpoint tensor of a layer's experts -> (FusedMoE parameter, matrix: [E, in, out] as x @ W).
 _EXPERT_TENSORS = {
@@ -67,31 +65,24 @@ def make_gpt_oss_moe(config: PretrainedConfig, layer_idx: int, quant_config: Opt
     return GptOssMoE(config, quant_config, prefix)
 
 
-def add_attention_sinks(attn: LlamaAttention) -> None:
-    """Give ``attn`` gpt-oss's ``sinks`` parameter, float32 [this rank's heads] (loaded from the
-    checkpoint's [num_attention_heads], split as the heads are), and an ``Attention`` that
-    reads it, with the same heads, scale and window."""
-    tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-    attn.sinks = nn.Parameter(torch.zeros(attn.num_heads, dtype=torch.float32), requires_grad=False)
-    set_weight_attrs(attn.sinks, {"weight_loader": lambda param, w: load_weight_part(param.data, w, 0, tp_rank, tp_size)})
-    old = attn.attn
-    # NOTE: the Llama attention builds its ``Attention`` without sinks; the replacement asks the
-    # backend for them (an ``Attention`` takes its sinks at construction).
-    attn.attn = Attention(old.num_heads, old.head_dim, old.num_kv_heads, old.scale,
-                          sliding_window=old.sliding_window, logits_soft_cap=old.logits_soft_cap, sinks=attn.sinks)
+class GptOssModel(LlamaModel):
+    """``LlamaModel`` whose attention layers have gpt-oss's learned sinks (``LlamaAttention(sinks=True)``)."""
+
+    def make_layer(self, config, layer_idx, rotary_emb, sliding_window, quant_config, prefix):
+        attn = LlamaAttention(
+            config, self.qkv_bias, self.qk_norm, rotary_emb, quant_config, f"{prefix}.self_attn", sliding_window,
+            sinks=True,
+        )
+        mlp = self.make_mlp(config, layer_idx, quant_config, f"{prefix}.mlp")
+        return DecoderLayer(attn, mlp, LLAMA_NORMS, lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
 
 
 class GptOssForCausalLM(LlamaMoEForCausalLM):
     """``LlamaForCausalLM`` with gpt-oss's attention sinks, biases and experts (module
     docstring); ``attention_bias`` (true in gpt-oss's configs) gives q/k/v/o their biases."""
 
+    model_cls = GptOssModel
     make_mlp = staticmethod(make_gpt_oss_moe)
-
-    def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig] = None) -> None:
-        super().__init__(config, quant_config)
-        for layer in self.model.layers:
-            if not isinstance(layer, PPMissingLayer):
-                add_attention_sinks(layer.self_attn)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """``LlamaMoEForCausalLM.load_weights`` with MXFP4 expert tensors dequantized to the

@@ -21,7 +21,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagedllm.arch_config import layer_sliding_windows
-from pagedllm.distributed import get_pp_group
+from pagedllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from pagedllm.distributed.utils import pp_layer_range
 from pagedllm.model_executor.layers.activation import SiluAndMul
 from pagedllm.model_executor.layers.attention import Attention
@@ -31,7 +31,7 @@ from pagedllm.model_executor.layers.quantization import QuantizationConfig
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pagedllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model_executor.kv_cache_scales import load_kv_cache_scale
-from pagedllm.model_executor.utils import default_weight_loader
+from pagedllm.model_executor.utils import default_weight_loader, load_weight_part, set_weight_attrs
 from pagedllm.platforms import current_platform
 
 #: Bytes of one [rows, 2 x intermediate] chunk of the MLP on CPU (see ``LlamaMLP.forward``).
@@ -59,7 +59,9 @@ class LlamaAttention(nn.Module):
     ``qk_norm``: a ``norm_cls`` over each query and key head before rope (Qwen3; Gemma 3 with
     ``GemmaRMSNorm``). ``scale``: the softmax scale (None: head_dim ** -0.5). ``o_bias``: a
     bias on o_proj (None: ``attention_bias``, as Llama). ``logits_soft_cap`` C: scores become
-    C * tanh(scores / C) before the softmax (Gemma 2; None: none).
+    C * tanh(scores / C) before the softmax (Gemma 2; None: none). ``sinks``: a learned logit per
+    query head in every softmax's denominator (gpt-oss): the float32 parameter ``sinks`` [this
+    rank's heads], loaded from the checkpoint's [num_attention_heads] split as the heads are.
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class LlamaAttention(nn.Module):
         o_bias: Optional[bool] = None,
         norm_cls: type[nn.Module] = RMSNorm,
         logits_soft_cap: Optional[float] = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         hidden = config.hidden_size
@@ -100,9 +103,15 @@ class LlamaAttention(nn.Module):
             self.k_norm = norm_cls(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = rotary_emb
         scale = self.head_dim**-0.5 if scale is None else scale
+        self.sinks: Optional[nn.Parameter] = None
+        if sinks:
+            tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32), requires_grad=False)
+            set_weight_attrs(self.sinks, {
+                "weight_loader": lambda param, w: load_weight_part(param.data, w, 0, tp_rank, tp_size)})
         self.attn = Attention(
             self.num_heads, self.head_dim, self.num_kv_heads, scale, sliding_window=sliding_window,
-            logits_soft_cap=logits_soft_cap,
+            logits_soft_cap=logits_soft_cap, sinks=self.sinks,
         )
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
