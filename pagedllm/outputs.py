@@ -79,3 +79,58 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: Optional[dict] = field(default=None, repr=False)
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result. ``data``: the pooled vector (float values; vLLM holds a
+    tensor), after the request's ``PoolingParams`` (``dimensions``, ``normalize``)."""
+
+    data: list[float]
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The output of one pooling request, as vLLM's: it has one, final, output.
+
+    Attributes:
+        request_id: the caller's id.
+        prompt_token_ids: the prompt's token ids (after truncation): its length is the
+            request's ``usage.prompt_tokens``.
+        outputs: the pooled vector.
+        finished: always True.
+        prompt: the prompt text, when given as text.
+    """
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: Optional[str] = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """An embedding: ``embedding`` float values (vLLM's ``EmbeddingOutput``); ``hidden_size`` its length."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s result per prompt: ``outputs.embedding`` (vLLM's ``EmbeddingRequestOutput``)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, request_output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        """The embedding view of a pooling request's output."""
+        return cls(request_output.request_id, EmbeddingOutput(request_output.outputs.data),
+                   request_output.prompt_token_ids, request_output.finished)

@@ -6,6 +6,7 @@ them and resolves defaults into an ``EngineConfig``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 import argparse
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
@@ -36,6 +37,14 @@ from pagedllm.config.model import (
     resolve_dtype,
 )
 from pagedllm.config.parallel import ParallelConfig, check_data_parallel_size
+from pagedllm.config.pooler import (
+    CONVERT_TYPES,
+    RUNNER_TYPES,
+    PoolerConfig,
+    default_pooler_config,
+    is_encoder_architecture,
+    resolve_runner,
+)
 from pagedllm.config.scheduler import SchedulerConfig
 from pagedllm.config.speculative import SpeculativeConfig
 from pagedllm.config.structured_outputs import StructuredOutputsConfig
@@ -346,6 +355,29 @@ class EngineArgs:
         help="'auto' / 'hf': the Hugging Face fast tokenizer; the others are not supported yet.",
         choices=("auto", "hf", "slow", "mistral", "custom"),
     )
+    runner: str = flag_field(
+        "auto",
+        help=(
+            "What the model serves: 'generate' (text), 'pooling' (embeddings: LLM.embed, "
+            "/v1/embeddings), 'auto' (pooling for an encoder such as BertModel or with --convert "
+            "embed, else generate)."
+        ),
+        choices=RUNNER_TYPES,
+    )
+    convert: str = flag_field(
+        "auto",
+        help="'embed': serve a generative checkpoint (e.g. Qwen3, Llama) as an embedding model; 'none' / 'auto': as it is.",
+        choices=CONVERT_TYPES,
+    )
+    pooler_config: Optional[dict] = flag_field(
+        None,
+        help=(
+            'Pooling of a pooling model, as JSON: \'{"pooling_type": "MEAN", "normalize": true}\' '
+            "(LAST | MEAN | CLS). Default: the model's sentence-transformers files (modules.json), "
+            "else CLS for an encoder, LAST for a decoder; normalize true."
+        ),
+        type=json_object, metavar="JSON",
+    )
     enable_chunked_prefill: Optional[bool] = flag_field(
         None,
         help=(
@@ -488,6 +520,7 @@ class EngineArgs:
         if self.enable_lora:
             LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # checks the values
         StructuredOutputsConfig.from_dict(self.structured_outputs_config)
+        PoolerConfig.from_dict(self.pooler_config)
         check_data_parallel_size(self.data_parallel_size, self.usage_context)
         for name, (supported, why) in PARTLY_BUILT_ARGS.items():
             value = getattr(self, name)
@@ -519,7 +552,9 @@ class EngineArgs:
         hf_config = load_hf_config(model_path, self.trust_remote_code, self.hf_overrides)
         check_hf_config(hf_config)
         max_model_len = self._max_model_len(hf_config)
-        scheduler_config = SchedulerConfig.from_engine_args(self, max_model_len)
+        architecture = (getattr(hf_config, "architectures", None) or ["<none>"])[0]
+        runner_type = resolve_runner(self.runner, self.convert, architecture)
+        scheduler_config = self._scheduler_config(max_model_len, runner_type, architecture)
         model_config = ModelConfig(
             model=str(self.model or model_path.name),
             model_path=model_path,
@@ -536,9 +571,14 @@ class EngineArgs:
             override_generation_config=self.override_generation_config,
             max_logprobs=self.max_logprobs,
             batch_invariant=self.batch_invariant,
+            runner_type=runner_type,
+            pooler_config=self._pooler_config(runner_type, architecture, model_path),
         )
         self._check_num_gpu_blocks_override(max_model_len)
         cache_config = CacheConfig.from_engine_args(self, max_model_len)
+        if runner_type == "pooling" and cache_config.enable_prefix_caching:
+            # NOTE: a prefix hit would skip the hidden states MEAN / CLS pooling needs.
+            cache_config = dataclasses.replace(cache_config, enable_prefix_caching=False)
         parallel_config = ParallelConfig.from_engine_args(self, model_config)
         return EngineConfig(
             model_config, cache_config, scheduler_config, parallel_config, AttentionConfig(self.attention_backend),
@@ -546,6 +586,36 @@ class EngineArgs:
             speculative_config=self._speculative_config(model_config, parallel_config),
             structured_outputs_config=StructuredOutputsConfig.from_dict(self.structured_outputs_config),
         )  # fmt: skip
+
+    def _scheduler_config(self, max_model_len: int, runner_type: str, architecture: str) -> SchedulerConfig:
+        """The batching limits; for an encoder (one pass over the whole prompt) no chunked
+        prefill, as vLLM.
+
+        Raises:
+            ValueError: a bad token budget; for an encoder, a budget below ``max_model_len``.
+        """
+        config = SchedulerConfig.from_engine_args(self, max_model_len)
+        if runner_type != "pooling" or not is_encoder_architecture(architecture):
+            return config
+        if config.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({max_model_len}): {architecture} computes each prompt in one step (no chunked prefill)."
+            )
+        return dataclasses.replace(config, chunked_prefill_enabled=False)
+
+    def _pooler_config(self, runner_type: str, architecture: str, model_path: Any) -> Optional[PoolerConfig]:
+        """The resolved ``PoolerConfig`` of a pooling runner (``default_pooler_config``); None otherwise.
+
+        Raises:
+            ValueError: ``pooler_config`` given to a generating model.
+        """
+        if runner_type != "pooling":
+            if self.pooler_config:
+                raise ValueError("pooler_config is set, but the model is not a pooling model (--runner pooling).")
+            return None
+        model_dir = model_path.parent if model_path.is_file() else model_path
+        return default_pooler_config(architecture, model_dir, PoolerConfig.from_dict(self.pooler_config))
 
     def _check_sizes(self) -> None:
         """``block_size``, ``max_num_seqs`` and ``gpu_memory_utilization`` in range.

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from pagedllm import envs
 from pagedllm.arch_config import min_sliding_window, model_context_len
+from pagedllm.config.pooler import PoolerConfig, is_encoder_architecture
 
 if TYPE_CHECKING:
     import torch
@@ -89,6 +90,10 @@ class ModelConfig:
     ``batch_invariant`` (``--batch-invariant``; vLLM's ``VLLM_BATCH_INVARIANT``): every
     token's logits bit-identical whatever the batch, the prefill chunks, the prefix cache's
     state and preemption (``pagedllm.model_executor.layers.batch_invariant``).
+
+    ``runner_type`` (vLLM's ``--runner``, resolved): "generate" (sampling) or "pooling" (each
+    prompt's hidden states pooled into one vector, ``pooler_config``: set, with every
+    default resolved, on a pooling runner only; ``pagedllm.config.pooler``).
     """
 
     model: str
@@ -106,10 +111,30 @@ class ModelConfig:
     override_generation_config: Optional[dict] = None  # field -> value, over the generation config
     max_logprobs: int = 20
     batch_invariant: bool = False
+    runner_type: str = "generate"
+    pooler_config: Optional[PoolerConfig] = None
 
     @property
     def architecture(self) -> str:
         return (getattr(self.hf_config, "architectures", None) or ["<none>"])[0]
+
+    @property
+    def is_encoder(self) -> bool:
+        """Whether the model is an encoder (``pagedllm.config.pooler.ENCODER_ARCHITECTURES``):
+        bidirectional attention over the whole prompt, computed in one step."""
+        return is_encoder_architecture(self.architecture)
+
+    @property
+    def is_matryoshka(self) -> bool:
+        """Whether the model's embeddings may be cut to fewer ``dimensions`` (Matryoshka
+        representation): config.json sets ``is_matryoshka`` or ``matryoshka_dimensions``, as vLLM reads it."""
+        return bool(getattr(self.hf_config, "is_matryoshka", False) or self.matryoshka_dimensions)
+
+    @property
+    def matryoshka_dimensions(self) -> Optional[list[int]]:
+        """The only ``dimensions`` a request may ask for (config.json's ``matryoshka_dimensions``;
+        None: any up to the hidden size, when ``is_matryoshka``)."""
+        return getattr(self.hf_config, "matryoshka_dimensions", None) or None
 
     @property
     def num_layers(self) -> int:

@@ -11,11 +11,16 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Batching limits: requests per step, tokens per step, context length (tokens)."""
+    """Batching limits: requests per step, tokens per step, context length (tokens).
+
+    ``chunked_prefill_enabled`` False (an encoder, which needs its whole prompt in one
+    pass): a prompt that does not fit the step's remaining budget waits for a later step.
+    """
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    chunked_prefill_enabled: bool = True
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, max_model_len: int) -> SchedulerConfig:

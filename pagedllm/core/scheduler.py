@@ -93,6 +93,7 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
+        self.chunked_prefill_enabled = scheduler_config.chunked_prefill_enabled
         self.kv_cache_manager = kv_cache_manager
         self.structured_output_manager = structured_output_manager
         # Requests whose grammar failed to compile: reported (aborted) by the next update.
@@ -201,6 +202,8 @@ class Scheduler:
                 continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
+            if not self.chunked_prefill_enabled and num_new_tokens < request.num_tokens - num_hit_tokens:
+                break  # an encoder's prompt runs whole: it waits for a step with room
             new_blocks = self.kv_cache_manager.allocate_slots(
                 request, num_new_tokens, hit_blocks, self._lookahead(num_hit_tokens + num_new_tokens))
             if new_blocks is None:
@@ -370,6 +373,9 @@ class Scheduler:
             if req_id in runner_output.failed_req_ids:
                 outputs.append(self._abort_failed(request, runner_output.failed_req_ids[req_id]))
                 continue
+            if req_id in runner_output.pooler_output:
+                outputs.append(self._finish_pooled(request, runner_output.pooler_output[req_id]))
+                continue
             index = runner_output.req_id_to_index[req_id]
             new_token_ids = runner_output.sampled_token_ids[index]
             prompt_logprobs = self._unsent_prompt_logprobs(request, runner_output.prompt_logprobs_dict.get(req_id))
@@ -423,6 +429,16 @@ class Scheduler:
         if so_request is None or not drafts:
             return drafts
         return so_request.grammar.validate_tokens(drafts)  # type: ignore[union-attr]
+
+    def _finish_pooled(self, request: Request, pooled: list[float]) -> EngineCoreOutput:
+        """Finish a pooling model's request whose prompt is computed: its only output carries
+        the pooled vector (it generates no token)."""
+        self.running.remove(request)
+        request.status = RequestStatus.FINISHED_STOPPED
+        self._free_request(request)
+        return EngineCoreOutput(request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.STOP,
+                                num_cached_tokens=max(request.num_cached_tokens, 0), events=request.take_events(),
+                                pooling_output=pooled)
 
     def _abort_failed(self, request: Request, reason: str) -> EngineCoreOutput:
         """Abort a running request the runner could not serve (logged with ``reason``)."""

@@ -33,7 +33,8 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.loggers import LoggingStatLogger
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 from pagedllm.metrics.stats import IterationStats, RequestStatsTracker
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import get_tokenizer
 
@@ -316,6 +317,23 @@ class AsyncLLM:
             raise
         finally:
             self._collectors.pop(request_id, None)
+
+    async def encode(
+        self, prompt: Union[PromptType, EngineCoreRequest], pooling_params: Optional[PoolingParams], request_id: str,
+        prompt_text: Optional[str] = None,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """Pool one prompt on a pooling model (vLLM's ``AsyncLLM.encode``); yields its one
+        ``PoolingRequestOutput``. ``prompt`` as ``generate``'s, or an ``EngineCoreRequest`` from
+        ``self.processor.process_pooling`` (then ``pooling_params`` is ignored).
+
+        Raises:
+            ValueError: a generative model, or bad prompt or parameters (before anything is queued).
+            EngineDeadError: the engine is or becomes dead.
+        """
+        if not isinstance(prompt, EngineCoreRequest):
+            prompt, prompt_text = self.processor.process_pooling(request_id, prompt, pooling_params or PoolingParams())
+        async for output in self.generate(prompt, None, request_id, prompt_text=prompt_text):
+            yield output  # type: ignore[misc]
 
     async def abort(self, request_id: Union[str, Iterable[str]]) -> None:
         """Abort requests (by the ids given to ``generate``; all ``n`` completions) and

@@ -21,7 +21,8 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.messages.engine_core import EngineCoreOutputs
 from pagedllm.metrics.loggers import LoggingStatLogger, log_stats_interval
 from pagedllm.metrics.stats import IterationStats, RequestStatsTracker
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import get_tokenizer
 
@@ -66,29 +67,33 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: Optional[SamplingParams] = None,
+        params: Union[SamplingParams, PoolingParams, None] = None,
         arrival_time: Optional[float] = None,
         cache_salt: Optional[str] = None,
         lora_request: Optional[LoRARequest] = None,
     ) -> None:
         """Validate, tokenize and queue a request; ``n > 1`` fans out into ``n`` child requests.
-        ``lora_request``: the LoRA adapter to run it with (None: the base model).
+        ``lora_request``: the LoRA adapter to run it with (None: the base model). With
+        ``PoolingParams`` (a pooling model; ``Processor.process_pooling``) its one output is a
+        ``PoolingRequestOutput``.
 
         Raises:
             ValueError: for a bad prompt, parameters or adapter (nothing is queued then).
             FileNotFoundError: no adapter at ``lora_request.lora_path``.
         """
-        params = params or SamplingParams()
-        request, prompt_text = self.processor.process(
-            request_id, prompt, params, arrival_time or time.time(), cache_salt, lora_request
-        )
+        if isinstance(params, PoolingParams):
+            request, prompt_text = self.processor.process_pooling(request_id, prompt, params, arrival_time)
+        else:
+            request, prompt_text = self.processor.process(
+                request_id, prompt, params or SamplingParams(), arrival_time or time.time(), cache_salt, lora_request
+            )
         for child, parent, index in fan_out(request):
             self.output_processor.add_request(child, prompt_text, parent, index)
             self.engine_core_client.add_request(child)
             if self.stat_logger is not None:
                 self.stats_tracker.add_request(child.request_id, request.arrival_time, len(child.prompt_token_ids))
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[Union[RequestOutput, PoolingRequestOutput]]:
         """Run one engine step; returns the outputs of requests that progressed."""
         outputs = self.engine_core_client.get_output()
         processed = self.output_processor.process_outputs(outputs.outputs)

@@ -1,4 +1,5 @@
-"""Front-end output path: ``EngineCoreOutput`` -> ``RequestOutput`` (vLLM V1's OutputProcessor).
+"""Front-end output path: ``EngineCoreOutput`` -> ``RequestOutput`` (vLLM V1's OutputProcessor),
+or a pooling request's ``PoolingRequestOutput``.
 
 Per request it keeps an ``IncrementalDetokenizer`` (text and stop strings) and a
 ``LogprobsProcessor``; per ``n > 1`` request a ``ParentRequest`` that joins the children.
@@ -23,7 +24,7 @@ from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.logprobs import LogprobsProcessor, TokenTextCache
 from pagedllm.messages.engine_core import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagedllm.engine.parallel_sampling import ParentRequest, merge_delta_completion
-from pagedllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput
+from pagedllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, PromptLogprobs, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
 
 
@@ -38,10 +39,10 @@ class RequestOutputCollector:
 
     def __init__(self, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         self.aggregate = output_kind == RequestOutputKind.DELTA
-        self.output: Union[RequestOutput, Exception, None] = None
+        self.output: Union[RequestOutput, PoolingRequestOutput, Exception, None] = None
         self.ready = asyncio.Event()
 
-    def put(self, output: Union[RequestOutput, Exception]) -> None:
+    def put(self, output: Union[RequestOutput, PoolingRequestOutput, Exception]) -> None:
         if self.output is None or isinstance(output, Exception):
             self.output = output
             self.ready.set()
@@ -95,7 +96,7 @@ class OutputProcessorOutput:
             still runs; the caller must abort them there.
     """
 
-    request_outputs: list[RequestOutput] = field(default_factory=list)
+    request_outputs: list[Union[RequestOutput, PoolingRequestOutput]] = field(default_factory=list)
     reqs_to_abort: list[str] = field(default_factory=list)
 
 
@@ -116,6 +117,7 @@ class RequestState:
         self.request_id = request.request_id
         self.prompt = prompt
         self.prompt_token_ids = request.prompt_token_ids
+        self.pooling_params = request.pooling_params
         self.output_kind = request.sampling_params.output_kind
         self.parent_req = parent_req
         self.request_index = request_index
@@ -182,6 +184,12 @@ class RequestState:
             finish_reason=str(finish_reason) if finished else None,
             stop_reason=stop_reason if finished else None,
         )
+
+    def pooling_output(self, pooled: list[float]) -> PoolingRequestOutput:
+        """A pooling request's output: the engine's raw vector after its ``PoolingParams``."""
+        assert self.pooling_params is not None, "a pooled vector for a request without PoolingParams"
+        return PoolingRequestOutput(self.request_id, PoolingOutput(self.pooling_params.apply(pooled)),
+                                    self.prompt_token_ids, prompt=self.prompt)
 
     def prompt_logprobs_to_send(self) -> Optional[PromptLogprobs]:
         """DELTA: the prompt logprobs not sent yet; else all of them."""
@@ -257,6 +265,10 @@ class OutputProcessor:
         for output in engine_core_outputs:
             state = self.request_states.get(output.request_id)
             if state is None:  # aborted meanwhile
+                continue
+            if output.pooling_output is not None:
+                del self.request_states[state.request_id]
+                _emit(state.pooling_output(output.pooling_output), state.queue, result.request_outputs)
                 continue
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
             stop_string = state.update(output)
@@ -359,9 +371,9 @@ class OutputProcessor:
 
 
 def _emit(
-    request_output: RequestOutput,
+    request_output: Union[RequestOutput, PoolingRequestOutput],
     queue: Optional[RequestOutputCollector],
-    request_outputs: Optional[list[RequestOutput]],
+    request_outputs: Optional[list],
 ) -> None:
     if queue is not None:
         queue.put(request_output)

@@ -22,7 +22,8 @@ from transformers import PreTrainedTokenizerBase
 from pagedllm.config import GENERATION_CONFIG_MODES, LoRAConfig, ModelConfig, StructuredOutputsConfig
 from pagedllm.lora.request import LoRARequest, with_load_generation
 from pagedllm.messages.engine_core import EngineCoreRequest
-from pagedllm.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams, check_max_tokens
+from pagedllm.pooling_params import PoolingParams
+from pagedllm.sampling_params import DEFAULT_MAX_TOKENS, RequestOutputKind, SamplingParams, check_max_tokens
 from pagedllm.structured_output.selection import check_structured_outputs
 
 #: A prompt: text, token ids, or vLLM's dict forms {"prompt": str} / {"prompt_token_ids": [...]},
@@ -76,6 +77,17 @@ class ContextLengthError(ValueError):
         super().__init__(message)
 
 
+class PoolingContextLengthError(ContextLengthError):
+    """A pooling request's prompt is longer than ``max_model_len`` (it may fill it: nothing is generated)."""
+
+    def __init__(self, num_prompt_tokens: int, max_model_len: int) -> None:
+        super().__init__(num_prompt_tokens, 0, max_model_len)
+        self.args = (
+            f"This model's maximum context length is {max_model_len} tokens. However, the input for "
+            f"embedding has {num_prompt_tokens} tokens. Please reduce the length of the input.",
+        )
+
+
 class Processor:
     """Turns user prompts into validated ``EngineCoreRequest``s.
 
@@ -103,6 +115,7 @@ class Processor:
         structured_outputs_config: Optional[StructuredOutputsConfig] = None,
     ) -> None:
         self.hf_config = model_config.hf_config
+        self.model_config = model_config
         self.lora_config = lora_config
         # (adapter path, load generation) of the adapters that passed ``check_lora``.
         self._checked_adapters: set[tuple[str, int]] = set()
@@ -198,6 +211,20 @@ class Processor:
         ):
             raise ContextLengthError(num_prompt_tokens, max_tokens, self.max_model_len)
 
+    def check_prompt_tokens(self, prompt_token_ids: list[int]) -> None:
+        """The prompt has a token, and every one is in the vocabulary.
+
+        Raises:
+            ValueError: an empty prompt, or an out-of-vocabulary token id.
+        """
+        if not prompt_token_ids:
+            raise ValueError("The prompt is empty: it must contain at least one token.")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"Token id {bad[0]} is out of vocabulary: token ids must be in [0, {self.vocab_size})."
+            )
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Check the prompt against the vocabulary and the context length.
 
@@ -210,15 +237,8 @@ class Processor:
                 ("Invalid structured outputs <kind>: <the backend's message>").
             ContextLengthError: see ``check_context_fit``.
         """
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise ValueError("The prompt is empty: it must contain at least one token.")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"Token id {bad[0]} is out of vocabulary: token ids must be in [0, {self.vocab_size})."
-            )
-        self.check_context_fit(num_prompt, params.max_tokens)
+        self.check_prompt_tokens(prompt_token_ids)
+        self.check_context_fit(len(prompt_token_ids), params.max_tokens)
         bad_stop = [t for t in params.stop_token_ids or [] if not 0 <= t < self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids contains {bad_stop[0]}, outside [0, {self.vocab_size}).")
@@ -256,6 +276,9 @@ class Processor:
             ValueError: see ``tokenize_prompt``, ``validate`` and ``check_lora``.
             FileNotFoundError: see ``check_lora``.
         """
+        if self.model_config.runner_type == "pooling":
+            raise ValueError(f"{self.model_config.model} is a pooling model (--runner pooling): it computes "
+                             "embeddings (LLM.embed, /v1/embeddings), not generations.")
         prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens)
         if params.bad_words and not params.bad_words_token_ids:
@@ -281,6 +304,36 @@ class Processor:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             cache_salt=cache_salt,
             lora_request=lora_request,
+        )
+        return request, prompt_text
+
+    def process_pooling(
+        self, request_id: str, prompt: PromptType, params: PoolingParams, arrival_time: Optional[float] = None,
+    ) -> tuple[EngineCoreRequest, Optional[str]]:
+        """Validate and tokenize a pooling request (``params`` resolved by ``PoolingParams.verify``);
+        returns the engine request and the prompt text (if any). The prompt may fill ``max_model_len``.
+
+        Raises:
+            ValueError: the model is not a pooling model; see ``tokenize_prompt`` and ``PoolingParams.verify``;
+                an empty prompt or an out-of-vocabulary token id.
+            PoolingContextLengthError: a prompt longer than ``max_model_len`` (after truncation).
+        """
+        if self.model_config.runner_type != "pooling":
+            raise ValueError(f"{self.model_config.model} is a generative model: it computes no embeddings "
+                             "(serve an embedding model, or this one with --convert embed).")
+        params = params.verify(self.model_config)
+        prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
+        prompt_token_ids = self.truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens)
+        if len(prompt_token_ids) > self.max_model_len:
+            raise PoolingContextLengthError(len(prompt_token_ids), self.max_model_len)
+        self.check_prompt_tokens(prompt_token_ids)
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY),
+            eos_token_id=None,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            pooling_params=params,
         )
         return request, prompt_text
 

@@ -7,6 +7,7 @@ import difflib
 import itertools
 from typing import Any, Optional, Sequence, Union
 
+import msgspec
 from tqdm.auto import tqdm
 
 from pagedllm.config import EngineArgs
@@ -14,7 +15,8 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.lora.request import LoRARequest
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
@@ -192,6 +194,57 @@ class LLM:
         ]
         return self.generate(token_prompts, sampling_params, use_tqdm, lora_request)
 
+    def encode(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
+        use_tqdm: bool = True,
+        *,
+        pooling_task: str = "embed",
+        truncate_prompt_tokens: Optional[int] = None,
+    ) -> list[PoolingRequestOutput]:
+        """Pool every prompt on a pooling model (vLLM's ``LLM.encode``); one
+        ``PoolingRequestOutput`` per prompt, in input order. ``prompts`` as ``generate``'s;
+        ``pooling_params``: one for all prompts or one per prompt (None: the defaults), its
+        ``task`` set to ``pooling_task``; ``truncate_prompt_tokens`` (when given) to each.
+
+        Raises:
+            ValueError: a generative model (``--runner generate``), a bad prompt or
+                parameters (``PoolingParams.verify``), a prompt longer than max_model_len;
+                no request of this call is left in the engine.
+        """
+        prompt_list = self._as_list(prompts)
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        params_list = [params] * len(prompt_list) if isinstance(params, PoolingParams) else list(params)
+        if len(params_list) != len(prompt_list):
+            raise ValueError(f"Got {len(params_list)} PoolingParams for {len(prompt_list)} prompts; pass one, or one per prompt.")
+        request_ids = []
+        try:
+            for prompt, one in zip(prompt_list, params_list):
+                one = msgspec.structs.replace(one, task=pooling_task)
+                if truncate_prompt_tokens is not None:
+                    one = msgspec.structs.replace(one, truncate_prompt_tokens=truncate_prompt_tokens)
+                request_id = str(next(self._request_counter))
+                self.llm_engine.add_request(request_id, prompt, one)
+                request_ids.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(request_ids)
+            raise
+        return self._run_engine(request_ids, use_tqdm)  # type: ignore[return-value]
+
+    def embed(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        truncate_prompt_tokens: Optional[int] = None,
+        use_tqdm: bool = True,
+        pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """An embedding per prompt (vLLM's ``LLM.embed``: ``encode`` with the "embed" task),
+        each ``outputs.embedding``; raises as ``encode``."""
+        outputs = self.encode(prompts, pooling_params, use_tqdm, pooling_task="embed",
+                              truncate_prompt_tokens=truncate_prompt_tokens)
+        return [EmbeddingRequestOutput.from_base(output) for output in outputs]
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (see ``LLMEngine.reset_prefix_cache``)."""
         self.llm_engine.reset_prefix_cache()
@@ -271,9 +324,10 @@ class _TokenSpeed:
         self.num_output_tokens = 0
         self._show(0.0, 0.0)
 
-    def add(self, output: RequestOutput) -> None:
+    def add(self, output: Union[RequestOutput, PoolingRequestOutput]) -> None:
         self.num_input_tokens += len(output.prompt_token_ids or ())
-        self.num_output_tokens += sum(len(completion.token_ids) for completion in output.outputs)
+        if isinstance(output, RequestOutput):
+            self.num_output_tokens += sum(len(completion.token_ids) for completion in output.outputs)
         if self.bar.disable:
             return
         elapsed = self.bar.format_dict["elapsed"] or 1e-9

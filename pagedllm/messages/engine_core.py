@@ -12,6 +12,7 @@ from typing import Optional
 import msgspec
 
 from pagedllm.lora.request import LoRARequest
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -35,6 +36,8 @@ class EngineCoreRequest(
     ``time.time()`` value in seconds. ``cache_salt`` isolates the request's prefix-cache
     entries from requests with another salt. ``lora_request``: the adapter it runs with
     (``load_generation`` set by the front end), or None for the base model.
+    ``pooling_params``: set on a pooling model's requests (their ``sampling_params`` are
+    unused); the engine pools every request of a pooling model alike, the front end applies them.
     """
 
     request_id: str
@@ -44,6 +47,7 @@ class EngineCoreRequest(
     arrival_time: float
     cache_salt: Optional[str] = None
     lora_request: Optional[LoRARequest] = None
+    pooling_params: Optional[PoolingParams] = None
 
 
 class EngineCoreEventType(enum.IntEnum):
@@ -86,7 +90,8 @@ class EngineCoreOutput(
     ``finish_reason`` is set on the last output of a request; ``stop_reason`` is the
     stop token id that ended it (None for EOS or length). ``events`` are the request's
     scheduling events since its previous output (oldest first), or None; set by the
-    engine-core loop when statistics are on.
+    engine-core loop when statistics are on. ``pooling_output``: a pooling model's raw pooled
+    vector (float32 values, [hidden]), on the request's only (finished) output.
     """
 
     request_id: str
@@ -97,6 +102,7 @@ class EngineCoreOutput(
     stop_reason: Optional[int] = None
     num_cached_tokens: int = 0
     events: Optional[list[EngineCoreEvent]] = None
+    pooling_output: Optional[list[float]] = None
 
     @property
     def finished(self) -> bool:

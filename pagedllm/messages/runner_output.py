@@ -27,6 +27,8 @@ class ModelRunnerOutput:
             whose files could not be loaded); the scheduler aborts these.
         spec_token_ids: speculative decoding: per request (``req_ids`` order), the draft
             tokens proposed for its next step (empty when none); None without speculation.
+        pooler_output: a pooling model: request id -> the pooled vector (float32 values,
+            [hidden]) of each request whose prompt is now all computed.
     """
 
     req_ids: list[str]
@@ -37,6 +39,7 @@ class ModelRunnerOutput:
     prompt_logprobs_dict: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
     failed_req_ids: dict[str, str] = field(default_factory=dict)
     spec_token_ids: Optional[list[list[int]]] = None
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
 
     def logprobs_for(self, index: int, num_tokens: int) -> Optional[LogprobsLists]:
         """The logprobs of the first ``num_tokens`` tokens request ``index`` sampled, or

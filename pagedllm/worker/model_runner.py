@@ -1,5 +1,5 @@
 """Turns a ``SchedulerOutput`` into tensors, runs the model once over every scheduled
-token, and samples.
+token, and samples (a pooling model's runner pools instead: ``_pool``).
 
 One forward per step: decode requests (one query token each) first, then prefill chunks
 and requests verifying draft tokens; inputs are built from the persistent ``InputBatch``
@@ -35,6 +35,7 @@ from pagedllm.distributed import get_pp_group
 from pagedllm.messages.sched_output import SchedulerOutput
 from pagedllm.messages.engine_core import LogprobsLists
 from pagedllm.model_executor.layers.attention import Attention, bind_kv_caches, init_kv_scales
+from pagedllm.model_executor.layers.pooler import Pooler, PoolingState
 from pagedllm.model_executor.layers.sampler import Sampler, compute_logprobs_with_topk
 from pagedllm.model_executor.model_loader import get_model
 from pagedllm.model_executor.sampling_metadata import SamplingMetadata
@@ -83,6 +84,11 @@ class ModelRunner:
         self.proposer = self._make_proposer()
         # Request id -> [k, V] distributions its pending drafts were sampled from.
         self._draft_probs: dict[str, torch.Tensor] = {}
+        #: A pooling model's pooler (``--runner pooling``; None: the runner samples), and the
+        #: pooling so far of each request whose prompt is part-computed.
+        pooler_config = self.model_config.pooler_config
+        self.pooler = None if pooler_config is None else Pooler(pooler_config.pooling_type)
+        self._pooling_states: dict[str, PoolingState] = {}
 
     def _make_proposer(self) -> DraftModelProposer | NgramProposer | None:
         spec = self.config.speculative_config
@@ -142,6 +148,8 @@ class ModelRunner:
         Raises:
             ValueError: a model whose attention layers are not one per decoder layer.
         """
+        if self.model_config.is_encoder and not self.attention_layers:
+            return []  # an encoder attends within each whole prompt: it has no KV cache
         start, end = stage_layer_range(self.model_config)
         if len(self.attention_layers) != end - start:
             raise ValueError(f"{len(self.attention_layers)} attention layers for decoder layers {start} .. {end - 1}: "
@@ -223,7 +231,7 @@ class ModelRunner:
                             for name, (shape, dtype) in self._intermediate_specs(num_tokens).items()}
         with set_forward_context([metadata] * len(self.kv_cache_groups.groups)):
             hidden = self.model(input_ids, positions, intermediate)
-        if self.pp.is_last_rank:
+        if self.pp.is_last_rank and self.pooler is None:
             self.model.compute_logits(hidden[: self.scheduler_config.max_num_seqs])
         for layer in self.attention_layers:
             layer.kv_cache = torch.empty(0)
@@ -236,6 +244,7 @@ class ModelRunner:
                 self.proposer.discard(batch.requests[req_id].row)
             batch.remove_request(req_id)
             self._draft_probs.pop(req_id, None)
+            self._pooling_states.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             batch.add_request(new)
         cached = so.scheduled_cached_reqs
@@ -293,6 +302,8 @@ class ModelRunner:
         batch.num_computed_tokens[rows] = seq_lens
         if not self.pp.is_last_rank:
             return EMPTY_MODEL_RUNNER_OUTPUT
+        if self.pooler is not None:
+            return self._pool(hidden, order, states, starts, num_sched, seq_lens)
         prompt_logprobs = self._prompt_logprobs(hidden, states, computed, seq_lens, starts)
         num_drafts = np.fromiter((len(spec.get(r, ())) for r in order), dtype=np.int64, count=len(order))
         logits_indices, sample_reqs = self._logits_indices(rows, seq_lens, cu, num_drafts)
@@ -338,6 +349,24 @@ class ModelRunner:
             failed_req_ids=failed_req_ids,
             spec_token_ids=self._propose(order, rows, proposing, num_drafts[proposing]),
         )
+
+    def _pool(self, hidden: torch.Tensor, order: list[str], states: list[CachedRequestState], starts: np.ndarray,
+              num_sched: np.ndarray, seq_lens: np.ndarray) -> ModelRunnerOutput:
+        """A pooling model's step: each request's chunk of ``hidden`` [T, hidden] (rows
+        ``starts[i]`` .. + ``num_sched[i]``) goes into its pooling state; the requests whose
+        prompt is now all computed return their pooled vector and sample nothing."""
+        assert self.pooler is not None
+        pooler_output: dict[str, list[float]] = {}
+        for i, state in enumerate(states):
+            start = int(starts[i])
+            pooling = self.pooler.update(self._pooling_states.pop(state.req_id, None),
+                                         hidden[start : start + int(num_sched[i])])
+            if int(seq_lens[i]) < state.num_prompt_tokens:
+                self._pooling_states[state.req_id] = pooling
+            else:
+                pooler_output[state.req_id] = self.pooler.finish(pooling).tolist()
+        return ModelRunnerOutput(req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)},
+                                 sampled_token_ids=[[] for _ in order], pooler_output=pooler_output)
 
     def _num_drafts_to_propose(self, so: SchedulerOutput, order: list[str],
                                sampled_token_ids: list[list[int]]) -> np.ndarray:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from pagedllm.model_executor.models.bert import BertModel, RobertaModel, XLMRobertaModel
 from pagedllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedllm.model_executor.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.model_executor.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
@@ -93,6 +94,16 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         DeepseekV3ForCausalLM, ("deepseek-ai/DeepSeek-V3", "deepseek-ai/DeepSeek-R1"),
         "multi-head latent attention (latent KV cache, TORCH_MLA); DeepSeekMoE with shared experts; sigmoid "
         "router with score bias and grouped top-k; YaRN"),
+    # Encoders for embeddings (``--runner pooling``, chosen by ``--runner auto``).
+    "BertModel": SupportedModel(
+        BertModel, ("sentence-transformers/all-MiniLM-L6-v2", "BAAI/bge-small-en-v1.5"),
+        "encoder (bidirectional attention, one pass per prompt); embeddings only"),
+    "RobertaModel": SupportedModel(
+        RobertaModel, ("sentence-transformers/all-distilroberta-v1",),
+        "encoder; positions offset by the padding index; embeddings only"),
+    "XLMRobertaModel": SupportedModel(
+        XLMRobertaModel, ("intfloat/multilingual-e5-small", "BAAI/bge-m3"),
+        "encoder; positions offset by the padding index; embeddings only"),
     # Speculative-decoding heads (``speculative_config`` methods "eagle" / "eagle3").
     "EagleLlamaForCausalLM": SupportedModel(
         EagleLlamaForCausalLM, ("yuhuili/EAGLE-LLaMA3.1-Instruct-8B",), "EAGLE draft head (speculative_config)"),

@@ -1,0 +1,137 @@
+"""``PoolerConfig`` and the runner choice: how a pooling model turns hidden states into one
+vector per prompt (vLLM's ``--runner``, ``--convert`` and ``--pooler-config``).
+
+Defaults, in vLLM's order of precedence: ``--pooler-config`` over the model's
+sentence-transformers files (``modules.json``: its ``Pooling`` module's
+``1_Pooling/config.json`` mode, and ``normalize`` when a ``Normalize`` module follows), over
+the architecture's own default (CLS for a BERT-style encoder, LAST for a decoder used as an
+embedder), with ``normalize`` True for embeddings. Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Optional
+
+#: ``--runner`` values (vLLM's; "draft" is a speculative drafter's and is not taken here).
+RUNNER_TYPES = ("auto", "generate", "pooling")
+#: ``--convert`` values: "embed" serves a generative checkpoint as an embedder; "none" and
+#: "auto" keep the architecture as it is.
+CONVERT_TYPES = ("auto", "none", "embed")
+#: ``pooling_type`` values built here.
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+#: Encoder architectures: served by the pooling runner, one bidirectional pass per prompt.
+ENCODER_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel")
+
+#: sentence-transformers' ``pooling_mode_*`` keys -> ``pooling_type``.
+_ST_POOLING_MODES = {
+    "pooling_mode_cls_token": "CLS",
+    "pooling_mode_mean_tokens": "MEAN",
+    "pooling_mode_lasttoken": "LAST",
+}
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How hidden states become one embedding per prompt.
+
+    ``pooling_type``: "LAST" (the last prompt token's final hidden state), "MEAN" (the
+    mean over all prompt tokens) or "CLS" (the first token's); None: the model's default.
+    ``normalize``: the vector is divided by its L2 norm (None: the default, True).
+    """
+
+    pooling_type: Optional[str] = None
+    normalize: Optional[bool] = None
+
+    @classmethod
+    def from_dict(cls, values: Optional[dict[str, Any]]) -> PoolerConfig:
+        """The config of ``--pooler-config``'s JSON object (None: all defaults).
+
+        Raises:
+            ValueError: an unknown key, a ``pooling_type`` not in ``POOLING_TYPES``, or a
+                ``normalize`` that is not a boolean.
+        """
+        values = dict(values or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"pooler_config has unknown key(s) {unknown}; known: {sorted(known)}.")
+        pooling_type = values.get("pooling_type")
+        if pooling_type is not None:
+            pooling_type = str(pooling_type).upper()
+            if pooling_type not in POOLING_TYPES:
+                raise ValueError(f"pooler_config pooling_type must be one of {POOLING_TYPES}, got {values['pooling_type']!r}.")
+        normalize = values.get("normalize")
+        if normalize is not None and not isinstance(normalize, bool):
+            raise ValueError(f"pooler_config normalize must be true or false, got {normalize!r}.")
+        return cls(pooling_type, normalize)
+
+    def with_defaults(self, defaults: PoolerConfig) -> PoolerConfig:
+        """This config, its unset fields taken from ``defaults``."""
+        return PoolerConfig(
+            self.pooling_type if self.pooling_type is not None else defaults.pooling_type,
+            self.normalize if self.normalize is not None else defaults.normalize,
+        )
+
+
+def is_encoder_architecture(architecture: str) -> bool:
+    """Whether ``architecture`` is an encoder served by the pooling runner (``ENCODER_ARCHITECTURES``)."""
+    return architecture in ENCODER_ARCHITECTURES
+
+
+def resolve_runner(runner: str, convert: str, architecture: str) -> str:
+    """The runner ("generate" or "pooling") of ``--runner`` / ``--convert`` for ``architecture``
+    (vLLM's rule: "auto" is "pooling" for an encoder or with ``--convert embed``).
+
+    Raises:
+        ValueError: an unknown value, ``--runner generate`` for an encoder, or
+            ``--convert embed`` with ``--runner generate``.
+    """
+    if runner not in RUNNER_TYPES:
+        raise ValueError(f"runner must be one of {RUNNER_TYPES}, got {runner!r}.")
+    if convert not in CONVERT_TYPES:
+        raise ValueError(f"convert must be one of {CONVERT_TYPES}, got {convert!r}.")
+    encoder = is_encoder_architecture(architecture)
+    if runner == "auto":
+        return "pooling" if encoder or convert == "embed" else "generate"
+    if runner == "generate" and (encoder or convert == "embed"):
+        why = f"{architecture} is an encoder" if encoder else "--convert embed makes an embedder"
+        raise ValueError(f"runner='generate' cannot serve this model ({why}); use --runner pooling.")
+    return runner
+
+
+def sentence_transformers_pooler(model_dir: Path) -> PoolerConfig:
+    """The pooling that the sentence-transformers files of ``model_dir`` describe (unset
+    fields when there are none): its ``Pooling`` module's mode, and ``normalize`` True
+    when a ``Normalize`` module is listed, False when not (as vLLM's ``get_pooling_config``).
+
+    Raises:
+        ValueError: a ``Pooling`` module whose mode is none of ``_ST_POOLING_MODES``.
+    """
+    modules_file = model_dir / "modules.json"
+    if not modules_file.is_file():
+        return PoolerConfig()
+    modules = json.loads(modules_file.read_text())
+    types = [str(m.get("type", "")) for m in modules]
+    pooling = next((m for m in modules if str(m.get("type", "")).endswith("models.Pooling")), None)
+    normalize = any(t.endswith("models.Normalize") for t in types)
+    if pooling is None:
+        return PoolerConfig(None, normalize)
+    config_file = model_dir / pooling.get("path", "") / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    modes = [kind for key, kind in _ST_POOLING_MODES.items() if config.get(key)]
+    if not modes:
+        set_modes = sorted(k for k, v in config.items() if k.startswith("pooling_mode") and v)
+        raise ValueError(f"{config_file}: pooling mode {set_modes} is not supported; supported: "
+                         f"{sorted(_ST_POOLING_MODES)}.")
+    return PoolerConfig(modes[0], normalize)
+
+
+def default_pooler_config(architecture: str, model_dir: Path, user: PoolerConfig) -> PoolerConfig:
+    """``user``'s fields, else the sentence-transformers files', else the architecture's
+    default (CLS for an encoder, LAST otherwise; ``normalize`` True)."""
+    arch_default = PoolerConfig("CLS" if is_encoder_architecture(architecture) else "LAST", True)
+    return user.with_defaults(sentence_transformers_pooler(model_dir)).with_defaults(arch_default)

@@ -1,0 +1,211 @@
+"""BERT-style encoders for embeddings: ``BertModel``, and ``RobertaModel`` / ``XLMRobertaModel``.
+
+Architecture as transformers' ``modeling_bert`` / ``modeling_roberta`` (our own code):
+token + absolute position + token-type embeddings, LayerNorm; then per layer
+post-LN blocks, ``h = LN(h + dense(attention(h)))``, ``h = LN(h + out(act(inter(h))))``,
+with bidirectional attention over each whole prompt. RoBERTa numbers positions from
+``pad_token_id + 1`` (padding tokens get ``pad_token_id``), as transformers'
+``create_position_ids_from_input_ids``. Inputs are single-segment (token type 0).
+
+An encoder needs its whole prompt in one pass: the engine schedules each prompt whole (no
+chunked prefill, ``SchedulerConfig.chunked_prefill_enabled``), and the model finds the
+prompts of a step where the positions restart at 0. It keeps no KV cache. The final
+hidden states go to the pooler (CLS by default); BERT's own ``pooler`` (dense + tanh) is
+not used (sentence-transformers reads the last hidden states too) and not loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+from pagedllm.distributed import get_pp_group
+from pagedllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.model_executor.layers.quantization import QuantizationConfig
+from pagedllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from pagedllm.model_executor.utils import default_weight_loader
+
+# (fused parameter name part, checkpoint name part, shard id)
+_STACKED_PARAMS_MAPPING = [
+    (".qkv_proj.", ".query.", "q"),
+    (".qkv_proj.", ".key.", "k"),
+    (".qkv_proj.", ".value.", "v"),
+]
+#: Checkpoint tensors an embedding model does not use: BERT's pooler and task heads.
+_UNUSED_PREFIXES = ("pooler.", "cls.", "lm_head.", "classifier.")
+
+
+def sequence_bounds(positions: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of each prompt in a step's flattened tokens: a prompt starts where its
+    position is 0.
+
+    Raises:
+        ValueError: the first position is not 0 (a prompt cut into chunks: an encoder
+            computes each prompt whole).
+    """
+    if positions.numel() == 0:
+        return []
+    if int(positions[0]) != 0:
+        raise ValueError(f"An encoder computes each prompt in one step, but this step starts at position "
+                         f"{int(positions[0])} of a prompt (chunked prefill).")
+    starts = torch.nonzero(positions == 0).flatten().tolist()
+    return list(zip(starts, starts[1:] + [positions.numel()]))
+
+
+class BertEmbedding(nn.Module):
+    """Token + position + token-type (0) embeddings, then LayerNorm. ``position_offset``:
+    RoBERTa's padding index (None: BERT's positions, 0-based)."""
+
+    def __init__(self, config: PretrainedConfig, position_offset: Optional[int]) -> None:
+        super().__init__()
+        kind = getattr(config, "position_embedding_type", "absolute")
+        if kind != "absolute":
+            raise ValueError(f"position_embedding_type={kind!r} is not supported yet (built: 'absolute').")
+        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.position_offset = position_offset
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                bounds: list[tuple[int, int]]) -> torch.Tensor:
+        """input_ids, positions [T] (0-based within each prompt of ``bounds``) -> [T, hidden]."""
+        if self.position_offset is not None:
+            positions = self._padded_positions(input_ids, bounds)
+        hidden = self.word_embeddings(input_ids) + self.position_embeddings(positions)
+        return self.LayerNorm(hidden + self.token_type_embeddings.weight[0])
+
+    def _padded_positions(self, input_ids: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        """RoBERTa's positions: within each prompt, the count of non-padding tokens so far
+        (the token included) + the padding index; a padding token's is the padding index."""
+        pad = self.position_offset
+        mask = (input_ids != pad).long()
+        counts = torch.cat([torch.cumsum(mask[start:end], dim=0) for start, end in bounds])
+        return counts * mask + pad
+
+
+class BertAttention(nn.Module):
+    """Bidirectional self-attention within each prompt over this rank's heads, then the
+    output dense layer and the post-LN residual (transformers' ``attention.self`` and
+    ``attention.output``)."""
+
+    def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig], prefix: str) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.head_dim = hidden // config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, config.num_attention_heads, bias=True,
+                                          quant_config=quant_config, prefix=f"{prefix}.self.qkv_proj")
+        self.num_heads = self.qkv_proj.num_heads
+        self.dense = RowParallelLinear(hidden, hidden, bias=True, quant_config=quant_config,
+                                       prefix=f"{prefix}.output.dense")
+        self.LayerNorm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.q_size, dim=-1)
+        out = torch.empty_like(q)
+        for start, end in bounds:
+            heads = [x[start:end].view(end - start, self.num_heads, self.head_dim).transpose(0, 1) for x in (q, k, v)]
+            attn = torch.nn.functional.scaled_dot_product_attention(*heads, is_causal=False)
+            out[start:end] = attn.transpose(0, 1).reshape(end - start, -1)
+        return self.LayerNorm(self.dense(out) + hidden)
+
+
+class BertLayer(nn.Module):
+    """One encoder layer (post-LN), named as the checkpoint's ``encoder.layer.{i}``."""
+
+    def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig], prefix: str) -> None:
+        super().__init__()
+        self.attention = BertAttention(config, quant_config, f"{prefix}.attention")
+        self.intermediate = nn.Module()
+        self.intermediate.dense = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=True,
+                                                       quant_config=quant_config, prefix=f"{prefix}.intermediate.dense")
+        self.output = nn.Module()
+        self.output.dense = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=True,
+                                              quant_config=quant_config, prefix=f"{prefix}.output.dense")
+        self.output.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        hidden = self.attention(hidden, bounds)
+        out = self.output.dense(self.act(self.intermediate.dense(hidden)))
+        return self.output.LayerNorm(out + hidden)
+
+
+class BertModel(nn.Module):
+    """The encoder: ``forward(input_ids [T], positions [T]) -> final hidden states [T, hidden]``
+    (model dtype) over the whole prompts of a step (see the module docstring); no LM head.
+
+    Raises (constructor):
+        ValueError: pipeline parallelism; a ``position_embedding_type`` other than "absolute".
+    """
+
+    #: False: BERT's 0-based positions; True: RoBERTa's, offset by the padding index.
+    padded_positions = False
+
+    def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig] = None) -> None:
+        super().__init__()
+        if get_pp_group().world_size > 1:
+            raise ValueError(f"{type(self).__name__} with pipeline parallelism is not supported yet.")
+        self.config = config
+        offset = config.pad_token_id if self.padded_positions else None
+        self.embeddings = BertEmbedding(config, offset)
+        self.encoder = nn.Module()
+        self.encoder.layer = nn.ModuleList(
+            BertLayer(config, quant_config, f"encoder.layer.{i}") for i in range(config.num_hidden_layers)
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: Optional[dict[str, torch.Tensor]] = None) -> torch.Tensor:
+        bounds = sequence_bounds(positions)
+        hidden = self.embeddings(input_ids, positions, bounds)
+        for layer in self.encoder.layer:
+            hidden = layer(hidden, bounds)
+        return hidden
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (transformers' names, with or without the ``bert.`` /
+        ``roberta.`` prefix of a task model) into the parameters, q/k/v into their fused
+        layer; BERT's pooler and task heads are skipped. Returns the names loaded.
+
+        Raises:
+            ValueError: a checkpoint tensor with no matching parameter, or a shape mismatch.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("bert.").removeprefix("roberta.")
+            if name.startswith(_UNUSED_PREFIXES) or name.endswith("position_ids"):
+                continue
+            shard_id = None
+            for fused_part, ckpt_part, sid in _STACKED_PARAMS_MAPPING:
+                if ckpt_part in name:
+                    name, shard_id = name.replace(ckpt_part, fused_part).replace(".self.", "."), sid
+                    break
+            name = name.replace(".attention.output.dense.", ".attention.dense.")
+            name = name.replace(".attention.output.LayerNorm.", ".attention.LayerNorm.")
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"Checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}.")
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                default_weight_loader(param, tensor)
+            elif shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+            loaded.add(name)
+        return loaded
+
+
+class RobertaModel(BertModel):
+    """RoBERTa: BERT with positions offset by the padding index (``padded_positions``)."""
+
+    padded_positions = True
+
+
+class XLMRobertaModel(RobertaModel):
+    pass
