@@ -26,8 +26,10 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS")
 #: Encoder architectures: served by the pooling runner, one bidirectional pass per prompt.
 ENCODER_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel")
 
-#: sentence-transformers' ``pooling_mode_*`` keys -> ``pooling_type``.
-_ST_POOLING_MODES = {
+#: sentence-transformers' pooling modes -> ``pooling_type``: its ``pooling_mode`` values, and
+#: (older files) its ``pooling_mode_*`` switches.
+_ST_POOLING_MODES = {"cls": "CLS", "mean": "MEAN", "lasttoken": "LAST"}
+_ST_POOLING_SWITCHES = {
     "pooling_mode_cls_token": "CLS",
     "pooling_mode_mean_tokens": "MEAN",
     "pooling_mode_lasttoken": "LAST",
@@ -107,26 +109,28 @@ def sentence_transformers_pooler(model_dir: Path) -> PoolerConfig:
     """The pooling that the sentence-transformers files of ``model_dir`` describe (unset
     fields when there are none): its ``Pooling`` module's mode, and ``normalize`` True
     when a ``Normalize`` module is listed, False when not (as vLLM's ``get_pooling_config``).
+    Modules are known by class name (older and newer sentence-transformers name their
+    packages differently).
 
     Raises:
-        ValueError: a ``Pooling`` module whose mode is none of ``_ST_POOLING_MODES``.
+        ValueError: a ``Pooling`` module whose mode is not CLS, MEAN or LAST (e.g. max).
     """
     modules_file = model_dir / "modules.json"
     if not modules_file.is_file():
         return PoolerConfig()
     modules = json.loads(modules_file.read_text())
-    types = [str(m.get("type", "")) for m in modules]
-    pooling = next((m for m in modules if str(m.get("type", "")).endswith("models.Pooling")), None)
-    normalize = any(t.endswith("models.Normalize") for t in types)
-    if pooling is None:
+    class_names = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
+    normalize = "Normalize" in class_names
+    if "Pooling" not in class_names:
         return PoolerConfig(None, normalize)
-    config_file = model_dir / pooling.get("path", "") / "config.json"
+    config_file = model_dir / modules[class_names.index("Pooling")].get("path", "") / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    modes = [kind for key, kind in _ST_POOLING_MODES.items() if config.get(key)]
+    mode = config.get("pooling_mode")
+    modes = [_ST_POOLING_MODES[mode]] if mode in _ST_POOLING_MODES else []
+    modes += [kind for key, kind in _ST_POOLING_SWITCHES.items() if mode is None and config.get(key)]
     if not modes:
-        set_modes = sorted(k for k, v in config.items() if k.startswith("pooling_mode") and v)
-        raise ValueError(f"{config_file}: pooling mode {set_modes} is not supported; supported: "
-                         f"{sorted(_ST_POOLING_MODES)}.")
+        given = mode or sorted(k for k, v in config.items() if k.startswith("pooling_mode") and v)
+        raise ValueError(f"{config_file}: pooling mode {given} is not supported; supported: {sorted(_ST_POOLING_MODES)}.")
     return PoolerConfig(modes[0], normalize)
 
 

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
-``GET /version``, ``GET /metrics``.
+``GET /version``, ``GET /metrics``; ``POST /v1/embeddings`` on a pooling model only (as vLLM,
+a generative model answers it 404).
 
 - Auth: with an API key, every route except ``/health`` and ``/metrics`` needs
   ``Authorization: Bearer <key>`` (compared in constant time); else 401.
@@ -43,11 +44,13 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
 )
 from pagedllm.entrypoints.openai.renderer import PromptRenderer
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.metrics.loggers import log_stats_interval
@@ -255,6 +258,7 @@ def build_app(engine: EngineClient, frontend: FrontendConfig) -> FastAPI:
         response_role=frontend.response_role,
         tool_parser=frontend.tool_call_parser if frontend.enable_auto_tool_choice else None,
     )  # fmt: skip
+    embedding = OpenAIServingEmbedding(engine, models, renderer, log_requests=log_requests)
     tokenization = OpenAIServingTokenization(models, renderer, model_config.max_model_len, engine.processor.vocab_size)
 
     log_stats = not frontend.disable_log_stats
@@ -333,6 +337,13 @@ def build_app(engine: EngineClient, frontend: FrontendConfig) -> FastAPI:
     @with_cancellation
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return _to_response(await chat.create_chat_completion(request))
+
+    if model_config.runner_type == "pooling":  # a generative model has no /v1/embeddings (a 404), as vLLM
+
+        @app.post("/v1/embeddings")
+        @with_cancellation
+        async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+            return _json(await embedding.create_embedding(request))
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> Response:

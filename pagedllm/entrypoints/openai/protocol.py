@@ -810,3 +810,37 @@ class DetokenizeRequest(OpenAIRequest):
 
 class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
+
+
+# --------------------------------------------------------------------------- embeddings
+
+
+class EmbeddingRequest(OpenAIRequest):
+    """``POST /v1/embeddings`` (OpenAI's fields; ``truncate_prompt_tokens``, ``add_special_tokens``
+    and ``normalize`` are vLLM's extras). ``input``: a string, a list of strings, a list of
+    token ids, or a list of token-id lists (one embedding each, in order)."""
+
+    model: Optional[str] = None
+    input: Union[list[int], list[list[int]], str, list[str]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None
+    user: Optional[str] = None
+    truncate_prompt_tokens: Optional[int] = None
+    add_special_tokens: bool = True
+    normalize: Optional[bool] = None
+
+
+class EmbeddingResponseData(OpenAIBaseModel):
+    index: int
+    object: str = "embedding"
+    #: The floats, or (``encoding_format`` "base64") their little-endian float32 bytes in base64.
+    embedding: Union[list[float], str]
+
+
+class EmbeddingResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"embd-{uuid.uuid4().hex}")
+    object: str = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingResponseData]
+    usage: UsageInfo
