@@ -42,6 +42,7 @@ from pagedllm.config.pooler import (
     RUNNER_TYPES,
     PoolerConfig,
     default_pooler_config,
+    encoder_context_len,
     is_encoder_architecture,
     resolve_runner,
 )
@@ -639,6 +640,9 @@ class EngineArgs:
             ValueError: a ``max_model_len`` above the model's (or the window's) length.
         """
         derived, derived_from = derived_max_model_len(hf_config), "max_position_embeddings in config.json and its rope scaling"
+        encoder_len = encoder_context_len(hf_config)
+        if encoder_len is not None:
+            derived, derived_from = encoder_len, "max_position_embeddings less the positions before pad_token_id + 1"
         window = min_sliding_window(hf_config)
         if self.disable_sliding_window and window is not None:
             if window < derived:

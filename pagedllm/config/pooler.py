@@ -84,6 +84,16 @@ def is_encoder_architecture(architecture: str) -> bool:
     return architecture in ENCODER_ARCHITECTURES
 
 
+def encoder_context_len(hf_config: Any) -> Optional[int]:
+    """The longest prompt an encoder's position table holds: for RoBERTa-style models
+    (positions from ``pad_token_id + 1``) ``max_position_embeddings - pad_token_id - 1``;
+    None for any other architecture (its ``max_position_embeddings``)."""
+    architecture = (getattr(hf_config, "architectures", None) or ["<none>"])[0]
+    if architecture not in ("RobertaModel", "XLMRobertaModel"):
+        return None
+    return hf_config.max_position_embeddings - hf_config.pad_token_id - 1
+
+
 def resolve_runner(runner: str, convert: str, architecture: str) -> str:
     """The runner ("generate" or "pooling") of ``--runner`` / ``--convert`` for ``architecture``
     (vLLM's rule: "auto" is "pooling" for an encoder or with ``--convert embed``).

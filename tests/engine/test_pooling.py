@@ -1,0 +1,65 @@
+"""Decoder checkpoints served as embedders (``--convert embed``): the pooled vector equals
+transformers' last hidden states pooled, also when prompts are cut into chunks over several
+steps (chunked prefill); a pooling request generates nothing and frees its blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModel
+
+from pagedllm import LLM
+from pagedllm.outputs import PoolingRequestOutput
+from pagedllm.pooling_params import PoolingParams
+from tests.helpers import check_block_accounting, random_prompts
+
+PROMPT_LENGTHS = [5, 37, 20]
+
+
+@pytest.fixture(scope="module")
+def qwen3_hidden(tiny_qwen3):
+    """(prompts, transformers' last hidden states [len, hidden] of each) of the tiny Qwen3."""
+    prompts = random_prompts(PROMPT_LENGTHS, 1000, seed=3)
+    model = AutoModel.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return prompts, [model(torch.tensor([p])).last_hidden_state[0] for p in prompts]
+
+
+def _embeddings(outputs) -> list[torch.Tensor]:
+    return [torch.tensor(out.outputs.embedding) for out in outputs]
+
+
+def _assert_cosine_one(got: list[torch.Tensor], ref: list[torch.Tensor]) -> None:
+    for g, r in zip(got, ref):
+        assert torch.nn.functional.cosine_similarity(g.double(), r.double(), dim=0) > 1 - 1e-4
+        torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
+
+
+def test_convert_embed_last_token_normalized_in_chunks(tiny_qwen3, qwen3_hidden):
+    prompts, hidden = qwen3_hidden
+    llm = LLM(str(tiny_qwen3), dtype="float32", convert="embed", max_num_batched_tokens=16,
+              kv_cache_memory_bytes=16 << 20)
+    config = llm.llm_engine.config
+    assert config.model_config.runner_type == "pooling" and not config.cache_config.enable_prefix_caching
+    assert (config.model_config.pooler_config.pooling_type, config.model_config.pooler_config.normalize) == ("LAST", True)
+    got = _embeddings(llm.embed(prompts, use_tqdm=False))
+    _assert_cosine_one(got, [torch.nn.functional.normalize(h[-1], dim=0) for h in hidden])
+    with pytest.raises(ValueError, match="is a pooling model"):
+        llm.generate(prompts[0])
+    check_block_accounting(llm)
+
+
+def test_mean_pooling_accumulates_over_chunks(tiny_qwen3, qwen3_hidden):
+    """MEAN over prompts cut into 8-token chunks; ``PoolingParams.normalize`` per request over
+    the model's ``normalize: false``; ``LLM.encode`` returns ``PoolingRequestOutput``s."""
+    prompts, hidden = qwen3_hidden
+    llm = LLM(str(tiny_qwen3), dtype="float32", convert="embed", max_num_batched_tokens=8,
+              pooler_config={"pooling_type": "MEAN", "normalize": False}, kv_cache_memory_bytes=16 << 20)
+    params = [PoolingParams(), PoolingParams(normalize=True), PoolingParams()]
+    outputs = llm.encode(prompts, params, use_tqdm=False)
+    assert all(isinstance(out, PoolingRequestOutput) and out.finished for out in outputs)
+    assert [len(out.prompt_token_ids) for out in outputs] == PROMPT_LENGTHS
+    means = [h.mean(dim=0) for h in hidden]
+    means[1] = torch.nn.functional.normalize(means[1], dim=0)
+    _assert_cosine_one([torch.tensor(out.outputs.data) for out in outputs], means)
+    check_block_accounting(llm)
