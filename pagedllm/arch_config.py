@@ -45,6 +45,7 @@ BEHAVIOUR_FREE_KEYS = frozenset({
     "_sliding_window_pattern",  # Gemma 3: the config expands it into layer_types at construction
     "resid_pdrop", "embd_pdrop",  # Phi-3's dropouts: off at inference
     "output_router_logits", "router_aux_loss_coef", "router_jitter_noise",  # MoE training: aux loss, noise
+    "hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout",  # BERT's dropouts: off at inference
 })
 
 #: Keys read by the engine rather than by the model code (the class, the dtype).
@@ -99,17 +100,34 @@ class ArchConfig:
             context, as transformers' Llama), "all" (``sliding_window`` on every layer, None:
             none; Mistral), "layer_types" (``sliding_window`` on the layers whose
             ``layer_types`` entry is "sliding_attention"; Qwen2 / Qwen3).
+        built_values: (key, the values built) of keys whose other values are refused;
+            with ``hidden_act`` among them, it replaces the decoders' "silu" only rule.
     """
 
     model_type: str
     honoured: frozenset[str]
     windows: str
+    built_values: tuple[tuple[str, tuple[Any, ...]], ...] = ()
 
 
 _GEMMA_KEYS = (_LLAMA_FAMILY_KEYS - {"hidden_act"}) | {
     "hidden_activation", "attention_bias", "query_pre_attn_scalar", "sliding_window", "layer_types",
     "use_bidirectional_attention",  # built: false (causal); true is refused
 }
+
+#: BERT-style encoders (``pagedllm.model_executor.models.bert``): ``pad_token_id`` (behaviour-free
+#: above) also places RoBERTa's positions; ``tie_word_embeddings``: no LM head, nothing to tie.
+_ENCODER_KEYS = frozenset({
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "hidden_act",
+    "max_position_embeddings", "layer_norm_eps", "type_vocab_size", "is_decoder", "add_cross_attention",
+    "tie_word_embeddings",
+})
+_ENCODER_BUILT = (
+    ("hidden_act", ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")),  # transformers' ACT2FN, as its code
+    ("is_decoder", (None, False)),  # bidirectional attention
+    ("add_cross_attention", (None, False)),
+    ("position_embedding_type", (None, "absolute")),
+)
 
 ARCH_CONFIG: dict[str, ArchConfig] = {
     "LlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
@@ -162,6 +180,9 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
                               "num_experts_per_tok", "swiglu_alpha", "swiglu_limit"},
         "layer_types",
     ),
+    "BertModel": ArchConfig("bert", _ENCODER_KEYS, "none", _ENCODER_BUILT),
+    "RobertaModel": ArchConfig("roberta", _ENCODER_KEYS, "none", _ENCODER_BUILT),
+    "XLMRobertaModel": ArchConfig("xlm-roberta", _ENCODER_KEYS, "none", _ENCODER_BUILT),
     # EAGLE heads: Llama configs (their own keys, ``bias`` ..., are not the class's).
     "EagleLlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
     "Eagle3LlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
@@ -288,9 +309,13 @@ def model_context_len(hf_config: Any) -> int:
 def _problems(architecture: str, hf_config: Any) -> list[str]:
     arch = ARCH_CONFIG[architecture]
     problems = []
+    built = dict(arch.built_values)
     act = _value(hf_config, "hidden_act")
-    if act not in (None, "silu"):
+    if "hidden_act" not in built and act not in (None, "silu"):
         problems.append(f"hidden_act={act!r} (built: 'silu')")
+    for key, values in built.items():
+        if _value(hf_config, key) not in values:
+            problems.append(f"{key}={_value(hf_config, key)!r} (built: {', '.join(map(repr, values))})")
     act = _value(hf_config, "hidden_activation")
     if "hidden_activation" in arch.honoured and act not in GELU_ACTIVATIONS:
         problems.append(f"hidden_activation={act!r} (built: {', '.join(map(repr, GELU_ACTIVATIONS))})")

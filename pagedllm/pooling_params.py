@@ -8,12 +8,9 @@ that order (vLLM's embedding head).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 import msgspec
-
-if TYPE_CHECKING:
-    from pagedllm.config.model import ModelConfig
 
 #: Pooling tasks built here (vLLM's ``PoolingTask`` names).
 POOLING_TASKS = ("embed",)
@@ -36,18 +33,21 @@ class PoolingParams(
     normalize: Optional[bool] = None
     truncate_prompt_tokens: Optional[int] = None
 
-    def verify(self, model_config: ModelConfig) -> PoolingParams:
-        """These params checked against the model, with ``normalize`` resolved.
+    def verify(self, model_config: Any) -> PoolingParams:
+        """These params checked against the model (a ``pagedllm.config.ModelConfig``: this
+        plain-data module imports no config), with ``normalize`` resolved.
 
         Raises:
             ValueError: an unknown ``task``; ``dimensions`` for a model that is not
                 Matryoshka, outside 1 .. hidden size, or not one of its
-                ``matryoshka_dimensions``; ``truncate_prompt_tokens`` below -1 or 0.
+                ``matryoshka_dimensions``; ``truncate_prompt_tokens`` not -1 or in 1 .. max_model_len.
         """
         if self.task not in POOLING_TASKS:
             raise ValueError(f"task must be one of {POOLING_TASKS}, got {self.task!r}.")
-        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
-            raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {self.truncate_prompt_tokens}.")
+        truncate = self.truncate_prompt_tokens
+        if truncate is not None and (truncate < -1 or truncate == 0 or truncate > model_config.max_model_len):
+            raise ValueError(f"truncate_prompt_tokens must be -1 or in 1 .. {model_config.max_model_len} "
+                             f"(max_model_len), got {truncate}.")
         if self.dimensions is not None:
             _check_dimensions(self.dimensions, model_config)
         normalize = self.normalize
@@ -67,7 +67,7 @@ class PoolingParams(
         return data
 
 
-def _check_dimensions(dimensions: int, model_config: ModelConfig) -> None:
+def _check_dimensions(dimensions: int, model_config: Any) -> None:
     """Raises ``ValueError`` unless the model may return ``dimensions`` values (see ``verify``)."""
     if not model_config.is_matryoshka:
         raise ValueError(

@@ -57,6 +57,8 @@ def test_every_config_key_is_classified(architecture):
         ("Gemma3ForCausalLM", {"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
         ("Olmo2ForCausalLM", {"logits_scaling": 2.0}, "logits_scaling=2.0"),
         ("Phi3ForCausalLM", {"attention_multiplier": 0.5}, "attention_multiplier=0.5"),
+        ("BertModel", {"is_decoder": True}, "is_decoder=True"),
+        ("RobertaModel", {"hidden_act": "quick_gelu"}, "hidden_act='quick_gelu'"),
     ],
 )
 def test_unread_config_keys_are_refused(architecture, kwargs, message):

@@ -37,6 +37,8 @@ SAMPLES = {
     "max_loras": ("2", 2), "max_lora_rank": ("8", 8), "max_cpu_loras": ("4", 4), "max_logprobs": ("5", 5),
     "num_gpu_blocks_override": ("64", 64), "max_seq_len_to_capture": ("1024", 1024), "swap_space": ("2", 2.0),
     "hf_overrides": ('{"rope_theta": 5.0}', {"rope_theta": 5.0}),
+    "runner": ("pooling", "pooling"), "convert": ("embed", "embed"),
+    "pooler_config": ('{"pooling_type": "MEAN"}', {"pooling_type": "MEAN"}),
 }  # fmt: skip
 
 

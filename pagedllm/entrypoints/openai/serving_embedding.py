@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import base64
 import logging
-from typing import Optional
-
 import numpy as np
 
 from pagedllm.engine.processor import ContextLengthError
-from pagedllm.entrypoints.openai.errors import OpenAIServingError, bad_request, from_value_error
+from pagedllm.entrypoints.openai.errors import bad_request, from_value_error
 from pagedllm.entrypoints.openai.protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
@@ -119,15 +117,4 @@ class OpenAIServingEmbedding(OpenAIServing):
             self.engine.encode(request, None, request.request_id, prompt_text=prompt.text)
             for prompt, request in zip(prompts, engine_requests)
         ])
-        finals: dict[int, PoolingRequestOutput] = {}
-        try:
-            async for index, output in stream:
-                finals[index] = output
-        except ValueError as exc:
-            raise from_value_error(exc, EMBEDDING_FIELDS) from None
-        finally:
-            await stream.aclose()
-        missing: Optional[list[int]] = [i for i in range(len(prompts)) if i not in finals]
-        if missing:
-            raise OpenAIServingError(f"The engine returned no embedding for input(s) {missing}.", 500)
-        return [finals[i] for i in range(len(prompts))]
+        return await self.collect_final(stream, len(prompts))  # type: ignore[arg-type, return-value]

@@ -27,14 +27,15 @@ from pagedllm.distributed import get_pp_group
 from pagedllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.model_executor.layers.quantization import QuantizationConfig
 from pagedllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from pagedllm.model_executor.utils import default_weight_loader
+from pagedllm.model_executor.models.llama import load_llama_weights
 
-# (fused parameter name part, checkpoint name part, shard id)
-_STACKED_PARAMS_MAPPING = [
-    (".qkv_proj.", ".query.", "q"),
-    (".qkv_proj.", ".key.", "k"),
-    (".qkv_proj.", ".value.", "v"),
-]
+#: Checkpoint name parts -> the names ``load_llama_weights`` loads (q/k/v into ``qkv_proj``).
+_RENAMES = (
+    (".attention.self.query.", ".attention.q_proj."),
+    (".attention.self.key.", ".attention.k_proj."),
+    (".attention.self.value.", ".attention.v_proj."),
+    (".attention.output.", ".attention."),
+)
 #: Checkpoint tensors an embedding model does not use: BERT's pooler and task heads.
 _UNUSED_PREFIXES = ("pooler.", "cls.", "lm_head.", "classifier.")
 
@@ -56,15 +57,21 @@ def sequence_bounds(positions: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, starts[1:] + [positions.numel()]))
 
 
+def _parameter_name(name: str) -> str:
+    """A checkpoint tensor's name as ``load_llama_weights`` takes it: without a task model's
+    ``bert.`` / ``roberta.`` prefix, the attention's parts renamed (``_RENAMES``)."""
+    name = name.removeprefix("bert.").removeprefix("roberta.")
+    for old, new in _RENAMES:
+        name = name.replace(old, new)
+    return name
+
+
 class BertEmbedding(nn.Module):
     """Token + position + token-type (0) embeddings, then LayerNorm. ``position_offset``:
     RoBERTa's padding index (None: BERT's positions, 0-based)."""
 
     def __init__(self, config: PretrainedConfig, position_offset: Optional[int]) -> None:
         super().__init__()
-        kind = getattr(config, "position_embedding_type", "absolute")
-        if kind != "absolute":
-            raise ValueError(f"position_embedding_type={kind!r} is not supported yet (built: 'absolute').")
         self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
@@ -140,7 +147,8 @@ class BertModel(nn.Module):
     (model dtype) over the whole prompts of a step (see the module docstring); no LM head.
 
     Raises (constructor):
-        ValueError: pipeline parallelism; a ``position_embedding_type`` other than "absolute".
+        ValueError: pipeline parallelism (``pagedllm.arch_config.check_hf_config`` refuses the
+            config values not built, e.g. ``is_decoder``, before).
     """
 
     #: False: BERT's 0-based positions; True: RoBERTa's, offset by the padding index.
@@ -174,31 +182,11 @@ class BertModel(nn.Module):
         Raises:
             ValueError: a checkpoint tensor with no matching parameter, or a shape mismatch.
         """
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            name = name.removeprefix("bert.").removeprefix("roberta.")
-            if name.startswith(_UNUSED_PREFIXES) or name.endswith("position_ids"):
-                continue
-            shard_id = None
-            for fused_part, ckpt_part, sid in _STACKED_PARAMS_MAPPING:
-                if ckpt_part in name:
-                    name, shard_id = name.replace(ckpt_part, fused_part).replace(".self.", "."), sid
-                    break
-            name = name.replace(".attention.output.dense.", ".attention.dense.")
-            name = name.replace(".attention.output.LayerNorm.", ".attention.LayerNorm.")
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"Checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}.")
-            loader = getattr(param, "weight_loader", None)
-            if loader is None:
-                default_weight_loader(param, tensor)
-            elif shard_id is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard_id)
-            loaded.add(name)
-        return loaded
+        return load_llama_weights(self, (
+            (_parameter_name(name), tensor) for name, tensor in weights
+            if not name.removeprefix("bert.").removeprefix("roberta.").startswith(_UNUSED_PREFIXES)
+            and not name.endswith("position_ids")
+        ))
 
 
 class RobertaModel(BertModel):
