@@ -104,6 +104,12 @@ class EngineArgs:
 
     ``speculative_config``: vLLM's dict, checked by ``SpeculativeConfig.from_dict``.
 
+    ``runner`` / ``convert`` / ``pooler_config`` (vLLM's): a pooling model's settings
+    (``pagedllm.config.pooler``): ``runner`` "auto" serves an encoder (``BertModel`` ...) or a
+    ``convert="embed"`` checkpoint as a pooling model, whose ``ModelConfig.pooler_config`` is
+    resolved from ``pooler_config``, the sentence-transformers files and the architecture;
+    a pooling model has no prefix caching, and an encoder no chunked prefill.
+
     ``hf_overrides`` (vLLM's): a dict merged into the model's HF config once it is read,
     before anything checks it (``pagedllm.config.hub.apply_hf_overrides``); the default
     ``max_model_len`` follows the rope scaling it sets (``pagedllm.arch_config.model_context_len``).
@@ -555,6 +561,8 @@ class EngineArgs:
         max_model_len = self._max_model_len(hf_config)
         architecture = (getattr(hf_config, "architectures", None) or ["<none>"])[0]
         runner_type = resolve_runner(self.runner, self.convert, architecture)
+        if runner_type == "pooling" and self.speculative_config is not None:
+            raise ValueError("speculative_config with a pooling model is not supported (it generates no tokens).")
         scheduler_config = self._scheduler_config(max_model_len, runner_type, architecture)
         model_config = ModelConfig(
             model=str(self.model or model_path.name),
