@@ -9,8 +9,11 @@ import torch
 from transformers import AutoModel
 
 from pagedllm import LLM
+from pagedllm.config import EngineArgs
+from pagedllm.engine.processor import Processor
 from pagedllm.outputs import PoolingRequestOutput
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.tokenizer import get_tokenizer
 from tests.helpers import check_block_accounting, random_prompts
 
 PROMPT_LENGTHS = [5, 37, 20]
@@ -63,3 +66,13 @@ def test_mean_pooling_accumulates_over_chunks(tiny_qwen3, qwen3_hidden):
     means[1] = torch.nn.functional.normalize(means[1], dim=0)
     _assert_cosine_one([torch.tensor(out.outputs.data) for out in outputs], means)
     check_block_accounting(llm)
+
+
+def test_a_generative_model_computes_no_embeddings(tiny_qwen3):
+    model_config = EngineArgs(model=str(tiny_qwen3)).create_engine_config(log_choices=False).model_config
+    assert model_config.runner_type == "generate" and model_config.pooler_config is None
+    processor = Processor(model_config, get_tokenizer(tiny_qwen3))
+    with pytest.raises(ValueError, match="is a generative model: it computes no embeddings"):
+        processor.process_pooling("r0", [5, 6, 7], PoolingParams())
+    with pytest.raises(ValueError, match="pooler_config is set, but the model is not a pooling model"):
+        EngineArgs(model=str(tiny_qwen3), pooler_config={"pooling_type": "MEAN"}).create_engine_config(log_choices=False)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedllm import LLM
+from pagedllm.config import EngineArgs
 from pagedllm.pooling_params import PoolingParams
 from tests.fixtures.encoders import TEXTS, make_encoder, make_sentence_transformer
 from tests.helpers import check_block_accounting
@@ -65,3 +66,10 @@ def test_roberta_cls_equals_transformers_whole_prompts(tmp_path):
         ref = torch.stack([hf(torch.tensor([p])).last_hidden_state[0, 0] for p in prompts])
     assert_close_embeddings(got, ref)
     check_block_accounting(llm)
+
+
+def test_encoder_needs_a_step_budget_of_a_whole_prompt(bert_st):
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(32\) is smaller than max_model_len \(64\)"):
+        EngineArgs(model=str(bert_st), max_num_batched_tokens=32).create_engine_config(log_choices=False)
+    with pytest.raises(ValueError, match="BertModel is an encoder"):
+        EngineArgs(model=str(bert_st), runner="generate").create_engine_config(log_choices=False)
