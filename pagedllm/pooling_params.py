@@ -79,4 +79,5 @@ def _check_dimensions(dimensions: int, model_config: Any) -> None:
         raise ValueError(f"dimensions must be in 1 .. {hidden} (the embedding size), got {dimensions}.")
     allowed = model_config.matryoshka_dimensions
     if allowed and dimensions not in allowed:
-        raise ValueError(f"dimensions must be one of {model_config.model}'s matryoshka_dimensions {allowed}, got {dimensions}.")
+        raise ValueError(f"dimensions must be one of {model_config.model}'s matryoshka_dimensions {allowed}, "
+                         f"got {dimensions}.")

@@ -373,7 +373,10 @@ class EngineArgs:
     )
     convert: str = flag_field(
         "auto",
-        help="'embed': serve a generative checkpoint (e.g. Qwen3, Llama) as an embedding model; 'none' / 'auto': as it is.",
+        help=(
+            "'embed': serve a generative checkpoint (e.g. Qwen3, Llama) as an embedding model; 'none' / "
+            "'auto': as it is."
+        ),
         choices=CONVERT_TYPES,
     )
     pooler_config: Optional[dict] = flag_field(

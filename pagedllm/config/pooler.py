@@ -65,7 +65,8 @@ class PoolerConfig:
         if pooling_type is not None:
             pooling_type = str(pooling_type).upper()
             if pooling_type not in POOLING_TYPES:
-                raise ValueError(f"pooler_config pooling_type must be one of {POOLING_TYPES}, got {values['pooling_type']!r}.")
+                raise ValueError(f"pooler_config pooling_type must be one of {POOLING_TYPES}, "
+                                 f"got {values['pooling_type']!r}.")
         normalize = values.get("normalize")
         if normalize is not None and not isinstance(normalize, bool):
             raise ValueError(f"pooler_config normalize must be true or false, got {normalize!r}.")
@@ -140,7 +141,8 @@ def sentence_transformers_pooler(model_dir: Path) -> PoolerConfig:
     modes += [kind for key, kind in _ST_POOLING_SWITCHES.items() if mode is None and config.get(key)]
     if not modes:
         given = mode or sorted(k for k, v in config.items() if k.startswith("pooling_mode") and v)
-        raise ValueError(f"{config_file}: pooling mode {given} is not supported; supported: {sorted(_ST_POOLING_MODES)}.")
+        raise ValueError(f"{config_file}: pooling mode {given} is not supported; "
+                         f"supported: {sorted(_ST_POOLING_MODES)}.")
     return PoolerConfig(modes[0], normalize)
 
 

@@ -220,7 +220,8 @@ class LLM:
         params = pooling_params if pooling_params is not None else PoolingParams()
         params_list = [params] * len(prompt_list) if isinstance(params, PoolingParams) else list(params)
         if len(params_list) != len(prompt_list):
-            raise ValueError(f"Got {len(params_list)} PoolingParams for {len(prompt_list)} prompts; pass one, or one per prompt.")
+            raise ValueError(f"Got {len(params_list)} PoolingParams for {len(prompt_list)} prompts; "
+                             "pass one, or one per prompt.")
         request_ids = []
         try:
             for prompt, one in zip(prompt_list, params_list):

@@ -44,7 +44,8 @@ def test_convert_embed_last_token_normalized_in_chunks(tiny_qwen3, qwen3_hidden)
               kv_cache_memory_bytes=16 << 20)
     config = llm.llm_engine.config
     assert config.model_config.runner_type == "pooling" and not config.cache_config.enable_prefix_caching
-    assert (config.model_config.pooler_config.pooling_type, config.model_config.pooler_config.normalize) == ("LAST", True)
+    pooler = config.model_config.pooler_config
+    assert (pooler.pooling_type, pooler.normalize) == ("LAST", True)
     got = _embeddings(llm.embed(prompts, use_tqdm=False))
     _assert_cosine_one(got, [torch.nn.functional.normalize(h[-1], dim=0) for h in hidden])
     with pytest.raises(ValueError, match="is a pooling model"):
@@ -75,4 +76,5 @@ def test_a_generative_model_computes_no_embeddings(tiny_qwen3):
     with pytest.raises(ValueError, match="is a generative model: it computes no embeddings"):
         processor.process_pooling("r0", [5, 6, 7], PoolingParams())
     with pytest.raises(ValueError, match="pooler_config is set, but the model is not a pooling model"):
-        EngineArgs(model=str(tiny_qwen3), pooler_config={"pooling_type": "MEAN"}).create_engine_config(log_choices=False)
+        EngineArgs(model=str(tiny_qwen3), pooler_config={"pooling_type": "MEAN"}).create_engine_config(
+            log_choices=False)

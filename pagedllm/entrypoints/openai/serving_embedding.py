@@ -60,7 +60,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         params = PoolingParams(dimensions=request.dimensions, normalize=request.normalize,
                                truncate_prompt_tokens=request.truncate_prompt_tokens)
         request_id = random_id("embd")
-        engine_requests = [self._engine_request(f"{request_id}-{i}", prompt, params) for i, prompt in enumerate(prompts)]
+        engine_requests = [self._engine_request(f"{request_id}-{i}", prompt, params)
+                           for i, prompt in enumerate(prompts)]
         if self.log_requests:
             logger.info("Received request %s: %d input(s) of %s tokens, params: %s", request_id, len(prompts),
                         [len(r.prompt_token_ids) for r in engine_requests], engine_requests[0].pooling_params)
