@@ -254,6 +254,7 @@ def build_app(engine: EngineClient, frontend: FrontendConfig) -> FastAPI:
         engine, models, renderer, log_requests=log_requests, return_tokens_as_token_ids=token_ids,
         response_role=frontend.response_role,
         tool_parser=frontend.tool_call_parser if frontend.enable_auto_tool_choice else None,
+        reasoning_parser=frontend.reasoning_parser,
     )  # fmt: skip
     tokenization = OpenAIServingTokenization(models, renderer, model_config.max_model_len, engine.processor.vocab_size)
 

@@ -666,6 +666,13 @@ class ChatCompletionRequest(SamplingRequest):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     @property
+    def constrains_output(self) -> bool:
+        """Whether the engine constrains the output (structured outputs, or a ``tool_choice``
+        that must call a tool): from its first token, as no reasoning comes first here."""
+        forced_call = self.tool_choice == "required" or isinstance(self.tool_choice, ChatCompletionNamedToolChoiceParam)
+        return self._structured_outputs is not None or (bool(self.tools) and forced_call)
+
+    @property
     def num_top_logprobs(self) -> Optional[int]:
         """Engine ``logprobs``: None when off, else ``top_logprobs`` (0 when unset)."""
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -701,9 +708,23 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
 
 
 class ChatResponseMessage(OpenAIBaseModel):
+    """The reply. ``reasoning`` (and ``reasoning_content``, vLLM's older name, the same
+    text) is the model's thinking, with ``--reasoning-parser``; left out of the JSON when
+    None."""
+
     role: str = "assistant"
     content: Optional[str] = None
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _drop_no_reasoning(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        for key in ("reasoning", "reasoning_content"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -730,6 +751,8 @@ class DeltaMessage(DropNoneModel):
 
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
 
 
