@@ -2,10 +2,12 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
-``GET /version``, ``GET /metrics``.
+``GET /version``, ``GET /metrics``; Anthropic's ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens`` (``pagedllm.entrypoints.anthropic``).
 
 - Auth: with an API key, every route except ``/health`` and ``/metrics`` needs
-  ``Authorization: Bearer <key>`` (compared in constant time); else 401.
+  ``Authorization: Bearer <key>`` or (Anthropic's header) ``x-api-key: <key>``, compared
+  in constant time; else 401.
 - Cancellation: a client that disconnects — while waiting for a JSON response or in the
   middle of a stream — cancels its handler; the engine generators are closed, which
   aborts every request (all ``n`` choices) in the engine.
@@ -31,6 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm import envs
 from pagedllm.engine.protocol import EngineClient
+from pagedllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from pagedllm.entrypoints.openai.frontend_config import FrontendConfig
 from pagedllm.entrypoints.openai.errors import (
     INVALID_REQUEST,
@@ -141,13 +144,14 @@ class AuthenticationMiddleware:
         if scope["type"] != "http" or self._is_public(scope):
             await self.app(scope, receive, send)
             return
-        authorization = Headers(scope=scope).get("authorization")
-        if self._key_matches(authorization):
+        headers = Headers(scope=scope)
+        authorization = headers.get("authorization")
+        if self._key_matches(authorization) or self._key_matches(f"Bearer {headers.get('x-api-key', '')}"):
             await self.app(scope, receive, send)
             return
         message = (
             "Incorrect API key provided."
-            if authorization
+            if authorization or "x-api-key" in headers
             else "Missing API key: send it as 'Authorization: Bearer <key>'."
         )
         response = error_response(401, message, INVALID_REQUEST, None, "invalid_api_key")
@@ -256,6 +260,7 @@ def build_app(engine: EngineClient, frontend: FrontendConfig) -> FastAPI:
         tool_parser=frontend.tool_call_parser if frontend.enable_auto_tool_choice else None,
         reasoning_parser=frontend.reasoning_parser,
     )  # fmt: skip
+    messages = AnthropicServingMessages(chat)
     tokenization = OpenAIServingTokenization(models, renderer, model_config.max_model_len, engine.processor.vocab_size)
 
     log_stats = not frontend.disable_log_stats
@@ -334,6 +339,16 @@ def build_app(engine: EngineClient, frontend: FrontendConfig) -> FastAPI:
     @with_cancellation
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return _to_response(await chat.create_chat_completion(request))
+
+    @app.post("/v1/messages")
+    @with_cancellation
+    async def create_messages(raw_request: Request) -> Response:
+        result = await messages.create_messages(raw_request)
+        return result if isinstance(result, Response) else SSEResponse(result)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(raw_request: Request) -> Response:
+        return await messages.count_tokens(raw_request)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> Response:
