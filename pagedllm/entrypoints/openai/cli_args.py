@@ -130,7 +130,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         usage="%(prog)s [MODEL] [options]",
         help="Start the OpenAI-compatible HTTP server.",
         description="Start an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions,\n"
-        "/v1/models, /tokenize, /detokenize, /health, /version, /metrics). Flags follow vLLM's.",
+        "/v1/models, /tokenize, /detokenize, /health, /version, /metrics) and Anthropic's /v1/messages.\n"
+        "Flags follow vLLM's.",
         epilog=envs.help_epilog(),
         formatter_class=_HelpFormatter,
     )

@@ -158,12 +158,17 @@ def test_messages_tools_and_tool_results(server):
     tools = [{"name": "capital", "description": "A country's capital.",
               "input_schema": {"type": "object", "properties": {"country": {"enum": ["France", "Italy"]}},
                                "required": ["country"]}}]  # fmt: skip
-    reply = client.messages.create(
-        model=MODEL, messages=QUESTION, max_tokens=40, extra_body=GREEDY_BODY, tools=tools, tool_choice={"type": "any"}
-    )
+    request = dict(model=MODEL, messages=QUESTION, max_tokens=40, extra_body=GREEDY_BODY, tools=tools,
+                   tool_choice={"type": "any"})  # fmt: skip
+    reply = client.messages.create(**request)
     assert reply.stop_reason == "tool_use"
     (call,) = [block for block in reply.content if block.type == "tool_use"]
     assert call.name == "capital" and call.input["country"] in ("France", "Italy") and call.id.startswith("toolu_")
+    with client.messages.stream(**request) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.model_dump(exclude={"id": True, "content": {0: {"id"}}}) == reply.model_dump(
+        exclude={"id": True, "content": {0: {"id"}}}
+    )
 
     turns = [
         *QUESTION,
