@@ -10,14 +10,16 @@ end (``</thi`` may become ``</think>``). ``ReasoningStream`` streams the growth 
 successive snapshots, so the joined deltas equal the non-streamed answer, however the text
 is cut into deltas (a tag split across tokens included).
 
-Plain Python (no torch, no pagedllm imports): the engine side may use it as well.
+Plain Python (no torch): the engine side may use it as well.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Mapping, Optional, Sequence
+
+from pagedllm.name_registry import NameRegistry
 
 
 @dataclass(frozen=True)
@@ -89,33 +91,10 @@ def _growth(sent: str, now: str) -> str:
     return now[len(sent) :] if now.startswith(sent) else ""
 
 
-P = TypeVar("P", bound=type[ReasoningParser])
+class ReasoningParserManager(NameRegistry):
+    """Name -> parser class (vLLM's registry). Parsers register with ``register_module(name)``;
+    ``get_reasoning_parser(name)`` (vLLM's name for ``lookup``) raises ``KeyError`` listing the
+    known ones."""
 
-
-class ReasoningParserManager:
-    """Name -> parser class (vLLM's registry). Parsers register with ``register_module(name)``."""
-
-    reasoning_parsers: dict[str, type[ReasoningParser]] = {}
-
-    @classmethod
-    def register_module(cls, name: str) -> Callable[[P], P]:
-        def register(parser: P) -> P:
-            cls.reasoning_parsers[name] = parser
-            return parser
-
-        return register
-
-    @classmethod
-    def names(cls) -> list[str]:
-        return sorted(cls.reasoning_parsers)
-
-    @classmethod
-    def get_reasoning_parser(cls, name: str) -> type[ReasoningParser]:
-        """The parser class called ``name``.
-
-        Raises:
-            KeyError: no such parser; the message lists the known ones.
-        """
-        if name not in cls.reasoning_parsers:
-            raise KeyError(f"invalid reasoning parser: {name} (choose from {{ {','.join(cls.names())} }})")
-        return cls.reasoning_parsers[name]
+    what = "reasoning parser"
+    get_reasoning_parser = NameRegistry.__dict__["lookup"]  # the classmethod itself, bound to this class

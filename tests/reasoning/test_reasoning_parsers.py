@@ -84,5 +84,5 @@ def test_tags_split_across_tokens(tokenizer):
 
 
 def test_unknown_name_lists_the_known_ones():
-    with pytest.raises(KeyError, match=r"invalid reasoning parser: r2 \(choose from \{ deepseek_r1,gpt_oss,qwen3 \}\)"):
+    with pytest.raises(KeyError, match=r"invalid reasoning parser: r2 \(chose from \{ deepseek_r1,gpt_oss,qwen3 \}\)"):
         ReasoningParserManager.get_reasoning_parser("r2")
