@@ -104,7 +104,6 @@ class AnthropicMessagesRequest(AnthropicCountTokensRequest):
 class AnthropicUsage(AnthropicBaseModel):
     input_tokens: int
     output_tokens: int
-    cache_read_input_tokens: Optional[int] = None
 
 
 class AnthropicMessagesResponse(AnthropicBaseModel):

@@ -161,7 +161,7 @@ class AnthropicServingMessages:
             id=run.request_id, model=run.model_name, content=content, stop_reason=reason, stop_sequence=sequence,
             usage=AnthropicUsage(input_tokens=response.usage.prompt_tokens, output_tokens=response.usage.completion_tokens),
         )  # fmt: skip
-        return JSONResponse(message.model_dump(exclude_none=True))
+        return JSONResponse(message.model_dump())
 
     async def count_tokens(self, raw_request: Request) -> JSONResponse:
         """``{"input_tokens": N}``: the prompt's tokens as ``/v1/messages`` would render it."""

@@ -7,7 +7,7 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 
 - Auth: with an API key, every route except ``/health`` and ``/metrics`` needs
   ``Authorization: Bearer <key>`` or (Anthropic's header) ``x-api-key: <key>``, compared
-  in constant time; else 401.
+  in constant time; else 401 (Anthropic's error JSON on ``/v1/messages``).
 - Cancellation: a client that disconnects — while waiting for a JSON response or in the
   middle of a stream — cancels its handler; the engine generators are closed, which
   aborts every request (all ``n`` choices) in the engine.
@@ -34,6 +34,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagedllm import envs
 from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
+from pagedllm.entrypoints.anthropic.serving_messages import error_response as anthropic_error_response
 from pagedllm.entrypoints.openai.frontend_config import FrontendConfig
 from pagedllm.entrypoints.openai.errors import (
     INVALID_REQUEST,
@@ -58,6 +59,8 @@ from pagedllm.version import __version__
 
 logger = logging.getLogger(__name__)
 
+#: The routes of Anthropic's Messages API (their errors, a 401 too, are Anthropic's JSON).
+ANTHROPIC_PATH = "/v1/messages"
 #: Routes open without an API key (load balancers and Prometheus scrape them).
 PUBLIC_PATHS = frozenset({"/health", "/metrics"})
 #: Seconds ``/health`` waits for ``EngineClient.check_health`` before answering 503.
@@ -154,17 +157,24 @@ class AuthenticationMiddleware:
             if authorization or "x-api-key" in headers
             else "Missing API key: send it as 'Authorization: Bearer <key>'."
         )
-        response = error_response(401, message, INVALID_REQUEST, None, "invalid_api_key")
+        if self._route(scope).startswith(ANTHROPIC_PATH):
+            response = anthropic_error_response(401, message)
+        else:
+            response = error_response(401, message, INVALID_REQUEST, None, "invalid_api_key")
         response.headers["WWW-Authenticate"] = "Bearer"
         await logged_response(Request(scope), response, message)(scope, receive, send)
 
     @staticmethod
-    def _is_public(scope: Scope) -> bool:
+    def _route(scope: Scope) -> str:
+        """The request's path below the app's ``root_path``."""
         path = scope.get("path", "")
         root_path = scope.get("root_path", "")
         if root_path and path.startswith(root_path):
             path = path[len(root_path) :]
-        return path.rstrip("/") in PUBLIC_PATHS
+        return path
+
+    def _is_public(self, scope: Scope) -> bool:
+        return self._route(scope).rstrip("/") in PUBLIC_PATHS
 
     def _key_matches(self, authorization: Optional[str]) -> bool:
         scheme, _, token = (authorization or "").partition(" ")

@@ -16,12 +16,12 @@ import shutil
 import time
 
 import anthropic
-import httpx
 import pytest
 
 from tests.server_utils import RemoteServer
 
 MODEL = "tiny-r1"
+API_KEY = "sk-r1"
 R1_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
@@ -57,7 +57,7 @@ def think_checkpoint(checkpoint_factory, tmp_path_factory):
 def server(think_checkpoint):
     remote = RemoteServer(
         think_checkpoint, "--served-model-name", MODEL, "--max-model-len", "512",
-        "--chat-template", R1_TEMPLATE, "--reasoning-parser", "deepseek_r1",
+        "--chat-template", R1_TEMPLATE, "--reasoning-parser", "deepseek_r1", api_key=API_KEY,
     )  # fmt: skip
     try:
         yield remote
@@ -74,6 +74,11 @@ def _check_idle(server: RemoteServer) -> None:
     while any(server.metrics()[name] for name in names):
         assert time.monotonic() < deadline, {name: server.metrics()[name] for name in names}
         time.sleep(0.02)
+
+
+def _anthropic(server: RemoteServer, api_key: str = API_KEY) -> anthropic.Anthropic:
+    """The SDK's client: it sends the key as ``x-api-key``."""
+    return anthropic.Anthropic(base_url=server.url, api_key=api_key, max_retries=0)
 
 
 def _prompt(server: RemoteServer, messages) -> list[int]:
@@ -127,7 +132,7 @@ def test_unclosed_reasoning_is_all_reasoning(server, plain_raw):
 
 
 def test_messages_create_and_stream(server, plain_raw):
-    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    client = _anthropic(server)
     prompt_tokens = len(_prompt(server, QUESTION))
     reply = client.messages.create(model=MODEL, messages=QUESTION, max_tokens=MAX_TOKENS, extra_body=GREEDY_BODY)
     assert [block.model_dump() for block in reply.content] == [
@@ -154,7 +159,7 @@ def test_messages_create_and_stream(server, plain_raw):
 
 
 def test_messages_tools_and_tool_results(server):
-    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    client = _anthropic(server)
     tools = [{"name": "capital", "description": "A country's capital.",
               "input_schema": {"type": "object", "properties": {"country": {"enum": ["France", "Italy"]}},
                                "required": ["country"]}}]  # fmt: skip
@@ -190,13 +195,13 @@ def test_messages_tools_and_tool_results(server):
 
 
 def test_messages_errors_are_anthropic_json(server):
-    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    client = _anthropic(server)
     with pytest.raises(anthropic.NotFoundError) as not_found:
         client.messages.create(model="claude-nope", messages=QUESTION, max_tokens=4)
     assert not_found.value.body == {
         "type": "error", "error": {"type": "not_found_error", "message": "The model `claude-nope` does not exist."}
     }
-    missing = httpx.post(server.url + "/v1/messages", json={"model": MODEL, "messages": QUESTION})
+    missing = server.post("/v1/messages", json={"model": MODEL, "messages": QUESTION})
     assert missing.status_code == 400
     body = missing.json()
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
@@ -204,3 +209,8 @@ def test_messages_errors_are_anthropic_json(server):
     image = {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x"}}]}
     with pytest.raises(anthropic.BadRequestError, match="'image' are not supported"):
         client.messages.create(model=MODEL, messages=[image], max_tokens=4)
+    with pytest.raises(anthropic.AuthenticationError) as wrong_key:
+        _anthropic(server, "sk-wrong").messages.count_tokens(model=MODEL, messages=QUESTION)
+    assert wrong_key.value.body == {
+        "type": "error", "error": {"type": "authentication_error", "message": "Incorrect API key provided."}
+    }
