@@ -117,6 +117,23 @@ class OpenAIServingChat(OpenAIServing):
         text = self.renderer.render_chat(request)
         return PromptInput(text, self.renderer.encode(text, request.add_special_tokens))
 
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest
+    ) -> Union[ChatCompletionResponse, AsyncGenerator[str, None]]:
+        """A ``ChatCompletionResponse``, or (``stream``) an async generator of SSE events.
+
+        Raises:
+            OpenAIServingError: 400 for bad input, 404 for an unknown model.
+            EngineDeadError: the engine died (a 500).
+        """
+        run = self.start(request, random_id("chatcmpl"))
+        if request.stream:
+            run.stream = await self.start_stream(run.stream)
+            events = self._stream(request, run)
+            return self.sse_stream(run.request_id, events, run.stream)
+        (final,) = await self.collect_final(run.stream, 1)
+        return self.response(request, run, final)
+
     def request_reasoning_parser(self, request: ChatCompletionRequest) -> Optional[ReasoningParser]:
         """The reasoning parser of a request's output (None: off, or an output the engine
         constrains). A parser whose markers are special tokens turns ``skip_special_tokens``
@@ -149,23 +166,6 @@ class OpenAIServingChat(OpenAIServing):
         )
         stream = self.generate(request_id, [prompt], [engine_request])
         return ChatRun(request_id, model_name, prompt, stream, tool_parser, reasoning_parser)
-
-    async def create_chat_completion(
-        self, request: ChatCompletionRequest
-    ) -> Union[ChatCompletionResponse, AsyncGenerator[str, None]]:
-        """A ``ChatCompletionResponse``, or (``stream``) an async generator of SSE events.
-
-        Raises:
-            OpenAIServingError: 400 for bad input, 404 for an unknown model.
-            EngineDeadError: the engine died (a 500).
-        """
-        run = self.start(request, random_id("chatcmpl"))
-        if request.stream:
-            run.stream = await self.start_stream(run.stream)
-            events = self._stream(request, run)
-            return self.sse_stream(run.request_id, events, run.stream)
-        (final,) = await self.collect_final(run.stream, 1)
-        return self.response(request, run, final)
 
     def _logprobs(
         self, request: ChatCompletionRequest, token_ids: Sequence[int], positions: Optional[Sequence[PositionLogprobs]]

@@ -8,19 +8,15 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
-import openai
 import pytest
 
-from pagedllm.entrypoints.openai.api_server import build_app
-from pagedllm.entrypoints.openai.cli_args import FrontendConfig
 from tests.entrypoints.openai.test_tool_calling_sdk import (  # noqa: F401  (parts: the fixture)
     AUTO_REPLIES,
     CALLS,
     MESSAGES,
     REQUIRED_REPLY,
     TOOLS,
-    _ScriptedEngine,
+    _client as scripted_client,
     parts,
 )
 
@@ -28,14 +24,7 @@ THINKING = "<think>The user wants weather and time.</think>"
 
 
 def _client(parts, reasoning_parser, tool_parser=None):
-    engine = _ScriptedEngine(parts.processor, parts.config.model_config, parts.tokenizer)
-    frontend = FrontendConfig(
-        disable_log_stats=True, disable_log_requests=True, reasoning_parser=reasoning_parser,
-        enable_auto_tool_choice=tool_parser is not None, tool_call_parser=tool_parser,
-    )  # fmt: skip
-    transport = httpx.ASGITransport(app=build_app(engine, frontend))
-    client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=httpx.AsyncClient(transport=transport))
-    return engine, client
+    return scripted_client(parts, tool_parser, reasoning_parser=reasoning_parser)
 
 
 async def _create(client, stream: bool, **kwargs):
