@@ -617,7 +617,8 @@ class ChatCompletionRequest(SamplingRequest):
 
     ``add_generation_prompt`` left out means "true unless ``continue_final_message``";
     both set true is a 400 (``chat_utils.resolve_generation_prompt``, the rule of every
-    way of rendering a chat)."""
+    way of rendering a chat). ``include_reasoning`` false (vLLM's) drops the reasoning a
+    ``--reasoning-parser`` splits off."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: Optional[bool] = False
@@ -636,6 +637,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_special_tokens: bool = False
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    include_reasoning: bool = True
 
     @field_validator("top_logprobs")
     @classmethod

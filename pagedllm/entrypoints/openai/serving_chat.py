@@ -19,8 +19,8 @@ the output into ``message.tool_calls``, streamed as ``delta.tool_calls`` by one
 With ``--reasoning-parser`` (``pagedllm.reasoning``): the parser splits each output into
 ``message.reasoning`` (also as ``reasoning_content``, vLLM's older field) and the content
 (None when empty); streams carry ``delta.reasoning`` / ``delta.reasoning_content`` pieces,
-then content pieces (one ``ReasoningStream`` per choice). Tool calls are read from the
-content only. An output the engine constrains (structured outputs, "required" or named
+then content pieces (one ``ReasoningStream`` per choice); ``include_reasoning`` false drops
+the reasoning. Tool calls are read from the content only. An output the engine constrains (structured outputs, "required" or named
 ``tool_choice``) is all content: the constraint applies from its first token here, where
 vLLM applies it once the reasoning has ended.
 """
@@ -204,6 +204,7 @@ class OpenAIServingChat(OpenAIServing):
         reasoning = None
         if run.reasoning_parser is not None:
             reasoning, text = run.reasoning_parser.extract_reasoning(output.text)
+            reasoning = reasoning if request.include_reasoning else None
         if run.tool_parser is None:
             message = ChatResponseMessage(role=role, content=text, reasoning=reasoning, reasoning_content=reasoning)
             return message, output.finish_reason
@@ -307,7 +308,7 @@ class OpenAIServingChat(OpenAIServing):
         else:
             delta = tool_stream.feed(text, finished)
             reason = finish_reason(request, reason, tool_stream.called)
-        delta.reasoning = delta.reasoning_content = reasoning or None
+        delta.reasoning = delta.reasoning_content = (reasoning or None) if request.include_reasoning else None
         if not delta.content and not delta.reasoning and not delta.tool_calls and logprobs is None and not finished:
             return None
         return ChatCompletionResponseStreamChoice(

@@ -66,6 +66,8 @@ def test_tool_calls_are_read_after_the_reasoning_only(parts, stream):
     call_in_thought = AUTO_REPLIES["hermes"].split("Checking.")[1]
     engine.reply = f"<think>{call_in_thought}</think>No call."
     assert asyncio.run(_create(client, stream, tools=TOOLS)) == (call_in_thought, "No call.", [], "stop")
+    dropped = asyncio.run(_create(client, stream, tools=TOOLS, extra_body={"include_reasoning": False}))
+    assert dropped == (None, "No call.", [], "stop")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
