@@ -154,12 +154,13 @@ class AnthropicServingMessages:
         except Exception as exc:
             return error_response(*_failure(exc))
         response = self.chat.response(chat, run, final)
-        choice = response.choices[0]
-        content = self._blocks(choice.message)
-        reason, sequence = stop_reason(request, choice.finish_reason, choice.stop_reason, bool(choice.message.tool_calls))
+        choice, usage = response.choices[0], response.usage
+        called = bool(choice.message.tool_calls)
+        reason, sequence = stop_reason(request, choice.finish_reason, choice.stop_reason, called)
         message = AnthropicMessagesResponse(
-            id=run.request_id, model=run.model_name, content=content, stop_reason=reason, stop_sequence=sequence,
-            usage=AnthropicUsage(input_tokens=response.usage.prompt_tokens, output_tokens=response.usage.completion_tokens),
+            id=run.request_id, model=run.model_name, content=self._blocks(choice.message), stop_reason=reason,
+            stop_sequence=sequence,
+            usage=AnthropicUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens),
         )  # fmt: skip
         return JSONResponse(message.model_dump())
 

@@ -20,9 +20,9 @@ With ``--reasoning-parser`` (``pagedllm.reasoning``): the parser splits each out
 ``message.reasoning`` (also as ``reasoning_content``, vLLM's older field) and the content
 (None when empty); streams carry ``delta.reasoning`` / ``delta.reasoning_content`` pieces,
 then content pieces (one ``ReasoningStream`` per choice); ``include_reasoning`` false drops
-the reasoning. Tool calls are read from the content only. An output the engine constrains (structured outputs, "required" or named
-``tool_choice``) is all content: the constraint applies from its first token here, where
-vLLM applies it once the reasoning has ended.
+the reasoning. Tool calls are read from the content only. An output the engine constrains
+(structured outputs, "required" or named ``tool_choice``) is all content: the constraint
+applies from its first token here, where vLLM applies it once the reasoning has ended.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ class ChatRun:
     stream: AsyncGenerator[tuple[int, RequestOutput], None]
     tool_parser: Optional[ToolParser]
     reasoning_parser: Optional[ReasoningParser]
+
 
 class OpenAIServingChat(OpenAIServing):
     """``POST /v1/chat/completions`` (constructor: ``OpenAIServing``'s arguments,
@@ -194,9 +195,9 @@ class OpenAIServingChat(OpenAIServing):
             )
         return ChatCompletionLogProbs(content=content)
 
-    def _message(self, request: ChatCompletionRequest, output: CompletionOutput, run: ChatRun) -> tuple[
-        ChatResponseMessage, Optional[str]
-    ]:
+    def _message(
+        self, request: ChatCompletionRequest, output: CompletionOutput, run: ChatRun
+    ) -> tuple[ChatResponseMessage, Optional[str]]:
         """A choice's message and finish_reason (reasoning split off by the run's reasoning
         parser, then tool calls read from the content by its tool parser)."""
         role = self._role(request)
@@ -260,7 +261,9 @@ class OpenAIServingChat(OpenAIServing):
         num_generated = [0] * request.n
         num_cached = 0
 
-        def chunk(choices: list[ChatCompletionResponseStreamChoice], final: bool = False) -> ChatCompletionStreamResponse:
+        def chunk(
+            choices: list[ChatCompletionResponseStreamChoice], final: bool = False
+        ) -> ChatCompletionStreamResponse:
             usage = None
             if final or request.continuous_usage:
                 usage = make_usage(len(run.prompt.token_ids), sum(num_generated), num_cached)
