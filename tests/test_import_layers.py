@@ -35,7 +35,8 @@ FLOORS: list[tuple[str, ...]] = [
     ("attention",),
     ("config", "arch_config", "platforms", "env_override"),
     ("kernels",),
-    ("messages", "sampling_params", "pooling_params", "outputs", "tokenizer", "model_paths", "logger", "version", "lora.request", "envs"),
+    ("messages", "sampling_params", "pooling_params", "outputs", "tokenizer", "model_paths", "logger", "version", "lora.request", "envs",
+     "reasoning", "name_registry"),
 ]
 """The layers, top first: the ``pagedllm`` command (``entrypoints.cli``: ``serve`` and ``bench``)
 > benchmarks > entrypoints > engine > executor/worker > core > model_executor > attention >

@@ -3,10 +3,12 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
 ``GET /version``, ``GET /metrics``; ``POST /v1/embeddings`` on a pooling model only (as vLLM,
-a generative model answers it 404).
+a generative model answers it 404); Anthropic's ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens`` (``pagedllm.entrypoints.anthropic``).
 
 - Auth: with an API key, every route except ``/health`` and ``/metrics`` needs
-  ``Authorization: Bearer <key>`` (compared in constant time); else 401.
+  ``Authorization: Bearer <key>`` or (Anthropic's header) ``x-api-key: <key>``, compared
+  in constant time; else 401 (Anthropic's error JSON on ``/v1/messages``).
 - Cancellation: a client that disconnects — while waiting for a JSON response or in the
   middle of a stream — cancels its handler; the engine generators are closed, which
   aborts every request (all ``n`` choices) in the engine.
@@ -32,6 +34,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm import envs
 from pagedllm.engine.protocol import EngineClient
+from pagedllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
+from pagedllm.entrypoints.anthropic.serving_messages import error_response as anthropic_error_response
 from pagedllm.entrypoints.openai.frontend_config import FrontendConfig
 from pagedllm.entrypoints.openai.errors import (
     INVALID_REQUEST,
@@ -58,6 +62,8 @@ from pagedllm.version import __version__
 
 logger = logging.getLogger(__name__)
 
+#: The routes of Anthropic's Messages API (their errors, a 401 too, are Anthropic's JSON).
+ANTHROPIC_PATH = "/v1/messages"
 #: Routes open without an API key (load balancers and Prometheus scrape them).
 PUBLIC_PATHS = frozenset({"/health", "/metrics"})
 #: Seconds ``/health`` waits for ``EngineClient.check_health`` before answering 503.
@@ -144,26 +150,34 @@ class AuthenticationMiddleware:
         if scope["type"] != "http" or self._is_public(scope):
             await self.app(scope, receive, send)
             return
-        authorization = Headers(scope=scope).get("authorization")
-        if self._key_matches(authorization):
+        headers = Headers(scope=scope)
+        authorization = headers.get("authorization")
+        if self._key_matches(authorization) or self._key_matches(f"Bearer {headers.get('x-api-key', '')}"):
             await self.app(scope, receive, send)
             return
         message = (
             "Incorrect API key provided."
-            if authorization
+            if authorization or "x-api-key" in headers
             else "Missing API key: send it as 'Authorization: Bearer <key>'."
         )
-        response = error_response(401, message, INVALID_REQUEST, None, "invalid_api_key")
+        if self._route(scope).startswith(ANTHROPIC_PATH):
+            response = anthropic_error_response(401, message)
+        else:
+            response = error_response(401, message, INVALID_REQUEST, None, "invalid_api_key")
         response.headers["WWW-Authenticate"] = "Bearer"
         await logged_response(Request(scope), response, message)(scope, receive, send)
 
     @staticmethod
-    def _is_public(scope: Scope) -> bool:
+    def _route(scope: Scope) -> str:
+        """The request's path below the app's ``root_path``."""
         path = scope.get("path", "")
         root_path = scope.get("root_path", "")
         if root_path and path.startswith(root_path):
             path = path[len(root_path) :]
-        return path.rstrip("/") in PUBLIC_PATHS
+        return path
+
+    def _is_public(self, scope: Scope) -> bool:
+        return self._route(scope).rstrip("/") in PUBLIC_PATHS
 
     def _key_matches(self, authorization: Optional[str]) -> bool:
         scheme, _, token = (authorization or "").partition(" ")
@@ -257,8 +271,10 @@ def build_app(engine: EngineClient, frontend: FrontendConfig) -> FastAPI:
         engine, models, renderer, log_requests=log_requests, return_tokens_as_token_ids=token_ids,
         response_role=frontend.response_role,
         tool_parser=frontend.tool_call_parser if frontend.enable_auto_tool_choice else None,
+        reasoning_parser=frontend.reasoning_parser,
     )  # fmt: skip
     embedding = OpenAIServingEmbedding(engine, models, renderer, log_requests=log_requests)
+    messages = AnthropicServingMessages(chat)
     tokenization = OpenAIServingTokenization(models, renderer, model_config.max_model_len, engine.processor.vocab_size)
 
     log_stats = not frontend.disable_log_stats
@@ -344,6 +360,16 @@ def build_app(engine: EngineClient, frontend: FrontendConfig) -> FastAPI:
         @with_cancellation
         async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
             return _json(await embedding.create_embedding(request))
+
+    @app.post("/v1/messages")
+    @with_cancellation
+    async def create_messages(raw_request: Request) -> Response:
+        result = await messages.create_messages(raw_request)
+        return result if isinstance(result, Response) else SSEResponse(result)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(raw_request: Request) -> Response:
+        return await messages.count_tokens(raw_request)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> Response:

@@ -108,6 +108,21 @@ def check_tool_calling_args(args: argparse.Namespace) -> None:
             raise ValueError(exc.args[0]) from None
 
 
+def check_reasoning_parser_args(args: argparse.Namespace) -> None:
+    """vLLM's start-up check of ``--reasoning-parser``.
+
+    Raises:
+        ValueError: a parser name that is not registered (the message lists the known ones).
+    """
+    from pagedllm.reasoning import ReasoningParserManager
+
+    if args.reasoning_parser:
+        try:
+            ReasoningParserManager.get_reasoning_parser(args.reasoning_parser)
+        except KeyError as exc:
+            raise ValueError(exc.args[0]) from None
+
+
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``serve`` to the ``pagedllm`` command (sets ``func`` to ``main``)."""
     parser = subparsers.add_parser(
@@ -115,7 +130,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         usage="%(prog)s [MODEL] [options]",
         help="Start the OpenAI-compatible HTTP server.",
         description="Start an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions,\n"
-        "/v1/models, /tokenize, /detokenize, /health, /version, /metrics). Flags follow vLLM's.",
+        "/v1/models, /tokenize, /detokenize, /health, /version, /metrics) and Anthropic's /v1/messages.\n"
+        "Flags follow vLLM's.",
         epilog=envs.help_epilog(),
         formatter_class=_HelpFormatter,
     )
@@ -247,6 +263,7 @@ def main(args: argparse.Namespace) -> int:
         if args.lora_modules and not args.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora.")
         check_tool_calling_args(args)
+        check_reasoning_parser_args(args)
         engine_args = engine_args_from(args)
         frontend = FrontendConfig.from_cli_args(args)
         _fetch_models(engine_args)

@@ -28,23 +28,18 @@ _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 
 
-class _NotBuilt(argparse.Action):
-    """A vLLM flag for a feature not built yet: giving it is a one-line error (exit 2)."""
-
-    def __init__(self, option_strings: list[str], dest: str, why: str, nargs: Any = None, **kwargs: Any) -> None:
-        kwargs.setdefault("help", f"Not supported yet: {why}.")
-        super().__init__(option_strings, dest, nargs=nargs, **kwargs)
-        self.why = why
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option_string: Any = None) -> None:
-        parser.error(f"{option_string} is not supported yet ({self.why}).")
-
-
 def _tool_parser_metavar() -> str:
     """``--tool-call-parser``'s metavar: the registered parsers' names."""
     from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager
 
     return "{" + ",".join(ToolParserManager.names()) + "}"
+
+
+def _reasoning_parser_metavar() -> str:
+    """``--reasoning-parser``'s metavar: the registered parsers' names."""
+    from pagedllm.reasoning import ReasoningParserManager
+
+    return "{" + ",".join(ReasoningParserManager.names()) + "}"
 
 
 @dataclass(frozen=True)
@@ -199,8 +194,11 @@ class FrontendConfig:
     )
     reasoning_parser: Optional[str] = flag_field(
         None,
-        help="Not supported yet: reasoning parsers are not built.",
-        action=_NotBuilt, extra={"why": "reasoning parsers are not built"},
+        help=(
+            "How the model writes its reasoning: chat completions (and /v1/messages) return it in "
+            "'reasoning' ('thinking' blocks), apart from the content."
+        ),
+        metavar=_reasoning_parser_metavar,
     )
     lora_modules: Optional[list[dict[str, Any]]] = flag_field(
         None,

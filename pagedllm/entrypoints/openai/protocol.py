@@ -617,7 +617,8 @@ class ChatCompletionRequest(SamplingRequest):
 
     ``add_generation_prompt`` left out means "true unless ``continue_final_message``";
     both set true is a 400 (``chat_utils.resolve_generation_prompt``, the rule of every
-    way of rendering a chat)."""
+    way of rendering a chat). ``include_reasoning`` false (vLLM's) drops the reasoning a
+    ``--reasoning-parser`` splits off."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: Optional[bool] = False
@@ -636,6 +637,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_special_tokens: bool = False
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    include_reasoning: bool = True
 
     @field_validator("top_logprobs")
     @classmethod
@@ -664,6 +666,13 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def constrains_output(self) -> bool:
+        """Whether the engine constrains the output (structured outputs, or a ``tool_choice``
+        that must call a tool): from its first token, as no reasoning comes first here."""
+        forced_call = self.tool_choice == "required" or isinstance(self.tool_choice, ChatCompletionNamedToolChoiceParam)
+        return self._structured_outputs is not None or (bool(self.tools) and forced_call)
 
     @property
     def num_top_logprobs(self) -> Optional[int]:
@@ -701,9 +710,23 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
 
 
 class ChatResponseMessage(OpenAIBaseModel):
+    """The reply. ``reasoning`` (and ``reasoning_content``, vLLM's older name, the same
+    text) is the model's thinking, with ``--reasoning-parser``; left out of the JSON when
+    None."""
+
     role: str = "assistant"
     content: Optional[str] = None
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _drop_no_reasoning(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        for key in ("reasoning", "reasoning_content"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -730,6 +753,8 @@ class DeltaMessage(DropNoneModel):
 
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
 
 

@@ -15,11 +15,20 @@ of each choice's content (the first content chunk of a stream).
 With ``tools`` (``tool_calls``): a ``tool_choice`` other than "none" has a tool parser read
 the output into ``message.tool_calls``, streamed as ``delta.tool_calls`` by one
 ``ToolCallStream`` per choice.
+
+With ``--reasoning-parser`` (``pagedllm.reasoning``): the parser splits each output into
+``message.reasoning`` (also as ``reasoning_content``, vLLM's older field) and the content
+(None when empty); streams carry ``delta.reasoning`` / ``delta.reasoning_content`` pieces,
+then content pieces (one ``ReasoningStream`` per choice); ``include_reasoning`` false drops
+the reasoning. Tool calls are read from the content only. An output the engine constrains
+(structured outputs, "required" or named ``tool_choice``) is all content: the constraint
+applies from its first token here, where vLLM applies it once the reasoning has ended.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Optional, Sequence, Union
 
 from pagedllm.entrypoints.chat_utils import template_messages
@@ -46,6 +55,22 @@ from pagedllm.entrypoints.openai.tool_calls import (
 )
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, ToolParserManager
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagedllm.reasoning import ReasoningParser, ReasoningParserManager, ReasoningStream
+
+
+@dataclass
+class ChatRun:
+    """One chat request on its way through the engine (``OpenAIServingChat.start``): its id,
+    the model name it reports, its prompt, the engine's output stream (not started), and
+    the parsers that read its outputs (None: not used)."""
+
+    request_id: str
+    model_name: str
+    prompt: PromptInput
+    stream: AsyncGenerator[tuple[int, RequestOutput], None]
+    tool_parser: Optional[ToolParser]
+    reasoning_parser: Optional[ReasoningParser]
+
 
 class OpenAIServingChat(OpenAIServing):
     """``POST /v1/chat/completions`` (constructor: ``OpenAIServing``'s arguments,
@@ -55,18 +80,27 @@ class OpenAIServingChat(OpenAIServing):
     ``add_generation_prompt``; without it the reply continues the last message, in its
     role (vLLM's rule). ``tool_parser`` (``--tool-call-parser``, given with
     ``--enable-auto-tool-choice``) reads calls for ``tool_choice="auto"``; None refuses "auto".
+    ``reasoning_parser`` (``--reasoning-parser``) splits reasoning from content; None: off.
 
     Raises:
-        KeyError: an unknown ``tool_parser`` name.
+        KeyError: an unknown ``tool_parser`` or ``reasoning_parser`` name.
     """
 
     def __init__(
-        self, *args: Any, response_role: str = "assistant", tool_parser: Optional[str] = None, **kwargs: Any
+        self,
+        *args: Any,
+        response_role: str = "assistant",
+        tool_parser: Optional[str] = None,
+        reasoning_parser: Optional[str] = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.response_role = response_role
         self.auto_tool_parser: Optional[type[ToolParser]] = (
             ToolParserManager.get_tool_parser(tool_parser) if tool_parser else None
+        )
+        self.reasoning_parser: Optional[type[ReasoningParser]] = (
+            ReasoningParserManager.get_reasoning_parser(reasoning_parser) if reasoning_parser else None
         )
 
     def _role(self, request: ChatCompletionRequest) -> str:
@@ -93,10 +127,36 @@ class OpenAIServingChat(OpenAIServing):
             OpenAIServingError: 400 for bad input, 404 for an unknown model.
             EngineDeadError: the engine died (a 500).
         """
+        run = self.start(request, random_id("chatcmpl"))
+        if request.stream:
+            run.stream = await self.start_stream(run.stream)
+            events = self._stream(request, run)
+            return self.sse_stream(run.request_id, events, run.stream)
+        (final,) = await self.collect_final(run.stream, 1)
+        return self.response(request, run, final)
+
+    def request_reasoning_parser(self, request: ChatCompletionRequest) -> Optional[ReasoningParser]:
+        """The reasoning parser of a request's output (None: off, or an output the engine
+        constrains). A parser whose markers are special tokens turns ``skip_special_tokens``
+        off for the request (vLLM's ``adjust_request``)."""
+        if self.reasoning_parser is None or request.constrains_output:
+            return None
+        parser = self.reasoning_parser(request.chat_template_kwargs)
+        if parser.keeps_special_tokens:
+            request.skip_special_tokens = False
+        return parser
+
+    def start(self, request: ChatCompletionRequest, request_id: str) -> ChatRun:
+        """Validate a request and build its engine request; nothing reaches the engine until
+        ``ChatRun.stream`` is iterated (the Messages API runs chat requests this way too).
+
+        Raises:
+            OpenAIServingError: 400 for bad input, 404 for an unknown model.
+        """
         model_name = self.models.resolve(request.model)
         tool_parser = request_tool_parser(request, self.auto_tool_parser)
+        reasoning_parser = self.request_reasoning_parser(request)
         prompt = self.render_prompt(request)
-        request_id = random_id("chatcmpl")
         engine_request = self.engine_request(
             f"{request_id}-0",
             request,
@@ -106,12 +166,7 @@ class OpenAIServingChat(OpenAIServing):
             prompt_logprobs=request.prompt_logprobs,
         )
         stream = self.generate(request_id, [prompt], [engine_request])
-        if request.stream:
-            stream = await self.start_stream(stream)
-            events = self._stream(request, request_id, model_name, prompt, stream, tool_parser)
-            return self.sse_stream(request_id, events, stream)
-        (final,) = await self.collect_final(stream, 1)
-        return self._response(request, request_id, model_name, final, tool_parser)
+        return ChatRun(request_id, model_name, prompt, stream, tool_parser, reasoning_parser)
 
     def _logprobs(
         self, request: ChatCompletionRequest, token_ids: Sequence[int], positions: Optional[Sequence[PositionLogprobs]]
@@ -141,28 +196,33 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionLogProbs(content=content)
 
     def _message(
-        self, request: ChatCompletionRequest, output: CompletionOutput, tool_parser: Optional[ToolParser]
+        self, request: ChatCompletionRequest, output: CompletionOutput, run: ChatRun
     ) -> tuple[ChatResponseMessage, Optional[str]]:
-        """A choice's message and finish_reason (tool calls read by ``tool_parser``)."""
-        if tool_parser is None:
-            return ChatResponseMessage(role=self._role(request), content=output.text), output.finish_reason
-        content, tool_calls = reply_tool_calls(request, tool_parser.parse(output.text, final=True))
-        message = ChatResponseMessage(role=self._role(request), content=content, tool_calls=tool_calls)
+        """A choice's message and finish_reason (reasoning split off by the run's reasoning
+        parser, then tool calls read from the content by its tool parser)."""
+        role = self._role(request)
+        text: Optional[str] = output.text
+        reasoning = None
+        if run.reasoning_parser is not None:
+            reasoning, text = run.reasoning_parser.extract_reasoning(output.text)
+            reasoning = reasoning if request.include_reasoning else None
+        if run.tool_parser is None:
+            message = ChatResponseMessage(role=role, content=text, reasoning=reasoning, reasoning_content=reasoning)
+            return message, output.finish_reason
+        content, tool_calls = reply_tool_calls(request, run.tool_parser.parse(text or "", final=True))
+        message = ChatResponseMessage(
+            role=role, content=(content or None) if run.reasoning_parser else content, reasoning=reasoning,
+            reasoning_content=reasoning, tool_calls=tool_calls,
+        )  # fmt: skip
         return message, finish_reason(request, output.finish_reason, bool(tool_calls))
 
-    def _response(
-        self,
-        request: ChatCompletionRequest,
-        request_id: str,
-        model_name: str,
-        final: RequestOutput,
-        tool_parser: Optional[ToolParser],
-    ) -> ChatCompletionResponse:
+    def response(self, request: ChatCompletionRequest, run: ChatRun, final: RequestOutput) -> ChatCompletionResponse:
+        """The non-streamed response of a run's final output."""
         num_top = request.num_top_logprobs
         echo = self._echo(request)
         choices = []
         for output in final.outputs:
-            message, reason = self._message(request, output, tool_parser)
+            message, reason = self._message(request, output, run)
             if echo:
                 message.content = echo + (message.content or "")
             choices.append(
@@ -176,57 +236,65 @@ class OpenAIServingChat(OpenAIServing):
             )
         num_generated = sum(len(output.token_ids) for output in final.outputs)
         return ChatCompletionResponse(
-            id=request_id,
-            model=model_name,
+            id=run.request_id,
+            model=run.model_name,
             choices=choices,
             usage=make_usage(len(final.prompt_token_ids), num_generated, final.num_cached_tokens),
             prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs) if request.prompt_logprobs is not None else None,
         )
 
-    async def _stream(
-        self,
-        request: ChatCompletionRequest,
-        request_id: str,
-        model_name: str,
-        prompt: PromptInput,
-        stream: AsyncGenerator[tuple[int, RequestOutput], None],
-        tool_parser: Optional[ToolParser],
-    ) -> AsyncGenerator[str, None]:
-        created = int(time.time())
-        tool_streams = [ToolCallStream(request, tool_parser) for _ in range(request.n)] if tool_parser else None
-        num_generated = [0] * request.n
-        num_cached = 0
+    async def _stream(self, request: ChatCompletionRequest, run: ChatRun) -> AsyncGenerator[str, None]:
         # NOTE: without include_usage the "usage" key is left out, as OpenAI does.
         exclude = None if request.include_usage or request.continuous_usage else {"usage"}
+        async for chunk in self.stream_chunks(request, run):
+            yield sse(chunk.model_dump_json(exclude=exclude if chunk.choices else None))
 
-        def event(choices: list[ChatCompletionResponseStreamChoice], final: bool = False) -> str:
+    async def stream_chunks(
+        self, request: ChatCompletionRequest, run: ChatRun
+    ) -> AsyncGenerator[ChatCompletionStreamResponse, None]:
+        """The chunks of a started run's stream (``start_stream``): the role chunks, the echo,
+        the deltas, then (``include_usage``) one chunk with no choices and the usage."""
+        created = int(time.time())
+        tool_streams = [ToolCallStream(request, run.tool_parser) for _ in range(request.n)] if run.tool_parser else None
+        parser = run.reasoning_parser
+        reasoning_streams = [ReasoningStream(parser) for _ in range(request.n)] if parser else None
+        num_generated = [0] * request.n
+        num_cached = 0
+
+        def chunk(
+            choices: list[ChatCompletionResponseStreamChoice], final: bool = False
+        ) -> ChatCompletionStreamResponse:
             usage = None
             if final or request.continuous_usage:
-                usage = make_usage(len(prompt.token_ids), sum(num_generated), num_cached)
-            chunk = ChatCompletionStreamResponse(
-                id=request_id, created=created, model=model_name, choices=choices, usage=usage
+                usage = make_usage(len(run.prompt.token_ids), sum(num_generated), num_cached)
+            return ChatCompletionStreamResponse(
+                id=run.request_id, created=created, model=run.model_name, choices=choices, usage=usage
             )
-            return sse(chunk.model_dump_json(exclude=None if final else exclude))
 
         for index in range(request.n):
             role = DeltaMessage(role=self._role(request), content="")
-            yield event([ChatCompletionResponseStreamChoice(index=index, delta=role)])
+            yield chunk([ChatCompletionResponseStreamChoice(index=index, delta=role)])
         echo = self._echo(request)
         for index in range(request.n if echo else 0):
-            yield event([ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(content=echo))])
-        async for _, output in stream:
+            yield chunk([ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(content=echo))])
+        async for _, output in run.stream:
             num_cached = output.num_cached_tokens or num_cached
             for completion in output.outputs:
                 num_generated[completion.index] += len(completion.token_ids)
                 tool_stream = tool_streams[completion.index] if tool_streams else None
-                choice = self._stream_choice(request, completion, tool_stream)
+                reasoning_stream = reasoning_streams[completion.index] if reasoning_streams else None
+                choice = self._stream_choice(request, completion, tool_stream, reasoning_stream)
                 if choice is not None:
-                    yield event([choice])
+                    yield chunk([choice])
         if request.include_usage:
-            yield event([], final=True)
+            yield chunk([], final=True)
 
     def _stream_choice(
-        self, request: ChatCompletionRequest, completion: CompletionOutput, tool_stream: Optional[ToolCallStream]
+        self,
+        request: ChatCompletionRequest,
+        completion: CompletionOutput,
+        tool_stream: Optional[ToolCallStream],
+        reasoning_stream: Optional[ReasoningStream],
     ) -> Optional[ChatCompletionResponseStreamChoice]:
         """The streamed choice of one completion's new output, or None when it carries nothing."""
         num_top = request.num_top_logprobs
@@ -235,12 +303,16 @@ class OpenAIServingChat(OpenAIServing):
         if num_top is not None and completion.token_ids:
             logprobs = self._logprobs(request, completion.token_ids, completion.logprobs)
         reason = completion.finish_reason
+        text, reasoning = completion.text, None
+        if reasoning_stream is not None:
+            reasoning, text = reasoning_stream.feed(text, finished)
         if tool_stream is None:
-            delta = DeltaMessage(content=completion.text if completion.text or not finished else None)
+            delta = DeltaMessage(content=text if text or not (finished or reasoning_stream) else None)
         else:
-            delta = tool_stream.feed(completion.text, finished)
+            delta = tool_stream.feed(text, finished)
             reason = finish_reason(request, reason, tool_stream.called)
-        if not delta.content and not delta.tool_calls and logprobs is None and not finished:
+        delta.reasoning = delta.reasoning_content = (reasoning or None) if request.include_reasoning else None
+        if not delta.content and not delta.reasoning and not delta.tool_calls and logprobs is None and not finished:
             return None
         return ChatCompletionResponseStreamChoice(
             index=completion.index,
@@ -249,5 +321,3 @@ class OpenAIServingChat(OpenAIServing):
             finish_reason=reason,
             stop_reason=completion.stop_reason,
         )
-
-

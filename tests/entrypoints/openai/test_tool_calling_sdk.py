@@ -109,11 +109,12 @@ def parts(tiny_llama):
     return SimpleNamespace(config=config, tokenizer=tokenizer, processor=Processor(config.model_config, tokenizer))
 
 
-def _client(parts, parser=None):
+def _client(parts, parser=None, **frontend_fields):
+    """(scripted engine, SDK client of an app over it); ``frontend_fields``: more server settings."""
     engine = _ScriptedEngine(parts.processor, parts.config.model_config, parts.tokenizer)
     frontend = FrontendConfig(
         disable_log_stats=True, disable_log_requests=True,
-        enable_auto_tool_choice=parser is not None, tool_call_parser=parser,
+        enable_auto_tool_choice=parser is not None, tool_call_parser=parser, **frontend_fields,
     )  # fmt: skip
     transport = httpx.ASGITransport(app=build_app(engine, frontend))
     client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=httpx.AsyncClient(transport=transport))

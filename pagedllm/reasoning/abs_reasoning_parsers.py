@@ -1,0 +1,100 @@
+"""The contract of a reasoning parser (vLLM's ``ReasoningParser``): model text -> the
+reasoning (the model's thinking) and the content (its answer), and the registry of parsers
+by ``--reasoning-parser`` name (``ReasoningParserManager``).
+
+A parser is a pure function of the text generated so far, as the tool-call parsers are.
+``parse(text, final=True)`` is the non-streamed answer. ``parse(text, final=False)`` is
+what no continuation of ``text`` can change: its reasoning and its content are prefixes of
+the final ones. A partial snapshot therefore holds back a possible start of a tag at its
+end (``</thi`` may become ``</think>``). ``ReasoningStream`` streams the growth of
+successive snapshots, so the joined deltas equal the non-streamed answer, however the text
+is cut into deltas (a tag split across tokens included).
+
+Plain Python (no torch): the engine side may use it as well.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+from pagedllm.name_registry import NameRegistry
+
+
+@dataclass(frozen=True)
+class ParsedReasoning:
+    """What a parser found: ``reasoning`` and ``content``, each "" when there is none."""
+
+    reasoning: str = ""
+    content: str = ""
+
+
+class ReasoningParser(ABC):
+    """A reasoning format, one subclass per ``--reasoning-parser`` name; one instance per
+    request (it may read the request's ``chat_template_kwargs``).
+
+    ``keeps_special_tokens``: the format's markers are special tokens, so requests using it
+    are decoded with ``skip_special_tokens=False`` (vLLM's ``adjust_request``).
+    """
+
+    keeps_special_tokens: bool = False
+
+    def __init__(self, chat_template_kwargs: Optional[Mapping[str, Any]] = None) -> None:
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+
+    @abstractmethod
+    def parse(self, text: str, final: bool) -> ParsedReasoning:
+        """The reasoning and content of ``text`` (see the module docstring for ``final``)."""
+
+    def extract_reasoning(self, text: str) -> tuple[Optional[str], Optional[str]]:
+        """vLLM's non-streamed form: (reasoning, content), each None when empty."""
+        parsed = self.parse(text, final=True)
+        return parsed.reasoning or None, parsed.content or None
+
+
+def partial_marker_length(text: str, markers: Sequence[str]) -> int:
+    """The length of the longest end of ``text`` that is a proper start of one of
+    ``markers`` (0 when none): what a partial snapshot must hold back."""
+    longest = 0
+    for marker in markers:
+        for size in range(min(len(marker) - 1, len(text)), longest, -1):
+            if text.endswith(marker[:size]):
+                longest = size
+                break
+    return longest
+
+
+class ReasoningStream:
+    """The streamed deltas of one choice read by a reasoning parser: each ``feed`` parses
+    the text so far and returns what grew since the last one, (reasoning delta, content
+    delta), each "" when nothing grew."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self.parser = parser
+        self.text = ""
+        self.sent = ParsedReasoning()
+
+    def feed(self, delta_text: str, final: bool) -> tuple[str, str]:
+        """The deltas for ``delta_text``, the next piece of the output (``final``: the last)."""
+        self.text += delta_text
+        parsed = self.parser.parse(self.text, final)
+        reasoning = _growth(self.sent.reasoning, parsed.reasoning)
+        content = _growth(self.sent.content, parsed.content)
+        self.sent = ParsedReasoning(self.sent.reasoning + reasoning, self.sent.content + content)
+        return reasoning, content
+
+
+def _growth(sent: str, now: str) -> str:
+    # NOTE: snapshots only grow (the parsers' contract); a snapshot that does not extend
+    # what was sent sends nothing rather than a wrong piece.
+    return now[len(sent) :] if now.startswith(sent) else ""
+
+
+class ReasoningParserManager(NameRegistry):
+    """Name -> parser class (vLLM's registry). Parsers register with ``register_module(name)``;
+    ``get_reasoning_parser(name)`` (vLLM's name for ``lookup``) raises ``KeyError`` listing the
+    known ones."""
+
+    what = "reasoning parser"
+    get_reasoning_parser = NameRegistry.__dict__["lookup"]  # the classmethod itself, bound to this class

@@ -1,0 +1,101 @@
+"""``--reasoning-parser`` through the whole OpenAI layer (``build_app``) with the ``openai``
+SDK, over the scripted engine of ``test_tool_calling_sdk`` (its replies come in 5-character
+pieces when streamed, so tags are split across deltas): reasoning and content apart, tool
+calls read from the content only, Qwen3's ``enable_thinking`` switch, gpt-oss's channels
+(its requests keep special tokens), and constrained outputs left whole as content."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.entrypoints.openai.test_tool_calling_sdk import (  # noqa: F401  (parts: the fixture)
+    AUTO_REPLIES,
+    CALLS,
+    MESSAGES,
+    REQUIRED_REPLY,
+    TOOLS,
+    _client as scripted_client,
+    parts,
+)
+
+THINKING = "<think>The user wants weather and time.</think>"
+
+
+def _client(parts, reasoning_parser, tool_parser=None):
+    return scripted_client(parts, tool_parser, reasoning_parser=reasoning_parser)
+
+
+async def _create(client, stream: bool, **kwargs):
+    """(reasoning, content, [(name, arguments)], finish_reason) of one choice, streamed or not;
+    a stream must send every reasoning piece before the first content piece."""
+    model = (await client.models.list()).data[0].id
+    if not stream:
+        choice = (await client.chat.completions.create(model=model, messages=MESSAGES, **kwargs)).choices[0]
+        message = choice.model_dump()["message"]
+        assert message.get("reasoning_content") == message.get("reasoning")
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        return message.get("reasoning"), message["content"], calls, choice.finish_reason
+    reasoning, content, calls, finish = None, None, [], None
+    async for chunk in await client.chat.completions.create(model=model, messages=MESSAGES, stream=True, **kwargs):
+        for choice in chunk.choices:
+            delta = choice.delta.model_dump()
+            assert delta.get("reasoning_content") == delta.get("reasoning")
+            if delta.get("reasoning"):
+                assert content is None and not calls, "reasoning after content"
+                reasoning = (reasoning or "") + delta["reasoning"]
+            if delta.get("content"):
+                content = (content or "") + delta["content"]
+            for call in choice.delta.tool_calls or []:
+                if call.index == len(calls):
+                    calls.append([call.function.name, ""])
+                calls[call.index][1] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return reasoning, content, [tuple(call) for call in calls], finish
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_tool_calls_are_read_after_the_reasoning_only(parts, stream):
+    engine, client = _client(parts, "deepseek_r1", "hermes")
+    engine.reply = THINKING + AUTO_REPLIES["hermes"]
+    reasoning, content, calls, finish = asyncio.run(_create(client, stream, tools=TOOLS))
+    assert (reasoning, content.strip(), calls, finish) == (
+        "The user wants weather and time.", "Checking.", CALLS, "tool_calls")
+
+    call_in_thought = AUTO_REPLIES["hermes"].split("Checking.")[1]
+    engine.reply = f"<think>{call_in_thought}</think>No call."
+    assert asyncio.run(_create(client, stream, tools=TOOLS)) == (call_in_thought, "No call.", [], "stop")
+    dropped = asyncio.run(_create(client, stream, tools=TOOLS, extra_body={"include_reasoning": False}))
+    assert dropped == (None, "No call.", [], "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_qwen3_enable_thinking_false_is_all_content(parts, stream):
+    engine, client = _client(parts, "qwen3")
+    engine.reply = "<think>\nhm\n</think>\n\nSunny."
+    assert asyncio.run(_create(client, stream)) == ("\nhm\n", "\n\nSunny.", [], "stop")
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    assert asyncio.run(_create(client, stream, extra_body=off)) == (None, engine.reply, [], "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_gpt_oss_channels_and_special_tokens(parts, stream):
+    engine, client = _client(parts, "gpt_oss")
+    engine.reply = (
+        "<|channel|>analysis<|message|>Weather first.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>"
+    )
+    assert asyncio.run(_create(client, stream)) == ("Weather first.", "It is sunny.", [], "stop")
+    assert engine.requests[-1].sampling_params.skip_special_tokens is False
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_constrained_output_is_content(parts, stream):
+    engine, client = _client(parts, "deepseek_r1")
+    engine.reply = REQUIRED_REPLY
+    reasoning, content, calls, finish = asyncio.run(_create(client, stream, tools=TOOLS, tool_choice="required"))
+    assert (reasoning, calls, finish) == (None, CALLS, "tool_calls") and not content
+    engine.reply = '{"a": 1}'
+    json_format = {"type": "json_object"}
+    assert asyncio.run(_create(client, stream, response_format=json_format)) == (None, '{"a": 1}', [], "stop")
