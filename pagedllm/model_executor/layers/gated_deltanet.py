@@ -1,0 +1,195 @@
+"""The Gated DeltaNet layer (Qwen3-Next's linear attention; transformers'
+``Qwen3NextGatedDeltaNet``, vLLM's ``Qwen3NextGatedDeltaNet``), over the runner's varlen batch
+with per-request state slots.
+
+Per token: ``in_proj_qkvz`` gives q, k, v and the output gate z and ``in_proj_ba`` beta's and
+the decay's logits b, a, both grouped by key head as the checkpoints store them; a depthwise
+causal conv1d (width ``linear_conv_kernel_dim``, then silu) runs over [q | k | v]; then
+beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), the gated delta rule
+(``mamba.ops.gated_delta``, q/k L2-normed), ``RMSNormGated`` per value head with z, and
+``out_proj``.
+
+State per request slot (``get_state_shape``): the conv state [conv_dim, width - 1] (the last
+inputs of the conv) and the recurrent state [num_v_heads, head_k_dim, head_v_dim]; the runner
+binds ``kv_cache`` = (conv_state, ssm_state), each with a leading slot dimension, and the
+forward context's metadata of the layer's state group (``kv_cache_group_id``) gives
+``query_start_loc``, ``state_indices``, ``has_initial_state`` and ``num_decodes`` (the batch's
+first ``num_decodes`` requests are decodes, one token each).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from pagedllm.attention.metadata import get_forward_context
+from pagedllm.distributed import get_tensor_model_parallel_world_size
+from pagedllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedllm.model_executor.layers.mamba.ops.gated_delta import (
+    chunk_gated_delta_rule,
+    fused_recurrent_gated_delta_rule,
+)
+from pagedllm.model_executor.layers.quantization import QuantizationConfig
+from pagedllm.model_executor.utils import default_weight_loader, set_weight_attrs
+
+
+def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], conv_states: torch.Tensor,
+                     query_start_loc: torch.Tensor, cache_indices: torch.Tensor, has_initial_state: torch.Tensor,
+                     activation: Optional[str]) -> torch.Tensor:
+    """Depthwise causal conv over each request's tokens of x [num_tokens, dim] (weight [dim,
+    width]), starting from ``conv_states[cache_indices[r]]`` [dim, width - 1] when
+    ``has_initial_state[r]`` (else zeros), writing the last width - 1 inputs back; activation
+    "silu" or None. Returns [num_tokens, dim] in x's dtype."""
+    out = torch.empty_like(x)
+    bounds = query_start_loc.tolist()
+    for (start, end), slot, initial in zip(zip(bounds, bounds[1:]), cache_indices.tolist(), has_initial_state.tolist()):
+        if end == start:
+            continue
+        past = conv_states[slot] if initial else torch.zeros_like(conv_states[slot])
+        window = torch.cat([past.to(x.dtype), x[start:end].t()], dim=-1)  # [dim, width - 1 + L]
+        conv_states[slot] = window[:, -conv_states.shape[-1]:].to(conv_states.dtype)
+        y = F.conv1d(window.unsqueeze(0), weight.unsqueeze(1), bias, groups=x.shape[1])[0]
+        out[start:end] = (F.silu(y) if activation == "silu" else y).t()
+    return out
+
+
+def causal_conv1d_update(x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor,
+                         bias: Optional[torch.Tensor], activation: Optional[str],
+                         cache_indices: torch.Tensor) -> torch.Tensor:
+    """One decode token per request, x [num_reqs, dim]: the conv over each request's state
+    ``conv_states[cache_indices[r]]`` [dim, width - 1] and its token, the state rolled in place.
+    Returns [num_reqs, dim] in x's dtype."""
+    window = torch.cat([conv_states[cache_indices].to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [N, dim, width]
+    conv_states[cache_indices] = window[..., 1:].to(conv_states.dtype)
+    y = (window * weight).sum(-1)
+    if bias is not None:
+        y = y + bias
+    return F.silu(y) if activation == "silu" else y
+
+
+class RMSNormGated(nn.Module):
+    """y = weight * x / sqrt(mean(x^2) + eps) * silu(gate) over the last dimension, the norm in
+    float32 and rounded to x's dtype before the weight, the gate in float32 (transformers'
+    ``Qwen3NextRMSNormGated``; norm before gate). ``weight`` is the scale itself (ones)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x, gate [..., hidden_size] -> [..., hidden_size] in x's dtype."""
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x.dtype)
+        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3-Next's linear-attention token mixer: hidden_states [T, hidden] -> [T, hidden].
+
+    Config keys (transformers' ``Qwen3NextConfig``): ``linear_num_key_heads``,
+    ``linear_num_value_heads`` (a multiple of them), ``linear_key_head_dim``,
+    ``linear_value_head_dim``, ``linear_conv_kernel_dim``, ``hidden_act`` (the conv's
+    activation, "silu"), ``rms_norm_eps``.
+
+    Raises:
+        ValueError: value heads not a multiple of key heads.
+        NotImplementedError: tensor parallelism (the layer is built whole on one rank).
+    """
+
+    def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig], prefix: str) -> None:
+        super().__init__()
+        if get_tensor_model_parallel_world_size() > 1:
+            raise NotImplementedError("The Gated DeltaNet layer does not split over tensor-parallel ranks yet.")
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"linear_num_value_heads {self.num_v_heads} is not a multiple of "
+                             f"linear_num_key_heads {self.num_k_heads}.")
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_dim, self.value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel_size = config.linear_conv_kernel_dim
+        self.activation = config.hidden_act
+        hidden = config.hidden_size
+        self.in_proj_qkvz = ColumnParallelLinear(hidden, self.conv_dim + self.value_dim, bias=False,
+                                                 quant_config=quant_config, prefix=f"{prefix}.in_proj_qkvz")
+        self.in_proj_ba = ColumnParallelLinear(hidden, 2 * self.num_v_heads, bias=False, quant_config=quant_config,
+                                               prefix=f"{prefix}.in_proj_ba")
+        # The checkpoint's nn.Conv1d weight [conv_dim, 1, width], no bias.
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, self.conv_kernel_size), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads), requires_grad=False)
+        for param in (self.conv1d.weight, self.dt_bias, self.A_log):
+            set_weight_attrs(param, {"weight_loader": default_weight_loader})
+        self.norm = RMSNormGated(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = RowParallelLinear(self.value_dim, hidden, bias=False, quant_config=quant_config,
+                                          prefix=f"{prefix}.out_proj")
+        self.kv_cache: tuple[torch.Tensor, ...] = ()
+        self.kv_cache_group_id = 0
+
+    def get_state_shape(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """The per-slot shapes of (conv_state, ssm_state): (conv_dim, width - 1) and
+        (num_v_heads, head_k_dim, head_v_dim)."""
+        return (self.conv_dim, self.conv_kernel_size - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [T, hidden] -> [T, hidden], over the bound ``kv_cache`` states and the
+        forward context's state metadata (see the module docstring)."""
+        conv_state, ssm_state = self.kv_cache
+        return self.mix(hidden_states, conv_state, ssm_state, get_forward_context(self.kv_cache_group_id))
+
+    def mix(self, hidden_states: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+            metadata: Any) -> torch.Tensor:
+        """``forward`` on explicit states: conv_state [slots, conv_dim, width - 1] and ssm_state
+        [slots, num_v_heads, head_k_dim, head_v_dim], read and written at the slots of
+        ``metadata`` (``query_start_loc``, ``state_indices``, ``has_initial_state``,
+        ``num_decodes``: the first requests, one token each)."""
+        num_tokens = hidden_states.shape[0]
+        mixed_qkv, z, b, a = self._project(hidden_states)
+        weight = self.conv1d.weight.squeeze(1)
+        num_decodes = int(metadata.num_decodes)
+        slots = metadata.state_indices
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        core = torch.empty(num_tokens, self.num_v_heads, self.head_v_dim, dtype=hidden_states.dtype,
+                           device=hidden_states.device)
+        if num_decodes:
+            d = slice(0, num_decodes)
+            qkv = causal_conv1d_update(mixed_qkv[d], conv_state, weight, None, self.activation, slots[d])
+            core[d] = fused_recurrent_gated_delta_rule(*self._split_heads(qkv), g[d], beta[d], ssm_state, slots[d],
+                                                       use_qk_l2norm_in_kernel=True)
+        if num_decodes < num_tokens:
+            p = slice(num_decodes, num_tokens)
+            query_start_loc = metadata.query_start_loc[num_decodes:] - num_decodes
+            prefill_slots, initial = slots[num_decodes:], metadata.has_initial_state[num_decodes:]
+            qkv = causal_conv1d_fn(mixed_qkv[p], weight, None, conv_state, query_start_loc, prefill_slots, initial,
+                                   self.activation)
+            core[p] = chunk_gated_delta_rule(*self._split_heads(qkv), g[p], beta[p], ssm_state, query_start_loc,
+                                             prefill_slots, initial, use_qk_l2norm_in_kernel=True)
+        core = self.norm(core, z)
+        return self.out_proj(core.reshape(num_tokens, self.value_dim))
+
+    def _project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(mixed_qkv [T, conv_dim] as [q | k | v], z [T, HV, head_v_dim], b, a [T, HV]) from the
+        projections, whose features are grouped by key head: per group [q | k | v | z] and [b | a]."""
+        num_tokens, group = hidden_states.shape[0], self.num_v_heads // self.num_k_heads
+        qkvz = self.in_proj_qkvz(hidden_states).view(num_tokens, self.num_k_heads, -1)
+        ba = self.in_proj_ba(hidden_states).view(num_tokens, self.num_k_heads, 2 * group)
+        q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, group * self.head_v_dim, group * self.head_v_dim],
+                                dim=-1)
+        mixed_qkv = torch.cat([x.reshape(num_tokens, -1) for x in (q, k, v)], dim=-1)
+        b, a = (x.reshape(num_tokens, self.num_v_heads) for x in ba.split([group, group], dim=-1))
+        return mixed_qkv, z.reshape(num_tokens, self.num_v_heads, self.head_v_dim), b, a
+
+    def _split_heads(self, mixed_qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[T, conv_dim] -> q, k [T, num_k_heads, head_k_dim], v [T, num_v_heads, head_v_dim]."""
+        num_tokens = mixed_qkv.shape[0]
+        q, k, v = mixed_qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (q.reshape(num_tokens, self.num_k_heads, self.head_k_dim),
+                k.reshape(num_tokens, self.num_k_heads, self.head_k_dim),
+                v.reshape(num_tokens, self.num_v_heads, self.head_v_dim))

@@ -1,0 +1,76 @@
+"""Qwen3-Next: the Gated DeltaNet layer equal to transformers' ``Qwen3NextGatedDeltaNet`` (float32,
+random weights) over ragged prefills, decode steps with the carried conv and recurrent states, and
+a batch mixing both."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from transformers import Qwen3NextConfig
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+from pagedllm.model_executor.layers.gated_deltanet import GatedDeltaNet
+from pagedllm.model_executor.utils import default_weight_loader
+
+LAYER_CONFIG = dict(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=1,
+                    layer_types=["linear_attention"], rms_norm_eps=1e-6)
+
+
+def _layers() -> tuple[Qwen3NextGatedDeltaNet, GatedDeltaNet]:
+    """transformers' layer with random weights (norm weights away from 1, dt_bias and A_log
+    spread) and ours holding the same tensors."""
+    config = Qwen3NextConfig(**LAYER_CONFIG)
+    torch.manual_seed(0)
+    reference = Qwen3NextGatedDeltaNet(config, layer_idx=0).eval()
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            param.copy_(torch.randn_like(param) * (0.5 if name in ("dt_bias", "A_log") else 0.2)
+                        + (1.0 if name == "norm.weight" else 0.0))
+    ours = GatedDeltaNet(config, None, "linear_attn")
+    params = dict(ours.named_parameters())
+    for name, tensor in reference.state_dict().items():
+        getattr(params[name], "weight_loader", default_weight_loader)(params[name], tensor)
+    assert set(params) == set(reference.state_dict())
+    return reference, ours
+
+
+def _step(layer, x, states, slots, lengths, initial, num_decodes):
+    bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    metadata = SimpleNamespace(query_start_loc=bounds, state_indices=torch.tensor(slots, dtype=torch.int32),
+                               has_initial_state=torch.tensor(initial), num_decodes=num_decodes)
+    return layer.mix(x, *states, metadata)
+
+
+def test_gated_deltanet_equals_transformers_over_prefill_and_decode():
+    reference, ours = _layers()
+    torch.manual_seed(1)
+    # Requests A (70-token prompt, past a 64-token block) and B (5 tokens, under the conv width
+    # plus one) prefill together; then C (20 tokens) prefills beside A's and B's decodes; then
+    # all three decode.
+    prompts, steps = {"A": 70, "B": 5, "C": 20}, 4
+    seqs = {name: torch.randn(n + steps, 64) for name, n in prompts.items()}
+    with torch.no_grad():
+        want = {name: reference(x.unsqueeze(0))[0] for name, x in seqs.items()}
+    slot = {"A": 2, "B": 0, "C": 3}
+    conv_state, ssm_state = (torch.full((4, *shape), float("nan")) for shape in ours.get_state_shape())
+    states, done = (conv_state, ssm_state), {"A": 0, "B": 0, "C": 0}
+
+    def run(decodes, prefills):
+        names = decodes + prefills
+        lengths = [1] * len(decodes) + [prompts[n] for n in prefills]
+        x = torch.cat([seqs[n][done[n]:done[n] + length] for n, length in zip(names, lengths)])
+        with torch.no_grad():
+            out = _step(ours, x, states, [slot[n] for n in names], lengths, [done[n] > 0 for n in names],
+                        len(decodes))
+        for n, chunk in zip(names, out.split(lengths)):
+            torch.testing.assert_close(chunk, want[n][done[n]:done[n] + len(chunk)], atol=1e-5, rtol=1e-5)
+            done[n] += len(chunk)
+
+    run([], ["A", "B"])
+    run(["A", "B"], ["C"])
+    for _ in range(steps - 1):
+        run(["A", "B", "C"], [])
+    assert done == {"A": 70 + steps, "B": 5 + steps, "C": 20 + 3}
+    assert not torch.isnan(ssm_state[1]).logical_not().any()  # the unused slot was never written
