@@ -1,16 +1,19 @@
-"""Qwen3-Next: the Gated DeltaNet layer equal to transformers' ``Qwen3NextGatedDeltaNet`` (float32,
-random weights) over ragged prefills, decode steps with the carried conv and recurrent states, and
-a batch mixing both."""
+"""Qwen3-Next and Qwen3.5: the Gated DeltaNet layer equal to transformers' ``Qwen3NextGatedDeltaNet``
+/ ``Qwen3_5GatedDeltaNet`` (float32, random weights) over ragged prefills, decode steps with the
+carried conv and recurrent states, and a batch mixing both."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
-from transformers import Qwen3NextConfig
+from transformers import Qwen3_5TextConfig, Qwen3NextConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
 from pagedllm.model_executor.layers.gated_deltanet import GatedDeltaNet
+from pagedllm.model_executor.models.qwen3_5 import Qwen3_5LinearAttention
 from pagedllm.model_executor.utils import default_weight_loader
 
 LAYER_CONFIG = dict(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -18,17 +21,25 @@ LAYER_CONFIG = dict(hidden_size=64, linear_num_key_heads=2, linear_num_value_hea
                     layer_types=["linear_attention"], rms_norm_eps=1e-6)
 
 
-def _layers() -> tuple[Qwen3NextGatedDeltaNet, GatedDeltaNet]:
+#: (transformers' config and layer, ours) of each layout of the projections.
+LAYOUTS = {
+    "qwen3_next": (Qwen3NextConfig, Qwen3NextGatedDeltaNet, GatedDeltaNet),
+    "qwen3_5": (Qwen3_5TextConfig, Qwen3_5GatedDeltaNet, Qwen3_5LinearAttention),
+}
+
+
+def _layers(layout: str) -> tuple[torch.nn.Module, GatedDeltaNet]:
     """transformers' layer with random weights (norm weights away from 1, dt_bias and A_log
     spread) and ours holding the same tensors."""
-    config = Qwen3NextConfig(**LAYER_CONFIG)
+    config_cls, reference_cls, ours_cls = LAYOUTS[layout]
+    config = config_cls(**LAYER_CONFIG)
     torch.manual_seed(0)
-    reference = Qwen3NextGatedDeltaNet(config, layer_idx=0).eval()
+    reference = reference_cls(config, layer_idx=0).eval()
     with torch.no_grad():
         for name, param in reference.named_parameters():
             param.copy_(torch.randn_like(param) * (0.5 if name in ("dt_bias", "A_log") else 0.2)
                         + (1.0 if name == "norm.weight" else 0.0))
-    ours = GatedDeltaNet(config, None, "linear_attn")
+    ours = ours_cls(config, None, "linear_attn")
     params = dict(ours.named_parameters())
     for name, tensor in reference.state_dict().items():
         getattr(params[name], "weight_loader", default_weight_loader)(params[name], tensor)
@@ -43,8 +54,9 @@ def _step(layer, x, states, slots, lengths, initial, num_decodes):
     return layer.mix(x, *states, metadata)
 
 
-def test_gated_deltanet_equals_transformers_over_prefill_and_decode():
-    reference, ours = _layers()
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_gated_deltanet_equals_transformers_over_prefill_and_decode(layout):
+    reference, ours = _layers(layout)
     torch.manual_seed(1)
     # Requests A (70-token prompt, past a 64-token block) and B (5 tokens, under the conv width
     # plus one) prefill together; then C (20 tokens) prefills beside A's and B's decodes; then

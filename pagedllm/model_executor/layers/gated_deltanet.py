@@ -115,10 +115,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_kernel_size = config.linear_conv_kernel_dim
         self.activation = config.hidden_act
         hidden = config.hidden_size
-        self.in_proj_qkvz = ColumnParallelLinear(hidden, self.conv_dim + self.value_dim, bias=False,
-                                                 quant_config=quant_config, prefix=f"{prefix}.in_proj_qkvz")
-        self.in_proj_ba = ColumnParallelLinear(hidden, 2 * self.num_v_heads, bias=False, quant_config=quant_config,
-                                               prefix=f"{prefix}.in_proj_ba")
+        self.make_projections(hidden, quant_config, prefix)
         # The checkpoint's nn.Conv1d weight [conv_dim, 1, width], no bias.
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, self.conv_kernel_size), requires_grad=False)
@@ -131,6 +128,13 @@ class GatedDeltaNet(nn.Module):
                                           prefix=f"{prefix}.out_proj")
         self.kv_cache: tuple[torch.Tensor, ...] = ()
         self.kv_cache_group_id = 0
+
+    def make_projections(self, hidden: int, quant_config: Optional[QuantizationConfig], prefix: str) -> None:
+        """The input projections ``project`` reads: Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``."""
+        self.in_proj_qkvz = ColumnParallelLinear(hidden, self.conv_dim + self.value_dim, bias=False,
+                                                 quant_config=quant_config, prefix=f"{prefix}.in_proj_qkvz")
+        self.in_proj_ba = ColumnParallelLinear(hidden, 2 * self.num_v_heads, bias=False, quant_config=quant_config,
+                                               prefix=f"{prefix}.in_proj_ba")
 
     def get_state_shape(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
         """The per-slot shapes of (conv_state, ssm_state): (conv_dim, width - 1) and
@@ -150,7 +154,7 @@ class GatedDeltaNet(nn.Module):
         ``metadata`` (``query_start_loc``, ``state_indices``, ``has_initial_state``,
         ``num_decodes``: the first requests, one token each)."""
         num_tokens = hidden_states.shape[0]
-        mixed_qkv, z, b, a = self._project(hidden_states)
+        mixed_qkv, z, b, a = self.project(hidden_states)
         weight = self.conv1d.weight.squeeze(1)
         num_decodes = int(metadata.num_decodes)
         slots = metadata.state_indices
@@ -174,9 +178,10 @@ class GatedDeltaNet(nn.Module):
         core = self.norm(core, z)
         return self.out_proj(core.reshape(num_tokens, self.value_dim))
 
-    def _project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(mixed_qkv [T, conv_dim] as [q | k | v], z [T, HV, head_v_dim], b, a [T, HV]) from the
-        projections, whose features are grouped by key head: per group [q | k | v | z] and [b | a]."""
+        projections, whose features Qwen3-Next groups by key head: per group [q | k | v | z] and
+        [b | a]."""
         num_tokens, group = hidden_states.shape[0], self.num_v_heads // self.num_k_heads
         qkvz = self.in_proj_qkvz(hidden_states).view(num_tokens, self.num_k_heads, -1)
         ba = self.in_proj_ba(hidden_states).view(num_tokens, self.num_k_heads, 2 * group)

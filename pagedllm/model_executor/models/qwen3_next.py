@@ -64,6 +64,8 @@ class Qwen3NextModel(LlamaModel):
     """The decoder stack: each layer's token mixer by its ``layer_types`` entry, (1 + w) norms."""
 
     norm_cls = GemmaRMSNorm
+    #: The class of the "linear_attention" layers' token mixer.
+    linear_attention_cls: type[GatedDeltaNet] = Qwen3NextLinearAttention
 
     def rotary_embeddings(self, config: PretrainedConfig) -> tuple[list[nn.Module], list[int]]:
         return partial_rope(config, is_neox_style=True)
@@ -73,7 +75,7 @@ class Qwen3NextModel(LlamaModel):
         # NOTE: the token mixer sits at ``self_attn`` in both kinds of layer; the checkpoint's
         # ``linear_attn`` tensors are renamed on load (``checkpoint_renames``).
         if config.layer_types[layer_idx] == LINEAR_ATTENTION:
-            mixer: nn.Module = Qwen3NextLinearAttention(config, quant_config, f"{prefix}.linear_attn")
+            mixer: nn.Module = self.linear_attention_cls(config, quant_config, f"{prefix}.linear_attn")
         else:
             mixer = Qwen3NextAttention(config, rotary_emb, quant_config, f"{prefix}.self_attn")
         mlp = self.make_mlp(config, layer_idx, quant_config, f"{prefix}.mlp")
