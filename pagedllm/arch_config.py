@@ -17,7 +17,9 @@ An image-text checkpoint of ``TEXT_PART_ARCHITECTURES`` is served by its languag
 
 ``check_hf_config`` refuses, with a message naming the key, a config that sets a key to a
 value the code would silently ignore or misread; ``layer_sliding_windows`` is each layer's
-attention window (transformers' semantics: a query at position i sees keys i - W + 1 .. i).
+attention window (transformers' semantics: a query at position i sees keys i - W + 1 .. i);
+``state_layer_indices`` the layers that keep a recurrent state instead of a KV cache
+(Mamba-2, gated delta rule: transformers' ``layer_types`` entry "linear_attention").
 
 ``get_rope_parameters`` is a layer's rope parameters read from either generation of config
 (transformers 5's ``rope_parameters``, flat or keyed by layer type; 4.x's ``rope_scaling`` /
@@ -45,6 +47,9 @@ BEHAVIOUR_FREE_KEYS = frozenset({
     "_sliding_window_pattern",  # Gemma 3: the config expands it into layer_types at construction
     "resid_pdrop", "embd_pdrop",  # Phi-3's dropouts: off at inference
     "output_router_logits", "router_aux_loss_coef", "router_jitter_noise",  # MoE training: aux loss, noise
+    # Mamba-2's initialisation of dt_bias and of the residual projections (training only).
+    "time_step_rank", "time_step_min", "time_step_max", "time_step_floor", "rescale_prenorm_residual",
+    "num_logits_to_keep", "z_loss_coefficient",  # Bamba: logits kept by generate; a training loss
 })
 
 #: Keys read by the engine rather than by the model code (the class, the dtype).
@@ -86,6 +91,9 @@ _ORIGINAL_LENGTH_TYPES = ("llama3", "yarn", "longrope")
 GELU_ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
 #: ``layer_types`` entries the attention layers build.
 LAYER_TYPES = ("full_attention", "sliding_attention")
+#: The ``layer_types`` entry of a layer that keeps a recurrent state (transformers' name for
+#: Mamba-2 and gated delta rule layers).
+STATE_LAYER_TYPE = "linear_attention"
 
 
 @dataclass(frozen=True)
@@ -99,11 +107,15 @@ class ArchConfig:
             context, as transformers' Llama), "all" (``sliding_window`` on every layer, None:
             none; Mistral), "layer_types" (``sliding_window`` on the layers whose
             ``layer_types`` entry is "sliding_attention"; Qwen2 / Qwen3).
+        state_layers: which layers keep a recurrent state: "none", or "layer_types" (those
+            whose ``layer_types`` entry is ``STATE_LAYER_TYPE``: every layer of Mamba-2, the
+            layers outside ``attn_layer_indices`` of Bamba).
     """
 
     model_type: str
     honoured: frozenset[str]
     windows: str
+    state_layers: str = "none"
 
 
 _GEMMA_KEYS = (_LLAMA_FAMILY_KEYS - {"hidden_act"}) | {
@@ -388,6 +400,16 @@ def layer_sliding_windows(hf_config: Any) -> list[Optional[int]]:
         return [window] * num_layers
     kinds = _value(hf_config, "layer_types") or ["full_attention"] * num_layers
     return [window if kind == "sliding_attention" else None for kind in kinds]
+
+
+def state_layer_indices(hf_config: Any) -> list[int]:
+    """The layers of ``hf_config`` that keep a recurrent state (see ``ArchConfig.state_layers``);
+    none for an architecture not in ``ARCH_CONFIG``."""
+    arch = ARCH_CONFIG.get((_value(hf_config, "architectures") or ["<none>"])[0])
+    if arch is None or arch.state_layers == "none":
+        return []
+    kinds = _value(hf_config, "layer_types") or []
+    return [i for i, kind in enumerate(kinds) if kind == STATE_LAYER_TYPE]
 
 
 def min_sliding_window(hf_config: Any) -> Optional[int]:

@@ -137,6 +137,21 @@ def check_block_accounting(llm: LLM, expect_idle: bool = True) -> None:
         assert not core.scheduler.has_unfinished_requests()
         assert pool.get_num_free_blocks() == pool.num_usable_blocks, "blocks still held after all requests finished"
         assert not core.kv_cache_manager.has_requests(), "a request still holds a block table"
+    check_state_slot_accounting(core.kv_cache_manager, {r.request_id for r in core.scheduler.running})
+
+
+def check_state_slot_accounting(manager, running_ids: set[str]) -> None:
+    """Each state group's slots: free + in use == total; a slot per running request, held
+    by it alone, and none held by any other request (a finished, aborted or preempted one)."""
+    for state in manager.state_managers:
+        slots = state.block_pool
+        slots.check_integrity()
+        assert all(len(held) == 1 for held in state.req_to_blocks.values()), "a request holds more than one slot"
+        held = [blocks[0] for blocks in state.req_to_blocks.values()]
+        assert all(b.ref_cnt == 1 for b in held), "a state slot is shared"
+        assert len({b.block_id for b in held}) == len(held), "two requests hold one state slot"
+        assert set(state.req_to_blocks) == running_ids, "state slots are not those of the running requests"
+        assert slots.get_num_free_blocks() == slots.num_usable_blocks - len(held)
 
 
 def model_runner(llm: LLM) -> ModelRunner:

@@ -1,6 +1,7 @@
 """The blocks of one KV-cache group per request: full attention keeps them all, a sliding
 window frees those that fell out of it (vLLM's ``FullAttentionManager`` /
-``SlidingWindowManager``; plain Python, no torch).
+``SlidingWindowManager``), a state group holds one state slot (``MambaManager``); plain
+Python, no torch.
 
 With window W, block size 4 and W = 6, after 13 computed tokens the next query (position
 13) sees keys 8 .. 13; blocks wholly before token 13 - W + 1 = 8 are replaced by the null
@@ -13,7 +14,7 @@ block (N) and go back to the pool, keeping their prefix-cache hash::
 from __future__ import annotations
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
-from pagedllm.core.kv_cache_interface import KVCacheSpec, SlidingWindowSpec, cdiv
+from pagedllm.core.kv_cache_interface import KVCacheSpec, MambaSpec, SlidingWindowSpec, cdiv
 from pagedllm.core.kv_cache_utils import BlockHash, hash_with_group_id
 from pagedllm.core.request import Request
 
@@ -191,3 +192,44 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             if run >= self.num_hit_blocks_needed:
                 return hits[: i + run]
         return hits[:run]
+
+
+class MambaManager(SingleTypeKVCacheManager):
+    """A state group (``MambaSpec``; vLLM's ``MambaManager``): each request holds one state
+    slot, a "block" of the group's own pool of ``num_slots`` (``block_id`` is the slot:
+    the index into every state tensor's leading dimension), from its first allocation until
+    it is freed (finished, aborted or preempted: a preempted request recomputes its state
+    from its first token when it resumes). No prefix caching: a slot holds the state after
+    the request's latest token only.
+
+    Args:
+        kv_cache_spec: the group's spec.
+        num_slots: slots in the group's pool (at least the number of requests running at once).
+        group_id: the group's index among all groups.
+    """
+
+    def __init__(self, kv_cache_spec: MambaSpec, num_slots: int, group_id: int) -> None:
+        super().__init__(kv_cache_spec, BlockPool(num_slots, enable_caching=False), group_id)  # type: ignore[arg-type]
+
+    def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_length: int) -> list[KVCacheBlock]:
+        """No hit: a state is not kept per prefix."""
+        return []
+
+    def needs_slot(self, request_id: str) -> bool:
+        """Whether the request has no slot yet (its next allocation takes one)."""
+        return request_id not in self.req_to_blocks
+
+    def can_allocate(self, request_id: str) -> bool:
+        """Whether the request holds a slot or a free one is left."""
+        return not self.needs_slot(request_id) or self.block_pool.get_num_free_blocks() > 0
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_computed_tokens: int) -> list[KVCacheBlock]:
+        """The request's slot, as a one-block list, the first time; nothing afterwards."""
+        if not self.needs_slot(request_id):
+            return []
+        slot = self.block_pool.get_new_blocks(1)
+        self.req_to_blocks[request_id] = slot
+        return list(slot)
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Nothing is cached (see the class)."""

@@ -18,7 +18,7 @@ from pagedllm.engine.batch_queue import BatchQueue
 from pagedllm.executor.selector import get_executor_class
 from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.structured_output.manager import StructuredOutputManager
-from pagedllm.worker.kv_cache_sizing import kv_cache_groups
+from pagedllm.worker.kv_cache_sizing import check_state_layers_compose, kv_cache_groups, num_state_slots
 
 logger = logging.getLogger(__name__)
 
@@ -30,14 +30,18 @@ class EngineCore:
         config: the resolved engine configuration. Building the core starts the executor
             (``get_executor_class(config)``), which loads the model, and sizes the KV cache
             (``num_gpu_blocks``: the number of KV-cache blocks, shared by the model's KV-cache
-            groups: ``kv_cache_sizing.kv_cache_groups``).
+            groups: ``kv_cache_sizing.kv_cache_groups``), after the state slots of a model with
+            state layers (one per request of ``max_num_seqs``; prefix caching is then off).
 
     Raises (constructor): what ``get_executor_class`` raises for an unsupported executor;
-    ``ValueError`` when the KV cache cannot hold one ``max_model_len`` sequence.
+    ``ValueError`` when the KV cache cannot hold one ``max_model_len`` sequence, or for a
+    setting that does not compose with state layers (``check_state_layers_compose``).
     """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        groups = kv_cache_groups(config)
+        check_state_layers_compose(config, groups)
         self.model_executor = get_executor_class(config)(config)
         try:
             num_gpu_blocks = self.num_gpu_blocks = self._initialize_kv_caches()
@@ -48,9 +52,10 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             num_blocks=num_gpu_blocks,
             block_size=cache_config.block_size,
-            enable_caching=cache_config.enable_prefix_caching,
+            enable_caching=self._prefix_caching(groups),
             hash_algo=cache_config.prefix_caching_hash_algo,
-            kv_cache_groups=kv_cache_groups(config),
+            kv_cache_groups=groups,
+            num_state_slots=num_state_slots(config, groups),
         )
         max_loras = config.lora_config.max_loras if config.lora_config is not None else None
         self.structured_output_manager = StructuredOutputManager(config.structured_outputs_config, config.model_config)
@@ -67,6 +72,18 @@ class EngineCore:
         # frozen). vLLM freezes its heap after start-up too.
         gc.collect()
         gc.freeze()
+
+    def _prefix_caching(self, groups) -> bool:
+        """``enable_prefix_caching``, but off for a model with state layers (as vLLM V1 before
+        its "align" mode), with an INFO line saying why."""
+        enabled = self.config.cache_config.enable_prefix_caching
+        if enabled and groups.state_groups:
+            logger.info("Prefix caching is off: %s keeps a recurrent state per request in %d of its %d layers, and "
+                        "a state is kept after a request's latest token only, not per cached prefix.",
+                        self.config.model_config.architecture,
+                        sum(len(g.layer_indices) for g in groups.state_groups), self.config.model_config.num_layers)
+            return False
+        return enabled
 
     def _initialize_kv_caches(self) -> int:
         """Size the KV cache on the workers (or take ``num_gpu_blocks_override``, as vLLM),
