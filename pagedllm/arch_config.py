@@ -66,6 +66,12 @@ _QWEN_MOE_KEYS = frozenset({
     "decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size", "num_experts_per_tok", "norm_topk_prob",
 })
 
+#: Qwen3-Next / Qwen3.5: the Gated DeltaNet layers' shapes, and which layers they are.
+_QWEN3_NEXT_KEYS = _LLAMA_FAMILY_KEYS | {
+    "attention_bias", "layer_types", "partial_rotary_factor", "linear_conv_kernel_dim", "linear_key_head_dim",
+    "linear_num_key_heads", "linear_num_value_heads", "linear_value_head_dim",
+}
+
 #: DeepSeek-V2 / V3: multi-head latent attention, and the DeepSeekMoE layers and routing.
 _DEEPSEEK_KEYS = frozenset({
     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "qk_head_dim", "v_head_dim",
@@ -173,6 +179,18 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
         _LLAMA_FAMILY_KEYS | {"sliding_window", "layer_types", "attention_bias", "num_local_experts",
                               "num_experts_per_tok", "swiglu_alpha", "swiglu_limit"},
         "layer_types",
+    ),
+    # Gated DeltaNet layers (``layer_types`` "linear_attention", on the state cache) beside
+    # gated full attention.
+    "Qwen3NextForCausalLM": ArchConfig(
+        "qwen3_next", _QWEN3_NEXT_KEYS | _QWEN_MOE_KEYS | {"num_experts", "shared_expert_intermediate_size"},
+        "none", "layer_types",
+    ),
+    "Qwen3_5ForCausalLM": ArchConfig("qwen3_5_text", _QWEN3_NEXT_KEYS, "none", "layer_types"),
+    "Qwen3_5MoeForCausalLM": ArchConfig(
+        "qwen3_5_moe_text", (_QWEN3_NEXT_KEYS - {"intermediate_size"}) | {
+            "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"},
+        "none", "layer_types",
     ),
     # EAGLE heads: Llama configs (their own keys, ``bias`` ..., are not the class's).
     "EagleLlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),

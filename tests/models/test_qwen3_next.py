@@ -4,17 +4,20 @@ carried conv and recurrent states, and a batch mixing both."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from transformers import Qwen3_5TextConfig, Qwen3NextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
+from pagedllm.config import EngineArgs
 from pagedllm.model_executor.layers.gated_deltanet import GatedDeltaNet
+from pagedllm.model_executor.layers.mamba.abstract import MambaMetadata
 from pagedllm.model_executor.models.qwen3_5 import Qwen3_5LinearAttention
 from pagedllm.model_executor.utils import default_weight_loader
+from pagedllm.worker.kv_cache_sizing import kv_cache_groups
+from tests.helpers import float32_llm
+from tests.models.utils import SCENARIOS, assert_scenario, prompts_for
 
 LAYER_CONFIG = dict(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                     linear_value_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=1,
@@ -49,8 +52,8 @@ def _layers(layout: str) -> tuple[torch.nn.Module, GatedDeltaNet]:
 
 def _step(layer, x, states, slots, lengths, initial, num_decodes):
     bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    metadata = SimpleNamespace(query_start_loc=bounds, state_indices=torch.tensor(slots, dtype=torch.int32),
-                               has_initial_state=torch.tensor(initial), num_decodes=num_decodes)
+    metadata = MambaMetadata(bounds, torch.tensor(slots, dtype=torch.int32), torch.tensor(initial), num_decodes,
+                             len(slots) - num_decodes, int(bounds[-1] - bounds[num_decodes]))
     return layer.mix(x, *states, metadata)
 
 
@@ -66,7 +69,8 @@ def test_gated_deltanet_equals_transformers_over_prefill_and_decode(layout):
     with torch.no_grad():
         want = {name: reference(x.unsqueeze(0))[0] for name, x in seqs.items()}
     slot = {"A": 2, "B": 0, "C": 3}
-    conv_state, ssm_state = (torch.full((4, *shape), float("nan")) for shape in ours.get_state_shape())
+    # Stale slots (a finished request's state): must not be read by a request starting afresh.
+    conv_state, ssm_state = (torch.full((4, *shape), 1e3) for shape in ours.get_state_shape())
     states, done = (conv_state, ssm_state), {"A": 0, "B": 0, "C": 0}
 
     def run(decodes, prefills):
@@ -85,4 +89,35 @@ def test_gated_deltanet_equals_transformers_over_prefill_and_decode(layout):
     for _ in range(steps - 1):
         run(["A", "B", "C"], [])
     assert done == {"A": 70 + steps, "B": 5 + steps, "C": 20 + 3}
-    assert not torch.isnan(ssm_state[1]).logical_not().any()  # the unused slot was never written
+    assert (ssm_state[1] == 1e3).all() and (conv_state[1] == 1e3).all()  # no request's slot: untouched
+
+
+#: Four layers (three Gated DeltaNet, then gated attention, by the default full_attention_interval 4),
+#: experts with a gated shared expert on all but a dense layer, grouped value heads.
+CONFIG = dict(num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+              shared_expert_intermediate_size=32, intermediate_size=64, head_dim=16, linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, mlp_only_layers=[1])
+#: Up to 200 tokens: past the 64-token blocks of the chunked delta rule, cut by 16-token steps.
+PROMPT_LENGTHS = (3, 17, 45, 90, 200)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(checkpoint_factory):
+    return checkpoint_factory("Qwen3NextForCausalLM", seed=3, **CONFIG)
+
+
+def test_greedy_equals_transformers_under_chunked_prefill(qwen3_next):
+    """16-token steps cut the prompts mid-way (state carried from chunk to chunk) and mix
+    decodes with prefill chunks in one batch."""
+    assert_scenario(qwen3_next, "chunked_prefill", prompts_for(1024, lengths=PROMPT_LENGTHS))
+
+
+def test_greedy_equals_transformers_under_preemption(qwen3_next):
+    """Room for 16 KV blocks beside the state slots of ``max_num_seqs`` requests: requests are
+    preempted, their slots freed, and recomputed from a fresh state."""
+    kwargs = {**SCENARIOS["preemption"], "max_num_seqs": 8}
+    kv_blocks = kwargs.pop("kv_blocks")
+    groups = kv_cache_groups(EngineArgs(model=str(qwen3_next), dtype="float32", **kwargs).create_engine_config())
+    budget = kv_blocks * groups.block_bytes + kwargs["max_num_seqs"] * groups.state_bytes_per_request
+    llm = float32_llm(qwen3_next, {**kwargs, "kv_cache_memory_bytes": budget})
+    assert_scenario(qwen3_next, "preemption", prompts_for(1024), llm=llm)

@@ -9,17 +9,16 @@ beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), the gated delta rule
 (``mamba.ops.gated_delta``, q/k L2-normed), ``RMSNormGated`` per value head with z, and
 ``out_proj``.
 
-State per request slot (``get_state_shape``): the conv state [conv_dim, width - 1] (the last
-inputs of the conv) and the recurrent state [num_v_heads, head_k_dim, head_v_dim]; the runner
-binds ``kv_cache`` = (conv_state, ssm_state), each with a leading slot dimension, and the
-forward context's metadata of the layer's state group (``kv_cache_group_id``) gives
-``query_start_loc``, ``state_indices``, ``has_initial_state`` and ``num_decodes`` (the batch's
-first ``num_decodes`` requests are decodes, one token each).
+A state layer (``mamba.abstract.MambaBase``): per request slot (``get_state_shape``) the conv
+state [conv_dim, width - 1] (the conv's last inputs) and the recurrent state [num_v_heads,
+head_k_dim, head_v_dim]; the runner binds ``kv_cache`` = [conv_state, ssm_state], each with a
+leading slot dimension, and the forward context's ``MambaMetadata`` of the layer's state group
+gives each request's slot and whether it starts from it (decodes first, one token each).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +28,8 @@ from transformers import PretrainedConfig
 from pagedllm.attention.metadata import get_forward_context
 from pagedllm.distributed import get_tensor_model_parallel_world_size
 from pagedllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedllm.model_executor.layers.mamba.abstract import MambaBase, MambaMetadata
+from pagedllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from pagedllm.model_executor.layers.mamba.ops.gated_delta import (
     chunk_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
@@ -37,38 +38,14 @@ from pagedllm.model_executor.layers.quantization import QuantizationConfig
 from pagedllm.model_executor.utils import default_weight_loader, set_weight_attrs
 
 
-def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], conv_states: torch.Tensor,
-                     query_start_loc: torch.Tensor, cache_indices: torch.Tensor, has_initial_state: torch.Tensor,
-                     activation: Optional[str]) -> torch.Tensor:
-    """Depthwise causal conv over each request's tokens of x [num_tokens, dim] (weight [dim,
-    width]), starting from ``conv_states[cache_indices[r]]`` [dim, width - 1] when
-    ``has_initial_state[r]`` (else zeros), writing the last width - 1 inputs back; activation
-    "silu" or None. Returns [num_tokens, dim] in x's dtype."""
-    out = torch.empty_like(x)
-    bounds = query_start_loc.tolist()
-    for (start, end), slot, initial in zip(zip(bounds, bounds[1:]), cache_indices.tolist(), has_initial_state.tolist()):
-        if end == start:
-            continue
-        past = conv_states[slot] if initial else torch.zeros_like(conv_states[slot])
-        window = torch.cat([past.to(x.dtype), x[start:end].t()], dim=-1)  # [dim, width - 1 + L]
-        conv_states[slot] = window[:, -conv_states.shape[-1]:].to(conv_states.dtype)
-        y = F.conv1d(window.unsqueeze(0), weight.unsqueeze(1), bias, groups=x.shape[1])[0]
-        out[start:end] = (F.silu(y) if activation == "silu" else y).t()
-    return out
-
-
-def causal_conv1d_update(x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor,
-                         bias: Optional[torch.Tensor], activation: Optional[str],
-                         cache_indices: torch.Tensor) -> torch.Tensor:
-    """One decode token per request, x [num_reqs, dim]: the conv over each request's state
-    ``conv_states[cache_indices[r]]`` [dim, width - 1] and its token, the state rolled in place.
-    Returns [num_reqs, dim] in x's dtype."""
-    window = torch.cat([conv_states[cache_indices].to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [N, dim, width]
-    conv_states[cache_indices] = window[..., 1:].to(conv_states.dtype)
-    y = (window * weight).sum(-1)
-    if bias is not None:
-        y = y + bias
-    return F.silu(y) if activation == "silu" else y
+def gated_deltanet_state_shape(config: PretrainedConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """The per-slot shapes of a Gated DeltaNet layer's (conv_state, ssm_state) for ``config``:
+    (conv_dim, linear_conv_kernel_dim - 1), conv_dim = 2 x key heads x key dim + value heads x
+    value dim, and (linear_num_value_heads, linear_key_head_dim, linear_value_head_dim)."""
+    conv_dim = (2 * config.linear_num_key_heads * config.linear_key_head_dim
+                + config.linear_num_value_heads * config.linear_value_head_dim)
+    return ((conv_dim, config.linear_conv_kernel_dim - 1),
+            (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim))
 
 
 class RMSNormGated(nn.Module):
@@ -88,7 +65,7 @@ class RMSNormGated(nn.Module):
         return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(MambaBase):
     """Qwen3-Next's linear-attention token mixer: hidden_states [T, hidden] -> [T, hidden].
 
     Config keys (transformers' ``Qwen3NextConfig``): ``linear_num_key_heads``,
@@ -126,8 +103,9 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNormGated(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = RowParallelLinear(self.value_dim, hidden, bias=False, quant_config=quant_config,
                                           prefix=f"{prefix}.out_proj")
-        self.kv_cache: tuple[torch.Tensor, ...] = ()
-        self.kv_cache_group_id = 0
+        self.state_shape = gated_deltanet_state_shape(config)
+        #: The states' dtype: the parameters' (the model dtype), as vLLM's "auto" state dtypes.
+        self.state_dtype = torch.get_default_dtype()
 
     def make_projections(self, hidden: int, quant_config: Optional[QuantizationConfig], prefix: str) -> None:
         """The input projections ``project`` reads: Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``."""
@@ -137,9 +115,12 @@ class GatedDeltaNet(nn.Module):
                                                prefix=f"{prefix}.in_proj_ba")
 
     def get_state_shape(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
-        """The per-slot shapes of (conv_state, ssm_state): (conv_dim, width - 1) and
-        (num_v_heads, head_k_dim, head_v_dim)."""
-        return (self.conv_dim, self.conv_kernel_size - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+        """The per-slot shapes of (conv_state, ssm_state) (``gated_deltanet_state_shape``)."""
+        return self.state_shape
+
+    def get_state_dtype(self) -> tuple[torch.dtype, torch.dtype]:
+        """The dtypes of (conv_state, ssm_state): the model dtype for both."""
+        return self.state_dtype, self.state_dtype
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [T, hidden] -> [T, hidden], over the bound ``kv_cache`` states and the
@@ -148,7 +129,7 @@ class GatedDeltaNet(nn.Module):
         return self.mix(hidden_states, conv_state, ssm_state, get_forward_context(self.kv_cache_group_id))
 
     def mix(self, hidden_states: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
-            metadata: Any) -> torch.Tensor:
+            metadata: MambaMetadata) -> torch.Tensor:
         """``forward`` on explicit states: conv_state [slots, conv_dim, width - 1] and ssm_state
         [slots, num_v_heads, head_k_dim, head_v_dim], read and written at the slots of
         ``metadata`` (``query_start_loc``, ``state_indices``, ``has_initial_state``,
@@ -169,7 +150,7 @@ class GatedDeltaNet(nn.Module):
                                                        use_qk_l2norm_in_kernel=True)
         if num_decodes < num_tokens:
             p = slice(num_decodes, num_tokens)
-            query_start_loc = metadata.query_start_loc[num_decodes:] - num_decodes
+            query_start_loc = metadata.prefill_query_start_loc
             prefill_slots, initial = slots[num_decodes:], metadata.has_initial_state[num_decodes:]
             qkv = causal_conv1d_fn(mixed_qkv[p], weight, None, conv_state, query_start_loc, prefill_slots, initial,
                                    self.activation)

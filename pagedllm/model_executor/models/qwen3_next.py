@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from pagedllm.model_executor.layers.gated_deltanet import GatedDeltaNet
+from pagedllm.arch_config import STATE_LAYER_TYPE
+from pagedllm.model_executor.layers.gated_deltanet import GatedDeltaNet, gated_deltanet_state_shape
 from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm
 from pagedllm.model_executor.layers.quantization import QuantizationConfig
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding
@@ -26,8 +27,8 @@ from pagedllm.model_executor.models.llama_moe import LlamaMoEForCausalLM
 from pagedllm.model_executor.models.phi3 import partial_rope
 from pagedllm.model_executor.models.qwen2_moe import make_qwen2_moe_mlp
 
-#: The ``layer_types`` entry of a Gated DeltaNet layer (transformers' name).
-LINEAR_ATTENTION = "linear_attention"
+#: The ``layer_types`` entries of a Gated DeltaNet layer and of a gated attention layer.
+LINEAR_ATTENTION, FULL_ATTENTION = STATE_LAYER_TYPE, "full_attention"
 
 
 class Qwen3NextAttention(LlamaAttention):
@@ -74,10 +75,14 @@ class Qwen3NextModel(LlamaModel):
                    sliding_window: Optional[int], quant_config: Optional[QuantizationConfig], prefix: str) -> nn.Module:
         # NOTE: the token mixer sits at ``self_attn`` in both kinds of layer; the checkpoint's
         # ``linear_attn`` tensors are renamed on load (``checkpoint_renames``).
-        if config.layer_types[layer_idx] == LINEAR_ATTENTION:
+        kind = config.layer_types[layer_idx]
+        if kind == LINEAR_ATTENTION:
             mixer: nn.Module = self.linear_attention_cls(config, quant_config, f"{prefix}.linear_attn")
-        else:
+        elif kind == FULL_ATTENTION:
             mixer = Qwen3NextAttention(config, rotary_emb, quant_config, f"{prefix}.self_attn")
+        else:
+            raise ValueError(f"layer_types[{layer_idx}] is {kind!r}: {type(self).__name__} builds "
+                             f"{LINEAR_ATTENTION!r} and {FULL_ATTENTION!r} layers.")
         mlp = self.make_mlp(config, layer_idx, quant_config, f"{prefix}.mlp")
         return DecoderLayer(mixer, mlp, LLAMA_NORMS, lambda: GemmaRMSNorm(config.hidden_size, config.rms_norm_eps))
 
@@ -89,6 +94,19 @@ class Qwen3NextForCausalLM(LlamaMoEForCausalLM):
     model_cls = Qwen3NextModel
     make_mlp = staticmethod(make_qwen2_moe_mlp)
     checkpoint_renames = ((".linear_attn.", ".self_attn."),)
+    #: The kind of state its linear-attention layers keep (vLLM's name, in logs).
+    mamba_type = "gdn_attention"
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, hf_config: PretrainedConfig) -> tuple[tuple[int, ...], ...]:
+        """Each linear-attention layer's state shapes per slot (``gated_deltanet_state_shape``)."""
+        return gated_deltanet_state_shape(hf_config)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, hf_config: PretrainedConfig,
+                                          dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+        """The dtypes of those states: the model ``dtype`` for both (vLLM's "auto")."""
+        return dtype, dtype
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights((name, tensor) for name, tensor in weights if not name.startswith("mtp."))

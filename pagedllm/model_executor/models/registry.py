@@ -26,7 +26,9 @@ from pagedllm.model_executor.models.mixtral import MixtralForCausalLM
 from pagedllm.model_executor.models.olmo2 import Olmo2ForCausalLM
 from pagedllm.model_executor.models.phi3 import Phi3ForCausalLM
 from pagedllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
+from pagedllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from pagedllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
+from pagedllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,17 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         GptOssForCausalLM, ("openai/gpt-oss-20b", "openai/gpt-oss-120b"),
         "mixture of experts (FusedMoE) with biased experts and clamped SwiGLU; attention sinks; sliding window on "
         "alternate layers; YaRN; MXFP4 experts dequantized at load"),
+    # Linear attention (Gated DeltaNet, on the state cache) beside gated full attention.
+    "Qwen3NextForCausalLM": SupportedModel(
+        Qwen3NextForCausalLM, ("Qwen/Qwen3-Next-80B-A3B-Instruct",),
+        "Gated DeltaNet linear attention (state cache) in three of four layers; gated attention with partial "
+        "rotary; mixture of experts (FusedMoE) with a gated shared expert"),
+    "Qwen3_5ForCausalLM": SupportedModel(
+        Qwen3_5ForCausalLM, ("Qwen/Qwen3.5-27B",),
+        "Qwen3-Next's Gated DeltaNet and gated attention; dense MLP (text-only checkpoints)"),
+    "Qwen3_5MoeForCausalLM": SupportedModel(
+        Qwen3_5MoeForCausalLM, ("Qwen/Qwen3.5-35B-A3B",),
+        "Qwen3-Next's Gated DeltaNet and gated attention; mixture of experts on every layer (text-only checkpoints)"),
     # Multi-head latent attention (``TORCH_MLA``) with DeepSeekMoE.
     "DeepseekV2ForCausalLM": SupportedModel(
         DeepseekV2ForCausalLM, ("deepseek-ai/DeepSeek-V2-Lite-Chat", "deepseek-ai/DeepSeek-V2.5"),
