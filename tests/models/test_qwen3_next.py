@@ -121,3 +121,19 @@ def test_greedy_equals_transformers_under_preemption(qwen3_next):
     budget = kv_blocks * groups.block_bytes + kwargs["max_num_seqs"] * groups.state_bytes_per_request
     llm = float32_llm(qwen3_next, {**kwargs, "kv_cache_memory_bytes": budget})
     assert_scenario(qwen3_next, "preemption", prompts_for(1024), llm=llm)
+
+
+#: Qwen3.5's linear-attention shapes, as CONFIG's.
+QWEN3_5_CONFIG = dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                      linear_key_head_dim=16, linear_value_head_dim=8)
+
+
+@pytest.mark.parametrize(("architecture", "extra"), [
+    ("Qwen3_5ForCausalLM", {"intermediate_size": 64}),
+    ("Qwen3_5MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                               "shared_expert_intermediate_size": 32}),
+])
+def test_qwen3_5_greedy_equals_transformers(checkpoint_factory, architecture, extra):
+    """Qwen3.5 (dense) and Qwen3.5-MoE: their own projections and feed-forward blocks."""
+    path = checkpoint_factory(architecture, seed=4, **QWEN3_5_CONFIG, **extra)
+    assert_scenario(path, "chunked_prefill", prompts_for(1024, lengths=(3, 17, 70)))
