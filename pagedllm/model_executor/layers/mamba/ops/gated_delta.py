@@ -134,11 +134,13 @@ def chunk_gated_delta_rule(
     for (start, end), slot, initial in zip(zip(bounds, bounds[1:]), cache_indices.tolist(), has_initial_state.tolist()):
         if end == start:
             continue
-        state = ssm_state[slot].to(torch.float32)
-        if not initial:
-            state.zero_()  # a fresh copy: the slot itself is only written at the end
+        if initial:
+            state = ssm_state[slot].to(torch.float32)
+        else:
+            state = torch.zeros(ssm_state.shape[1:], dtype=torch.float32, device=ssm_state.device)
         tokens = slice(start, end)
-        o, final = _chunk_scan(q[:, tokens], k[:, tokens], v[:, tokens], g[:, tokens], beta[:, tokens], state, chunk_size)
+        o, final = _chunk_scan(q[:, tokens], k[:, tokens], v[:, tokens], g[:, tokens], beta[:, tokens], state,
+                               chunk_size)
         out[tokens] = o.transpose(0, 1)
         ssm_state[slot] = final.to(ssm_state.dtype)
     return out.to(dtype)
