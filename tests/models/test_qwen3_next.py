@@ -1,6 +1,9 @@
 """Qwen3-Next and Qwen3.5: the Gated DeltaNet layer equal to transformers' ``Qwen3NextGatedDeltaNet``
 / ``Qwen3_5GatedDeltaNet`` (float32, random weights) over ragged prefills, decode steps with the
-carried conv and recurrent states, and a batch mixing both."""
+carried conv and recurrent states, and a batch mixing both; the models greedy token-identical to
+transformers (float32) on the engine, its state cache holding the linear-attention states, under
+chunked prefill (prompts to 200 tokens) and preemption, each run ending with the block-accounting
+check (prefix caching is off for models with state layers)."""
 
 from __future__ import annotations
 
