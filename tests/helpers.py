@@ -164,6 +164,12 @@ def kv_block_bytes(llm: LLM) -> int:
     return model_runner(llm).kv_cache_bytes_per_token() * llm.llm_engine.config.cache_config.block_size
 
 
+def state_cache_bytes(llm: LLM) -> int:
+    """Bytes of ``llm``'s state slots (0 for a model without state layers)."""
+    runner = model_runner(llm)
+    return runner.num_state_slots * runner.kv_cache_groups.state_bytes_per_request
+
+
 def make_peft_adapter(base: Path, out_dir: Path, *, r: int, lora_alpha: float, target_modules: list[str],
                       use_rslora: bool = False, seed: int = 0, safe_serialization: bool = True) -> tuple[Path, Path]:
     """Write a PEFT LoRA adapter for ``base`` (A and B drawn at random, so it changes the
@@ -189,14 +195,15 @@ def make_peft_adapter(base: Path, out_dir: Path, *, r: int, lora_alpha: float, t
 def float32_llm(path, kwargs: dict) -> LLM:
     """An ``LLM`` of ``path`` in float32 with ``kwargs``: 16 MiB of KV cache unless given;
     ``kv_blocks`` in ``kwargs`` sizes the cache in blocks requests can hold instead
-    (measured on a probe; one more where a sliding window reserves the null block)."""
+    (measured on a probe; one more where a sliding window reserves the null block; the
+    state slots of a model with state layers besides)."""
     kwargs = dict(kwargs)
     kv_blocks = kwargs.pop("kv_blocks", None)
     kwargs.setdefault("kv_cache_memory_bytes", 16 << 20)
     if kv_blocks is not None:
         probe = LLM(str(path), dtype="float32", **kwargs)
         kv_blocks += probe.llm_engine.engine_core.kv_cache_manager.block_pool.null_block is not None
-        kwargs["kv_cache_memory_bytes"] = kv_blocks * kv_block_bytes(probe)
+        kwargs["kv_cache_memory_bytes"] = kv_blocks * kv_block_bytes(probe) + state_cache_bytes(probe)
         del probe
     return LLM(str(path), dtype="float32", **kwargs)
 
