@@ -14,8 +14,9 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.core import EngineCore
 from tests.models.utils import assert_scenario, prompts_for
 
-#: Prompts cut by the 16-token steps of the chunked_prefill scenario, past the 16-token SSD chunks.
-PROMPT_LENGTHS, MAX_TOKENS = (20, 45, 90), 8
+#: Prompts cut by the 16-token steps of the chunked_prefill scenario, past the 16-token SSD chunks,
+#: and a one-token prompt that starts in a slot another request left (decoded from a zeroed state).
+PROMPT_LENGTHS, MAX_TOKENS = (20, 45, 1, 90), 8
 
 
 @pytest.fixture(scope="module")
