@@ -11,6 +11,7 @@ import logging
 from typing import Iterable
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_interface import KVCacheGroups
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
@@ -44,7 +45,7 @@ class EngineCore:
         check_state_layers_compose(config, groups)
         self.model_executor = get_executor_class(config)(config)
         try:
-            num_gpu_blocks = self.num_gpu_blocks = self._initialize_kv_caches()
+            num_gpu_blocks = self.num_gpu_blocks = self._initialize_kv_caches(groups)
         except BaseException:
             self.model_executor.shutdown()  # worker processes too
             raise
@@ -73,7 +74,7 @@ class EngineCore:
         gc.collect()
         gc.freeze()
 
-    def _prefix_caching(self, groups) -> bool:
+    def _prefix_caching(self, groups: KVCacheGroups) -> bool:
         """``enable_prefix_caching``, but off for a model with state layers (as vLLM V1 before
         its "align" mode), with an INFO line saying why."""
         enabled = self.config.cache_config.enable_prefix_caching
@@ -85,14 +86,17 @@ class EngineCore:
             return False
         return enabled
 
-    def _initialize_kv_caches(self) -> int:
+    def _initialize_kv_caches(self, groups: KVCacheGroups) -> int:
         """Size the KV cache on the workers (or take ``num_gpu_blocks_override``, as vLLM),
-        allocate it there; returns the number of blocks."""
+        allocate it there (and the state slots of ``groups``' state layers); returns the
+        number of blocks."""
         num_gpu_blocks = self.config.cache_config.num_gpu_blocks_override
         if num_gpu_blocks is None:
             num_gpu_blocks = self.model_executor.determine_num_available_blocks()
         else:
-            logger.info("KV cache: %d blocks, set by num_gpu_blocks_override", num_gpu_blocks)
+            slots = num_state_slots(self.config, groups)
+            logger.info("KV cache: %d blocks, set by num_gpu_blocks_override%s", num_gpu_blocks,
+                        f"; state: {slots} slots of {groups.state_bytes_per_request:,} bytes" if slots else "")
         self.model_executor.initialize_kv_cache(num_gpu_blocks)
         return num_gpu_blocks
 
