@@ -32,7 +32,7 @@ class EngineCore:
             (``get_executor_class(config)``), which loads the model, and sizes the KV cache
             (``num_gpu_blocks``: the number of KV-cache blocks, shared by the model's KV-cache
             groups: ``kv_cache_sizing.kv_cache_groups``), after the state slots of a model with
-            state layers (one per request of ``max_num_seqs``; prefix caching is then off).
+            state layers (``kv_cache_sizing.num_state_slots``).
 
     Raises (constructor): what ``get_executor_class`` raises for an unsupported executor;
     ``ValueError`` when the KV cache cannot hold one ``max_model_len`` sequence, or for a
@@ -75,15 +75,14 @@ class EngineCore:
         gc.freeze()
 
     def _prefix_caching(self, groups: KVCacheGroups) -> bool:
-        """``enable_prefix_caching``, but off for a model with state layers (as vLLM V1 before
-        its "align" mode), with an INFO line saying why."""
+        """``enable_prefix_caching``; for a model with state layers, with an INFO line on what
+        a hit needs there (vLLM's "align" mode: ``MambaManager``)."""
         enabled = self.config.cache_config.enable_prefix_caching
         if enabled and groups.state_groups:
-            logger.info("Prefix caching is off: %s keeps a recurrent state per request in %d of its %d layers, and "
-                        "a state is kept after a request's latest token only, not per cached prefix.",
+            logger.info("Prefix caching with state layers (%s: %d of %d layers): a request's state is saved at the "
+                        "last block boundary of its known tokens, and a cache hit ends where a state is saved.",
                         self.config.model_config.architecture,
                         sum(len(g.layer_indices) for g in groups.state_groups), self.config.model_config.num_layers)
-            return False
         return enabled
 
     def _initialize_kv_caches(self, groups: KVCacheGroups) -> int:

@@ -1,14 +1,14 @@
 """Bamba (Mamba-2 mixers on the state cache, full-attention layers on the paged KV cache,
 the shared Llama blocks): greedy output token-identical to transformers float32 with
-prompts cut into chunks mid-way beside decodes, and under preemption (too few attention
+prompts cut into chunks mid-way beside decodes, under preemption (too few attention
 blocks: a preempted request gives back its blocks and its state slot and recomputes its
-state when it resumes)."""
+state when it resumes), and with prefix-cache hits (KV blocks and a saved state)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.models.utils import assert_scenario, prompts_for
+from tests.models.utils import SCENARIOS, assert_scenario, prompts_for
 
 PROMPT_LENGTHS, MAX_TOKENS = (20, 45, 90), 8
 
@@ -21,6 +21,6 @@ def bamba(checkpoint_factory):
         attention_bias=True)
 
 
-@pytest.mark.parametrize("scenario", ["chunked_prefill", "preemption"])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_bamba_greedy_matches_transformers(bamba, scenario, tokenizer):
     assert_scenario(bamba, scenario, prompts_for(len(tokenizer), PROMPT_LENGTHS), MAX_TOKENS)

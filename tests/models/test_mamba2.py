@@ -1,7 +1,7 @@
 """Mamba-2 (every layer a ``MambaMixer2`` on the state cache, no attention): greedy output
 token-identical to transformers float32 with prompts cut into chunks mid-way, decodes and
-chunks of other requests in one step, and more requests than state slots (slots reused);
-prefix caching turned off with an INFO line; what does not compose with state layers
+chunks of other requests in one step, more requests than state slots (slots reused), and
+prefix-cache hits that restore saved states; what does not compose with state layers
 refused at start-up."""
 
 from __future__ import annotations
@@ -26,15 +26,23 @@ def mamba2(checkpoint_factory):
 
 
 def test_mamba2_greedy_matches_transformers(mamba2, tokenizer, caplog):
-    """16-token steps: prompts in chunks, each continuing its state; two slots for three
-    requests, so the third starts in a slot another left."""
+    """16-token steps: prompts in chunks, each continuing its state; two requests at a time,
+    so the later ones start in slots others left."""
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         llm = assert_scenario(mamba2, "chunked_prefill", prompts_for(len(tokenizer), PROMPT_LENGTHS), MAX_TOKENS,
-                              max_num_seqs=2)
-    assert "Prefix caching is off: Mamba2ForCausalLM keeps a recurrent state per request in 2 of its 2 layers" in caplog.text
+                              max_num_seqs=2, enable_prefix_caching=False)
     assert "KV cache: no attention layers; state: 2 slots of" in caplog.text
-    core = llm.llm_engine.engine_core
-    assert not core.kv_cache_manager.enable_caching and core.scheduler.max_num_running_observed == 2
+    assert llm.llm_engine.engine_core.scheduler.max_num_running_observed == 2
+
+
+def test_mamba2_prefix_cache_hits_restore_saved_states(mamba2, tokenizer, caplog):
+    """The prompts twice: the second pass starts each from the state saved at its last block
+    boundary (the first pass cut its prefill there)."""
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        assert_scenario(mamba2, "prefix_caching", prompts_for(len(tokenizer), PROMPT_LENGTHS), MAX_TOKENS,
+                        max_num_batched_tokens=32, max_num_seqs=4)
+    assert "Prefix caching with state layers (Mamba2ForCausalLM: 2 of 2 layers)" in caplog.text
+    assert "state: 12 slots of" in caplog.text  # three per request with prefix caching
 
 
 @pytest.mark.parametrize(("kwargs", "setting"), [
