@@ -180,6 +180,18 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
                               "num_experts_per_tok", "swiglu_alpha", "swiglu_limit"},
         "layer_types",
     ),
+    # State-space models (``MambaMixer2`` on the state cache). NOTE: ``residual_in_fp32`` is
+    # read as vLLM reads it: the residual stays in the model dtype (the same in float32).
+    "Mamba2ForCausalLM": ArchConfig("mamba2", frozenset({
+        "num_heads", "head_dim", "vocab_size", "hidden_size", "state_size", "num_hidden_layers", "layer_norm_epsilon",
+        "expand", "conv_kernel", "n_groups", "use_bias", "use_conv_bias", "hidden_act", "residual_in_fp32",
+        "time_step_limit", "chunk_size", "tie_word_embeddings", "layer_types",
+    }), "none", "layer_types"),
+    "BambaForCausalLM": ArchConfig("bamba", _LLAMA_FAMILY_KEYS | {
+        "attention_bias", "mlp_bias", "attn_layer_indices", "layer_types", "partial_rotary_factor", "time_step_limit",
+        "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv", "mamba_expand",
+        "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias",
+    }, "none", "layer_types"),
     # Gated DeltaNet layers (``layer_types`` "linear_attention", on the state cache) beside
     # gated full attention.
     "Qwen3NextForCausalLM": ArchConfig(

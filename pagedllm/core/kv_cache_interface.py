@@ -16,6 +16,20 @@ Every group has its own block table per request, and all draw from one pool of b
 The runner allocates ``group_size`` cache tensors; tensor j is shared by layer j of every
 group, so one block id names the same bytes in each group and a block belongs to one group
 at a time. Bytes per block = ``group_size`` x one layer's page.
+
+State layers (Mamba-2, gated delta rule) keep a fixed-size recurrent state per request
+instead of K/V per token: their ``MambaSpec`` gives its tensors' shapes and dtypes. Layers of
+one spec form a *state group* (``KVCacheGroups.state_groups``), whose requests each hold a
+*state slot*. NOTE: the slots are a pool of their own, not blocks of the attention pool
+(vLLM pads its mamba page to the attention page so one pool serves both; that would change
+the attention block size of hybrid models). Each state layer owns tensors with a leading slot
+dimension, ``max_num_seqs`` slots (a request holds one from admission to its end; three
+times as many with prefix caching, whose saved states take slots too: ``MambaManager``), so
+the sizing sets their bytes aside before it divides the rest into attention blocks::
+
+    budget:  [ state slots x state bytes per request | attention blocks ... ]
+    layers:  0:mamba 1:mamba 2:attn 3:mamba      (Bamba)
+    groups:  G0 = full (2)      state group S0 = mamba2 (0, 1, 3): a slot per request
 """
 
 from __future__ import annotations

@@ -14,10 +14,12 @@ sees, the others being the null block (``pagedllm.core.single_type_kv_cache_mana
 A model with one kind of attention has one group: one table per request, as before groups.
 
 State groups (Mamba-2, gated delta rule layers: ``MambaSpec``) come after the attention
-groups in every per-group tuple; a request's "table" there is its one state slot, taken at
-its first allocation from the group's own pool (``MambaManager``) and returned with its
-blocks (finish, abort, preemption). A request is admitted only when every group can give it
-what it needs: blocks in the attention pool and a slot in each state group.
+groups in every per-group tuple; a request's "table" there is its working state slot (then
+its hit's and save's slots, with prefix caching), taken at its first allocation from the
+group's own pool (``MambaManager``) and returned with its blocks (finish, abort,
+preemption). A request is admitted only when every group can give it what it needs: blocks
+in the attention pool and slots in each state group. With prefix caching a hit must be
+valid for the state groups too: it ends where a state is saved.
 """
 
 from __future__ import annotations
@@ -75,8 +77,7 @@ class KVCacheManager:
             without state groups.
 
     Raises:
-        ValueError: groups of another block size; state groups with fewer than one slot, or
-            with ``enable_caching``.
+        ValueError: groups of another block size; state groups with fewer than one slot.
     """
 
     def __init__(
@@ -94,9 +95,6 @@ class KVCacheManager:
             raise ValueError(f"KV-cache groups of block size {groups.block_size}, not {block_size}.")
         if groups.state_groups and num_state_slots < 1:
             raise ValueError(f"A model with state layers needs at least one state slot, got {num_state_slots}.")
-        if groups.state_groups and enable_caching:
-            raise ValueError("Prefix caching is not built for state layers: a slot holds a request's state after "
-                             "its latest token only, no state per cached prefix.")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.kv_cache_groups = groups
@@ -111,7 +109,8 @@ class KVCacheManager:
         )
         #: The state groups' managers (state group s is group ``len(managers) + s``).
         self.state_managers: tuple[MambaManager, ...] = tuple(
-            MambaManager(g.kv_cache_spec, num_state_slots, len(groups.groups) + s)  # type: ignore[arg-type]
+            MambaManager(g.kv_cache_spec, num_state_slots, len(groups.groups) + s,  # type: ignore[arg-type]
+                         block_size, enable_caching)
             for s, g in enumerate(groups.state_groups)
         )
         self.hash_fn = get_hash_fn(hash_algo)
@@ -147,19 +146,20 @@ class KVCacheManager:
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         self._update_block_hashes(request, max_hit_blocks)
         hit_length = max_hit_blocks * self.block_size
-        hits: list[list[KVCacheBlock]] = [[] for _ in self.managers]
+        managers = self.all_managers
+        hits: list[list[KVCacheBlock]] = [[] for _ in managers]
         agreed = False
         while not agreed:
             agreed = True
-            for g, manager in enumerate(self.managers):
+            for g, manager in enumerate(managers):
                 hits[g] = manager.find_longest_cache_hit(request.block_hashes, hit_length)
                 if len(hits[g]) * self.block_size < hit_length:
                     hit_length = len(hits[g]) * self.block_size
-                    agreed = len(self.managers) == 1
+                    agreed = len(managers) == 1
         num_hit_blocks = hit_length // self.block_size
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += hit_length
-        return KVCacheBlocks(tuple(h[:num_hit_blocks] for h in hits) + self.empty_blocks.blocks[len(hits):]), hit_length
+        return KVCacheBlocks(tuple(h[:num_hit_blocks] for h in hits)), hit_length
 
     def allocate_slots(
         self,
@@ -188,11 +188,13 @@ class KVCacheManager:
         """
         new_computed = (new_computed_blocks or self.empty_blocks).blocks
         req_id = request.request_id
-        if self.state_managers and not all(m.can_allocate(req_id) for m in self.state_managers):
-            return None
-        num_hit_blocks = len(new_computed[0]) if self.managers else 0
+        num_hit_blocks = len(new_computed[0]) if new_computed else 0
         num_computed_tokens = request.num_computed_tokens + num_hit_blocks * self.block_size
         num_tokens_after = num_computed_tokens + num_new_tokens
+        state_hits = new_computed[len(self.managers):]
+        if self.state_managers and not self._state_slots_free(request, state_hits, num_computed_tokens,
+                                                              num_tokens_after):
+            return None
         num_slots = num_tokens_after + num_lookahead_tokens
         managers = self.managers
         if self.block_pool.null_block is not None:  # some group has a window
@@ -214,13 +216,38 @@ class KVCacheManager:
                 self._update_block_hashes(request, num_cached_tokens // self.block_size)
             for manager in self.managers:
                 manager.cache_blocks(request, num_cached_tokens)
-        for manager in self.state_managers:
-            new_blocks.append(manager.allocate_new_blocks(req_id, num_slots, num_computed_tokens))
+        for state, hits in zip(self.state_managers, state_hits):
+            state.save_new_computed_blocks(req_id, hits)
+            new_blocks.append(state.allocate_new_blocks(req_id, num_slots, num_computed_tokens)
+                              + state.allocate_save(request, num_tokens_after))
         return KVCacheBlocks(tuple(new_blocks))
+
+    def _state_slots_free(self, request: Request, state_hits: tuple[list[KVCacheBlock], ...],
+                          num_computed_tokens: int, num_tokens_after: int) -> bool:
+        """Whether every state group has the slots the allocation takes, after registering
+        the state the request's previous step saved (``MambaManager.cache_blocks``)."""
+        for state, hits in zip(self.state_managers, state_hits):
+            state.cache_blocks(request, num_computed_tokens)
+            if state.num_slots_needed(request, hits, num_tokens_after) > state.block_pool.get_num_free_blocks():
+                return False
+        return True
+
+    def align_to_save_point(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """``num_new_tokens`` for a step of ``request`` from ``num_computed_tokens``, cut to end
+        at its state groups' save point when it would pass it (prefix caching with state
+        layers: the state there is saved for later hits; ``MambaManager.save_point``)."""
+        if not self.enable_caching or not self.state_managers:
+            return num_new_tokens
+        point = self.state_managers[0].save_point(request)
+        if num_computed_tokens < point < num_computed_tokens + num_new_tokens:
+            return point - num_computed_tokens
+        return num_new_tokens
 
     def free(self, request: Request) -> None:
         """Release the request's blocks in every group, tail first (so the chain's tail is
         evicted first), and its state slots."""
+        for state in self.state_managers:
+            state.cache_blocks(request, request.num_computed_tokens)
         for manager in self.all_managers:
             manager.free(request.request_id)
 

@@ -17,9 +17,9 @@ model of mostly sliding-window layers.
 State layers (Mamba-2, gated delta rule: ``pagedllm.arch_config.state_layer_indices``)
 keep a fixed-size state per request instead (``MambaSpec``, whose shapes and dtypes the
 model class gives: ``get_mamba_state_shape_from_config`` / ``get_mamba_state_dtype_from_config``,
-vLLM's names). The budget first sets aside ``max_num_seqs`` state slots (one per request
-that can run at once) x the state bytes of one request over all state layers; the rest
-buys attention blocks (none in a model of state layers only).
+vLLM's names). The budget first sets aside the state slots (``num_state_slots``: one per
+request that can run at once, three with prefix caching) x the state bytes of one request
+over all state layers; the rest buys attention blocks (none in a model of state layers only).
 """
 
 from __future__ import annotations
@@ -82,9 +82,13 @@ def kv_cache_groups(config: EngineConfig) -> KVCacheGroups:
 
 
 def num_state_slots(config: EngineConfig, groups: KVCacheGroups) -> int:
-    """State slots of each state group: ``max_num_seqs`` (a running request holds one), 0
+    """State slots of each state group: ``max_num_seqs`` (a running request holds one), 3 x
+    that with prefix caching (a request holds at most its working slot, its hit's and a save:
+    ``MambaManager``; the saved states of finished requests stay in the free ones, LRU); 0
     without state layers."""
-    return config.scheduler_config.max_num_seqs if groups.state_groups else 0
+    if not groups.state_groups:
+        return 0
+    return config.scheduler_config.max_num_seqs * (3 if config.cache_config.enable_prefix_caching else 1)
 
 
 def check_state_layers_compose(config: EngineConfig, groups: KVCacheGroups) -> None:

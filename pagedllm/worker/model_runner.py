@@ -67,8 +67,11 @@ class ModelRunner:
 
     State layers (``MambaBase``: Mamba-2 mixers ...) form state groups after the attention
     groups: each layer gets zeroed state tensors of ``num_state_slots`` slots, each request
-    a slot per state group (its one-entry "block table"), and each step a ``MambaMetadata``
-    per state group in the forward context, after the attention groups' metadata.
+    a working slot per state group (column 0 of its "block table" there), and each step a
+    ``MambaMetadata`` per state group in the forward context, after the attention groups'
+    metadata. With prefix caching a new request's table may name a hit's slot after it (its
+    state is copied into the working slot before the step), and a step's new entry names a
+    save slot (the working slot is copied into it after the step): ``MambaManager``.
 
     Its ``Worker`` sets it up in steps: ``load_model``, ``profile_run`` (when the KV cache
     is sized from the memory left), ``initialize_kv_cache``; then ``execute_model`` runs
@@ -270,6 +273,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ steps
     def _update_states(self, so: SchedulerOutput) -> None:
+        if self.state_layers:
+            self._plan_state_copies(so)
         batch = self.input_batch
         for req_id in so.finished_req_ids:
             if isinstance(self.proposer, DraftModelProposer) and req_id in batch.requests:
@@ -285,6 +290,35 @@ class ModelRunner:
             batch.num_computed_tokens[state.row] = num_computed
         for req_id, num_computed, token_ids in zip(cached.req_ids, cached.num_computed_tokens, cached.new_token_ids):
             batch.write_tokens(batch.requests[req_id].row, num_computed, token_ids)
+
+    def _plan_state_copies(self, so: SchedulerOutput) -> None:
+        """The step's state-slot copies (see the class), as (state group, source slot,
+        destination slot): ``_copies_in`` before the forward, ``_copies_out`` after it."""
+        first = len(self.kv_cache_groups.groups)
+        self._copies_in: list[tuple[int, int, int]] = []
+        self._copies_out: list[tuple[int, int, int]] = []
+        for new in so.scheduled_new_reqs:
+            for group in range(first, self.kv_cache_groups.num_groups):
+                working, *rest = new.block_ids[group]
+                if new.num_computed_tokens > 0 and rest:
+                    self._copies_in.append((group, rest.pop(0), working))
+                if rest:
+                    self._copies_out.append((group, working, rest[0]))
+        cached = so.scheduled_cached_reqs
+        for req_id, block_ids in zip(cached.req_ids, cached.new_block_ids):
+            for group in range(first, self.kv_cache_groups.num_groups):
+                if block_ids[group]:
+                    row = self.input_batch.requests[req_id].row
+                    self._copies_out.append((group, int(self.input_batch.block_tables[group][row, 0]),
+                                             block_ids[group][-1]))
+
+    def _copy_states(self, copies: list[tuple[int, int, int]]) -> None:
+        """Copy each (state group, source, destination) slot in every tensor of the group's layers."""
+        for group, src, dst in copies:
+            for layer, layer_group in zip(self.state_layers, self._state_layer_groups):
+                if layer_group == group:
+                    for tensor in layer.kv_cache:
+                        tensor[dst].copy_(tensor[src])
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -331,8 +365,12 @@ class ModelRunner:
             self.lora_manager.set_token_slots(np.array([request_slots[r] for r in order], dtype=np.int64)[token_req])
 
         input_ids_t, positions_t = self._to_device(input_ids), self._to_device(positions)
+        if self.state_layers:
+            self._copy_states(self._copies_in)
         with set_forward_context(metadata):
             hidden = self._forward_stage(input_ids_t, positions_t)
+        if self.state_layers:
+            self._copy_states(self._copies_out)
 
         batch.num_computed_tokens[rows] = seq_lens
         if not self.pp.is_last_rank:

@@ -1,7 +1,8 @@
 """The state cache beside the paged KV cache: state layers grouped apart from attention
 layers, one slot per request per state group taken at admission and returned at finish,
-abort and preemption (and reused), admission refused when no slot is free, and the
-sizing that sets the slots' bytes aside before it buys attention blocks."""
+abort and preemption (and reused), admission refused when no slot is free, prefix hits
+that end where a state is saved, and the sizing that sets the slots' bytes aside before it
+buys attention blocks."""
 
 from __future__ import annotations
 
@@ -70,8 +71,36 @@ def test_a_slot_per_request_is_taken_at_admission_and_freed_and_reused():
     assert manager.get_block_ids("a") == ([], [])
     assert manager.allocate_slots(c, 10).get_block_ids()[1] == slot, "the freed slot is not reused"
     check_state_slot_accounting(manager, {"b", "c"})
-    with pytest.raises(ValueError, match="Prefix caching is not built for state layers"):
-        KVCacheManager(16, BS, enable_caching=True, kv_cache_groups=bamba_groups(), num_state_slots=2)
+
+
+def test_prefix_hits_end_where_a_state_is_saved():
+    """A state is saved at a request's last block boundary (its chunk cut there), registered
+    once its step ran, kept when it finishes; a later request hits it there, and only there."""
+    manager = KVCacheManager(32, BS, enable_caching=True, kv_cache_groups=bamba_groups(), num_state_slots=6)
+    tokens = list(range(1, 15))  # 14 tokens: the save point is 12
+    a = make_request("a", tokens)
+    assert manager.align_to_save_point(a, 0, 14) == 12 and manager.align_to_save_point(a, 12, 2) == 2
+    hits, num_hit = manager.get_computed_blocks(a)
+    assert num_hit == 0
+    blocks, state = manager.allocate_slots(a, 12, hits).get_block_ids()
+    assert len(state) == 2  # the working slot, and the slot the state at 12 is saved into
+    early = make_request("early", tokens)  # admitted before a's step ran: no state saved yet
+    assert manager.get_computed_blocks(early)[1] == 0
+    a.num_computed_tokens = 12  # the step ran
+    assert manager.allocate_slots(a, 2).get_block_ids()[1] == []
+    a.num_computed_tokens = 14
+    manager.free(a)
+    check_state_slot_accounting(manager, set())
+    same = make_request("same", tokens + [99])
+    hits, num_hit = manager.get_computed_blocks(same)
+    assert num_hit == 12 and hits.get_block_ids()[1][-1] == state[1], "the saved state is not hit"
+    new_state = manager.allocate_slots(same, 3, hits).get_block_ids()[1]
+    assert new_state[1] == state[1] and new_state[0] != state[1]  # a working slot, then the hit's
+    # The KV of its first 8 tokens is cached, but no state is saved at 4 or 8: no hit.
+    shorter = make_request("shorter", tokens[:10] + [77, 78])
+    assert manager.get_computed_blocks(shorter)[1] == 0
+    assert len(manager.managers[0].find_longest_cache_hit(shorter.block_hashes, 8)) == 2
+    check_state_slot_accounting(manager, {"same"})
 
 
 def test_scheduler_frees_slots_at_finish_abort_and_preemption():

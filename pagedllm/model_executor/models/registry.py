@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from pagedllm.model_executor.models.bamba import BambaForCausalLM
 from pagedllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedllm.model_executor.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.model_executor.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
@@ -22,6 +23,7 @@ from pagedllm.model_executor.models.llama import (
     Qwen3ForCausalLM,
 )
 from pagedllm.model_executor.models.llama_eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM
+from pagedllm.model_executor.models.mamba2 import Mamba2ForCausalLM
 from pagedllm.model_executor.models.mixtral import MixtralForCausalLM
 from pagedllm.model_executor.models.olmo2 import Olmo2ForCausalLM
 from pagedllm.model_executor.models.phi3 import Phi3ForCausalLM
@@ -106,6 +108,13 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         DeepseekV3ForCausalLM, ("deepseek-ai/DeepSeek-V3", "deepseek-ai/DeepSeek-R1"),
         "multi-head latent attention (latent KV cache, TORCH_MLA); DeepSeekMoE with shared experts; sigmoid "
         "router with score bias and grouped top-k; YaRN"),
+    # Recurrent state in the state cache (``MambaMixer2``).
+    "Mamba2ForCausalLM": SupportedModel(
+        Mamba2ForCausalLM, ("mistralai/Mamba-Codestral-7B-v0.1",),
+        "Mamba-2 mixers on every layer (state cache, no attention); gated RMSNorm; n_groups"),
+    "BambaForCausalLM": SupportedModel(
+        BambaForCausalLM, ("ibm-ai-platform/Bamba-9B",),
+        "Mamba-2 mixers (state cache) interleaved with full-attention layers (attn_layer_indices); partial rotary"),
     # Speculative-decoding heads (``speculative_config`` methods "eagle" / "eagle3").
     "EagleLlamaForCausalLM": SupportedModel(
         EagleLlamaForCausalLM, ("yuhuili/EAGLE-LLaMA3.1-Instruct-8B",), "EAGLE draft head (speculative_config)"),
@@ -120,7 +129,8 @@ _FAMILIES = (
     (("Moe", "MoE", "Mixtral", "Deepseek", "GptOss", "Dbrx", "Arctic"),
      "it is a mixture-of-experts model whose routing and expert weights are not mapped onto FusedMoE yet"),
     (("Mamba", "Jamba", "Zamba", "Bamba", "FalconH1", "NemotronH", "Hybrid", "Rwkv", "Next"),
-     "it keeps a recurrent (state-space / linear-attention) state, and pagedllm's KV cache has no state group yet"),
+     "it keeps a recurrent (state-space / linear-attention) state in layers pagedllm does not build yet (its "
+     "state cache serves Mamba2ForCausalLM and BambaForCausalLM)"),
     (("ConditionalGeneration", "Llava", "VL", "Vision", "Mllama", "Idefics", "PaliGemma", "Pixtral", "Siglip"),
      "it is an image-text model, and pagedllm serves no vision encoder yet"),
 )
