@@ -2,8 +2,8 @@
 / ``Qwen3_5GatedDeltaNet`` (float32, random weights) over ragged prefills, decode steps with the
 carried conv and recurrent states, and a batch mixing both; the models greedy token-identical to
 transformers (float32) on the engine, its state cache holding the linear-attention states, under
-chunked prefill (prompts to 200 tokens) and preemption, each run ending with the block-accounting
-check (prefix caching is off for models with state layers)."""
+chunked prefill (prompts to 200 tokens), preemption and prefix caching, each run ending with the
+block-accounting check."""
 
 from __future__ import annotations
 
@@ -13,13 +13,10 @@ from transformers import Qwen3_5TextConfig, Qwen3NextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-from pagedllm.config import EngineArgs
 from pagedllm.model_executor.layers.gated_deltanet import GatedDeltaNet
 from pagedllm.model_executor.layers.mamba.abstract import MambaMetadata
 from pagedllm.model_executor.models.qwen3_5 import Qwen3_5LinearAttention
 from pagedllm.model_executor.utils import default_weight_loader
-from pagedllm.worker.kv_cache_sizing import kv_cache_groups
-from tests.helpers import float32_llm
 from tests.models.utils import SCENARIOS, assert_scenario, prompts_for
 
 LAYER_CONFIG = dict(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -109,21 +106,14 @@ def qwen3_next(checkpoint_factory):
     return checkpoint_factory("Qwen3NextForCausalLM", seed=3, **CONFIG)
 
 
-def test_greedy_equals_transformers_under_chunked_prefill(qwen3_next):
-    """16-token steps cut the prompts mid-way (state carried from chunk to chunk) and mix
-    decodes with prefill chunks in one batch."""
-    assert_scenario(qwen3_next, "chunked_prefill", prompts_for(1024, lengths=PROMPT_LENGTHS))
-
-
-def test_greedy_equals_transformers_under_preemption(qwen3_next):
-    """Room for 16 KV blocks beside the state slots of ``max_num_seqs`` requests: requests are
-    preempted, their slots freed, and recomputed from a fresh state."""
-    kwargs = {**SCENARIOS["preemption"], "max_num_seqs": 8}
-    kv_blocks = kwargs.pop("kv_blocks")
-    groups = kv_cache_groups(EngineArgs(model=str(qwen3_next), dtype="float32", **kwargs).create_engine_config())
-    budget = kv_blocks * groups.block_bytes + kwargs["max_num_seqs"] * groups.state_bytes_per_request
-    llm = float32_llm(qwen3_next, {**kwargs, "kv_cache_memory_bytes": budget})
-    assert_scenario(qwen3_next, "preemption", prompts_for(1024), llm=llm)
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_greedy_equals_transformers(qwen3_next, scenario):
+    """Chunked prefill: 16-token steps cut the prompts (to 200 tokens) mid-way, the state carried
+    from chunk to chunk, decodes beside prefill chunks in one batch. Preemption: a preempted
+    request gives back its blocks and state slot and recomputes its state. Prefix caching: hits
+    start from a saved state."""
+    lengths = PROMPT_LENGTHS if scenario == "chunked_prefill" else (3, 17, 45, 90)
+    assert_scenario(qwen3_next, scenario, prompts_for(1024, lengths=lengths))
 
 
 #: Qwen3.5's linear-attention shapes, as CONFIG's.
