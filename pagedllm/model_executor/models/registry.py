@@ -95,10 +95,12 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         "rotary; mixture of experts (FusedMoE) with a gated shared expert"),
     "Qwen3_5ForCausalLM": SupportedModel(
         Qwen3_5ForCausalLM, ("Qwen/Qwen3.5-27B",),
-        "Qwen3-Next's Gated DeltaNet and gated attention; dense MLP (text-only checkpoints)"),
+        "Qwen3-Next's Gated DeltaNet and gated attention; dense MLP (checkpoints saved as Qwen3_5ForCausalLM: the "
+        "Hub's image-text Qwen3_5ForConditionalGeneration is not served yet)"),
     "Qwen3_5MoeForCausalLM": SupportedModel(
         Qwen3_5MoeForCausalLM, ("Qwen/Qwen3.5-35B-A3B",),
-        "Qwen3-Next's Gated DeltaNet and gated attention; mixture of experts on every layer (text-only checkpoints)"),
+        "Qwen3-Next's Gated DeltaNet and gated attention; mixture of experts on every layer (checkpoints saved as "
+        "Qwen3_5MoeForCausalLM: the Hub's image-text Qwen3_5MoeForConditionalGeneration is not served yet)"),
     # Multi-head latent attention (``TORCH_MLA``) with DeepSeekMoE.
     "DeepseekV2ForCausalLM": SupportedModel(
         DeepseekV2ForCausalLM, ("deepseek-ai/DeepSeek-V2-Lite-Chat", "deepseek-ai/DeepSeek-V2.5"),
