@@ -17,7 +17,9 @@ An image-text checkpoint of ``TEXT_PART_ARCHITECTURES`` is served by its languag
 
 ``check_hf_config`` refuses, with a message naming the key, a config that sets a key to a
 value the code would silently ignore or misread; ``layer_sliding_windows`` is each layer's
-attention window (transformers' semantics: a query at position i sees keys i - W + 1 .. i).
+attention window (transformers' semantics: a query at position i sees keys i - W + 1 .. i);
+``state_layer_indices`` the layers that keep a recurrent state instead of a KV cache
+(Mamba-2, gated delta rule: transformers' ``layer_types`` entry "linear_attention").
 
 ``get_rope_parameters`` is a layer's rope parameters read from either generation of config
 (transformers 5's ``rope_parameters``, flat or keyed by layer type; 4.x's ``rope_scaling`` /
@@ -46,6 +48,9 @@ BEHAVIOUR_FREE_KEYS = frozenset({
     "resid_pdrop", "embd_pdrop",  # Phi-3's dropouts: off at inference
     "output_router_logits", "router_aux_loss_coef", "router_jitter_noise",  # MoE training: aux loss, noise
     "hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout",  # BERT's dropouts: off at inference
+    # Mamba-2's initialisation of dt_bias and of the residual projections (training only).
+    "time_step_rank", "time_step_min", "time_step_max", "time_step_floor", "rescale_prenorm_residual",
+    "num_logits_to_keep", "z_loss_coefficient",  # Bamba: logits kept by generate; a training loss
 })
 
 #: Keys read by the engine rather than by the model code (the class, the dtype).
@@ -61,6 +66,12 @@ _WINDOW_KEYS = frozenset({"use_sliding_window", "sliding_window", "max_window_la
 _QWEN_MOE_KEYS = frozenset({
     "decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size", "num_experts_per_tok", "norm_topk_prob",
 })
+
+#: Qwen3-Next / Qwen3.5: the Gated DeltaNet layers' shapes, and which layers they are.
+_QWEN3_NEXT_KEYS = _LLAMA_FAMILY_KEYS | {
+    "attention_bias", "layer_types", "partial_rotary_factor", "linear_conv_kernel_dim", "linear_key_head_dim",
+    "linear_num_key_heads", "linear_num_value_heads", "linear_value_head_dim",
+}
 
 #: DeepSeek-V2 / V3: multi-head latent attention, and the DeepSeekMoE layers and routing.
 _DEEPSEEK_KEYS = frozenset({
@@ -87,6 +98,9 @@ _ORIGINAL_LENGTH_TYPES = ("llama3", "yarn", "longrope")
 GELU_ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
 #: ``layer_types`` entries the attention layers build.
 LAYER_TYPES = ("full_attention", "sliding_attention")
+#: The ``layer_types`` entry of a layer that keeps a recurrent state (transformers' name for
+#: Mamba-2 and gated delta rule layers).
+STATE_LAYER_TYPE = "linear_attention"
 
 
 @dataclass(frozen=True)
@@ -100,6 +114,9 @@ class ArchConfig:
             context, as transformers' Llama), "all" (``sliding_window`` on every layer, None:
             none; Mistral), "layer_types" (``sliding_window`` on the layers whose
             ``layer_types`` entry is "sliding_attention"; Qwen2 / Qwen3).
+        state_layers: which layers keep a recurrent state: "none", or "layer_types" (those
+            whose ``layer_types`` entry is ``STATE_LAYER_TYPE``: every layer of Mamba-2, the
+            layers outside ``attn_layer_indices`` of Bamba).
         built_values: (key, the values built) of keys whose other values are refused;
             with ``hidden_act`` among them, it replaces the decoders' "silu" only rule.
     """
@@ -107,6 +124,7 @@ class ArchConfig:
     model_type: str
     honoured: frozenset[str]
     windows: str
+    state_layers: str = "none"
     built_values: tuple[tuple[str, tuple[Any, ...]], ...] = ()
 
 
@@ -180,9 +198,33 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
                               "num_experts_per_tok", "swiglu_alpha", "swiglu_limit"},
         "layer_types",
     ),
-    "BertModel": ArchConfig("bert", _ENCODER_KEYS, "none", _ENCODER_BUILT),
-    "RobertaModel": ArchConfig("roberta", _ENCODER_KEYS, "none", _ENCODER_BUILT),
-    "XLMRobertaModel": ArchConfig("xlm-roberta", _ENCODER_KEYS, "none", _ENCODER_BUILT),
+    "BertModel": ArchConfig("bert", _ENCODER_KEYS, "none", built_values=_ENCODER_BUILT),
+    "RobertaModel": ArchConfig("roberta", _ENCODER_KEYS, "none", built_values=_ENCODER_BUILT),
+    "XLMRobertaModel": ArchConfig("xlm-roberta", _ENCODER_KEYS, "none", built_values=_ENCODER_BUILT),
+    # State-space models (``MambaMixer2`` on the state cache). NOTE: ``residual_in_fp32`` is
+    # read as vLLM reads it: the residual stays in the model dtype (the same in float32).
+    "Mamba2ForCausalLM": ArchConfig("mamba2", frozenset({
+        "num_heads", "head_dim", "vocab_size", "hidden_size", "state_size", "num_hidden_layers", "layer_norm_epsilon",
+        "expand", "conv_kernel", "n_groups", "use_bias", "use_conv_bias", "hidden_act", "residual_in_fp32",
+        "time_step_limit", "chunk_size", "tie_word_embeddings", "layer_types",
+    }), "none", "layer_types"),
+    "BambaForCausalLM": ArchConfig("bamba", _LLAMA_FAMILY_KEYS | {
+        "attention_bias", "mlp_bias", "attn_layer_indices", "layer_types", "partial_rotary_factor", "time_step_limit",
+        "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv", "mamba_expand",
+        "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias",
+    }, "none", "layer_types"),
+    # Gated DeltaNet layers (``layer_types`` "linear_attention", on the state cache) beside
+    # gated full attention.
+    "Qwen3NextForCausalLM": ArchConfig(
+        "qwen3_next", _QWEN3_NEXT_KEYS | _QWEN_MOE_KEYS | {"num_experts", "shared_expert_intermediate_size"},
+        "none", "layer_types",
+    ),
+    "Qwen3_5ForCausalLM": ArchConfig("qwen3_5_text", _QWEN3_NEXT_KEYS, "none", "layer_types"),
+    "Qwen3_5MoeForCausalLM": ArchConfig(
+        "qwen3_5_moe_text", (_QWEN3_NEXT_KEYS - {"intermediate_size"}) | {
+            "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"},
+        "none", "layer_types",
+    ),
     # EAGLE heads: Llama configs (their own keys, ``bias`` ..., are not the class's).
     "EagleLlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
     "Eagle3LlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
@@ -413,6 +455,16 @@ def layer_sliding_windows(hf_config: Any) -> list[Optional[int]]:
         return [window] * num_layers
     kinds = _value(hf_config, "layer_types") or ["full_attention"] * num_layers
     return [window if kind == "sliding_attention" else None for kind in kinds]
+
+
+def state_layer_indices(hf_config: Any) -> list[int]:
+    """The layers of ``hf_config`` that keep a recurrent state (see ``ArchConfig.state_layers``);
+    none for an architecture not in ``ARCH_CONFIG``."""
+    arch = ARCH_CONFIG.get((_value(hf_config, "architectures") or ["<none>"])[0])
+    if arch is None or arch.state_layers == "none":
+        return []
+    kinds = _value(hf_config, "layer_types") or []
+    return [i for i, kind in enumerate(kinds) if kind == STATE_LAYER_TYPE]
 
 
 def min_sliding_window(hf_config: Any) -> Optional[int]:

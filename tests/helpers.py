@@ -137,6 +137,23 @@ def check_block_accounting(llm: LLM, expect_idle: bool = True) -> None:
         assert not core.scheduler.has_unfinished_requests()
         assert pool.get_num_free_blocks() == pool.num_usable_blocks, "blocks still held after all requests finished"
         assert not core.kv_cache_manager.has_requests(), "a request still holds a block table"
+    check_state_slot_accounting(core.kv_cache_manager, {r.request_id for r in core.scheduler.running})
+
+
+def check_state_slot_accounting(manager, running_ids: set[str]) -> None:
+    """Each state group's slots: free + in use == total; each running request holds a working
+    slot of its own (then, with prefix caching, its hit's slot and a save slot), each slot's
+    ref count is the number of requests holding it, and no other request (a finished,
+    aborted or preempted one) holds any."""
+    for state in manager.state_managers:
+        slots = state.block_pool
+        slots.check_integrity()
+        assert set(state.req_to_blocks) == running_ids, "state slots are not those of the running requests"
+        assert all(1 <= len(held) <= 3 for held in state.req_to_blocks.values()), "a request holds no or too many slots"
+        refs = Counter(b.block_id for held in state.req_to_blocks.values() for b in held)
+        assert all(slots.blocks[i].ref_cnt == n for i, n in refs.items()), "a slot's ref count is not its holders'"
+        assert all(refs[held[0].block_id] == 1 for held in state.req_to_blocks.values()), "a working slot is shared"
+        assert slots.get_num_free_blocks() == slots.num_usable_blocks - len(refs)
 
 
 def model_runner(llm: LLM) -> ModelRunner:
@@ -147,6 +164,12 @@ def model_runner(llm: LLM) -> ModelRunner:
 def kv_block_bytes(llm: LLM) -> int:
     """Bytes of one KV-cache block of ``llm``'s model."""
     return model_runner(llm).kv_cache_bytes_per_token() * llm.llm_engine.config.cache_config.block_size
+
+
+def state_cache_bytes(llm: LLM) -> int:
+    """Bytes of ``llm``'s state slots (0 for a model without state layers)."""
+    runner = model_runner(llm)
+    return runner.num_state_slots * runner.kv_cache_groups.state_bytes_per_request
 
 
 def make_peft_adapter(base: Path, out_dir: Path, *, r: int, lora_alpha: float, target_modules: list[str],
@@ -174,14 +197,15 @@ def make_peft_adapter(base: Path, out_dir: Path, *, r: int, lora_alpha: float, t
 def float32_llm(path, kwargs: dict) -> LLM:
     """An ``LLM`` of ``path`` in float32 with ``kwargs``: 16 MiB of KV cache unless given;
     ``kv_blocks`` in ``kwargs`` sizes the cache in blocks requests can hold instead
-    (measured on a probe; one more where a sliding window reserves the null block)."""
+    (measured on a probe; one more where a sliding window reserves the null block; the
+    state slots of a model with state layers besides)."""
     kwargs = dict(kwargs)
     kv_blocks = kwargs.pop("kv_blocks", None)
     kwargs.setdefault("kv_cache_memory_bytes", 16 << 20)
     if kv_blocks is not None:
         probe = LLM(str(path), dtype="float32", **kwargs)
         kv_blocks += probe.llm_engine.engine_core.kv_cache_manager.block_pool.null_block is not None
-        kwargs["kv_cache_memory_bytes"] = kv_blocks * kv_block_bytes(probe)
+        kwargs["kv_cache_memory_bytes"] = kv_blocks * kv_block_bytes(probe) + state_cache_bytes(probe)
         del probe
     return LLM(str(path), dtype="float32", **kwargs)
 

@@ -16,12 +16,27 @@ Every group has its own block table per request, and all draw from one pool of b
 The runner allocates ``group_size`` cache tensors; tensor j is shared by layer j of every
 group, so one block id names the same bytes in each group and a block belongs to one group
 at a time. Bytes per block = ``group_size`` x one layer's page.
+
+State layers (Mamba-2, gated delta rule) keep a fixed-size recurrent state per request
+instead of K/V per token: their ``MambaSpec`` gives its tensors' shapes and dtypes. Layers of
+one spec form a *state group* (``KVCacheGroups.state_groups``), whose requests each hold a
+*state slot*. NOTE: the slots are a pool of their own, not blocks of the attention pool
+(vLLM pads its mamba page to the attention page so one pool serves both; that would change
+the attention block size of hybrid models). Each state layer owns tensors with a leading slot
+dimension, ``max_num_seqs`` slots (a request holds one from admission to its end; three
+times as many with prefix caching, whose saved states take slots too: ``MambaManager``), so
+the sizing sets their bytes aside before it divides the rest into attention blocks::
+
+    budget:  [ state slots x state bytes per request | attention blocks ... ]
+    layers:  0:mamba 1:mamba 2:attn 3:mamba      (Bamba)
+    groups:  G0 = full (2)      state group S0 = mamba2 (0, 1, 3): a slot per request
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from math import prod
+from typing import Any, Optional, Sequence, Union
 
 
 def cdiv(a: int, b: int) -> int:
@@ -103,16 +118,51 @@ class MLAAttentionSpec(FullAttentionSpec):
         return "latent attention (MLA)"
 
 
+@dataclass(frozen=True)
+class MambaSpec:
+    """A state layer's recurrent state per request (vLLM's ``MambaSpec``): one tensor per
+    entry of ``shapes`` (without the slot dimension), of the matching ``dtypes`` (torch dtypes,
+    or anything with an ``itemsize`` in bytes). Mamba-2: conv ``(conv_dim, width - 1)`` and
+    ssm ``(nheads, head_dim, d_state)``. ``mamba_type`` names the kind in logs.
+
+    Raises:
+        ValueError: no tensors, or shapes and dtypes of different lengths.
+    """
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[Any, ...]
+    mamba_type: str = "mamba2"
+
+    def __post_init__(self) -> None:
+        if not self.shapes or len(self.shapes) != len(self.dtypes):
+            raise ValueError(f"MambaSpec needs one dtype per state tensor, got shapes {self.shapes} and dtypes "
+                             f"{self.dtypes}.")
+
+    @property
+    def block_size(self) -> None:
+        """A state is not paged by tokens: no block size."""
+        return None
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one request's state in one layer (every tensor of it)."""
+        return sum(prod(shape) * dtype.itemsize for shape, dtype in zip(self.shapes, self.dtypes))
+
+    def describe(self) -> str:
+        return f"{self.mamba_type} state"
+
+
 KVCacheSpec = Union[FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec]
 
 
 @dataclass(frozen=True)
 class KVCacheGroupSpec:
     """One KV-cache group: layers (model layer indices, at most ``group_size`` of them; fewer
-    in a padded group) of one spec, sharing one block table per request."""
+    in a padded group) of one spec, sharing one block table per request; or a state group
+    (``MambaSpec``: any number of layers, one state slot per request)."""
 
     layer_indices: tuple[int, ...]
-    kv_cache_spec: KVCacheSpec
+    kv_cache_spec: Union[KVCacheSpec, MambaSpec]
 
 
 @dataclass(frozen=True)
@@ -120,21 +170,44 @@ class KVCacheGroups:
     """All groups of a model and the number of layers each holds (with padding).
 
     Attributes:
-        groups: the groups, full-attention ones first.
-        group_size: layers per group; also the number of cache tensors the runner allocates.
+        groups: the attention groups, full-attention ones first (none in a model of state
+            layers only).
+        group_size: layers per attention group; also the number of cache tensors the runner
+            allocates.
+        state_groups: the state groups (``MambaSpec``), after the attention groups in every
+            per-group sequence (block ids, block tables, forward-context metadata): state
+            group s is group ``len(groups) + s`` there.
     """
 
     groups: tuple[KVCacheGroupSpec, ...]
     group_size: int
+    state_groups: tuple[KVCacheGroupSpec, ...] = ()
 
     @property
-    def block_size(self) -> int:
-        return self.groups[0].kv_cache_spec.block_size
+    def block_size(self) -> Optional[int]:
+        """Tokens per attention block (None without attention layers)."""
+        return self.groups[0].kv_cache_spec.block_size if self.groups else None  # type: ignore[union-attr]
+
+    @property
+    def num_groups(self) -> int:
+        """Attention and state groups together (the length of every per-group sequence)."""
+        return len(self.groups) + len(self.state_groups)
+
+    @property
+    def state_bytes_per_request(self) -> int:
+        """Bytes of one request's states in every state layer (0 without state layers)."""
+        return sum(len(g.layer_indices) * g.kv_cache_spec.page_size_bytes for g in self.state_groups)
+
+    def state_group_of_layer(self) -> dict[int, int]:
+        """State layer index -> its group's index in every per-group sequence."""
+        first = len(self.groups)
+        return {layer: first + s for s, group in enumerate(self.state_groups) for layer in group.layer_indices}
 
     @property
     def block_bytes(self) -> int:
-        """Bytes one block id takes across the cache tensors (one layer's page per tensor)."""
-        return self.group_size * self.groups[0].kv_cache_spec.page_size_bytes
+        """Bytes one block id takes across the cache tensors (one layer's page per tensor; 0
+        without attention layers)."""
+        return self.group_size * self.groups[0].kv_cache_spec.page_size_bytes if self.groups else 0
 
     @property
     def has_sliding_window(self) -> bool:
@@ -145,26 +218,43 @@ class KVCacheGroups:
         return {layer: (g, j) for g, group in enumerate(self.groups) for j, layer in enumerate(group.layer_indices)}
 
     def max_num_blocks_per_request(self, max_model_len: int, max_num_batched_tokens: int) -> int:
-        """Blocks one request of ``max_model_len`` tokens needs at most, over all groups."""
-        return sum(g.kv_cache_spec.max_num_blocks(max_model_len, max_num_batched_tokens) for g in self.groups)
+        """Blocks one request of ``max_model_len`` tokens needs at most, over all attention groups."""
+        return sum(g.kv_cache_spec.max_num_blocks(max_model_len, max_num_batched_tokens)  # type: ignore[union-attr]
+                   for g in self.groups)
 
 
-def group_layers(layer_specs: Sequence[KVCacheSpec]) -> KVCacheGroups:
+def group_layers(layer_specs: Sequence[Union[KVCacheSpec, MambaSpec]]) -> KVCacheGroups:
     """Group the layers (``layer_specs[i]``: layer i's spec) by spec, vLLM's rule: the group
-    size is the smallest number of layers of one spec (the largest, when every kind has
-    fewer than 1.25 x the smallest, to pad less); a kind's layers are dealt round-robin
-    over its ceil(n / group size) groups (layers i, i + k, ...: a pipeline stage's layers
-    spread over all of them).
+    size is the smallest number of layers of one attention spec (the largest, when every
+    kind has fewer than 1.25 x the smallest, to pad less); a kind's layers are dealt
+    round-robin over its ceil(n / group size) groups (layers i, i + k, ...: a pipeline
+    stage's layers spread over all of them). State layers (``MambaSpec``) form one state
+    group per spec, whatever their number.
 
     Raises:
-        ValueError: no layers, mixed block sizes, or layers whose pages differ in size.
+        ValueError: no layers, mixed block sizes, or attention layers whose pages differ in size.
     """
     if not layer_specs:
-        raise ValueError("A model needs at least one attention layer for a KV cache.")
+        raise ValueError("A model needs at least one layer with a cache.")
+    state_layers: dict[MambaSpec, list[int]] = {}
+    for index, spec in enumerate(layer_specs):
+        if isinstance(spec, MambaSpec):
+            state_layers.setdefault(spec, []).append(index)
+    state_groups = tuple(KVCacheGroupSpec(tuple(layers), spec) for spec, layers in state_layers.items())
+    attention = [(i, s) for i, s in enumerate(layer_specs) if not isinstance(s, MambaSpec)]
+    if not attention:
+        return KVCacheGroups((), 0, state_groups)
+    groups = _group_attention_layers(attention)
+    return KVCacheGroups(groups.groups, groups.group_size, state_groups)
+
+
+def _group_attention_layers(layers_and_specs: list[tuple[int, KVCacheSpec]]) -> KVCacheGroups:
+    """``group_layers`` of the attention layers ((model layer index, spec) pairs)."""
+    layer_specs = [spec for _, spec in layers_and_specs]
     if len({s.page_size_bytes for s in layer_specs}) > 1 or len({s.block_size for s in layer_specs}) > 1:
         raise ValueError("Attention layers whose KV-cache blocks differ in size cannot share one block pool.")
     by_spec: dict[KVCacheSpec, list[int]] = {}
-    for index, spec in enumerate(layer_specs):
+    for index, spec in layers_and_specs:
         by_spec.setdefault(spec, []).append(index)
     counts = [len(layers) for layers in by_spec.values()]
     group_size = min(counts)
@@ -180,13 +270,15 @@ def group_layers(layer_specs: Sequence[KVCacheSpec]) -> KVCacheGroups:
 
 def layer_kv_cache_specs(
     layer_windows: Sequence[Optional[int]], block_size: int, num_kv_heads: int, head_size: int, dtype_bytes: int,
-    use_mla: bool = False,
-) -> list[KVCacheSpec]:
+    use_mla: bool = False, state_specs: Optional[dict[int, MambaSpec]] = None,
+) -> list[Union[KVCacheSpec, MambaSpec]]:
     """Each layer's spec from its attention window (None: full attention; with ``use_mla``
-    latent attention, ``MLAAttentionSpec``)."""
+    latent attention, ``MLAAttentionSpec``), or ``state_specs[i]`` for a state layer i."""
     full = MLAAttentionSpec if use_mla else FullAttentionSpec
+    state_specs = state_specs or {}
     return [
-        full(block_size, num_kv_heads, head_size, dtype_bytes) if window is None
+        state_specs[i] if i in state_specs
+        else full(block_size, num_kv_heads, head_size, dtype_bytes) if window is None
         else SlidingWindowSpec(block_size, num_kv_heads, head_size, dtype_bytes, window)
-        for window in layer_windows
+        for i, window in enumerate(layer_windows)
     ]

@@ -12,6 +12,14 @@ sees, the others being the null block (``pagedllm.core.single_type_kv_cache_mana
     sliding, W = 16:  [  N    ,    B3    ,    B8    ]
 
 A model with one kind of attention has one group: one table per request, as before groups.
+
+State groups (Mamba-2, gated delta rule layers: ``MambaSpec``) come after the attention
+groups in every per-group tuple; a request's "table" there is its working state slot (then
+its hit's and save's slots, with prefix caching), taken at its first allocation from the
+group's own pool (``MambaManager``) and returned with its blocks (finish, abort,
+preemption). A request is admitted only when every group can give it what it needs: blocks
+in the attention pool and slots in each state group. With prefix caching a hit must be
+valid for the state groups too: it ends where a state is saved.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from pagedllm.core.kv_cache_utils import (
 from pagedllm.core.request import Request
 from pagedllm.core.single_type_kv_cache_manager import (
     FullAttentionManager,
+    MambaManager,
     SingleTypeKVCacheManager,
     SlidingWindowManager,
 )
@@ -37,7 +46,8 @@ from pagedllm.core.single_type_kv_cache_manager import (
 
 @dataclass
 class KVCacheBlocks:
-    """Blocks of one request, per group (vLLM's ``KVCacheBlocks``): ``blocks[g]`` for group g."""
+    """Blocks of one request, per group (vLLM's ``KVCacheBlocks``): ``blocks[g]`` for group g
+    (attention groups, then state groups: their slot, as a one-block list)."""
 
     blocks: tuple[list[KVCacheBlock], ...]
 
@@ -63,9 +73,11 @@ class KVCacheManager:
         hash_seed: seed of the root hash (see ``root_block_hash``).
         kv_cache_groups: the model's groups (``pagedllm.core.kv_cache_interface``); None: one
             full-attention group.
+        num_state_slots: state slots in each state group's pool (``max_num_seqs``); unused
+            without state groups.
 
     Raises:
-        ValueError: groups of another block size.
+        ValueError: groups of another block size; state groups with fewer than one slot.
     """
 
     def __init__(
@@ -76,22 +88,34 @@ class KVCacheManager:
         hash_algo: str = "sha256",
         hash_seed: Optional[str] = None,
         kv_cache_groups: Optional[KVCacheGroups] = None,
+        num_state_slots: int = 0,
     ) -> None:
         groups = kv_cache_groups or single_group(block_size)
-        if groups.block_size != block_size:
+        if groups.groups and groups.block_size != block_size:
             raise ValueError(f"KV-cache groups of block size {groups.block_size}, not {block_size}.")
+        if groups.state_groups and num_state_slots < 1:
+            raise ValueError(f"A model with state layers needs at least one state slot, got {num_state_slots}.")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.kv_cache_groups = groups
-        self.block_pool = BlockPool(num_blocks, enable_caching, use_null_block=groups.has_sliding_window)
+        # NOTE: a model of state layers only has no attention blocks; its pool holds one, never used.
+        self.block_pool = BlockPool(num_blocks if groups.groups else max(num_blocks, 1), enable_caching,
+                                    use_null_block=groups.has_sliding_window)
+        #: The attention groups' managers (group g is ``managers[g]``).
         self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             SlidingWindowManager(g.kv_cache_spec, self.block_pool, i) if isinstance(g.kv_cache_spec, SlidingWindowSpec)
-            else FullAttentionManager(g.kv_cache_spec, self.block_pool, i)
+            else FullAttentionManager(g.kv_cache_spec, self.block_pool, i)  # type: ignore[arg-type]
             for i, g in enumerate(groups.groups)
+        )
+        #: The state groups' managers (state group s is group ``len(managers) + s``).
+        self.state_managers: tuple[MambaManager, ...] = tuple(
+            MambaManager(g.kv_cache_spec, num_state_slots, len(groups.groups) + s,  # type: ignore[arg-type]
+                         block_size, enable_caching)
+            for s, g in enumerate(groups.state_groups)
         )
         self.hash_fn = get_hash_fn(hash_algo)
         self.root_hash = root_block_hash(self.hash_fn, hash_algo, hash_seed)
-        self.empty_blocks = KVCacheBlocks(tuple([] for _ in self.managers))
+        self.empty_blocks = KVCacheBlocks(tuple([] for _ in range(groups.num_groups)))
         # Prefix-cache statistics in tokens (read and reset by the scheduler each step).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -122,15 +146,16 @@ class KVCacheManager:
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         self._update_block_hashes(request, max_hit_blocks)
         hit_length = max_hit_blocks * self.block_size
-        hits: list[list[KVCacheBlock]] = [[] for _ in self.managers]
+        managers = self.all_managers
+        hits: list[list[KVCacheBlock]] = [[] for _ in managers]
         agreed = False
         while not agreed:
             agreed = True
-            for g, manager in enumerate(self.managers):
+            for g, manager in enumerate(managers):
                 hits[g] = manager.find_longest_cache_hit(request.block_hashes, hit_length)
                 if len(hits[g]) * self.block_size < hit_length:
                     hit_length = len(hits[g]) * self.block_size
-                    agreed = len(self.managers) == 1
+                    agreed = len(managers) == 1
         num_hit_blocks = hit_length // self.block_size
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += hit_length
@@ -155,13 +180,21 @@ class KVCacheManager:
             | c c c c | n n n L | L L L . |
               cached    not cached (holds a lookahead slot), not cached
 
-        Returns the newly allocated blocks per group (possibly none), or None, allocating
-        nothing, when too few blocks are free for all groups together.
+        A request without a state slot takes one in each state group (at admission).
+
+        Returns the newly allocated blocks per group (possibly none; a state group's slot
+        the first time), or None, allocating nothing, when too few blocks are free for all
+        groups together or a state group has no free slot.
         """
         new_computed = (new_computed_blocks or self.empty_blocks).blocks
         req_id = request.request_id
-        num_computed_tokens = request.num_computed_tokens + len(new_computed[0]) * self.block_size
+        num_hit_blocks = len(new_computed[0]) if new_computed else 0
+        num_computed_tokens = request.num_computed_tokens + num_hit_blocks * self.block_size
         num_tokens_after = num_computed_tokens + num_new_tokens
+        state_hits = new_computed[len(self.managers):]
+        if self.state_managers and not self._state_slots_free(request, state_hits, num_computed_tokens,
+                                                              num_tokens_after):
+            return None
         num_slots = num_tokens_after + num_lookahead_tokens
         managers = self.managers
         if self.block_pool.null_block is not None:  # some group has a window
@@ -183,30 +216,62 @@ class KVCacheManager:
                 self._update_block_hashes(request, num_cached_tokens // self.block_size)
             for manager in self.managers:
                 manager.cache_blocks(request, num_cached_tokens)
+        for state, hits in zip(self.state_managers, state_hits):
+            state.save_new_computed_blocks(req_id, hits)
+            new_blocks.append(state.allocate_new_blocks(req_id, num_slots, num_computed_tokens)
+                              + state.allocate_save(request, num_tokens_after))
         return KVCacheBlocks(tuple(new_blocks))
+
+    def _state_slots_free(self, request: Request, state_hits: tuple[list[KVCacheBlock], ...],
+                          num_computed_tokens: int, num_tokens_after: int) -> bool:
+        """Whether every state group has the slots the allocation takes, after registering
+        the state the request's previous step saved (``MambaManager.cache_blocks``)."""
+        for state, hits in zip(self.state_managers, state_hits):
+            state.cache_blocks(request, num_computed_tokens)
+            if state.num_slots_needed(request, hits, num_tokens_after) > state.block_pool.get_num_free_blocks():
+                return False
+        return True
+
+    def align_to_save_point(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """``num_new_tokens`` for a step of ``request`` from ``num_computed_tokens``, cut to end
+        at its state groups' save point when it would pass it (prefix caching with state
+        layers: the state there is saved for later hits; ``MambaManager.save_point``)."""
+        if not self.enable_caching or not self.state_managers:
+            return num_new_tokens
+        point = self.state_managers[0].save_point(request)
+        if num_computed_tokens < point < num_computed_tokens + num_new_tokens:
+            return point - num_computed_tokens
+        return num_new_tokens
 
     def free(self, request: Request) -> None:
         """Release the request's blocks in every group, tail first (so the chain's tail is
-        evicted first)."""
-        for manager in self.managers:
+        evicted first), and its state slots."""
+        for state in self.state_managers:
+            state.cache_blocks(request, request.num_computed_tokens)
+        for manager in self.all_managers:
             manager.free(request.request_id)
+
+    @property
+    def all_managers(self) -> tuple[SingleTypeKVCacheManager, ...]:
+        """Every group's manager, in group order (attention groups, then state groups)."""
+        return self.managers + self.state_managers
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """The request's blocks, per group (the null block where a window let go)."""
-        return KVCacheBlocks(tuple(list(m.req_to_blocks.get(request_id, ())) for m in self.managers))
+        return KVCacheBlocks(tuple(list(m.req_to_blocks.get(request_id, ())) for m in self.all_managers))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        """The request's block table, per group."""
-        return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.managers)
+        """The request's block table, per group (a state group's: its slot)."""
+        return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.all_managers)
 
     def has_requests(self) -> bool:
-        """Whether any request holds a block table (in any group)."""
-        return any(m.req_to_blocks for m in self.managers)
+        """Whether any request holds a block table or a state slot (in any group)."""
+        return any(m.req_to_blocks for m in self.all_managers)
 
     def num_requests_holding_blocks(self) -> int:
         """Requests that hold at least one block (the null block aside) in some group."""
         null = self.block_pool.null_block
-        return len({req_id for m in self.managers for req_id, blocks in m.req_to_blocks.items()
+        return len({req_id for m in self.all_managers for req_id, blocks in m.req_to_blocks.items()
                     if any(b is not null for b in blocks)})
 
     def reset_prefix_cache(self) -> bool:
@@ -215,4 +280,8 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
+        """Fraction of the attention blocks in use (of the state slots, in a model of state
+        layers only)."""
+        if not self.managers and self.state_managers:
+            return self.state_managers[0].block_pool.get_usage()
         return self.block_pool.get_usage()

@@ -5,7 +5,10 @@ num_computed_tokens`` tokens still to compute, and one token budget
 (``max_num_batched_tokens``) is shared by all requests in a step. Running requests are
 served first (FCFS), then waiting ones; a prompt longer than the remaining budget is cut
 into chunks. When blocks run out, the newest running request is preempted: its blocks are
-freed and it returns to the front of the waiting queue to be recomputed (vLLM V1).
+freed and it returns to the front of the waiting queue to be recomputed (vLLM V1). With
+prefix caching in a model with state layers, a chunk that would pass the request's save
+point ends there, so its state is saved at a block boundary
+(``KVCacheManager.align_to_save_point``).
 
 With LoRA, at most ``max_loras`` distinct adapters are among the running requests (so a
 step never needs more device slots). A waiting request whose adapter would exceed that
@@ -153,7 +156,8 @@ class Scheduler:
                 req_index += 1
                 continue
             num_known = request.num_tokens - request.num_computed_tokens
-            num_new_tokens = min(num_known + len(request.spec_token_ids), token_budget)
+            num_new_tokens = self.kv_cache_manager.align_to_save_point(
+                request, request.num_computed_tokens, min(num_known + len(request.spec_token_ids), token_budget))
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request, num_new_tokens, num_lookahead_tokens=self._lookahead(request.num_computed_tokens + num_new_tokens))
@@ -201,7 +205,8 @@ class Scheduler:
                 skipped.append(request)
                 continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
+            num_new_tokens = self.kv_cache_manager.align_to_save_point(
+                request, num_hit_tokens, min(request.num_tokens - num_hit_tokens, token_budget))
             if not self.chunked_prefill_enabled and num_new_tokens < request.num_tokens - num_hit_tokens:
                 break  # an encoder's prompt runs whole: it waits for a step with room
             new_blocks = self.kv_cache_manager.allocate_slots(

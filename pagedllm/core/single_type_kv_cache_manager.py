@@ -1,6 +1,7 @@
 """The blocks of one KV-cache group per request: full attention keeps them all, a sliding
 window frees those that fell out of it (vLLM's ``FullAttentionManager`` /
-``SlidingWindowManager``; plain Python, no torch).
+``SlidingWindowManager``), a state group holds one state slot (``MambaManager``); plain
+Python, no torch.
 
 With window W, block size 4 and W = 6, after 13 computed tokens the next query (position
 13) sees keys 8 .. 13; blocks wholly before token 13 - W + 1 = 8 are replaced by the null
@@ -13,7 +14,7 @@ block (N) and go back to the pool, keeping their prefix-cache hash::
 from __future__ import annotations
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
-from pagedllm.core.kv_cache_interface import KVCacheSpec, SlidingWindowSpec, cdiv
+from pagedllm.core.kv_cache_interface import KVCacheSpec, MambaSpec, SlidingWindowSpec, cdiv
 from pagedllm.core.kv_cache_utils import BlockHash, hash_with_group_id
 from pagedllm.core.request import Request
 
@@ -191,3 +192,124 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             if run >= self.num_hit_blocks_needed:
                 return hits[: i + run]
         return hits[:run]
+
+
+class MambaManager(SingleTypeKVCacheManager):
+    """A state group (``MambaSpec``; vLLM's ``MambaManager``): each request holds a *working*
+    slot, a "block" of the group's own pool of ``num_slots`` (``block_id`` is the slot: the
+    index into every state tensor's leading dimension), from its first allocation until it
+    is freed (finished, aborted or preempted: a preempted request recomputes its state from
+    its first token when it resumes, or from a saved state).
+
+    With prefix caching (vLLM's ``mamba_cache_mode="align"``): the state after a request's
+    last full block of known tokens (its *save point*, a multiple of ``block_size``; the
+    scheduler ends a chunk there: ``save_point``) is copied into a *save* slot, registered
+    under that block's hash once computed, and kept when the request ends (LRU, as blocks).
+    A later request whose prefix ends at such a block hits it: the saved slot is copied into
+    its working slot before its first step. A hit stops where no state is saved::
+
+        tokens:   0 .. 7 | 8 .. 15 | 16 .. 19       (block size 8, 20 known tokens)
+        states:                  ^ saved at 16 (the save point), under block 1's hash
+        req_to_blocks[r] = [working, hit (if any), save (if any)]
+
+    Args:
+        kv_cache_spec: the group's spec.
+        num_slots: slots in the group's pool (``kv_cache_sizing.num_state_slots``).
+        group_id: the group's index among all groups.
+        block_size: the attention blocks' tokens (the granularity of saved states).
+        enable_caching: save states at save points and hit them.
+    """
+
+    def __init__(self, kv_cache_spec: MambaSpec, num_slots: int, group_id: int, block_size: int = 16,
+                 enable_caching: bool = False) -> None:
+        super().__init__(kv_cache_spec, BlockPool(num_slots, enable_caching), group_id)  # type: ignore[arg-type]
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        # Request id -> its hit slot, between the hit's saving and its first allocation.
+        self._hits: dict[str, KVCacheBlock] = {}
+        # Request id -> (save slot, save point): registered once the state is computed.
+        self._pending_saves: dict[str, tuple[KVCacheBlock, int]] = {}
+
+    def save_point(self, request: Request) -> int:
+        """Tokens after which the request's state is saved: its known tokens' last block
+        boundary before its last token (0: none, or caching off)."""
+        if not self.enable_caching:
+            return 0
+        return (request.num_tokens - 1) // self.block_size * self.block_size
+
+    def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_length: int) -> list[KVCacheBlock]:
+        """The longest prefix of at most ``max_length`` tokens at whose end a state is
+        saved, as that many blocks' worth of its slot (its length is the prefix's blocks);
+        none without caching."""
+        if not self.enable_caching:
+            return []
+        for num_blocks in range(max_length // self.block_size, 0, -1):
+            block = self.block_pool.get_cached_block(hash_with_group_id(block_hashes[num_blocks - 1], self.group_id))
+            if block is not None:
+                return [block] * num_blocks
+        return []
+
+    def needs_slot(self, request_id: str) -> bool:
+        """Whether the request has no working slot yet (its next allocation takes one)."""
+        return request_id not in self.req_to_blocks
+
+    def num_slots_needed(self, request: Request, new_computed_blocks: list[KVCacheBlock], num_tokens_after: int) -> int:
+        """Free slots that allocating for the request up to ``num_tokens_after`` computed
+        tokens takes: a working slot (the first time), its hit's slot if that is free, a save
+        slot when the step ends at its save point."""
+        num = int(self.needs_slot(request.request_id))
+        if new_computed_blocks and new_computed_blocks[-1].ref_cnt == 0:
+            num += 1
+        return num + int(self._saves_at(request, num_tokens_after))
+
+    def _saves_at(self, request: Request, num_tokens_after: int) -> bool:
+        point = self.save_point(request)
+        return (point > 0 and num_tokens_after == point and request.request_id not in self._pending_saves
+                and len(self.req_to_blocks.get(request.request_id, ())) < 3)
+
+    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: list[KVCacheBlock]) -> None:
+        """Take a reference on the hit's slot (its state is copied into the working slot)."""
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks[-1:])
+            self._hits[request_id] = new_computed_blocks[-1]
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_computed_tokens: int) -> list[KVCacheBlock]:
+        """The request's working slot and its hit's slot (if any), the first time; nothing
+        afterwards (see ``allocate_save``)."""
+        if not self.needs_slot(request_id):
+            return []
+        blocks = self.req_to_blocks[request_id] = self.block_pool.get_new_blocks(1)
+        hit = self._hits.pop(request_id, None)
+        if hit is not None:
+            blocks.append(hit)
+        return list(blocks)
+
+    def allocate_save(self, request: Request, num_tokens_after: int) -> list[KVCacheBlock]:
+        """A save slot, when the step ends at the request's save point (``num_tokens_after``
+        computed tokens) and none is saved under that block yet; else nothing."""
+        if not self._saves_at(request, num_tokens_after):
+            return []
+        block_hash = hash_with_group_id(request.block_hashes[num_tokens_after // self.block_size - 1], self.group_id)
+        if self.block_pool.get_cached_block(block_hash) is not None:
+            return []
+        slot = self.block_pool.get_new_blocks(1)[0]
+        self.req_to_blocks[request.request_id].append(slot)
+        self._pending_saves[request.request_id] = (slot, num_tokens_after)
+        return [slot]
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's saved state once its step has run (``num_computed_tokens``
+        past the save point: the scheduler counts a step's tokens when it schedules them and
+        sees the request again only after the step)."""
+        pending = self._pending_saves.get(request.request_id)
+        if pending is None or request.num_computed_tokens < pending[1]:
+            return
+        slot, point = self._pending_saves.pop(request.request_id)
+        self.block_pool.cache_full_block(
+            slot, hash_with_group_id(request.block_hashes[point // self.block_size - 1], self.group_id))
+
+    def free(self, request_id: str) -> None:
+        """Release the request's slots (saved states keep their hash: LRU, as blocks)."""
+        self._hits.pop(request_id, None)
+        self._pending_saves.pop(request_id, None)
+        super().free(request_id)

@@ -11,6 +11,7 @@ import logging
 from typing import Iterable
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_interface import KVCacheGroups
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
@@ -18,7 +19,7 @@ from pagedllm.engine.batch_queue import BatchQueue
 from pagedllm.executor.selector import get_executor_class
 from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.structured_output.manager import StructuredOutputManager
-from pagedllm.worker.kv_cache_sizing import kv_cache_groups
+from pagedllm.worker.kv_cache_sizing import check_state_layers_compose, kv_cache_groups, num_state_slots
 
 logger = logging.getLogger(__name__)
 
@@ -30,17 +31,21 @@ class EngineCore:
         config: the resolved engine configuration. Building the core starts the executor
             (``get_executor_class(config)``), which loads the model, and sizes the KV cache
             (``num_gpu_blocks``: the number of KV-cache blocks, shared by the model's KV-cache
-            groups: ``kv_cache_sizing.kv_cache_groups``).
+            groups: ``kv_cache_sizing.kv_cache_groups``), after the state slots of a model with
+            state layers (``kv_cache_sizing.num_state_slots``).
 
     Raises (constructor): what ``get_executor_class`` raises for an unsupported executor;
-    ``ValueError`` when the KV cache cannot hold one ``max_model_len`` sequence.
+    ``ValueError`` when the KV cache cannot hold one ``max_model_len`` sequence, or for a
+    setting that does not compose with state layers (``check_state_layers_compose``).
     """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        groups = kv_cache_groups(config)
+        check_state_layers_compose(config, groups)
         self.model_executor = get_executor_class(config)(config)
         try:
-            num_gpu_blocks = self.num_gpu_blocks = self._initialize_kv_caches()
+            num_gpu_blocks = self.num_gpu_blocks = self._initialize_kv_caches(groups)
         except BaseException:
             self.model_executor.shutdown()  # worker processes too
             raise
@@ -48,9 +53,10 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             num_blocks=num_gpu_blocks,
             block_size=cache_config.block_size,
-            enable_caching=cache_config.enable_prefix_caching,
+            enable_caching=self._prefix_caching(groups),
             hash_algo=cache_config.prefix_caching_hash_algo,
-            kv_cache_groups=kv_cache_groups(config),
+            kv_cache_groups=groups,
+            num_state_slots=num_state_slots(config, groups),
         )
         max_loras = config.lora_config.max_loras if config.lora_config is not None else None
         self.structured_output_manager = StructuredOutputManager(config.structured_outputs_config, config.model_config)
@@ -68,14 +74,28 @@ class EngineCore:
         gc.collect()
         gc.freeze()
 
-    def _initialize_kv_caches(self) -> int:
+    def _prefix_caching(self, groups: KVCacheGroups) -> bool:
+        """``enable_prefix_caching``; for a model with state layers, with an INFO line on what
+        a hit needs there (vLLM's "align" mode: ``MambaManager``)."""
+        enabled = self.config.cache_config.enable_prefix_caching
+        if enabled and groups.state_groups:
+            logger.info("Prefix caching with state layers (%s: %d of %d layers): a request's state is saved at the "
+                        "last block boundary of its known tokens, and a cache hit ends where a state is saved.",
+                        self.config.model_config.architecture,
+                        sum(len(g.layer_indices) for g in groups.state_groups), self.config.model_config.num_layers)
+        return enabled
+
+    def _initialize_kv_caches(self, groups: KVCacheGroups) -> int:
         """Size the KV cache on the workers (or take ``num_gpu_blocks_override``, as vLLM),
-        allocate it there; returns the number of blocks."""
+        allocate it there (and the state slots of ``groups``' state layers); returns the
+        number of blocks."""
         num_gpu_blocks = self.config.cache_config.num_gpu_blocks_override
         if num_gpu_blocks is None:
             num_gpu_blocks = self.model_executor.determine_num_available_blocks()
         else:
-            logger.info("KV cache: %d blocks, set by num_gpu_blocks_override", num_gpu_blocks)
+            slots = num_state_slots(self.config, groups)
+            logger.info("KV cache: %d blocks, set by num_gpu_blocks_override%s", num_gpu_blocks,
+                        f"; state: {slots} slots of {groups.state_bytes_per_request:,} bytes" if slots else "")
         self.model_executor.initialize_kv_cache(num_gpu_blocks)
         return num_gpu_blocks
 

@@ -13,6 +13,13 @@ hold; all of them at tensor-parallel size 1).
 A request needs, per group, every block of its context (full attention) or those of its
 window and chunk (a sliding window), so the same budget admits more long requests in a
 model of mostly sliding-window layers.
+
+State layers (Mamba-2, gated delta rule: ``pagedllm.arch_config.state_layer_indices``)
+keep a fixed-size state per request instead (``MambaSpec``, whose shapes and dtypes the
+model class gives: ``get_mamba_state_shape_from_config`` / ``get_mamba_state_dtype_from_config``,
+vLLM's names). The budget first sets aside the state slots (``num_state_slots``: one per
+request that can run at once, three with prefix caching) x the state bytes of one request
+over all state layers; the rest buys attention blocks (none in a model of state layers only).
 """
 
 from __future__ import annotations
@@ -21,10 +28,11 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from pagedllm.arch_config import layer_sliding_windows
+from pagedllm.arch_config import layer_sliding_windows, state_layer_indices
 from pagedllm.config import CacheConfig, EngineConfig, ModelConfig
 from pagedllm.core.kv_cache_interface import (
     KVCacheGroups,
+    MambaSpec,
     SlidingWindowSpec,
     cdiv,
     group_layers,
@@ -69,15 +77,75 @@ def kv_cache_groups(config: EngineConfig) -> KVCacheGroups:
     spec = config.speculative_config
     if spec is not None and spec.uses_draft_model and None not in windows:
         windows = [None] * len(windows)
-    return _groups(model_config, config.cache_config, windows, config.parallel_config.tensor_parallel_size)
+    return _groups(model_config, config.cache_config, windows, config.parallel_config.tensor_parallel_size,
+                   state_layer_specs(model_config))
+
+
+def num_state_slots(config: EngineConfig, groups: KVCacheGroups) -> int:
+    """State slots of each state group: ``max_num_seqs`` (a running request holds one), 3 x
+    that with prefix caching (a request holds at most its working slot, its hit's and a save:
+    ``MambaManager``; the saved states of finished requests stay in the free ones, LRU); 0
+    without state layers."""
+    if not groups.state_groups:
+        return 0
+    return config.scheduler_config.max_num_seqs * (3 if config.cache_config.enable_prefix_caching else 1)
+
+
+def check_state_layers_compose(config: EngineConfig, groups: KVCacheGroups) -> None:
+    """Refuse what is not built beside state layers: speculative decoding (a rejected draft
+    would need its state rolled back), LoRA (no adapter for a state layer's projections),
+    tensor or pipeline parallelism (the states are not split over ranks).
+
+    Raises:
+        ValueError: naming the setting and the model's state layers.
+    """
+    if not groups.state_groups:
+        return
+    num_state_layers = sum(len(g.layer_indices) for g in groups.state_groups)
+    model = (f"{config.model_config.architecture}, whose {num_state_layers} of {config.model_config.num_layers} "
+             "layers keep a recurrent state")
+    parallel = config.parallel_config
+    refused = [
+        (config.speculative_config is not None, "speculative decoding (speculative_config)",
+         "a rejected draft token would need its state rolled back"),
+        (config.lora_config is not None, "LoRA (enable_lora)", "no adapter is built for a state layer"),
+        (parallel.tensor_parallel_size > 1, f"tensor_parallel_size {parallel.tensor_parallel_size}",
+         "the states are not split over ranks"),
+        (parallel.pipeline_parallel_size > 1, f"pipeline_parallel_size {parallel.pipeline_parallel_size}",
+         "the states are not split over stages"),
+    ]
+    for is_set, setting, why in refused:
+        if is_set:
+            raise ValueError(f"{setting} is not supported with {model}: {why}.")
+
+
+def state_layer_specs(model_config: ModelConfig) -> dict[int, MambaSpec]:
+    """Layer index -> ``MambaSpec`` of each state layer (none for most models), from the
+    model class's ``get_mamba_state_shape_from_config(hf_config)`` and
+    ``get_mamba_state_dtype_from_config(hf_config, dtype)`` (and its ``mamba_type``, the
+    log's name of the state)."""
+    layers = [i for i in state_layer_indices(model_config.hf_config) if i < model_config.num_layers]
+    if not layers:
+        return {}
+    from pagedllm.model_executor.models.registry import get_model_class
+
+    model_cls = get_model_class(model_config.architecture)
+    hf_config = model_config.hf_config
+    spec = MambaSpec(tuple(model_cls.get_mamba_state_shape_from_config(hf_config)),  # type: ignore[attr-defined]
+                     tuple(model_cls.get_mamba_state_dtype_from_config(hf_config, model_config.dtype)),  # type: ignore[attr-defined]
+                     getattr(model_cls, "mamba_type", "mamba2"))
+    return {i: spec for i in layers}
 
 
 def _groups(model_config: ModelConfig, cache_config: CacheConfig, windows: list[Optional[int]],
-            tp_size: int) -> KVCacheGroups:
+            tp_size: int, state_specs: Optional[dict[int, MambaSpec]] = None) -> KVCacheGroups:
+    state_specs = state_specs or {}
+    if len(state_specs) == len(windows):  # state layers only: no attention heads to read
+        return group_layers([state_specs[i] for i in range(len(windows))])
     num_kv_heads = kv_heads_per_rank(model_config.num_kv_heads, tp_size)
     dtype_bytes = cache_config.kv_cache_dtype(model_config.dtype).itemsize
     return group_layers(layer_kv_cache_specs(windows, cache_config.block_size, num_kv_heads, model_config.head_dim,
-                                             dtype_bytes, use_mla=model_config.use_mla))
+                                             dtype_bytes, use_mla=model_config.use_mla, state_specs=state_specs))
 
 
 def kv_bytes_per_block(model_config: ModelConfig, groups: KVCacheGroups,
@@ -86,7 +154,7 @@ def kv_bytes_per_block(model_config: ModelConfig, groups: KVCacheGroups,
     stage's cache tensors (``num_stage_cache_tensors``), plus the draft model's block
     (``kv_bytes_per_token`` x block size) with speculative decoding."""
     num_tensors = num_stage_cache_tensors(groups, stage_layer_range(model_config))
-    per_block = num_tensors * groups.groups[0].kv_cache_spec.page_size_bytes
+    per_block = num_tensors * groups.groups[0].kv_cache_spec.page_size_bytes if groups.groups else 0
     if draft_model_config is not None:
         per_block += kv_bytes_per_token(draft_model_config) * groups.block_size
     return per_block
@@ -96,7 +164,7 @@ def num_stage_cache_tensors(groups: KVCacheGroups, layer_range: tuple[int, int])
     """Cache tensors a stage holding layers ``[start, end)`` allocates: the most layers of
     one group among them (tensor j is shared by the j-th of them in every group)."""
     start, end = layer_range
-    return max(sum(start <= i < end for i in g.layer_indices) for g in groups.groups)
+    return max((sum(start <= i < end for i in g.layer_indices) for g in groups.groups), default=0)
 
 
 def kv_bytes_per_token(model_config: ModelConfig, cache_dtype: Optional[torch.dtype] = None) -> int:
@@ -137,7 +205,7 @@ def kv_cache_budget(
 def num_kv_blocks(
     model_config: ModelConfig, cache_config: CacheConfig, budget: KVCacheBudget,
     draft_model_config: Optional[ModelConfig] = None, groups: Optional[KVCacheGroups] = None,
-    max_num_batched_tokens: Optional[int] = None,
+    max_num_batched_tokens: Optional[int] = None, num_state_slots: int = 0,
 ) -> int:
     """Number of blocks: the budget (see ``kv_cache_budget``) divided by the bytes per block
     (of the target's cache tensors on this stage, in ``cache_config``'s dtype, and, with
@@ -151,10 +219,16 @@ def num_kv_blocks(
             full-attention group of every layer (this rank's heads).
         max_num_batched_tokens: the scheduler's token budget per step (the chunk a
             sliding-window group holds besides its window); None: ``max_model_len``.
+        num_state_slots: state slots set aside first (``max_num_seqs``), each of
+            ``groups.state_bytes_per_request`` bytes; unused without state layers.
+
+    Returns:
+        the number of attention blocks (0 for a model of state layers only).
 
     Raises:
-        ValueError: if the budget cannot hold one sequence of ``max_model_len`` tokens;
-            the message gives the formula, the numbers and the settings to change.
+        ValueError: if the budget cannot hold the state slots and one sequence of
+            ``max_model_len`` tokens; the message gives the formula, the numbers and the
+            settings to change.
     """
     cache_dtype = cache_config.kv_cache_dtype(model_config.dtype)
     block_size = cache_config.block_size
@@ -163,11 +237,16 @@ def num_kv_blocks(
     if groups is None:
         groups = _groups(model_config, cache_config, [None] * model_config.num_layers,
                          get_tensor_model_parallel_world_size())
+    state_bytes = num_state_slots * groups.state_bytes_per_request if groups.state_groups else 0
+    state_words = _check_state_slots(groups, num_state_slots, state_bytes, budget)
+    if not groups.groups:
+        logger.info("KV cache: no attention layers; %s. Budget from %s.", state_words, budget.derivation)
+        return 0
     num_tensors = num_stage_cache_tensors(groups, stage_layer_range(model_config))
     per_block = kv_bytes_per_block(model_config, groups, draft_model_config)
     num_null = int(groups.has_sliding_window)
     blocks_per_seq = groups.max_num_blocks_per_request(max_len, chunk) + num_null
-    num_blocks = max(budget.num_bytes, 0) // per_block
+    num_blocks = max(budget.num_bytes - state_bytes, 0) // per_block
     derivation = budget.derivation
     max_tokens = cache_config.max_kv_cache_tokens
     if cache_config.kv_cache_memory_bytes is None and max_tokens is not None:
@@ -187,11 +266,12 @@ def num_kv_blocks(
             f"({num_kv_heads_per_rank(model_config)}) x head_dim ({model_config.head_dim}) x dtype bytes "
             f"({cache_dtype.itemsize}) = {per_block // block_size:,}; one sequence needs {blocks_per_seq} blocks "
             f"of {block_size} tokens = {blocks_per_seq * per_block:,} bytes, but the budget "
-            f"({budget.derivation}) holds {num_blocks} blocks. Lower max_model_len, or raise "
+            f"({budget.derivation}{f', less {state_words}' if state_bytes else ''}) holds {num_blocks} blocks. "
+            f"Lower max_model_len{' or max_num_seqs' if state_bytes else ''}, or raise "
             f"kv_cache_memory_bytes / gpu_memory_utilization."
         )
     logger.info(
-        "KV cache: %d blocks of %d tokens (%d tokens, %s, %.2f GiB; %s); maximum concurrency for %d tokens per "
+        "KV cache: %d blocks of %d tokens (%d tokens, %s, %.2f GiB; %s)%s; maximum concurrency for %d tokens per "
         "request: %.2fx. Budget from %s.",
         num_blocks,
         block_size,
@@ -199,11 +279,33 @@ def num_kv_blocks(
         cache_config.cache_dtype_name(model_config.dtype),
         num_blocks * per_block / 2**30,
         _tokens_per_group(groups, num_blocks - num_null, block_size),
+        f"; {state_words}" if state_bytes else "",
         max_len,
         (num_blocks - num_null) / (blocks_per_seq - num_null),
         derivation,
     )
     return int(num_blocks)
+
+
+def _check_state_slots(groups: KVCacheGroups, num_slots: int, state_bytes: int, budget: KVCacheBudget) -> str:
+    """The log's words for the state slots set aside (empty without state layers).
+
+    Raises:
+        ValueError: a state model with no slot, or a budget that cannot hold the slots.
+    """
+    if not groups.state_groups:
+        return ""
+    kinds = ", ".join(sorted({g.kv_cache_spec.describe() for g in groups.state_groups}))
+    per_request = groups.state_bytes_per_request
+    words = (f"state: {num_slots} slots of {per_request:,} bytes ({kinds} of "
+             f"{sum(len(g.layer_indices) for g in groups.state_groups)} layers; {state_bytes / 2**30:.2f} GiB)")
+    if num_slots < 1 or state_bytes > budget.num_bytes:
+        raise ValueError(
+            f"The KV cache cannot hold the recurrent states of max_num_seqs = {num_slots} requests: "
+            f"{num_slots} x {per_request:,} bytes per request = {state_bytes:,} bytes, but the budget is "
+            f"{budget.derivation}. Lower max_num_seqs, or raise kv_cache_memory_bytes / gpu_memory_utilization."
+        )
+    return words
 
 
 def _demand_blocks(groups: KVCacheGroups, max_tokens: int, block_size: int, max_model_len: int, chunk: int) -> int:

@@ -35,6 +35,12 @@ from pagedllm.distributed import get_pp_group
 from pagedllm.messages.sched_output import SchedulerOutput
 from pagedllm.messages.engine_core import LogprobsLists
 from pagedllm.model_executor.layers.attention import Attention, bind_kv_caches, init_kv_scales
+from pagedllm.model_executor.layers.mamba.abstract import (
+    MambaBase,
+    bind_state_caches,
+    build_mamba_metadata,
+    zero_fresh_states,
+)
 from pagedllm.model_executor.layers.pooler import Pooler, PoolingState
 from pagedllm.model_executor.layers.sampler import Sampler, compute_logprobs_with_topk
 from pagedllm.model_executor.model_loader import get_model
@@ -45,7 +51,7 @@ from pagedllm.spec_decode.draft_model import TargetStep
 from pagedllm.spec_decode.rejection_sampler import num_accepted_matching, rejection_sample
 from pagedllm.worker.grammar_bitmask import sampled_rows_bitmask
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
-from pagedllm.worker.kv_cache_sizing import kv_bytes_per_block, kv_cache_groups, stage_layer_range
+from pagedllm.worker.kv_cache_sizing import kv_bytes_per_block, kv_cache_groups, num_state_slots, stage_layer_range
 from pagedllm.messages.runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -59,6 +65,14 @@ class ModelRunner:
     request has a block table per group, each step a slot mapping and an attention metadata
     per group, and each attention layer reads its group's (``Attention.kv_cache_group_id``).
     A drafter with its own KV cache uses group 0 (full attention, whenever there is one).
+
+    State layers (``MambaBase``: Mamba-2 mixers ...) form state groups after the attention
+    groups: each layer gets zeroed state tensors of ``num_state_slots`` slots, each request
+    a working slot per state group (column 0 of its "block table" there), and each step a
+    ``MambaMetadata`` per state group in the forward context, after the attention groups'
+    metadata. With prefix caching a new request's table may name a hit's slot after it (its
+    state is copied into the working slot before the step), and a step's new entry names a
+    save slot (the working slot is copied into it after the step): ``MambaManager``.
 
     Its ``Worker`` sets it up in steps: ``load_model``, ``profile_run`` (when the KV cache
     is sized from the memory left), ``initialize_kv_cache``; then ``execute_model`` runs
@@ -131,7 +145,9 @@ class ModelRunner:
         logger.info("Loaded %s (%.1f MB) in %.2f s", self.model_config.model_path,
                     self.weights_bytes / 1e6, time.perf_counter() - start)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.state_layers = [m for m in self.model.modules() if isinstance(m, MambaBase)]
         self._layer_groups = self._attention_layer_groups()
+        self._state_layer_groups = self._state_groups_of_layers()
         init_kv_scales(self.attention_layers, self.cache_config.cache_dtype, self.cache_config.calculate_kv_scales)
         if isinstance(self.proposer, EagleProposer):
             self.proposer.load_model(self.attn_backend, self.attn_metadata_builder, self.model)
@@ -141,27 +157,44 @@ class ModelRunner:
             self.weights_bytes += self.proposer.weights_bytes
 
     def _attention_layer_groups(self) -> list[tuple[int, int]]:
-        """Per attention layer of this stage (one per decoder layer, in order): its KV-cache
-        group, and its cache tensor (the j-th of the stage's layers in its group uses
-        tensor j: ``kv_cache_sizing.num_stage_cache_tensors`` of them).
+        """Per attention layer of this stage (one per decoder layer that is not a state
+        layer, in order): its KV-cache group, and its cache tensor (the j-th of the stage's
+        layers in its group uses tensor j: ``kv_cache_sizing.num_stage_cache_tensors`` of them).
 
         Raises:
-            ValueError: a model whose attention layers are not one per decoder layer.
+            ValueError: a model whose attention layers are not one per such decoder layer.
         """
         if self.model_config.is_encoder and not self.attention_layers:
             return []  # an encoder attends within each whole prompt: it has no KV cache
         start, end = stage_layer_range(self.model_config)
-        if len(self.attention_layers) != end - start:
-            raise ValueError(f"{len(self.attention_layers)} attention layers for decoder layers {start} .. {end - 1}: "
-                             "KV-cache groups need one attention layer per decoder layer.")
         group_of = self.kv_cache_groups.group_of_layer()
+        layers = [i for i in range(start, end) if i in group_of]
+        if len(self.attention_layers) != len(layers):
+            raise ValueError(f"{len(self.attention_layers)} attention layers for the {len(layers)} attention layers "
+                             f"of decoder layers {start} .. {end - 1}: KV-cache groups need one attention layer per "
+                             "decoder layer with a KV cache.")
         num_in_group: dict[int, int] = {}
         layer_groups = []
-        for layer in range(start, end):
+        for layer in layers:
             group = group_of[layer][0]
             layer_groups.append((group, num_in_group.get(group, 0)))
             num_in_group[group] = num_in_group.get(group, 0) + 1
         return layer_groups
+
+    def _state_groups_of_layers(self) -> list[int]:
+        """Per state layer of this stage (``MambaBase``, in order): its state group's index
+        among all groups (``KVCacheGroups.state_group_of_layer``).
+
+        Raises:
+            ValueError: state layers that are not one per state decoder layer.
+        """
+        start, end = stage_layer_range(self.model_config)
+        group_of = self.kv_cache_groups.state_group_of_layer()
+        layers = [i for i in range(start, end) if i in group_of]
+        if len(self.state_layers) != len(layers):
+            raise ValueError(f"{len(self.state_layers)} state layers for the {len(layers)} state layers of decoder "
+                             f"layers {start} .. {end - 1} (pagedllm.arch_config.state_layer_indices).")
+        return [group_of[i] for i in layers]
 
     def _make_lora_manager(self):
         """Wrap the model's linear layers for multi-LoRA (``pagedllm.lora``)."""
@@ -178,6 +211,9 @@ class ModelRunner:
         model's dtype) and the persistent batch; with ``calculate_kv_scales``, the next
         forward (the first batch) sets each layer's FP8 scales."""
         self.kv_caches = self._allocate_kv_caches(num_blocks)
+        self.num_state_slots = num_state_slots(self.config, self.kv_cache_groups)
+        self.state_caches = bind_state_caches(self.state_layers, self._state_layer_groups, self.num_state_slots,
+                                              self.device)
         if self.cache_config.calculate_kv_scales and self.cache_config.cache_dtype != "auto":
             for layer in self.attention_layers:  # from the first batch: the profiling run is over
                 layer.calculate_kv_scales = True
@@ -185,7 +221,7 @@ class ModelRunner:
             self.proposer.initialize_kv_cache(num_blocks)
         self.input_batch = InputBatch(
             self.scheduler_config.max_num_seqs, self.model_config.max_model_len, self.block_size, self.device,
-            len(self.kv_cache_groups.groups),
+            self.kv_cache_groups.num_groups,
         )
         self.sampler = Sampler()
         current_platform.prepare_for_steps()
@@ -205,7 +241,8 @@ class ModelRunner:
 
     def _dummy_run(self, num_tokens: int) -> None:
         """Forward ``num_tokens`` tokens as prefills of at most ``max_model_len`` tokens each,
-        with a temporary KV cache just large enough (for the platform's memory profiling)."""
+        with a temporary KV cache (and state slots) just large enough (for the platform's
+        memory profiling)."""
         seq_len = min(num_tokens, self.model_config.max_model_len)
         num_seqs = -(-num_tokens // seq_len)
         blocks_per_seq = -(-seq_len // self.block_size)
@@ -213,31 +250,39 @@ class ModelRunner:
         lens = np.array([seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else []))
         positions = np.concatenate([np.arange(n) for n in lens])
         seq_starts = np.repeat(np.arange(len(lens)) * blocks_per_seq * self.block_size, lens)
-        metadata = self.attn_metadata_builder.build(
+        query_start_loc = np.concatenate(([0], np.cumsum(lens)))
+        metadata = [self.attn_metadata_builder.build(
             CommonAttentionMetadata(
-                query_start_loc=np.concatenate(([0], np.cumsum(lens))),
+                query_start_loc=query_start_loc,
                 seq_lens=lens,
                 num_computed_tokens=np.zeros_like(lens),
                 block_table=np.arange(num_seqs * blocks_per_seq).reshape(num_seqs, blocks_per_seq),
                 slot_mapping=seq_starts + positions,
                 num_decodes=0,
             )
-        )
+        )] * len(self.kv_cache_groups.groups)
+        bind_state_caches(self.state_layers, self._state_layer_groups, len(lens), self.device)
+        metadata += [build_mamba_metadata(query_start_loc, np.arange(len(lens)), np.zeros_like(lens), 0, self.device)
+                     ] * len(self.kv_cache_groups.state_groups)
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = self._to_device(positions)
         intermediate = None
         if not self.pp.is_first_rank:
             intermediate = {name: torch.zeros(shape, dtype=dtype, device=self.device)
                             for name, (shape, dtype) in self._intermediate_specs(num_tokens).items()}
-        with set_forward_context([metadata] * len(self.kv_cache_groups.groups)):
+        with set_forward_context(metadata):
             hidden = self.model(input_ids, positions, intermediate)
         if self.pp.is_last_rank and self.pooler is None:
             self.model.compute_logits(hidden[: self.scheduler_config.max_num_seqs])
         for layer in self.attention_layers:
             layer.kv_cache = torch.empty(0)
+        for state_layer in self.state_layers:
+            state_layer.kv_cache = []
 
     # ------------------------------------------------------------------ steps
     def _update_states(self, so: SchedulerOutput) -> None:
+        if self.state_layers:
+            self._plan_state_copies(so)
         batch = self.input_batch
         for req_id in so.finished_req_ids:
             if isinstance(self.proposer, DraftModelProposer) and req_id in batch.requests:
@@ -254,6 +299,35 @@ class ModelRunner:
             batch.num_computed_tokens[state.row] = num_computed
         for req_id, num_computed, token_ids in zip(cached.req_ids, cached.num_computed_tokens, cached.new_token_ids):
             batch.write_tokens(batch.requests[req_id].row, num_computed, token_ids)
+
+    def _plan_state_copies(self, so: SchedulerOutput) -> None:
+        """The step's state-slot copies (see the class), as (state group, source slot,
+        destination slot): ``_copies_in`` before the forward, ``_copies_out`` after it."""
+        first = len(self.kv_cache_groups.groups)
+        self._copies_in: list[tuple[int, int, int]] = []
+        self._copies_out: list[tuple[int, int, int]] = []
+        for new in so.scheduled_new_reqs:
+            for group in range(first, self.kv_cache_groups.num_groups):
+                working, *rest = new.block_ids[group]
+                if new.num_computed_tokens > 0 and rest:
+                    self._copies_in.append((group, rest.pop(0), working))
+                if rest:
+                    self._copies_out.append((group, working, rest[0]))
+        cached = so.scheduled_cached_reqs
+        for req_id, block_ids in zip(cached.req_ids, cached.new_block_ids):
+            for group in range(first, self.kv_cache_groups.num_groups):
+                if block_ids[group]:
+                    row = self.input_batch.requests[req_id].row
+                    self._copies_out.append((group, int(self.input_batch.block_tables[group][row, 0]),
+                                             block_ids[group][-1]))
+
+    def _copy_states(self, copies: list[tuple[int, int, int]]) -> None:
+        """Copy each (state group, source, destination) slot in every tensor of the group's layers."""
+        for group, src, dst in copies:
+            for layer, layer_group in zip(self.state_layers, self._state_layer_groups):
+                if layer_group == group:
+                    for tensor in layer.kv_cache:
+                        tensor[dst].copy_(tensor[src])
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -289,15 +363,23 @@ class ModelRunner:
         bs = self.block_size
         block_index, offset = positions // bs, positions % bs
         seq_lens = computed + num_sched
+        num_attention_groups = len(self.kv_cache_groups.groups)
         metadata = [self._attention_metadata(table, rows, seq_lens, computed, cu, len(decodes),
                                              table[token_rows, block_index] * bs + offset)
-                    for table in batch.block_tables]
+                    for table in batch.block_tables[:num_attention_groups]]
+        if self.state_layers:
+            metadata += self._state_metadata(batch.block_tables[num_attention_groups:], rows, computed, cu,
+                                             len(decodes))
         if self.lora_manager is not None:
             self.lora_manager.set_token_slots(np.array([request_slots[r] for r in order], dtype=np.int64)[token_req])
 
         input_ids_t, positions_t = self._to_device(input_ids), self._to_device(positions)
+        if self.state_layers:
+            self._copy_states(self._copies_in)
         with set_forward_context(metadata):
             hidden = self._forward_stage(input_ids_t, positions_t)
+        if self.state_layers:
+            self._copy_states(self._copies_out)
 
         batch.num_computed_tokens[rows] = seq_lens
         if not self.pp.is_last_rank:
@@ -507,6 +589,21 @@ class ModelRunner:
             num_decodes=num_decodes,
         )
         return self.attn_metadata_builder.build(common)
+
+    def _state_metadata(self, state_tables: list[np.ndarray], rows: np.ndarray, computed: np.ndarray,
+                        cu: np.ndarray, num_decodes: int) -> list:
+        """Each state group's ``MambaMetadata`` of the step (its slot table ``state_tables[s]``,
+        [max_num_reqs, ...] int64, the slot in column 0; ``rows`` / ``computed`` / ``cu`` per
+        request, decodes first); zeroes the slots of decodes that start from no state."""
+        query_start_loc = np.concatenate(([0], cu))
+        metadata = []
+        for s, table in enumerate(state_tables):
+            slots = table[rows, 0]
+            group_id = len(self.kv_cache_groups.groups) + s
+            zero_fresh_states([layer for layer, g in zip(self.state_layers, self._state_layer_groups) if g == group_id],
+                              slots, computed, num_decodes)
+            metadata.append(build_mamba_metadata(query_start_loc, slots, computed, num_decodes, self.device))
+        return metadata
 
     def _logits_indices(
         self, rows: np.ndarray, seq_lens: np.ndarray, cu: np.ndarray, num_drafts: np.ndarray

@@ -43,7 +43,7 @@ from pagedllm.distributed import (
 from pagedllm.messages.runner_output import ModelRunnerOutput
 from pagedllm.messages.sched_output import SchedulerOutput
 from pagedllm.platforms import current_platform
-from pagedllm.worker.kv_cache_sizing import KVCacheBudget, kv_cache_budget, num_kv_blocks
+from pagedllm.worker.kv_cache_sizing import KVCacheBudget, kv_cache_budget, num_kv_blocks, num_state_slots
 from pagedllm.worker.model_runner import ModelRunner
 
 
@@ -123,15 +123,18 @@ class Worker:
         return self._budget().num_bytes
 
     def determine_num_available_blocks(self) -> int:
-        """KV-cache blocks that fit in ``determine_available_memory()``.
+        """KV-cache blocks that fit in ``determine_available_memory()``, after the state
+        slots of a model with state layers (``kv_cache_sizing.num_state_slots``).
 
         Raises:
-            ValueError: if they cannot hold one sequence of ``max_model_len`` tokens.
+            ValueError: if they cannot hold the state slots and one sequence of
+                ``max_model_len`` tokens.
         """
         spec = self.config.speculative_config
+        groups = self.model_runner.kv_cache_groups
         return num_kv_blocks(self.config.model_config, self.config.cache_config, self._budget(),
-                             spec.draft_model_config if spec else None, self.model_runner.kv_cache_groups,
-                             self.config.scheduler_config.max_num_batched_tokens)
+                             spec.draft_model_config if spec else None, groups,
+                             self.config.scheduler_config.max_num_batched_tokens, num_state_slots(self.config, groups))
 
     def _budget(self) -> KVCacheBudget:
         if self._kv_cache_budget is None:

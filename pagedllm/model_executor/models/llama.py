@@ -62,6 +62,8 @@ class LlamaAttention(nn.Module):
     C * tanh(scores / C) before the softmax (Gemma 2; None: none). ``sinks``: a learned logit per
     query head in every softmax's denominator (gpt-oss): the float32 parameter ``sinks`` [this
     rank's heads], loaded from the checkpoint's [num_attention_heads] split as the heads are.
+    ``output_gate``: q_proj gives each head's query and then its output gate (Qwen3-Next), so
+    ``qkv_proj``'s "q" part is twice the heads' width; a subclass's ``forward`` applies the gate.
     """
 
     def __init__(
@@ -79,17 +81,19 @@ class LlamaAttention(nn.Module):
         norm_cls: type[nn.Module] = RMSNorm,
         logits_soft_cap: Optional[float] = None,
         sinks: bool = False,
+        output_gate: bool = False,
     ) -> None:
         super().__init__()
         hidden = config.hidden_size
         total_num_heads = config.num_attention_heads
         total_num_kv_heads = getattr(config, "num_key_value_heads", None) or total_num_heads
         self.head_dim = getattr(config, "head_dim", None) or hidden // total_num_heads
+        q_widths = 2 if output_gate else 1
         self.qkv_proj = QKVParallelLinear(
-            hidden, self.head_dim, total_num_heads, total_num_kv_heads, bias=qkv_bias,
+            hidden, self.head_dim, total_num_heads * q_widths, total_num_kv_heads, bias=qkv_bias,
             quant_config=quant_config, prefix=f"{prefix}.qkv_proj",
         )
-        self.num_heads = self.qkv_proj.num_heads
+        self.num_heads = self.qkv_proj.num_heads // q_widths
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         # ``attention_bias`` (Llama, Qwen3) puts a bias on q, k, v and o; Qwen2 has q/k/v bias only.
         if o_bias is None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from pagedllm.model_executor.models.bamba import BambaForCausalLM
 from pagedllm.model_executor.models.bert import BertModel, RobertaModel, XLMRobertaModel
 from pagedllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedllm.model_executor.models.gemma2 import Gemma2ForCausalLM
@@ -23,11 +24,14 @@ from pagedllm.model_executor.models.llama import (
     Qwen3ForCausalLM,
 )
 from pagedllm.model_executor.models.llama_eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM
+from pagedllm.model_executor.models.mamba2 import Mamba2ForCausalLM
 from pagedllm.model_executor.models.mixtral import MixtralForCausalLM
 from pagedllm.model_executor.models.olmo2 import Olmo2ForCausalLM
 from pagedllm.model_executor.models.phi3 import Phi3ForCausalLM
 from pagedllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
+from pagedllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from pagedllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
+from pagedllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,19 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         GptOssForCausalLM, ("openai/gpt-oss-20b", "openai/gpt-oss-120b"),
         "mixture of experts (FusedMoE) with biased experts and clamped SwiGLU; attention sinks; sliding window on "
         "alternate layers; YaRN; MXFP4 experts dequantized at load"),
+    # Linear attention (Gated DeltaNet, on the state cache) beside gated full attention.
+    "Qwen3NextForCausalLM": SupportedModel(
+        Qwen3NextForCausalLM, ("Qwen/Qwen3-Next-80B-A3B-Instruct",),
+        "Gated DeltaNet linear attention (state cache) in three of four layers; gated attention with partial "
+        "rotary; mixture of experts (FusedMoE) with a gated shared expert"),
+    "Qwen3_5ForCausalLM": SupportedModel(
+        Qwen3_5ForCausalLM, ("Qwen/Qwen3.5-27B",),
+        "Qwen3-Next's Gated DeltaNet and gated attention; dense MLP (checkpoints saved as Qwen3_5ForCausalLM: the "
+        "Hub's image-text Qwen3_5ForConditionalGeneration is not served yet)"),
+    "Qwen3_5MoeForCausalLM": SupportedModel(
+        Qwen3_5MoeForCausalLM, ("Qwen/Qwen3.5-35B-A3B",),
+        "Qwen3-Next's Gated DeltaNet and gated attention; mixture of experts on every layer (checkpoints saved as "
+        "Qwen3_5MoeForCausalLM: the Hub's image-text Qwen3_5MoeForConditionalGeneration is not served yet)"),
     # Multi-head latent attention (``TORCH_MLA``) with DeepSeekMoE.
     "DeepseekV2ForCausalLM": SupportedModel(
         DeepseekV2ForCausalLM, ("deepseek-ai/DeepSeek-V2-Lite-Chat", "deepseek-ai/DeepSeek-V2.5"),
@@ -104,6 +121,13 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
     "XLMRobertaModel": SupportedModel(
         XLMRobertaModel, ("intfloat/multilingual-e5-small", "BAAI/bge-m3"),
         "encoder; positions offset by the padding index; embeddings only"),
+    # Recurrent state in the state cache (``MambaMixer2``).
+    "Mamba2ForCausalLM": SupportedModel(
+        Mamba2ForCausalLM, ("mistralai/Mamba-Codestral-7B-v0.1",),
+        "Mamba-2 mixers on every layer (state cache, no attention); gated RMSNorm; n_groups"),
+    "BambaForCausalLM": SupportedModel(
+        BambaForCausalLM, ("ibm-ai-platform/Bamba-9B",),
+        "Mamba-2 mixers (state cache) interleaved with full-attention layers (attn_layer_indices); partial rotary"),
     # Speculative-decoding heads (``speculative_config`` methods "eagle" / "eagle3").
     "EagleLlamaForCausalLM": SupportedModel(
         EagleLlamaForCausalLM, ("yuhuili/EAGLE-LLaMA3.1-Instruct-8B",), "EAGLE draft head (speculative_config)"),
@@ -118,7 +142,8 @@ _FAMILIES = (
     (("Moe", "MoE", "Mixtral", "Deepseek", "GptOss", "Dbrx", "Arctic"),
      "it is a mixture-of-experts model whose routing and expert weights are not mapped onto FusedMoE yet"),
     (("Mamba", "Jamba", "Zamba", "Bamba", "FalconH1", "NemotronH", "Hybrid", "Rwkv", "Next"),
-     "it keeps a recurrent (state-space / linear-attention) state, and pagedllm's KV cache has no state group yet"),
+     "it keeps a recurrent (state-space / linear-attention) state in layers pagedllm does not build yet (its "
+     "state cache serves Mamba2ForCausalLM and BambaForCausalLM)"),
     (("ConditionalGeneration", "Llava", "VL", "Vision", "Mllama", "Idefics", "PaliGemma", "Pixtral", "Siglip"),
      "it is an image-text model, and pagedllm serves no vision encoder yet"),
 )

@@ -1,0 +1,160 @@
+"""Depthwise causal conv1d of a Mamba-2 mixer over a varlen batch: prefill chunks
+(``causal_conv1d_fn``) and one-token decode steps (``causal_conv1d_update``), with per-request
+conv states kept in a state cache of slots.
+
+Each channel ``d`` of a request's tokens ``x_0 .. x_{L-1}`` becomes
+``out_t[d] = act(bias[d] + sum_k weight[d, k] * u_{t - (width - 1) + k}[d])``, where ``u``
+is the request's conv state (its last ``width - 1`` inputs, oldest first) followed by its
+tokens: the behaviour of ``torch.nn.Conv1d(groups=dim, padding=width - 1)`` in transformers'
+``Mamba2Mixer`` and of vLLM's ``causal_conv1d_fn`` / ``causal_conv1d_update``, with tokens
+laid out ``[num_tokens, dim]`` as the model runner lays them out. Sums are float32; outputs
+are rounded once to ``x``'s dtype, states to the cache's.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.model_executor.layers.mamba.ops.slots import slot_indices
+
+_ACTIVATIONS = (None, "silu", "swish")
+
+
+def _check_activation(activation: Optional[str]) -> None:
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+
+
+def _check_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], conv_states: torch.Tensor) -> int:
+    """The conv width; ValueError on inconsistent shapes."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [dim, width], got {tuple(weight.shape)}")
+    dim, width = weight.shape
+    if width < 2:
+        raise ValueError(f"the conv width must be at least 2, got {width}")
+    if x.dim() != 2 or x.shape[1] != dim:
+        raise ValueError(f"x must be [num_tokens, {dim}], got {tuple(x.shape)}")
+    if bias is not None and tuple(bias.shape) != (dim,):
+        raise ValueError(f"bias must be [{dim}], got {tuple(bias.shape)}")
+    if conv_states.dim() != 3 or tuple(conv_states.shape[1:]) != (dim, width - 1):
+        raise ValueError(f"conv_states must be [num_slots, {dim}, {width - 1}], got {tuple(conv_states.shape)}")
+    return width
+
+
+def _finish(acc: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str], dtype: torch.dtype) -> torch.Tensor:
+    if bias is not None:
+        acc = acc + bias.float()
+    if activation is not None:
+        acc = F.silu(acc)
+    return acc.to(dtype)
+
+
+def causal_conv1d_fn(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    conv_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    cache_indices: Optional[torch.Tensor] = None,
+    has_initial_state: Optional[torch.Tensor] = None,
+    activation: Optional[str] = "silu",
+) -> torch.Tensor:
+    """Causal depthwise conv over each request's tokens (prefill chunks), in one call.
+
+    Args:
+        x: [num_tokens, dim], requests contiguous along tokens.
+        weight: [dim, width]; bias: [dim] or None.
+        conv_states: [num_slots, dim, width - 1], the state cache; request ``r`` starts from
+            ``conv_states[cache_indices[r]]`` when ``has_initial_state[r]`` (else zeros), and
+            its last ``width - 1`` inputs (state included when it has fewer tokens) are
+            written back there, in place.
+        query_start_loc: int [num_reqs + 1], request ``r`` is tokens
+            ``query_start_loc[r] : query_start_loc[r + 1]`` (non-decreasing, ending at num_tokens).
+        cache_indices: int [num_reqs], each request's slot; None: slot ``r`` for request ``r``.
+        has_initial_state: bool [num_reqs]; None: no request has one.
+        activation: None, or "silu" / "swish" (the same function).
+
+    Returns:
+        [num_tokens, dim] in ``x``'s dtype.
+
+    Raises:
+        ValueError: on inconsistent shapes or an unknown activation.
+    """
+    _check_activation(activation)
+    width = _check_conv(x, weight, bias, conv_states)
+    num_tokens, dim = x.shape
+    num_reqs = query_start_loc.numel() - 1
+    if num_reqs < 0:
+        raise ValueError("query_start_loc must have num_reqs + 1 entries")
+    cache_indices = slot_indices(cache_indices, num_reqs, x.device)
+    starts = query_start_loc.to(device=x.device, dtype=torch.long)
+    lens = starts[1:] - starts[:-1]
+    keep = width - 1
+    req = torch.repeat_interleave(torch.arange(num_reqs, device=x.device), lens, output_size=num_tokens)
+    # ``ext`` holds, per request, its ``keep`` state columns and then its tokens.
+    token_pos = torch.arange(num_tokens, device=x.device) + (req + 1) * keep
+    ext = torch.zeros(num_tokens + num_reqs * keep, dim, device=x.device, dtype=torch.float32)
+    ext[token_pos] = x.float()
+    seg_start = starts[:-1] + torch.arange(num_reqs, device=x.device) * keep
+    state_pos = seg_start[:, None] + torch.arange(keep, device=x.device)
+    init = conv_states[cache_indices].float().transpose(1, 2)  # [num_reqs, keep, dim]
+    if has_initial_state is not None:
+        init = init * has_initial_state.to(device=x.device, dtype=torch.float32)[:, None, None]
+    else:
+        init = torch.zeros_like(init)
+    ext[state_pos] = init
+    windows = ext[token_pos[:, None] - keep + torch.arange(width, device=x.device)]  # [num_tokens, width, dim]
+    out = _finish(torch.einsum("twd,dw->td", windows, weight.float()), bias, activation, x.dtype)
+    last = ext[(seg_start + lens)[:, None] + torch.arange(keep, device=x.device)]  # [num_reqs, keep, dim]
+    conv_states[cache_indices] = last.transpose(1, 2).to(conv_states.dtype)
+    return out
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    conv_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    activation: Optional[str] = None,
+    cache_indices: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """One decode step of the causal conv: each request's one token against its state,
+    and the state rolled by one (oldest input dropped, ``x`` appended), in place.
+
+    Args:
+        x: [num_reqs, dim], one token per request.
+        conv_states: [num_slots, dim, width - 1], the state cache.
+        weight: [dim, width]; bias: [dim] or None.
+        activation: None, or "silu" / "swish".
+        cache_indices: int [num_reqs], each request's slot; None: slot ``r`` for request ``r``.
+
+    Returns:
+        [num_reqs, dim] in ``x``'s dtype.
+
+    Raises:
+        ValueError: on inconsistent shapes or an unknown activation.
+    """
+    _check_activation(activation)
+    _check_conv(x, weight, bias, conv_states)
+    cache_indices = slot_indices(cache_indices, x.shape[0], x.device)
+    return causal_conv1d_update_native(x, conv_states, weight, bias, activation, cache_indices)
+
+
+def causal_conv1d_update_native(
+    x: torch.Tensor,
+    conv_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    activation: Optional[str],
+    cache_indices: torch.Tensor,
+) -> torch.Tensor:
+    """``causal_conv1d_update`` in PyTorch (every device),
+    arguments checked by the caller."""
+    window = torch.cat((conv_states[cache_indices].float(), x.float()[:, :, None]), dim=2)  # [num_reqs, dim, width]
+    out = _finish((window * weight.float()).sum(dim=2), bias, activation, x.dtype)
+    conv_states[cache_indices] = window[:, :, 1:].to(conv_states.dtype)
+    return out
+
