@@ -267,7 +267,8 @@ def test_selective_state_update_matches_recurrence_and_vllm_forms():
     assert_rel(state[d["slots"].long()], torch.stack(states), 1e-5)
     state = d["state"].clone()
     out_vllm = selective_state_update(
-        state, d["x"], d["dt"][:, :, None].expand(-1, -1, HEAD_DIM), params["A"][:, None, None].expand(-1, HEAD_DIM, D_STATE),
+        state, d["x"], d["dt"][:, :, None].expand(-1, -1, HEAD_DIM),
+        params["A"][:, None, None].expand(-1, HEAD_DIM, D_STATE),
         d["B"], d["C"], params["D"][:, None].expand(-1, HEAD_DIM), d["z"],
         params["dt_bias"][:, None].expand(-1, HEAD_DIM), True, d["slots"],
     )

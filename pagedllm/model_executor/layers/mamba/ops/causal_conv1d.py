@@ -46,7 +46,9 @@ def _check_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     return width
 
 
-def _finish(acc: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str], dtype: torch.dtype) -> torch.Tensor:
+def _finish(acc: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str],
+            dtype: torch.dtype) -> torch.Tensor:
+    """``act(acc + bias)`` rounded to ``dtype`` (acc float32)."""
     if bias is not None:
         acc = acc + bias.float()
     if activation is not None:
@@ -105,8 +107,10 @@ def causal_conv1d_fn(
     if has_initial_state is not None:  # (a fresh slot may hold anything, NaN included: not read)
         init = conv_states[cache_indices].float().transpose(1, 2)  # [num_reqs, keep, dim]
         ext[state_pos] = init.masked_fill(~has_initial_state.to(device=x.device, dtype=torch.bool)[:, None, None], 0.0)
-    windows = ext[token_pos[:, None] - keep + torch.arange(width, device=x.device)]  # [num_tokens, width, dim]
-    out = _finish(torch.einsum("twd,dw->td", windows, weight.float()), bias, activation, x.dtype)
+    # Every token's window lies within its request's part of ``ext``: one depthwise conv over
+    # all of it, read at the tokens' positions.
+    conv = F.conv1d(ext.T.unsqueeze(0), weight.float().unsqueeze(1), groups=dim)[0]  # [dim, len(ext) - keep]
+    out = _finish(conv[:, token_pos - keep].T, bias, activation, x.dtype)
     last = ext[(seg_start + lens)[:, None] + torch.arange(keep, device=x.device)]  # [num_reqs, keep, dim]
     conv_states[cache_indices] = last.transpose(1, 2).to(conv_states.dtype)
     return out
@@ -163,7 +167,8 @@ def causal_conv1d_update_native(
     return out
 
 
-def _kernel_form(x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+def _kernel_form(x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor,
+                 bias: Optional[torch.Tensor]) -> bool:
     """Whether the C++ kernel takes these tensors: one dtype, the kernel's contiguity."""
     return (
         conv_states.dtype == x.dtype == weight.dtype

@@ -21,7 +21,13 @@ import torch.nn.functional as F
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.model_executor.layers.mamba.ops import cpu_dispatch
 from pagedllm.model_executor.layers.mamba.ops.slots import kernel_slot_indices, slot_indices
-from pagedllm.model_executor.layers.mamba.ops.ssm_args import NO_DT_LIMIT, check_bcdz, discretize_dt, dt_clamp_bounds, skip_term
+from pagedllm.model_executor.layers.mamba.ops.ssm_args import (
+    NO_DT_LIMIT,
+    check_bcdz,
+    discretize_dt,
+    dt_clamp_bounds,
+    skip_term,
+)
 
 
 def selective_state_update(
