@@ -19,6 +19,7 @@ from pagedllm.model_executor.layers.mamba.ops.causal_conv1d import (
 )
 from pagedllm.model_executor.layers.mamba.ops.mamba_ssm import selective_state_update, selective_state_update_native
 from pagedllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined
+from pagedllm.platforms import current_platform
 
 NHEADS, HEAD_DIM, D_STATE, WIDTH, CONV_DIM = 4, 8, 16, 4, 24
 
@@ -316,9 +317,10 @@ def test_decode_kernels_match_torch_ops(isa_kernel, dtype):
 
 
 def test_decode_ops_dispatch_to_kernels(isa_kernel):
-    """On the CPU platform the public decode ops run the kernels at vector levels and
-    PyTorch's code at the portable one (``cpu_dispatch``): their outputs are those, bit for bit."""
-    vector_level = isa_kernel.active_isa() != "portable"
+    """On the CPU platform the public decode ops run the kernels at vector levels, and
+    PyTorch's code at the portable one and on other platforms (``cpu_dispatch``): their
+    outputs are those, bit for bit."""
+    vector_level = current_platform.is_cpu and isa_kernel.active_isa() != "portable"
     assert cpu_dispatch.use_kernels() == vector_level
     d, params = decode_inputs(3, 2, torch.float32, seed=14), ssm_params(seed=15)
     args = (d["x"], d["dt"], params["A"], d["B"], d["C"], params["D"], d["z"], params["dt_bias"], True)
