@@ -159,6 +159,41 @@ def test_chunk_scan_rejects_bad_shapes():
                                   query_start_loc=qsl([8]), ssm_state=torch.zeros(1, NHEADS, HEAD_DIM, D_STATE))
 
 
+def test_conv_and_scan_match_transformers_mamba2_mixer():
+    """The prefill ops in a Mamba-2 mixer's order (in_proj -> conv -> scan) give transformers'
+    ``Mamba2Mixer`` its own pre-norm scan output: checkpoint layouts (conv weight [dim, 1,
+    width], A_log, dt_bias, D) mean what the ops take."""
+    from transformers import Mamba2Config
+    from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
+
+    torch.manual_seed(16)
+    config = Mamba2Config(hidden_size=32, num_heads=NHEADS, head_dim=HEAD_DIM, state_size=D_STATE, n_groups=2,
+                          expand=1, conv_kernel=WIDTH, chunk_size=8, use_conv_bias=True)
+    mixer = Mamba2Mixer(config, 0).eval()
+    with torch.no_grad():
+        mixer.A_log.uniform_(0, 2)
+        mixer.dt_bias.uniform_(-1, 1)
+        mixer.D.uniform_(0, 1)
+    captured = []
+    mixer.norm.register_forward_pre_hook(lambda module, args: captured.append(args[0].detach().clone()))
+    num_tokens, inner, ngroups = 21, NHEADS * HEAD_DIM, 2
+    conv_dim = inner + 2 * ngroups * D_STATE
+    hidden = torch.randn(1, num_tokens, 32)
+    with torch.no_grad():
+        mixer(hidden)
+        xbc, dt = mixer.in_proj(hidden)[0, :, inner:].split([conv_dim, NHEADS], dim=-1)
+        start = qsl([num_tokens])
+        xbc = causal_conv1d_fn(xbc, mixer.conv1d.weight[:, 0], mixer.conv1d.bias, torch.zeros(1, conv_dim, WIDTH - 1),
+                               start, activation="silu")
+        x, B, C = xbc.split([inner, ngroups * D_STATE, ngroups * D_STATE], dim=-1)
+        y = mamba_chunk_scan_combined(
+            x.reshape(num_tokens, NHEADS, HEAD_DIM), dt, -torch.exp(mixer.A_log), B.reshape(num_tokens, ngroups, D_STATE),
+            C.reshape(num_tokens, ngroups, D_STATE), 8, mixer.D, None, mixer.dt_bias, query_start_loc=start,
+            ssm_state=torch.zeros(1, NHEADS, HEAD_DIM, D_STATE), dt_softplus=True,
+        )
+    torch.testing.assert_close(y, captured[0][0].reshape(num_tokens, NHEADS, HEAD_DIM), rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------- causal conv1d
 
 
