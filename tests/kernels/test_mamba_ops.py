@@ -1,6 +1,7 @@
 """The state-space ops of the Mamba-2 mixer (causal conv1d, the chunked SSD scan and its
 one-token recurrence) against float64 token-by-token recurrences written here, on varlen
-batches with ragged lengths, chunk boundaries, initial states per request and grouped B / C."""
+batches with ragged lengths, chunk boundaries, initial states per request and grouped B / C;
+and the C++ CPU decode kernels against the PyTorch ops at every instruction-set level."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedllm.model_executor.layers.mamba.ops import cpu_dispatch
 from pagedllm.model_executor.layers.mamba.ops.causal_conv1d import (
     causal_conv1d_fn,
     causal_conv1d_update,
@@ -17,6 +19,7 @@ from pagedllm.model_executor.layers.mamba.ops.causal_conv1d import (
 )
 from pagedllm.model_executor.layers.mamba.ops.mamba_ssm import selective_state_update, selective_state_update_native
 from pagedllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined
+from pagedllm.platforms import current_platform
 
 NHEADS, HEAD_DIM, D_STATE, WIDTH, CONV_DIM = 4, 8, 16, 4, 24
 
@@ -99,6 +102,7 @@ def assert_rel(actual, expected, rtol):
     [
         ([1, 7, 64, 130], 32, 2, torch.float32, 1e-5),  # ragged, several chunks
         ([31, 32, 33, 63, 65], 32, 1, torch.float32, 1e-5),  # around chunk multiples
+        ([3, 9, 2], 256, 2, torch.float32, 1e-5),  # every request shorter than a chunk
         ([1, 7, 64, 130], 16, 4, torch.bfloat16, 1e-2),
     ],
 )
@@ -108,6 +112,7 @@ def test_chunk_scan_matches_sequential_recurrence(lens, chunk_size, ngroups, dty
     has_initial = torch.tensor([r % 2 == 1 for r in range(num_reqs)])
     slots = torch.randperm(num_reqs + 2, generator=torch.Generator().manual_seed(2))[:num_reqs].int()
     cache = torch.randn(num_reqs + 2, NHEADS, HEAD_DIM, D_STATE)
+    cache[slots[~has_initial].long()] = math.nan  # fresh slots are never read
     before = cache.clone()
     out = mamba_chunk_scan_combined(
         inputs["x"], inputs["dt"], params["A"], inputs["B"], inputs["C"], chunk_size, params["D"], None,
@@ -154,6 +159,41 @@ def test_chunk_scan_rejects_bad_shapes():
                                   query_start_loc=qsl([8]), ssm_state=torch.zeros(1, NHEADS, HEAD_DIM, D_STATE))
 
 
+def test_conv_and_scan_match_transformers_mamba2_mixer():
+    """The prefill ops in a Mamba-2 mixer's order (in_proj -> conv -> scan) give transformers'
+    ``Mamba2Mixer`` its own pre-norm scan output: checkpoint layouts (conv weight [dim, 1,
+    width], A_log, dt_bias, D) mean what the ops take."""
+    from transformers import Mamba2Config
+    from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
+
+    torch.manual_seed(16)
+    config = Mamba2Config(hidden_size=32, num_heads=NHEADS, head_dim=HEAD_DIM, state_size=D_STATE, n_groups=2,
+                          expand=1, conv_kernel=WIDTH, chunk_size=8, use_conv_bias=True)
+    mixer = Mamba2Mixer(config, 0).eval()
+    with torch.no_grad():
+        mixer.A_log.uniform_(0, 2)
+        mixer.dt_bias.uniform_(-1, 1)
+        mixer.D.uniform_(0, 1)
+    captured = []
+    mixer.norm.register_forward_pre_hook(lambda module, args: captured.append(args[0].detach().clone()))
+    num_tokens, inner, ngroups = 21, NHEADS * HEAD_DIM, 2
+    conv_dim = inner + 2 * ngroups * D_STATE
+    hidden = torch.randn(1, num_tokens, 32)
+    with torch.no_grad():
+        mixer(hidden)
+        xbc, dt = mixer.in_proj(hidden)[0, :, inner:].split([conv_dim, NHEADS], dim=-1)
+        start = qsl([num_tokens])
+        xbc = causal_conv1d_fn(xbc, mixer.conv1d.weight[:, 0], mixer.conv1d.bias, torch.zeros(1, conv_dim, WIDTH - 1),
+                               start, activation="silu")
+        x, B, C = xbc.split([inner, ngroups * D_STATE, ngroups * D_STATE], dim=-1)
+        y = mamba_chunk_scan_combined(
+            x.reshape(num_tokens, NHEADS, HEAD_DIM), dt, -torch.exp(mixer.A_log), B.reshape(num_tokens, ngroups, D_STATE),
+            C.reshape(num_tokens, ngroups, D_STATE), 8, mixer.D, None, mixer.dt_bias, query_start_loc=start,
+            ssm_state=torch.zeros(1, NHEADS, HEAD_DIM, D_STATE), dt_softplus=True,
+        )
+    torch.testing.assert_close(y, captured[0][0].reshape(num_tokens, NHEADS, HEAD_DIM), rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------- causal conv1d
 
 
@@ -170,9 +210,10 @@ def test_causal_conv1d_fn_ragged_with_states(activation):
     weight, bias = conv_params(torch.float32)
     x = torch.randn(sum(lens), CONV_DIM)
     cache = torch.randn(6, CONV_DIM, WIDTH - 1)
-    before = cache.clone()
     slots = torch.tensor([4, 0, 2, 5], dtype=torch.int32)
     has_initial = torch.tensor([True, False, True, True])
+    cache[0] = math.nan  # request 1's fresh slot: never read
+    before = cache.clone()
     out = causal_conv1d_fn(x, weight, bias, cache, qsl(lens), slots, has_initial, activation)
     starts = qsl(lens).tolist()
     for r in range(len(lens)):
@@ -262,8 +303,76 @@ def test_selective_state_update_matches_recurrence_and_vllm_forms():
     assert_rel(state[d["slots"].long()], torch.stack(states), 1e-5)
     state = d["state"].clone()
     out_vllm = selective_state_update(
-        state, d["x"], d["dt"][:, :, None].expand(-1, -1, HEAD_DIM), params["A"][:, None, None].expand(-1, HEAD_DIM, D_STATE),
+        state, d["x"], d["dt"][:, :, None].expand(-1, -1, HEAD_DIM),
+        params["A"][:, None, None].expand(-1, HEAD_DIM, D_STATE),
         d["B"], d["C"], params["D"][:, None].expand(-1, HEAD_DIM), d["z"],
         params["dt_bias"][:, None].expand(-1, HEAD_DIM), True, d["slots"],
     )
     torch.testing.assert_close(out_vllm, out, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------- C++ CPU decode kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernels_match_torch_ops(isa_kernel, dtype):
+    """``causal_conv1d_update`` and ``selective_state_update`` kernels equal the PyTorch
+    ops (dims with vector tails: conv dim 24 + 5, head_dim 8 / d_state 16 and 12)."""
+    torch.manual_seed(10)
+    batch, dim = 6, CONV_DIM + 5
+    g = torch.Generator().manual_seed(11)
+    weight, bias = torch.randn(dim, WIDTH, generator=g).to(dtype), torch.randn(dim, generator=g).to(dtype)
+    x = torch.randn(batch, dim, generator=g).to(dtype)
+    cache = torch.randn(batch + 2, dim, WIDTH - 1, generator=g).to(dtype)
+    slots = torch.tensor([7, 0, 3, 5, 1, 2], dtype=torch.int32)
+    for act in (None, "silu"):
+        for b in (bias, None):
+            got_cache, want_cache = cache.clone(), cache.clone()
+            got = isa_kernel.causal_conv1d_update(x, got_cache, weight, b, act is not None, slots)
+            want = causal_conv1d_update_native(x, want_cache, weight, b, act, slots.long())
+            torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
+            assert torch.equal(got_cache, want_cache)
+
+    params = ssm_params(seed=12)
+    for d_state, ngroups, use_z in ((D_STATE, 2, True), (12, 4, False)):
+        d = decode_inputs(batch, ngroups, dtype, seed=13)
+        d["B"], d["C"] = d["B"][..., :d_state].contiguous(), d["C"][..., :d_state].contiguous()
+        state = d["state"][..., :d_state].contiguous()
+        z = d["z"] if use_z else None
+        got_state, want_state = state.clone(), state.clone()
+        got = isa_kernel.selective_state_update(got_state, d["x"], d["dt"], params["A"], d["B"], d["C"], params["D"],
+                                                z, params["dt_bias"], True, d["slots"], 0.0, math.inf)
+        want = selective_state_update_native(want_state, d["x"], d["dt"], params["A"], d["B"], d["C"], params["D"],
+                                             z, params["dt_bias"], True, d["slots"].long())
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(got_state, want_state, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_ops_dispatch_to_kernels(isa_kernel):
+    """On the CPU platform the public decode ops run the kernels at vector levels, and
+    PyTorch's code at the portable one and on other platforms (``cpu_dispatch``): their
+    outputs are those, bit for bit."""
+    vector_level = current_platform.is_cpu and isa_kernel.active_isa() != "portable"
+    assert cpu_dispatch.use_kernels() == vector_level
+    d, params = decode_inputs(3, 2, torch.float32, seed=14), ssm_params(seed=15)
+    args = (d["x"], d["dt"], params["A"], d["B"], d["C"], params["D"], d["z"], params["dt_bias"], True)
+    public_state, kernel_state, native_state = d["state"].clone(), d["state"].clone(), d["state"].clone()
+    public = selective_state_update(public_state, *args, d["slots"])
+    if vector_level:
+        expected = isa_kernel.selective_state_update(kernel_state, *args, d["slots"], -math.inf, math.inf)
+    else:
+        expected = selective_state_update_native(native_state, *args, d["slots"].long())
+    assert torch.equal(public, expected)
+    weight, bias = conv_params(torch.float32)
+    x, cache = torch.randn(3, CONV_DIM), torch.randn(4, CONV_DIM, WIDTH - 1)
+    slots = torch.tensor([3, 1, 0], dtype=torch.int32)
+    public_cache, other_cache = cache.clone(), cache.clone()
+    public = causal_conv1d_update(x, public_cache, weight, bias, "silu", slots)
+    if vector_level:
+        expected = isa_kernel.causal_conv1d_update(x, other_cache, weight, bias, True, slots)
+    else:
+        expected = causal_conv1d_update_native(x, other_cache, weight, bias, "silu", slots.long())
+    assert torch.equal(public, expected) and torch.equal(public_cache, other_cache)

@@ -1,6 +1,6 @@
 """The C++ CPU kernels: paged attention and KV-cache writes, RMSNorm / SwiGLU / rotary
 embedding, greedy argmax, few-row and dequantizing matmuls on packed 16-, 8- and 4-bit
-weights, and multi-LoRA updates (the ``.cpp`` files beside this one).
+weights, multi-LoRA updates, and Mamba-2's decode step (the ``.cpp`` files beside this one).
 
 Built on first use, never at import, once per instruction-set level (``build``); the level
 is chosen once per process from the CPU or ``PAGEDLLM_CPU_ISA`` (``runtime``). When no level
@@ -33,6 +33,8 @@ from pagedllm.kernels.cpu.ops import (
     linear_w8g,
     linear_dequant,
     lora_sgmv,
+    causal_conv1d_update,
+    selective_state_update,
 )
 from pagedllm.kernels.cpu.runtime import (
     DISABLE_ENV,
@@ -51,6 +53,7 @@ __all__ = [
     "active_isa",
     "argmax_rows",
     "build_info",
+    "causal_conv1d_update",
     "fused_add_rms_norm",
     "has_amx",
     "has_packed_linear",
@@ -73,6 +76,7 @@ __all__ = [
     "reread_env",
     "rms_norm",
     "rotary_embedding",
+    "selective_state_update",
     "silu_and_mul",
     "using_isa",
     "write_kv_cache",

@@ -403,3 +403,41 @@ def lora_sgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: to
         RuntimeError: unavailable kernels, or bad shapes / dtypes / groups.
     """
     _ns.lora_sgmv(y, x, lora_a, lora_b, groups, output_sizes)
+
+
+def causal_conv1d_update(
+    x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], silu: bool,
+    cache_indices: torch.Tensor,
+) -> torch.Tensor:
+    """One decode step of a depthwise causal conv (``mamba.ops.causal_conv1d_update``'s maths,
+    see ``mamba_decode.cpp``): x [B, dim] float32 / bfloat16 / float16 (dim contiguous),
+    conv_states [slots, dim, width - 1] of x's dtype (rolled in place), weight [dim, width]
+    and bias [dim] or None of x's dtype, ``silu`` the activation, cache_indices [B] int32 /
+    int64 slots -> [B, dim] in x's dtype.
+
+    Raises:
+        RuntimeError: unavailable kernels, bad shapes / dtypes, or a slot out of range.
+    """
+    return _ns.causal_conv1d_update(x, conv_states, weight, bias, silu, cache_indices)
+
+
+def selective_state_update(
+    state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: Optional[torch.Tensor], z: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], dt_softplus: bool,
+    state_batch_indices: torch.Tensor, dt_min: float, dt_max: float,
+) -> torch.Tensor:
+    """One Mamba-2 decode step per request (``mamba.ops.selective_state_update``'s maths, see
+    ``mamba_decode.cpp``), one pass over each (request, head)'s state: state [slots, nheads,
+    head_dim, d_state] float32 (updated in place), x [B, nheads, head_dim], dt [B, nheads],
+    B / C [B, ngroups, d_state], z like x or None (one dtype: float32 / bfloat16 / float16;
+    last dimensions contiguous), A, D, dt_bias [nheads] (converted to float32; D, dt_bias may
+    be None), state_batch_indices [B] int32 / int64, dt clamped to [dt_min, dt_max] after the
+    softplus -> [B, nheads, head_dim] in x's dtype.
+
+    Raises:
+        RuntimeError: unavailable kernels, bad shapes / dtypes, or a slot out of range.
+    """
+    D = None if D is None else D.float()
+    dt_bias = None if dt_bias is None else dt_bias.float()
+    return _ns.selective_state_update(state, x, dt, A.float(), B, C, D, z, dt_bias, dt_softplus,
+                                      state_batch_indices, float(dt_min), float(dt_max))

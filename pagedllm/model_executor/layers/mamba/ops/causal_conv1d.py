@@ -18,7 +18,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from pagedllm.model_executor.layers.mamba.ops.slots import slot_indices
+from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.model_executor.layers.mamba.ops import cpu_dispatch
+from pagedllm.model_executor.layers.mamba.ops.slots import kernel_slot_indices, slot_indices
 
 _ACTIVATIONS = (None, "silu", "swish")
 
@@ -44,7 +46,9 @@ def _check_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     return width
 
 
-def _finish(acc: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str], dtype: torch.dtype) -> torch.Tensor:
+def _finish(acc: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str],
+            dtype: torch.dtype) -> torch.Tensor:
+    """``act(acc + bias)`` rounded to ``dtype`` (acc float32)."""
     if bias is not None:
         acc = acc + bias.float()
     if activation is not None:
@@ -100,14 +104,13 @@ def causal_conv1d_fn(
     ext[token_pos] = x.float()
     seg_start = starts[:-1] + torch.arange(num_reqs, device=x.device) * keep
     state_pos = seg_start[:, None] + torch.arange(keep, device=x.device)
-    init = conv_states[cache_indices].float().transpose(1, 2)  # [num_reqs, keep, dim]
-    if has_initial_state is not None:
-        init = init * has_initial_state.to(device=x.device, dtype=torch.float32)[:, None, None]
-    else:
-        init = torch.zeros_like(init)
-    ext[state_pos] = init
-    windows = ext[token_pos[:, None] - keep + torch.arange(width, device=x.device)]  # [num_tokens, width, dim]
-    out = _finish(torch.einsum("twd,dw->td", windows, weight.float()), bias, activation, x.dtype)
+    if has_initial_state is not None:  # (a fresh slot may hold anything, NaN included: not read)
+        init = conv_states[cache_indices].float().transpose(1, 2)  # [num_reqs, keep, dim]
+        ext[state_pos] = init.masked_fill(~has_initial_state.to(device=x.device, dtype=torch.bool)[:, None, None], 0.0)
+    # Every token's window lies within its request's part of ``ext``: one depthwise conv over
+    # all of it, read at the tokens' positions.
+    conv = F.conv1d(ext.T.unsqueeze(0), weight.float().unsqueeze(1), groups=dim)[0]  # [dim, len(ext) - keep]
+    out = _finish(conv[:, token_pos - keep].T, bias, activation, x.dtype)
     last = ext[(seg_start + lens)[:, None] + torch.arange(keep, device=x.device)]  # [num_reqs, keep, dim]
     conv_states[cache_indices] = last.transpose(1, 2).to(conv_states.dtype)
     return out
@@ -132,13 +135,18 @@ def causal_conv1d_update(
         cache_indices: int [num_reqs], each request's slot; None: slot ``r`` for request ``r``.
 
     Returns:
-        [num_reqs, dim] in ``x``'s dtype.
+        [num_reqs, dim] in ``x``'s dtype. On CPU the C++ kernel runs where
+        ``cpu_dispatch.use_kernels()`` (x, weight, bias and the cache of one dtype), else
+        ``causal_conv1d_update_native``.
 
     Raises:
         ValueError: on inconsistent shapes or an unknown activation.
     """
     _check_activation(activation)
     _check_conv(x, weight, bias, conv_states)
+    if cpu_dispatch.use_kernels() and _kernel_form(x, conv_states, weight, bias):
+        slots = kernel_slot_indices(cache_indices, x.shape[0])
+        return cpu_kernels.causal_conv1d_update(x, conv_states, weight, bias, activation is not None, slots)
     cache_indices = slot_indices(cache_indices, x.shape[0], x.device)
     return causal_conv1d_update_native(x, conv_states, weight, bias, activation, cache_indices)
 
@@ -151,10 +159,21 @@ def causal_conv1d_update_native(
     activation: Optional[str],
     cache_indices: torch.Tensor,
 ) -> torch.Tensor:
-    """``causal_conv1d_update`` in PyTorch (every device),
+    """``causal_conv1d_update`` in PyTorch (every device; the C++ kernel's reference),
     arguments checked by the caller."""
     window = torch.cat((conv_states[cache_indices].float(), x.float()[:, :, None]), dim=2)  # [num_reqs, dim, width]
     out = _finish((window * weight.float()).sum(dim=2), bias, activation, x.dtype)
     conv_states[cache_indices] = window[:, :, 1:].to(conv_states.dtype)
     return out
 
+
+def _kernel_form(x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor,
+                 bias: Optional[torch.Tensor]) -> bool:
+    """Whether the C++ kernel takes these tensors: one dtype, the kernel's contiguity."""
+    return (
+        conv_states.dtype == x.dtype == weight.dtype
+        and (bias is None or bias.dtype == x.dtype)
+        and x.stride(1) == 1
+        and conv_states.stride(2) == 1
+        and weight.is_contiguous()
+    )

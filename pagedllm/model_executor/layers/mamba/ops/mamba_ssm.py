@@ -13,14 +13,21 @@ computed in float32; ``out`` is rounded once to ``x``'s dtype.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from pagedllm.model_executor.layers.mamba.ops.slots import slot_indices
-from pagedllm.model_executor.layers.mamba.ops.ssm_args import check_bcdz, discretize_dt, skip_term
+from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.model_executor.layers.mamba.ops import cpu_dispatch
+from pagedllm.model_executor.layers.mamba.ops.slots import kernel_slot_indices, slot_indices
+from pagedllm.model_executor.layers.mamba.ops.ssm_args import (
+    NO_DT_LIMIT,
+    check_bcdz,
+    discretize_dt,
+    dt_clamp_bounds,
+    skip_term,
+)
 
 
 def selective_state_update(
@@ -35,7 +42,7 @@ def selective_state_update(
     dt_bias: Optional[torch.Tensor] = None,
     dt_softplus: bool = False,
     state_batch_indices: Optional[torch.Tensor] = None,
-    dt_limit: tuple[float, float] = (0.0, math.inf),
+    dt_limit: tuple[float, float] = NO_DT_LIMIT,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One Mamba-2 decode step per request, the state updated in place (see the module).
@@ -54,18 +61,43 @@ def selective_state_update(
         out: [batch, nheads, head_dim] to write into, or None.
 
     Returns:
-        ``out`` (a new tensor of ``x``'s dtype when None).
+        ``out`` (a new tensor of ``x``'s dtype when None). On CPU the C++ kernel runs where
+        ``cpu_dispatch.use_kernels()`` (per-head dt, A, D and dt_bias, a float32 state, x, dt,
+        B, C and z of one dtype), else ``selective_state_update_native``.
 
     Raises:
         ValueError: on inconsistent shapes.
     """
     _check(state, x, dt, A, B, C, D, z, dt_bias)
-    idx = slot_indices(state_batch_indices, x.shape[0], x.device)
-    result = selective_state_update_native(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, idx, dt_limit)
+    if cpu_dispatch.use_kernels() and _kernel_form(state, x, dt, A, B, C, D, z, dt_bias):
+        idx = kernel_slot_indices(state_batch_indices, x.shape[0])
+        result = cpu_kernels.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, idx,
+                                                    *dt_clamp_bounds(dt_limit))
+    else:
+        idx = slot_indices(state_batch_indices, x.shape[0], x.device)
+        result = selective_state_update_native(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, idx, dt_limit)
     if out is None:
         return result
     out.copy_(result)
     return out
+
+
+def _kernel_form(state, x, dt, A, B, C, D, z, dt_bias) -> bool:
+    """Whether the C++ kernel takes these tensors: per-head forms of dt, A, D and dt_bias, a
+    float32 state, one dtype for x, dt, B, C and z, and the kernel's contiguity."""
+    return (
+        state.dtype == torch.float32
+        and dt.dim() == 2
+        and A.dim() == 1
+        and (D is None or D.dim() == 1)
+        and (dt_bias is None or dt_bias.dim() == 1)
+        and x.dtype == dt.dtype == B.dtype == C.dtype
+        and (z is None or (z.dtype == x.dtype and z.stride(2) == 1))
+        and state.stride(3) == 1
+        and x.stride(2) == 1
+        and B.stride(2) == 1
+        and C.stride(2) == 1
+    )
 
 
 def _check(state, x, dt, A, B, C, D, z, dt_bias) -> None:
@@ -86,8 +118,8 @@ def _check(state, x, dt, A, B, C, D, z, dt_bias) -> None:
 
 def selective_state_update_native(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool,
                                   state_batch_indices: torch.Tensor,
-                                  dt_limit: tuple[float, float] = (0.0, math.inf)) -> torch.Tensor:
-    """``selective_state_update`` in PyTorch (every device), arguments checked by the
+                                  dt_limit: tuple[float, float] = NO_DT_LIMIT) -> torch.Tensor:
+    """``selective_state_update`` in PyTorch (every device; the C++ kernel's reference), arguments checked by the
     caller, ``state_batch_indices`` int64; returns a new [batch, nheads, head_dim] tensor."""
     nheads = state.shape[1]
     per_head = dt_bias if dt_bias is None or dt_bias.dim() == 2 else dt_bias[:, None]

@@ -19,3 +19,19 @@ def slot_indices(indices: Optional[torch.Tensor], num_reqs: int, device: torch.d
     if indices.dim() != 1 or indices.numel() != num_reqs:
         raise ValueError(f"expected {num_reqs} slot indices, got shape {tuple(indices.shape)}")
     return indices.to(device=device, dtype=torch.long)
+
+
+def kernel_slot_indices(indices: Optional[torch.Tensor], num_reqs: int) -> torch.Tensor:
+    """``indices`` as the C++ kernels take them: contiguous int32 or int64 [num_reqs] (no copy
+    when they are already), ``arange`` when None.
+
+    Raises:
+        ValueError: as ``slot_indices``.
+    """
+    if indices is None:
+        return torch.arange(num_reqs)
+    if indices.dim() != 1 or indices.numel() != num_reqs:
+        raise ValueError(f"expected {num_reqs} slot indices, got shape {tuple(indices.shape)}")
+    if indices.dtype in (torch.int32, torch.int64) and indices.is_contiguous():
+        return indices
+    return indices.to(torch.long).contiguous()

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.model_executor.layers.mamba.ops.slots import slot_indices
-from pagedllm.model_executor.layers.mamba.ops.ssm_args import check_bcdz, discretize_dt, skip_term
+from pagedllm.model_executor.layers.mamba.ops.ssm_args import NO_DT_LIMIT, check_bcdz, discretize_dt, skip_term
 
 #: Bytes one [chunks, nheads, chunk_size, chunk_size] float32 intermediate may take: the
 #: quadratic part runs over as many chunks at a time as fit.
@@ -50,7 +50,7 @@ def mamba_chunk_scan_combined(
     state_batch_indices: Optional[torch.Tensor] = None,
     has_initial_state: Optional[torch.Tensor] = None,
     dt_softplus: bool = False,
-    dt_limit: tuple[float, float] = (0.0, math.inf),
+    dt_limit: tuple[float, float] = NO_DT_LIMIT,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Mamba-2's scan over each request's tokens (see the module), final states written back.
@@ -94,8 +94,8 @@ def mamba_chunk_scan_combined(
     initial = ssm_state[slots].float()
     if has_initial_state is None:
         initial.zero_()
-    else:
-        initial *= has_initial_state.to(device=x.device, dtype=torch.float32)[:, None, None, None]
+    else:  # a fresh slot may hold anything, NaN included: not read
+        initial.masked_fill_(~has_initial_state.to(device=x.device, dtype=torch.bool)[:, None, None, None], 0.0)
     cum = a.cumsum(dim=-1)  # [chunks, nheads, L]
     before, final = plan.scan(initial, chunk_states, torch.exp(cum[:, :, -1]))
     y += _from_previous_chunks(cs, before, cum)
@@ -132,14 +132,16 @@ def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, ssm_state) -> None:
 
 class _ChunkPlan:
     """Where each chunk's tokens are: chunk ``c`` of the batch is request ``req[c]``'s
-    ``k``-th, tokens ``start[c] .. start[c] + length[c] - 1``; chunks in token order."""
+    ``k``-th, tokens ``start[c] .. start[c] + length[c] - 1``; chunks in token order, each
+    padded to ``chunk_size`` positions (the shorter of the asked size and the longest request)."""
 
     def __init__(self, starts: torch.Tensor, num_tokens: int, chunk_size: int) -> None:
         device = starts.device
         lens = starts[1:] - starts[:-1]
         if bool((lens < 0).any()) or int(starts[-1]) != num_tokens:
             raise ValueError(f"query_start_loc must be non-decreasing and end at num_tokens ({num_tokens})")
-        self.num_tokens, self.chunk_size = num_tokens, chunk_size
+        # The same chunks with less padding when every request is shorter than a chunk.
+        chunk_size = max(1, min(chunk_size, int(lens.max()) if lens.numel() else 1))
         self.chunks_per_req = (lens + chunk_size - 1) // chunk_size  # [num_reqs]
         self.first_chunk = torch.cumsum(self.chunks_per_req, 0) - self.chunks_per_req
         num_chunks = int(self.chunks_per_req.sum())
@@ -147,7 +149,7 @@ class _ChunkPlan:
                                       output_size=num_chunks)
         k = torch.arange(num_chunks, device=device) - self.first_chunk[req]
         start = starts[:-1][req] + k * chunk_size
-        length = torch.minimum(starts[1:][req] - start, torch.tensor(chunk_size, device=device))
+        length = (starts[1:][req] - start).clamp(max=chunk_size)
         pos = torch.arange(chunk_size, device=device)
         self.valid = pos < length[:, None]  # [chunks, L]
         # Padding positions read the zero row appended at index num_tokens.

@@ -10,6 +10,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+#: The default ``dt_limit``, (0, inf): no clamp at all (not even at 0).
+NO_DT_LIMIT = (0.0, math.inf)
+
 
 def check_bcdz(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: Optional[torch.Tensor],
                z: Optional[torch.Tensor], d_state: int) -> None:
@@ -34,17 +37,21 @@ def check_bcdz(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: Optional[to
 def discretize_dt(dt: torch.Tensor, dt_bias: Optional[torch.Tensor], softplus: bool,
                   limit: tuple[float, float]) -> torch.Tensor:
     """float32 ``clamp(softplus?(dt + dt_bias), *limit)`` (softplus with threshold 20, as
-    ``torch.nn.functional.softplus``); ``dt_bias`` broadcasts against ``dt``; a limit of
-    (0, inf) clamps nothing."""
+    ``torch.nn.functional.softplus``); ``dt_bias`` broadcasts against ``dt``; the limit
+    ``NO_DT_LIMIT`` clamps nothing (vLLM's convention)."""
     dt = dt.float()
     if dt_bias is not None:
         dt = dt + dt_bias.float()
     if softplus:
         dt = F.softplus(dt)
-    low, high = limit
-    if low > 0.0 or high < math.inf:
-        dt = dt.clamp(low, high)
+    if tuple(limit) != NO_DT_LIMIT:
+        dt = dt.clamp(*limit)
     return dt
+
+
+def dt_clamp_bounds(limit: tuple[float, float]) -> tuple[float, float]:
+    """(low, high) that clamp as ``discretize_dt`` does: (-inf, inf) for ``NO_DT_LIMIT``."""
+    return (-math.inf, math.inf) if tuple(limit) == NO_DT_LIMIT else (float(limit[0]), float(limit[1]))
 
 
 def skip_term(x: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
