@@ -134,3 +134,51 @@ class EmbeddingRequestOutput:
         """The embedding view of a pooling request's output."""
         return cls(request_output.request_id, EmbeddingOutput(request_output.outputs.data),
                    request_output.prompt_token_ids, request_output.finished)
+
+
+@dataclass
+class ClassificationOutput:
+    """A classifier's class probabilities (vLLM's ``ClassificationOutput``): ``probs`` one value
+    per label (config.json's ``id2label`` order), after the model's activation."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """``LLM.classify``'s result per prompt: ``outputs.probs`` (vLLM's ``ClassificationRequestOutput``)."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, request_output: PoolingRequestOutput) -> ClassificationRequestOutput:
+        """The classification view of a pooling request's output."""
+        return cls(request_output.request_id, ClassificationOutput(request_output.outputs.data),
+                   request_output.prompt_token_ids, request_output.finished)
+
+
+@dataclass
+class ScoringOutput:
+    """The score of one text pair (vLLM's ``ScoringOutput``): a cross-encoder's activated
+    logit, or the cosine similarity of an embedding model's two embeddings."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """``LLM.score``'s result per pair: ``outputs.score`` (vLLM's ``ScoringRequestOutput``).
+    ``prompt_token_ids``: the pair's tokens (a cross-encoder's pair input; an embedding
+    model's two prompts one after the other)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -366,16 +366,18 @@ class EngineArgs:
         "auto",
         help=(
             "What the model serves: 'generate' (text), 'pooling' (embeddings: LLM.embed, "
-            "/v1/embeddings), 'auto' (pooling for an encoder such as BertModel or with --convert "
-            "embed, else generate)."
+            "/v1/embeddings; classes and scores: LLM.classify / LLM.score, /classify, /v1/score, /v1/rerank), "
+            "'auto' (pooling for an encoder such as BertModel, a *ForSequenceClassification model or with "
+            "--convert embed / classify, else generate)."
         ),
         choices=RUNNER_TYPES,
     )
     convert: str = flag_field(
         "auto",
         help=(
-            "'embed': serve a generative checkpoint (e.g. Qwen3, Llama) as an embedding model; 'none' / "
-            "'auto': as it is."
+            "'embed': serve a generative checkpoint (e.g. Qwen3, Llama) as an embedding model; 'classify': "
+            "as a sequence classifier (its score head on the last token: /classify, /v1/score, /v1/rerank); "
+            "'none' / 'auto': as it is."
         ),
         choices=CONVERT_TYPES,
     )
@@ -585,6 +587,7 @@ class EngineArgs:
             batch_invariant=self.batch_invariant,
             runner_type=runner_type,
             pooler_config=self._pooler_config(runner_type, architecture, model_path),
+            convert_type=self.convert if self.convert in ("embed", "classify") else "none",
         )
         self._check_num_gpu_blocks_override(max_model_len)
         cache_config = CacheConfig.from_engine_args(self, max_model_len)

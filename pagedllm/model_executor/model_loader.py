@@ -25,6 +25,7 @@ from pagedllm.model_executor.layers.quantization import (
     get_quantization_config,
 )
 from pagedllm.model_executor.layers.quantization.gguf import GGUFConfig
+from pagedllm.model_executor.models.adapters import as_seq_cls_model
 from pagedllm.model_executor.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,8 @@ def get_model(model_config: ModelConfig, device: torch.device, attn_backend: typ
             ``batch_invariant`` with a quantized model.
     """
     model_cls = get_model_class(model_config.architecture)
+    if model_config.convert_type == "classify" and not hasattr(model_cls, "pooler_head"):
+        model_cls = as_seq_cls_model(model_cls)  # --convert classify: a decoder with a score head
     check_hf_config(model_config.hf_config)
     quant_config = get_quant_config(model_config)
     old_dtype = torch.get_default_dtype()
