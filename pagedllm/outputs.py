@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 
 @dataclass
@@ -121,19 +121,29 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """``LLM.embed``'s result per prompt: ``outputs.embedding`` (vLLM's ``EmbeddingRequestOutput``)."""
+class _TaskRequestOutput:
+    """A pooling request's output seen as one task's (``output_cls`` built from its values)."""
+
+    output_cls: ClassVar[type]
 
     request_id: str
-    outputs: EmbeddingOutput
+    outputs: Any
     prompt_token_ids: list[int]
     finished: bool = True
 
     @classmethod
-    def from_base(cls, request_output: PoolingRequestOutput) -> EmbeddingRequestOutput:
-        """The embedding view of a pooling request's output."""
-        return cls(request_output.request_id, EmbeddingOutput(request_output.outputs.data),
+    def from_base(cls, request_output: PoolingRequestOutput) -> Any:
+        """This task's view of a pooling request's output."""
+        return cls(request_output.request_id, cls.output_cls(request_output.outputs.data),
                    request_output.prompt_token_ids, request_output.finished)
+
+
+@dataclass
+class EmbeddingRequestOutput(_TaskRequestOutput):
+    """``LLM.embed``'s result per prompt: ``outputs.embedding`` (vLLM's ``EmbeddingRequestOutput``)."""
+
+    output_cls = EmbeddingOutput
+    outputs: EmbeddingOutput
 
 
 @dataclass
@@ -149,19 +159,11 @@ class ClassificationOutput:
 
 
 @dataclass
-class ClassificationRequestOutput:
+class ClassificationRequestOutput(_TaskRequestOutput):
     """``LLM.classify``'s result per prompt: ``outputs.probs`` (vLLM's ``ClassificationRequestOutput``)."""
 
-    request_id: str
+    output_cls = ClassificationOutput
     outputs: ClassificationOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
-
-    @classmethod
-    def from_base(cls, request_output: PoolingRequestOutput) -> ClassificationRequestOutput:
-        """The classification view of a pooling request's output."""
-        return cls(request_output.request_id, ClassificationOutput(request_output.outputs.data),
-                   request_output.prompt_token_ids, request_output.finished)
 
 
 @dataclass

@@ -849,6 +849,15 @@ class EmbeddingResponse(OpenAIBaseModel):
 # --------------------------------------------------------------------------- classification and scores
 
 
+class _PoolingListResponse(OpenAIBaseModel):
+    """The fields every pooling list response shares (its ``id`` and ``data`` are each one's)."""
+
+    object: str = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    usage: UsageInfo
+
+
 class ClassificationRequest(OpenAIRequest):
     """``POST /classify`` (vLLM's fields): ``input`` as ``EmbeddingRequest``'s, one
     classification each, in order."""
@@ -869,13 +878,9 @@ class ClassificationData(OpenAIBaseModel):
     num_classes: int
 
 
-class ClassificationResponse(OpenAIBaseModel):
+class ClassificationResponse(_PoolingListResponse):
     id: str = Field(default_factory=lambda: f"classify-{uuid.uuid4().hex}")
-    object: str = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     data: list[ClassificationData]
-    usage: UsageInfo
 
 
 class ScoreRequest(OpenAIRequest):
@@ -899,13 +904,9 @@ class ScoreResponseData(OpenAIBaseModel):
     score: float
 
 
-class ScoreResponse(OpenAIBaseModel):
+class ScoreResponse(_PoolingListResponse):
     id: str = Field(default_factory=lambda: f"score-{uuid.uuid4().hex}")
-    object: str = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     data: list[ScoreResponseData]
-    usage: UsageInfo
 
 
 class RerankRequest(OpenAIRequest):

@@ -8,8 +8,6 @@ probabilities, their count and the most probable class's ``id2label`` name.
 
 from __future__ import annotations
 
-import logging
-
 from pagedllm.entrypoints.openai.protocol import (
     ClassificationData,
     ClassificationRequest,
@@ -19,8 +17,6 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_engine import random_id
 from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from pagedllm.pooling_params import PoolingParams
-
-logger = logging.getLogger(__name__)
 
 
 def label_of(probs: list[float], id2label: dict) -> str:
@@ -45,12 +41,7 @@ class OpenAIServingClassification(OpenAIServingPooling):
         params = PoolingParams(task="classify", truncate_prompt_tokens=request.truncate_prompt_tokens,
                                use_activation=request.use_activation)
         request_id = random_id("classify")
-        engine_requests = [self._engine_request(f"{request_id}-{i}", prompt.engine_prompt, params)
-                           for i, prompt in enumerate(prompts)]
-        if self.log_requests:
-            logger.info("Received request %s: %d input(s) of %s tokens", request_id, len(prompts),
-                        [len(r.prompt_token_ids) for r in engine_requests])
-        outputs = await self._collect([p.text for p in prompts], engine_requests)
+        outputs = await self._pool_inputs(request_id, prompts, params)
         id2label = getattr(self.processor.model_config.hf_config, "id2label", None) or {}
         data = [ClassificationData(index=i, label=label_of(out.outputs.data, id2label), probs=out.outputs.data,
                                    num_classes=len(out.outputs.data)) for i, out in enumerate(outputs)]

@@ -15,7 +15,6 @@ counts every input's tokens.
 from __future__ import annotations
 
 import base64
-import logging
 import numpy as np
 
 from pagedllm.entrypoints.openai.protocol import (
@@ -28,7 +27,6 @@ from pagedllm.entrypoints.openai.serving_engine import random_id
 from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from pagedllm.pooling_params import PoolingParams
 
-logger = logging.getLogger(__name__)
 
 #: Request fields a ``PoolingParams`` error message may start with (they become ``param``).
 EMBEDDING_FIELDS = ("dimensions", "truncate_prompt_tokens", "normalize")
@@ -59,12 +57,7 @@ class OpenAIServingEmbedding(OpenAIServingPooling):
         params = PoolingParams(dimensions=request.dimensions, normalize=request.normalize,
                                truncate_prompt_tokens=request.truncate_prompt_tokens)
         request_id = random_id("embd")
-        engine_requests = [self._engine_request(f"{request_id}-{i}", prompt.engine_prompt, params)
-                           for i, prompt in enumerate(prompts)]
-        if self.log_requests:
-            logger.info("Received request %s: %d input(s) of %s tokens, params: %s", request_id, len(prompts),
-                        [len(r.prompt_token_ids) for r in engine_requests], engine_requests[0].pooling_params)
-        outputs = await self._collect([p.text for p in prompts], engine_requests)
+        outputs = await self._pool_inputs(request_id, prompts, params)
         data = [EmbeddingResponseData(index=i, embedding=encode_embedding(out.outputs.data, request.encoding_format))
                 for i, out in enumerate(outputs)]
         num_prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs)

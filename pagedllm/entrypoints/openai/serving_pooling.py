@@ -7,6 +7,7 @@ them all at once (``AsyncLLM.encode``) and return the outputs in input order.
 
 from __future__ import annotations
 
+import logging
 from typing import Union
 
 from pagedllm.engine.processor import ContextLengthError, PromptType
@@ -15,6 +16,8 @@ from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, PromptInpu
 from pagedllm.messages.engine_core import EngineCoreRequest
 from pagedllm.outputs import PoolingRequestOutput
 from pagedllm.pooling_params import PoolingParams
+
+logger = logging.getLogger(__name__)
 
 
 class OpenAIServingPooling(OpenAIServing):
@@ -41,6 +44,21 @@ class OpenAIServingPooling(OpenAIServing):
             return [PromptInput(None, list(ids)) for ids in given]  # type: ignore[arg-type]
         return [PromptInput(text, self.renderer.encode(text, add_special_tokens))  # type: ignore[arg-type]
                 for text in given]
+
+    async def _pool_inputs(self, request_id: str, prompts: list[PromptInput],
+                           params: PoolingParams) -> list[PoolingRequestOutput]:
+        """Every input pooled with ``params``, in order (ids ``{request_id}-{i}``), each
+        validated (``_engine_request``) before any is queued.
+
+        Raises:
+            OpenAIServingError: 400 for bad input or an input too long.
+        """
+        engine_requests = [self._engine_request(f"{request_id}-{i}", prompt.engine_prompt, params)
+                           for i, prompt in enumerate(prompts)]
+        if self.log_requests:
+            logger.info("Received request %s: %d input(s) of %s tokens, params: %s", request_id, len(prompts),
+                        [len(r.prompt_token_ids) for r in engine_requests], engine_requests[0].pooling_params)
+        return await self._collect([p.text for p in prompts], engine_requests)
 
     def _engine_request(self, request_id: str, prompt: Union[PromptType, dict], params: PoolingParams,
                         input_param: str = "input") -> EngineCoreRequest:

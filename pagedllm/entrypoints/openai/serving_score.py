@@ -109,7 +109,7 @@ class OpenAIServingScores(OpenAIServingPooling):
         if model_config.is_classifier:
             return await self._cross_encoding_score(request_id, pairs, truncate_prompt_tokens, use_activation,
                                                     second_param)
-        return await self._embedding_score(request_id, pairs, truncate_prompt_tokens, second_param)
+        return await self._embedding_score(request_id, pairs, truncate_prompt_tokens)
 
     async def _cross_encoding_score(self, request_id: str, pairs: list[tuple[str, str]],
                                     truncate_prompt_tokens: Optional[int], use_activation: Optional[bool],
@@ -126,13 +126,11 @@ class OpenAIServingScores(OpenAIServingPooling):
         return [out.outputs.data[0] for out in outputs], sum(len(out.prompt_token_ids) for out in outputs)
 
     async def _embedding_score(self, request_id: str, pairs: list[tuple[str, str]],
-                               truncate_prompt_tokens: Optional[int], input_param: str) -> tuple[list[float], int]:
+                               truncate_prompt_tokens: Optional[int]) -> tuple[list[float], int]:
         """Each distinct text embedded once; each pair the cosine of its two embeddings."""
         texts = list(dict.fromkeys(text for pair in pairs for text in pair))
         params = PoolingParams(task="embed", truncate_prompt_tokens=truncate_prompt_tokens)
         prompts = self._prompt_inputs(texts, add_special_tokens=True)
-        engine_requests = [self._engine_request(f"{request_id}-{i}", prompt.engine_prompt, params, input_param)
-                           for i, prompt in enumerate(prompts)]
-        outputs = dict(zip(texts, await self._collect(texts, engine_requests)))
+        outputs = dict(zip(texts, await self._pool_inputs(request_id, prompts, params)))
         scores = [cosine_similarity(outputs[a].outputs.data, outputs[b].outputs.data) for a, b in pairs]
         return scores, sum(len(outputs[a].prompt_token_ids) + len(outputs[b].prompt_token_ids) for a, b in pairs)
