@@ -81,8 +81,9 @@ class LLM:
                 vLLM's ``LLM``; False logs it every ``$PAGEDLLM_LOG_STATS_INTERVAL`` s, default 10).
             tensor_parallel_size: worker processes the model is split over (tensor
                 parallelism; ``MultiprocExecutor`` above 1).
-            runner / convert / pooler_config: an embedding model (``embed``, ``encode``): "auto"
-                takes an encoder (``BertModel`` ...) as one; ``convert="embed"`` a decoder checkpoint;
+            runner / convert / pooler_config: a pooling model (``embed``, ``encode``, ``classify``,
+                ``score``): "auto" takes an encoder (``BertModel`` ...) or a ``*ForSequenceClassification``
+                as one; ``convert="embed"`` / ``"classify"`` a decoder checkpoint;
                 ``pooler_config={"pooling_type": "MEAN", "normalize": True}`` (see ``EngineArgs``).
             max_logprobs, num_gpu_blocks_override, trust_remote_code, enforce_eager
                 (no-op) ...: vLLM's other arguments, see ``EngineArgs``.
