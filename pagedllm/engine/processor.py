@@ -277,8 +277,9 @@ class Processor:
             FileNotFoundError: see ``check_lora``.
         """
         if self.model_config.runner_type == "pooling":
-            raise ValueError(f"{self.model_config.model} is a pooling model (--runner pooling): it computes "
-                             "embeddings (LLM.embed, /v1/embeddings), not generations.")
+            raise ValueError(f"{self.model_config.model} is a pooling model (--runner pooling) for the "
+                             f"{' / '.join(self.model_config.pooling_tasks)} task(s) (LLM.embed, LLM.classify, "
+                             "LLM.score; /v1/embeddings, /classify, /v1/score): it generates no text.")
         prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens)
         if params.bad_words and not params.bad_words_token_ids:
