@@ -43,8 +43,10 @@ from pagedllm.config.pooler import (
     PoolerConfig,
     default_pooler_config,
     encoder_context_len,
+    is_classifier,
     is_encoder_architecture,
     resolve_runner,
+    set_classifier_from_token,
 )
 from pagedllm.config.scheduler import SchedulerConfig
 from pagedllm.config.speculative import SpeculativeConfig
@@ -376,7 +378,8 @@ class EngineArgs:
         "auto",
         help=(
             "'embed': serve a generative checkpoint (e.g. Qwen3, Llama) as an embedding model; 'classify': "
-            "as a sequence classifier (its score head on the last token: /classify, /v1/score, /v1/rerank); "
+            "as a sequence classifier (its score head on the last token: /classify, /v1/score, /v1/rerank; "
+            "the head from LM-head rows with --hf-overrides '{\"classifier_from_token\": [\"no\", \"yes\"]}'); "
             "'none' / 'auto': as it is."
         ),
         choices=CONVERT_TYPES,
@@ -566,6 +569,8 @@ class EngineArgs:
         max_model_len = self._max_model_len(hf_config)
         architecture = (getattr(hf_config, "architectures", None) or ["<none>"])[0]
         runner_type = resolve_runner(self.runner, self.convert, architecture)
+        if is_classifier(architecture, self.convert):
+            set_classifier_from_token(hf_config)
         if runner_type == "pooling" and self.speculative_config is not None:
             raise ValueError("speculative_config with a pooling model is not supported (it generates no tokens).")
         scheduler_config = self._scheduler_config(max_model_len, runner_type, architecture)

@@ -140,6 +140,23 @@ def resolve_runner(runner: str, convert: str, architecture: str) -> str:
     return runner
 
 
+def set_classifier_from_token(hf_config: Any) -> None:
+    """For a classifier made from a causal LM's vocabulary (config.json or ``--hf-overrides``'
+    ``classifier_from_token``, vLLM's key: the tokens whose LM-head rows become the score
+    head), set ``num_labels``: 1 for two tokens (vLLM's "from_2_way_softmax": the score is the
+    second token's logit less the first's), else one label per token. No-op without the key.
+
+    Raises:
+        ValueError: ``classifier_from_token`` not a list of at least two strings.
+    """
+    tokens = getattr(hf_config, "classifier_from_token", None)
+    if tokens is None:
+        return
+    if not isinstance(tokens, list) or len(tokens) < 2 or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"classifier_from_token must be a list of two or more tokens, got {tokens!r}.")
+    hf_config.num_labels = 1 if len(tokens) == 2 else len(tokens)
+
+
 def classification_activation(hf_config: Any) -> str:
     """The activation of the "classify" task's logits, as transformers' loss for the config's
     ``problem_type`` (vLLM's rule): "identity" for regression, "sigmoid" for multi-label or

@@ -121,3 +121,26 @@ def test_bi_encoder_score_is_cosine_of_sentence_transformers_embeddings(tmp_path
     with pytest.raises(ValueError, match="does not serve the 'classify' pooling task"):
         llm.classify(TEXTS, use_tqdm=False)
     check_block_accounting(llm)
+
+
+def test_convert_classify_from_two_tokens_is_their_logit_difference(tiny_qwen3):
+    """``classifier_from_token`` [false, true] (vLLM's from_2_way_softmax): the probability is
+    the sigmoid of the true token's logit less the false token's, of transformers' causal LM."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_qwen3)
+    false_id, true_id = 300, 301
+    tokens = tokenizer.convert_ids_to_tokens([false_id, true_id])
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = torch.stack([model(**tokenizer(t, return_tensors="pt")).logits[0, -1] for t in TEXTS])
+    probs = torch.sigmoid(logits[:, true_id] - logits[:, false_id])
+    llm = LLM(str(tiny_qwen3), dtype="float32", convert="classify", hf_overrides={"classifier_from_token": tokens},
+              kv_cache_memory_bytes=16 << 20)
+    torch.testing.assert_close(_probs(llm.classify(TEXTS, use_tqdm=False))[:, 0], probs, atol=1e-4, rtol=1e-4)
+    pair_ids = tokenizer(QUERY, TEXTS[1])["input_ids"]
+    with torch.no_grad():
+        pair_logits = model(torch.tensor([pair_ids])).logits[0, -1]
+    score = llm.score(QUERY, TEXTS[1], use_tqdm=False)[0]
+    assert score.prompt_token_ids == pair_ids
+    assert score.outputs.score == pytest.approx(torch.sigmoid(pair_logits[true_id] - pair_logits[false_id]).item(),
+                                                abs=1e-4)
+    check_block_accounting(llm)
