@@ -594,6 +594,7 @@ class EngineArgs:
             pooler_config=self._pooler_config(runner_type, architecture, model_path),
             convert_type=self.convert if self.convert in ("embed", "classify") else "none",
         )
+        model_config.pooling_activations  # a classifier's activation not built fails here, before loading
         self._check_num_gpu_blocks_override(max_model_len)
         cache_config = CacheConfig.from_engine_args(self, max_model_len)
         if runner_type == "pooling" and cache_config.enable_prefix_caching:
