@@ -38,7 +38,8 @@ BEHAVIOUR_FREE_KEYS = frozenset({
     "transformers_version", "_name_or_path", "model_type",
     "output_hidden_states", "output_attentions", "return_dict",
     "chunk_size_feed_forward",  # transformers computes the feed-forward in chunks: same values
-    "is_encoder_decoder", "id2label", "label2id", "problem_type",  # heads / tasks not served here
+    "is_encoder_decoder",
+    "id2label", "label2id", "problem_type",  # labels (a classifier's names and activation: read by the engine)
     "initializer_range", "use_cache",
     "attention_dropout",  # dropout is off at inference
     "pad_token_id",  # the embedding's padding_idx only masks its gradient
@@ -229,6 +230,13 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
     "EagleLlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
     "Eagle3LlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
 }
+
+#: Sequence classifiers read the keys of their base model (the head adds none but the labels).
+ARCH_CONFIG.update({
+    f"{family}ForSequenceClassification": ARCH_CONFIG[base]
+    for family, base in (("Bert", "BertModel"), ("Roberta", "RobertaModel"), ("XLMRoberta", "XLMRobertaModel"),
+                         ("Qwen3", "Qwen3ForCausalLM"), ("Qwen2", "Qwen2ForCausalLM"), ("Llama", "LlamaForCausalLM"))
+})
 
 #: Keys that other architectures' transformers code reads -> whether a value is neutral
 #: (the math of the architectures here). Refused when set otherwise, unless honoured.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 
 @dataclass
@@ -121,16 +121,66 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """``LLM.embed``'s result per prompt: ``outputs.embedding`` (vLLM's ``EmbeddingRequestOutput``)."""
+class _TaskRequestOutput:
+    """A pooling request's output seen as one task's (``output_cls`` built from its values)."""
+
+    output_cls: ClassVar[type]
 
     request_id: str
-    outputs: EmbeddingOutput
+    outputs: Any
     prompt_token_ids: list[int]
     finished: bool = True
 
     @classmethod
-    def from_base(cls, request_output: PoolingRequestOutput) -> EmbeddingRequestOutput:
-        """The embedding view of a pooling request's output."""
-        return cls(request_output.request_id, EmbeddingOutput(request_output.outputs.data),
+    def from_base(cls, request_output: PoolingRequestOutput) -> Any:
+        """This task's view of a pooling request's output."""
+        return cls(request_output.request_id, cls.output_cls(request_output.outputs.data),
                    request_output.prompt_token_ids, request_output.finished)
+
+
+@dataclass
+class EmbeddingRequestOutput(_TaskRequestOutput):
+    """``LLM.embed``'s result per prompt: ``outputs.embedding`` (vLLM's ``EmbeddingRequestOutput``)."""
+
+    output_cls = EmbeddingOutput
+    outputs: EmbeddingOutput
+
+
+@dataclass
+class ClassificationOutput:
+    """A classifier's class probabilities (vLLM's ``ClassificationOutput``): ``probs`` one value
+    per label (config.json's ``id2label`` order), after the model's activation."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput(_TaskRequestOutput):
+    """``LLM.classify``'s result per prompt: ``outputs.probs`` (vLLM's ``ClassificationRequestOutput``)."""
+
+    output_cls = ClassificationOutput
+    outputs: ClassificationOutput
+
+
+@dataclass
+class ScoringOutput:
+    """The score of one text pair (vLLM's ``ScoringOutput``): a cross-encoder's activated
+    logit, or the cosine similarity of an embedding model's two embeddings."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """``LLM.score``'s result per pair: ``outputs.score`` (vLLM's ``ScoringRequestOutput``).
+    ``prompt_token_ids``: the pair's tokens (a cross-encoder's pair input; an embedding
+    model's two prompts one after the other)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -43,8 +43,10 @@ from pagedllm.config.pooler import (
     PoolerConfig,
     default_pooler_config,
     encoder_context_len,
+    is_classifier,
     is_encoder_architecture,
     resolve_runner,
+    set_classifier_from_token,
 )
 from pagedllm.config.scheduler import SchedulerConfig
 from pagedllm.config.speculative import SpeculativeConfig
@@ -366,16 +368,19 @@ class EngineArgs:
         "auto",
         help=(
             "What the model serves: 'generate' (text), 'pooling' (embeddings: LLM.embed, "
-            "/v1/embeddings), 'auto' (pooling for an encoder such as BertModel or with --convert "
-            "embed, else generate)."
+            "/v1/embeddings; classes and scores: LLM.classify / LLM.score, /classify, /v1/score, /v1/rerank), "
+            "'auto' (pooling for an encoder such as BertModel, a *ForSequenceClassification model or with "
+            "--convert embed / classify, else generate)."
         ),
         choices=RUNNER_TYPES,
     )
     convert: str = flag_field(
         "auto",
         help=(
-            "'embed': serve a generative checkpoint (e.g. Qwen3, Llama) as an embedding model; 'none' / "
-            "'auto': as it is."
+            "'embed': serve a generative checkpoint (e.g. Qwen3, Llama) as an embedding model; 'classify': "
+            "as a sequence classifier (its score head on the last token: /classify, /v1/score, /v1/rerank; "
+            "the head from LM-head rows with --hf-overrides '{\"classifier_from_token\": [\"no\", \"yes\"]}'); "
+            "'none' / 'auto': as it is."
         ),
         choices=CONVERT_TYPES,
     )
@@ -564,6 +569,8 @@ class EngineArgs:
         max_model_len = self._max_model_len(hf_config)
         architecture = (getattr(hf_config, "architectures", None) or ["<none>"])[0]
         runner_type = resolve_runner(self.runner, self.convert, architecture)
+        if is_classifier(architecture, self.convert):
+            set_classifier_from_token(hf_config)
         if runner_type == "pooling" and self.speculative_config is not None:
             raise ValueError("speculative_config with a pooling model is not supported (it generates no tokens).")
         scheduler_config = self._scheduler_config(max_model_len, runner_type, architecture)
@@ -585,7 +592,9 @@ class EngineArgs:
             batch_invariant=self.batch_invariant,
             runner_type=runner_type,
             pooler_config=self._pooler_config(runner_type, architecture, model_path),
+            convert_type=self.convert if self.convert in ("embed", "classify") else "none",
         )
+        model_config.pooling_activations  # a classifier's activation not built fails here, before loading
         self._check_num_gpu_blocks_override(max_model_len)
         cache_config = CacheConfig.from_engine_args(self, max_model_len)
         if runner_type == "pooling" and cache_config.enable_prefix_caching:

@@ -5,12 +5,19 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from pagedllm import envs
 from pagedllm.arch_config import min_sliding_window, model_context_len
-from pagedllm.config.pooler import PoolerConfig, is_encoder_architecture
+from pagedllm.config.pooler import (
+    PoolerConfig,
+    classification_activation,
+    cross_encoder_activation,
+    is_classifier,
+    is_encoder_architecture,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -94,6 +101,8 @@ class ModelConfig:
     ``runner_type`` (vLLM's ``--runner``, resolved): "generate" (sampling) or "pooling" (each
     prompt's hidden states pooled into one vector, ``pooler_config``: set, with every
     default resolved, on a pooling runner only; ``pagedllm.config.pooler``).
+    ``convert_type`` (vLLM's ``--convert``): "embed" / "classify" serve a generative checkpoint
+    as an embedder / a sequence classifier; "none" otherwise.
     """
 
     model: str
@@ -113,6 +122,7 @@ class ModelConfig:
     batch_invariant: bool = False
     runner_type: str = "generate"
     pooler_config: Optional[PoolerConfig] = None
+    convert_type: str = "none"
 
     @property
     def architecture(self) -> str:
@@ -123,6 +133,34 @@ class ModelConfig:
         """Whether the model is an encoder (``pagedllm.config.pooler.ENCODER_ARCHITECTURES``):
         bidirectional attention over the whole prompt, computed in one step."""
         return is_encoder_architecture(self.architecture)
+
+    @property
+    def is_classifier(self) -> bool:
+        """Whether the model is a sequence classifier (``pagedllm.config.pooler.is_classifier``)."""
+        return is_classifier(self.architecture, self.convert_type)
+
+    @property
+    def pooling_tasks(self) -> tuple[str, ...]:
+        """The pooling tasks the model serves (vLLM's names): a classifier "classify" and "score"
+        (a cross-encoder), another pooling model "embed"; a generative model none."""
+        if self.runner_type != "pooling":
+            return ()
+        return ("classify", "score") if self.is_classifier else ("embed",)
+
+    @cached_property
+    def pooling_activations(self) -> dict[str, str]:
+        """A classifier's activation of its logits per task ("sigmoid", "softmax", "tanh" or
+        "identity"): "classify" by ``classification_activation``, "score" by
+        ``cross_encoder_activation`` (``pagedllm.config.pooler``); empty for other models.
+
+        Raises:
+            ValueError: a cross-encoder activation that is not built.
+        """
+        if not self.is_classifier:
+            return {}
+        model_dir = self.model_path.parent if self.model_path.is_file() else self.model_path
+        return {"classify": classification_activation(self.hf_config),
+                "score": cross_encoder_activation(self.hf_config, model_dir)}
 
     @property
     def is_matryoshka(self) -> bool:

@@ -17,14 +17,28 @@ from typing import Any, Optional
 
 #: ``--runner`` values (vLLM's; "draft" is a speculative drafter's and is not taken here).
 RUNNER_TYPES = ("auto", "generate", "pooling")
-#: ``--convert`` values: "embed" serves a generative checkpoint as an embedder; "none" and
-#: "auto" keep the architecture as it is.
-CONVERT_TYPES = ("auto", "none", "embed")
+#: ``--convert`` values: "embed" serves a generative checkpoint as an embedder, "classify" as
+#: a sequence classifier (a ``score`` head on the last token); "none" and "auto" keep the
+#: architecture as it is.
+CONVERT_TYPES = ("auto", "none", "embed", "classify")
 #: ``pooling_type`` values built here.
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
 #: Encoder architectures: served by the pooling runner, one bidirectional pass per prompt.
-ENCODER_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel")
+ENCODER_ARCHITECTURES = (
+    "BertModel", "RobertaModel", "XLMRobertaModel",
+    "BertForSequenceClassification", "RobertaForSequenceClassification", "XLMRobertaForSequenceClassification",
+)
+#: The suffix of a sequence classifier's architecture name (transformers' naming): the
+#: pooling runner serves it for the "classify" and "score" tasks.
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
+
+#: Cross-encoder activations that sentence-transformers names (``activation_fn``) -> ours.
+_ST_ACTIVATIONS = {
+    "torch.nn.modules.activation.Sigmoid": "sigmoid",
+    "torch.nn.modules.activation.Tanh": "tanh",
+    "torch.nn.modules.linear.Identity": "identity",
+}
 
 #: sentence-transformers' pooling modes -> ``pooling_type``: its ``pooling_mode`` values, and
 #: (older files) its ``pooling_mode_*`` switches.
@@ -95,25 +109,84 @@ def encoder_context_len(hf_config: Any) -> Optional[int]:
     return hf_config.max_position_embeddings - hf_config.pad_token_id - 1
 
 
+def is_classifier(architecture: str, convert: str) -> bool:
+    """Whether the model is a sequence classifier (tasks "classify" and "score"): a
+    ``*ForSequenceClassification`` architecture, or any checkpoint with ``--convert classify``."""
+    return architecture.endswith(CLASSIFIER_SUFFIX) or convert == "classify"
+
+
 def resolve_runner(runner: str, convert: str, architecture: str) -> str:
     """The runner ("generate" or "pooling") of ``--runner`` / ``--convert`` for ``architecture``
-    (vLLM's rule: "auto" is "pooling" for an encoder or with ``--convert embed``).
+    (vLLM's rule: "auto" is "pooling" for an encoder, a sequence classifier, or with
+    ``--convert embed`` / ``classify``).
 
     Raises:
-        ValueError: an unknown value, ``--runner generate`` for an encoder, or
-            ``--convert embed`` with ``--runner generate``.
+        ValueError: an unknown value, ``--runner generate`` for an encoder or a classifier,
+            or ``--convert embed`` / ``classify`` with ``--runner generate``.
     """
     if runner not in RUNNER_TYPES:
         raise ValueError(f"runner must be one of {RUNNER_TYPES}, got {runner!r}.")
     if convert not in CONVERT_TYPES:
         raise ValueError(f"convert must be one of {CONVERT_TYPES}, got {convert!r}.")
     encoder = is_encoder_architecture(architecture)
+    pooling = encoder or convert in ("embed", "classify") or architecture.endswith(CLASSIFIER_SUFFIX)
     if runner == "auto":
-        return "pooling" if encoder or convert == "embed" else "generate"
-    if runner == "generate" and (encoder or convert == "embed"):
-        why = f"{architecture} is an encoder" if encoder else "--convert embed makes an embedder"
+        return "pooling" if pooling else "generate"
+    if runner == "generate" and pooling:
+        why = f"{architecture} is an encoder" if encoder else (
+            f"--convert {convert} makes a pooling model" if convert in ("embed", "classify")
+            else f"{architecture} is a classifier")
         raise ValueError(f"runner='generate' cannot serve this model ({why}); use --runner pooling.")
     return runner
+
+
+def set_classifier_from_token(hf_config: Any) -> None:
+    """For a classifier made from a causal LM's vocabulary (config.json or ``--hf-overrides``'
+    ``classifier_from_token``, vLLM's key: the tokens whose LM-head rows become the score
+    head), set ``num_labels``: 1 for two tokens (vLLM's "from_2_way_softmax": the score is the
+    second token's logit less the first's), else one label per token. No-op without the key.
+
+    Raises:
+        ValueError: ``classifier_from_token`` not a list of at least two strings.
+    """
+    tokens = getattr(hf_config, "classifier_from_token", None)
+    if tokens is None:
+        return
+    if not isinstance(tokens, list) or len(tokens) < 2 or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"classifier_from_token must be a list of two or more tokens, got {tokens!r}.")
+    hf_config.num_labels = 1 if len(tokens) == 2 else len(tokens)
+
+
+def classification_activation(hf_config: Any) -> str:
+    """The activation of the "classify" task's logits, as transformers' loss for the config's
+    ``problem_type`` (vLLM's rule): "identity" for regression, "sigmoid" for multi-label or
+    a single label, else "softmax" over the labels."""
+    problem_type = getattr(hf_config, "problem_type", None)
+    if problem_type == "regression":
+        return "identity"
+    if problem_type == "multi_label_classification":
+        return "sigmoid"
+    return "sigmoid" if getattr(hf_config, "num_labels", 2) < 2 else "softmax"
+
+
+def cross_encoder_activation(hf_config: Any, model_dir: Path) -> str:
+    """The activation of the "score" task's logits: the ``activation_fn`` a sentence-transformers
+    CrossEncoder saved (``config_sentence_transformers.json``, or config.json's
+    ``sentence_transformers`` / ``sbert_ce_default_activation_function``), else sigmoid for one
+    label and softmax for more (vLLM's rule).
+
+    Raises:
+        ValueError: an ``activation_fn`` other than Sigmoid, Tanh or Identity.
+    """
+    st_file = model_dir / "config_sentence_transformers.json"
+    name = json.loads(st_file.read_text()).get("activation_fn") if st_file.is_file() else None
+    name = name or (getattr(hf_config, "sentence_transformers", None) or {}).get("activation_fn")
+    name = name or getattr(hf_config, "sbert_ce_default_activation_function", None)
+    if name is None:
+        return "sigmoid" if getattr(hf_config, "num_labels", 2) < 2 else "softmax"
+    if name not in _ST_ACTIVATIONS:
+        raise ValueError(f"Cross-encoder activation_fn {name!r} is not supported; supported: {sorted(_ST_ACTIVATIONS)}.")
+    return _ST_ACTIVATIONS[name]
 
 
 def sentence_transformers_pooler(model_dir: Path) -> PoolerConfig:

@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from pagedllm.config import GENERATION_CONFIG_MODES, LoRAConfig, ModelConfig, StructuredOutputsConfig
 from pagedllm.lora.request import LoRARequest, with_load_generation
 from pagedllm.messages.engine_core import EngineCoreRequest
-from pagedllm.pooling_params import PoolingParams
+from pagedllm.pooling_params import PoolingParams, encode_token_type_ids
 from pagedllm.sampling_params import DEFAULT_MAX_TOKENS, RequestOutputKind, SamplingParams, check_max_tokens
 from pagedllm.structured_output.selection import check_structured_outputs
 
@@ -277,8 +277,9 @@ class Processor:
             FileNotFoundError: see ``check_lora``.
         """
         if self.model_config.runner_type == "pooling":
-            raise ValueError(f"{self.model_config.model} is a pooling model (--runner pooling): it computes "
-                             "embeddings (LLM.embed, /v1/embeddings), not generations.")
+            raise ValueError(f"{self.model_config.model} is a pooling model (--runner pooling) for the "
+                             f"{' / '.join(self.model_config.pooling_tasks)} task(s) (LLM.embed, LLM.classify, "
+                             "LLM.score; /v1/embeddings, /classify, /v1/score): it generates no text.")
         prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens)
         if params.bad_words and not params.bad_words_token_ids:
@@ -313,9 +314,12 @@ class Processor:
         """Validate and tokenize a pooling request (``params`` resolved by ``PoolingParams.verify``);
         returns the engine request and the prompt text (if any). The prompt may fill ``max_model_len``.
 
+        A dict prompt's ``token_type_ids`` (vLLM's ``TokensPrompt`` field; a pair's segments) are
+        packed into its token ids (``pagedllm.pooling_params.encode_token_type_ids``).
+
         Raises:
             ValueError: the model is not a pooling model; see ``tokenize_prompt`` and ``PoolingParams.verify``;
-                an empty prompt or an out-of-vocabulary token id.
+                an empty prompt or an out-of-vocabulary token id; ``token_type_ids`` that do not fit.
             PoolingContextLengthError: a prompt longer than ``max_model_len`` (after truncation).
         """
         if self.model_config.runner_type != "pooling":
@@ -327,6 +331,10 @@ class Processor:
         if len(prompt_token_ids) > self.max_model_len:
             raise PoolingContextLengthError(len(prompt_token_ids), self.max_model_len)
         self.check_prompt_tokens(prompt_token_ids)
+        token_type_ids = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        if token_type_ids is not None:  # a cross-encoder's pair: its types travel inside the ids
+            token_type_ids = self.truncate_prompt(list(token_type_ids), params.truncate_prompt_tokens)
+            prompt_token_ids = encode_token_type_ids(prompt_token_ids, token_type_ids)
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,

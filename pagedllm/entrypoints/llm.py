@@ -15,8 +15,16 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.lora.request import LoRARequest
-from pagedllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
-from pagedllm.pooling_params import PoolingParams
+from pagedllm.entrypoints.score_utils import check_cross_encoder, cosine_similarity, cross_encoder_prompt, score_pairs
+from pagedllm.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from pagedllm.pooling_params import PoolingParams, decode_token_ids
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
@@ -73,8 +81,9 @@ class LLM:
                 vLLM's ``LLM``; False logs it every ``$PAGEDLLM_LOG_STATS_INTERVAL`` s, default 10).
             tensor_parallel_size: worker processes the model is split over (tensor
                 parallelism; ``MultiprocExecutor`` above 1).
-            runner / convert / pooler_config: an embedding model (``embed``, ``encode``): "auto"
-                takes an encoder (``BertModel`` ...) as one; ``convert="embed"`` a decoder checkpoint;
+            runner / convert / pooler_config: a pooling model (``embed``, ``encode``, ``classify``,
+                ``score``): "auto" takes an encoder (``BertModel`` ...) or a ``*ForSequenceClassification``
+                as one; ``convert="embed"`` / ``"classify"`` a decoder checkpoint;
                 ``pooler_config={"pooling_type": "MEAN", "normalize": True}`` (see ``EngineArgs``).
             max_logprobs, num_gpu_blocks_override, trust_remote_code, enforce_eager
                 (no-op) ...: vLLM's other arguments, see ``EngineArgs``.
@@ -248,6 +257,61 @@ class LLM:
         outputs = self.encode(prompts, pooling_params, use_tqdm, pooling_task="embed",
                               truncate_prompt_tokens=truncate_prompt_tokens)
         return [EmbeddingRequestOutput.from_base(output) for output in outputs]
+
+    def classify(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        use_tqdm: bool = True,
+        pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (vLLM's ``LLM.classify``: ``encode`` with the
+        "classify" task), each ``outputs.probs`` (``id2label`` order; softmax, or sigmoid for
+        one label or multi-label models); raises as ``encode``, and for a model that is not a
+        classifier."""
+        outputs = self.encode(prompts, pooling_params, use_tqdm, pooling_task="classify")
+        return [ClassificationRequestOutput.from_base(output) for output in outputs]
+
+    def score(
+        self,
+        text_1: Union[str, Sequence[str]],
+        text_2: Union[str, Sequence[str]],
+        truncate_prompt_tokens: Optional[int] = None,
+        use_tqdm: bool = True,
+        pooling_params: Optional[PoolingParams] = None,
+    ) -> list[ScoringRequestOutput]:
+        """The score of each (text_1, text_2) pair (vLLM's ``LLM.score``; pairs as
+        ``score_pairs``: 1:1, 1:N, N:N), each ``outputs.score``, in pair order. A sequence
+        classifier (one label) scores each pair as one input; an embedding model returns the
+        cosine similarity of the two texts' embeddings (``pagedllm.entrypoints.score_utils``).
+
+        Raises:
+            ValueError: as ``score_pairs`` and ``encode``; a classifier with more than one label.
+        """
+        pairs = score_pairs(text_1, text_2)
+        model_config = self.llm_engine.model_config
+        if not model_config.is_classifier:
+            return self._embedding_score(pairs, truncate_prompt_tokens, use_tqdm, pooling_params)
+        check_cross_encoder(model_config)
+        tokenizer = self.get_tokenizer()
+        prompts = [cross_encoder_prompt(tokenizer, a, b, truncate_prompt_tokens, model_config.max_model_len)
+                   for a, b in pairs]
+        outputs = self.encode(prompts, pooling_params, use_tqdm, pooling_task="score")
+        return [ScoringRequestOutput(out.request_id, ScoringOutput(out.outputs.data[0]),
+                                     decode_token_ids(out.prompt_token_ids)) for out in outputs]
+
+    def _embedding_score(self, pairs: list[tuple[str, str]], truncate_prompt_tokens: Optional[int],
+                         use_tqdm: bool, pooling_params: Optional[PoolingParams]) -> list[ScoringRequestOutput]:
+        """Bi-encoder scores: each distinct text embedded once, each pair the cosine of its two."""
+        texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+        embedded = dict(zip(texts, self.encode(texts, pooling_params, use_tqdm, pooling_task="embed",
+                                               truncate_prompt_tokens=truncate_prompt_tokens)))
+        results = []
+        for a, b in pairs:
+            first, second = embedded[a], embedded[b]
+            score = cosine_similarity(first.outputs.data, second.outputs.data)
+            results.append(ScoringRequestOutput(f"{first.request_id}_{second.request_id}", ScoringOutput(score),
+                                                first.prompt_token_ids + second.prompt_token_ids))
+        return results
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (see ``LLMEngine.reset_prefix_cache``)."""

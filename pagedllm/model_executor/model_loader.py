@@ -25,7 +25,9 @@ from pagedllm.model_executor.layers.quantization import (
     get_quantization_config,
 )
 from pagedllm.model_executor.layers.quantization.gguf import GGUFConfig
+from pagedllm.model_executor.models.adapters import as_seq_cls_model, classifier_token_ids
 from pagedllm.model_executor.models.registry import get_model_class
+from pagedllm.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +133,8 @@ def get_model(model_config: ModelConfig, device: torch.device, attn_backend: typ
             ``batch_invariant`` with a quantized model.
     """
     model_cls = get_model_class(model_config.architecture)
+    if model_config.convert_type == "classify" and not hasattr(model_cls, "pooler_head"):
+        model_cls = as_seq_cls_model(model_cls)  # --convert classify: a decoder with a score head
     check_hf_config(model_config.hf_config)
     quant_config = get_quant_config(model_config)
     old_dtype = torch.get_default_dtype()
@@ -144,6 +148,10 @@ def get_model(model_config: ModelConfig, device: torch.device, attn_backend: typ
         weights = iterate_gguf_weights(model_config.model_path, model_config.hf_config, quant_config.kernel_modules)
     else:
         weights = iterate_weights(model_config.model_path)
+    tokens = getattr(model_config.hf_config, "classifier_from_token", None)
+    if tokens is not None and hasattr(model, "classifier_token_ids"):  # a score head from LM-head rows
+        model.classifier_token_ids = classifier_token_ids(
+            get_tokenizer(model_config.tokenizer_path, model_config.trust_remote_code), tokens)
     loaded = model.load_weights(weights)
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:

@@ -136,6 +136,8 @@ class ModelRunner:
         )
         start = time.perf_counter()
         self.model = get_model(self.model_config, self.device, self.attn_backend)
+        if self.pooler is not None:  # a classifier's head on each pooled state (None: an embedder)
+            self.pooler.head = getattr(self.model, "pooler_head", None)
         # Buffers too: the layers' float32 weight copies, rotary tables; and LoRA slots.
         tensors = [*self.model.parameters(), *self.model.buffers()]
         self.weights_bytes = sum(t.numel() * t.element_size() for t in tensors)

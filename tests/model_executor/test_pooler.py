@@ -1,6 +1,7 @@
 """The pooler fed chunk by chunk equals pooling the whole prompt; ``PoolingParams`` cuts and
 normalizes as vLLM's embedding head; the pooler defaults read from sentence-transformers files
-(either package layout) and the runner choice follow vLLM's rules."""
+(either package layout) and the runner choice follow vLLM's rules; a classifier's activation
+is chosen and applied as vLLM's."""
 
 from __future__ import annotations
 
@@ -70,3 +71,32 @@ def test_runner_auto_follows_the_architecture_and_convert():
     assert resolve_runner("pooling", "none", "LlamaForCausalLM") == "pooling"
     with pytest.raises(ValueError, match="BertModel is an encoder"):
         resolve_runner("generate", "auto", "BertModel")
+
+
+def test_classifiers_run_pooling_with_vllm_activations(tmp_path):
+    from types import SimpleNamespace
+
+    from pagedllm.config.pooler import classification_activation, cross_encoder_activation
+    from pagedllm.pooling_params import activate
+
+    assert resolve_runner("auto", "auto", "Qwen3ForSequenceClassification") == "pooling"
+    assert resolve_runner("auto", "classify", "LlamaForCausalLM") == "pooling"
+    with pytest.raises(ValueError, match="--convert classify makes a pooling model"):
+        resolve_runner("generate", "classify", "LlamaForCausalLM")
+    config = SimpleNamespace
+    assert classification_activation(config(num_labels=3)) == "softmax"
+    assert classification_activation(config(num_labels=1)) == "sigmoid"
+    assert classification_activation(config(num_labels=3, problem_type="multi_label_classification")) == "sigmoid"
+    assert classification_activation(config(num_labels=1, problem_type="regression")) == "identity"
+    assert cross_encoder_activation(config(num_labels=1), tmp_path) == "sigmoid"
+    (tmp_path / "config_sentence_transformers.json").write_text(
+        json.dumps({"activation_fn": "torch.nn.modules.linear.Identity"}))
+    assert cross_encoder_activation(config(num_labels=1), tmp_path) == "identity"
+    (tmp_path / "config_sentence_transformers.json").write_text(json.dumps({"activation_fn": "torch.nn.ReLU"}))
+    with pytest.raises(ValueError, match="activation_fn 'torch.nn.ReLU' is not supported"):
+        cross_encoder_activation(config(num_labels=1), tmp_path)
+    logits = [0.5, -1.0, 2.0]
+    torch.testing.assert_close(torch.tensor(activate(logits, "softmax")), torch.softmax(torch.tensor(logits), 0),
+                               atol=1e-7, rtol=0, check_dtype=False)
+    torch.testing.assert_close(torch.tensor(activate([-40.0, 3.0], "sigmoid"), dtype=torch.float64),
+                               torch.sigmoid(torch.tensor([-40.0, 3.0], dtype=torch.float64)))

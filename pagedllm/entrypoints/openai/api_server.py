@@ -46,15 +46,20 @@ from pagedllm.entrypoints.openai.errors import (
 )
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ClassificationRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
 )
 from pagedllm.entrypoints.openai.renderer import PromptRenderer
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_classification import OpenAIServingClassification
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.serving_score import OpenAIServingScores
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.metrics.loggers import log_stats_interval
@@ -275,6 +280,8 @@ def build_app(engine: EngineClient, frontend: FrontendConfig) -> FastAPI:
     )  # fmt: skip
     embedding = OpenAIServingEmbedding(engine, models, renderer, log_requests=log_requests)
     messages = AnthropicServingMessages(chat)
+    classification = OpenAIServingClassification(engine, models, renderer, log_requests=log_requests)
+    scores = OpenAIServingScores(engine, models, renderer, log_requests=log_requests)
     tokenization = OpenAIServingTokenization(models, renderer, model_config.max_model_len, engine.processor.vocab_size)
 
     log_stats = not frontend.disable_log_stats
@@ -354,12 +361,30 @@ def build_app(engine: EngineClient, frontend: FrontendConfig) -> FastAPI:
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return _to_response(await chat.create_chat_completion(request))
 
-    if model_config.runner_type == "pooling":  # a generative model has no /v1/embeddings (a 404), as vLLM
+    if model_config.runner_type == "pooling":  # a generative model has no pooling routes (a 404)
 
         @app.post("/v1/embeddings")
         @with_cancellation
         async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
             return _json(await embedding.create_embedding(request))
+
+        @app.post("/classify")
+        @with_cancellation
+        async def create_classify(request: ClassificationRequest, raw_request: Request) -> Response:
+            return _json(await classification.create_classify(request))
+
+        @app.post("/score")
+        @app.post("/v1/score")
+        @with_cancellation
+        async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
+            return _json(await scores.create_score(request))
+
+        @app.post("/rerank")
+        @app.post("/v1/rerank")
+        @app.post("/v2/rerank")
+        @with_cancellation
+        async def do_rerank(request: RerankRequest, raw_request: Request) -> Response:
+            return _json(await scores.do_rerank(request))
 
     @app.post("/v1/messages")
     @with_cancellation

@@ -869,3 +869,102 @@ class EmbeddingResponse(OpenAIBaseModel):
     model: str
     data: list[EmbeddingResponseData]
     usage: UsageInfo
+
+
+# --------------------------------------------------------------------------- classification and scores
+
+
+class _PoolingListResponse(OpenAIBaseModel):
+    """The fields every pooling list response shares (its ``id`` and ``data`` are each one's)."""
+
+    object: str = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    usage: UsageInfo
+
+
+class ClassificationRequest(OpenAIRequest):
+    """``POST /classify`` (vLLM's fields): ``input`` as ``EmbeddingRequest``'s, one
+    classification each, in order."""
+
+    model: Optional[str] = None
+    input: Union[list[int], list[list[int]], str, list[str]]
+    user: Optional[str] = None
+    truncate_prompt_tokens: Optional[int] = None
+    add_special_tokens: bool = True
+    use_activation: Optional[bool] = None
+
+
+class ClassificationData(OpenAIBaseModel):
+    index: int
+    #: config.json's ``id2label`` name of the most probable class.
+    label: Optional[str]
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(_PoolingListResponse):
+    id: str = Field(default_factory=lambda: f"classify-{uuid.uuid4().hex}")
+    data: list[ClassificationData]
+
+
+class ScoreRequest(OpenAIRequest):
+    """``POST /v1/score`` / ``/score`` (vLLM's): the pairs of ``text_1`` and ``text_2`` (or
+    their newer names ``queries`` and ``documents``), each a string or a list of strings:
+    1:1, 1:N or N:N (``pagedllm.entrypoints.score_utils.score_pairs``)."""
+
+    model: Optional[str] = None
+    text_1: Optional[Union[str, list[str]]] = None
+    text_2: Optional[Union[str, list[str]]] = None
+    queries: Optional[Union[str, list[str]]] = None
+    documents: Optional[Union[str, list[str]]] = None
+    user: Optional[str] = None
+    truncate_prompt_tokens: Optional[int] = None
+    use_activation: Optional[bool] = None
+
+
+class ScoreResponseData(OpenAIBaseModel):
+    index: int
+    object: str = "score"
+    score: float
+
+
+class ScoreResponse(_PoolingListResponse):
+    id: str = Field(default_factory=lambda: f"score-{uuid.uuid4().hex}")
+    data: list[ScoreResponseData]
+
+
+class RerankRequest(OpenAIRequest):
+    """``POST /v1/rerank`` / ``/rerank`` (Jina's and Cohere's shape, as vLLM): ``documents``
+    ranked by their score against ``query``; ``top_n`` (0 or None: all) best kept;
+    ``return_documents``: each result carries its document's text."""
+
+    model: Optional[str] = None
+    query: str
+    documents: list[str]
+    top_n: Optional[int] = None
+    return_documents: bool = True
+    truncate_prompt_tokens: Optional[int] = None
+    use_activation: Optional[bool] = None
+
+
+class RerankDocument(OpenAIBaseModel):
+    text: str
+
+
+class RerankResult(OpenAIBaseModel):
+    index: int
+    document: Optional[RerankDocument] = None
+    relevance_score: float
+
+
+class RerankUsage(OpenAIBaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class RerankResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"rerank-{uuid.uuid4().hex}")
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]

@@ -7,14 +7,16 @@ state per request, fed each step's chunk in order and read once the prompt is do
     MEAN  the mean over every prompt token (float32 sum / count)
     CLS   the first prompt token's (BERT-style encoders)
 
-The vector is returned raw (float32, [hidden]); the request's ``PoolingParams``
-(``dimensions``, ``normalize``) are applied by the front end (``pagedllm.pooling_params``).
+The vector is returned raw (float32, [hidden]), or, for a classifier, through the model's
+``pooler_head`` (float32 logits [num_labels]; vLLM's ``ClassifierPooler`` without its
+activation); the request's ``PoolingParams`` (``dimensions``, ``normalize``, the
+activation) are applied by the front end (``pagedllm.pooling_params``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -31,16 +33,20 @@ class PoolingState:
 
 
 class Pooler:
-    """Pools chunks of one request's final hidden states by ``pooling_type`` (``POOLING_TYPES``).
+    """Pools chunks of one request's final hidden states by ``pooling_type`` (``POOLING_TYPES``);
+    ``head``: maps pooled states [n, hidden] to float32 [n, num_labels] (a classifier's
+    ``pooler_head``; None: the pooled state is the output).
 
     Raises:
         ValueError: an unknown ``pooling_type``.
     """
 
-    def __init__(self, pooling_type: str) -> None:
+    def __init__(self, pooling_type: str,
+                 head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
         if pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type must be one of {POOLING_TYPES}, got {pooling_type!r}.")
         self.pooling_type = pooling_type
+        self.head = head
 
     def update(self, state: Optional[PoolingState], chunk: torch.Tensor) -> PoolingState:
         """``state`` (None: a new request) after the next ``chunk`` [n, hidden] (n >= 1) of
@@ -57,8 +63,11 @@ class Pooler:
         return state
 
     def finish(self, state: PoolingState) -> torch.Tensor:
-        """The pooled vector [hidden] float32 of a prompt whose chunks all went to ``update``."""
+        """The pooled vector [hidden] float32 of a prompt whose chunks all went to ``update``
+        (through ``head``: [num_labels])."""
         assert state.value is not None, "finish() before any update()"
-        if self.pooling_type == "MEAN":
-            return state.value / state.num_tokens
-        return state.value
+        pooled = state.value / state.num_tokens if self.pooling_type == "MEAN" else state.value
+        if self.head is None:
+            return pooled
+        with torch.inference_mode():
+            return self.head(pooled[None])[0]

@@ -1,17 +1,22 @@
-"""BERT-style encoders for embeddings: ``BertModel``, and ``RobertaModel`` / ``XLMRobertaModel``.
+"""BERT-style encoders: ``BertModel``, ``RobertaModel`` / ``XLMRobertaModel`` for embeddings, and
+their ``*ForSequenceClassification`` heads (classification and cross-encoder scores).
 
 Architecture as transformers' ``modeling_bert`` / ``modeling_roberta`` (our own code):
 token + absolute position + token-type embeddings, LayerNorm; then per layer
 post-LN blocks, ``h = LN(h + dense(attention(h)))``, ``h = LN(h + out(act(inter(h))))``,
 with bidirectional attention over each whole prompt. RoBERTa numbers positions from
 ``pad_token_id + 1`` (padding tokens get ``pad_token_id``), as transformers'
-``create_position_ids_from_input_ids``. Inputs are single-segment (token type 0).
+``create_position_ids_from_input_ids``. A token's type (a cross-encoder's second segment: 1)
+comes packed in its id (``pagedllm.pooling_params.encode_token_type_ids``); plain ids are type 0.
 
 An encoder needs its whole prompt in one pass: the engine schedules each prompt whole (no
 chunked prefill, ``SchedulerConfig.chunked_prefill_enabled``), and the model finds the
 prompts of a step where the positions restart at 0. It keeps no KV cache. The final
 hidden states go to the pooler (CLS by default); BERT's own ``pooler`` (dense + tanh) is
-not used (sentence-transformers reads the last hidden states too) and not loaded.
+not used by the embedding model (sentence-transformers reads the last hidden states too) and
+not loaded; a classifier applies it, then its ``classifier``, to the pooled CLS state
+(``pooler_head``, as transformers' ``BertForSequenceClassification``; RoBERTa's
+``classifier.dense`` + tanh + ``classifier.out_proj``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from pagedllm.model_executor.layers.linear import ColumnParallelLinear, QKVParal
 from pagedllm.model_executor.layers.quantization import QuantizationConfig
 from pagedllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from pagedllm.model_executor.models.llama import load_llama_weights
+from pagedllm.pooling_params import TOKEN_TYPE_SHIFT
 
 #: Checkpoint name parts -> the names ``load_llama_weights`` loads (q/k/v into ``qkv_proj``).
 _RENAMES = (
@@ -38,6 +44,8 @@ _RENAMES = (
 )
 #: Checkpoint tensors an embedding model does not use: BERT's pooler and task heads.
 _UNUSED_PREFIXES = ("pooler.", "cls.", "lm_head.", "classifier.")
+#: ... and those a sequence classifier does not use: the language-model heads.
+_CLASSIFIER_UNUSED_PREFIXES = ("cls.", "lm_head.")
 
 
 def sequence_bounds(positions: torch.Tensor) -> list[tuple[int, int]]:
@@ -67,7 +75,7 @@ def _parameter_name(name: str) -> str:
 
 
 class BertEmbedding(nn.Module):
-    """Token + position + token-type (0) embeddings, then LayerNorm. ``position_offset``:
+    """Token + position + token-type embeddings, then LayerNorm. ``position_offset``:
     RoBERTa's padding index (None: BERT's positions, 0-based)."""
 
     def __init__(self, config: PretrainedConfig, position_offset: Optional[int]) -> None:
@@ -80,11 +88,14 @@ class BertEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 bounds: list[tuple[int, int]]) -> torch.Tensor:
-        """input_ids, positions [T] (0-based within each prompt of ``bounds``) -> [T, hidden]."""
+        """input_ids (token types packed above ``TOKEN_TYPE_SHIFT``), positions [T] (0-based
+        within each prompt of ``bounds``) -> [T, hidden]."""
+        token_types = input_ids >> TOKEN_TYPE_SHIFT
+        input_ids = input_ids & ((1 << TOKEN_TYPE_SHIFT) - 1)
         if self.position_offset is not None:
             positions = self._padded_positions(input_ids, bounds)
         hidden = self.word_embeddings(input_ids) + self.position_embeddings(positions)
-        return self.LayerNorm(hidden + self.token_type_embeddings.weight[0])
+        return self.LayerNorm(hidden + self.token_type_embeddings(token_types))
 
     def _padded_positions(self, input_ids: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
         """RoBERTa's positions: within each prompt, the count of non-padding tokens so far
@@ -153,6 +164,8 @@ class BertModel(nn.Module):
 
     #: False: BERT's 0-based positions; True: RoBERTa's, offset by the padding index.
     padded_positions = False
+    #: Checkpoint tensors (without the ``bert.`` / ``roberta.`` prefix) that are skipped.
+    unused_prefixes = _UNUSED_PREFIXES
 
     def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig] = None) -> None:
         super().__init__()
@@ -177,14 +190,14 @@ class BertModel(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (transformers' names, with or without the ``bert.`` /
         ``roberta.`` prefix of a task model) into the parameters, q/k/v into their fused
-        layer; BERT's pooler and task heads are skipped. Returns the names loaded.
+        layer; ``unused_prefixes`` (an embedder: BERT's pooler and task heads) are skipped. Returns the names loaded.
 
         Raises:
             ValueError: a checkpoint tensor with no matching parameter, or a shape mismatch.
         """
         return load_llama_weights(self, (
             (_parameter_name(name), tensor) for name, tensor in weights
-            if not name.removeprefix("bert.").removeprefix("roberta.").startswith(_UNUSED_PREFIXES)
+            if not name.removeprefix("bert.").removeprefix("roberta.").startswith(self.unused_prefixes)
             and not name.endswith("position_ids")
         ))
 
@@ -196,4 +209,44 @@ class RobertaModel(BertModel):
 
 
 class XLMRobertaModel(RobertaModel):
+    pass
+
+
+class BertForSequenceClassification(BertModel):
+    """BERT with transformers' sequence-classification head: ``pooler_head`` maps pooled CLS
+    states [n, hidden] to logits [n, num_labels] (float32) by ``pooler.dense`` + tanh, then
+    ``classifier``."""
+
+    unused_prefixes = _CLASSIFIER_UNUSED_PREFIXES
+
+    def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig] = None) -> None:
+        super().__init__(config, quant_config)
+        self.pooler = nn.Module()
+        self.pooler.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def pooler_head(self, pooled: torch.Tensor) -> torch.Tensor:
+        pooled = pooled.to(self.classifier.weight.dtype)
+        return self.classifier(torch.tanh(self.pooler.dense(pooled))).float()
+
+
+class RobertaForSequenceClassification(RobertaModel):
+    """RoBERTa with transformers' classification head: ``pooler_head`` maps pooled ``<s>``
+    states [n, hidden] to logits [n, num_labels] (float32) by ``classifier.dense`` + tanh,
+    then ``classifier.out_proj``."""
+
+    unused_prefixes = _CLASSIFIER_UNUSED_PREFIXES
+
+    def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig] = None) -> None:
+        super().__init__(config, quant_config)
+        self.classifier = nn.Module()
+        self.classifier.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.classifier.out_proj = nn.Linear(config.hidden_size, config.num_labels)
+
+    def pooler_head(self, pooled: torch.Tensor) -> torch.Tensor:
+        pooled = pooled.to(self.classifier.dense.weight.dtype)
+        return self.classifier.out_proj(torch.tanh(self.classifier.dense(pooled))).float()
+
+
+class XLMRobertaForSequenceClassification(RobertaForSequenceClassification):
     pass

@@ -9,8 +9,16 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from pagedllm.model_executor.models.adapters import as_seq_cls_model
 from pagedllm.model_executor.models.bamba import BambaForCausalLM
-from pagedllm.model_executor.models.bert import BertModel, RobertaModel, XLMRobertaModel
+from pagedllm.model_executor.models.bert import (
+    BertForSequenceClassification,
+    BertModel,
+    RobertaForSequenceClassification,
+    RobertaModel,
+    XLMRobertaForSequenceClassification,
+    XLMRobertaModel,
+)
 from pagedllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedllm.model_executor.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.model_executor.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
@@ -128,6 +136,25 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
     "BambaForCausalLM": SupportedModel(
         BambaForCausalLM, ("ibm-ai-platform/Bamba-9B",),
         "Mamba-2 mixers (state cache) interleaved with full-attention layers (attn_layer_indices); partial rotary"),
+    # Sequence classifiers (``--runner pooling``, chosen by ``--runner auto``): classify, score, rerank.
+    "BertForSequenceClassification": SupportedModel(
+        BertForSequenceClassification, ("cross-encoder/ms-marco-MiniLM-L6-v2",),
+        "encoder; pooler dense + tanh, classifier on the CLS token; pairs as token types 0 / 1"),
+    "RobertaForSequenceClassification": SupportedModel(
+        RobertaForSequenceClassification, ("cross-encoder/stsb-roberta-base",),
+        "encoder; classification head (dense + tanh, out_proj) on the <s> token"),
+    "XLMRobertaForSequenceClassification": SupportedModel(
+        XLMRobertaForSequenceClassification, ("BAAI/bge-reranker-v2-m3",),
+        "encoder; classification head (dense + tanh, out_proj) on the <s> token"),
+    "Qwen3ForSequenceClassification": SupportedModel(
+        as_seq_cls_model(Qwen3ForCausalLM), ("tomaarsen/Qwen3-Reranker-0.6B-seq-cls",),
+        "decoder; score head on the last token"),
+    "Qwen2ForSequenceClassification": SupportedModel(
+        as_seq_cls_model(Qwen2ForCausalLM), ("jason9693/Qwen2.5-1.5B-apeach",),
+        "decoder; score head on the last token"),
+    "LlamaForSequenceClassification": SupportedModel(
+        as_seq_cls_model(LlamaForCausalLM), ("Skywork/Skywork-Reward-V2-Llama-3.1-8B",),
+        "decoder; score head on the last token"),
     # Speculative-decoding heads (``speculative_config`` methods "eagle" / "eagle3").
     "EagleLlamaForCausalLM": SupportedModel(
         EagleLlamaForCausalLM, ("yuhuili/EAGLE-LLaMA3.1-Instruct-8B",), "EAGLE draft head (speculative_config)"),

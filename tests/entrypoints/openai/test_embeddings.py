@@ -64,6 +64,18 @@ def test_sdk_embeddings_equal_sentence_transformers(embedding_server, reference)
     _close([d.embedding for d in cut.data], torch.nn.functional.normalize(reference[:2, :16], dim=-1))
 
 
+def test_bi_encoder_score_and_rerank_are_cosines_of_the_embeddings(embedding_server, reference):
+    """An embedding model scores a pair by the cosine of its two embeddings."""
+    cosines = reference[1:] @ reference[0]
+    scored = embedding_server.post("/v1/score", json={"text_1": TEXTS[0], "text_2": TEXTS[1:]})
+    assert scored.status_code == 200, scored.text
+    _close([[d["score"] for d in scored.json()["data"]]], cosines[None])
+    ranked = embedding_server.post("/v1/rerank", json={"query": TEXTS[0], "documents": TEXTS[1:], "top_n": 2}).json()
+    assert [r["index"] for r in ranked["results"]] == torch.argsort(cosines, descending=True)[:2].tolist()
+    error = _error(embedding_server.post("/classify", json={"input": "hello"}), 400)
+    assert "does not serve the 'classify' pooling task" in error["message"]
+
+
 def _error(response, status: int) -> dict:
     assert response.status_code == status, response.text
     return response.json()["error"]
