@@ -2,8 +2,9 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
-``GET /version``, ``GET /metrics``; ``POST /v1/embeddings`` on a pooling model only (as vLLM,
-a generative model answers it 404); Anthropic's ``POST /v1/messages`` and
+``GET /version``, ``GET /metrics``; on a pooling model only (as vLLM, a generative model
+answers them 404) ``POST /v1/embeddings``, ``/classify``, ``/v1/score`` (``/score``) and
+``/v1/rerank`` (``/rerank``, ``/v2/rerank``); Anthropic's ``POST /v1/messages`` and
 ``POST /v1/messages/count_tokens`` (``pagedllm.entrypoints.anthropic``).
 
 - Auth: with an API key, every route except ``/health`` and ``/metrics`` needs
