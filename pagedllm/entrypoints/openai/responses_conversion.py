@@ -72,11 +72,7 @@ def chat_request(request: ResponsesRequest, conversation: list[dict[str, Any]]) 
         "stream_options": {"include_usage": True} if request.stream else None,
     }
     if request.tools:
-        body["tools"] = [
-            {"type": "function", "function": {"name": tool.name, "description": tool.description,
-                                              "parameters": tool.parameters}}
-            for tool in request.tools
-        ]  # fmt: skip
+        body["tools"] = [tool.chat_tool() for tool in request.tools]
         choice = request.tool_choice
         named = isinstance(choice, NamedToolChoice)
         body["tool_choice"] = {"type": "function", "function": {"name": choice.name}} if named else choice
@@ -102,7 +98,8 @@ def chat_messages(instructions: Optional[str], conversation: list[dict[str, Any]
         if item.type == "message":
             messages.append({"role": item.role, "content": _text(item.content)})
         elif item.type == "function_call":
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            function = {"name": item.name, "arguments": item.arguments}
+            call = {"id": item.call_id, "type": "function", "function": function}
             if not messages or messages[-1]["role"] != "assistant":
                 messages.append({"role": "assistant", "content": ""})
             messages[-1].setdefault("tool_calls", []).append(call)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, create_model, field_validator, model_validator
 
 from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, OpenAIRequest, refuse_if_set
 
@@ -104,6 +104,11 @@ class FunctionTool(OpenAIBaseModel):
             raise ValueError("a 'function' tool needs a 'name'.")
         return self
 
+    def chat_tool(self) -> dict[str, Any]:
+        """The chat completions ``tools`` entry of this function."""
+        function = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        return {"type": "function", "function": function}
+
 
 class NamedToolChoice(OpenAIBaseModel):
     """``tool_choice`` naming one function: ``{"type": "function", "name": ...}``."""
@@ -148,7 +153,13 @@ class ReasoningConfig(OpenAIBaseModel):
     summary: Optional[str] = None
 
 
-class ResponsesRequest(OpenAIRequest):
+#: The ``UNSUPPORTED`` fields, any value (``ResponsesRequest`` refuses them when set).
+_UnsupportedFields = create_model(
+    "_UnsupportedFields", __base__=OpenAIRequest, **{name: (Any, None) for name in UNSUPPORTED}
+)  # type: ignore[call-overload]
+
+
+class ResponsesRequest(_UnsupportedFields):  # type: ignore[misc,valid-type]
     """``POST /v1/responses``. ``max_output_tokens`` defaults as chat completions'
     ``max_completion_tokens``; ``tool_choice`` defaults to "auto" (with ``tools``)."""
 
@@ -169,13 +180,6 @@ class ResponsesRequest(OpenAIRequest):
     metadata: Optional[dict[str, str]] = None
     user: Optional[str] = None
     truncation: Literal["auto", "disabled"] = "disabled"
-    # OpenAI fields pagedllm does not act on (UNSUPPORTED: a 400 when set)
-    background: Any = None
-    conversation: Any = None
-    prompt: Any = None
-    max_tool_calls: Any = None
-    top_logprobs: Any = None
-    prompt_cache_key: Any = None
 
     @field_validator(*UNSUPPORTED)
     @classmethod

@@ -323,7 +323,8 @@ class _ItemEvents:
         """The events that end the output: the open item's end, "incomplete" when the
         output was cut off (an empty message when there was no output at all, as the
         non-streamed response has)."""
-        events = self._open("message", lambda: message_item("", "in_progress")) if self.item is None and not self.output else []
+        empty = self.item is None and not self.output
+        events = self._open("message", lambda: message_item("", "in_progress")) if empty else []
         return events + self.close(incomplete)
 
     def close(self, incomplete: bool = False) -> list[tuple[str, dict[str, Any]]]:
@@ -334,7 +335,8 @@ class _ItemEvents:
         events: list[tuple[str, dict[str, Any]]] = []
         if item["type"] == "function_call":
             item.update(arguments=self.text, status=status)
-            events.append(("response.function_call_arguments.done", {**where, "name": item["name"], "arguments": self.text}))
+            done = {**where, "name": item["name"], "arguments": self.text}
+            events.append(("response.function_call_arguments.done", done))
         else:
             part = reasoning_item(self.text)["content"][0] if item["type"] == "reasoning" else text_part(self.text)
             kind = "reasoning_text" if item["type"] == "reasoning" else "output_text"
