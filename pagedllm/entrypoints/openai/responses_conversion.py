@@ -29,6 +29,7 @@ from pagedllm.entrypoints.openai.responses_protocol import InputItem, NamedToolC
 RESPONSES_PARAMS = {
     "messages": "input",
     "max_completion_tokens": "max_output_tokens",
+    "max_tokens": "max_output_tokens",
     "response_format": "text",
 }
 

@@ -166,7 +166,7 @@ class ResponsesRequest(_UnsupportedFields):  # type: ignore[misc,valid-type]
     model: Optional[str] = None
     input: Union[str, list[InputItem]]
     instructions: Optional[str] = None
-    max_output_tokens: Optional[int] = None
+    max_output_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     tools: list[FunctionTool] = Field(default_factory=list)

@@ -21,8 +21,8 @@ A stream is OpenAI's typed events (``event: TYPE`` + ``data: JSON``, each with i
 cut off). A failure after the first event is one ``error`` event.
 
 With ``store`` (the default) the response is kept (``ResponsesStore``; a stream's from its
-first event, ``in_progress`` until it ends) for ``GET``, ``DELETE`` and
-``previous_response_id``. Only background responses can be cancelled and pagedllm makes
+first event, ``in_progress`` until it ends, "cancelled" when its client went away) for
+``GET``, ``DELETE`` and ``previous_response_id``. Only background responses can be cancelled and pagedllm makes
 none, so cancel answers a 400 for a known id (OpenAI's answer for a response that is not
 a background one), a 404 for an unknown one.
 """
@@ -204,6 +204,8 @@ class OpenAIServingResponses:
             response.fail(exc)
             yield sequence.error(exc)
         finally:
+            if response.body["status"] == "in_progress":  # the client went away: the engine request is aborted
+                response.body["status"] = "cancelled"
             await run.stream.aclose()
 
 

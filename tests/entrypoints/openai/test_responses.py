@@ -83,8 +83,8 @@ def test_create_equals_chat_and_is_stored(client, chat_reply):
     assert usage.total_tokens == usage.input_tokens + 8
     assert response.instructions == INSTRUCTIONS and response.max_output_tokens == 8
     assert client.responses.retrieve(response.id) == response
-    # The same question as a list of items with parts, and "developer" for the instructions:
-    items = [{"role": "developer", "content": INSTRUCTIONS},
+    # The same messages as a list of items, with parts:
+    items = [{"role": "system", "content": INSTRUCTIONS},
              {"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]}]  # fmt: skip
     again = client.responses.create(model=MODEL, input=items, store=False, **GREEDY)
     assert again.output_text == response.output_text
@@ -183,7 +183,7 @@ def test_retrieve_delete_cancel_and_unknown_ids(client, server):
         ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools", "web_search"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input", "input_image"),
         ({"input": "Hi", "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "name": "f"}}, None, "'f'"),
-        ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens", "max_tokens"),
+        ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
     ],
     ids=["no-input", "empty-input", "background", "built-in-tool", "image-part", "unknown-tool", "zero-tokens"],
 )
