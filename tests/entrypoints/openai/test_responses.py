@@ -1,10 +1,13 @@
-"""OpenAI's Responses API (``/v1/responses``) through a real ``pagedllm serve`` with the
-official ``openai`` SDK (``responses.create / stream / parse / retrieve / delete / cancel``)
-and raw HTTP: every reply is checked exactly against the greedy chat completion the same
-server gives for the same messages (the Responses API runs on the chat path)."""
+"""OpenAI's Responses API (``/v1/responses``) through the package's real ``pagedllm serve``
+with the official ``openai`` SDK (``responses.create / stream / parse / retrieve / delete /
+cancel``) and raw HTTP: every reply is checked exactly against the greedy chat completion
+the same server gives for the same messages (the Responses API runs on the chat path).
+Reasoning and tool-call items (which the tiny model does not write) are checked over a
+scripted engine, as ``test_tool_calling_sdk`` does."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Literal
 
@@ -13,10 +16,9 @@ import pydantic
 import pytest
 
 from tests.entrypoints.anthropic.test_messages_server import _check_idle
-from tests.server_utils import RemoteServer
+from tests.entrypoints.openai.conftest import MODEL_NAME as MODEL
+from tests.entrypoints.openai.test_tool_calling_sdk import _client, parts  # noqa: F401 (a fixture)
 
-MODEL = "tiny-responses"
-API_KEY = "sk-responses"
 INSTRUCTIONS = "Be brief."
 QUESTION = "What is the weather in Paris?"
 CHAT_MESSAGES = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}]
@@ -39,25 +41,11 @@ class Forecast(pydantic.BaseModel):
     warm: bool
 
 
-#: Compact JSON under ``text.format`` (free whitespace lets the tiny model run to the limit).
-SERVER_FLAGS = ("--served-model-name", MODEL, "--max-model-len", "512",
-                "--structured-outputs-config", '{"backend": "auto", "disable_any_whitespace": true}')  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama):
-    """The module's server; no request is left in it at the end (``_check_idle``)."""
-    remote = RemoteServer(tiny_llama, *SERVER_FLAGS, api_key=API_KEY)
-    try:
-        yield remote
-        _check_idle(remote)
-    finally:
-        remote.close()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return server.client()
+@pytest.fixture(scope="module", autouse=True)
+def idle_at_the_end(server):
+    """No request is left in the shared server after this module (``_check_idle``)."""
+    yield
+    _check_idle(server)
 
 
 @pytest.fixture(scope="module")
@@ -193,3 +181,50 @@ def test_bad_requests_are_400_naming_the_field(server, body, param, words):
     error = reply.json()["error"]
     assert error["type"] == "invalid_request_error" and words in error["message"]
     assert error["param"] == param
+
+
+#: A scripted reply with reasoning (deepseek_r1), text, and a hermes call.
+SCRIPTED_REPLY = (
+    '<think>Which city?</think>Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    "</tool_call>"
+)
+ITEM_EVENTS = {
+    "reasoning": ["response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+                  "response.reasoning_text.done", "response.content_part.done", "response.output_item.done"],
+    "message": ["response.output_item.added", "response.content_part.added", "response.output_text.delta",
+                "response.output_text.done", "response.content_part.done", "response.output_item.done"],
+    "function_call": ["response.output_item.added", "response.function_call_arguments.delta",
+                      "response.function_call_arguments.done", "response.output_item.done"],
+}  # fmt: skip
+
+
+async def _scripted_items(client):
+    """(the response, the streamed events, the stream's final response) of one request."""
+    model = (await client.models.list()).data[0].id
+    kwargs = dict(model=model, input=QUESTION, tools=[WEATHER_TOOL])
+    response = await client.responses.create(**kwargs)
+    async with client.responses.stream(**kwargs) as stream:
+        events = [event async for event in stream]
+        final = await stream.get_final_response()
+    return response, events, final
+
+
+def test_reasoning_text_and_calls_are_items_streamed_and_not(parts):  # noqa: F811
+    engine, client = _client(parts, "hermes", reasoning_parser="deepseek_r1")
+    engine.reply = SCRIPTED_REPLY
+    response, events, final = asyncio.run(_scripted_items(client))
+    for result in (response, final):
+        reasoning, message, call = result.output
+        assert [part.text for part in reasoning.content] == ["Which city?"] and reasoning.summary == []
+        assert message.content[0].text == "Checking." and result.output_text == "Checking."
+        assert (call.name, json.loads(call.arguments), call.call_id[:5]) == ("get_weather", {"city": "Paris"}, "call_")
+        assert result.status == "completed" and all(item.status == "completed" for item in result.output)
+    expected = ["response.created", "response.in_progress"]
+    for item in final.output:
+        expected += ITEM_EVENTS[item.type]
+    # (several deltas of one kind count as one here; the engine sends 5-character pieces)
+    types = [t for k, t in enumerate(e.type for e in events) if k == 0 or events[k - 1].type != t]
+    assert types == expected + ["response.completed"]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert arguments == final.output[2].arguments
