@@ -151,7 +151,7 @@ class OpenAIServingResponses:
                 ``previous_response_id``.
             EngineDeadError: the engine died (a 500).
         """
-        conversation = []
+        conversation: list[dict[str, Any]] = []
         if request.previous_response_id:
             conversation = self._stored(request.previous_response_id, "previous_response_id").conversation()
         conversation += input_items(request)
@@ -167,9 +167,9 @@ class OpenAIServingResponses:
         response = _ResponseObject(request, run, conversation)
         if request.stream:
             return self._events(chat, run, response)
-        choice = self.chat.response(chat, run, final)
-        message, finish = choice.choices[0].message, choice.choices[0].finish_reason
-        response.finish(output_items(message, finish == "length"), finish, choice.usage)
+        completion = self.chat.response(chat, run, final)
+        message, finish = completion.choices[0].message, completion.choices[0].finish_reason
+        response.finish(output_items(message, finish == "length"), finish, completion.usage)
         self._keep(request, response)
         return response.body
 

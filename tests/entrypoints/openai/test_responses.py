@@ -121,8 +121,8 @@ def test_parse_json_schema_streamed_and_not(client):
 
 
 def test_function_call_round_trip(client):
-    named = {"type": "function", "name": "get_weather"}
-    first = client.responses.create(model=MODEL, input=QUESTION, tools=[WEATHER_TOOL], tool_choice=named, temperature=0.0)
+    tools = {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "name": "get_weather"}}
+    first = client.responses.create(model=MODEL, input=QUESTION, temperature=0.0, **tools)
     (call,) = first.output
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
     assert json.loads(call.arguments)["city"] in ("Paris", "Rome")
