@@ -15,6 +15,7 @@ import openai
 import pydantic
 import pytest
 
+from pagedllm.entrypoints.openai.responses_store import ResponsesStore, StoredResponse
 from tests.entrypoints.anthropic.test_messages_server import _check_idle
 from tests.entrypoints.openai.conftest import MODEL_NAME as MODEL
 from tests.entrypoints.openai.test_tool_calling_sdk import _client, parts  # noqa: F401 (a fixture)
@@ -228,3 +229,14 @@ def test_reasoning_text_and_calls_are_items_streamed_and_not(parts):  # noqa: F8
     assert [event.sequence_number for event in events] == list(range(len(events)))
     arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert arguments == final.output[2].arguments
+
+
+def test_store_keeps_the_newest_responses():
+    store = ResponsesStore(max_entries=2)
+    for name in ("a", "b", "a", "c"):  # "a" again is newer than "b"
+        store.put(StoredResponse({"id": name, "output": [{"type": "message"}]}, [{"role": "user"}]))
+    assert (len(store), store.get("b")) == (2, None)
+    assert store.get("a").conversation() == [{"role": "user"}, {"type": "message"}]
+    assert store.delete("c") and not store.delete("c")
+    with pytest.raises(ValueError, match="max_entries"):
+        ResponsesStore(max_entries=0)
