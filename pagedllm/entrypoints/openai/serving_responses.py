@@ -30,10 +30,12 @@ a background one), a 404 for an unknown one.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from typing import Any, AsyncGenerator, Optional, Union
 
+from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.entrypoints.openai.errors import OpenAIServingError, from_value_error
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -47,6 +49,8 @@ from pagedllm.entrypoints.openai.responses_protocol import NamedToolChoice, Resp
 from pagedllm.entrypoints.openai.responses_store import ResponsesStore, StoredResponse
 from pagedllm.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_engine import SAMPLING_FIELDS, sse_error
+
+logger = logging.getLogger(__name__)
 
 
 def item_id(prefix: str) -> str:
@@ -201,6 +205,8 @@ class OpenAIServingResponses:
             final = "response.incomplete" if response.body["status"] == "incomplete" else "response.completed"
             yield sequence.event(final, {"response": response.body})
         except Exception as exc:
+            if not isinstance(exc, (ValueError, OpenAIServingError, EngineDeadError)):
+                logger.exception("Stream %s failed", run.request_id)
             response.fail(exc)
             yield sequence.error(exc)
         finally:
