@@ -2,9 +2,11 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
-``GET /version``, ``GET /metrics``; on a pooling model only (as vLLM, a generative model
-answers them 404) ``POST /v1/embeddings``, ``/classify``, ``/v1/score`` (``/score``) and
-``/v1/rerank`` (``/rerank``, ``/v2/rerank``); Anthropic's ``POST /v1/messages`` and
+``GET /version``, ``GET /metrics``; OpenAI's Responses API (``POST /v1/responses``,
+``GET`` / ``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``); on a pooling
+model only (as vLLM, a generative model answers them 404) ``POST /v1/embeddings``,
+``/classify``, ``/v1/score`` (``/score``) and ``/v1/rerank`` (``/rerank``, ``/v2/rerank``);
+Anthropic's ``POST /v1/messages`` and
 ``POST /v1/messages/count_tokens`` (``pagedllm.entrypoints.anthropic``).
 
 - Auth: with an API key, every route except ``/health`` and ``/metrics`` needs
@@ -28,7 +30,7 @@ from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Opti
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -56,12 +58,14 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from pagedllm.entrypoints.openai.renderer import PromptRenderer
+from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_classification import OpenAIServingClassification
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScores
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.metrics.loggers import log_stats_interval
 from pagedllm.version import __version__
@@ -283,6 +287,7 @@ def build_app(engine: EngineClient, frontend: FrontendConfig) -> FastAPI:
     messages = AnthropicServingMessages(chat)
     classification = OpenAIServingClassification(engine, models, renderer, log_requests=log_requests)
     scores = OpenAIServingScores(engine, models, renderer, log_requests=log_requests)
+    responses = OpenAIServingResponses(chat)
     tokenization = OpenAIServingTokenization(models, renderer, model_config.max_model_len, engine.processor.vocab_size)
 
     log_stats = not frontend.disable_log_stats
@@ -361,6 +366,24 @@ def build_app(engine: EngineClient, frontend: FrontendConfig) -> FastAPI:
     @with_cancellation
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return _to_response(await chat.create_chat_completion(request))
+
+    @app.post("/v1/responses")
+    @with_cancellation
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        result = await responses.create_response(request)
+        return JSONResponse(result) if isinstance(result, dict) else SSEResponse(result)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        return JSONResponse(responses.retrieve(response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return JSONResponse(responses.delete(response_id))
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        return JSONResponse(responses.cancel(response_id))
 
     if model_config.runner_type == "pooling":  # a generative model has no pooling routes (a 404)
 
