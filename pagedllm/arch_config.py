@@ -73,6 +73,12 @@ _QWEN3_NEXT_KEYS = _LLAMA_FAMILY_KEYS | {
     "linear_num_key_heads", "linear_num_value_heads", "linear_value_head_dim",
 }
 
+#: Bamba's Mamba-2 mixers (Bamba, Granite 4): their shapes, and which layers they are.
+_BAMBA_MIXER_KEYS = frozenset({
+    "layer_types", "time_step_limit", "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
+    "mamba_d_conv", "mamba_expand", "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias",
+})
+
 #: DeepSeek-V2 / V3: multi-head latent attention, and the DeepSeekMoE layers and routing.
 _DEEPSEEK_KEYS = frozenset({
     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "qk_head_dim", "v_head_dim",
@@ -208,11 +214,15 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
         "expand", "conv_kernel", "n_groups", "use_bias", "use_conv_bias", "hidden_act", "residual_in_fp32",
         "time_step_limit", "chunk_size", "tie_word_embeddings", "layer_types",
     }), "none", "layer_types"),
-    "BambaForCausalLM": ArchConfig("bamba", _LLAMA_FAMILY_KEYS | {
-        "attention_bias", "mlp_bias", "attn_layer_indices", "layer_types", "partial_rotary_factor", "time_step_limit",
-        "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv", "mamba_expand",
-        "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias",
+    "BambaForCausalLM": ArchConfig("bamba", _LLAMA_FAMILY_KEYS | _BAMBA_MIXER_KEYS | {
+        "attention_bias", "mlp_bias", "attn_layer_indices", "partial_rotary_factor",
     }, "none", "layer_types"),
+    # Granite 4: Bamba's mixers beside Granite's scaled attention (rope or none), a shared
+    # MLP on every layer plus routed experts (``num_local_experts`` 0: dense).
+    "GraniteMoeHybridForCausalLM": ArchConfig("granitemoehybrid", _LLAMA_FAMILY_KEYS | _BAMBA_MIXER_KEYS | {
+        "attention_bias", "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
+        "num_local_experts", "num_experts_per_tok", "shared_intermediate_size", "position_embedding_type",
+    }, "none", "layer_types", built_values=(("position_embedding_type", (None, "nope", "rope")),)),
     # Gated DeltaNet layers (``layer_types`` "linear_attention", on the state cache) beside
     # gated full attention.
     "Qwen3NextForCausalLM": ArchConfig(

@@ -17,6 +17,7 @@ from pagedllm.model_executor.models.gemma3 import Gemma3ForCausalLM, Gemma3ForCo
 from pagedllm.model_executor.models.glm4 import Glm4ForCausalLM
 from pagedllm.model_executor.models.gpt_oss import GptOssForCausalLM
 from pagedllm.model_executor.models.granite import GraniteForCausalLM
+from pagedllm.model_executor.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from pagedllm.model_executor.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -128,6 +129,10 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
     "BambaForCausalLM": SupportedModel(
         BambaForCausalLM, ("ibm-ai-platform/Bamba-9B",),
         "Mamba-2 mixers (state cache) interleaved with full-attention layers (attn_layer_indices); partial rotary"),
+    "GraniteMoeHybridForCausalLM": SupportedModel(
+        GraniteMoeHybridForCausalLM, ("ibm-granite/granite-4.0-h-tiny", "ibm-granite/granite-4.0-h-1b"),
+        "Mamba-2 mixers (state cache) and full attention by layer_types; rope or none; Granite's multipliers; "
+        "shared MLP plus routed experts, or dense"),
     # Speculative-decoding heads (``speculative_config`` methods "eagle" / "eagle3").
     "EagleLlamaForCausalLM": SupportedModel(
         EagleLlamaForCausalLM, ("yuhuili/EAGLE-LLaMA3.1-Instruct-8B",), "EAGLE draft head (speculative_config)"),
@@ -143,7 +148,7 @@ _FAMILIES = (
      "it is a mixture-of-experts model whose routing and expert weights are not mapped onto FusedMoE yet"),
     (("Mamba", "Jamba", "Zamba", "Bamba", "FalconH1", "NemotronH", "Hybrid", "Rwkv", "Next"),
      "it keeps a recurrent (state-space / linear-attention) state in layers pagedllm does not build yet (its "
-     "state cache serves Mamba2ForCausalLM and BambaForCausalLM)"),
+     "state cache serves Mamba2ForCausalLM, BambaForCausalLM and GraniteMoeHybridForCausalLM)"),
     (("ConditionalGeneration", "Llava", "VL", "Vision", "Mllama", "Idefics", "PaliGemma", "Pixtral", "Siglip"),
      "it is an image-text model, and pagedllm serves no vision encoder yet"),
 )
