@@ -34,7 +34,7 @@ class NoPositionEmbedding(nn.Module):
         empty = positions.new_empty(0, dtype=dtype)
         return empty, empty
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, *cos_sin: torch.Tensor):
         return q, k
 
 

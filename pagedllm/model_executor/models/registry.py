@@ -27,6 +27,7 @@ from pagedllm.model_executor.models.llama import (
 from pagedllm.model_executor.models.llama_eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM
 from pagedllm.model_executor.models.mamba2 import Mamba2ForCausalLM
 from pagedllm.model_executor.models.mixtral import MixtralForCausalLM
+from pagedllm.model_executor.models.nemotron_h import NemotronHForCausalLM
 from pagedllm.model_executor.models.olmo2 import Olmo2ForCausalLM
 from pagedllm.model_executor.models.phi3 import Phi3ForCausalLM
 from pagedllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -133,6 +134,10 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         GraniteMoeHybridForCausalLM, ("ibm-granite/granite-4.0-h-tiny", "ibm-granite/granite-4.0-h-1b"),
         "Mamba-2 mixers (state cache) and full attention by layer_types; rope or none; Granite's multipliers; "
         "shared MLP plus routed experts, or dense"),
+    "NemotronHForCausalLM": SupportedModel(
+        NemotronHForCausalLM, ("nvidia/Nemotron-H-8B-Base-8K", "nvidia/NVIDIA-Nemotron-Nano-9B-v2"),
+        "one mixer per layer by hybrid_override_pattern: Mamba-2 (state cache), attention without rope, relu2 MLP "
+        "(no cache); routed-expert layers not built"),
     # Speculative-decoding heads (``speculative_config`` methods "eagle" / "eagle3").
     "EagleLlamaForCausalLM": SupportedModel(
         EagleLlamaForCausalLM, ("yuhuili/EAGLE-LLaMA3.1-Instruct-8B",), "EAGLE draft head (speculative_config)"),
@@ -148,7 +153,7 @@ _FAMILIES = (
      "it is a mixture-of-experts model whose routing and expert weights are not mapped onto FusedMoE yet"),
     (("Mamba", "Jamba", "Zamba", "Bamba", "FalconH1", "NemotronH", "Hybrid", "Rwkv", "Next"),
      "it keeps a recurrent (state-space / linear-attention) state in layers pagedllm does not build yet (its "
-     "state cache serves Mamba2ForCausalLM, BambaForCausalLM and GraniteMoeHybridForCausalLM)"),
+     "state cache serves Mamba2ForCausalLM, BambaForCausalLM, GraniteMoeHybridForCausalLM and NemotronHForCausalLM)"),
     (("ConditionalGeneration", "Llava", "VL", "Vision", "Mllama", "Idefics", "PaliGemma", "Pixtral", "Siglip"),
      "it is an image-text model, and pagedllm serves no vision encoder yet"),
 )
