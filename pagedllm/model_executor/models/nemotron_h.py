@@ -20,9 +20,9 @@ from pagedllm.model_executor.layers.layernorm import RMSNorm
 from pagedllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2, mamba2_state_shape
 from pagedllm.model_executor.layers.quantization import QuantizationConfig
-from pagedllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model_executor.models.granitemoehybrid import NoPositionEmbedding
-from pagedllm.model_executor.models.llama import LlamaAttention, load_llama_weights
+from pagedllm.model_executor.models.llama import LlamaAttention
+from pagedllm.model_executor.models.mamba2 import Mamba2ForCausalLM
 
 
 class NemotronHMLP(nn.Module):
@@ -60,7 +60,7 @@ class NemotronHMixer(MambaMixer2):
 
 class NemotronHBlock(nn.Module):
     """h = h + mixer(norm(h)), the stream travelling as (hidden_states, residual) as
-    ``llama.DecoderLayer``'s; ``mixer`` by the layer's ``layer_types`` entry.
+    ``Mamba2DecoderLayer``'s; ``mixer`` by the layer's ``layer_types`` entry.
 
     Raises:
         ValueError: a layer type not built (routed experts, "moe").
@@ -82,37 +82,24 @@ class NemotronHBlock(nn.Module):
             raise ValueError(f"Nemotron-H layer {layer_idx} is {kind!r}: pagedllm builds 'M' (Mamba-2), '*' "
                              "(attention) and '-' (MLP) layers, not routed experts.")
 
-    def forward(self, rope, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]):
+    def forward(self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor]):
         if residual is None:
             residual, hidden_states = hidden_states, self.norm(hidden_states)
         else:
             hidden_states, residual = self.norm(hidden_states, residual)
-        return self.mixer(rope, hidden_states), residual
+        return self.mixer((), hidden_states), residual  # no rope: nothing for the attention's table
 
 
-class NemotronHForCausalLM(nn.Module):
-    """``forward(input_ids [T], positions [T]) -> hidden [T, hidden]`` and
-    ``compute_logits(hidden [N, hidden]) -> [N, vocab]``; parameters under the checkpoint's
-    names (``backbone.embeddings``, ``backbone.layers.i.{norm, mixer}``, ``backbone.norm_f``,
-    ``lm_head``). ``get_mamba_state_shape_from_config`` / ``get_mamba_state_dtype_from_config``
-    (vLLM's names): a mixer layer's state, the ssm state in float32 when
-    ``mamba_ssm_cache_dtype`` says so (as vLLM reads it)."""
+class NemotronHForCausalLM(Mamba2ForCausalLM):
+    """``Mamba2ForCausalLM``'s interface and checkpoint names (``backbone.embeddings``,
+    ``backbone.layers.i.{norm, mixer}``, ``backbone.norm_f``, ``lm_head``) with a
+    ``NemotronHBlock`` per layer. ``get_mamba_state_shape_from_config`` /
+    ``get_mamba_state_dtype_from_config`` (vLLM's names): a mixer layer's state, the ssm state in
+    float32 when ``mamba_ssm_cache_dtype`` says so (as vLLM reads it)."""
 
-    mamba_type = "mamba2"
-
-    def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig] = None) -> None:
-        super().__init__()
-        self.config = config
-        self.backbone = nn.Module()
-        self.backbone.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.backbone.layers = nn.ModuleList(
-            NemotronHBlock(config, i, quant_config, f"backbone.layers.{i}") for i in range(config.num_hidden_layers))
-        self.backbone.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
-        self.rope = NoPositionEmbedding()
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config, prefix="lm_head")
-        if self.tie_word_embeddings:
-            self.lm_head.tie_weights(self.backbone.embeddings)
+    def make_layer(self, config: PretrainedConfig, layer_idx: int, quant_config: Optional[QuantizationConfig],
+                   prefix: str) -> nn.Module:
+        return NemotronHBlock(config, layer_idx, quant_config, prefix)
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, config: PretrainedConfig) -> tuple[tuple[int, ...], ...]:
@@ -128,23 +115,9 @@ class NemotronHForCausalLM(nn.Module):
         ssm = torch.float32 if getattr(config, "mamba_ssm_cache_dtype", None) == "float32" else dtype
         return dtype, ssm
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: Optional[dict[str, torch.Tensor]] = None) -> torch.Tensor:
-        del intermediate_tensors  # no pipeline stages
-        rope = self.rope.cos_sin(positions, self.backbone.norm_f.weight.dtype)
-        hidden_states, residual = self.backbone.embeddings(input_ids), None
-        for layer in self.backbone.layers:
-            hidden_states, residual = layer(rope, hidden_states, residual)
-        hidden_states, _ = self.backbone.norm_f(hidden_states, residual)
-        return hidden_states
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] logits in the model dtype."""
-        return self.lm_head.compute_logits(hidden_states)
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors into the parameters by name (an MLP's ``up_proj`` as it is,
-        not as part of a gate/up pair); returns the names loaded.
+        """``Mamba2ForCausalLM.load_weights``, an MLP's ``up_proj`` loaded as it is (not as part
+        of a gate/up pair); returns the names loaded.
 
         Raises:
             ValueError: for a checkpoint tensor with no matching parameter, or a shape mismatch.
@@ -154,12 +127,10 @@ class NemotronHForCausalLM(nn.Module):
 
         def others():
             for name, tensor in weights:
-                if self.tie_word_embeddings and name == "lm_head.weight":
-                    continue
                 if ".mixer.up_proj." in name and name in params:
                     params[name].weight_loader(params[name], tensor)
                     loaded.add(name)
-                    continue
-                yield name, tensor
+                else:
+                    yield name, tensor
 
-        return load_llama_weights(self, others()) | loaded
+        return super().load_weights(others()) | loaded
