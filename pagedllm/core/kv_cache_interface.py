@@ -223,13 +223,13 @@ class KVCacheGroups:
                    for g in self.groups)
 
 
-def group_layers(layer_specs: Sequence[Union[KVCacheSpec, MambaSpec]]) -> KVCacheGroups:
-    """Group the layers (``layer_specs[i]``: layer i's spec; None: a layer with no cache) by spec, vLLM's rule: the group
-    size is the smallest number of layers of one attention spec (the largest, when every
-    kind has fewer than 1.25 x the smallest, to pad less); a kind's layers are dealt
-    round-robin over its ceil(n / group size) groups (layers i, i + k, ...: a pipeline
-    stage's layers spread over all of them). State layers (``MambaSpec``) form one state
-    group per spec, whatever their number.
+def group_layers(layer_specs: Sequence[Union[KVCacheSpec, MambaSpec, None]]) -> KVCacheGroups:
+    """Group the layers (``layer_specs[i]``: layer i's spec; None: a layer with no cache) by
+    spec, vLLM's rule: the group size is the smallest number of layers of one attention spec
+    (the largest, when every kind has fewer than 1.25 x the smallest, to pad less); a kind's
+    layers are dealt round-robin over its ceil(n / group size) groups (layers i, i + k, ...: a
+    pipeline stage's layers spread over all of them). State layers (``MambaSpec``) form one
+    state group per spec, whatever their number.
 
     Raises:
         ValueError: no layers, mixed block sizes, or attention layers whose pages differ in size.
