@@ -49,8 +49,9 @@ BEHAVIOUR_FREE_KEYS = frozenset({
     "resid_pdrop", "embd_pdrop",  # Phi-3's dropouts: off at inference
     "output_router_logits", "router_aux_loss_coef", "router_jitter_noise",  # MoE training: aux loss, noise
     "hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout",  # BERT's dropouts: off at inference
-    # Mamba-2's initialisation of dt_bias and of the residual projections (training only).
-    "time_step_rank", "time_step_min", "time_step_max", "time_step_floor", "rescale_prenorm_residual",
+    # Mamba-2's initialisation of dt_bias and of the residual projections (training only;
+    # ``time_step_min`` is Nemotron-H's dt floor too, so each architecture classifies it).
+    "time_step_rank", "time_step_max", "time_step_floor", "rescale_prenorm_residual",
     "num_logits_to_keep", "z_loss_coefficient",  # Bamba: logits kept by generate; a training loss
 })
 
@@ -73,6 +74,12 @@ _QWEN3_NEXT_KEYS = _LLAMA_FAMILY_KEYS | {
     "attention_bias", "layer_types", "partial_rotary_factor", "linear_conv_kernel_dim", "linear_key_head_dim",
     "linear_num_key_heads", "linear_num_value_heads", "linear_value_head_dim",
 }
+
+#: Bamba's Mamba-2 mixers (Bamba, Granite 4): their shapes, and which layers they are.
+_BAMBA_MIXER_KEYS = frozenset({
+    "layer_types", "time_step_limit", "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
+    "mamba_d_conv", "mamba_expand", "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias",
+})
 
 #: DeepSeek-V2 / V3: multi-head latent attention, and the DeepSeekMoE layers and routing.
 _DEEPSEEK_KEYS = frozenset({
@@ -102,6 +109,8 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 #: The ``layer_types`` entry of a layer that keeps a recurrent state (transformers' name for
 #: Mamba-2 and gated delta rule layers).
 STATE_LAYER_TYPE = "linear_attention"
+#: ``layer_types`` entries of layers that keep no cache at all (Nemotron-H's MLP-only layers).
+CACHELESS_LAYER_TYPES = ("mlp", "moe")
 
 
 @dataclass(frozen=True)
@@ -208,12 +217,33 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
         "num_heads", "head_dim", "vocab_size", "hidden_size", "state_size", "num_hidden_layers", "layer_norm_epsilon",
         "expand", "conv_kernel", "n_groups", "use_bias", "use_conv_bias", "hidden_act", "residual_in_fp32",
         "time_step_limit", "chunk_size", "tie_word_embeddings", "layer_types",
+        "time_step_min",  # dt_bias's initialisation only
     }), "none", "layer_types"),
-    "BambaForCausalLM": ArchConfig("bamba", _LLAMA_FAMILY_KEYS | {
-        "attention_bias", "mlp_bias", "attn_layer_indices", "layer_types", "partial_rotary_factor", "time_step_limit",
-        "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv", "mamba_expand",
-        "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias",
+    "BambaForCausalLM": ArchConfig("bamba", _LLAMA_FAMILY_KEYS | _BAMBA_MIXER_KEYS | {
+        "attention_bias", "mlp_bias", "attn_layer_indices", "partial_rotary_factor",
     }, "none", "layer_types"),
+    # Granite 4: Bamba's mixers beside Granite's scaled attention (rope or none), a shared
+    # MLP on every layer plus routed experts (``num_local_experts`` 0: dense).
+    "GraniteMoeHybridForCausalLM": ArchConfig("granitemoehybrid", _LLAMA_FAMILY_KEYS | _BAMBA_MIXER_KEYS | {
+        "attention_bias", "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
+        "num_local_experts", "num_experts_per_tok", "shared_intermediate_size", "position_embedding_type",
+    }, "none", "layer_types", built_values=(("position_embedding_type", (None, "nope", "rope")),)),
+    # Nemotron-H: one mixer per layer by ``layer_types`` (Mamba-2, attention without rope, a
+    # relu2 MLP). transformers' code hard-codes attention without bias and mixers of
+    # mamba_num_heads x mamba_head_dim channels, clamped at time_step_min (``attention_bias``,
+    # ``expand`` and ``time_step_limit`` ignored alike); the routed-expert keys are read by "moe"
+    # layers only (refused by the model), the multi-token-prediction ones by layers not run.
+    "NemotronHForCausalLM": ArchConfig("nemotron_h", frozenset({
+        "vocab_size", "hidden_size", "layers_block_type", "layer_types", "tie_word_embeddings", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "max_position_embeddings", "attention_bias", "sliding_window",
+        "intermediate_size", "mlp_hidden_act", "mlp_bias", "use_mamba_kernels", "ssm_state_size", "mamba_num_heads",
+        "mamba_head_dim", "mamba_hidden_act", "n_groups", "conv_kernel", "expand", "time_step_min", "time_step_limit",
+        "use_conv_bias", "chunk_size", "mamba_proj_bias", "mamba_ssm_cache_dtype", "use_bias", "layer_norm_epsilon",
+        "residual_in_fp32", "hidden_dropout", "n_routed_experts", "n_shared_experts", "moe_intermediate_size",
+        "moe_shared_expert_intermediate_size", "moe_latent_size", "moe_shared_expert_overlap", "num_experts_per_tok",
+        "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob", "num_nextn_predict_layers",
+        "mtp_layers_block_type",
+    }), "none", "layer_types", built_values=(("mlp_hidden_act", ("relu2",)), ("mamba_hidden_act", ("silu",)))),
     # Gated DeltaNet layers (``layer_types`` "linear_attention", on the state cache) beside
     # gated full attention.
     "Qwen3NextForCausalLM": ArchConfig(
@@ -473,6 +503,15 @@ def state_layer_indices(hf_config: Any) -> list[int]:
         return []
     kinds = _value(hf_config, "layer_types") or []
     return [i for i, kind in enumerate(kinds) if kind == STATE_LAYER_TYPE]
+
+
+def cacheless_layer_indices(hf_config: Any) -> list[int]:
+    """The layers of ``hf_config`` that keep neither KV nor a state (``layer_types`` entries of
+    ``CACHELESS_LAYER_TYPES``); none for an architecture not in ``ARCH_CONFIG``."""
+    if (_value(hf_config, "architectures") or ["<none>"])[0] not in ARCH_CONFIG:
+        return []
+    kinds = _value(hf_config, "layer_types") or []
+    return [i for i, kind in enumerate(kinds) if kind in CACHELESS_LAYER_TYPES]
 
 
 def min_sliding_window(hf_config: Any) -> Optional[int]:

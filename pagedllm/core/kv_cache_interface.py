@@ -223,13 +223,13 @@ class KVCacheGroups:
                    for g in self.groups)
 
 
-def group_layers(layer_specs: Sequence[Union[KVCacheSpec, MambaSpec]]) -> KVCacheGroups:
-    """Group the layers (``layer_specs[i]``: layer i's spec) by spec, vLLM's rule: the group
-    size is the smallest number of layers of one attention spec (the largest, when every
-    kind has fewer than 1.25 x the smallest, to pad less); a kind's layers are dealt
-    round-robin over its ceil(n / group size) groups (layers i, i + k, ...: a pipeline
-    stage's layers spread over all of them). State layers (``MambaSpec``) form one state
-    group per spec, whatever their number.
+def group_layers(layer_specs: Sequence[Union[KVCacheSpec, MambaSpec, None]]) -> KVCacheGroups:
+    """Group the layers (``layer_specs[i]``: layer i's spec; None: a layer with no cache) by
+    spec, vLLM's rule: the group size is the smallest number of layers of one attention spec
+    (the largest, when every kind has fewer than 1.25 x the smallest, to pad less); a kind's
+    layers are dealt round-robin over its ceil(n / group size) groups (layers i, i + k, ...: a
+    pipeline stage's layers spread over all of them). State layers (``MambaSpec``) form one
+    state group per spec, whatever their number.
 
     Raises:
         ValueError: no layers, mixed block sizes, or attention layers whose pages differ in size.
@@ -241,7 +241,7 @@ def group_layers(layer_specs: Sequence[Union[KVCacheSpec, MambaSpec]]) -> KVCach
         if isinstance(spec, MambaSpec):
             state_layers.setdefault(spec, []).append(index)
     state_groups = tuple(KVCacheGroupSpec(tuple(layers), spec) for spec, layers in state_layers.items())
-    attention = [(i, s) for i, s in enumerate(layer_specs) if not isinstance(s, MambaSpec)]
+    attention = [(i, s) for i, s in enumerate(layer_specs) if s is not None and not isinstance(s, MambaSpec)]
     if not attention:
         return KVCacheGroups((), 0, state_groups)
     groups = _group_attention_layers(attention)
@@ -270,14 +270,16 @@ def _group_attention_layers(layers_and_specs: list[tuple[int, KVCacheSpec]]) -> 
 
 def layer_kv_cache_specs(
     layer_windows: Sequence[Optional[int]], block_size: int, num_kv_heads: int, head_size: int, dtype_bytes: int,
-    use_mla: bool = False, state_specs: Optional[dict[int, MambaSpec]] = None,
-) -> list[Union[KVCacheSpec, MambaSpec]]:
+    use_mla: bool = False, state_specs: Optional[dict[int, MambaSpec]] = None, cacheless: Sequence[int] = (),
+) -> list[Union[KVCacheSpec, MambaSpec, None]]:
     """Each layer's spec from its attention window (None: full attention; with ``use_mla``
-    latent attention, ``MLAAttentionSpec``), or ``state_specs[i]`` for a state layer i."""
+    latent attention, ``MLAAttentionSpec``), ``state_specs[i]`` for a state layer i, or None for
+    a layer of ``cacheless`` (no attention, no state)."""
     full = MLAAttentionSpec if use_mla else FullAttentionSpec
     state_specs = state_specs or {}
     return [
-        state_specs[i] if i in state_specs
+        None if i in cacheless
+        else state_specs[i] if i in state_specs
         else full(block_size, num_kv_heads, head_size, dtype_bytes) if window is None
         else SlidingWindowSpec(block_size, num_kv_heads, head_size, dtype_bytes, window)
         for i, window in enumerate(layer_windows)

@@ -28,7 +28,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from pagedllm.arch_config import layer_sliding_windows, state_layer_indices
+from pagedllm.arch_config import cacheless_layer_indices, layer_sliding_windows, state_layer_indices
 from pagedllm.config import CacheConfig, EngineConfig, ModelConfig
 from pagedllm.core.kv_cache_interface import (
     KVCacheGroups,
@@ -140,12 +140,14 @@ def state_layer_specs(model_config: ModelConfig) -> dict[int, MambaSpec]:
 def _groups(model_config: ModelConfig, cache_config: CacheConfig, windows: list[Optional[int]],
             tp_size: int, state_specs: Optional[dict[int, MambaSpec]] = None) -> KVCacheGroups:
     state_specs = state_specs or {}
-    if len(state_specs) == len(windows):  # state layers only: no attention heads to read
-        return group_layers([state_specs[i] for i in range(len(windows))])
+    cacheless = [i for i in cacheless_layer_indices(model_config.hf_config) if i < len(windows)]
+    if len(state_specs) + len(cacheless) == len(windows):  # no attention layer: no attention heads to read
+        return group_layers([state_specs.get(i) for i in range(len(windows))])
     num_kv_heads = kv_heads_per_rank(model_config.num_kv_heads, tp_size)
     dtype_bytes = cache_config.kv_cache_dtype(model_config.dtype).itemsize
     return group_layers(layer_kv_cache_specs(windows, cache_config.block_size, num_kv_heads, model_config.head_dim,
-                                             dtype_bytes, use_mla=model_config.use_mla, state_specs=state_specs))
+                                             dtype_bytes, use_mla=model_config.use_mla, state_specs=state_specs,
+                                             cacheless=cacheless))
 
 
 def kv_bytes_per_block(model_config: ModelConfig, groups: KVCacheGroups,

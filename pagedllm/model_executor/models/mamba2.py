@@ -57,12 +57,18 @@ class Mamba2ForCausalLM(nn.Module):
         self.backbone = nn.Module()
         self.backbone.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.backbone.layers = nn.ModuleList(
-            Mamba2DecoderLayer(config, quant_config, f"backbone.layers.{i}") for i in range(config.num_hidden_layers))
+            self.make_layer(config, i, quant_config, f"backbone.layers.{i}") for i in range(config.num_hidden_layers))
         self.backbone.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config, prefix="lm_head")
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.backbone.embeddings)
+
+    def make_layer(self, config: PretrainedConfig, layer_idx: int, quant_config: Optional[QuantizationConfig],
+                   prefix: str) -> nn.Module:
+        """Layer ``layer_idx`` (``forward(hidden_states, residual)`` as ``Mamba2DecoderLayer``'s; a
+        variant's hook): a ``Mamba2DecoderLayer``."""
+        return Mamba2DecoderLayer(config, quant_config, prefix)
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, config: PretrainedConfig) -> tuple[tuple[int, ...], ...]:

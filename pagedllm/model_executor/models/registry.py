@@ -25,6 +25,7 @@ from pagedllm.model_executor.models.gemma3 import Gemma3ForCausalLM, Gemma3ForCo
 from pagedllm.model_executor.models.glm4 import Glm4ForCausalLM
 from pagedllm.model_executor.models.gpt_oss import GptOssForCausalLM
 from pagedllm.model_executor.models.granite import GraniteForCausalLM
+from pagedllm.model_executor.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from pagedllm.model_executor.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -34,6 +35,7 @@ from pagedllm.model_executor.models.llama import (
 from pagedllm.model_executor.models.llama_eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM
 from pagedllm.model_executor.models.mamba2 import Mamba2ForCausalLM
 from pagedllm.model_executor.models.mixtral import MixtralForCausalLM
+from pagedllm.model_executor.models.nemotron_h import NemotronHForCausalLM
 from pagedllm.model_executor.models.olmo2 import Olmo2ForCausalLM
 from pagedllm.model_executor.models.phi3 import Phi3ForCausalLM
 from pagedllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -136,6 +138,14 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
     "BambaForCausalLM": SupportedModel(
         BambaForCausalLM, ("ibm-ai-platform/Bamba-9B",),
         "Mamba-2 mixers (state cache) interleaved with full-attention layers (attn_layer_indices); partial rotary"),
+    "GraniteMoeHybridForCausalLM": SupportedModel(
+        GraniteMoeHybridForCausalLM, ("ibm-granite/granite-4.0-h-tiny", "ibm-granite/granite-4.0-h-1b"),
+        "Mamba-2 mixers (state cache) and full attention by layer_types; rope or none; Granite's multipliers; "
+        "shared MLP plus routed experts, or dense"),
+    "NemotronHForCausalLM": SupportedModel(
+        NemotronHForCausalLM, ("nvidia/Nemotron-H-8B-Base-8K", "nvidia/NVIDIA-Nemotron-Nano-9B-v2"),
+        "one mixer per layer by hybrid_override_pattern: Mamba-2 (state cache), attention without rope, relu2 MLP "
+        "(no cache); routed-expert layers not built"),
     # Sequence classifiers (``--runner pooling``, chosen by ``--runner auto``): classify, score, rerank.
     "BertForSequenceClassification": SupportedModel(
         BertForSequenceClassification, ("cross-encoder/ms-marco-MiniLM-L6-v2",),
@@ -170,7 +180,7 @@ _FAMILIES = (
      "it is a mixture-of-experts model whose routing and expert weights are not mapped onto FusedMoE yet"),
     (("Mamba", "Jamba", "Zamba", "Bamba", "FalconH1", "NemotronH", "Hybrid", "Rwkv", "Next"),
      "it keeps a recurrent (state-space / linear-attention) state in layers pagedllm does not build yet (its "
-     "state cache serves Mamba2ForCausalLM and BambaForCausalLM)"),
+     "state cache serves Mamba2ForCausalLM, BambaForCausalLM, GraniteMoeHybridForCausalLM and NemotronHForCausalLM)"),
     (("ConditionalGeneration", "Llava", "VL", "Vision", "Mllama", "Idefics", "PaliGemma", "Pixtral", "Siglip"),
      "it is an image-text model, and pagedllm serves no vision encoder yet"),
 )
