@@ -30,9 +30,13 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/pagedllm serve $(ARGS)
 
-# --durations=30 prints the slowest tests, to see where CI's time goes (the limit is 20 minutes).
+# Two pytest workers (pytest-xdist; a test file stays on one worker, so a module's server
+# starts once), then the tests marked `serial` (latency bounds that another worker's load would
+# break) alone. --durations=30 prints the slowest tests, to see where CI's time goes (the limit
+# is 20 minutes).
 test: $(STAMP)
-	$(PY) -m pytest tests --durations=30
+	$(PY) -m pytest tests -n 2 --dist loadfile -m "not serial" --durations=30
+	$(PY) -m pytest tests -m serial --durations=10
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -172,6 +172,7 @@ _prebuild: list[subprocess.Popen] = []
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "isa_levels: runs the kernels of every level (in another process): run last")
+    config.addinivalue_line("markers", "serial: asserts a latency bound; `make test` runs it alone, after the parallel run")
 
 
 def _needs_every_level(item) -> bool:

@@ -14,6 +14,8 @@ import pytest
 
 from tests.entrypoints.openai.conftest import MODEL_NAME, parse_sse
 
+pytestmark = pytest.mark.serial  # /health latency under load: alone on the machine
+
 GAUGES = ("pagedllm:num_requests_running", "pagedllm:num_requests_waiting", "pagedllm:kv_cache_usage_perc")
 
 
