@@ -65,9 +65,9 @@ def test_unknown_architecture_lists_supported_ones(tiny_llama, tmp_path, trust_r
     path = tmp_path / "gpt2ish"
     shutil.copytree(tiny_llama, path)
     config = json.loads((path / "config.json").read_text())
-    config["architectures"] = ["LlamaForSequenceClassification"]
+    config["architectures"] = ["LlamaForTokenClassification"]
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="LlamaForSequenceClassification' is not supported yet.*LlamaForCausalLM, MistralForCausalLM, .*Qwen2ForCausalLM, .*Qwen3ForCausalLM"):
+    with pytest.raises(ValueError, match="LlamaForTokenClassification' is not supported yet.*Supported architectures: .*LlamaForCausalLM, .*MistralForCausalLM, .*Qwen2ForCausalLM, .*Qwen3ForCausalLM"):
         LLM(str(path), kv_cache_memory_bytes=4 << 20, trust_remote_code=trust_remote_code)
 
 

@@ -180,7 +180,8 @@ _FAMILIES = (
      "it is a mixture-of-experts model whose routing and expert weights are not mapped onto FusedMoE yet"),
     (("Mamba", "Jamba", "Zamba", "Bamba", "FalconH1", "NemotronH", "Hybrid", "Rwkv", "Next"),
      "it keeps a recurrent (state-space / linear-attention) state in layers pagedllm does not build yet (its "
-     "state cache serves Mamba2ForCausalLM, BambaForCausalLM, GraniteMoeHybridForCausalLM and NemotronHForCausalLM)"),
+     "state cache serves Mamba2ForCausalLM, BambaForCausalLM, GraniteMoeHybridForCausalLM, NemotronHForCausalLM, "
+     "Qwen3NextForCausalLM, Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM)"),
     (("ConditionalGeneration", "Llava", "VL", "Vision", "Mllama", "Idefics", "PaliGemma", "Pixtral", "Siglip"),
      "it is an image-text model, and pagedllm serves no vision encoder yet"),
 )
