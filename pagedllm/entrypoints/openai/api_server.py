@@ -201,11 +201,15 @@ def _json(model: BaseModel) -> Response:
     return Response(content=model.model_dump_json(), media_type="application/json")
 
 
-def _to_response(result: Union[BaseModel, AsyncGenerator[str, None], Response]) -> Response:
+def _to_response(result: Union[BaseModel, dict, AsyncGenerator[str, None], Response]) -> Response:
+    """A handler's result as the HTTP response: a ``Response`` as it is, a model or a dict as
+    JSON, an async generator of SSE events as a stream."""
     if isinstance(result, Response):
         return result
     if isinstance(result, BaseModel):
         return _json(result)
+    if isinstance(result, dict):
+        return JSONResponse(result)
     return SSEResponse(result)
 
 
@@ -370,8 +374,7 @@ def build_app(engine: EngineClient, frontend: FrontendConfig) -> FastAPI:
     @app.post("/v1/responses")
     @with_cancellation
     async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
-        result = await responses.create_response(request)
-        return JSONResponse(result) if isinstance(result, dict) else SSEResponse(result)
+        return _to_response(await responses.create_response(request))
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> Response:
@@ -413,8 +416,7 @@ def build_app(engine: EngineClient, frontend: FrontendConfig) -> FastAPI:
     @app.post("/v1/messages")
     @with_cancellation
     async def create_messages(raw_request: Request) -> Response:
-        result = await messages.create_messages(raw_request)
-        return result if isinstance(result, Response) else SSEResponse(result)
+        return _to_response(await messages.create_messages(raw_request))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(raw_request: Request) -> Response:
