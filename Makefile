@@ -11,17 +11,22 @@ $(PY):
 
 # torch is installed first and pinned: 2.13.0 is the CPU build available on this machine's disk,
 # and installing it explicitly keeps other packages from pulling a multi-GB CUDA build.
-# Each step says what it does; pip shows its own progress. The last step builds the C++ CPU
-# kernels (about a minute and a half on 2 cores), which the first `pagedllm serve` would otherwise do.
+# Each step says what it does; pip shows its own progress. The C++ CPU kernels (about a minute
+# and a half on 2 cores), which the first `pagedllm serve` would otherwise build, compile in the
+# background while pip installs the rest (they need only torch, ninja and numpy); their log is
+# printed when both are done. `make test` also builds the lower instruction-set levels the
+# kernel tests run (KERNEL_LEVELS below).
+KERNEL_LEVELS ?=
 $(STAMP): $(PY) pyproject.toml
-	@echo "==> [1/4] upgrading pip"
+	@echo "==> [1/3] upgrading pip"
 	$(PY) -m pip install --upgrade pip
-	@echo "==> [2/4] installing torch (CPU build)"
-	$(PY) -m pip install --progress-bar on "torch==2.13.0"
-	@echo "==> [3/4] installing pagedllm and its test dependencies"
-	$(PY) -m pip install --progress-bar on -e ".[test]"
-	@echo "==> [4/4] building the C++ CPU kernels (once per machine)"
-	$(PY) -m pagedllm.kernels.cpu
+	@echo "==> [2/3] installing torch (CPU build), ninja and numpy"
+	$(PY) -m pip install --progress-bar on "torch==2.13.0" "ninja>=1.11" "numpy>=1.26,<3"
+	@echo "==> [3/3] installing pagedllm and its test dependencies; building the C++ CPU kernels beside it (once per machine)"
+	$(PY) -m pagedllm.kernels.cpu $(KERNEL_LEVELS) > $(VENV)/kernel-build.log 2>&1 & build=$$!; \
+	$(PY) -m pip install --progress-bar on -e ".[test]"; installed=$$?; \
+	wait $$build; built=$$?; echo "==> C++ CPU kernels:"; cat $(VENV)/kernel-build.log; \
+	test $$installed -eq 0 && test $$built -eq 0
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -34,6 +39,7 @@ serve: $(STAMP)
 # starts once), then the tests marked `serial` (latency bounds that another worker's load would
 # break) alone. --durations=30 prints the slowest tests, to see where CI's time goes (the limit
 # is 20 minutes).
+test: KERNEL_LEVELS = --every-level
 test: $(STAMP)
 	$(PY) -m pytest tests -n 2 --dist loadfile -m "not serial" --durations=30
 	$(PY) -m pytest tests -m serial --durations=10
