@@ -78,3 +78,18 @@ def test_build_ahead_of_the_first_start():
     done = subprocess.run([sys.executable, "-m", "pagedllm.kernels.cpu"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith(("pagedllm CPU kernels ready (", "pagedllm CPU kernels unavailable"))
+
+
+def test_every_level_builds_each_level_the_kernel_tests_run():
+    """``--every-level`` (``make test``'s set-up) leaves a build of every level from portable up
+    to the selected one, so kernel tests at lower levels wait for no compiler."""
+    from tests.conftest import supported_isas
+
+    done = subprocess.run([sys.executable, "-m", "pagedllm.kernels.cpu", "--every-level"], capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-2000:]
+    if done.stdout.startswith("pagedllm CPU kernels unavailable"):
+        pytest.skip("no C++ compiler: the kernels are not built at any level")
+    ready = "pagedllm CPU kernels ready ("
+    built = [line.removeprefix(ready).split(",")[0] for line in done.stdout.splitlines() if line.startswith(ready)]
+    levels = supported_isas()
+    assert built == [levels[-1], *levels[:-1]], done.stdout
