@@ -7,6 +7,8 @@ projector's output scaled up, so images change the greedy output)."""
 
 from __future__ import annotations
 
+import copy
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +27,7 @@ def make_llava_checkpoint(out: Path, seed: int = 21, vision_feature_select_strat
     from tests.fixtures.checkpoints import _init_weights, build_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(cache=False)
+    tokenizer = copy.deepcopy(build_tokenizer())
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                               image_size=32, patch_size=8, projection_dim=32)
@@ -59,13 +61,17 @@ def random_image(width: int, height: int, seed: int):
     return Image.fromarray(pixels)
 
 
+@functools.lru_cache(maxsize=2)
+def _hf_llava(path: Path):
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    return AutoProcessor.from_pretrained(path), LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+
+
 def hf_llava_greedy(path: Path, prompt: str, images: list, max_new_tokens: int) -> list[int]:
     """transformers' float32 greedy completion of ``prompt`` with ``images``, through the
     checkpoint's processor."""
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    processor = AutoProcessor.from_pretrained(path)
-    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    processor, model = _hf_llava(path)
     inputs = processor(text=[prompt], images=images or None, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens)
