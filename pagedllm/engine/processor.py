@@ -283,15 +283,17 @@ class Processor:
                              f"{' / '.join(self.model_config.pooling_tasks)} task(s) (LLM.embed, LLM.classify, "
                              "LLM.score; /v1/embeddings, /classify, /v1/score): it generates no text.")
         mm_inputs = self.process_multimodal(prompt)
-        mm_features = None
+        mm_features = prompt.get("mm_features") if isinstance(prompt, dict) else None
+        if mm_features is not None:
+            self._check_takes_images()
         if mm_inputs is None:
             prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
-            prompt_token_ids = self.truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens)
         else:
             prompt_text, prompt_token_ids, mm_features = mm_inputs
-            if params.truncate_prompt_tokens is not None:
-                raise ValueError("truncate_prompt_tokens is not supported with images (it would cut their "
-                                 "placeholder tokens).")
+        if mm_features and params.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens is not supported with images (it would cut their "
+                             "placeholder tokens).")
+        prompt_token_ids = self.truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens)
         if params.bad_words and not params.bad_words_token_ids:
             params = params.clone()
             params.update_from_tokenizer(self.tokenizer)
@@ -319,10 +321,26 @@ class Processor:
         )
         return request, prompt_text
 
-    def process_multimodal(self, prompt: PromptType) -> Optional[tuple[str, list[int], list]]:
+    def _check_takes_images(self) -> str:
+        """The model's architecture, an image-text one.
+
+        Raises:
+            ValueError: a text-only model.
+        """
+        from pagedllm.multimodal.processing import MULTIMODAL_LAYOUTS
+
+        architecture = self.model_config.architecture
+        if architecture not in MULTIMODAL_LAYOUTS:
+            raise ValueError(f"{self.model_config.model} ({architecture}) is a text-only model: it does not take images.")
+        return architecture
+
+    def process_multimodal(self, prompt: PromptType, add_special_tokens: bool = True
+                           ) -> Optional[tuple[str, list[int], list]]:
         """(prompt text, token ids, ``MultiModalFeatureSpec`` per image) of a dict prompt with
         ``multi_modal_data``, through the model's own processor
-        (``pagedllm.multimodal.processing``); None for a prompt without it.
+        (``pagedllm.multimodal.processing``; ``add_special_tokens`` for its tokenizer: False for a
+        rendered chat, whose template writes them); None for a prompt without it. The chat
+        paths pass the result on as ``{"prompt", "prompt_token_ids", "mm_features"}``.
 
         Raises:
             ValueError: the model takes no images; a modality other than "image"; more images
@@ -332,12 +350,10 @@ class Processor:
         """
         if not isinstance(prompt, dict) or not prompt.get("multi_modal_data"):
             return None
-        from pagedllm.multimodal.processing import MULTIMODAL_LAYOUTS, MultiModalProcessor
+        from pagedllm.multimodal.processing import MultiModalProcessor
         from PIL import Image
 
-        architecture = self.model_config.architecture
-        if architecture not in MULTIMODAL_LAYOUTS:
-            raise ValueError(f"{self.model_config.model} ({architecture}) is a text-only model: it does not take images.")
+        architecture = self._check_takes_images()
         data = prompt["multi_modal_data"]
         unknown = sorted(set(data) - {"image"})
         if unknown:
@@ -362,7 +378,7 @@ class Processor:
             self._mm_processor = MultiModalProcessor(
                 self.model_config.model_path, architecture, self.hf_config, self.model_config.trust_remote_code,
                 mm_config.mm_processor_kwargs)
-        token_ids, features = self._mm_processor.apply(prompt["prompt"], images, kwargs)
+        token_ids, features = self._mm_processor.apply(prompt["prompt"], images, kwargs, add_special_tokens)
         return prompt["prompt"], token_ids, features
 
     def process_pooling(

@@ -89,11 +89,11 @@ class MultiModalProcessor:
         self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         self.default_kwargs = dict(default_kwargs or {})
 
-    def apply(self, prompt: str, images: Sequence[Any], mm_processor_kwargs: Optional[dict] = None
-              ) -> tuple[list[int], list[MultiModalFeatureSpec]]:
+    def apply(self, prompt: str, images: Sequence[Any], mm_processor_kwargs: Optional[dict] = None,
+              add_special_tokens: bool = True) -> tuple[list[int], list[MultiModalFeatureSpec]]:
         """(token ids, one feature per image in prompt order) of ``prompt`` (its image
         placeholders as the model's chat template writes them, e.g. ``<image>``) with ``images``
-        (PIL images).
+        (PIL images); ``add_special_tokens`` as the tokenizer's.
 
         Raises:
             ValueError: the processor refuses the input (an image it cannot read, a count of
@@ -102,7 +102,8 @@ class MultiModalProcessor:
         """
         kwargs = {**self.default_kwargs, **(mm_processor_kwargs or {})}
         try:
-            outputs = self.processor(text=[prompt], images=list(images), return_tensors="pt", **kwargs)
+            outputs = self.processor(text=[prompt], images=list(images), return_tensors="pt",
+                                     add_special_tokens=add_special_tokens, **kwargs)
         except (ValueError, TypeError, OSError, IndexError) as exc:
             raise ValueError(f"The model's processor could not process the prompt's images: {exc}") from None
         token_ids = outputs["input_ids"][0].tolist()
