@@ -275,7 +275,7 @@ class EngineArgs:
             'Image-text models: the most items of each modality one prompt may carry, as JSON, e.g. '
             '\'{"image": 2}\' (a request over it is refused). Default: no limit.'
         ),
-        type=json_object, metavar="JSON", group="model",
+        type=json_object, metavar="JSON",
     )
     mm_processor_kwargs: Optional[dict] = flag_field(
         None,
@@ -283,12 +283,12 @@ class EngineArgs:
             "Image-text models: options of every call of the model's transformers processor, as "
             "JSON (a request's own mm_processor_kwargs go over them, with --trust-request-mm-kwargs)."
         ),
-        type=json_object, metavar="JSON", group="model",
+        type=json_object, metavar="JSON",
     )
     trust_request_mm_kwargs: bool = flag_field(
         False,
         help="Let requests set mm_processor_kwargs (refused otherwise).",
-        action="store_true", group="model",
+        action="store_true",
     )
     allowed_local_media_path: Optional[str] = flag_field(
         None,
@@ -296,12 +296,12 @@ class EngineArgs:
             "Folder under which file:// image URLs of chat requests may be read (default: none, "
             "file:// URLs are refused). Only for trusted clients."
         ),
-        metavar="FOLDER", group="model",
+        metavar="FOLDER",
     )
     allowed_media_domains: Optional[list[str]] = flag_field(
         None,
         help="Host names http(s):// image URLs of chat requests may point at (default: any).",
-        nargs="+", metavar="DOMAIN", group="model",
+        nargs="+", metavar="DOMAIN",
     )
     quantization_config: Optional[dict] = flag_field(
         None,
