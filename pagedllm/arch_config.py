@@ -13,7 +13,9 @@ settings). ``FOREIGN_KEYS`` are keys other architectures read (soft-capping, mul
 a config.json that sets one to a non-neutral value asks for math the code does not do.
 
 An image-text checkpoint of ``TEXT_PART_ARCHITECTURES`` is served by its language model:
-``language_model_config`` is the config its code reads (config.json's ``text_config``).
+``language_model_config`` is the config its code reads (config.json's ``text_config``). One of
+``IMAGE_TEXT_ARCHITECTURES`` is served whole: its code reads the ``text_config`` too, with the
+vision tower's keys (``vision_config`` ...) carried onto it.
 
 ``check_hf_config`` refuses, with a message naming the key, a config that sets a key to a
 value the code would silently ignore or misread; ``layer_sliding_windows`` is each layer's
@@ -173,6 +175,9 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
     # Gemma3ForConditionalGeneration applies no final_logit_softcapping either; ignored alike.
     "Gemma3ForConditionalGeneration": ArchConfig(
         "gemma3_text", _GEMMA_KEYS | {"attn_logit_softcapping", "final_logit_softcapping"}, "layer_types"),
+    # The Llama language model of a Llava checkpoint (``language_model_config``: its
+    # ``text_config``, with ``IMAGE_TEXT_ARCHITECTURES``' vision keys carried onto it).
+    "LlavaForConditionalGeneration": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
     "Phi3ForCausalLM": ArchConfig(
         "phi3", _LLAMA_FAMILY_KEYS | {"sliding_window", "original_max_position_embeddings", "partial_rotary_factor"},
         "all"),
@@ -288,6 +293,15 @@ FOREIGN_KEYS: dict[str, Callable[[Any], bool]] = {
 
 #: Image-text architectures served by their language model alone (images are not served).
 TEXT_PART_ARCHITECTURES = frozenset({"Gemma3ForConditionalGeneration"})
+
+#: Image-text architectures served with their vision encoder -> the keys of the whole
+#: checkpoint's config that the vision path reads, carried onto the language model's config.
+IMAGE_TEXT_ARCHITECTURES: dict[str, tuple[str, ...]] = {
+    "LlavaForConditionalGeneration": (
+        "vision_config", "image_token_index", "projector_hidden_act", "vision_feature_layer",
+        "vision_feature_select_strategy", "multimodal_projector_bias", "image_seq_length",
+    ),
+}
 
 
 def _value(hf_config: Any, key: str) -> Any:
@@ -465,11 +479,12 @@ def check_hf_config(hf_config: Any) -> None:
 
 def language_model_config(hf_config: Any) -> Any:
     """The config the model code reads: ``hf_config`` itself, or for an architecture of
-    ``TEXT_PART_ARCHITECTURES`` its ``text_config``, given the whole checkpoint's
-    ``architectures``, ``tie_word_embeddings`` (transformers ties by the outer config),
-    ``dtype`` and ``quantization_config``. Edits that sub-config in place."""
+    ``TEXT_PART_ARCHITECTURES`` / ``IMAGE_TEXT_ARCHITECTURES`` its ``text_config``, given the
+    whole checkpoint's ``architectures``, ``tie_word_embeddings`` (transformers ties by the
+    outer config), ``dtype`` and ``quantization_config`` (and, for the second, the vision keys
+    of ``IMAGE_TEXT_ARCHITECTURES``). Edits that sub-config in place."""
     architecture = (_value(hf_config, "architectures") or ["<none>"])[0]
-    if architecture not in TEXT_PART_ARCHITECTURES:
+    if architecture not in TEXT_PART_ARCHITECTURES and architecture not in IMAGE_TEXT_ARCHITECTURES:
         return hf_config
     text = hf_config.text_config
     text.architectures = [architecture]
@@ -477,6 +492,8 @@ def language_model_config(hf_config: Any) -> Any:
     for key in ("dtype", "quantization_config"):
         if _value(hf_config, key) is not None:
             setattr(text, key, _value(hf_config, key))
+    for key in IMAGE_TEXT_ARCHITECTURES.get(architecture, ()):
+        setattr(text, key, _value(hf_config, key))
     return text
 
 

@@ -233,6 +233,17 @@ PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S = _declare(
     "PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S", "float", 60.0,
     "Seconds the Ray executor waits for the cluster to host its workers (read at import).",
 )  # fmt: skip
+# --- images in chat requests -------------------------------------------------------------
+PAGEDLLM_IMAGE_FETCH_TIMEOUT = _declare(
+    "PAGEDLLM_IMAGE_FETCH_TIMEOUT", "float", 5.0, "Seconds an http(s) image URL of a chat request may take to fetch.",
+    alias="VLLM_IMAGE_FETCH_TIMEOUT", nonpositive="error",
+    error="{name} must be a positive number of seconds, got {value!r}.",
+)  # fmt: skip
+PAGEDLLM_MAX_IMAGE_BYTES = _declare(
+    "PAGEDLLM_MAX_IMAGE_BYTES", "int", 20 << 20, "Largest image (bytes) a chat request's image URL may bring.",
+    nonpositive="error", error="{name} must be a positive number of bytes, got {value!r}.",
+)  # fmt: skip
+
 # --- CPU kernels --------------------------------------------------------------------------
 PAGEDLLM_CPU_ISA = _declare(
     "PAGEDLLM_CPU_ISA", "str", None,

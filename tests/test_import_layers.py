@@ -33,10 +33,10 @@ FLOORS: list[tuple[str, ...]] = [
     ("model_executor", "lora", "spec_decode"),
     ("distributed",),
     ("attention",),
-    ("config", "arch_config", "platforms", "env_override"),
+    ("config", "arch_config", "platforms", "env_override", "multimodal"),
     ("kernels",),
     ("messages", "sampling_params", "pooling_params", "outputs", "tokenizer", "model_paths", "logger", "version", "lora.request", "envs",
-     "reasoning", "name_registry"),
+     "reasoning", "name_registry", "multimodal.inputs"),
 ]
 """The layers, top first: the ``pagedllm`` command (``entrypoints.cli``: ``serve`` and ``bench``)
 > benchmarks > entrypoints > engine > executor/worker > core > model_executor > attention >

@@ -28,6 +28,7 @@ from pagedllm.config.engine_config import EngineConfig
 from pagedllm.config.flags import add_flags, flag_field, flag_values, given_flag_values, not_a_flag
 from pagedllm.config.hub import load_hf_config, resolve_model_path
 from pagedllm.config.lora import LoRAConfig
+from pagedllm.config.multimodal import MultiModalConfig
 from pagedllm.config.model import (
     DTYPES,
     ModelConfig,
@@ -267,6 +268,40 @@ class EngineArgs:
             "own format."
         ),
         aliases=("-q",),
+    )
+    limit_mm_per_prompt: Optional[dict] = flag_field(
+        None,
+        help=(
+            'Image-text models: the most items of each modality one prompt may carry, as JSON, e.g. '
+            '\'{"image": 2}\' (a request over it is refused). Default: no limit.'
+        ),
+        type=json_object, metavar="JSON",
+    )
+    mm_processor_kwargs: Optional[dict] = flag_field(
+        None,
+        help=(
+            "Image-text models: options of every call of the model's transformers processor, as "
+            "JSON (a request's own mm_processor_kwargs go over them, with --trust-request-mm-kwargs)."
+        ),
+        type=json_object, metavar="JSON",
+    )
+    trust_request_mm_kwargs: bool = flag_field(
+        False,
+        help="Let requests set mm_processor_kwargs (refused otherwise).",
+        action="store_true",
+    )
+    allowed_local_media_path: Optional[str] = flag_field(
+        None,
+        help=(
+            "Folder under which file:// image URLs of chat requests may be read (default: none, "
+            "file:// URLs are refused). Only for trusted clients."
+        ),
+        metavar="FOLDER",
+    )
+    allowed_media_domains: Optional[list[str]] = flag_field(
+        None,
+        help="Host names http(s):// image URLs of chat requests may point at (default: any).",
+        nargs="+", metavar="DOMAIN",
     )
     quantization_config: Optional[dict] = flag_field(
         None,
@@ -593,6 +628,9 @@ class EngineArgs:
             runner_type=runner_type,
             pooler_config=self._pooler_config(runner_type, architecture, model_path),
             convert_type=self.convert if self.convert in ("embed", "classify") else "none",
+            multimodal_config=MultiModalConfig.from_engine_args(
+                self.limit_mm_per_prompt, self.mm_processor_kwargs, self.trust_request_mm_kwargs,
+                self.allowed_local_media_path, self.allowed_media_domains),
         )
         model_config.pooling_activations  # a classifier's activation not built fails here, before loading
         self._check_num_gpu_blocks_override(max_model_len)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from pagedllm import envs
 from pagedllm.arch_config import min_sliding_window, model_context_len
+from pagedllm.config.multimodal import MultiModalConfig
 from pagedllm.config.pooler import (
     PoolerConfig,
     classification_activation,
@@ -123,6 +124,7 @@ class ModelConfig:
     runner_type: str = "generate"
     pooler_config: Optional[PoolerConfig] = None
     convert_type: str = "none"
+    multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)  # images: see MultiModalConfig
 
     @property
     def architecture(self) -> str:

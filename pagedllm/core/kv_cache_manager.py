@@ -129,6 +129,7 @@ class KVCacheManager:
             self.root_hash,
             first_block_extra_keys(request.cache_salt, request.lora_key),
             num_full_blocks,
+            [(f.mm_position.offset, f.mm_position.end, f.identifier) for f in request.mm_features],
         )
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:

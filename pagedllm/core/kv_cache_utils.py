@@ -2,7 +2,9 @@
 
 A full block's hash chains its parent's hash, the block's token ids and extra keys that
 change the KV content (the per-request ``cache_salt`` and the LoRA adapter's identity, part
-of the first block's key only: every later hash chains it)::
+of the first block's key only: every later hash chains it; and the content hash of each image
+whose placeholder tokens the block holds, as vLLM's ``generate_block_hash_extra_keys``: the
+same token ids with another image are other KV)::
 
     hash(block i) = H(hash(block i-1), tuple(token ids of block i), extra keys)
 
@@ -105,6 +107,16 @@ def first_block_extra_keys(
     return None if cache_salt is None else (cache_salt,)
 
 
+def mm_extra_keys(extra: Optional[tuple[Any, ...]], mm_spans: Sequence[tuple[int, int, str]], start: int,
+                  end: int) -> Optional[tuple[Any, ...]]:
+    """``extra`` plus the content hash of each image of ``mm_spans`` ((start, end, hash) of its
+    placeholder tokens) that overlaps tokens ``start`` .. ``end - 1`` (``extra`` as it is when none does)."""
+    hashes = tuple(h for s, e, h in mm_spans if s < end and e > start)
+    if not hashes:
+        return extra
+    return (*(extra or ()), *hashes)
+
+
 def extend_block_hashes(
     block_hashes: list[BlockHash],
     token_ids: Sequence[int],
@@ -113,15 +125,20 @@ def extend_block_hashes(
     root_hash: BlockHash,
     first_extra_keys: Optional[tuple[Any, ...]],
     num_full_blocks: int,
+    mm_spans: Sequence[tuple[int, int, str]] = (),
 ) -> None:
     """Append to ``block_hashes`` the hashes of blocks ``len(block_hashes)`` .. ``num_full_blocks - 1``.
 
     Only the missing blocks are hashed: a request's hashes are extended as its blocks
     fill, never recomputed. ``token_ids`` must hold at least ``num_full_blocks * block_size``
     tokens. ``first_extra_keys``: the first block's extra keys (``first_block_extra_keys``).
+    ``mm_spans``: (start, end, content hash) of each image's placeholder tokens, by start
+    (``mm_extra_keys``).
     """
     for i in range(len(block_hashes), num_full_blocks):
         parent = block_hashes[i - 1] if i > 0 else root_hash
         extra = first_extra_keys if i == 0 else None
+        if mm_spans:
+            extra = mm_extra_keys(extra, mm_spans, i * block_size, (i + 1) * block_size)
         block = token_ids[i * block_size : (i + 1) * block_size]
         block_hashes.append(hash_block_tokens(hash_fn, parent, block, extra))

@@ -46,7 +46,9 @@ class Request:
     ``all_token_ids`` is the prompt followed by the generated tokens. The tokens still to
     compute are ``num_tokens - num_computed_tokens``: there is no separate prefill or
     decode phase. ``block_hashes`` holds the hash of every *full* block of
-    ``all_token_ids`` (prefix caching), extended as tokens are appended.
+    ``all_token_ids`` (prefix caching), extended as tokens are appended. ``mm_features``:
+    the prompt's images (``MultiModalFeatureSpec``, prompt order; empty: none), whose
+    embeddings the encoder computes before their placeholder tokens run.
     """
 
     def __init__(self, request: EngineCoreRequest, max_model_len: int) -> None:
@@ -58,6 +60,7 @@ class Request:
         self.lora_request = request.lora_request
         #: The adapter's identity (``LoRARequest.adapter_key``), None for the base model.
         self.lora_key = None if request.lora_request is None else request.lora_request.adapter_key
+        self.mm_features = list(request.mm_features or ())
         self.prompt_token_ids: list[int] = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

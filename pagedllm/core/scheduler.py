@@ -41,6 +41,11 @@ from collections import deque
 from typing import TYPE_CHECKING, Iterable, Optional
 
 from pagedllm.config import SchedulerConfig, SpeculativeConfig
+from pagedllm.core.encoder_cache_manager import (
+    EncoderCacheManager,
+    free_computed_encoder_inputs,
+    schedule_encoder_inputs,
+)
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.spec_length import SpeculationLength
@@ -80,6 +85,9 @@ class Scheduler:
             (structured outputs); None: a request with a constraint is refused.
         use_pp: pipeline parallelism: each scheduled request's tokens of the step go in
             ``CachedRequestData.new_token_ids`` (stages before the last sample nothing).
+        encoder_cache_size: an image-text model's encoder budget, in embeddings: what the
+            encoder may compute in one step and what the encoder cache holds
+            (``pagedllm.core.encoder_cache_manager``); None: a text-only model.
     """
 
     def __init__(
@@ -90,6 +98,7 @@ class Scheduler:
         speculative_config: Optional[SpeculativeConfig] = None,
         structured_output_manager: Optional[StructuredOutputManager] = None,
         use_pp: bool = False,
+        encoder_cache_size: Optional[int] = None,
     ) -> None:
         self.config = scheduler_config
         self.max_loras = max_loras
@@ -121,6 +130,8 @@ class Scheduler:
         if speculative_config is not None and speculative_config.enable_adaptive_k:
             self.spec_length = SpeculationLength(self.num_spec_tokens, speculative_config.adaptive_k_ema_alpha,
                                                  speculative_config.prior_draft_token_cost)
+        self.max_num_encoder_input_tokens = encoder_cache_size or 0
+        self.encoder_cache_manager = EncoderCacheManager(encoder_cache_size) if encoder_cache_size else None
         # perf_counter() when the last schedule() returned, and whether its step was decodes only.
         self._step_started = (0.0, False)
 
@@ -147,6 +158,8 @@ class Scheduler:
         cached = CachedRequestData()
         spec_tokens: dict[str, list[int]] = {}
         preempted_any = False
+        encoder_budget = self.max_num_encoder_input_tokens
+        encoder_inputs: dict[str, list[int]] = {}
 
         waiting_for_grammar: list[Request] = []
         req_index = 0
@@ -158,6 +171,11 @@ class Scheduler:
             num_known = request.num_tokens - request.num_computed_tokens
             num_new_tokens = self.kv_cache_manager.align_to_save_point(
                 request, request.num_computed_tokens, min(num_known + len(request.spec_token_ids), token_budget))
+            to_encode, num_new_tokens, budget_left = self._encoder_inputs(request, request.num_computed_tokens,
+                                                                          num_new_tokens, encoder_budget)
+            if num_new_tokens == 0:
+                req_index += 1
+                continue
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request, num_new_tokens, num_lookahead_tokens=self._lookahead(request.num_computed_tokens + num_new_tokens))
@@ -178,6 +196,7 @@ class Scheduler:
                 start = request.num_computed_tokens
                 cached.new_token_ids.append(request.all_token_ids[start : start + min(num_new_tokens, num_known)])
             num_scheduled_tokens[request.request_id] = num_new_tokens
+            encoder_budget = self._allocate_encoder_inputs(request, to_encode, encoder_inputs, budget_left, encoder_budget)
             if num_new_tokens > num_known:
                 spec_tokens[request.request_id] = request.spec_token_ids[: num_new_tokens - num_known]
             token_budget -= num_new_tokens
@@ -207,6 +226,10 @@ class Scheduler:
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = self.kv_cache_manager.align_to_save_point(
                 request, num_hit_tokens, min(request.num_tokens - num_hit_tokens, token_budget))
+            to_encode, num_new_tokens, budget_left = self._encoder_inputs(request, num_hit_tokens, num_new_tokens,
+                                                                          encoder_budget)
+            if num_new_tokens == 0:
+                break  # its next image does not fit in this step's encoder budget
             if not self.chunked_prefill_enabled and num_new_tokens < request.num_tokens - num_hit_tokens:
                 break  # an encoder's prompt runs whole: it waits for a step with room
             new_blocks = self.kv_cache_manager.allocate_slots(
@@ -233,9 +256,11 @@ class Scheduler:
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                     num_computed_tokens=num_hit_tokens,
                     lora_request=request.lora_request,
+                    mm_features=request.mm_features,
                 )
             )
             num_scheduled_tokens[request.request_id] = num_new_tokens
+            encoder_budget = self._allocate_encoder_inputs(request, to_encode, encoder_inputs, budget_left, encoder_budget)
             token_budget -= num_new_tokens
         # The requests skipped (for a LoRA slot, or compiling) keep their place, ahead of the rest.
         self.waiting.extendleft(reversed(skipped))
@@ -252,6 +277,9 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
             finished_req_ids=self.finished_req_ids,
             scheduled_spec_decode_tokens=spec_tokens,
+            scheduled_encoder_inputs=encoder_inputs,
+            free_encoder_mm_hashes=(self.encoder_cache_manager.get_freed_mm_hashes()
+                                    if self.encoder_cache_manager is not None else []),
         )
         self.finished_req_ids = set()
         self.in_flight.update(num_scheduled_tokens)
@@ -260,6 +288,27 @@ class Scheduler:
         self._add_grammar_bitmask(output)
         self._choose_spec_lengths(output)
         return output
+
+    def _encoder_inputs(self, request: Request, num_computed_tokens: int, num_new_tokens: int,
+                        encoder_budget: int) -> tuple[list[int], int, int]:
+        """``schedule_encoder_inputs`` for a request with images; (nothing, ``num_new_tokens``,
+        ``encoder_budget``) for the others."""
+        if not request.mm_features or self.encoder_cache_manager is None:
+            return [], num_new_tokens, encoder_budget
+        return schedule_encoder_inputs(self.encoder_cache_manager, request, num_computed_tokens, num_new_tokens,
+                                       encoder_budget)
+
+    def _allocate_encoder_inputs(self, request: Request, to_encode: list[int], encoder_inputs: dict[str, list[int]],
+                                 budget_left: int, encoder_budget: int) -> int:
+        """Enter the items ``to_encode`` of a request the step took in the encoder cache, list
+        them in ``encoder_inputs``; returns the step's encoder budget left."""
+        if not to_encode:
+            return encoder_budget
+        assert self.encoder_cache_manager is not None
+        for input_id in to_encode:
+            self.encoder_cache_manager.allocate(request, input_id)
+        encoder_inputs[request.request_id] = to_encode
+        return budget_left
 
     def _choose_spec_lengths(self, output: SchedulerOutput) -> None:
         """With adaptive speculation: each request that samples this step gets its number
@@ -347,6 +396,8 @@ class Scheduler:
 
     def _preempt(self, request: Request, now: float) -> None:
         self.kv_cache_manager.free(request)
+        if self.encoder_cache_manager is not None:
+            self.encoder_cache_manager.free(request)
         request.spec_token_ids = []
         request.record_event(EngineCoreEventType.PREEMPTED, now)
         request.status = RequestStatus.PREEMPTED
@@ -375,6 +426,8 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
+            if request.mm_features and self.encoder_cache_manager is not None:
+                free_computed_encoder_inputs(self.encoder_cache_manager, request)
             if req_id in runner_output.failed_req_ids:
                 outputs.append(self._abort_failed(request, runner_output.failed_req_ids[req_id]))
                 continue
@@ -534,6 +587,8 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         """Release a finished request that the caller has taken out of its queue."""
         self.kv_cache_manager.free(request)
+        if self.encoder_cache_manager is not None:
+            self.encoder_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
         if self.spec_length is not None:

@@ -18,6 +18,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.batch_queue import BatchQueue
 from pagedllm.executor.selector import get_executor_class
 from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.multimodal.budget import encoder_cache_size
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.kv_cache_sizing import check_state_layers_compose, kv_cache_groups, num_state_slots
 
@@ -62,7 +63,9 @@ class EngineCore:
         self.structured_output_manager = StructuredOutputManager(config.structured_outputs_config, config.model_config)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, max_loras, config.speculative_config,
                                    structured_output_manager=self.structured_output_manager,
-                                   use_pp=config.parallel_config.pipeline_parallel_size > 1)
+                                   use_pp=config.parallel_config.pipeline_parallel_size > 1,
+                                   encoder_cache_size=encoder_cache_size(config.model_config.hf_config,
+                                                                         config.scheduler_config.max_num_batched_tokens))
         # Pipeline parallelism: several steps (micro-batches) in flight, one per stage.
         max_concurrent_batches = self.model_executor.max_concurrent_batches
         self.batch_queue = (BatchQueue(self.scheduler, self.model_executor, max_concurrent_batches)

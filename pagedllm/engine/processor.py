@@ -27,7 +27,8 @@ from pagedllm.sampling_params import DEFAULT_MAX_TOKENS, RequestOutputKind, Samp
 from pagedllm.structured_output.selection import check_structured_outputs
 
 #: A prompt: text, token ids, or vLLM's dict forms {"prompt": str} / {"prompt_token_ids": [...]},
-#: either with an optional "cache_salt".
+#: either with an optional "cache_salt"; {"prompt": str, "multi_modal_data": {"image": image or
+#: [images]}, "mm_processor_kwargs": {...}} for an image-text model (PIL images).
 PromptType = Union[str, list[int], dict]
 
 
@@ -127,6 +128,7 @@ class Processor:
         self.eos_token_id: Optional[int] = tokenizer.eos_token_id
         self.extra_eos_token_ids = sorted(model_config.generation_config_eos_ids() - {self.eos_token_id})
         self.default_sampling_params = _default_sampling_params(model_config)
+        self._mm_processor = None  # the model's transformers processor, loaded at the first image
         self.override_max_tokens: Optional[int] = (
             None
             if model_config.generation_config in GENERATION_CONFIG_MODES
@@ -280,7 +282,17 @@ class Processor:
             raise ValueError(f"{self.model_config.model} is a pooling model (--runner pooling) for the "
                              f"{' / '.join(self.model_config.pooling_tasks)} task(s) (LLM.embed, LLM.classify, "
                              "LLM.score; /v1/embeddings, /classify, /v1/score): it generates no text.")
-        prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
+        mm_inputs = self.process_multimodal(prompt)
+        mm_features = prompt.get("mm_features") if isinstance(prompt, dict) else None
+        if mm_features is not None:
+            self._check_takes_images()
+        if mm_inputs is None:
+            prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
+        else:
+            prompt_text, prompt_token_ids, mm_features = mm_inputs
+        if mm_features and params.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens is not supported with images (it would cut their "
+                             "placeholder tokens).")
         prompt_token_ids = self.truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens)
         if params.bad_words and not params.bad_words_token_ids:
             params = params.clone()
@@ -305,8 +317,69 @@ class Processor:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             cache_salt=cache_salt,
             lora_request=lora_request,
+            mm_features=mm_features,
         )
         return request, prompt_text
+
+    def _check_takes_images(self) -> str:
+        """The model's architecture, an image-text one.
+
+        Raises:
+            ValueError: a text-only model.
+        """
+        from pagedllm.multimodal.processing import MULTIMODAL_LAYOUTS
+
+        architecture = self.model_config.architecture
+        if architecture not in MULTIMODAL_LAYOUTS:
+            raise ValueError(f"{self.model_config.model} ({architecture}) is a text-only model: it does not take images.")
+        return architecture
+
+    def process_multimodal(self, prompt: PromptType, add_special_tokens: bool = True
+                           ) -> Optional[tuple[str, list[int], list]]:
+        """(prompt text, token ids, ``MultiModalFeatureSpec`` per image) of a dict prompt with
+        ``multi_modal_data``, through the model's own processor
+        (``pagedllm.multimodal.processing``; ``add_special_tokens`` for its tokenizer: False for a
+        rendered chat, whose template writes them); None for a prompt without it. The chat
+        paths pass the result on as ``{"prompt", "prompt_token_ids", "mm_features"}``.
+
+        Raises:
+            ValueError: the model takes no images; a modality other than "image"; more images
+                than ``--limit-mm-per-prompt``; ``mm_processor_kwargs`` without
+                ``--trust-request-mm-kwargs``; a prompt given as token ids; an item that is
+                not an image; what the processor refuses (the message says which).
+        """
+        if not isinstance(prompt, dict) or not prompt.get("multi_modal_data"):
+            return None
+        from pagedllm.multimodal.processing import MultiModalProcessor
+        from PIL import Image
+
+        architecture = self._check_takes_images()
+        data = prompt["multi_modal_data"]
+        unknown = sorted(set(data) - {"image"})
+        if unknown:
+            raise ValueError(f"multi_modal_data: unknown modality {unknown[0]!r} ({architecture} takes 'image').")
+        images = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
+        mm_config = self.model_config.multimodal_config
+        limit = mm_config.limit_per_prompt.get("image")
+        if limit is not None and len(images) > limit:
+            raise ValueError(f"At most {limit} image(s) may be provided in one prompt (--limit-mm-per-prompt); "
+                             f"this one has {len(images)}.")
+        for i, image in enumerate(images):
+            if not isinstance(image, Image.Image):
+                raise ValueError(f"multi_modal_data image {i} is a {type(image).__name__}, not a PIL image.")
+        kwargs = prompt.get("mm_processor_kwargs")
+        if kwargs and not mm_config.trust_request_mm_kwargs:
+            raise ValueError("mm_processor_kwargs in a request are refused: the server was not started with "
+                             "--trust-request-mm-kwargs.")
+        if "prompt" not in prompt or not isinstance(prompt["prompt"], str):
+            raise ValueError("A prompt with multi_modal_data needs its text in 'prompt' (the processor places the "
+                             "images' tokens).")
+        if self._mm_processor is None:
+            self._mm_processor = MultiModalProcessor(
+                self.model_config.model_path, architecture, self.hf_config, self.model_config.trust_remote_code,
+                mm_config.mm_processor_kwargs)
+        token_ids, features = self._mm_processor.apply(prompt["prompt"], images, kwargs, add_special_tokens)
+        return prompt["prompt"], token_ids, features
 
     def process_pooling(
         self, request_id: str, prompt: PromptType, params: PoolingParams, arrival_time: Optional[float] = None,

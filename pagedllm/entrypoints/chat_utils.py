@@ -2,13 +2,16 @@
 ``--chat-template`` once (``load_chat_template``) and rendering a conversation into a
 prompt (``apply_chat_template``, which applies the one set of rules on the rendering
 options: ``resolve_chat_options``, and hands tool calls to templates as they expect them:
-``template_messages``)."""
+``template_messages``); and, for an image-text model, taking a conversation's images out of
+its messages (``conversation_images``: OpenAI's ``image_url`` parts) and loading them
+(``load_chat_images``)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jinja2
 
@@ -92,6 +95,127 @@ def load_chat_template(value: Optional[str]) -> Optional[str]:
     except jinja2.TemplateSyntaxError as exc:
         raise ValueError(f"--chat-template has a Jinja syntax error (line {exc.lineno}): {exc.message}") from None
     return text
+
+
+#: Content part types that carry an image (OpenAI's ``image_url``; vLLM's ``image_pil`` offline).
+IMAGE_PART_TYPES = ("image_url", "image_pil")
+
+
+@dataclass(frozen=True)
+class ChatImage:
+    """One image of a conversation: ``where`` names its part (``messages[i].content[j]``);
+    ``url`` (an ``image_url`` part's) or ``image`` (a PIL image, ``image_pil``)."""
+
+    where: str
+    url: Optional[str] = None
+    image: Any = None
+
+
+def conversation_images(conversation: list[dict[str, Any]], placeholder: Optional[str]
+                        ) -> tuple[list[dict[str, Any]], list[ChatImage]]:
+    """(the conversation with its image parts taken out, the images in order). A message with
+    images gets a string content: a ``placeholder`` line per image (the model's image token,
+    e.g. ``<image>``), then its text parts, joined with newlines, as vLLM renders images for
+    templates that take string content. An ``image_url`` part is ``{"type": "image_url",
+    "image_url": {"url": ..., "detail": ...}}`` (``detail`` is accepted and has no effect) or
+    its url as a plain string. The input is not changed.
+
+    Raises:
+        ValueError: an image for a text-only model (``placeholder`` None), or an image part
+            without a url; the message names the part.
+    """
+    messages, images = [], []
+    for i, message in enumerate(conversation):
+        parts = message.get("content")
+        if not isinstance(parts, list) or not any(_part_type(p) in IMAGE_PART_TYPES for p in parts):
+            messages.append(message)
+            continue
+        texts, found = [], []
+        for j, part in enumerate(parts):
+            where = f"messages[{i}].content[{j}]"
+            if _part_type(part) not in IMAGE_PART_TYPES:
+                texts.append(part)
+                continue
+            if placeholder is None:
+                raise ValueError(f"{where}: an {_part_type(part)} part, but this model is text-only: it does not take "
+                                 "images.")
+            found.append(_chat_image(part, where))
+        images += found
+        text = _joined_text(texts) if texts else None
+        messages.append({**message, "content": "\n".join([placeholder] * len(found) + ([text] if texts else []))})
+    return messages, images
+
+
+def _part_type(part: Any) -> Optional[str]:
+    return part.get("type") if isinstance(part, dict) else None
+
+
+def _chat_image(part: dict[str, Any], where: str) -> ChatImage:
+    if part["type"] == "image_pil":
+        return ChatImage(where, image=part.get("image_pil"))
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"{where}: an image_url part needs image_url.url.")
+    return ChatImage(where, url=url)
+
+
+def load_chat_images(images: Sequence[ChatImage], connector: Any) -> list[Any]:
+    """The PIL images of ``images``, each loaded by ``connector`` (a
+    ``pagedllm.multimodal.media.MediaConnector``) unless given.
+
+    Raises:
+        ValueError: ``"<part>: <why>"`` for the first image that cannot be loaded.
+    """
+    from PIL import Image
+
+    loaded = []
+    for item in images:
+        if item.url is None:
+            if not isinstance(item.image, Image.Image):
+                raise ValueError(f"{item.where}: image_pil is a {type(item.image).__name__}, not a PIL image.")
+            loaded.append(item.image)
+            continue
+        try:
+            loaded.append(connector.load_image(item.url))
+        except ValueError as exc:
+            raise ValueError(f"{item.where}: {exc}.") from None
+    return loaded
+
+
+def image_placeholder(model_config: Any, tokenizer: Any) -> Optional[str]:
+    """The text of the model's image token (Llava's ``<image>``), which ``conversation_images``
+    puts where a message's images go; None for a text-only model."""
+    from pagedllm.multimodal.processing import MULTIMODAL_LAYOUTS
+
+    layout = MULTIMODAL_LAYOUTS.get(getattr(model_config, "architecture", None))
+    if layout is None:
+        return None
+    return tokenizer.convert_ids_to_tokens(int(getattr(model_config.hf_config, layout.image_token_key)))
+
+
+def media_connector(model_config: Any) -> Any:
+    """A ``MediaConnector`` under the model's media settings (``MultiModalConfig``)."""
+    from pagedllm.multimodal.media import MediaConnector
+
+    mm_config = model_config.multimodal_config
+    return MediaConnector(mm_config.allowed_local_media_path, mm_config.allowed_media_domains)
+
+
+def multimodal_chat_prompt(processor: Any, text: str, images: list[Any], mm_processor_kwargs: Optional[dict] = None,
+                           add_special_tokens: bool = False) -> dict[str, Any]:
+    """The engine prompt of a rendered chat ``text`` with its loaded ``images``, processed once
+    by the engine's ``Processor.process_multimodal`` (``add_special_tokens``: the template
+    writes them): ``{"prompt", "prompt_token_ids", "mm_features"}``.
+
+    Raises:
+        ValueError: see ``Processor.process_multimodal``.
+    """
+    prompt: dict[str, Any] = {"prompt": text, "multi_modal_data": {"image": images}}
+    if mm_processor_kwargs:
+        prompt["mm_processor_kwargs"] = mm_processor_kwargs
+    _, token_ids, features = processor.process_multimodal(prompt, add_special_tokens)
+    return {"prompt": text, "prompt_token_ids": token_ids, "mm_features": features}
 
 
 def template_messages(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:

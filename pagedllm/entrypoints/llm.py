@@ -13,7 +13,14 @@ from tqdm.auto import tqdm
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
-from pagedllm.entrypoints.chat_utils import apply_chat_template
+from pagedllm.entrypoints.chat_utils import (
+    apply_chat_template,
+    conversation_images,
+    image_placeholder,
+    load_chat_images,
+    media_connector,
+    multimodal_chat_prompt,
+)
 from pagedllm.lora.request import LoRARequest
 from pagedllm.entrypoints.score_utils import check_cross_encoder, cosine_similarity, cross_encoder_prompt, score_pairs
 from pagedllm.outputs import (
@@ -176,7 +183,9 @@ class LLM:
         """Generate replies to one conversation or a list of them, formatted with the
         tokenizer's chat template (or ``chat_template``); the other arguments as
         ``generate``'s, in vLLM's order. A message's ``content`` is a string or OpenAI's
-        text parts (``[{"type": "text", "text": ...}]``, joined with newlines). ``tools``
+        text parts (``[{"type": "text", "text": ...}]``, joined with newlines), and for an
+        image-text model ``image_url`` parts (``data:`` / ``file://`` / ``http(s)://`` URLs, see
+        ``chat_utils.conversation_images``) or ``{"type": "image_pil", "image_pil": image}``. ``tools``
         (OpenAI's function definitions) reach the template as its ``tools`` variable, as in
         vLLM.
 
@@ -188,22 +197,18 @@ class LLM:
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        prompts = [
-            apply_chat_template(
-                tokenizer,
-                conversation,
-                chat_template,
-                add_generation_prompt,
-                continue_final_message,
-                chat_template_kwargs,
-                tools,
-            )
-            for conversation in conversations
-        ]
-        token_prompts = [
-            {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
-            for text in prompts
-        ]
+        model_config = self.llm_engine.config.model_config
+        placeholder = image_placeholder(model_config, tokenizer)
+        token_prompts = []
+        for conversation in conversations:
+            conversation, images = conversation_images(conversation, placeholder)
+            text = apply_chat_template(tokenizer, conversation, chat_template, add_generation_prompt,
+                                       continue_final_message, chat_template_kwargs, tools)
+            if images:
+                loaded = load_chat_images(images, media_connector(model_config))
+                token_prompts.append(multimodal_chat_prompt(self.llm_engine.processor, text, loaded))
+            else:
+                token_prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(token_prompts, sampling_params, use_tqdm, lora_request)
 
     def encode(

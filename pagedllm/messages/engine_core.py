@@ -12,6 +12,7 @@ from typing import Optional
 import msgspec
 
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.inputs import MultiModalFeatureSpec
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -38,6 +39,8 @@ class EngineCoreRequest(
     (``load_generation`` set by the front end), or None for the base model.
     ``pooling_params``: set on a pooling model's requests (their ``sampling_params`` are
     unused); the engine pools every request of a pooling model alike, the front end applies them.
+    ``mm_features``: the prompt's images, in prompt order (None: none), their placeholder tokens
+    in ``prompt_token_ids``.
     """
 
     request_id: str
@@ -48,6 +51,7 @@ class EngineCoreRequest(
     cache_salt: Optional[str] = None
     lora_request: Optional[LoRARequest] = None
     pooling_params: Optional[PoolingParams] = None
+    mm_features: Optional[list[MultiModalFeatureSpec]] = None
 
 
 class EngineCoreEventType(enum.IntEnum):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.inputs import MultiModalFeatureSpec
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -19,7 +20,8 @@ class NewRequestData:
     ``token_ids`` holds every known token (prompt, then any outputs generated before a
     preemption); ``block_ids`` is the whole block table so far, one list per KV-cache group
     (block 0, the null block, where a sliding window let a block go); ``lora_request`` is its
-    LoRA adapter (None: the base model).
+    LoRA adapter (None: the base model); ``mm_features`` its images (``MultiModalFeatureSpec``,
+    with their tensors; empty: none).
     """
 
     req_id: str
@@ -31,6 +33,7 @@ class NewRequestData:
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     lora_request: LoRARequest | None = None
+    mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
 
 
 @dataclass
@@ -60,6 +63,9 @@ class SchedulerOutput:
     ``num_speculative_tokens`` (adaptive speculation, ``enable_adaptive_k``): request id ->
     how many drafts the runner proposes after this step (0: none), for each request that
     samples in it; empty otherwise (each proposes ``num_speculative_tokens``).
+    ``scheduled_encoder_inputs`` (vLLM's): request id -> the indices of its ``mm_features``
+    whose encoder runs this step, before the forward; ``free_encoder_mm_hashes``: the content
+    hashes of encoder outputs the runner drops (evicted from the encoder cache).
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -69,6 +75,8 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     num_speculative_tokens: dict[str, int] = field(default_factory=dict)
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
     # Structured outputs: rows ``structured_output_request_ids[req_id]`` .. + its number of
     # scheduled draft tokens of ``grammar_bitmask`` ([rows, ceil(vocab_size / 32)] int32
     # numpy) mask that request's sampled tokens this step (the next token, then the one after

@@ -16,6 +16,12 @@ next step); the last stage samples, and the earlier stages learn each request's 
 from the next ``SchedulerOutput`` that schedules it (``CachedRequestData.new_token_ids``),
 so no stage waits for the last one and several steps (micro-batches) can be in flight
 (``pagedllm.engine.batch_queue``).
+
+An image-text model (one with ``get_multimodal_embeddings``): before the forward, the runner
+runs the vision encoder on the step's ``scheduled_encoder_inputs`` and keeps each image's
+embeddings in its encoder cache (by content hash, until ``free_encoder_mm_hashes`` drops
+them); the step's token embeddings then get, at each scheduled placeholder position, the row
+of its image's embeddings, and the model runs on ``inputs_embeds`` (``_multimodal_embeds``).
 """
 
 from __future__ import annotations
@@ -103,6 +109,10 @@ class ModelRunner:
         pooler_config = self.model_config.pooler_config
         self.pooler = None if pooler_config is None else Pooler(pooler_config.pooling_type)
         self._pooling_states: dict[str, PoolingState] = {}
+        #: Image-text models: content hash -> an image's embeddings [placeholders, hidden], and
+        #: each request's images (``MultiModalFeatureSpec``).
+        self.encoder_cache: dict[str, torch.Tensor] = {}
+        self._mm_features: dict[str, list] = {}
 
     def _make_proposer(self) -> DraftModelProposer | NgramProposer | None:
         spec = self.config.speculative_config
@@ -292,8 +302,13 @@ class ModelRunner:
             batch.remove_request(req_id)
             self._draft_probs.pop(req_id, None)
             self._pooling_states.pop(req_id, None)
+            self._mm_features.pop(req_id, None)
+        for mm_hash in so.free_encoder_mm_hashes:
+            self.encoder_cache.pop(mm_hash, None)
         for new in so.scheduled_new_reqs:
             batch.add_request(new)
+            if new.mm_features:
+                self._mm_features[new.req_id] = new.mm_features
         cached = so.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             state = batch.requests[req_id]
@@ -376,10 +391,11 @@ class ModelRunner:
             self.lora_manager.set_token_slots(np.array([request_slots[r] for r in order], dtype=np.int64)[token_req])
 
         input_ids_t, positions_t = self._to_device(input_ids), self._to_device(positions)
+        inputs_embeds = self._multimodal_embeds(so, order, computed, num_sched, starts, input_ids_t)
         if self.state_layers:
             self._copy_states(self._copies_in)
         with set_forward_context(metadata):
-            hidden = self._forward_stage(input_ids_t, positions_t)
+            hidden = self._forward_stage(input_ids_t, positions_t, inputs_embeds)
         if self.state_layers:
             self._copy_states(self._copies_out)
 
@@ -471,17 +487,65 @@ class ModelRunner:
         shape = (num_tokens, self.model_config.hf_config.hidden_size)
         return {"hidden_states": (shape, self.model_config.dtype), "residual": (shape, self.model_config.dtype)}
 
-    def _forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         """This stage's forward over the step's tokens: after receiving the previous stage's
         hidden states (unless first), and sending its own on (unless last). Returns the
-        final hidden states [T, hidden] on the last stage (other stages' return is unused)."""
+        final hidden states [T, hidden] on the last stage (other stages' return is unused).
+        ``inputs_embeds``: an image-text model's token embeddings with the images merged in."""
         intermediate = None
         if not self.pp.is_first_rank:
             intermediate = self.pp.recv_tensor_dict(self._intermediate_specs(input_ids.shape[0]), self.device)
-        out = self.model(input_ids, positions, intermediate)
+        if inputs_embeds is None:
+            out = self.model(input_ids, positions, intermediate)
+        else:
+            out = self.model(input_ids, positions, intermediate, inputs_embeds=inputs_embeds)
         if not self.pp.is_last_rank:
             self.pp.send_tensor_dict(out)
         return out
+
+    def _run_encoders(self, so: SchedulerOutput) -> None:
+        """Run the vision encoder on each image of ``so.scheduled_encoder_inputs``, one at a
+        time, into ``encoder_cache``.
+
+        Raises:
+            ValueError: an image's embeddings are not as many as its placeholder tokens.
+        """
+        names = self.model.mm_input_names
+        for req_id, input_ids in so.scheduled_encoder_inputs.items():
+            for input_id in input_ids:
+                feature = self._mm_features[req_id][input_id]
+                inputs = {name: feature.data[name].to_tensor().to(self.device) for name in names}
+                embeds = self.model.get_multimodal_embeddings(**inputs)[0]
+                if embeds.shape[0] != feature.mm_position.length:
+                    raise ValueError(f"An image's encoder gave {embeds.shape[0]} embeddings for its "
+                                     f"{feature.mm_position.length} placeholder tokens.")
+                self.encoder_cache[feature.identifier] = embeds
+
+    def _multimodal_embeds(self, so: SchedulerOutput, order: list[str], computed: np.ndarray, num_sched: np.ndarray,
+                           starts: np.ndarray, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
+        """An image-text model's step inputs (first pipeline stage): the token embeddings of
+        ``input_ids`` [T] with, at every scheduled placeholder position, its image's embedding
+        row (from ``encoder_cache``, after ``_run_encoders``); None when no request of the step
+        has an image (the model embeds the tokens itself)."""
+        if not self._mm_features or not self.pp.is_first_rank or not hasattr(self.model, "get_multimodal_embeddings"):
+            return None
+        self._run_encoders(so)
+        rows, chunks = [], []
+        for i, req_id in enumerate(order):
+            first, last = int(computed[i]), int(computed[i] + num_sched[i])
+            for feature in self._mm_features.get(req_id, ()):
+                start, end = feature.mm_position.offset, feature.mm_position.end
+                lo, hi = max(start, first), min(end, last)
+                if lo >= hi:
+                    continue
+                chunks.append(self.encoder_cache[feature.identifier][lo - start : hi - start])
+                rows.append(torch.arange(hi - lo) + int(starts[i]) + lo - first)
+        if not rows:
+            return None
+        embeds = self.model.embed_input_ids(input_ids)
+        embeds[torch.cat(rows).to(self.device)] = torch.cat(chunks).to(embeds.dtype)
+        return embeds
 
     def _activate_loras(self, decodes: list[str], prefills: list[str]) -> tuple[dict[str, int], dict[str, str]]:
         """With LoRA: put the step's adapters in slots and sort ``decodes`` and ``prefills``

@@ -232,7 +232,7 @@ def test_chat_takes_text_parts_and_vllms_positional_order(llm):
     as_parts = llm.chat([{"role": "user", "content": parts}], greedy(max_tokens=4), False, None)[0]
     assert as_parts.prompt == as_string.prompt and as_parts.outputs[0].token_ids == as_string.outputs[0].token_ids
     image = [{"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]
-    with pytest.raises(ValueError, match="content parts of type 'image_url' are not supported"):
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]: an image_url part, but this model is text-only"):
         llm.chat([{"role": "user", "content": image}], greedy(max_tokens=4), use_tqdm=False)
 
 

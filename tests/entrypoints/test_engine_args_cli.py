@@ -39,6 +39,8 @@ SAMPLES = {
     "hf_overrides": ('{"rope_theta": 5.0}', {"rope_theta": 5.0}),
     "runner": ("pooling", "pooling"), "convert": ("embed", "embed"),
     "pooler_config": ('{"pooling_type": "MEAN"}', {"pooling_type": "MEAN"}),
+    "limit_mm_per_prompt": ('{"image": 2}', {"image": 2}), "mm_processor_kwargs": ('{"do_resize": false}', {"do_resize": False}),
+    "allowed_local_media_path": ("/media", "/media"), "allowed_media_domains": ("a.example", ["a.example"]),
 }  # fmt: skip
 
 

@@ -37,6 +37,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm import envs
 from pagedllm.engine.protocol import EngineClient
+from pagedllm.entrypoints.chat_utils import image_placeholder
 from pagedllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from pagedllm.entrypoints.anthropic.serving_messages import error_response as anthropic_error_response
 from pagedllm.entrypoints.openai.frontend_config import FrontendConfig
@@ -271,7 +272,8 @@ def build_app(engine: EngineClient, frontend: FrontendConfig) -> FastAPI:
     api_key = frontend.api_key
     api_keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     log_requests = not frontend.disable_log_requests
-    renderer = PromptRenderer(engine.get_tokenizer(), frontend.chat_template)
+    renderer = PromptRenderer(engine.get_tokenizer(), frontend.chat_template,
+                              image_placeholder(engine.model_config, engine.get_tokenizer()))
     model_config = engine.model_config
     models = OpenAIServingModels(
         served_names, str(getattr(model_config, "model_path", model_config.model)), model_config.max_model_len,

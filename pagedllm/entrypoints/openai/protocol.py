@@ -569,16 +569,31 @@ def tool_call_json_schema(tools: list[ChatCompletionToolsParam], tool_choice: To
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
+class ImageURL(OpenAIBaseModel):
+    """An ``image_url`` part's image: ``url`` (``data:``, ``file://`` or ``http(s)://``);
+    ``detail`` is accepted (OpenAI's values) and changes nothing."""
+
+    url: str
+    detail: Optional[Literal["auto", "low", "high"]] = None
+
+
 class ChatContentPart(OpenAIBaseModel):
-    """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported."""
+    """One part of a message's content: ``{"type": "text", "text": ...}``, or for an image-text
+    model ``{"type": "image_url", "image_url": {"url": ...}}`` (``chat_utils.conversation_images``)."""
 
     type: str
     text: Optional[str] = None
+    image_url: Optional[ImageURL] = None
 
     @model_validator(mode="after")
     def _check_text(self) -> "ChatContentPart":
+        if self.type == "image_url":
+            if self.image_url is None:
+                raise ValueError("an 'image_url' content part needs an 'image_url' field.")
+            return self
         if self.type != "text":
-            raise ValueError(f"content parts of type {self.type!r} are not supported; only 'text' parts are.")
+            raise ValueError(f"content parts of type {self.type!r} are not supported; only 'text' and 'image_url' "
+                             "parts are.")
         if self.text is None:
             raise ValueError("a 'text' content part needs a 'text' field.")
         return self
@@ -618,9 +633,11 @@ class ChatCompletionRequest(SamplingRequest):
     ``add_generation_prompt`` left out means "true unless ``continue_final_message``";
     both set true is a 400 (``chat_utils.resolve_generation_prompt``, the rule of every
     way of rendering a chat). ``include_reasoning`` false (vLLM's) drops the reasoning a
-    ``--reasoning-parser`` splits off."""
+    ``--reasoning-parser`` splits off. ``mm_processor_kwargs`` (vLLM's): options of an
+    image-text model's processor, refused unless the server runs with --trust-request-mm-kwargs."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    mm_processor_kwargs: Optional[dict[str, Any]] = None
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
     max_tokens: Optional[int] = None

@@ -11,7 +11,13 @@ from typing import Any, Optional, Union
 
 import jinja2
 
-from pagedllm.entrypoints.chat_utils import ChatOptionsError, MissingChatTemplateError, apply_chat_template
+from pagedllm.entrypoints.chat_utils import (
+    ChatImage,
+    ChatOptionsError,
+    MissingChatTemplateError,
+    apply_chat_template,
+    conversation_images,
+)
 from pagedllm.entrypoints.openai.errors import bad_request
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeChatRequest
 
@@ -26,18 +32,27 @@ class PromptRenderer:
         tokenizer: the engine's HF tokenizer.
         chat_template: the server's ``--chat-template`` text (already loaded), or None
             for the tokenizer's own.
+        image_placeholder: an image-text model's image token text (``chat_utils.image_placeholder``);
+            None: a text-only model, whose messages' image parts are refused.
     """
 
-    def __init__(self, tokenizer: Any, chat_template: Optional[str] = None) -> None:
+    def __init__(self, tokenizer: Any, chat_template: Optional[str] = None,
+                 image_placeholder: Optional[str] = None) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.image_placeholder = image_placeholder
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """The token ids of ``text``."""
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def render_chat(self, request: ChatRequest) -> str:
-        """The prompt text of a request's conversation, as the request asks for it.
+        """The prompt text of ``render_chat_media``."""
+        return self.render_chat_media(request)[0]
+
+    def render_chat_media(self, request: ChatRequest) -> tuple[str, list[ChatImage]]:
+        """The prompt text of a request's conversation, as the request asks for it, and its
+        images (``chat_utils.conversation_images``: each one's placeholder is in the text).
 
         The template is the request's ``chat_template``, else the server's, else the
         tokenizer's; the request's ``tools`` are rendered whatever its ``tool_choice``
@@ -46,14 +61,19 @@ class PromptRenderer:
 
         Raises:
             OpenAIServingError: 400 when the options contradict each other, there is no
-                template, or the template fails on these messages.
+                template, the template fails on these messages, or an image part is refused
+                (the message names it).
         """
         add_generation_prompt: Optional[bool] = None
         if "add_generation_prompt" in request.model_fields_set:
             add_generation_prompt = request.add_generation_prompt
         conversation = [message.to_template_dict() for message in request.messages]
         try:
-            return apply_chat_template(
+            conversation, images = conversation_images(conversation, self.image_placeholder)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages") from None
+        try:
+            text = apply_chat_template(
                 self.tokenizer,
                 conversation,
                 request.chat_template or self.chat_template,
@@ -72,3 +92,4 @@ class PromptRenderer:
             ) from None
         except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
             raise bad_request(f"Cannot apply the chat template to these messages: {exc}", param="messages") from None
+        return text, images

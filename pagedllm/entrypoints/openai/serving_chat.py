@@ -31,7 +31,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Optional, Sequence, Union
 
-from pagedllm.entrypoints.chat_utils import template_messages
+from pagedllm.entrypoints.chat_utils import load_chat_images, media_connector, multimodal_chat_prompt, template_messages
+from pagedllm.entrypoints.openai.errors import bad_request
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -115,8 +116,23 @@ class OpenAIServingChat(OpenAIServing):
         return template_messages([last.to_template_dict()])[0]["content"]
 
     def render_prompt(self, request: ChatCompletionRequest) -> PromptInput:
-        text = self.renderer.render_chat(request)
-        return PromptInput(text, self.renderer.encode(text, request.add_special_tokens))
+        """The request's prompt; with images, each loaded (``chat_utils.load_chat_images``; an
+        http(s) URL is fetched here, within its timeout) and processed by the model's processor.
+
+        Raises:
+            OpenAIServingError: 400 naming the part and the reason for an image that cannot be
+                loaded or processed, or past ``--limit-mm-per-prompt``; see ``render_chat_media``.
+        """
+        text, images = self.renderer.render_chat_media(request)
+        if not images:
+            return PromptInput(text, self.renderer.encode(text, request.add_special_tokens))
+        try:
+            loaded = load_chat_images(images, media_connector(self.engine.model_config))
+            prompt = multimodal_chat_prompt(self.processor, text, loaded, request.mm_processor_kwargs,
+                                            request.add_special_tokens)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages") from None
+        return PromptInput(text, prompt["prompt_token_ids"], prompt["mm_features"])
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest

@@ -130,16 +130,20 @@ async def _prepend(first: T, rest: AsyncGenerator[T, None]) -> AsyncGenerator[T,
 
 @dataclass
 class PromptInput:
-    """One tokenized prompt. ``text`` is the prompt as given (None for token ids)."""
+    """One tokenized prompt. ``text`` is the prompt as given (None for token ids);
+    ``mm_features``: its images, processed (their placeholder tokens in ``token_ids``)."""
 
     text: Optional[str]
     token_ids: list[int]
+    mm_features: Optional[list] = None
 
     @property
     def engine_prompt(self) -> Union[dict[str, Any], list[int]]:
         """What ``AsyncLLM.generate`` takes (already tokenized: it does not tokenize again)."""
         if self.text is None:
             return self.token_ids
+        if self.mm_features:
+            return {"prompt": self.text, "prompt_token_ids": self.token_ids, "mm_features": self.mm_features}
         return {"prompt": self.text, "prompt_token_ids": self.token_ids}
 
 

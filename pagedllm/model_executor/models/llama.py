@@ -347,14 +347,16 @@ class LlamaModel(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor,
-        intermediate_tensors: Optional[dict[str, torch.Tensor]] = None,
+        intermediate_tensors: Optional[dict[str, torch.Tensor]] = None, inputs_embeds: Optional[torch.Tensor] = None,
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         """input_ids, positions [T] (int64) -> the final hidden states [T, hidden] on the
         last stage; on the others the ``IntermediateTensors`` for the next stage,
         ``{"hidden_states", "residual"}`` [T, hidden] each, which a stage after the first
-        takes as ``intermediate_tensors`` instead of embedding ``input_ids``."""
+        takes as ``intermediate_tensors`` instead of embedding ``input_ids``. ``inputs_embeds``
+        [T, hidden] (an image-text model's, images merged in) replaces ``embed_tokens(input_ids)``."""
         if self.is_first_stage:
-            hidden_states, residual = self.embed_tokens(input_ids), None
+            embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            hidden_states, residual = embeds, None
             if self.embed_scale is not None:
                 hidden_states = hidden_states * self.embed_scale
         else:

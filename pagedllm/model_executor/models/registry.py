@@ -32,6 +32,7 @@ from pagedllm.model_executor.models.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from pagedllm.model_executor.models.llava import LlavaForConditionalGeneration
 from pagedllm.model_executor.models.llama_eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM
 from pagedllm.model_executor.models.mamba2 import Mamba2ForCausalLM
 from pagedllm.model_executor.models.mixtral import MixtralForCausalLM
@@ -81,6 +82,11 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
     "Gemma3ForConditionalGeneration": SupportedModel(
         Gemma3ForConditionalGeneration, ("google/gemma-3-4b-it", "google/gemma-3-27b-it"),
         "the language model only (text_config; images are not served)"),
+    # Image-text models with their vision encoder (images in ``multi_modal_data`` / chat ``image_url`` parts).
+    "LlavaForConditionalGeneration": SupportedModel(
+        LlavaForConditionalGeneration, ("llava-hf/llava-1.5-7b-hf", "llava-hf/llava-1.5-13b-hf"),
+        "CLIP vision tower and MLP projector (vision_feature_layer, vision_feature_select_strategy); Llama "
+        "language model; images through the checkpoint's own processor, encoder cache, image-keyed prefix caching"),
     "Phi3ForCausalLM": SupportedModel(
         Phi3ForCausalLM, ("microsoft/Phi-3-mini-4k-instruct", "microsoft/Phi-3.5-mini-instruct", "microsoft/Phi-4-mini-instruct"),
         "fused q/k/v and gate/up checkpoints; sliding window on every layer; longrope; partial rotary (Phi-4-mini)"),
@@ -183,7 +189,8 @@ _FAMILIES = (
      "state cache serves Mamba2ForCausalLM, BambaForCausalLM, GraniteMoeHybridForCausalLM, NemotronHForCausalLM, "
      "Qwen3NextForCausalLM, Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM)"),
     (("ConditionalGeneration", "Llava", "VL", "Vision", "Mllama", "Idefics", "PaliGemma", "Pixtral", "Siglip"),
-     "it is an image-text model, and pagedllm serves no vision encoder yet"),
+     "it is an image-text model whose vision encoder pagedllm does not build yet (it serves "
+     "LlavaForConditionalGeneration's)"),
 )
 
 

@@ -1,0 +1,65 @@
+"""The plain-data form of a multimodal item as it crosses from the front end to the engine
+(msgspec Structs, no torch: the engine core and the scheduler only read positions and hashes).
+
+``MultiModalFeatureSpec`` is one item (an image): its modality, its content hash
+(``identifier``, vLLM's ``mm_hash``), the run of placeholder tokens it fills in the prompt
+(``PlaceholderRange``, vLLM's ``mm_position``) and the processor's tensors of that item alone
+(``TensorData``, name -> array; ``pixel_values`` [1, 3, H, W] for Llava), which the model
+runner turns back into tensors for the vision encoder.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import msgspec
+
+if TYPE_CHECKING:
+    import torch
+
+
+class PlaceholderRange(msgspec.Struct, array_like=True, frozen=True):  # type: ignore[call-arg]
+    """Prompt positions ``offset`` .. ``offset + length - 1``: the item's placeholder tokens,
+    each replaced by one of its ``length`` embeddings (vLLM's ``PlaceholderRange``)."""
+
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+class TensorData(msgspec.Struct, array_like=True, frozen=True):  # type: ignore[call-arg]
+    """One tensor as bytes: ``dtype`` (torch's name, e.g. "float32"), ``shape`` and the
+    row-major ``data``."""
+
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+    @classmethod
+    def from_tensor(cls, tensor: "torch.Tensor") -> "TensorData":
+        tensor = tensor.detach().cpu().contiguous()
+        return cls(str(tensor.dtype).removeprefix("torch."), list(tensor.shape), tensor.numpy().tobytes())
+
+    def to_tensor(self) -> "torch.Tensor":
+        """A tensor of ``shape`` / ``dtype`` over a copy of ``data`` (on CPU)."""
+        import torch
+
+        dtype = getattr(torch, self.dtype)
+        if not self.data:
+            return torch.empty(self.shape, dtype=dtype)
+        return torch.frombuffer(bytearray(self.data), dtype=dtype).reshape(self.shape)
+
+
+class MultiModalFeatureSpec(msgspec.Struct, array_like=True, frozen=True):  # type: ignore[call-arg]
+    """One multimodal item of a request (vLLM's ``MultiModalFeatureSpec``): ``modality``
+    ("image"), ``identifier`` (its content hash, hex: the encoder cache's key and a block-hash
+    extra key), ``mm_position`` (its placeholder tokens in the prompt) and ``data`` (the
+    processor's tensors of this item, by the name the model's encoder takes them)."""
+
+    modality: str
+    identifier: str
+    mm_position: PlaceholderRange
+    data: Optional[dict[str, TensorData]] = None
