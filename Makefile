@@ -14,14 +14,16 @@ $(PY):
 # Each step says what it does; pip shows its own progress. The last step builds the C++ CPU
 # kernels (about a minute and a half on 2 cores), which the first `pagedllm serve` would otherwise do.
 $(STAMP): $(PY) pyproject.toml
-	@echo "==> [1/4] upgrading pip"
+	@echo "==> [1/5] upgrading pip"
 	$(PY) -m pip install --upgrade pip
-	@echo "==> [2/4] installing torch (CPU build)"
+	@echo "==> [2/5] installing torch (CPU build)"
 	$(PY) -m pip install --progress-bar on "torch==2.13.0"
-	@echo "==> [3/4] installing pagedllm and its test dependencies"
-	$(PY) -m pip install --progress-bar on -e ".[test]"
-	@echo "==> [4/4] building the C++ CPU kernels (once per machine)"
+	@echo "==> [3/5] installing pagedllm, gRPC, and the test dependencies"
+	$(PY) -m pip install --progress-bar on -e ".[grpc,test]"
+	@echo "==> [4/5] building the C++ CPU kernels (once per machine)"
 	$(PY) -m pagedllm.kernels.cpu
+	@echo "==> [5/5] generating the gRPC stubs of pagedllm_generation.proto (once per machine)"
+	$(PY) -m pagedllm.entrypoints.grpc
 	touch $(STAMP)
 
 install: $(STAMP)
