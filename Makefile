@@ -18,8 +18,8 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --upgrade pip
 	@echo "==> [2/5] installing torch (CPU build)"
 	$(PY) -m pip install --progress-bar on "torch==2.13.0"
-	@echo "==> [3/5] installing pagedllm, gRPC, and the test dependencies"
-	$(PY) -m pip install --progress-bar on -e ".[grpc,test]"
+	@echo "==> [3/5] installing pagedllm, gRPC and OpenTelemetry, and the test dependencies"
+	$(PY) -m pip install --progress-bar on -e ".[grpc,otel,test]"
 	@echo "==> [4/5] building the C++ CPU kernels (once per machine)"
 	$(PY) -m pagedllm.kernels.cpu
 	@echo "==> [5/5] generating the gRPC stubs of pagedllm_generation.proto (once per machine)"

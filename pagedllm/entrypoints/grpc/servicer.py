@@ -12,6 +12,8 @@ over an ``EngineClient`` (the ``AsyncLLM`` that serves HTTP too).
   (``--api-key``, sent as metadata ``authorization: Bearer <key>``) ``UNAUTHENTICATED`` on
   every method but Health, as HTTP's ``/health`` is open.
 - A call cancelled by its client aborts its request in the engine (``AsyncLLM.generate``).
+- Metadata ``traceparent`` / ``tracestate`` (W3C trace context) make the request's span a
+  child of the caller's (with ``--otlp-traces-endpoint``; ``pagedllm.tracing``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.grpc.stubs import load_stubs
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.tracing import trace_headers_of
 from pagedllm.version import __version__
 
 #: Optional scalar fields of the proto's ``SamplingParams``, named as pagedllm's.
@@ -113,7 +116,11 @@ class GenerationServicer(_services.GenerationServicer):
         self.running.add(request_id)
         completion_tokens: dict[int, int] = {}
         try:
-            async for output in self.engine.generate(engine_request, None, request_id, prompt_text=prompt_text):
+            trace_headers = trace_headers_of(dict(context.invocation_metadata() or ()))
+            outputs = self.engine.generate(
+                engine_request, None, request_id, prompt_text=prompt_text, trace_headers=trace_headers
+            )
+            async for output in outputs:
                 for completion in output.outputs:
                     count = completion_tokens.get(completion.index, 0) + len(completion.token_ids)
                     completion_tokens[completion.index] = count
