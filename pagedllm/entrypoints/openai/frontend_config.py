@@ -222,7 +222,7 @@ class FrontendConfig:
     grpc_port: int = flag_field(
         DEFAULT_GRPC_PORT,
         help="Port of the gRPC server (with --grpc).",
-        type=port_type,
+        type=port_type, metavar="PORT",
     )
     disable_log_stats: bool = not_a_flag(False, why="EngineArgs' flag --disable-log-stats (server group)")
 
