@@ -149,3 +149,28 @@ def test_tracing_flags_are_checked():
         EngineArgs(otlp_traces_endpoint="http://127.0.0.1:4317")
     config = ObservabilityConfig("grpc://collector:4317", ("all",))
     assert config.tracing_enabled and config.detailed
+
+
+def test_an_aborted_request_gets_its_span_and_unknown_ids_none():
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from pagedllm.metrics.stats import IterationStats, RequestStatsTracker
+    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.tracing import RequestTracer
+
+    exporter = InMemorySpanExporter()
+    tracer = RequestTracer(ObservabilityConfig("http://unused:4317"), "m", exporter=exporter)
+    tracker, stats = RequestStatsTracker(), IterationStats()
+    tracker.add_request("0_r", 100.0, 7, "r", n=2, max_tokens=9)
+    tracer.add_request("0_r", "r", SamplingParams(n=2, temperature=0.5, max_tokens=9), 9)
+    state = tracker.requests["0_r"]
+    tracker.finish_request("0_r", "abort", 102.5, stats)
+    tracer.end_request("0_r", state, stats.finished_requests[-1], 102.5)
+    tracer.end_request("0_r", state, stats.finished_requests[-1], 103.0)  # already sent: ignored
+    tracer.shutdown()
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "llm_request" and span.attributes["gen_ai.request.id"] == "r"
+    assert tuple(span.attributes["gen_ai.response.finish_reasons"]) == ("abort",)
+    assert span.attributes["gen_ai.usage.completion_tokens"] == 0 and span.attributes["gen_ai.latency.e2e"] == 2.5
+    assert "gen_ai.latency.time_to_first_token" not in span.attributes  # no token came
+    assert (span.start_time, span.end_time) == (100 * 10**9, int(102.5 * 1e9)) and not span.events

@@ -137,3 +137,15 @@ def test_grpc_flags():
     assert (args.grpc, args.grpc_port) == (True, 6000)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--grpc-port", "70000"])
+
+
+def test_stubs_are_generated_once_into_the_cache(tmp_path, monkeypatch):
+    from pagedllm.entrypoints.grpc import stubs
+
+    monkeypatch.setattr(stubs, "CACHE_DIR", tmp_path / "cache")
+    directory = stubs.stubs_dir()
+    assert directory == tmp_path / "cache" / stubs.stubs_key()
+    generated = {path.name: path.stat().st_mtime_ns for path in directory.iterdir()}
+    assert {"pagedllm_generation_pb2.py", "pagedllm_generation_pb2_grpc.py"} <= set(generated)
+    assert stubs.stubs_dir() == directory and {p.name: p.stat().st_mtime_ns for p in directory.iterdir()} == generated
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [directory.name]  # no staging left behind
