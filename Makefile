@@ -18,15 +18,17 @@ $(PY):
 # kernel tests run (KERNEL_LEVELS below).
 KERNEL_LEVELS ?=
 $(STAMP): $(PY) pyproject.toml
-	@echo "==> [1/3] upgrading pip"
+	@echo "==> [1/4] upgrading pip"
 	$(PY) -m pip install --upgrade pip
-	@echo "==> [2/3] installing torch (CPU build), ninja and numpy"
+	@echo "==> [2/4] installing torch (CPU build), ninja and numpy"
 	$(PY) -m pip install --progress-bar on "torch==2.13.0" "ninja>=1.11" "numpy>=1.26,<3"
-	@echo "==> [3/3] installing pagedllm and its test dependencies; building the C++ CPU kernels beside it (once per machine)"
+	@echo "==> [3/4] installing pagedllm, gRPC and OpenTelemetry, and the test dependencies; building the C++ CPU kernels beside it (once per machine)"
 	$(PY) -m pagedllm.kernels.cpu $(KERNEL_LEVELS) > $(VENV)/kernel-build.log 2>&1 & build=$$!; \
-	$(PY) -m pip install --progress-bar on -e ".[test]"; installed=$$?; \
+	$(PY) -m pip install --progress-bar on -e ".[grpc,otel,test]"; installed=$$?; \
 	wait $$build; built=$$?; echo "==> C++ CPU kernels:"; cat $(VENV)/kernel-build.log; \
 	test $$installed -eq 0 && test $$built -eq 0
+	@echo "==> [4/4] generating the gRPC stubs of pagedllm_generation.proto (once per machine)"
+	$(PY) -m pagedllm.entrypoints.grpc
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -25,7 +25,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("benchmarks",),
     ("entrypoints",),
     ("engine",),
-    ("metrics",),
+    ("metrics", "tracing"),
     ("executor",),
     ("worker",),
     ("core",),

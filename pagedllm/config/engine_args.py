@@ -29,6 +29,7 @@ from pagedllm.config.flags import add_flags, flag_field, flag_values, given_flag
 from pagedllm.config.hub import load_hf_config, resolve_model_path
 from pagedllm.config.lora import LoRAConfig
 from pagedllm.config.multimodal import MultiModalConfig
+from pagedllm.config.observability import ObservabilityConfig, detailed_traces_type
 from pagedllm.config.model import (
     DTYPES,
     ModelConfig,
@@ -320,6 +321,22 @@ class EngineArgs:
         ),
         action="store_true", group="server",
     )
+    otlp_traces_endpoint: Optional[str] = flag_field(
+        None,
+        help=(
+            "Send one OpenTelemetry span per request (vLLM's llm_request span: gen_ai.* attributes) to "
+            "this OTLP/gRPC collector, e.g. http://127.0.0.1:4317."
+        ),
+        metavar="URL",
+    )
+    collect_detailed_traces: Optional[list[str]] = flag_field(
+        None,
+        help=(
+            "With --otlp-traces-endpoint: also record each request's engine timeline (queued, scheduled, "
+            "first and last token) as span events; a comma-separated list of all, model, worker (vLLM's values)."
+        ),
+        type=detailed_traces_type, metavar="MODULES",
+    )
     distributed_executor_backend: Union[str, type, None] = flag_field(
         None,
         help=(
@@ -570,6 +587,13 @@ class EngineArgs:
         if self.enable_lora:
             LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # checks the values
         StructuredOutputsConfig.from_dict(self.structured_outputs_config)
+        if self.otlp_traces_endpoint is not None:
+            ObservabilityConfig(self.otlp_traces_endpoint)  # checks its form
+            if self.usage_context != "api_server":
+                raise ValueError(
+                    "otlp_traces_endpoint is not supported yet offline (LLM, pagedllm bench): request spans are "
+                    "sent by the server (pagedllm serve --otlp-traces-endpoint URL)."
+                )
         PoolerConfig.from_dict(self.pooler_config)
         check_data_parallel_size(self.data_parallel_size, self.usage_context)
         for name, (supported, why) in PARTLY_BUILT_ARGS.items():
@@ -644,7 +668,18 @@ class EngineArgs:
             lora_config=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None,
             speculative_config=self._speculative_config(model_config, parallel_config),
             structured_outputs_config=StructuredOutputsConfig.from_dict(self.structured_outputs_config),
+            observability_config=self._observability_config(),
         )  # fmt: skip
+
+    def _observability_config(self) -> ObservabilityConfig:
+        """The tracing settings (``ObservabilityConfig``, which checks them: an endpoint's form,
+        and that detailed traces have one).
+
+        Raises:
+            ValueError: see ``ObservabilityConfig``.
+        """
+        modules = self.collect_detailed_traces
+        return ObservabilityConfig(self.otlp_traces_endpoint, None if modules is None else tuple(modules))
 
     def _scheduler_config(self, max_model_len: int, runner_type: str, architecture: str) -> SchedulerConfig:
         """The batching limits; for an encoder (one pass over the whole prompt) no chunked

@@ -9,6 +9,7 @@ from pagedllm.config.attention import AttentionConfig
 from pagedllm.config.cache import CacheConfig
 from pagedllm.config.lora import LoRAConfig
 from pagedllm.config.model import ModelConfig
+from pagedllm.config.observability import ObservabilityConfig
 from pagedllm.config.parallel import ParallelConfig
 from pagedllm.config.scheduler import SchedulerConfig
 from pagedllm.config.speculative import SpeculativeConfig
@@ -25,3 +26,4 @@ class EngineConfig:
     lora_config: Optional[LoRAConfig] = None  # None: LoRA off (no --enable-lora)
     speculative_config: Optional[SpeculativeConfig] = None
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import AsyncGenerator, Callable, Iterable, Optional, Union
+from typing import AsyncGenerator, Callable, Iterable, Mapping, Optional, Union
 
 from prometheus_client import CollectorRegistry
 
@@ -37,6 +37,7 @@ from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import get_tokenizer
+from pagedllm.tracing import make_request_tracer
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,9 @@ class AsyncLLM:
             ``mp_context``; the default, as the server does). False runs the same loop in a thread of this process (tests,
             notebooks); the event loop then shares the GIL with the model.
         log_stats: compute request statistics, update ``metrics_registry`` and feed the
-            periodic stats line (``do_log_stats``).
+            periodic stats line (``do_log_stats``). With ``--otlp-traces-endpoint``
+            (``config.observability_config``) request statistics are computed anyway: each
+            finished request's span (``pagedllm.tracing``) carries them.
         log_requests: log each added / aborted request id at INFO level.
         served_model_name: the ``model_name`` label of the metrics (default: the model).
         engine_core: an async client (``AsyncMPClient``, or ``DPAsyncMPClient`` for
@@ -111,6 +114,8 @@ class AsyncLLM:
             LoggingStatLogger(engine_index=index if num_engines > 1 else None) for index in range(num_engines)
         ]
         self.stats_tracker = RequestStatsTracker()
+        self.tracer = make_request_tracer(config.observability_config, self.served_model_name)
+        self._tracks_requests = log_stats or self.tracer is not None
         self._collectors: dict[str, RequestOutputCollector] = {}
         self._output_handler: Optional[asyncio.Task] = None
         self._handler_loop: Optional[asyncio.AbstractEventLoop] = None
@@ -207,6 +212,7 @@ class AsyncLLM:
         arrival_time: Optional[float] = None,
         prompt_text: Optional[str] = None,
         lora_request: Optional[LoRARequest] = None,
+        trace_headers: Optional[Mapping[str, str]] = None,
     ) -> RequestOutputCollector:
         """Validate, tokenize and send a request; returns the collector its outputs go to.
 
@@ -215,6 +221,8 @@ class AsyncLLM:
         as is, with its own id and params (``sampling_params``, ``cache_salt``,
         ``arrival_time`` and ``lora_request`` are then ignored), and ``prompt_text`` is its
         prompt's text. ``lora_request``: the LoRA adapter to run with (None: the base model).
+        ``trace_headers``: the caller's W3C trace context (``pagedllm.tracing.TRACE_HEADERS``),
+        the parent of the request's span when tracing is on.
 
         ``n > 1`` fans out into ``n`` engine requests ``f"{i}_{request_id}"`` joined
         into one output stream (``parallel_sampling.fan_out``).
@@ -245,7 +253,7 @@ class AsyncLLM:
             for child, parent, index in fan_out(request):
                 self.output_processor.add_request(child, prompt_text, parent, index, collector)
                 added.append(child.request_id)
-                self._track(child, request_id, params)
+                self._track(child, request_id, params, trace_headers)
                 await self.engine_core.add_request_async(child)
         except BaseException:
             self._abort_engine_requests(self.output_processor.abort_requests(added))
@@ -260,14 +268,29 @@ class AsyncLLM:
             )
         return collector
 
-    def _track(self, request: EngineCoreRequest, parent_id: str, params: SamplingParams) -> None:
-        if not self.log_stats:
+    def _track(
+        self, request: EngineCoreRequest, parent_id: str, params: SamplingParams,
+        trace_headers: Optional[Mapping[str, str]] = None,
+    ) -> None:  # fmt: skip
+        if not self._tracks_requests:
             return
         num_prompt = len(request.prompt_token_ids)
         max_tokens = self.processor.max_tokens_limit(num_prompt, params.max_tokens)
         self.stats_tracker.add_request(
             request.request_id, request.arrival_time, num_prompt, parent_id, params.n, max_tokens
         )
+        if self.tracer is not None:
+            self.tracer.add_request(request.request_id, parent_id, params, max_tokens, trace_headers)
+
+    def _finish_request(self, request_id: str, reason: str, now: float, stats: IterationStats) -> None:
+        """Account a finished (or aborted) engine request in ``stats``, and send its span."""
+        state = self.stats_tracker.requests.get(request_id)
+        self.stats_tracker.finish_request(request_id, reason, now, stats)
+        if self.tracer is not None and state is not None:
+            try:
+                self.tracer.end_request(request_id, state, stats.finished_requests[-1], now)
+            except Exception:  # a span must never fail a request
+                logger.exception("Could not send the span of request %s", request_id)
 
     async def generate(
         self,
@@ -277,6 +300,7 @@ class AsyncLLM:
         cache_salt: Optional[str] = None,
         prompt_text: Optional[str] = None,
         lora_request: Optional[LoRARequest] = None,
+        trace_headers: Optional[Mapping[str, str]] = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Generate for one prompt; yields ``RequestOutput``s as the engine produces them.
 
@@ -291,6 +315,7 @@ class AsyncLLM:
         see ``add_request``).
         ``cache_salt``: isolates this request's prefix-cache entries.
         ``lora_request``: the LoRA adapter to run with (None: the base model).
+        ``trace_headers``: see ``add_request``.
 
         If the consumer stops early (``aclose()``, ``break``, or the task is cancelled,
         e.g. a client disconnect), the request and all of its ``n`` completions are
@@ -301,8 +326,9 @@ class AsyncLLM:
             EngineDeadError: the engine is or becomes dead.
         """
         collector = await self.add_request(
-            request_id, prompt, sampling_params, cache_salt, prompt_text=prompt_text, lora_request=lora_request
-        )
+            request_id, prompt, sampling_params, cache_salt, prompt_text=prompt_text, lora_request=lora_request,
+            trace_headers=trace_headers,
+        )  # fmt: skip
         finished = False
         try:
             while not finished:
@@ -354,12 +380,13 @@ class AsyncLLM:
             return
         engines = [self.engine_core.engine_index_of(child_id) for child_id in child_ids]
         self.engine_core.abort_requests(child_ids)
-        if self.log_stats:
+        if self._tracks_requests:
             now, stats = time.time(), {engine: IterationStats() for engine in engines}
             for child_id, engine in zip(child_ids, engines):
-                self.stats_tracker.finish_request(child_id, "abort", now, stats[engine])
+                self._finish_request(child_id, "abort", now, stats[engine])
             for engine, engine_stats in stats.items():
-                self._record_stats(None, engine_stats, engine)
+                if self.log_stats:
+                    self._record_stats(None, engine_stats, engine)
 
     def abort_all(self, error: Exception) -> list[str]:
         """End every running request: abort it in the engine and raise ``error`` in its
@@ -423,7 +450,7 @@ class AsyncLLM:
 
     def _process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
         now = time.time()
-        stats = self.stats_tracker.update_from_outputs(outputs, now) if self.log_stats else None
+        stats = self.stats_tracker.update_from_outputs(outputs, now) if self._tracks_requests else None
         processed = self.output_processor.process_outputs(outputs.outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
@@ -431,10 +458,11 @@ class AsyncLLM:
             return
         for output in outputs.outputs:
             if output.finish_reason is not None:
-                self.stats_tracker.finish_request(output.request_id, str(output.finish_reason), now, stats)
+                self._finish_request(output.request_id, str(output.finish_reason), now, stats)
         for request_id in processed.reqs_to_abort:  # finished by a stop string
-            self.stats_tracker.finish_request(request_id, "stop", now, stats)
-        self._record_stats(outputs.scheduler_stats, stats, outputs.engine_index)
+            self._finish_request(request_id, "stop", now, stats)
+        if self.log_stats:
+            self._record_stats(outputs.scheduler_stats, stats, outputs.engine_index)
 
     def _record_stats(
         self, scheduler_stats: Optional[SchedulerStats], stats: IterationStats, engine_index: int = 0
@@ -471,6 +499,8 @@ class AsyncLLM:
                 handler.cancel()
         self.engine_core.shutdown()
         self._fail_all(self.engine_core.dead_error or EngineDeadError("The engine was shut down."))
+        if self.tracer is not None:
+            self.tracer.shutdown()
 
 
 def _make_async_client(config: EngineConfig | EngineArgs, multiprocess: bool) -> EngineCoreClient:

@@ -45,6 +45,7 @@ class RequestStateStats:
     first_token_ts: float = 0.0  # engine: end of the step that produced the first token
     last_token_ts: float = 0.0  # engine: end of the step that produced the last token
     last_token_time: float = 0.0  # front end: when the last token was received
+    first_token_time: float = 0.0  # front end: when the first token was received
 
 
 @dataclass
@@ -163,6 +164,7 @@ class RequestStatsTracker:
             stats.num_prompt_tokens += state.num_prompt_tokens
             stats.time_to_first_tokens_iter.append(now - state.arrival_time)
             state.first_token_ts = engine_ts
+            state.first_token_time = now
         else:
             stats.inter_token_latencies_iter.append(now - state.last_token_time)
         state.num_generation_tokens += num_new

@@ -335,6 +335,29 @@ async def _serve(frontend: FrontendConfig, engine_args: EngineArgs, sock: socket
             access_log=not frontend.disable_uvicorn_access_log,
             **uvicorn_tls_kwargs(frontend),
         )
-        return await serve_http(config, engine, sock, frontend.shutdown_timeout)
+        try:
+            grpc_server = await _start_grpc(frontend, engine)
+        except OSError as exc:
+            return _fail(str(exc), 1)
+        try:
+            return await serve_http(config, engine, sock, frontend.shutdown_timeout)
+        finally:
+            if grpc_server is not None:  # gRPC calls still open may finish within the grace period
+                await grpc_server.stop(grace=frontend.shutdown_timeout)
     finally:
         engine.shutdown()
+
+
+async def _start_grpc(frontend: FrontendConfig, engine: Any) -> Any:
+    """With ``--grpc``: the started gRPC server over ``engine`` (``pagedllm.entrypoints.grpc``);
+    else None.
+
+    Raises:
+        OSError: ``--grpc-port`` cannot be bound.
+    """
+    if not frontend.grpc:
+        return None
+    from pagedllm.entrypoints.grpc.server import start_grpc_server
+
+    names = list(frontend.served_model_name or [engine.model_config.model])
+    return await start_grpc_server(engine, frontend.host, frontend.grpc_port, names, frontend.api_key or ())

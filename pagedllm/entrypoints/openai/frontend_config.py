@@ -26,6 +26,8 @@ API_KEY_ENV_VARS = envs.PAGEDLLM_API_KEY.names
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 #: ``--shutdown-timeout``: seconds running requests may take to finish on SIGTERM / Ctrl-C.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
+#: ``--grpc-port``: gRPC's customary port.
+DEFAULT_GRPC_PORT = 50051
 
 
 def _tool_parser_metavar() -> str:
@@ -208,6 +210,19 @@ class FrontendConfig:
             "'model'."
         ),
         type=lora_module_type, metavar="name=path | JSON", nargs="+",
+    )
+    grpc: bool = flag_field(
+        False,
+        help=(
+            "Also serve gRPC (the pagedllm.v1.Generation service: Generate, Abort, Health, ModelInfo) on "
+            "--host:--grpc-port, beside HTTP and with the same engine."
+        ),
+        action="store_true",
+    )
+    grpc_port: int = flag_field(
+        DEFAULT_GRPC_PORT,
+        help="Port of the gRPC server (with --grpc).",
+        type=port_type, metavar="PORT",
     )
     disable_log_stats: bool = not_a_flag(False, why="EngineArgs' flag --disable-log-stats (server group)")
 
