@@ -240,10 +240,12 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
         "attention_out_multiplier", "ssm_multipliers", "ssm_in_multiplier", "ssm_out_multiplier",
     }, "none", "layer_types"),
     # Nemotron-H: one mixer per layer by ``layer_types`` (Mamba-2, attention without rope, a
-    # relu2 MLP). transformers' code hard-codes attention without bias and mixers of
-    # mamba_num_heads x mamba_head_dim channels, clamped at time_step_min (``attention_bias``,
-    # ``expand`` and ``time_step_limit`` ignored alike); the routed-expert keys are read by "moe"
-    # layers only (refused by the model), the multi-token-prediction ones by layers not run.
+    # relu2 MLP, routed relu2 experts). transformers' code hard-codes attention without bias and
+    # mixers of mamba_num_heads x mamba_head_dim channels, clamped at time_step_min
+    # (``attention_bias``, ``expand`` and ``time_step_limit`` ignored alike), and builds one shared
+    # expert of moe_shared_expert_intermediate_size whatever ``n_shared_experts`` says (ignored
+    # alike; ``moe_shared_expert_overlap`` is a scheduling hint); the multi-token-prediction keys
+    # are read by layers not run.
     "NemotronHForCausalLM": ArchConfig("nemotron_h", frozenset({
         "vocab_size", "hidden_size", "layers_block_type", "layer_types", "tie_word_embeddings", "num_attention_heads",
         "num_key_value_heads", "head_dim", "max_position_embeddings", "attention_bias", "sliding_window",

@@ -1,11 +1,15 @@
 """Nemotron-H (one mixer per layer by ``hybrid_override_pattern``: Mamba-2 on the state cache,
-attention without rope on the paged KV cache, a relu2 MLP that keeps no cache): greedy output
-token-identical to transformers float32 with prompts cut into chunks mid-way beside decodes,
-and under preemption (a preempted request gives back its blocks and its state slot)."""
+attention without rope on the paged KV cache, a relu2 MLP and routed relu2 experts that keep
+no cache): greedy output token-identical to transformers float32 with prompts cut into chunks
+mid-way beside decodes, and under preemption (a preempted request gives back its blocks and its
+state slot); with "E" layers (sigmoid router with a score correction bias, grouped top-k, scaled
+and renormalised weights, a shared expert) under chunked prefill."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from tests.models.utils import assert_scenario, prompts_for
 
@@ -25,3 +29,27 @@ def nemotron_h(checkpoint_factory):
 def test_nemotron_h_greedy_matches_transformers(nemotron_h, scenario, tokenizer):
     engine = ENGINE if scenario == "chunked_prefill" else {}
     assert_scenario(nemotron_h, scenario, prompts_for(len(tokenizer), PROMPT_LENGTHS), MAX_TOKENS, **engine)
+
+
+@pytest.fixture(scope="module")
+def nemotron_h_moe(checkpoint_factory):
+    """M, E, *, - and E layers; 8 experts in 4 groups (2 kept), 2 per token. transformers writes
+    the routers' ``e_score_correction_bias`` as zeros: set to random values here, so the bias
+    changes which experts are chosen."""
+    path = checkpoint_factory(
+        "NemotronHForCausalLM", seed=9, hybrid_override_pattern="ME*-E", head_dim=16, mamba_num_heads=8,
+        mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16, intermediate_size=128,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=48, routed_scaling_factor=2.5, norm_topk_prob=True)
+    weights = load_file(path / "model.safetensors")
+    generator = torch.Generator().manual_seed(9)
+    for name in sorted(weights):
+        if name.endswith("e_score_correction_bias"):
+            weights[name] = torch.randn(weights[name].shape, generator=generator) * 0.3
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def test_nemotron_h_moe_greedy_matches_transformers(nemotron_h_moe, tokenizer):
+    assert_scenario(nemotron_h_moe, "chunked_prefill", prompts_for(len(tokenizer), PROMPT_LENGTHS), MAX_TOKENS,
+                    **ENGINE)

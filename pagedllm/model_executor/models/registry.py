@@ -148,9 +148,10 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         "attention and a Mamba-2 mixer side by side in every layer (paged KV cache and state cache); optional "
         "gated RMSNorm; µP multipliers"),
     "NemotronHForCausalLM": SupportedModel(
-        NemotronHForCausalLM, ("nvidia/Nemotron-H-8B-Base-8K", "nvidia/NVIDIA-Nemotron-Nano-9B-v2"),
-        "one mixer per layer by hybrid_override_pattern: Mamba-2 (state cache), attention without rope, relu2 MLP "
-        "(no cache); routed-expert layers not built"),
+        NemotronHForCausalLM, ("nvidia/Nemotron-H-8B-Base-8K", "nvidia/NVIDIA-Nemotron-Nano-9B-v2",
+                               "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"),
+        "one mixer per layer by hybrid_override_pattern: Mamba-2 (state cache), attention without rope, relu2 MLP, "
+        "routed relu2 experts (FusedMoE; sigmoid router with score bias and grouped top-k) plus a shared expert"),
     # Sequence classifiers (``--runner pooling``, chosen by ``--runner auto``): classify, score, rerank.
     "BertForSequenceClassification": SupportedModel(
         BertForSequenceClassification, ("cross-encoder/ms-marco-MiniLM-L6-v2",),
