@@ -157,6 +157,8 @@ def test_ungated_relu2_experts_equal_transformers_expert_loop():
                                    rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="unknown expert shard id 'w3'"):
         layer.weight_loader(layer.w13_weight, torch.zeros(16, HIDDEN), "experts.0.w3", "w3", 0)
+    with pytest.raises(ValueError, match="stacked expert tensor 'gate_up_proj' for ungated experts"):
+        layer.load_stacked_experts("experts.gate_up_proj", torch.zeros(8, 32, HIDDEN), "gate_up_proj")
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])

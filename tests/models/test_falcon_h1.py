@@ -36,7 +36,7 @@ def falcon_h1(checkpoint_factory):
 
 @pytest.fixture(scope="module")
 def falcon_h1_no_norm(checkpoint_factory):
-    return checkpoint_factory("FalconH1ForCausalLM", seed=12, num_hidden_layers=3, mamba_rms_norm=False,
+    return checkpoint_factory("FalconH1ForCausalLM", seed=12, mamba_rms_norm=False,
                               projectors_bias=True, mamba_proj_bias=True, attention_bias=True, mlp_bias=True,
                               **_FALCON)
 
@@ -56,6 +56,6 @@ def test_falcon_h1_greedy_matches_transformers(falcon_h1, scenario, tokenizer):
 
 
 def test_falcon_h1_without_mixer_norm_matches_transformers(falcon_h1_no_norm, tokenizer):
-    prompts = prompts_for(len(tokenizer), PROMPT_LENGTHS)
+    prompts = prompts_for(len(tokenizer), PROMPT_LENGTHS[:2])  # both cut into chunks; cheaper references
     llm = assert_scenario(falcon_h1_no_norm, "chunked_prefill", prompts, MAX_TOKENS, **ENGINE)
     assert_logprobs_match(llm, falcon_h1_no_norm, prompts[0])  # lm_head_multiplier keeps the argmax

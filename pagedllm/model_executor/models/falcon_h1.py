@@ -43,7 +43,11 @@ def in_proj_multipliers(config: PretrainedConfig) -> Optional[torch.Tensor]:
     """The [2 I + 2 G N + H] float32 factors on ``in_proj``'s output (transformers'
     ``compute_mup_vector``): ``ssm_multipliers`` [z, x, B, C, dt] each over its part (z and x
     of I channels, B and C of ``mamba_n_groups x mamba_d_state``, dt of ``mamba_n_heads``);
-    None when every factor is 1."""
+    None when every factor is 1.
+
+    Raises:
+        ValueError: ``ssm_multipliers`` not of 5 factors.
+    """
     factors = [float(f) for f in config.ssm_multipliers]
     if len(factors) != 5:
         raise ValueError(f"ssm_multipliers needs 5 factors (z, x, B, C, dt), got {config.ssm_multipliers!r}.")
@@ -100,6 +104,9 @@ class FalconH1DecoderLayer(nn.Module):
         h = h + mlp_down x feed_forward(pre_ff_layernorm(h))
 
     The stream travels as ``(hidden_states, residual)``, as ``llama.DecoderLayer``'s.
+
+    Raises:
+        ValueError: ``mlp_multipliers`` not of 2 factors, ``ssm_multipliers`` not of 5.
     """
 
     def __init__(self, config: PretrainedConfig, rotary_emb: nn.Module, quant_config: Optional[QuantizationConfig],
@@ -110,6 +117,8 @@ class FalconH1DecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(
             config, bool(config.attention_bias), False, rotary_emb, quant_config, f"{prefix}.self_attn",
             scale=head_dim**-0.5 * float(config.key_multiplier))
+        if len(config.mlp_multipliers) != 2:
+            raise ValueError(f"mlp_multipliers needs 2 factors (gate, down), got {config.mlp_multipliers!r}.")
         gate_multiplier, self.mlp_multiplier = (float(m) for m in config.mlp_multipliers)
         act_fn = None if gate_multiplier == 1.0 else ScaledGateSiluAndMul(gate_multiplier)
         self.feed_forward = LlamaMLP(config, quant_config, f"{prefix}.feed_forward", act_fn=act_fn)

@@ -213,14 +213,17 @@ class FusedMoE(nn.Module):
 
     def load_stacked_experts(self, name: str, loaded_weight: torch.Tensor, kind: str) -> None:
         """Load a tensor holding every expert (``kind`` "gate_up_proj": [E, 2 x I, H], gate rows
-        then up rows; "down_proj": [E, H, I]; transformers' stacked expert parameters).
+        then up rows; "up_proj" [E, I, H] of ungated experts; "down_proj": [E, H, I];
+        transformers' stacked expert parameters).
 
         Raises:
             ValueError: an unknown kind or a shape that does not fit.
         """
         shard_ids = STACKED_EXPERT_TENSORS.get(kind)
-        if shard_ids is None:
-            raise ValueError(f"Checkpoint tensor {name!r}: unknown stacked expert tensor {kind!r}.")
+        other_kind = kind == "up_proj" if self.is_act_and_mul else kind == "gate_up_proj"
+        if shard_ids is None or other_kind:
+            raise ValueError(f"Checkpoint tensor {name!r}: unknown stacked expert tensor {kind!r} for "
+                             f"{'gated' if self.is_act_and_mul else 'ungated'} experts.")
         if loaded_weight.dim() != 3 or loaded_weight.shape[0] != self.global_num_experts:
             raise ValueError(
                 f"Checkpoint tensor {name!r} has shape {tuple(loaded_weight.shape)}; expected "
