@@ -112,7 +112,7 @@ STATE_LAYER_TYPE = "linear_attention"
 #: The ``layer_types`` entry of a layer whose attention and Mamba-2 mixer run side by side
 #: (transformers' Falcon-H1): a KV cache and a recurrent state.
 HYBRID_LAYER_TYPE = "hybrid"
-#: ``layer_types`` entries of layers that keep no cache at all (Nemotron-H's MLP-only layers).
+#: ``layer_types`` entries of layers that keep no cache at all (Nemotron-H's MLP and routed-expert layers).
 CACHELESS_LAYER_TYPES = ("mlp", "moe")
 
 
