@@ -111,7 +111,10 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 #: The ``layer_types`` entry of a layer that keeps a recurrent state (transformers' name for
 #: Mamba-2 and gated delta rule layers).
 STATE_LAYER_TYPE = "linear_attention"
-#: ``layer_types`` entries of layers that keep no cache at all (Nemotron-H's MLP-only layers).
+#: The ``layer_types`` entry of a layer whose attention and Mamba-2 mixer run side by side
+#: (transformers' Falcon-H1): a KV cache and a recurrent state.
+HYBRID_LAYER_TYPE = "hybrid"
+#: ``layer_types`` entries of layers that keep no cache at all (Nemotron-H's MLP and routed-expert layers).
 CACHELESS_LAYER_TYPES = ("mlp", "moe")
 
 
@@ -128,7 +131,8 @@ class ArchConfig:
             ``layer_types`` entry is "sliding_attention"; Qwen2 / Qwen3).
         state_layers: which layers keep a recurrent state: "none", or "layer_types" (those
             whose ``layer_types`` entry is ``STATE_LAYER_TYPE``: every layer of Mamba-2, the
-            layers outside ``attn_layer_indices`` of Bamba).
+            layers outside ``attn_layer_indices`` of Bamba; or ``HYBRID_LAYER_TYPE``, beside
+            their attention's KV cache: every layer of Falcon-H1).
         built_values: (key, the values built) of keys whose other values are refused;
             with ``hidden_act`` among them, it replaces the decoders' "silu" only rule.
     """
@@ -233,11 +237,20 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
         "attention_bias", "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
         "num_local_experts", "num_experts_per_tok", "shared_intermediate_size", "position_embedding_type",
     }, "none", "layer_types", built_values=(("position_embedding_type", (None, "nope", "rope")),)),
+    # Falcon-H1: attention and a Mamba-2 mixer side by side in every layer (``layer_types``
+    # "hybrid": a KV cache and a state), Bamba's mixer keys plus its own, and the µP factors.
+    "FalconH1ForCausalLM": ArchConfig("falcon_h1", _LLAMA_FAMILY_KEYS | _BAMBA_MIXER_KEYS | {
+        "attention_bias", "mlp_bias", "mamba_d_ssm", "mamba_rms_norm", "mamba_norm_before_gate", "projectors_bias",
+        "embedding_multiplier", "lm_head_multiplier", "mlp_multipliers", "key_multiplier", "attention_in_multiplier",
+        "attention_out_multiplier", "ssm_multipliers", "ssm_in_multiplier", "ssm_out_multiplier",
+    }, "none", "layer_types"),
     # Nemotron-H: one mixer per layer by ``layer_types`` (Mamba-2, attention without rope, a
-    # relu2 MLP). transformers' code hard-codes attention without bias and mixers of
-    # mamba_num_heads x mamba_head_dim channels, clamped at time_step_min (``attention_bias``,
-    # ``expand`` and ``time_step_limit`` ignored alike); the routed-expert keys are read by "moe"
-    # layers only (refused by the model), the multi-token-prediction ones by layers not run.
+    # relu2 MLP, routed relu2 experts). transformers' code hard-codes attention without bias and
+    # mixers of mamba_num_heads x mamba_head_dim channels, clamped at time_step_min
+    # (``attention_bias``, ``expand`` and ``time_step_limit`` ignored alike), and builds one shared
+    # expert of moe_shared_expert_intermediate_size whatever ``n_shared_experts`` says (ignored
+    # alike; ``moe_shared_expert_overlap`` is a scheduling hint); the multi-token-prediction keys
+    # are read by layers not run.
     "NemotronHForCausalLM": ArchConfig("nemotron_h", frozenset({
         "vocab_size", "hidden_size", "layers_block_type", "layer_types", "tie_word_embeddings", "num_attention_heads",
         "num_key_value_heads", "head_dim", "max_position_embeddings", "attention_bias", "sliding_window",
@@ -513,13 +526,23 @@ def layer_sliding_windows(hf_config: Any) -> list[Optional[int]]:
 
 
 def state_layer_indices(hf_config: Any) -> list[int]:
-    """The layers of ``hf_config`` that keep a recurrent state (see ``ArchConfig.state_layers``);
-    none for an architecture not in ``ARCH_CONFIG``."""
+    """The layers of ``hf_config`` that keep a recurrent state, alone or beside attention (see
+    ``ArchConfig.state_layers``); none for an architecture not in ``ARCH_CONFIG``."""
+    return _state_layers_of_kinds(hf_config, (STATE_LAYER_TYPE, HYBRID_LAYER_TYPE))
+
+
+def hybrid_layer_indices(hf_config: Any) -> list[int]:
+    """The layers of ``hf_config`` that keep a recurrent state and a KV cache side by side
+    (``HYBRID_LAYER_TYPE``, Falcon-H1's every layer); none for most architectures."""
+    return _state_layers_of_kinds(hf_config, (HYBRID_LAYER_TYPE,))
+
+
+def _state_layers_of_kinds(hf_config: Any, kinds: tuple[str, ...]) -> list[int]:
     arch = ARCH_CONFIG.get((_value(hf_config, "architectures") or ["<none>"])[0])
     if arch is None or arch.state_layers == "none":
         return []
-    kinds = _value(hf_config, "layer_types") or []
-    return [i for i, kind in enumerate(kinds) if kind == STATE_LAYER_TYPE]
+    layer_types = _value(hf_config, "layer_types") or []
+    return [i for i, kind in enumerate(layer_types) if kind in kinds]
 
 
 def cacheless_layer_indices(hf_config: Any) -> list[int]:

@@ -153,6 +153,8 @@ class MambaSpec:
 
 
 KVCacheSpec = Union[FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec]
+#: The specs of one layer with attention and a state side by side (Falcon-H1's).
+LayerSpecs = tuple[KVCacheSpec, MambaSpec]
 
 
 @dataclass(frozen=True)
@@ -223,25 +225,28 @@ class KVCacheGroups:
                    for g in self.groups)
 
 
-def group_layers(layer_specs: Sequence[Union[KVCacheSpec, MambaSpec, None]]) -> KVCacheGroups:
-    """Group the layers (``layer_specs[i]``: layer i's spec; None: a layer with no cache) by
-    spec, vLLM's rule: the group size is the smallest number of layers of one attention spec
-    (the largest, when every kind has fewer than 1.25 x the smallest, to pad less); a kind's
-    layers are dealt round-robin over its ceil(n / group size) groups (layers i, i + k, ...: a
-    pipeline stage's layers spread over all of them). State layers (``MambaSpec``) form one
-    state group per spec, whatever their number.
+def group_layers(layer_specs: Sequence[Union[KVCacheSpec, MambaSpec, LayerSpecs, None]]) -> KVCacheGroups:
+    """Group the layers (``layer_specs[i]``: layer i's spec; a tuple: the specs of a layer with
+    attention and a state side by side, Falcon-H1's, which joins a group of each kind, as in
+    vLLM; None: a layer with no cache) by spec, vLLM's rule: the group size is the smallest
+    number of layers of one attention spec (the largest, when every kind has fewer than 1.25 x
+    the smallest, to pad less); a kind's layers are dealt round-robin over its ceil(n / group
+    size) groups (layers i, i + k, ...: a pipeline stage's layers spread over all of them).
+    State layers (``MambaSpec``) form one state group per spec, whatever their number.
 
     Raises:
         ValueError: no layers, mixed block sizes, or attention layers whose pages differ in size.
     """
     if not layer_specs:
         raise ValueError("A model needs at least one layer with a cache.")
+    entries = [(index, spec) for index, specs in enumerate(layer_specs)
+               for spec in (specs if isinstance(specs, tuple) else (specs,)) if spec is not None]
     state_layers: dict[MambaSpec, list[int]] = {}
-    for index, spec in enumerate(layer_specs):
+    for index, spec in entries:
         if isinstance(spec, MambaSpec):
             state_layers.setdefault(spec, []).append(index)
     state_groups = tuple(KVCacheGroupSpec(tuple(layers), spec) for spec, layers in state_layers.items())
-    attention = [(i, s) for i, s in enumerate(layer_specs) if s is not None and not isinstance(s, MambaSpec)]
+    attention = [(i, s) for i, s in entries if not isinstance(s, MambaSpec)]
     if not attention:
         return KVCacheGroups((), 0, state_groups)
     groups = _group_attention_layers(attention)
@@ -271,16 +276,24 @@ def _group_attention_layers(layers_and_specs: list[tuple[int, KVCacheSpec]]) -> 
 def layer_kv_cache_specs(
     layer_windows: Sequence[Optional[int]], block_size: int, num_kv_heads: int, head_size: int, dtype_bytes: int,
     use_mla: bool = False, state_specs: Optional[dict[int, MambaSpec]] = None, cacheless: Sequence[int] = (),
-) -> list[Union[KVCacheSpec, MambaSpec, None]]:
+    hybrid: Sequence[int] = (),
+) -> list[Union[KVCacheSpec, MambaSpec, LayerSpecs, None]]:
     """Each layer's spec from its attention window (None: full attention; with ``use_mla``
-    latent attention, ``MLAAttentionSpec``), ``state_specs[i]`` for a state layer i, or None for
-    a layer of ``cacheless`` (no attention, no state)."""
+    latent attention, ``MLAAttentionSpec``), ``state_specs[i]`` for a state layer i, (its
+    attention's spec, ``state_specs[i]``) for a layer of ``hybrid`` (both side by side), or None
+    for a layer of ``cacheless`` (no attention, no state)."""
     full = MLAAttentionSpec if use_mla else FullAttentionSpec
     state_specs = state_specs or {}
+
+    def attention(window: Optional[int]) -> KVCacheSpec:
+        if window is None:
+            return full(block_size, num_kv_heads, head_size, dtype_bytes)
+        return SlidingWindowSpec(block_size, num_kv_heads, head_size, dtype_bytes, window)
+
     return [
         None if i in cacheless
+        else (attention(window), state_specs[i]) if i in hybrid
         else state_specs[i] if i in state_specs
-        else full(block_size, num_kv_heads, head_size, dtype_bytes) if window is None
-        else SlidingWindowSpec(block_size, num_kv_heads, head_size, dtype_bytes, window)
+        else attention(window)
         for i, window in enumerate(layer_windows)
     ]

@@ -17,7 +17,8 @@ model of mostly sliding-window layers.
 State layers (Mamba-2, gated delta rule: ``pagedllm.arch_config.state_layer_indices``)
 keep a fixed-size state per request instead (``MambaSpec``, whose shapes and dtypes the
 model class gives: ``get_mamba_state_shape_from_config`` / ``get_mamba_state_dtype_from_config``,
-vLLM's names). The budget first sets aside the state slots (``num_state_slots``: one per
+vLLM's names); a hybrid layer (Falcon-H1's) keeps both, its attention in an attention group
+and its mixer in a state group. The budget first sets aside the state slots (``num_state_slots``: one per
 request that can run at once, three with prefix caching) x the state bytes of one request
 over all state layers; the rest buys attention blocks (none in a model of state layers only).
 """
@@ -28,7 +29,12 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from pagedllm.arch_config import cacheless_layer_indices, layer_sliding_windows, state_layer_indices
+from pagedllm.arch_config import (
+    cacheless_layer_indices,
+    hybrid_layer_indices,
+    layer_sliding_windows,
+    state_layer_indices,
+)
 from pagedllm.config import CacheConfig, EngineConfig, ModelConfig
 from pagedllm.core.kv_cache_interface import (
     KVCacheGroups,
@@ -141,13 +147,14 @@ def _groups(model_config: ModelConfig, cache_config: CacheConfig, windows: list[
             tp_size: int, state_specs: Optional[dict[int, MambaSpec]] = None) -> KVCacheGroups:
     state_specs = state_specs or {}
     cacheless = [i for i in cacheless_layer_indices(model_config.hf_config) if i < len(windows)]
-    if len(state_specs) + len(cacheless) == len(windows):  # no attention layer: no attention heads to read
+    hybrid = [i for i in hybrid_layer_indices(model_config.hf_config) if i in state_specs]
+    if len(state_specs) - len(hybrid) + len(cacheless) == len(windows):  # no attention: no attention heads to read
         return group_layers([state_specs.get(i) for i in range(len(windows))])
     num_kv_heads = kv_heads_per_rank(model_config.num_kv_heads, tp_size)
     dtype_bytes = cache_config.kv_cache_dtype(model_config.dtype).itemsize
     return group_layers(layer_kv_cache_specs(windows, cache_config.block_size, num_kv_heads, model_config.head_dim,
                                              dtype_bytes, use_mla=model_config.use_mla, state_specs=state_specs,
-                                             cacheless=cacheless))
+                                             cacheless=cacheless, hybrid=hybrid))
 
 
 def kv_bytes_per_block(model_config: ModelConfig, groups: KVCacheGroups,

@@ -169,8 +169,8 @@ class ModelRunner:
             self.weights_bytes += self.proposer.weights_bytes
 
     def _attention_layer_groups(self) -> list[tuple[int, int]]:
-        """Per attention layer of this stage (one per decoder layer that is not a state
-        layer, in order): its KV-cache group, and its cache tensor (the j-th of the stage's
+        """Per attention layer of this stage (one per decoder layer with a KV cache, a hybrid
+        layer's beside its state, in order): its KV-cache group, and its cache tensor (the j-th of the stage's
         layers in its group uses tensor j: ``kv_cache_sizing.num_stage_cache_tensors`` of them).
 
         Raises:

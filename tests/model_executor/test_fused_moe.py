@@ -8,11 +8,12 @@ import logging
 
 import pytest
 import torch
-from transformers import DeepseekV2Config, DeepseekV3Config, GptOssConfig, MixtralConfig, Qwen2MoeConfig
+from transformers import DeepseekV2Config, DeepseekV3Config, GptOssConfig, MixtralConfig, NemotronHConfig, Qwen2MoeConfig
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts, MixtralTopKRouter
+from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 
 from pagedllm.model_executor.layers import cpu_gemm
@@ -137,6 +138,27 @@ def test_fused_moe_equals_transformers_expert_loop():
     with torch.inference_mode():
         torch.testing.assert_close(layer.quant_method.apply(layer, x, weights, ids), ref(x, ids, weights),
                                    rtol=1e-6, atol=1e-6)
+
+
+def test_ungated_relu2_experts_equal_transformers_expert_loop():
+    """Nemotron-H's experts (down(relu(up x) ** 2), no gate), loaded from transformers' stacked
+    ``up_proj`` / ``down_proj``; an up ("w3") matrix has no place in them."""
+    config = NemotronHConfig(hidden_size=HIDDEN, n_routed_experts=8, moe_intermediate_size=16)
+    ref = _randomized(NemotronHExperts(config), 6)
+    layer = FusedMoE(8, 2, HIDDEN, 16, prefix="experts", activation="relu2_no_mul")
+    layer.load_stacked_experts("experts.up_proj", ref.up_proj.data, "up_proj")
+    layer.load_stacked_experts("experts.down_proj", ref.down_proj.data, "down_proj")
+    assert layer.missing_weights() == [] and layer.w13_weight.shape == (8, 16, HIDDEN)
+    x = _hidden(5)
+    weights, ids = softmax_topk(torch.randn(TOKENS, 8, generator=torch.Generator().manual_seed(10)), 2, True)
+    with torch.inference_mode():
+        # float32 rounding grows with relu2's squares (outputs of order 10)
+        torch.testing.assert_close(layer.quant_method.apply(layer, x, weights, ids), ref(x, ids, weights),
+                                   rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="unknown expert shard id 'w3'"):
+        layer.weight_loader(layer.w13_weight, torch.zeros(16, HIDDEN), "experts.0.w3", "w3", 0)
+    with pytest.raises(ValueError, match="stacked expert tensor 'gate_up_proj' for ungated experts"):
+        layer.load_stacked_experts("experts.gate_up_proj", torch.zeros(8, 32, HIDDEN), "gate_up_proj")
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])

@@ -1,8 +1,11 @@
 """Gated activations on a fused [gate | up] input: SwiGLU (Shazeer 2020, arXiv:2002.05202)
-and its GELU variant GeGLU (Gemma's MLP), and gpt-oss's clamped variant."""
+and its GELU variant GeGLU (Gemma's MLP), and gpt-oss's clamped variant; and the squared
+ReLU of ungated MLPs (Nemotron-H's "relu2")."""
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.model_executor.custom_op import CustomOp
 
@@ -63,3 +66,10 @@ class SwigluOAIAndMul(CustomOp):
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha}, limit={self.limit}"
+
+
+class ReLUSquaredActivation(nn.Module):
+    """[..., d] -> [..., d]: relu(x) ** 2 (transformers' ``ACT2FN["relu2"]``; vLLM's name), no gate."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.square(F.relu(x))

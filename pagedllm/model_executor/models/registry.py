@@ -20,6 +20,7 @@ from pagedllm.model_executor.models.bert import (
     XLMRobertaModel,
 )
 from pagedllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from pagedllm.model_executor.models.falcon_h1 import FalconH1ForCausalLM
 from pagedllm.model_executor.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.model_executor.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from pagedllm.model_executor.models.glm4 import Glm4ForCausalLM
@@ -148,10 +149,15 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         GraniteMoeHybridForCausalLM, ("ibm-granite/granite-4.0-h-tiny", "ibm-granite/granite-4.0-h-1b"),
         "Mamba-2 mixers (state cache) and full attention by layer_types; rope or none; Granite's multipliers; "
         "shared MLP plus routed experts, or dense"),
+    "FalconH1ForCausalLM": SupportedModel(
+        FalconH1ForCausalLM, ("tiiuae/Falcon-H1-1.5B-Deep-Instruct", "tiiuae/Falcon-H1-7B-Instruct"),
+        "attention and a Mamba-2 mixer side by side in every layer (paged KV cache and state cache); optional "
+        "gated RMSNorm; µP multipliers"),
     "NemotronHForCausalLM": SupportedModel(
-        NemotronHForCausalLM, ("nvidia/Nemotron-H-8B-Base-8K", "nvidia/NVIDIA-Nemotron-Nano-9B-v2"),
-        "one mixer per layer by hybrid_override_pattern: Mamba-2 (state cache), attention without rope, relu2 MLP "
-        "(no cache); routed-expert layers not built"),
+        NemotronHForCausalLM, ("nvidia/Nemotron-H-8B-Base-8K", "nvidia/NVIDIA-Nemotron-Nano-9B-v2",
+                               "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"),
+        "one mixer per layer by hybrid_override_pattern: Mamba-2 (state cache), attention without rope, relu2 MLP, "
+        "routed relu2 experts (FusedMoE; sigmoid router with score bias and grouped top-k) plus a shared expert"),
     # Sequence classifiers (``--runner pooling``, chosen by ``--runner auto``): classify, score, rerank.
     "BertForSequenceClassification": SupportedModel(
         BertForSequenceClassification, ("cross-encoder/ms-marco-MiniLM-L6-v2",),
@@ -186,8 +192,8 @@ _FAMILIES = (
      "it is a mixture-of-experts model whose routing and expert weights are not mapped onto FusedMoE yet"),
     (("Mamba", "Jamba", "Zamba", "Bamba", "FalconH1", "NemotronH", "Hybrid", "Rwkv", "Next"),
      "it keeps a recurrent (state-space / linear-attention) state in layers pagedllm does not build yet (its "
-     "state cache serves Mamba2ForCausalLM, BambaForCausalLM, GraniteMoeHybridForCausalLM, NemotronHForCausalLM, "
-     "Qwen3NextForCausalLM, Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM)"),
+     "state cache serves Mamba2ForCausalLM, BambaForCausalLM, GraniteMoeHybridForCausalLM, FalconH1ForCausalLM, "
+     "NemotronHForCausalLM, Qwen3NextForCausalLM, Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM)"),
     (("ConditionalGeneration", "Llava", "VL", "Vision", "Mllama", "Idefics", "PaliGemma", "Pixtral", "Siglip"),
      "it is an image-text model whose vision encoder pagedllm does not build yet (it serves "
      "LlavaForConditionalGeneration's)"),

@@ -12,7 +12,9 @@ Sharding over the tensor-parallel group (the router is replicated by the model):
 
 Checkpoint tensors arrive per expert through ``weight_loader`` (``shard_id`` "w1" gate, "w3"
 up, "w2" down; vLLM's ids), or stacked for all experts (``load_stacked_experts``: the 3-D
-``gate_up_proj`` / ``down_proj`` of transformers' expert modules). ``missing_weights`` names
+``gate_up_proj`` / ``down_proj`` of transformers' expert modules). An ungated expert
+(``activation`` "relu2_no_mul": down(relu(up x) ** 2), Nemotron-H's) has no gate: its W13 is
+the up matrix alone, loaded as "w1" (vLLM's), from transformers' stacked ``up_proj`` too. ``missing_weights`` names
 what the checkpoint has not provided.
 
 At DEBUG level the logger of this module reports, per forward, the tokens routed to each
@@ -34,7 +36,7 @@ from pagedllm.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from pagedllm.model_executor.layers.activation import SiluAndMul, SwigluOAIAndMul
+from pagedllm.model_executor.layers.activation import ReLUSquaredActivation, SiluAndMul, SwigluOAIAndMul
 from pagedllm.model_executor.layers.fused_moe.methods import FusedMoEMethodBase, UnquantizedFusedMoEMethod
 from pagedllm.model_executor.layers.fused_moe.router import RoutingFunction, select_experts
 from pagedllm.model_executor.layers.quantization import QuantizationConfig
@@ -45,9 +47,12 @@ logger = logging.getLogger(__name__)
 #: Checkpoint matrices of an expert, as ``weight_loader``'s shard ids: gate, down, up.
 EXPERT_SHARD_IDS = ("w1", "w2", "w3")
 #: The experts' gated activations on [gate | up] (vLLM's names): SwiGLU, and gpt-oss's clamped one.
-MOE_ACTIVATIONS = ("silu", "swigluoai")
-#: transformers' stacked expert tensors -> the shard ids they hold, in order along their rows.
-STACKED_EXPERT_TENSORS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
+GATED_MOE_ACTIVATIONS = ("silu", "swigluoai")
+#: The experts' activations: the gated ones, and the ungated squared ReLU (vLLM's "relu2_no_mul").
+MOE_ACTIVATIONS = (*GATED_MOE_ACTIVATIONS, "relu2_no_mul")
+#: transformers' stacked expert tensors -> the shard ids they hold, in order along their rows
+#: (``up_proj``: an ungated expert's only W13 matrix).
+STACKED_EXPERT_TENSORS = {"gate_up_proj": ("w1", "w3"), "up_proj": ("w1",), "down_proj": ("w2",)}
 
 
 def expert_range(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int]:
@@ -77,7 +82,9 @@ class FusedMoE(nn.Module):
         routed_scaling_factor, e_score_correction_bias, custom_routing_function: the routing
             (``router.select_experts``).
         activation: the experts' activation on [gate | up]: "silu" (SwiGLU) or "swigluoai"
-            (``SwigluOAIAndMul(swiglu_alpha, swiglu_limit)``, gpt-oss's clamped SwiGLU).
+            (``SwigluOAIAndMul(swiglu_alpha, swiglu_limit)``, gpt-oss's clamped SwiGLU); or
+            "relu2_no_mul", relu(W13 x) ** 2 with W13 the up matrix alone [I, H] per expert
+            (``is_act_and_mul`` False; the unquantized method and its int8 form).
         has_bias: each expert's W13 and W2 have a bias (``w13_bias`` [E, 2 x I] as [gate |
             up], ``w2_bias`` [E, H]; gpt-oss), loaded with ``shard_id`` as the weights'.
         swiglu_alpha, swiglu_limit: the "swigluoai" activation's sigmoid gain and clamp.
@@ -121,6 +128,8 @@ class FusedMoE(nn.Module):
         if activation not in MOE_ACTIVATIONS:
             raise ValueError(f"FusedMoE activation {activation!r} is not built (built: {', '.join(MOE_ACTIVATIONS)}).")
         self.has_bias = has_bias
+        #: Whether W13 is [gate | up] under a gated activation (vLLM's name); else up alone.
+        self.is_act_and_mul = activation in GATED_MOE_ACTIVATIONS
         self.global_num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
         self.reduce_results, self.prefix = reduce_results, prefix
         self.routing = dict(
@@ -137,13 +146,17 @@ class FusedMoE(nn.Module):
         self.expert_start, self.local_num_experts = expert_range(num_experts, ep_size, ep_rank)
         self.register_buffer("expert_map", self._expert_map(), persistent=False)
         self.intermediate_size_per_partition = divide(intermediate_size, self.moe_tp_size)
-        self.act_fn = SiluAndMul() if activation == "silu" else SwigluOAIAndMul(swiglu_alpha, swiglu_limit)
+        self.act_fn = (SiluAndMul() if activation == "silu" else ReLUSquaredActivation()
+                       if activation == "relu2_no_mul" else SwigluOAIAndMul(swiglu_alpha, swiglu_limit))
         method = None if quant_config is None else quant_config.get_quant_method(self, prefix)
         if method is not None and not isinstance(method, FusedMoEMethodBase):
             raise ValueError(f"{prefix}: quantization method {type(method).__name__} does not apply to FusedMoE experts.")
         self.quant_method: FusedMoEMethodBase = method or UnquantizedFusedMoEMethod()
         if has_bias and not self.quant_method.supports_bias:
             raise ValueError(f"{prefix}: {type(self.quant_method).__name__} does not apply expert biases.")
+        if not self.is_act_and_mul and not self.quant_method.supports_ungated:
+            raise ValueError(f"{prefix}: {type(self.quant_method).__name__} does not hold ungated experts "
+                             f"(activation {activation!r}).")
         self.quant_method.create_weights(
             self, self.local_num_experts, hidden_size, self.intermediate_size_per_partition,
             params_dtype or torch.get_default_dtype(), weight_loader=self.weight_loader,
@@ -180,8 +193,9 @@ class FusedMoE(nn.Module):
         Raises:
             ValueError: an unknown shard id or expert, or a shape that does not fit.
         """
-        if shard_id not in EXPERT_SHARD_IDS:
-            raise ValueError(f"{weight_name}: unknown expert shard id {shard_id!r} (expected {', '.join(EXPERT_SHARD_IDS)}).")
+        if shard_id not in self._shard_ids():
+            raise ValueError(f"{weight_name}: unknown expert shard id {shard_id!r} (expected "
+                             f"{', '.join(self._shard_ids())}).")
         local = self.local_expert(expert_id)
         if local is None:
             return
@@ -199,14 +213,17 @@ class FusedMoE(nn.Module):
 
     def load_stacked_experts(self, name: str, loaded_weight: torch.Tensor, kind: str) -> None:
         """Load a tensor holding every expert (``kind`` "gate_up_proj": [E, 2 x I, H], gate rows
-        then up rows; "down_proj": [E, H, I]; transformers' stacked expert parameters).
+        then up rows; "up_proj" [E, I, H] of ungated experts; "down_proj": [E, H, I];
+        transformers' stacked expert parameters).
 
         Raises:
             ValueError: an unknown kind or a shape that does not fit.
         """
         shard_ids = STACKED_EXPERT_TENSORS.get(kind)
-        if shard_ids is None:
-            raise ValueError(f"Checkpoint tensor {name!r}: unknown stacked expert tensor {kind!r}.")
+        other_kind = kind == "up_proj" if self.is_act_and_mul else kind == "gate_up_proj"
+        if shard_ids is None or other_kind:
+            raise ValueError(f"Checkpoint tensor {name!r}: unknown stacked expert tensor {kind!r} for "
+                             f"{'gated' if self.is_act_and_mul else 'ungated'} experts.")
         if loaded_weight.dim() != 3 or loaded_weight.shape[0] != self.global_num_experts:
             raise ValueError(
                 f"Checkpoint tensor {name!r} has shape {tuple(loaded_weight.shape)}; expected "
@@ -226,8 +243,13 @@ class FusedMoE(nn.Module):
         """``"expert <id> <shard id>"`` (and ``"... <shard id> bias"`` with ``has_bias``) for each
         matrix of this rank's experts not loaded yet."""
         held = range(self.expert_start, self.expert_start + self.local_num_experts)
-        parts = [*EXPERT_SHARD_IDS, *(f"{s} bias" for s in EXPERT_SHARD_IDS if self.has_bias)]
+        shard_ids = self._shard_ids()
+        parts = [*shard_ids, *(f"{s} bias" for s in shard_ids if self.has_bias)]
         return [f"expert {e} {s}" for e in held for s in parts if (e, s) not in self._loaded]
+
+    def _shard_ids(self) -> tuple[str, ...]:
+        """The expert matrices this layer holds: all of ``EXPERT_SHARD_IDS``; no "w3" (up) when ungated."""
+        return EXPERT_SHARD_IDS if self.is_act_and_mul else ("w1", "w2")
 
     def select_experts(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int64)."""

@@ -71,6 +71,8 @@ class FusedMoEMethodBase(QuantizeMethodBase):
 
     #: Whether the method applies ``FusedMoE(has_bias=True)``'s ``w13_bias`` / ``w2_bias``.
     supports_bias = False
+    #: Whether the method holds ungated experts (``FusedMoE.is_act_and_mul`` False: W13 [I, H]).
+    supports_ungated = False
 
     @abstractmethod
     def create_weights(
@@ -96,22 +98,24 @@ class FusedMoEMethodBase(QuantizeMethodBase):
 
 
 class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
-    """``w13_weight`` [E, 2 x I, H] ([gate | up] rows per expert) and ``w2_weight`` [E, H, I]
-    in the model dtype (E, I: this rank's experts and intermediate columns); each expert is two
-    torch matmuls and ``layer.act_fn`` over its group of tokens. With ``layer.has_bias``, also
-    ``w13_bias`` [E, 2 x I] and ``w2_bias`` [E, H] (added by tensor-parallel rank 0 only: the
-    ranks' partial sums are added up)."""
+    """``w13_weight`` [E, 2 x I, H] ([gate | up] rows per expert; [E, I, H], up alone, for an
+    ungated layer) and ``w2_weight`` [E, H, I] in the model dtype (E, I: this rank's experts and
+    intermediate columns); each expert is two torch matmuls and ``layer.act_fn`` over its group
+    of tokens. With ``layer.has_bias``, also ``w13_bias`` [E, 2 x I] and ``w2_bias`` [E, H]
+    (added by tensor-parallel rank 0 only: the ranks' partial sums are added up)."""
 
     supports_bias = True
+    supports_ungated = True
 
     def create_weights(
         self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
         params_dtype: torch.dtype, **extra_weight_attrs: Any,
     ) -> None:
         inter = intermediate_size_per_partition
-        shapes = [("w13_weight", (num_experts, 2 * inter, hidden_size)), ("w2_weight", (num_experts, hidden_size, inter))]
+        w13_rows = (2 if getattr(layer, "is_act_and_mul", True) else 1) * inter
+        shapes = [("w13_weight", (num_experts, w13_rows, hidden_size)), ("w2_weight", (num_experts, hidden_size, inter))]
         if getattr(layer, "has_bias", False):
-            shapes += [("w13_bias", (num_experts, 2 * inter)), ("w2_bias", (num_experts, hidden_size))]
+            shapes += [("w13_bias", (num_experts, w13_rows)), ("w2_bias", (num_experts, hidden_size))]
         for name, shape in shapes:
             weight = nn.Parameter(torch.empty(shape, dtype=params_dtype), requires_grad=False)
             set_weight_attrs(weight, extra_weight_attrs)

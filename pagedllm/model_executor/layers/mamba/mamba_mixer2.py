@@ -45,22 +45,35 @@ def mamba2_state_shape(intermediate_size: int, n_groups: int, num_heads: int, he
 
 class Mixer2RMSNormGated(nn.Module):
     """y = rms_norm(x x silu(z)) x weight, the RMS taken over each of ``n_groups`` equal
-    channel groups, in float32 (transformers' ``MambaRMSNormGated``; gate before the norm)."""
+    channel groups, in float32 (transformers' ``MambaRMSNormGated``; gate before the norm).
+    ``norm_before_gate``: y = rms_norm(x) x weight x silu(z) instead (Falcon-H1's
+    ``mamba_norm_before_gate``, transformers' ``FalconH1RMSNormGated``)."""
 
-    def __init__(self, hidden_size: int, n_groups: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, n_groups: int, eps: float, norm_before_gate: bool = False) -> None:
         super().__init__()
         if hidden_size % n_groups:
             raise ValueError(f"n_groups {n_groups} must divide the mixer's {hidden_size} channels.")
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.group_size = hidden_size // n_groups
         self.variance_epsilon = eps
+        self.norm_before_gate = norm_before_gate
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """x, gate [T, hidden] -> [T, hidden] in x's dtype."""
-        h = x.float() * F.silu(gate.float())
+        h = x.float() if self.norm_before_gate else x.float() * F.silu(gate.float())
         grouped = h.view(*h.shape[:-1], -1, self.group_size)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        if self.norm_before_gate:
+            return (self.weight * grouped.view_as(h) * F.silu(gate.float())).to(x.dtype)
         return self.weight * grouped.view_as(h).to(x.dtype)
+
+
+class SiluGate(nn.Module):
+    """y = x x silu(z), no norm (Falcon-H1 without ``mamba_rms_norm``); no parameters."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x, gate [T, hidden] -> [T, hidden] in x's dtype."""
+        return x * F.silu(gate)
 
 
 class MambaMixer2(MambaBase):
@@ -68,6 +81,11 @@ class MambaMixer2(MambaBase):
     the step's requests (see the module). Parameters by the checkpoint's names: ``in_proj``,
     ``conv1d`` (weight [conv_dim, 1, conv_kernel], bias), ``dt_bias``, ``A_log``, ``D``
     ([nheads] each), ``norm`` (the gated RMSNorm), ``out_proj``.
+
+    Falcon-H1's variant (keywords): ``out_proj_bias`` (None: ``use_bias``), ``rms_norm`` False
+    (y x silu(z), no norm parameter), ``norm_before_gate`` (``Mixer2RMSNormGated``'s), and
+    ``in_proj_scale``, a [in_proj outputs] vector multiplying ``in_proj``'s output (its µP
+    multipliers of z, x, B, C and dt; None: none).
 
     Raises:
         ValueError: ``num_heads x head_dim`` not the intermediate size, or heads not a
@@ -78,7 +96,8 @@ class MambaMixer2(MambaBase):
         self, hidden_size: int, intermediate_size: int, num_heads: int, head_dim: int, n_groups: int,
         state_size: int, conv_kernel: int, chunk_size: int, use_conv_bias: bool, use_bias: bool,
         rms_norm_eps: float, time_step_limit: Optional[tuple[float, float]] = None,
-        quant_config: Optional[QuantizationConfig] = None, prefix: str = "",
+        quant_config: Optional[QuantizationConfig] = None, prefix: str = "", *, out_proj_bias: Optional[bool] = None,
+        rms_norm: bool = True, norm_before_gate: bool = False, in_proj_scale: Optional[torch.Tensor] = None,
     ) -> None:
         super().__init__()
         if num_heads * head_dim != intermediate_size or num_heads % n_groups:
@@ -95,9 +114,14 @@ class MambaMixer2(MambaBase):
         self.dt_bias = nn.Parameter(torch.ones(num_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(num_heads), requires_grad=False)
         self.D = nn.Parameter(torch.ones(num_heads), requires_grad=False)
-        self.norm = Mixer2RMSNormGated(intermediate_size, n_groups, rms_norm_eps)
-        self.out_proj = ReplicatedLinear(intermediate_size, hidden_size, bias=use_bias, quant_config=quant_config,
-                                         prefix=f"{prefix}.out_proj")
+        self.norm = (Mixer2RMSNormGated(intermediate_size, n_groups, rms_norm_eps, norm_before_gate) if rms_norm
+                     else SiluGate())
+        self.out_proj = ReplicatedLinear(intermediate_size, hidden_size,
+                                         bias=use_bias if out_proj_bias is None else out_proj_bias,
+                                         quant_config=quant_config, prefix=f"{prefix}.out_proj")
+        scale = None if in_proj_scale is None else in_proj_scale.to(torch.get_default_dtype())
+        self.in_proj_scale: Optional[torch.Tensor]
+        self.register_buffer("in_proj_scale", scale, persistent=False)
         self._shapes = mamba2_state_shape(intermediate_size, n_groups, num_heads, head_dim, state_size, conv_kernel)
         self._state_dtype = torch.get_default_dtype()  # the model's dtype while it is built
 
@@ -109,8 +133,10 @@ class MambaMixer2(MambaBase):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         metadata: MambaMetadata = get_forward_context(self.kv_cache_group_id)  # type: ignore[assignment]
-        gate, xbc, dt = self.in_proj(hidden_states).split(
-            [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        projected = self.in_proj(hidden_states)
+        if self.in_proj_scale is not None:
+            projected = projected.mul_(self.in_proj_scale)  # a fresh tensor
+        gate, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         conv_state, ssm_state = self.kv_cache
         weight = self.conv1d.weight.view(self.conv_dim, -1)
         A = -torch.exp(self.A_log.float())
