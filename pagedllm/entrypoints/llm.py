@@ -193,7 +193,8 @@ class LLM:
             ValueError: if the tokenizer has no chat template and none is given, if
                 ``continue_final_message`` is set without ``add_generation_prompt=False``
                 (``chat_utils.resolve_chat_options``, as vLLM), for a content part that is
-                not text, or as ``generate``.
+                neither text nor (on an image-text model) an image, an image that cannot be
+                loaded ("messages[i].content[j]: <why>"), or as ``generate``.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
