@@ -47,12 +47,16 @@ class EncoderCacheManager:
 
     def allocate(self, request: Request, input_id: int) -> None:
         """Enter item ``input_id`` of ``request`` (its encoder runs this step), evicting the
-        oldest unreferenced entries for room.
+        oldest unreferenced entries for room (an item already entered gains a reference).
 
         Raises:
             ValueError: it does not fit (``can_allocate`` was not asked).
         """
         feature = request.mm_features[input_id]
+        if feature.identifier in self.cached:  # the same image twice in one step: one entry
+            self.cached[feature.identifier].add((request.request_id, input_id))
+            self.freeable.pop(feature.identifier, None)
+            return
         size = feature.mm_position.length
         if not self.can_allocate(size):
             raise ValueError(f"An item of {size} embeddings does not fit in the encoder cache ({self.cache_size}).")

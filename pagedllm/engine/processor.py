@@ -28,7 +28,8 @@ from pagedllm.structured_output.selection import check_structured_outputs
 
 #: A prompt: text, token ids, or vLLM's dict forms {"prompt": str} / {"prompt_token_ids": [...]},
 #: either with an optional "cache_salt"; {"prompt": str, "multi_modal_data": {"image": image or
-#: [images]}, "mm_processor_kwargs": {...}} for an image-text model (PIL images).
+#: [images]}, "mm_processor_kwargs": {...}} for an image-text model (PIL images); the chat paths
+#: pass {"prompt", "prompt_token_ids", "mm_features"} (``Processor.process_multimodal``'s output).
 PromptType = Union[str, list[int], dict]
 
 

@@ -136,7 +136,9 @@ class LLM:
         in input order.
 
         ``prompts`` is one prompt or a list: strings, token-id lists, or vLLM's dicts
-        (``{"prompt": ...}``, ``{"prompt_token_ids": [...]}``). ``prompt_token_ids`` is
+        (``{"prompt": ...}``, ``{"prompt_token_ids": [...]}``; for an image-text model
+        ``{"prompt": "... <image> ...", "multi_modal_data": {"image": PIL image or a list}}``, with
+        ``"mm_processor_kwargs"`` under ``trust_request_mm_kwargs``). ``prompt_token_ids`` is
         vLLM's older keyword: one token-id list or a list of them, instead of ``prompts``
         (or with them, one per prompt: the text is then kept as the prompt's text).
         ``sampling_params`` is one ``SamplingParams`` for all prompts or one per prompt;
@@ -193,7 +195,8 @@ class LLM:
             ValueError: if the tokenizer has no chat template and none is given, if
                 ``continue_final_message`` is set without ``add_generation_prompt=False``
                 (``chat_utils.resolve_chat_options``, as vLLM), for a content part that is
-                not text, or as ``generate``.
+                neither text nor (on an image-text model) an image, an image that cannot be
+                loaded ("messages[i].content[j]: <why>"), or as ``generate``.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()

@@ -55,3 +55,15 @@ def test_a_step_stops_before_an_image_past_its_budget():
     # The second image with no budget left: no token of it runs this step.
     assert schedule_encoder_inputs(manager, request, 24, 8, 0) == ([], 0, 0)
     assert schedule_encoder_inputs(manager, request, 24, 16, 16) == ([1], 16, 0)
+
+
+def test_the_same_image_twice_in_one_step_is_one_entry():
+    manager = EncoderCacheManager(cache_size=32)
+    request = _request("r", [("x", 0, 16), ("x", 20, 16)])
+    to_run, num_new, _ = schedule_encoder_inputs(manager, request, 0, 40, 32)
+    for i in to_run:
+        manager.allocate(request, i)
+    assert num_new == 40 and manager.num_free_slots == 16
+    request.num_computed_tokens = 40
+    free_computed_encoder_inputs(manager, request)
+    assert manager.freeable == {"x": 16} and manager.num_free_slots + 16 == manager.cache_size

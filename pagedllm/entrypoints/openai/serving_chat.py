@@ -27,6 +27,7 @@ applies from its first token here, where vLLM applies it once the reasoning has 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Optional, Sequence, Union
@@ -143,7 +144,10 @@ class OpenAIServingChat(OpenAIServing):
             OpenAIServingError: 400 for bad input, 404 for an unknown model.
             EngineDeadError: the engine died (a 500).
         """
-        run = self.start(request, random_id("chatcmpl"))
+        if _has_images(request):  # its images load (URLs are fetched) off the event loop
+            run = await asyncio.to_thread(self.start, request, random_id("chatcmpl"))
+        else:
+            run = self.start(request, random_id("chatcmpl"))
         if request.stream:
             run.stream = await self.start_stream(run.stream)
             events = self._stream(request, run)
@@ -337,3 +341,9 @@ class OpenAIServingChat(OpenAIServing):
             finish_reason=reason,
             stop_reason=completion.stop_reason,
         )
+
+
+def _has_images(request: ChatCompletionRequest) -> bool:
+    """Whether a message of ``request`` has an ``image_url`` part."""
+    return any(isinstance(m.content, list) and any(part.type == "image_url" for part in m.content)
+               for m in request.messages)
