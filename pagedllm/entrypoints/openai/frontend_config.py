@@ -209,6 +209,11 @@ class FrontendConfig:
         ),
         type=lora_module_type, metavar="name=path | JSON", nargs="+",
     )
+    disable_frontend: bool = flag_field(
+        False,
+        help="Do not serve the chat page at / (the API routes are unaffected).",
+        action="store_true",
+    )
     disable_log_stats: bool = not_a_flag(False, why="EngineArgs' flag --disable-log-stats (server group)")
 
     @classmethod
