@@ -47,6 +47,13 @@ class ReasoningParser(ABC):
     def parse(self, text: str, final: bool) -> ParsedReasoning:
         """The reasoning and content of ``text`` (see the module docstring for ``final``)."""
 
+    @abstractmethod
+    def is_reasoning_end(self, text: str) -> bool:
+        """Whether ``text`` (the end of a prompt, or of the output so far) has left the
+        reasoning section, so that what comes next is content (vLLM's ``is_reasoning_end``,
+        on text rather than token ids). The engine starts a structured-output grammar there
+        (``StructuredOutputManager.should_advance``)."""
+
     def extract_reasoning(self, text: str) -> tuple[Optional[str], Optional[str]]:
         """vLLM's non-streamed form: (reasoning, content), each None when empty."""
         parsed = self.parse(text, final=True)

@@ -21,8 +21,9 @@ With ``--reasoning-parser`` (``pagedllm.reasoning``): the parser splits each out
 (None when empty); streams carry ``delta.reasoning`` / ``delta.reasoning_content`` pieces,
 then content pieces (one ``ReasoningStream`` per choice); ``include_reasoning`` false drops
 the reasoning. Tool calls are read from the content only. An output the engine constrains
-(structured outputs, "required" or named ``tool_choice``) is all content: the constraint
-applies from its first token here, where vLLM applies it once the reasoning has ended.
+(structured outputs, "required" or named ``tool_choice``) is split the same way: the engine
+starts its grammar where the reasoning ends (``StructuredOutputsConfig.reasoning_parser``,
+which ``pagedllm serve`` sets from ``--reasoning-parser``), so the content follows it.
 """
 
 from __future__ import annotations
@@ -136,10 +137,10 @@ class OpenAIServingChat(OpenAIServing):
         return self.response(request, run, final)
 
     def request_reasoning_parser(self, request: ChatCompletionRequest) -> Optional[ReasoningParser]:
-        """The reasoning parser of a request's output (None: off, or an output the engine
-        constrains). A parser whose markers are special tokens turns ``skip_special_tokens``
-        off for the request (vLLM's ``adjust_request``)."""
-        if self.reasoning_parser is None or request.constrains_output:
+        """The reasoning parser of a request's output (None: off). A parser whose markers are
+        special tokens turns ``skip_special_tokens`` off for the request (vLLM's
+        ``adjust_request``)."""
+        if self.reasoning_parser is None:
             return None
         parser = self.reasoning_parser(request.chat_template_kwargs)
         if parser.keeps_special_tokens:
