@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import numpy as np
 import pytest
 
 from pagedllm import LLM, SamplingParams
@@ -39,7 +38,9 @@ def model_config(tiny_llama):
 
 def _run_scripted(model_config, prompt: str, output: str, **config):
     """Feed ``output``'s tokens (then EOS) as the sampled ones of one constrained request;
-    returns (the number of tokens sampled before the first bitmask row, finish reason)."""
+    returns (the number of tokens sampled before the first bitmask row, the finish reason,
+    whether the request finished on the script's last token). A bitmask row that refuses the
+    scripted token fails with "the grammar refuses ..."."""
     tokenizer = get_tokenizer(model_config.tokenizer_path)
     scheduler = make_scheduler()
     scheduler.structured_output_manager = StructuredOutputManager(StructuredOutputsConfig(**config), model_config)

@@ -15,7 +15,6 @@ import asyncio
 import json
 import os
 import time
-from pathlib import Path
 
 import httpx
 import pytest
