@@ -92,10 +92,10 @@ def test_complete_streams_each_prompt(greedy_server):
     assert quick.returncode == 0 and quick.stdout == f"Using model: pagedllm-default\n{expected}\n"
 
 
-def test_quick_chat_with_the_api_key_and_a_refused_key(server):
+def test_the_api_key_is_sent_and_a_refused_key_is_one_line(server):
     url = server.url + "/v1"
-    quick = subprocess.run([*CLI, "chat", "--url", url, "--api-key", API_KEY, "-q", "Hi", "--model-name", MODEL_NAME],
-                           capture_output=True, text=True, timeout=90)  # fmt: skip
+    quick = subprocess.run([*CLI, "complete", "--url", url, "--api-key", API_KEY, "--model-name", MODEL_NAME,
+                            "--max-tokens", "4", "-q", "Hi"], capture_output=True, text=True, timeout=90)  # fmt: skip
     assert quick.returncode == 0, quick.stderr
     assert quick.stdout.startswith(f"Using model: {MODEL_NAME}\n")
     refused = subprocess.run([*CLI, "chat", "--url", url, "--api-key", "wrong", "-q", "Hi"],
