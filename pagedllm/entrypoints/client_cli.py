@@ -24,8 +24,6 @@ from typing import Any, Iterator, Optional
 
 #: vLLM's default ``--url``: a server on this machine's port 8000.
 DEFAULT_URL = "http://localhost:8000/v1"
-#: The environment variable read when ``--api-key`` is not given (as the OpenAI clients, and vLLM's).
-API_KEY_ENV = "OPENAI_API_KEY"
 #: Seconds to wait for the server's first byte (a long prompt may queue) and between stream events.
 READ_TIMEOUT_S = 600.0
 
@@ -142,7 +140,7 @@ def _connect(args: argparse.Namespace) -> tuple[ServerClient, str]:
     Raises:
         ClientError: no ``--model-name`` and the model list cannot be read.
     """
-    client = ServerClient(args.url, args.api_key or os.environ.get(API_KEY_ENV))
+    client = ServerClient(args.url, args.api_key or _api_key_from_env())
     try:
         model = args.model_name or client.first_model()
     except ClientError:
@@ -150,6 +148,12 @@ def _connect(args: argparse.Namespace) -> tuple[ServerClient, str]:
         raise
     print(f"Using model: {model}", flush=True)
     return client, model
+
+
+def _api_key_from_env() -> Optional[str]:
+    """``$OPENAI_API_KEY``, the key when ``--api-key`` is not given (the OpenAI clients' and
+    vLLM's variable; not pagedllm's own, so not in ``pagedllm.envs``)."""
+    return os.environ.get("OPENAI_API_KEY")
 
 
 def _fail(prog: str, message: str) -> int:
@@ -230,7 +234,7 @@ def _add_common_flags(parser: argparse.ArgumentParser, quick_help: str) -> None:
         help="The model to use (the 'model' field); default: the first one the server lists at /models.",
     )  # fmt: skip
     parser.add_argument(
-        "--api-key", default=None, help=f"The server's API key, sent as a Bearer token; default: ${API_KEY_ENV}."
+        "--api-key", default=None, help="The server's API key, sent as a Bearer token; default: $OPENAI_API_KEY."
     )
     parser.add_argument("-q", "--quick", default=None, metavar="MESSAGE", help=quick_help)
 
