@@ -15,8 +15,8 @@ update       ─▶ the scheduler advances each grammar with the accepted tokens
 With a reasoning parser (``StructuredOutputsConfig.reasoning_parser``, vLLM's gating by
 ``reasoning_ended``): a grammar neither constrains nor advances until the request's
 reasoning has ended (``should_fill_bitmask``, ``should_advance``): the end of the prompt
-(a chat template may close the reasoning there) or of the output so far, the last
-``REASONING_WINDOW_TOKENS`` tokens decoded, is read by the parser's ``is_reasoning_end``.
+(a chat template may close the reasoning there) or of the output so far is read by the
+parser's ``ends_reasoning``.
 
 The compile cache maps a ``GrammarSpec`` (kind, text, options; the tokenizer is the
 engine's own) to the compile's future, so a repeated schema costs no compilation, and
@@ -47,9 +47,6 @@ logger = logging.getLogger(__name__)
 
 #: Compiled grammars kept (least recently used dropped first).
 COMPILE_CACHE_SIZE = 512
-#: Tokens decoded from the end of a prompt or an output to see whether its reasoning has ended
-#: (an end marker is a few tokens).
-REASONING_WINDOW_TOKENS = 16
 
 
 class StructuredOutputManager:
@@ -150,7 +147,7 @@ class StructuredOutputManager:
         if self._reasoner is None:
             return True
         if so_request.reasoning_ended is None:
-            so_request.reasoning_ended = self._reasoner.is_reasoning_end(self._tail_text(prompt_token_ids))
+            so_request.reasoning_ended = self._reasoner.ends_reasoning(prompt_token_ids, self._get_tokenizer())
         return so_request.reasoning_ended
 
     def should_advance(
@@ -163,13 +160,9 @@ class StructuredOutputManager:
         if self.should_fill_bitmask(so_request, prompt_token_ids):
             return True
         assert self._reasoner is not None
-        if self._reasoner.is_reasoning_end(self._tail_text(output_token_ids)):
+        if self._reasoner.ends_reasoning(output_token_ids, self._get_tokenizer()):
             so_request.reasoning_ended = True
         return False
-
-    def _tail_text(self, token_ids: list[int]) -> str:
-        """The text of the last ``REASONING_WINDOW_TOKENS`` of ``token_ids``, special tokens kept."""
-        return self._get_tokenizer().decode(token_ids[-REASONING_WINDOW_TOKENS:], skip_special_tokens=False)
 
     def grammar_bitmask(self, grammars: list[StructuredOutputGrammar],
                         draft_token_ids: Optional[list[list[int]]] = None) -> np.ndarray:
