@@ -23,7 +23,9 @@ then content pieces (one ``ReasoningStream`` per choice); ``include_reasoning`` 
 the reasoning. Tool calls are read from the content only. An output the engine constrains
 (structured outputs, "required" or named ``tool_choice``) is split the same way: the engine
 starts its grammar where the reasoning ends (``StructuredOutputsConfig.reasoning_parser``,
-which ``pagedllm serve`` sets from ``--reasoning-parser``), so the content follows it.
+which ``pagedllm serve`` sets from ``--reasoning-parser``), so the content follows it. A
+prompt that ends the reasoning itself (a template closing an empty block) makes the whole
+output content.
 """
 
 from __future__ import annotations
