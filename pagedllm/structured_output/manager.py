@@ -122,6 +122,7 @@ class StructuredOutputManager:
             return self._backends[name]
 
     def _get_tokenizer(self) -> Any:
+        """The engine's tokenizer, loaded once (by the first backend or reasoning check)."""
         with self._tokenizer_lock:
             if self._tokenizer is None:
                 from pagedllm.tokenizer import get_tokenizer
