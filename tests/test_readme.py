@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,24 @@ def test_curl_example(default_server):
     assert body["model"] == "pagedllm-default"
     assert body["choices"][0]["text"]
     assert body["usage"]["completion_tokens"] == 32 or body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_page_and_terminal_chat_examples(default_server):
+    """The newcomer's path after `make serve`: the page at /, then the `-q` lines of "Chat from
+    the terminal" (pointed at the test's port with --url)."""
+    page = default_server.get("/")
+    assert page.status_code == 200 and "<title>pagedllm chat</title>" in page.text
+    block = next(b for b in code_blocks("bash") if b.lstrip().startswith(".venv/bin/pagedllm chat"))
+    commands = [shlex.split(line.split("#")[0])[1:] for line in block.splitlines() if " -q " in line]
+    assert [argv[0] for argv in commands] == ["chat", "complete"]
+    for argv in commands:
+        result = subprocess.run(
+            [sys.executable, "-m", "pagedllm.entrypoints.cli", *argv, "--url", f"{default_server.url}/v1"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        model_line, *reply = result.stdout.splitlines()
+        assert model_line == "Using model: pagedllm-default" and "".join(reply).strip()
 
 
 def test_openai_example(default_server):

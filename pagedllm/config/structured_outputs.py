@@ -28,6 +28,12 @@ class StructuredOutputsConfig:
         max_string_length: the ``maxLength`` of a JSON-schema string without one (nor a
             ``pattern``, ``format``, ``enum`` or ``const``); with xgrammar, of every string
             its grammar leaves unbounded (object keys of free-form objects too).
+        reasoning_parser: the ``--reasoning-parser`` name of the model's reasoning format
+            ("": none). With one, a constrained request's grammar starts where its reasoning
+            ends (vLLM's ``reasoning_ended``): the reasoning is unconstrained and the
+            content follows the grammar. ``pagedllm serve`` sets it from ``--reasoning-parser``.
+        enable_in_reasoning: constrain the reasoning too (the grammar starts at the first
+            output token, as without a reasoning parser).
 
     The last three are pagedllm's: a small model left unbounded can fill ``max_tokens``
     with newlines, digits or one endless string; None lifts a bound (vLLM's behaviour).
@@ -36,7 +42,8 @@ class StructuredOutputsConfig:
     inside a string.
 
     Raises:
-        ValueError: an unknown backend, a bound below 1, or an unknown key in ``from_dict``.
+        ValueError: an unknown backend or reasoning parser, a bound below 1, or an unknown key in
+            ``from_dict``.
     """
 
     backend: str = "auto"
@@ -46,6 +53,8 @@ class StructuredOutputsConfig:
     max_whitespace_cnt: Optional[int] = 2
     max_number_digits: Optional[int] = 15
     max_string_length: Optional[int] = 1024
+    reasoning_parser: str = ""
+    enable_in_reasoning: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in STRUCTURED_OUTPUTS_BACKENDS:
@@ -53,6 +62,13 @@ class StructuredOutputsConfig:
                 f"structured outputs backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
                 f"got {self.backend!r}."
             )
+        if self.reasoning_parser:
+            from pagedllm.reasoning import ReasoningParserManager
+
+            try:
+                ReasoningParserManager.get_reasoning_parser(self.reasoning_parser)
+            except KeyError as exc:
+                raise ValueError(f"structured outputs reasoning_parser: {exc.args[0]}") from None
         for name in ("max_whitespace_cnt", "max_number_digits", "max_string_length"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

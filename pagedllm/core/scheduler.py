@@ -385,7 +385,10 @@ class Scheduler:
             request = self.requests[req_id]
             so_request = request.structured_output_request
             spec = output.scheduled_spec_decode_tokens.get(req_id, [])
-            if so_request is not None and request.num_computed_tokens == request.num_tokens + len(spec):
+            if (
+                so_request is not None and request.num_computed_tokens == request.num_tokens + len(spec)
+                and self._constrains_next(request)
+            ):  # fmt: skip
                 output.structured_output_request_ids[req_id] = num_rows
                 grammars.append(so_request.grammar)
                 drafts.append(spec)
@@ -484,7 +487,7 @@ class Scheduler:
         room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
         drafts = drafts[: max(room, 0)]
         so_request = request.structured_output_request
-        if so_request is None or not drafts:
+        if so_request is None or not drafts or not self._constrains_next(request):
             return drafts
         return so_request.grammar.validate_tokens(drafts)  # type: ignore[union-attr]
 
@@ -540,11 +543,30 @@ class Scheduler:
         so_request = request.structured_output_request
         for i, token_id in enumerate(token_ids):
             request.append_output_token_id(token_id)
-            if so_request is not None and not so_request.grammar.accept_tokens([token_id]):  # type: ignore[union-attr]
+            if (
+                so_request is not None and self._advances_grammar(request)
+                and not so_request.grammar.accept_tokens([token_id])  # type: ignore[union-attr]
+            ):  # fmt: skip
                 logger.error("Request %s: token %d is not allowed by its grammar.", request.request_id, token_id)
             if self._check_stop(request, token_id):
                 return token_ids if i + 1 == len(token_ids) else token_ids[: i + 1]
         return token_ids
+
+    def _constrains_next(self, request: Request) -> bool:
+        """Whether a constrained request's grammar applies to its next token (with a reasoning
+        parser: once the reasoning has ended; ``StructuredOutputManager.should_fill_bitmask``)."""
+        assert self.structured_output_manager is not None and request.structured_output_request is not None
+        return self.structured_output_manager.should_fill_bitmask(
+            request.structured_output_request, request.prompt_token_ids
+        )
+
+    def _advances_grammar(self, request: Request) -> bool:
+        """Whether a constrained request's grammar takes its newest output token
+        (``StructuredOutputManager.should_advance``)."""
+        assert self.structured_output_manager is not None and request.structured_output_request is not None
+        return self.structured_output_manager.should_advance(
+            request.structured_output_request, request.prompt_token_ids, request.output_token_ids
+        )
 
     def _check_stop(self, request: Request, last: int) -> bool:
         """Finish the request if ``last``, its newest output token, stops it; True if so."""

@@ -1,4 +1,5 @@
-"""The ``pagedllm`` command: ``pagedllm serve`` and ``pagedllm bench ...``.
+"""The ``pagedllm`` command: ``pagedllm serve``, ``pagedllm bench ...``, ``pagedllm chat`` and
+``pagedllm complete``.
 
 Each subcommand module exposes ``register(subparsers)``, which adds its parser and sets
 ``func`` (called with the parsed arguments, returning an exit code). This module is the top
@@ -17,6 +18,7 @@ from pagedllm.version import __version__
 
 def build_parser() -> argparse.ArgumentParser:
     from pagedllm.benchmarks import cli as bench_cli
+    from pagedllm.entrypoints import client_cli
     from pagedllm.entrypoints.openai import cli_args as serve_cli
 
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: fast LLM inference and serving.")
@@ -24,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     serve_cli.register(subparsers)
     bench_cli.register(subparsers)
+    client_cli.register(subparsers)
     return parser
 
 

@@ -22,6 +22,12 @@ from typing import Any, Mapping, Optional, Sequence
 from pagedllm.name_registry import NameRegistry
 
 
+#: Tokens read from the end of a prompt or an output to see whether it has left the reasoning
+#: (an end marker is a few tokens). The engine (structured outputs) and the front end read the
+#: same window, so they agree on where a reasoning ends.
+REASONING_END_WINDOW_TOKENS = 16
+
+
 @dataclass(frozen=True)
 class ParsedReasoning:
     """What a parser found: ``reasoning`` and ``content``, each "" when there is none."""
@@ -46,6 +52,19 @@ class ReasoningParser(ABC):
     @abstractmethod
     def parse(self, text: str, final: bool) -> ParsedReasoning:
         """The reasoning and content of ``text`` (see the module docstring for ``final``)."""
+
+    @abstractmethod
+    def is_reasoning_end(self, text: str) -> bool:
+        """Whether ``text`` (the end of a prompt, or of the output so far) has left the
+        reasoning section, so that what comes next is content (vLLM's ``is_reasoning_end``,
+        on text rather than token ids). The engine starts a structured-output grammar there
+        (``StructuredOutputManager.should_advance``)."""
+
+    def ends_reasoning(self, token_ids: Sequence[int], tokenizer: Any) -> bool:
+        """``is_reasoning_end`` of the text of the last ``REASONING_END_WINDOW_TOKENS`` of
+        ``token_ids`` (``tokenizer``'s ``decode``, special tokens kept)."""
+        tail = list(token_ids[-REASONING_END_WINDOW_TOKENS:])
+        return self.is_reasoning_end(tokenizer.decode(tail, skip_special_tokens=False))
 
     def extract_reasoning(self, text: str) -> tuple[Optional[str], Optional[str]]:
         """vLLM's non-streamed form: (reasoning, content), each None when empty."""

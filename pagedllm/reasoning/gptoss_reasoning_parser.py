@@ -45,7 +45,7 @@ class GptOssReasoningParser(ReasoningParser):
             body_start = text.find(MESSAGE, header)
             if body_start < 0:  # the header is still being written
                 break
-            channel = text[header + len(CHANNEL) : body_start].split(" ", 1)[0].split("<|", 1)[0].strip()
+            channel = _channel_name(text, header, body_start)
             body_start += len(MESSAGE)
             body_end, next_pos = _body_end(text, body_start)
             body = text[body_start:body_end]
@@ -56,6 +56,20 @@ class GptOssReasoningParser(ReasoningParser):
                 break
             pos = next_pos
         return ParsedReasoning(reasoning="".join(reasoning), content="".join(content))
+
+    def is_reasoning_end(self, text: str) -> bool:
+        """Whether the last complete channel header of ``text`` opens a channel other than
+        ``analysis`` (``final`` or ``commentary``)."""
+        body_start = text.rfind(MESSAGE)
+        header = text.rfind(CHANNEL, 0, body_start) if body_start >= 0 else -1
+        if header < 0:
+            return False
+        return _channel_name(text, header, body_start) != REASONING_CHANNEL
+
+
+def _channel_name(text: str, header: int, body_start: int) -> str:
+    """The channel a header names: ``text[header:body_start]`` is ``<|channel|>NAME[ ...]``."""
+    return text[header + len(CHANNEL) : body_start].split(" ", 1)[0].split("<|", 1)[0].strip()
 
 
 def _body_end(text: str, start: int) -> tuple[int, int]:

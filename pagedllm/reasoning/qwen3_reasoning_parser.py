@@ -20,6 +20,9 @@ class Qwen3ReasoningParser(ThinkTagReasoningParser):
     def thinking_enabled(self) -> bool:
         return self.chat_template_kwargs.get("enable_thinking", True) is not False
 
+    def is_reasoning_end(self, text: str) -> bool:
+        return not self.thinking_enabled or super().is_reasoning_end(text)
+
     def parse(self, text: str, final: bool) -> ParsedReasoning:
         if not self.thinking_enabled:
             return ParsedReasoning(content=text)

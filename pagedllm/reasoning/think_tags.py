@@ -32,6 +32,10 @@ class ThinkTagReasoningParser(ReasoningParser):
         content = text[end + len(self.end_tag) :]
         return ParsedReasoning(reasoning=self._without_start(text[:end]), content=content)
 
+    def is_reasoning_end(self, text: str) -> bool:
+        """Whether the last tag of ``text`` is the end tag."""
+        return text.rfind(self.end_tag) > text.rfind(self.start_tag)
+
     def _without_start(self, reasoning: str) -> str:
         before, tag, after = reasoning.partition(self.start_tag)
         return before + after if tag else reasoning

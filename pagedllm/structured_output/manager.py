@@ -12,6 +12,12 @@ schedule     ─▶ requests whose grammar is ready leave WAITING_FOR_GRAMMAR;
 update       ─▶ the scheduler advances each grammar with the accepted tokens
 ```
 
+With a reasoning parser (``StructuredOutputsConfig.reasoning_parser``, vLLM's gating by
+``reasoning_ended``): a grammar neither constrains nor advances until the request's
+reasoning has ended (``should_fill_bitmask``, ``should_advance``): the end of the prompt
+(a chat template may close the reasoning there) or of the output so far is read by the
+parser's ``ends_reasoning``.
+
 The compile cache maps a ``GrammarSpec`` (kind, text, options; the tokenizer is the
 engine's own) to the compile's future, so a repeated schema costs no compilation, and
 requests arriving while it compiles share it. Source: vLLM V1's
@@ -30,6 +36,7 @@ from typing import Any, Optional
 import numpy as np
 
 from pagedllm.config import ModelConfig, StructuredOutputsConfig
+from pagedllm.reasoning import ReasoningParser, ReasoningParserManager
 from pagedllm.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar
 from pagedllm.structured_output.request import StructuredOutputRequest
 from pagedllm.structured_output.selection import choose_backend
@@ -61,6 +68,11 @@ class StructuredOutputManager:
         self._backends: dict[str, StructuredOutputBackend] = {}
         self._backends_lock = threading.Lock()
         self._compiled: OrderedDict[GrammarSpec, Future[tuple[StructuredOutputBackend, Any]]] = OrderedDict()
+        self._tokenizer: Any = None
+        self._tokenizer_lock = threading.Lock()
+        self._reasoner: Optional[ReasoningParser] = None
+        if config.reasoning_parser and not config.enable_in_reasoning:
+            self._reasoner = ReasoningParserManager.get_reasoning_parser(config.reasoning_parser)()
 
     def make_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
         """A request's constraint, its grammar compiling in the background (``is_ready``).
@@ -109,10 +121,17 @@ class StructuredOutputManager:
                 self._backends[name] = self._build_backend(name)
             return self._backends[name]
 
-    def _build_backend(self, name: str) -> StructuredOutputBackend:
-        from pagedllm.tokenizer import get_tokenizer
+    def _get_tokenizer(self) -> Any:
+        """The engine's tokenizer, loaded once (by the first backend or reasoning check)."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                from pagedllm.tokenizer import get_tokenizer
 
-        tokenizer = get_tokenizer(self.model_config.tokenizer_path, self.model_config.trust_remote_code)
+                self._tokenizer = get_tokenizer(self.model_config.tokenizer_path, self.model_config.trust_remote_code)
+            return self._tokenizer
+
+    def _build_backend(self, name: str) -> StructuredOutputBackend:
+        tokenizer = self._get_tokenizer()
         stop_ids = sorted(({tokenizer.eos_token_id} | self.model_config.generation_config_eos_ids()) - {None})
         if name == "xgrammar":
             from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
@@ -121,6 +140,30 @@ class StructuredOutputManager:
         from pagedllm.structured_output.backend_guidance import GuidanceBackend
 
         return GuidanceBackend(tokenizer, self.vocab_size, stop_ids)
+
+    def should_fill_bitmask(self, so_request: StructuredOutputRequest, prompt_token_ids: list[int]) -> bool:
+        """Whether the request's grammar constrains its next token: always without a
+        reasoning parser; else once its reasoning has ended (by the end of its prompt, seen
+        on the first call, or by ``should_advance``)."""
+        if self._reasoner is None:
+            return True
+        if so_request.reasoning_ended is None:
+            so_request.reasoning_ended = self._reasoner.ends_reasoning(prompt_token_ids, self._get_tokenizer())
+        return so_request.reasoning_ended
+
+    def should_advance(
+        self, so_request: StructuredOutputRequest, prompt_token_ids: list[int], output_token_ids: list[int]
+    ) -> bool:
+        """Whether the grammar takes the newest of ``output_token_ids`` (the request's output
+        so far): yes once the reasoning had ended before it. The token that ends the
+        reasoning belongs to the reasoning (the grammar does not take it) and the grammar
+        constrains from the next one on (vLLM's ``should_advance``)."""
+        if self.should_fill_bitmask(so_request, prompt_token_ids):
+            return True
+        assert self._reasoner is not None
+        if self._reasoner.ends_reasoning(output_token_ids, self._get_tokenizer()):
+            so_request.reasoning_ended = True
+        return False
 
     def grammar_bitmask(self, grammars: list[StructuredOutputGrammar],
                         draft_token_ids: Optional[list[list[int]]] = None) -> np.ndarray:

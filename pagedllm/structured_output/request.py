@@ -14,13 +14,16 @@ class StructuredOutputRequest:
 
     ``future`` (set by ``StructuredOutputManager.grammar_init``) resolves to the request's
     own grammar (one matcher per sequence: each of ``n`` completions is its own request);
-    ``grammar`` is None until ``is_ready`` has seen it resolve.
+    ``grammar`` is None until ``is_ready`` has seen it resolve. ``reasoning_ended`` (vLLM's
+    field): with a reasoning parser, whether the request's reasoning has ended, so that its
+    grammar applies (None: not looked at yet); kept by ``StructuredOutputManager``.
     """
 
     def __init__(self, spec: GrammarSpec) -> None:
         self.spec = spec
         self.future: Optional[Future[StructuredOutputGrammar]] = None
         self.grammar: Optional[StructuredOutputGrammar] = None
+        self.reasoning_ended: Optional[bool] = None
 
     def is_ready(self) -> bool:
         """True once the grammar is compiled (non-blocking).

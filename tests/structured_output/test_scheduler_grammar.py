@@ -60,6 +60,12 @@ class FakeManager:
         so_request.future = self.futures[params.regex] = Future()
         return so_request
 
+    def should_fill_bitmask(self, so_request, prompt_token_ids):
+        return True  # no reasoning parser
+
+    def should_advance(self, so_request, prompt_token_ids, output_token_ids):
+        return True
+
     def grammar_bitmask(self, grammars, draft_token_ids=None):
         bitmask = np.full((len(grammars), WIDTH), -1, dtype=np.int32)
         for row, grammar in enumerate(grammars):

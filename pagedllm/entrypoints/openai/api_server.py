@@ -7,7 +7,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 model only (as vLLM, a generative model answers them 404) ``POST /v1/embeddings``,
 ``/classify``, ``/v1/score`` (``/score``) and ``/v1/rerank`` (``/rerank``, ``/v2/rerank``);
 Anthropic's ``POST /v1/messages`` and
-``POST /v1/messages/count_tokens`` (``pagedllm.entrypoints.anthropic``).
+``POST /v1/messages/count_tokens`` (``pagedllm.entrypoints.anthropic``); the chat page at
+``GET /`` unless ``--disable-frontend`` (``chat_page``).
 
 - Auth: with an API key, every route except ``/health`` and ``/metrics`` needs
   ``Authorization: Bearer <key>`` or (Anthropic's header) ``x-api-key: <key>``, compared
@@ -40,6 +41,7 @@ from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.chat_utils import image_placeholder
 from pagedllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from pagedllm.entrypoints.anthropic.serving_messages import error_response as anthropic_error_response
+from pagedllm.entrypoints.openai.chat_page import add_chat_page_routes, is_page_path
 from pagedllm.entrypoints.openai.frontend_config import FrontendConfig
 from pagedllm.entrypoints.openai.errors import (
     INVALID_REQUEST,
@@ -147,7 +149,7 @@ def with_cancellation(handler: Callable[..., Awaitable[Any]]) -> Callable[..., A
 
 class AuthenticationMiddleware:
     """Requires ``Authorization: Bearer <key>``, with one of ``api_keys``, on every route but
-    ``PUBLIC_PATHS``.
+    ``PUBLIC_PATHS`` and the chat page's (which asks for the key).
 
     Pure ASGI (not ``BaseHTTPMiddleware``), so streaming and disconnect detection pass
     through untouched. The key is compared with every accepted key (``secrets.compare_digest``).
@@ -188,7 +190,8 @@ class AuthenticationMiddleware:
         return path
 
     def _is_public(self, scope: Scope) -> bool:
-        return self._route(scope).rstrip("/") in PUBLIC_PATHS
+        route = self._route(scope)
+        return route.rstrip("/") in PUBLIC_PATHS or is_page_path(route)
 
     def _key_matches(self, authorization: Optional[str]) -> bool:
         scheme, _, token = (authorization or "").partition(" ")
@@ -262,7 +265,8 @@ def build_app(engine: EngineClient, frontend: FrontendConfig) -> FastAPI:
     while the app runs, the engine's stats line is logged every ``log_stats_interval()``
     seconds), ``response_role``, ``enable_auto_tool_choice`` and ``tool_call_parser``
     (tool calling with ``tool_choice="auto"``), ``return_tokens_as_token_ids``,
-    ``root_path`` (FastAPI's, for a path-based proxy), ``lora_modules``, and CORS as vLLM
+    ``root_path`` (FastAPI's, for a path-based proxy), ``lora_modules``, ``disable_frontend``
+    (no chat page at ``/``), and CORS as vLLM
     (Starlette's ``CORSMiddleware``): ``allowed_origins``, ``allowed_methods``,
     ``allowed_headers``, ``allow_credentials``.
 
@@ -337,6 +341,9 @@ def build_app(engine: EngineClient, frontend: FrontendConfig) -> FastAPI:
         except Exception:  # EngineDeadError, or no answer in time
             return Response(status_code=503)
         return Response(status_code=200)
+
+    if not frontend.disable_frontend:
+        add_chat_page_routes(app)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -150,13 +150,19 @@ def resolve_api_key(args: argparse.Namespace) -> Optional[list[str]]:
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
-    """The server's ``EngineArgs`` of the parsed flags: every engine flag, and
-    ``usage_context`` "api_server".
+    """The server's ``EngineArgs`` of the parsed flags: every engine flag, ``usage_context``
+    "api_server", and ``--reasoning-parser`` as the ``reasoning_parser`` of
+    ``structured_outputs_config`` (unless that names one): constrained outputs start their
+    grammar where the reasoning ends, as vLLM.
 
     Raises:
         ValueError: a flag missing from ``args``, or a bad value (see ``EngineArgs``).
     """
-    return EngineArgs.from_cli_args(args, usage_context="api_server")
+    engine_args = EngineArgs.from_cli_args(args, usage_context="api_server")
+    if not getattr(args, "reasoning_parser", None):
+        return engine_args
+    structured_outputs = {"reasoning_parser": args.reasoning_parser, **(engine_args.structured_outputs_config or {})}
+    return dataclasses.replace(engine_args, structured_outputs_config=structured_outputs)
 
 
 def uvicorn_tls_kwargs(args: Any) -> dict[str, Any]:

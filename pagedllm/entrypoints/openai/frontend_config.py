@@ -224,6 +224,11 @@ class FrontendConfig:
         help="Port of the gRPC server (with --grpc).",
         type=port_type, metavar="PORT",
     )
+    disable_frontend: bool = flag_field(
+        False,
+        help="Do not serve the chat page at / (the API routes are unaffected).",
+        action="store_true",
+    )
     disable_log_stats: bool = not_a_flag(False, why="EngineArgs' flag --disable-log-stats (server group)")
 
     @classmethod

@@ -685,13 +685,6 @@ class ChatCompletionRequest(SamplingRequest):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     @property
-    def constrains_output(self) -> bool:
-        """Whether the engine constrains the output (structured outputs, or a ``tool_choice``
-        that must call a tool): from its first token, as no reasoning comes first here."""
-        forced_call = self.tool_choice == "required" or isinstance(self.tool_choice, ChatCompletionNamedToolChoiceParam)
-        return self._structured_outputs is not None or (bool(self.tools) and forced_call)
-
-    @property
     def num_top_logprobs(self) -> Optional[int]:
         """Engine ``logprobs``: None when off, else ``top_logprobs`` (0 when unset)."""
         return (self.top_logprobs or 0) if self.logprobs else None

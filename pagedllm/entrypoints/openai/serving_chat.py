@@ -21,8 +21,11 @@ With ``--reasoning-parser`` (``pagedllm.reasoning``): the parser splits each out
 (None when empty); streams carry ``delta.reasoning`` / ``delta.reasoning_content`` pieces,
 then content pieces (one ``ReasoningStream`` per choice); ``include_reasoning`` false drops
 the reasoning. Tool calls are read from the content only. An output the engine constrains
-(structured outputs, "required" or named ``tool_choice``) is all content: the constraint
-applies from its first token here, where vLLM applies it once the reasoning has ended.
+(structured outputs, "required" or named ``tool_choice``) is split the same way: the engine
+starts its grammar where the reasoning ends (``StructuredOutputsConfig.reasoning_parser``,
+which ``pagedllm serve`` sets from ``--reasoning-parser``), so the content follows it. A
+prompt that ends the reasoning itself (a template closing an empty block) makes the whole
+output content.
 """
 
 from __future__ import annotations
@@ -155,15 +158,21 @@ class OpenAIServingChat(OpenAIServing):
         (final,) = await self.collect_final(run.stream, 1)
         return self.response(request, run, final)
 
-    def request_reasoning_parser(self, request: ChatCompletionRequest) -> Optional[ReasoningParser]:
-        """The reasoning parser of a request's output (None: off, or an output the engine
-        constrains). A parser whose markers are special tokens turns ``skip_special_tokens``
+    def request_reasoning_parser(
+        self, request: ChatCompletionRequest, prompt: PromptInput
+    ) -> Optional[ReasoningParser]:
+        """The reasoning parser of a request's output (None: off, or a prompt that ends the
+        reasoning itself, as a template closing an empty block does: the output is all
+        content, as vLLM's ``prompt_is_reasoning_end``, and the engine constrains it from its
+        first token). A parser whose markers are special tokens turns ``skip_special_tokens``
         off for the request (vLLM's ``adjust_request``)."""
-        if self.reasoning_parser is None or request.constrains_output:
+        if self.reasoning_parser is None:
             return None
         parser = self.reasoning_parser(request.chat_template_kwargs)
         if parser.keeps_special_tokens:
             request.skip_special_tokens = False
+        if parser.ends_reasoning(prompt.token_ids, self.renderer.tokenizer):
+            return None
         return parser
 
     def start(self, request: ChatCompletionRequest, request_id: str) -> ChatRun:
@@ -175,8 +184,8 @@ class OpenAIServingChat(OpenAIServing):
         """
         model_name = self.models.resolve(request.model)
         tool_parser = request_tool_parser(request, self.auto_tool_parser)
-        reasoning_parser = self.request_reasoning_parser(request)
         prompt = self.render_prompt(request)
+        reasoning_parser = self.request_reasoning_parser(request, prompt)
         engine_request = self.engine_request(
             f"{request_id}-0",
             request,

@@ -7,6 +7,7 @@ The checkpoint's tokenizer has ``<think>`` and ``</think>`` as tokens, and its c
 template opens the reasoning in the prompt as DeepSeek-R1's does (``<think>\\n``), so the
 tiny model's output is reasoning until it writes ``</think>``; a ``logit_bias`` on that
 token makes it close the block part-way (and again later: only the first one counts).
+Structured outputs (``response_format``, a forced tool call) start where the reasoning ends.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import shutil
 import time
 
 import anthropic
+import jsonschema
 import pytest
 
 from tests.server_utils import RemoteServer
@@ -27,8 +29,12 @@ R1_TEMPLATE = (
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
     "{% for part in message['content'] %}{{ part['text'] }}{% endfor %}{% endif %}"
     "{{ '<|im_end|>\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '</think>\\n\\n' }}{% endif %}{% endif %}"
 )
+#: The template closes the reasoning in the prompt: the model answers at once (a forced tool call
+#: included: the engine starts a grammar where the reasoning ends).
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 END_THINK_ID = 1025
 #: Makes the model write ``</think>`` part-way (at 10 it never does, at 12 it does by token 9).
@@ -131,6 +137,24 @@ def test_unclosed_reasoning_is_all_reasoning(server, plain_raw):
     assert (message.reasoning, message.content, reply.choices[0].finish_reason) == (plain_raw, None, "length")
 
 
+def test_response_format_constrains_the_content_after_the_reasoning(server, biased_raw, plain_raw):
+    """Structured outputs start where the reasoning ends (vLLM's gating): the reasoning is the
+    free greedy text up to ``</think>`` (the schema would refuse its first token), the content
+    is JSON valid by the schema; a reasoning that never ends leaves the output unconstrained."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+    response_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    client = server.client()
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, logit_bias=END_THINK_BIAS, temperature=0.0,
+                                           max_tokens=48, response_format=response_format)  # fmt: skip
+    message = reply.choices[0].message.model_dump()
+    reasoning = biased_raw.partition("</think>")[0]
+    assert message["reasoning"] == reasoning and not reasoning.lstrip().startswith("{")
+    jsonschema.validate(json.loads(message["content"]), schema)
+    assert reply.choices[0].finish_reason == "stop"
+    unended = client.chat.completions.create(model=MODEL, messages=QUESTION, response_format=response_format, **GREEDY)
+    assert (unended.choices[0].message.reasoning, unended.choices[0].message.content) == (plain_raw, None)
+
+
 def test_messages_create_and_stream(server, plain_raw):
     client = _anthropic(server)
     prompt_tokens = len(_prompt(server, QUESTION))
@@ -163,8 +187,8 @@ def test_messages_tools_and_tool_results(server):
     tools = [{"name": "capital", "description": "A country's capital.",
               "input_schema": {"type": "object", "properties": {"country": {"enum": ["France", "Italy"]}},
                                "required": ["country"]}}]  # fmt: skip
-    request = dict(model=MODEL, messages=QUESTION, max_tokens=40, extra_body=GREEDY_BODY, tools=tools,
-                   tool_choice={"type": "any"})  # fmt: skip
+    request = dict(model=MODEL, messages=QUESTION, max_tokens=40, extra_body={**GREEDY_BODY, **NO_THINKING},
+                   tools=tools, tool_choice={"type": "any"})  # fmt: skip
     reply = client.messages.create(**request)
     assert reply.stop_reason == "tool_use"
     (call,) = [block for block in reply.content if block.type == "tool_use"]

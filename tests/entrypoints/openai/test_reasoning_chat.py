@@ -2,7 +2,8 @@
 SDK, over the scripted engine of ``test_tool_calling_sdk`` (its replies come in 5-character
 pieces when streamed, so tags are split across deltas): reasoning and content apart, tool
 calls read from the content only, Qwen3's ``enable_thinking`` switch, gpt-oss's channels
-(its requests keep special tokens), and constrained outputs left whole as content."""
+(its requests keep special tokens), and constrained outputs split the same way (the engine
+constrains what follows the reasoning)."""
 
 from __future__ import annotations
 
@@ -91,11 +92,13 @@ def test_gpt_oss_channels_and_special_tokens(parts, stream):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-def test_constrained_output_is_content(parts, stream):
+def test_constrained_output_follows_the_reasoning(parts, stream):
+    """The engine starts the grammar where the reasoning ends: the reasoning comes apart and
+    the content (tool calls, JSON) is what the constraint produced."""
     engine, client = _client(parts, "deepseek_r1")
-    engine.reply = REQUIRED_REPLY
+    engine.reply = THINKING + REQUIRED_REPLY
     reasoning, content, calls, finish = asyncio.run(_create(client, stream, tools=TOOLS, tool_choice="required"))
-    assert (reasoning, calls, finish) == (None, CALLS, "tool_calls") and not content
-    engine.reply = '{"a": 1}'
+    assert (reasoning, calls, finish) == ("The user wants weather and time.", CALLS, "tool_calls") and not content
+    engine.reply = '<think>{"not": json</think>{"a": 1}'
     json_format = {"type": "json_object"}
-    assert asyncio.run(_create(client, stream, response_format=json_format)) == (None, '{"a": 1}', [], "stop")
+    assert asyncio.run(_create(client, stream, response_format=json_format)) == ('{"not": json', '{"a": 1}', [], "stop")
