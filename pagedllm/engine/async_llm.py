@@ -98,7 +98,8 @@ class AsyncLLM:
         except BaseException:
             self.engine_core.shutdown(timeout_s=0)
             raise
-        self.processor = Processor(config.model_config, self.tokenizer, config.lora_config, config.structured_outputs_config)
+        self.processor = Processor(config.model_config, self.tokenizer, config.lora_config, config.structured_outputs_config,
+                                   config.scheduler_config.policy)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics_registry = CollectorRegistry()
         num_engines = config.parallel_config.data_parallel_size
@@ -207,14 +208,16 @@ class AsyncLLM:
         arrival_time: Optional[float] = None,
         prompt_text: Optional[str] = None,
         lora_request: Optional[LoRARequest] = None,
+        priority: int = 0,
     ) -> RequestOutputCollector:
         """Validate, tokenize and send a request; returns the collector its outputs go to.
 
         ``prompt`` may be an ``EngineCoreRequest`` already built by ``self.processor.process``
         (the OpenAI server does so to report errors before anything starts): it is sent
         as is, with its own id and params (``sampling_params``, ``cache_salt``,
-        ``arrival_time`` and ``lora_request`` are then ignored), and ``prompt_text`` is its
+        ``arrival_time``, ``lora_request`` and ``priority`` are then ignored), and ``prompt_text`` is its
         prompt's text. ``lora_request``: the LoRA adapter to run with (None: the base model).
+        ``priority``: see ``Processor.process``.
 
         ``n > 1`` fans out into ``n`` engine requests ``f"{i}_{request_id}"`` joined
         into one output stream (``parallel_sampling.fan_out``).
@@ -235,7 +238,7 @@ class AsyncLLM:
             params = sampling_params if sampling_params is not None else SamplingParams()
             arrival_time = arrival_time if arrival_time is not None else time.time()
             request, prompt_text = self.processor.process(
-                request_id, prompt, params, arrival_time, cache_salt, lora_request
+                request_id, prompt, params, arrival_time, cache_salt, lora_request, priority
             )
         params = request.sampling_params
         self._ensure_output_handler()
@@ -277,6 +280,7 @@ class AsyncLLM:
         cache_salt: Optional[str] = None,
         prompt_text: Optional[str] = None,
         lora_request: Optional[LoRARequest] = None,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Generate for one prompt; yields ``RequestOutput``s as the engine produces them.
 
@@ -291,6 +295,7 @@ class AsyncLLM:
         see ``add_request``).
         ``cache_salt``: isolates this request's prefix-cache entries.
         ``lora_request``: the LoRA adapter to run with (None: the base model).
+        ``priority``: with ``--scheduling-policy priority``, lower runs first.
 
         If the consumer stops early (``aclose()``, ``break``, or the task is cancelled,
         e.g. a client disconnect), the request and all of its ``n`` completions are
@@ -301,7 +306,8 @@ class AsyncLLM:
             EngineDeadError: the engine is or becomes dead.
         """
         collector = await self.add_request(
-            request_id, prompt, sampling_params, cache_salt, prompt_text=prompt_text, lora_request=lora_request
+            request_id, prompt, sampling_params, cache_salt, prompt_text=prompt_text, lora_request=lora_request,
+            priority=priority,
         )
         finished = False
         try:

@@ -38,6 +38,7 @@ class EngineCoreRequest(
     (``load_generation`` set by the front end), or None for the base model.
     ``pooling_params``: set on a pooling model's requests (their ``sampling_params`` are
     unused); the engine pools every request of a pooling model alike, the front end applies them.
+    ``priority``: with the ``priority`` scheduling policy, lower runs first (vLLM's field; 0 by default).
     """
 
     request_id: str
@@ -48,6 +49,7 @@ class EngineCoreRequest(
     cache_salt: Optional[str] = None
     lora_request: Optional[LoRARequest] = None
     pooling_params: Optional[PoolingParams] = None
+    priority: int = 0
 
 
 class EngineCoreEventType(enum.IntEnum):
