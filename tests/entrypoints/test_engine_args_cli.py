@@ -25,6 +25,7 @@ SAMPLES = {
     "model": ("m", "m"), "tokenizer": ("t", "t"), "revision": ("v1", "v1"), "tokenizer_revision": ("v2", "v2"),
     "download_dir": ("/d", "/d"), "dtype": ("half", "half"), "max_model_len": ("4k", 4000),
     "block_size": ("32", 32), "max_num_seqs": ("3", 3), "max_num_batched_tokens": ("1K", 1024),
+    "max_num_active_seqs": ("2", 2), "scheduling_policy": ("priority", "priority"),
     "kv_cache_memory_bytes": ("4G", 4 * 2**30), "gpu_memory_utilization": ("0.5", 0.5), "seed": ("7", 7),
     "prefix_caching_hash_algo": ("xxhash", "xxhash"), "attention_backend": ("TORCH_SDPA", "TORCH_SDPA"),
     "generation_config": ("vllm", "vllm"), "override_generation_config": ('{"top_k": 2}', {"top_k": 2}),
