@@ -252,7 +252,8 @@ class Scheduler:
         for request in yielded:
             if token_budget <= 0 or len(num_scheduled_tokens) >= max_num_reqs:
                 break
-            token_budget -= self._schedule_yielded(request, token_budget, num_scheduled_tokens, cached, spec_tokens)
+            token_budget -= self._schedule_yielded(request, token_budget, num_scheduled_tokens, cached, spec_tokens,
+                                                   now)
         if waiting_for_grammar and not num_scheduled_tokens:
             # Nothing else to run: wait a little for a compile rather than spin.
             futures.wait([r.structured_output_request.future for r in waiting_for_grammar],  # type: ignore[union-attr]
@@ -298,9 +299,11 @@ class Scheduler:
         return in_prefill and self.waiting.peek_request().priority < request.priority
 
     def _schedule_yielded(self, request: Request, token_budget: int, num_scheduled_tokens: dict[str, int],
-                          cached: CachedRequestData, spec_tokens: dict[str, list[int]]) -> int:
+                          cached: CachedRequestData, spec_tokens: dict[str, list[int]], now: float) -> int:
         """Schedule a prefill that yielded, within what the waiting requests left of the
-        budget and without preempting anything; returns the tokens scheduled (0: none)."""
+        budget and without preempting another request; returns the tokens scheduled (0:
+        none). Without blocks for its chunk it is preempted itself: its blocks go to the
+        higher-priority request it yielded to."""
         num_known = request.num_tokens - request.num_computed_tokens
         num_new_tokens = self.kv_cache_manager.align_to_save_point(
             request, request.num_computed_tokens, min(num_known, token_budget))
@@ -309,6 +312,8 @@ class Scheduler:
         new_blocks = self.kv_cache_manager.allocate_slots(
             request, num_new_tokens, num_lookahead_tokens=self._lookahead(request.num_computed_tokens + num_new_tokens))
         if new_blocks is None:
+            self.running.remove(request)
+            self._preempt(request, now)
             return 0
         self._add_cached(request, num_new_tokens, new_blocks.get_block_ids(), cached, spec_tokens)
         num_scheduled_tokens[request.request_id] = num_new_tokens

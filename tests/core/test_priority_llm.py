@@ -28,9 +28,11 @@ def test_priority_with_prefix_caching_and_preemption_matches_transformers(tiny_l
                                    "max_model_len": 96, "max_num_batched_tokens": 24})
     shared = random_prompts([16], len(tokenizer), seed=1)[0]
     prompts = [shared + tail for tail in random_prompts([13, 9, 17, 11, 14], len(tokenizer), seed=2)]
-    scheduler = llm.llm_engine.engine_core.scheduler
-    assert _greedy(llm, prompts, [3, 0, 2, 1, 0]) == [hf_greedy(tiny_llama, p, MAX_TOKENS) for p in prompts]
-    assert scheduler.num_preemptions > 0 and llm.llm_engine.engine_core.kv_cache_manager.block_pool is not None
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, priority=[3, 0, 2, 1, 0])
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(tiny_llama, p, MAX_TOKENS) for p in prompts]
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+    assert max(o.num_cached_tokens for o in outputs) >= 16, "the shared prefix is a cache hit"
     check_block_accounting(llm)
     # Under fcfs a priority other than 0 is refused (vLLM's rule), before anything is queued.
     fcfs = Processor(llm.llm_engine.model_config, llm.get_tokenizer(), scheduling_policy="fcfs")

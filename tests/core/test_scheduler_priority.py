@@ -82,6 +82,25 @@ def test_high_priority_arrival_starts_within_one_step_of_a_long_low_priority_pre
     assert f.schedule().num_scheduled_tokens == {"low": 10}, "fcfs: the running prefill keeps the budget"
 
 
+def test_a_yielding_prefill_without_blocks_gives_its_blocks_to_the_higher_priority_arrival():
+    s = make(num_blocks=11, max_num_batched_tokens=16)  # 10 blocks of 4 tokens
+    add(s, "decode", 7, priority=0, max_tokens=100)
+    add(s, "low", 40, priority=5, arrival=1.0)
+    for expected in ({"decode": 7, "low": 9}, {"decode": 1, "low": 15}):
+        out = s.schedule()
+        assert out.num_scheduled_tokens == expected
+        fake_run(s, out)
+    add(s, "high", 12, priority=-1, arrival=2.0)  # 3 blocks; 1 is free
+    out = s.schedule()
+    # high does not fit; low yields to it and has no blocks for its chunk: it is preempted.
+    assert out.num_scheduled_tokens == {"decode": 1}
+    assert s.requests["low"].status == RequestStatus.PREEMPTED and "low" in out.finished_req_ids
+    fake_run(s, out)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"decode": 1, "high": 12, "low": 3}  # low restarts with the rest
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["high", "low"]
+
+
 def test_max_num_active_seqs_caps_running_but_not_the_batch_size():
     s = make("fcfs", max_num_seqs=8, active=2)
     for r in "abcd":
