@@ -39,7 +39,7 @@ def soak_server(tiny_llama):
 async def _one(http: httpx.AsyncClient, rng: random.Random) -> str:
     """Send one streamed completion; returns "200", "200-timeout", "disconnect" or "429"."""
     body = {"model": MODEL_NAME, "prompt": [rng.randrange(3, 1000) for _ in range(rng.randrange(4, 60))],
-            "max_tokens": rng.choice([4, 16, 64, 180]), "ignore_eos": True, "stream": True,
+            "max_tokens": rng.choice([16, 150, 190]), "ignore_eos": True, "stream": True,
             "priority": rng.randrange(-1, 3)}
     disconnect = rng.random() < 0.15
     async with http.stream("POST", "/v1/completions", json=body) as response:
@@ -80,8 +80,8 @@ def test_soak_ends_clean(soak_server):
     counts = {kind: outcomes.count(kind) for kind in set(outcomes)}
     assert counts.get("429", 0) > 0 and counts.get("200", 0) > 0, counts
     metrics = soak_server.metrics()
-    assert metrics["pagedllm:request_rejected_total{reason=max_num_queued_reqs}"] == counts["429"]
-    assert metrics["pagedllm:num_preemptions_total"] > preemptions_before, "the small KV cache forces preemption"
+    assert metrics["pagedllm:request_rejected_total{reason=max_num_queued_reqs}"] == counts["429"], counts
+    assert metrics["pagedllm:num_preemptions_total"] > preemptions_before, f"no preemption: {counts}"
     deadline = time.monotonic() + 1.0
     while any(soak_server.metrics()[name] for name in GAUGES):
         assert time.monotonic() < deadline, f"not idle 1 s after the soak: {counts}"
