@@ -98,6 +98,10 @@ def non_negative_seconds(value: str) -> float:
     return result
 
 
+def positive_seconds(value: str) -> float:
+    return _checked(value, float, "a number of seconds > 0", lambda x: 0.0 < x < float("inf"))
+
+
 def int_type(value: str) -> int:
     try:
         return int(value)

@@ -50,7 +50,7 @@ from pagedllm.config.pooler import (
     resolve_runner,
     set_classifier_from_token,
 )
-from pagedllm.config.scheduler import SchedulerConfig
+from pagedllm.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig
 from pagedllm.config.speculative import SpeculativeConfig
 from pagedllm.config.structured_outputs import StructuredOutputsConfig
 from pagedllm.config.vllm_compat import PARTLY_BUILT_ARGS
@@ -188,6 +188,24 @@ class EngineArgs:
         256,
         help="Most requests running at once.",
         type=positive_int,
+    )
+    max_num_active_seqs: Optional[int] = flag_field(
+        None,
+        help=(
+            "Most requests admitted to RUNNING at once (default: --max-num-seqs, at most that); "
+            "--max-num-seqs still sizes the batch. Lowering it preempts nothing."
+        ),
+        type=positive_int,
+    )
+    scheduling_policy: str = flag_field(
+        "fcfs",
+        help=(
+            "Order of the waiting requests: 'fcfs' (arrival) or 'priority' (by the request's priority, "
+            "lower first, ties by arrival; under KV-cache pressure the lowest-priority running request "
+            "is preempted first, and a prompt still in prefill yields the step to a higher-priority "
+            "arrival)."
+        ),
+        choices=SCHEDULING_POLICIES,
     )
     max_num_batched_tokens: Optional[int] = flag_field(
         None,

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from pagedllm.config.engine_args import EngineArgs
+
+#: ``--scheduling-policy`` values (vLLM's ``SchedulerPolicy``; ``pagedllm.core.request_queue``).
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -15,12 +18,22 @@ class SchedulerConfig:
 
     ``chunked_prefill_enabled`` False (an encoder, which needs its whole prompt in one
     pass): a prompt that does not fit the step's remaining budget waits for a later step.
+    ``policy`` (vLLM's ``--scheduling-policy``): "fcfs" or "priority" (``pagedllm.core.request_queue``).
+    ``max_num_active_seqs``: the most requests admitted to RUNNING at once (None:
+    ``max_num_seqs``); ``max_num_seqs`` still sizes the runner's batch.
     """
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
     chunked_prefill_enabled: bool = True
+    policy: str = "fcfs"
+    max_num_active_seqs: Optional[int] = None
+
+    @property
+    def max_running_reqs(self) -> int:
+        """The admission cap: ``max_num_active_seqs``, else ``max_num_seqs``."""
+        return self.max_num_active_seqs or self.max_num_seqs
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, max_model_len: int) -> SchedulerConfig:
@@ -28,14 +41,18 @@ class SchedulerConfig:
         (``default_max_num_batched_tokens``), and never below ``max_num_seqs``.
 
         Raises:
-            ValueError: a token budget below 1.
+            ValueError: a token budget below 1; ``max_num_active_seqs`` above ``max_num_seqs``.
         """
         max_num_batched_tokens = args.max_num_batched_tokens or max(
             default_max_num_batched_tokens(args.usage_context), args.max_num_seqs
         )
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}.")
-        return cls(args.max_num_seqs, max_num_batched_tokens, max_model_len)
+        active = args.max_num_active_seqs
+        if active is not None and not 1 <= active <= args.max_num_seqs:
+            raise ValueError(f"max_num_active_seqs must be between 1 and max_num_seqs ({args.max_num_seqs}), got {active}.")
+        return cls(args.max_num_seqs, max_num_batched_tokens, max_model_len,
+                   policy=args.scheduling_policy, max_num_active_seqs=active)
 
 
 #: Default ``max_num_batched_tokens`` by (device type, usage context): vLLM's defaults

@@ -56,6 +56,7 @@ class Request:
         self.sampling_params: SamplingParams = request.sampling_params
         self.eos_token_id = request.eos_token_id
         self.arrival_time = request.arrival_time
+        self.priority = request.priority
         self.cache_salt = request.cache_salt
         self.lora_request = request.lora_request
         #: The adapter's identity (``LoRARequest.adapter_key``), None for the base model.

@@ -10,6 +10,15 @@ prefix caching in a model with state layers, a chunk that would pass the request
 point ends there, so its state is saved at a block boundary
 (``KVCacheManager.align_to_save_point``).
 
+Scheduling policy (``SchedulerConfig.policy``, ``pagedllm.core.request_queue``): with
+"fcfs" requests wait in arrival order, as above. With "priority" the waiting queue is
+ordered by ``(priority, arrival_time)``, lower first; the running requests are kept in
+that order too, so the request preempted for blocks is the lowest-priority one (the
+newest among equals), and a running request whose prompt is still in prefill yields the
+step to a waiting request of a strictly higher priority: its next chunk gets what the
+waiting requests leave of the budget. ``max_num_active_seqs`` caps the requests admitted
+to RUNNING (``SchedulerConfig.max_running_reqs``).
+
 With LoRA, at most ``max_loras`` distinct adapters are among the running requests (so a
 step never needs more device slots). A waiting request whose adapter would exceed that
 stays at the front of the queue; behind it only base-model requests may start, so the
@@ -37,7 +46,6 @@ from __future__ import annotations
 import logging
 import time
 from concurrent import futures
-from collections import deque
 from typing import TYPE_CHECKING, Iterable, Optional
 
 from pagedllm.config import SchedulerConfig, SpeculativeConfig
@@ -48,6 +56,7 @@ from pagedllm.core.encoder_cache_manager import (
 )
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request_queue import RequestQueue, create_request_queue, priority_key
 from pagedllm.core.spec_length import SpeculationLength
 from pagedllm.messages.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.messages.engine_core import (
@@ -103,6 +112,8 @@ class Scheduler:
         self.config = scheduler_config
         self.max_loras = max_loras
         self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_running_reqs = scheduler_config.max_running_reqs
+        self.policy = scheduler_config.policy
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.chunked_prefill_enabled = scheduler_config.chunked_prefill_enabled
@@ -113,7 +124,7 @@ class Scheduler:
         # Unfinished requests with a constraint: without any, a step skips structured outputs.
         self._num_constrained = 0
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting: RequestQueue = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.use_pp = use_pp
@@ -145,7 +156,7 @@ class Scheduler:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
             self._num_constrained += 1
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add_request(request)
 
     def schedule(self, max_num_reqs: Optional[int] = None) -> SchedulerOutput:
         """Choose this step's requests and token counts, allocating their blocks; at most
@@ -162,10 +173,17 @@ class Scheduler:
         encoder_inputs: dict[str, list[int]] = {}
 
         waiting_for_grammar: list[Request] = []
+        yielded: list[Request] = []  # prefills that yield to a higher-priority waiting request
+        if self.policy == "priority":
+            self.running.sort(key=priority_key)
         req_index = 0
         while req_index < len(self.running) and token_budget > 0 and len(num_scheduled_tokens) < max_num_reqs:
             request = self.running[req_index]
             if request.request_id in self.in_flight:
+                req_index += 1
+                continue
+            if self._yields_to_waiting(request):
+                yielded.append(request)
                 req_index += 1
                 continue
             num_known = request.num_tokens - request.num_computed_tokens
@@ -188,17 +206,9 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
-            new_ids = new_blocks.get_block_ids()
-            cached.req_ids.append(request.request_id)
-            cached.new_block_ids.append(new_ids)
-            cached.num_computed_tokens.append(request.num_computed_tokens)
-            if self.use_pp:
-                start = request.num_computed_tokens
-                cached.new_token_ids.append(request.all_token_ids[start : start + min(num_new_tokens, num_known)])
+            self._add_cached(request, num_new_tokens, new_blocks.get_block_ids(), cached, spec_tokens)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             encoder_budget = self._allocate_encoder_inputs(request, to_encode, encoder_inputs, budget_left, encoder_budget)
-            if num_new_tokens > num_known:
-                spec_tokens[request.request_id] = request.spec_token_ids[: num_new_tokens - num_known]
             token_budget -= num_new_tokens
             req_index += 1
 
@@ -209,18 +219,18 @@ class Scheduler:
             not preempted_any
             and self.waiting
             and token_budget > 0
-            and len(self.running) < self.max_num_seqs
+            and len(self.running) < self.max_running_reqs
             and len(num_scheduled_tokens) < max_num_reqs
         ):
-            request = self.waiting[0]
+            request = self.waiting.peek_request()
             if request.status == RequestStatus.WAITING_FOR_GRAMMAR and not self._grammar_ready(request):
-                self.waiting.popleft()
+                self.waiting.pop_request()
                 if not request.is_finished:
                     waiting_for_grammar.append(request)
                     skipped.append(request)
                 continue
             if request.lora_key is not None and (lora_waiters or not self._lora_fits(request.lora_key, running_loras)):
-                lora_waiters.append(self.waiting.popleft())
+                lora_waiters.append(self.waiting.pop_request())
                 skipped.append(request)
                 continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
@@ -236,7 +246,7 @@ class Scheduler:
                 request, num_new_tokens, hit_blocks, self._lookahead(num_hit_tokens + num_new_tokens))
             if new_blocks is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop_request()
             request.status = RequestStatus.RUNNING
             request.record_event(EngineCoreEventType.SCHEDULED, now)
             request.num_computed_tokens = num_hit_tokens
@@ -263,7 +273,13 @@ class Scheduler:
             encoder_budget = self._allocate_encoder_inputs(request, to_encode, encoder_inputs, budget_left, encoder_budget)
             token_budget -= num_new_tokens
         # The requests skipped (for a LoRA slot, or compiling) keep their place, ahead of the rest.
-        self.waiting.extendleft(reversed(skipped))
+        self.waiting.prepend_requests(skipped)
+        for request in yielded:
+            if token_budget <= 0 or len(num_scheduled_tokens) >= max_num_reqs:
+                break
+            scheduled, encoder_budget = self._schedule_yielded(request, token_budget, num_scheduled_tokens, cached,
+                                                               spec_tokens, now, encoder_budget, encoder_inputs)
+            token_budget -= scheduled
         if waiting_for_grammar and not num_scheduled_tokens:
             # Nothing else to run: wait a little for a compile rather than spin.
             futures.wait([r.structured_output_request.future for r in waiting_for_grammar],  # type: ignore[union-attr]
@@ -309,6 +325,54 @@ class Scheduler:
             self.encoder_cache_manager.allocate(request, input_id)
         encoder_inputs[request.request_id] = to_encode
         return budget_left
+
+    def _add_cached(self, request: Request, num_new_tokens: int, new_block_ids: tuple, cached: CachedRequestData,
+                    spec_tokens: dict[str, list[int]]) -> None:
+        """List a running request scheduled for ``num_new_tokens`` in this step's ``cached``
+        data (its new blocks, and its tokens with pipeline parallelism) and its drafts."""
+        num_known = request.num_tokens - request.num_computed_tokens
+        cached.req_ids.append(request.request_id)
+        cached.new_block_ids.append(new_block_ids)
+        cached.num_computed_tokens.append(request.num_computed_tokens)
+        if self.use_pp:
+            start = request.num_computed_tokens
+            cached.new_token_ids.append(request.all_token_ids[start : start + min(num_new_tokens, num_known)])
+        if num_new_tokens > num_known:
+            spec_tokens[request.request_id] = request.spec_token_ids[: num_new_tokens - num_known]
+
+    def _yields_to_waiting(self, request: Request) -> bool:
+        """With the priority policy: whether running ``request``, still in its prompt's
+        prefill, lets the next waiting request (of a strictly higher priority) go first."""
+        if self.policy != "priority" or not self.waiting:
+            return False
+        in_prefill = request.num_computed_tokens < request.num_prompt_tokens - 1
+        return in_prefill and self.waiting.peek_request().priority < request.priority
+
+    def _schedule_yielded(self, request: Request, token_budget: int, num_scheduled_tokens: dict[str, int],
+                          cached: CachedRequestData, spec_tokens: dict[str, list[int]], now: float,
+                          encoder_budget: int, encoder_inputs: dict[str, list[int]]) -> tuple[int, int]:
+        """Schedule a prefill that yielded, within what the waiting requests left of the
+        budget (tokens and encoder inputs) and without preempting another request; returns
+        the tokens scheduled (0: none) and the encoder budget left. Without blocks for its
+        chunk it is preempted itself: its blocks go to the higher-priority request it
+        yielded to."""
+        num_known = request.num_tokens - request.num_computed_tokens
+        num_new_tokens = self.kv_cache_manager.align_to_save_point(
+            request, request.num_computed_tokens, min(num_known, token_budget))
+        to_encode, num_new_tokens, budget_left = self._encoder_inputs(request, request.num_computed_tokens,
+                                                                      num_new_tokens, encoder_budget)
+        if num_new_tokens <= 0:
+            return 0, encoder_budget
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request, num_new_tokens, num_lookahead_tokens=self._lookahead(request.num_computed_tokens + num_new_tokens))
+        if new_blocks is None:
+            self.running.remove(request)
+            self._preempt(request, now)
+            return 0, encoder_budget
+        self._add_cached(request, num_new_tokens, new_blocks.get_block_ids(), cached, spec_tokens)
+        num_scheduled_tokens[request.request_id] = num_new_tokens
+        return num_new_tokens, self._allocate_encoder_inputs(request, to_encode, encoder_inputs, budget_left,
+                                                             encoder_budget)
 
     def _choose_spec_lengths(self, output: SchedulerOutput) -> None:
         """With adaptive speculation: each request that samples this step gets its number
@@ -407,7 +471,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.prepend_request(request)
         self.finished_req_ids.add(request.request_id)
 
     def update_from_output(
@@ -602,7 +666,7 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
-                self.waiting.remove(request)
+                self.waiting.remove_request(request)
             request.status = status
             self._free_request(request)
 

@@ -101,7 +101,8 @@ class AsyncLLM:
         except BaseException:
             self.engine_core.shutdown(timeout_s=0)
             raise
-        self.processor = Processor(config.model_config, self.tokenizer, config.lora_config, config.structured_outputs_config)
+        self.processor = Processor(config.model_config, self.tokenizer, config.lora_config, config.structured_outputs_config,
+                                   config.scheduler_config.policy)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics_registry = CollectorRegistry()
         num_engines = config.parallel_config.data_parallel_size
@@ -213,16 +214,18 @@ class AsyncLLM:
         prompt_text: Optional[str] = None,
         lora_request: Optional[LoRARequest] = None,
         trace_headers: Optional[Mapping[str, str]] = None,
+        priority: int = 0,
     ) -> RequestOutputCollector:
         """Validate, tokenize and send a request; returns the collector its outputs go to.
 
         ``prompt`` may be an ``EngineCoreRequest`` already built by ``self.processor.process``
         (the OpenAI server does so to report errors before anything starts): it is sent
         as is, with its own id and params (``sampling_params``, ``cache_salt``,
-        ``arrival_time`` and ``lora_request`` are then ignored), and ``prompt_text`` is its
+        ``arrival_time``, ``lora_request`` and ``priority`` are then ignored), and ``prompt_text`` is its
         prompt's text. ``lora_request``: the LoRA adapter to run with (None: the base model).
         ``trace_headers``: the caller's W3C trace context (``pagedllm.tracing.TRACE_HEADERS``),
         the parent of the request's span when tracing is on.
+        ``priority``: see ``Processor.process``.
 
         ``n > 1`` fans out into ``n`` engine requests ``f"{i}_{request_id}"`` joined
         into one output stream (``parallel_sampling.fan_out``).
@@ -243,7 +246,7 @@ class AsyncLLM:
             params = sampling_params if sampling_params is not None else SamplingParams()
             arrival_time = arrival_time if arrival_time is not None else time.time()
             request, prompt_text = self.processor.process(
-                request_id, prompt, params, arrival_time, cache_salt, lora_request
+                request_id, prompt, params, arrival_time, cache_salt, lora_request, priority
             )
         params = request.sampling_params
         self._ensure_output_handler()
@@ -301,6 +304,7 @@ class AsyncLLM:
         prompt_text: Optional[str] = None,
         lora_request: Optional[LoRARequest] = None,
         trace_headers: Optional[Mapping[str, str]] = None,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Generate for one prompt; yields ``RequestOutput``s as the engine produces them.
 
@@ -316,6 +320,7 @@ class AsyncLLM:
         ``cache_salt``: isolates this request's prefix-cache entries.
         ``lora_request``: the LoRA adapter to run with (None: the base model).
         ``trace_headers``: see ``add_request``.
+        ``priority``: with ``--scheduling-policy priority``, lower runs first.
 
         If the consumer stops early (``aclose()``, ``break``, or the task is cancelled,
         e.g. a client disconnect), the request and all of its ``n`` completions are
@@ -327,7 +332,7 @@ class AsyncLLM:
         """
         collector = await self.add_request(
             request_id, prompt, sampling_params, cache_salt, prompt_text=prompt_text, lora_request=lora_request,
-            trace_headers=trace_headers,
+            trace_headers=trace_headers, priority=priority,
         )  # fmt: skip
         finished = False
         try:

@@ -43,7 +43,8 @@ class LLMEngine:
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = get_tokenizer(config.model_config.tokenizer_path, config.model_config.trust_remote_code)
-        self.processor = Processor(config.model_config, self.tokenizer, config.lora_config, config.structured_outputs_config)
+        self.processor = Processor(config.model_config, self.tokenizer, config.lora_config, config.structured_outputs_config,
+                                   config.scheduler_config.policy)
         self.engine_core_client = make_client(config, multiprocess=False, asyncio_mode=False)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_logger: Optional[LoggingStatLogger] = None
@@ -71,9 +72,11 @@ class LLMEngine:
         arrival_time: Optional[float] = None,
         cache_salt: Optional[str] = None,
         lora_request: Optional[LoRARequest] = None,
+        priority: int = 0,
     ) -> None:
         """Validate, tokenize and queue a request; ``n > 1`` fans out into ``n`` child requests.
-        ``lora_request``: the LoRA adapter to run it with (None: the base model). With
+        ``lora_request``: the LoRA adapter to run it with (None: the base model). ``priority``:
+        see ``Processor.process``. With
         ``PoolingParams`` (a pooling model; ``Processor.process_pooling``) its one output is a
         ``PoolingRequestOutput``.
 
@@ -85,7 +88,8 @@ class LLMEngine:
             request, prompt_text = self.processor.process_pooling(request_id, prompt, params, arrival_time)
         else:
             request, prompt_text = self.processor.process(
-                request_id, prompt, params or SamplingParams(), arrival_time or time.time(), cache_salt, lora_request
+                request_id, prompt, params or SamplingParams(), arrival_time or time.time(), cache_salt, lora_request,
+                priority,
             )
         for child, parent, index in fan_out(request):
             self.output_processor.add_request(child, prompt_text, parent, index)

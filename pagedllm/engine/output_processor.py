@@ -127,6 +127,8 @@ class RequestState:
         self.num_cached_tokens = 0
         self.log_stats = log_stats
         self.arrival_time = request.arrival_time
+        #: Whether the EngineCore has sent an output for it (else it is queued: waiting, or in its first prefill).
+        self.started = False
         self.first_token_time: Optional[float] = None
         self.last_token_time: Optional[float] = None
         self._num_sent_tokens = 0
@@ -231,6 +233,12 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
 
+    def get_queue_depth(self) -> tuple[int, int]:
+        """(engine requests, their prompt tokens) sent to the EngineCore that have had no
+        output yet: waiting to be scheduled, or computing their first prompt chunks."""
+        queued = [len(s.prompt_token_ids) for s in self.request_states.values() if not s.started]
+        return len(queued), sum(queued)
+
     def add_request(
         self,
         request: EngineCoreRequest,
@@ -266,6 +274,7 @@ class OutputProcessor:
             state = self.request_states.get(output.request_id)
             if state is None:  # aborted meanwhile
                 continue
+            state.started = True
             if output.pooling_output is not None:
                 del self.request_states[state.request_id]
                 _emit(state.pooling_output(output.pooling_output), state.queue, result.request_outputs)

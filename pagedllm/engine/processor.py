@@ -99,6 +99,8 @@ class Processor:
         lora_config: with LoRA on (``--enable-lora``), to check requests' adapters.
         structured_outputs_config: the engine's backend choice and options, under which a
             request's ``structured_outputs`` is checked (None: the defaults).
+        scheduling_policy: the scheduler's (``SchedulerConfig.policy``): a request's
+            ``priority`` other than 0 needs "priority", as vLLM.
 
     Attributes:
         default_sampling_params: the model's default sampling parameters (field -> value,
@@ -114,9 +116,10 @@ class Processor:
 
     def __init__(
         self, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase, lora_config: Optional[LoRAConfig] = None,
-        structured_outputs_config: Optional[StructuredOutputsConfig] = None,
+        structured_outputs_config: Optional[StructuredOutputsConfig] = None, scheduling_policy: str = "fcfs",
     ) -> None:
         self.hf_config = model_config.hf_config
+        self.scheduling_policy = scheduling_policy
         self.model_config = model_config
         self.lora_config = lora_config
         # (adapter path, load generation) of the adapters that passed ``check_lora``.
@@ -272,17 +275,23 @@ class Processor:
         arrival_time: Optional[float] = None,
         cache_salt: Optional[str] = None,
         lora_request: Optional[LoRARequest] = None,
+        priority: int = 0,
     ) -> tuple[EngineCoreRequest, Optional[str]]:
         """Validate and tokenize; returns the engine request and the prompt text (if any).
+        ``priority``: its place under the priority scheduling policy (lower runs first).
 
         Raises:
-            ValueError: see ``tokenize_prompt``, ``validate`` and ``check_lora``.
+            ValueError: see ``tokenize_prompt``, ``validate`` and ``check_lora``; a
+                ``priority`` other than 0 without the priority policy (vLLM's message).
             FileNotFoundError: see ``check_lora``.
         """
         if self.model_config.runner_type == "pooling":
             raise ValueError(f"{self.model_config.model} is a pooling model (--runner pooling) for the "
                              f"{' / '.join(self.model_config.pooling_tasks)} task(s) (LLM.embed, LLM.classify, "
                              "LLM.score; /v1/embeddings, /classify, /v1/score): it generates no text.")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled "
+                             "(--scheduling-policy priority).")
         mm_inputs = self.process_multimodal(prompt)
         mm_features = prompt.get("mm_features") if isinstance(prompt, dict) else None
         if mm_features is not None:
@@ -319,6 +328,7 @@ class Processor:
             cache_salt=cache_salt,
             lora_request=lora_request,
             mm_features=mm_features,
+            priority=priority,
         )
         return request, prompt_text
 

@@ -66,9 +66,11 @@ class EngineClient(Protocol):
         cache_salt: Optional[str] = None,
         prompt_text: Optional[str] = None,
         lora_request: Optional[LoRARequest] = None,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """``RequestOutput``s of one request as the engine produces them, the last one
         ``finished``; closing the generator early aborts the request (all ``n`` completions).
+        ``priority``: its place under the priority scheduling policy (lower runs first).
 
         Raises:
             ValueError: bad prompt or parameters (before anything is queued).

@@ -1,5 +1,5 @@
-"""The ``pagedllm`` command: ``pagedllm serve``, ``pagedllm bench ...``, ``pagedllm chat`` and
-``pagedllm complete``.
+"""The ``pagedllm`` command: ``pagedllm serve``, ``pagedllm run-batch``, ``pagedllm bench ...``,
+``pagedllm chat`` and ``pagedllm complete``.
 
 Each subcommand module exposes ``register(subparsers)``, which adds its parser and sets
 ``func`` (called with the parsed arguments, returning an exit code). This module is the top
@@ -20,11 +20,13 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.benchmarks import cli as bench_cli
     from pagedllm.entrypoints import client_cli
     from pagedllm.entrypoints.openai import cli_args as serve_cli
+    from pagedllm.entrypoints.openai import run_batch as run_batch_cli
 
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: fast LLM inference and serving.")
     parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     serve_cli.register(subparsers)
+    run_batch_cli.register(subparsers)
     bench_cli.register(subparsers)
     client_cli.register(subparsers)
     return parser

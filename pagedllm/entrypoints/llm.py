@@ -131,6 +131,7 @@ class LLM:
         lora_request: Union[LoRARequest, Sequence[LoRARequest], None] = None,
         *,
         prompt_token_ids: Union[list[int], list[list[int]], None] = None,
+        priority: Optional[Sequence[int]] = None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt; returns one ``RequestOutput`` per prompt,
         in input order.
@@ -144,10 +145,12 @@ class LLM:
         ``sampling_params`` is one ``SamplingParams`` for all prompts or one per prompt;
         None means ``get_default_sampling_params()`` (as vLLM). ``lora_request``: one
         ``LoRARequest`` for all prompts or one per prompt (None in a list: the base model);
-        needs ``enable_lora=True``.
+        needs ``enable_lora=True``. ``priority`` (vLLM's): one per prompt, with
+        ``scheduling_policy="priority"``; lower runs first (default 0).
 
         Raises:
-            ValueError: for a bad prompt, parameters or LoRA adapter, neither ``prompts``
+            ValueError: for a bad prompt, parameters or LoRA adapter, a ``priority`` list
+                of another length or without the priority policy, neither ``prompts``
                 nor ``prompt_token_ids``, or both of different lengths; no request of this
                 call is left in the engine.
             FileNotFoundError: no LoRA adapter at a ``lora_path``.
@@ -157,13 +160,16 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         params_list = self._as_params_list(sampling_params, len(prompt_list))
         lora_list = self._as_lora_list(lora_request, len(prompt_list))
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority has {len(priority)} values for {len(prompt_list)} prompts.")
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
         request_ids = []
         try:
-            for prompt, params, lora in zip(prompt_list, params_list, lora_list):
+            for prompt, params, lora, prio in zip(prompt_list, params_list, lora_list, priorities):
                 params = params.clone()
                 params.output_kind = RequestOutputKind.FINAL_ONLY
                 request_id = str(next(self._request_counter))
-                self.llm_engine.add_request(request_id, prompt, params, lora_request=lora)
+                self.llm_engine.add_request(request_id, prompt, params, lora_request=lora, priority=prio)
                 request_ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(request_ids)

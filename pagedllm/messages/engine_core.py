@@ -41,6 +41,7 @@ class EngineCoreRequest(
     unused); the engine pools every request of a pooling model alike, the front end applies them.
     ``mm_features``: the prompt's images, in prompt order (None: none), their placeholder tokens
     in ``prompt_token_ids``.
+    ``priority``: with the ``priority`` scheduling policy, lower runs first (vLLM's field; 0 by default).
     """
 
     request_id: str
@@ -52,6 +53,7 @@ class EngineCoreRequest(
     lora_request: Optional[LoRARequest] = None
     pooling_params: Optional[PoolingParams] = None
     mm_features: Optional[list[MultiModalFeatureSpec]] = None
+    priority: int = 0
 
 
 class EngineCoreEventType(enum.IntEnum):

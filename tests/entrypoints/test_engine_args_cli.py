@@ -26,6 +26,7 @@ SAMPLES = {
     "download_dir": ("/d", "/d"), "dtype": ("half", "half"), "max_model_len": ("4k", 4000),
     "otlp_traces_endpoint": ("http://c:4317", "http://c:4317"), "collect_detailed_traces": ("model", ["model"]),
     "block_size": ("32", 32), "max_num_seqs": ("3", 3), "max_num_batched_tokens": ("1K", 1024),
+    "max_num_active_seqs": ("2", 2), "scheduling_policy": ("priority", "priority"),
     "kv_cache_memory_bytes": ("4G", 4 * 2**30), "gpu_memory_utilization": ("0.5", 0.5), "seed": ("7", 7),
     "prefix_caching_hash_algo": ("xxhash", "xxhash"), "attention_backend": ("TORCH_SDPA", "TORCH_SDPA"),
     "generation_config": ("vllm", "vllm"), "override_generation_config": ('{"top_k": 2}', {"top_k": 2}),

@@ -42,6 +42,7 @@ from pagedllm.entrypoints.chat_utils import image_placeholder
 from pagedllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from pagedllm.entrypoints.anthropic.serving_messages import error_response as anthropic_error_response
 from pagedllm.entrypoints.openai.chat_page import add_chat_page_routes, is_page_path
+from pagedllm.entrypoints.openai.admission import AdmissionControl
 from pagedllm.entrypoints.openai.frontend_config import FrontendConfig
 from pagedllm.entrypoints.openai.errors import (
     INVALID_REQUEST,
@@ -284,11 +285,13 @@ def build_app(engine: EngineClient, frontend: FrontendConfig) -> FastAPI:
         frontend.lora_modules or (), getattr(engine.processor, "check_lora", None),
     )  # fmt: skip
     token_ids = frontend.return_tokens_as_token_ids
+    admission = AdmissionControl(frontend.max_num_queued_reqs, frontend.max_num_queued_tokens, frontend.request_timeout,
+                                 getattr(engine, "metrics_registry", None), served_names[0])
     completion = OpenAIServingCompletion(
-        engine, models, renderer, log_requests=log_requests, return_tokens_as_token_ids=token_ids
+        engine, models, renderer, log_requests=log_requests, return_tokens_as_token_ids=token_ids, admission=admission
     )
     chat = OpenAIServingChat(
-        engine, models, renderer, log_requests=log_requests, return_tokens_as_token_ids=token_ids,
+        engine, models, renderer, log_requests=log_requests, return_tokens_as_token_ids=token_ids, admission=admission,
         response_role=frontend.response_role,
         tool_parser=frontend.tool_call_parser if frontend.enable_auto_tool_choice else None,
         reasoning_parser=frontend.reasoning_parser,

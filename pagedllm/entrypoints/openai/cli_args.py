@@ -249,6 +249,8 @@ def _exit_on_sigterm(signum: int, _: Any) -> NoReturn:
 def main(args: argparse.Namespace) -> int:
     """Run the server until SIGINT/SIGTERM or the engine's death; returns the exit code.
 
+    With ``--calculate-kv-cache-size`` it prints the KV-cache size and returns 0 at once.
+
     Exit codes: 0 after a shutdown by SIGINT/SIGTERM, 2 for a bad flag value (one line on
     stderr), 1 when the port is in use (one line, before the model loads), when the engine
     cannot start for another reason, or when it died while serving (so that a supervisor
@@ -273,6 +275,11 @@ def main(args: argparse.Namespace) -> int:
         engine_args = engine_args_from(args)
         frontend = FrontendConfig.from_cli_args(args)
         _fetch_models(engine_args)
+        if frontend.calculate_kv_cache_size:
+            from pagedllm.entrypoints.kv_cache_size import kv_cache_size_report
+
+            print(kv_cache_size_report(engine_args))
+            return 0
     except ValueError as exc:
         return _fail(str(exc), 2)
     try:

@@ -13,6 +13,9 @@ status type                         when
 404    ``NotFoundError``            unknown model or route (``code`` 404, as vLLM; a
                                     route's message names the method and path)
 405    ``MethodNotAllowedError``    a known route with another method (``Allow`` header)
+429    ``requests`` / ``tokens``    a queue limit (``--max-num-queued-reqs`` / ``-tokens``;
+                                    ``code`` ``rate_limit_exceeded``, ``Retry-After``)
+504    ``timeout_error``            past ``--request-timeout`` (``code`` ``timeout``)
 500    ``InternalServerError``      the engine died, or a bug (``code`` 500, as vLLM)
 =====  ===========================  =================================================
 
@@ -80,9 +83,13 @@ class OpenAIServingError(Exception):
         self.code = status_code if code is None else code
         #: The endpoint's id of the request, when it had one (for the log).
         self.request_id: Optional[str] = None
+        #: Headers of the answer (e.g. ``Retry-After`` of a 429).
+        self.headers: dict[str, str] = {}
 
     def to_response(self) -> JSONResponse:
-        return error_response(self.status_code, self.message, self.err_type, self.param, self.code)
+        response = error_response(self.status_code, self.message, self.err_type, self.param, self.code)
+        response.headers.update(self.headers)
+        return response
 
 
 def bad_request(message: str, param: Optional[str] = None, code: Union[int, str, None] = None) -> OpenAIServingError:

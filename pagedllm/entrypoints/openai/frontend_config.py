@@ -17,6 +17,8 @@ from pagedllm.config.arg_types import (
     lora_module_type,
     non_negative_seconds,
     port_type,
+    positive_int,
+    positive_seconds,
 )
 from pagedllm.config.flags import flag_field, flag_values, not_a_flag
 
@@ -227,6 +229,38 @@ class FrontendConfig:
     disable_frontend: bool = flag_field(
         False,
         help="Do not serve the chat page at / (the API routes are unaffected).",
+        action="store_true",
+    )
+    max_num_queued_reqs: Optional[int] = flag_field(
+        None,
+        help=(
+            "Most requests queued (sent to the engine, no output yet): one more is answered 429 with a "
+            "Retry-After header (vLLM's name; vLLM answers 503). Default: no limit."
+        ),
+        type=positive_int,
+    )
+    max_num_queued_tokens: Optional[int] = flag_field(
+        None,
+        help=(
+            "Most prompt tokens of queued requests, as --max-num-queued-reqs (vLLM has no such flag). "
+            "Default: no limit."
+        ),
+        type=positive_int,
+    )
+    request_timeout: Optional[float] = flag_field(
+        None,
+        help=(
+            "Seconds a request may take from receipt to its end: then it is aborted in the engine and "
+            "answered 504 (streamed: an error event, then [DONE]). Default: no limit."
+        ),
+        type=positive_seconds, metavar="SECONDS",
+    )
+    calculate_kv_cache_size: bool = flag_field(
+        False,
+        help=(
+            "Print the KV-cache size the flags give (bytes, tokens and blocks, per KV-cache group) "
+            "and exit without serving."
+        ),
         action="store_true",
     )
     disable_log_stats: bool = not_a_flag(False, why="EngineArgs' flag --disable-log-stats (server group)")

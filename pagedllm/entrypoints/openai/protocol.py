@@ -54,7 +54,6 @@ NOT_SUPPORTED_YET = {
     "length_penalty": "beam search",
     "logits_processors": "custom logits processors",
     "vllm_xargs": "custom logits processors",
-    "priority": "priority scheduling",
     "kv_transfer_params": "disaggregated prefill",
     "prompt_embeds": "prompt embeddings",
     "functions": "legacy function calling (use tools)",
@@ -64,7 +63,6 @@ NOT_SUPPORTED_YET = {
 #: Values of ``NOT_SUPPORTED_YET`` fields that ask for nothing, besides null / false / empty.
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "length_penalty": (1.0,),
-    "priority": (0,),
     "function_call": ("none", "auto"),
 }
 
@@ -194,6 +192,8 @@ class SamplingRequest(OpenAIRequest):
     prompt_logprobs: Optional[int] = None
     return_tokens_as_token_ids: Optional[bool] = None
     cache_salt: Optional[str] = None
+    # vLLM's: the request's place under --scheduling-policy priority (lower runs first).
+    priority: int = 0
     truncate_prompt_tokens: Optional[int] = None
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
@@ -212,7 +212,6 @@ class SamplingRequest(OpenAIRequest):
     length_penalty: Any = None
     logits_processors: Any = None
     vllm_xargs: Any = None
-    priority: Any = None
     kv_transfer_params: Any = None
 
     @model_validator(mode="after")

@@ -23,6 +23,7 @@ from typing import Any, AsyncGenerator, Optional, Sequence, TypeVar, Union
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.processor import ContextLengthError
 from pagedllm.engine.protocol import EngineClient
+from pagedllm.entrypoints.openai.admission import AdmissionControl, RequestTimeoutError
 from pagedllm.entrypoints.openai.errors import (
     OpenAIServingError,
     bad_request,
@@ -47,7 +48,7 @@ SAMPLING_FIELDS = (
     "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
     "top_k", "min_p", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
     "prompt_logprobs", "logit_bias", "max_completion_tokens", "cache_salt", "truncate_prompt_tokens",
-    "allowed_token_ids", "bad_words",
+    "allowed_token_ids", "bad_words", "priority",
 )  # fmt: skip
 
 
@@ -118,6 +119,12 @@ async def merge_async_iterators(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def _raise(exc: BaseException) -> AsyncGenerator:
+    """A stream whose first item is ``exc``, raised."""
+    raise exc
+    yield  # an async generator
+
+
 async def _prepend(first: T, rest: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
     """``first``, then the items of ``rest``; closing it closes ``rest``."""
     try:
@@ -159,6 +166,7 @@ class OpenAIServing:
         return_tokens_as_token_ids: logprobs name tokens ``"token_id:{id}"`` instead of
             their text (vLLM's ``--return-tokens-as-token-ids``, for tokens that are not
             JSON-encodable text), unless a request's own field says otherwise.
+        admission: the queue limits and request deadline (None: none).
     """
 
     def __init__(
@@ -169,8 +177,10 @@ class OpenAIServing:
         *,
         log_requests: bool = True,
         return_tokens_as_token_ids: bool = False,
+        admission: Optional[AdmissionControl] = None,
     ) -> None:
         self.engine = engine
+        self.admission = admission or AdmissionControl()
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.processor = engine.processor
         self.models = models
@@ -228,7 +238,8 @@ class OpenAIServing:
                 max_tokens, logprobs, prompt_logprobs, self.processor.default_sampling_params
             )
             engine_request, _ = self.processor.process(
-                request_id, prompt.engine_prompt, params, None, request.cache_salt, self.models.lora_request(request.model)
+                request_id, prompt.engine_prompt, params, None, request.cache_salt, self.models.lora_request(request.model),
+                request.priority,
             )
         except ContextLengthError as exc:
             error = self.context_error(exc, prompt_param)
@@ -248,7 +259,12 @@ class OpenAIServing:
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """(prompt index, RequestOutput) of one engine request per prompt (built by
         ``engine_request``, ids ``{request_id}-{i}``). Nothing reaches the engine until it
-        is iterated."""
+        is iterated; past the request's deadline it raises ``RequestTimeoutError``.
+
+        Raises:
+            OpenAIServingError: 429 when queuing the requests passes a queue limit.
+        """
+        self.admission.check(self.engine, requests)
         if self.log_requests:
             logging.getLogger(type(self).__module__).info(  # the endpoint's own logger
                 "Received request %s: %d prompt(s) of %s tokens, params: %s",
@@ -258,7 +274,7 @@ class OpenAIServing:
             self.engine.generate(request, request.sampling_params, request.request_id, prompt_text=prompt.text)
             for prompt, request in zip(prompts, requests)
         ]
-        return merge_async_iterators(generators)
+        return self.admission.with_deadline(merge_async_iterators(generators))
 
     @staticmethod
     async def collect_final(
@@ -295,6 +311,8 @@ class OpenAIServing:
             first = await stream.__anext__()
         except StopAsyncIteration:
             return stream
+        except RequestTimeoutError as exc:  # a stream's error: sent as its error event
+            return _raise(exc)
         except ValueError as exc:
             await stream.aclose()
             raise from_value_error(exc, SAMPLING_FIELDS) from None

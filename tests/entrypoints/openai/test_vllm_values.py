@@ -184,7 +184,6 @@ NOT_YET = [
     (COMPLETIONS, "length_penalty", 0.5),
     (COMPLETIONS, "logits_processors", ["my.module:Processor"]),
     (CHAT, "vllm_xargs", {"a": 1}),
-    (CHAT, "priority", 3),
     (COMPLETIONS, "kv_transfer_params", {"do_remote_decode": True}),
     (COMPLETIONS, "prompt_embeds", "AAAA"),
     (CHAT, "functions", [{"name": "f"}]),
@@ -216,6 +215,13 @@ def test_a_field_not_built_yet_is_a_400_naming_it(server, path, field, value):
     error = response.json()["error"]
     assert error["param"] == field
     assert f"{field} is not supported yet" in error["message"]
+
+
+def test_priority_needs_the_priority_policy(server):
+    """vLLM's rule: under fcfs (the shared server's policy) a priority other than 0 is a 400."""
+    response = _post(server, CHAT, _body(CHAT, {"priority": 3}))
+    assert response.status_code == 400, response.text
+    assert "Priority scheduling is not enabled" in response.json()["error"]["message"]
 
 
 def test_return_tokens_as_token_ids_per_request(server, tokenizer):
