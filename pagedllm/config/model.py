@@ -123,6 +123,8 @@ class ModelConfig:
     runner_type: str = "generate"
     pooler_config: Optional[PoolerConfig] = None
     convert_type: str = "none"
+    load_format: str = "auto"  # --load-format: "ipc_cache" maps preloaded weights (pagedllm.preload)
+    enable_sleep_mode: bool = False  # --enable-sleep-mode: sleep() / wake_up() (pagedllm.worker.sleep_mode)
 
     @property
     def architecture(self) -> str:
