@@ -1,4 +1,4 @@
-"""The ``pagedllm`` command: ``pagedllm serve`` and ``pagedllm bench ...``.
+"""The ``pagedllm`` command: ``pagedllm serve``, ``pagedllm bench ...`` and ``pagedllm preload``.
 
 Each subcommand module exposes ``register(subparsers)``, which adds its parser and sets
 ``func`` (called with the parsed arguments, returning an exit code). This module is the top
@@ -18,12 +18,14 @@ from pagedllm.version import __version__
 def build_parser() -> argparse.ArgumentParser:
     from pagedllm.benchmarks import cli as bench_cli
     from pagedllm.entrypoints.openai import cli_args as serve_cli
+    from pagedllm.preload import cli as preload_cli
 
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: fast LLM inference and serving.")
     parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     serve_cli.register(subparsers)
     bench_cli.register(subparsers)
+    preload_cli.register(subparsers)
     return parser
 
 
