@@ -1,4 +1,4 @@
-"""The ``pagedllm`` command: ``pagedllm serve``, ``pagedllm bench ...`` and ``pagedllm preload``.
+"""The ``pagedllm`` command: ``pagedllm serve``, ``pagedllm bench ...``, ``pagedllm preload`` and ``pagedllm snapshot``.
 
 Each subcommand module exposes ``register(subparsers)``, which adds its parser and sets
 ``func`` (called with the parsed arguments, returning an exit code). This module is the top
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.benchmarks import cli as bench_cli
     from pagedllm.entrypoints.openai import cli_args as serve_cli
     from pagedllm.preload import cli as preload_cli
+    from pagedllm.snapshot import cli as snapshot_cli
 
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: fast LLM inference and serving.")
     parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cli.register(subparsers)
     bench_cli.register(subparsers)
     preload_cli.register(subparsers)
+    snapshot_cli.register(subparsers)
     return parser
 
 

@@ -39,9 +39,9 @@ SOCKET_NAME = "control.sock"
 CONTROL_TIMEOUT_S = 10.0
 
 
-def preload_model(engine_args: EngineArgs) -> Path:
+def preload_model(engine_args: EngineArgs, root: Optional[Path] = None) -> Path:
     """Load the model of ``engine_args`` (tensor and pipeline parallel size 1) and write its
-    store; returns the store's folder.
+    store in ``root`` (None: ``PAGEDLLM_PRELOAD_DIR``); returns the store's folder.
 
     Raises:
         ValueError: a bad argument, more than one worker, or a model that cannot be stored.
@@ -58,7 +58,7 @@ def preload_model(engine_args: EngineArgs) -> Path:
     worker.load_model()
     model = worker.model_runner.model
     key = cache_key(config.model_config)
-    directory = preload_root() / store_name(config.model_config.model_path)
+    directory = (root or preload_root()) / store_name(config.model_config.model_path)
     nbytes = write_store(model, directory, key)
     worker.shutdown()
     logger.info("Preloaded %s: %.1f MB in %s", key["model_path"], nbytes / 1e6, directory)
