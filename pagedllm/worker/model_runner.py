@@ -257,6 +257,7 @@ class ModelRunner:
         if "weights" in tags and self._sleeping_weights is not None:
             self._sleeping_weights.wake_up(lambda: get_model(self.model_config, self.device, self.attn_backend))
             self._sleeping_weights = None
+            current_platform.empty_cache()  # a reloaded model's memory (level 2)
         if "kv_cache" in tags:
             self.initialize_kv_cache(self.num_blocks)
 

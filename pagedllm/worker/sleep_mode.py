@@ -6,13 +6,15 @@ held by a layer or by an object of a layer, such as its matmul plan), counted on
 storage (``weight_storages``). Putting a storage back in place (``UntypedStorage.resize_``)
 restores every tensor that views it, whoever holds it, so nothing is rebound on wake-up.
 
-- Level 1 (``offload``): the storages' bytes are copied into a file-backed shared mapping (an
-  unlinked-on-wake temporary file in ``tempfile.gettempdir()``), which is unmapped at once, and
+- Level 1 (``OffloadedWeights``): the bytes the tensors use of each storage are copied into a
+  file-backed shared mapping (a temporary file in ``tempfile.gettempdir()``, deleted on
+  wake-up), which is unmapped at once, and
   each storage is resized to 0 bytes: the weights leave this process's memory and live in the
   page cache of that file, which the kernel may write back and reclaim. ``restore`` maps the
   file again and copies them back.
 - Level 2: the storages are resized to 0 bytes, nothing is kept; ``copy_storages`` fills them
-  again from a model loaded anew (the same loader, so the same storages in the same order).
+  again from a model loaded anew (the same loader, so the same storages in the same order;
+  its float32 weight copies from arenas of their own: ``cpu_gemm.separate_fp32_copies``).
 
 Tensors without storage (``cpu_gemm.pack_weight``'s oneDNN layout: ``OpaqueWeights``) are
 taken out of every attribute that holds them: at level 1 a plain copy goes to the file and
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional
 
 import torch
@@ -59,22 +62,48 @@ def _slots(models: Iterable[nn.Module]) -> Iterator[tuple[dict, str, torch.Tenso
                         yield holder, key, value
 
 
-def weight_storages(models: Iterable[nn.Module]) -> list[torch.UntypedStorage]:
+@dataclass
+class WeightStorages:
+    """Storages of weights, each with its size and the bytes its tensors reach from its start
+    (``used``: less than the size where tensors are carved from a larger block, as the float32
+    weight copies' arena; only those bytes are kept and copied, the rest stays untouched memory)."""
+
+    storages: list[torch.UntypedStorage] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    used: list[int] = field(default_factory=list)
+
+    def add(self, storage: torch.UntypedStorage, used: int) -> None:
+        self.storages.append(storage)
+        self.sizes.append(storage.nbytes())
+        self.used.append(used)
+
+
+def _end_byte(tensor: torch.Tensor) -> int:
+    """One past the last byte of its storage that ``tensor`` reaches."""
+    if tensor.numel() == 0:
+        return 0
+    span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return (tensor.storage_offset() + span) * tensor.element_size()
+
+
+def weight_storages(models: Iterable[nn.Module]) -> WeightStorages:
     """The resizable, non-empty storages of every tensor of ``models`` but their KV caches
     (modules in ``modules()`` order), each once: a deterministic order, the same for two
     models built by the same loader."""
-    seen: set[int] = set()
-    storages = []
+    index: dict[int, int] = {}
+    found = WeightStorages()
     for _, _, tensor in _slots(models):
         if tensor.is_mkldnn or tensor.device.type == "meta":
             continue
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
-        if storage.nbytes() == 0 or ptr in seen or not storage.resizable():
+        if storage.nbytes() == 0 or not storage.resizable():
             continue
-        seen.add(ptr)
-        storages.append(storage)
-    return storages
+        if ptr not in index:
+            index[ptr] = len(found.storages)
+            found.add(storage, 0)
+        found.used[index[ptr]] = max(found.used[index[ptr]], _end_byte(tensor))
+    return found
 
 
 class OpaqueWeights:
@@ -130,50 +159,49 @@ def unbind_kv_caches(models: Iterable[nn.Module]) -> None:
                 setattr(module, KV_CACHE_ATTR, [] if isinstance(value, list) else torch.empty(0))
 
 
-def release(storages: list[torch.UntypedStorage]) -> None:
+def release(weights: WeightStorages) -> None:
     """Resize each storage to 0 bytes (its memory is freed; its tensors keep shape and strides)."""
-    for storage in storages:
+    for storage in weights.storages:
         storage.resize_(0)
 
 
-def copy_storages(dst: list[torch.UntypedStorage], sizes: list[int], src: list[torch.UntypedStorage]) -> None:
-    """Give each released ``dst`` storage its size back and the bytes of the matching ``src`` one.
+def copy_storages(dst: WeightStorages, src: WeightStorages) -> None:
+    """Give each released ``dst`` storage its size back and the used bytes of the matching ``src`` one.
 
     Raises:
         RuntimeError: ``src`` is not storage for storage the size of ``dst`` (another model).
     """
-    if [s.nbytes() for s in src] != sizes:
+    if src.sizes != dst.sizes or src.used != dst.used:
         raise RuntimeError(
-            f"The reloaded model's weights ({len(src)} storages, {sum(s.nbytes() for s in src):,} bytes) are not "
-            f"those put to sleep ({len(dst)} storages, {sum(sizes):,} bytes)."
+            f"The reloaded model's weights ({len(src.sizes)} storages, {sum(src.used):,} bytes) are not those put "
+            f"to sleep ({len(dst.sizes)} storages, {sum(dst.used):,} bytes)."
         )
-    for storage, size, source in zip(dst, sizes, src):
+    for storage, size, used, source in zip(dst.storages, dst.sizes, dst.used, src.storages):
         storage.resize_(size)
-        _bytes_of(storage).copy_(_bytes_of(source))
+        _bytes_of(storage)[:used].copy_(_bytes_of(source)[:used])
 
 
 class OffloadedWeights:
-    """Level 1: ``storages``' bytes in a temporary file while they are released.
+    """Level 1: the used bytes of ``weights``' storages in a temporary file while they are released.
 
     Args:
-        storages: from ``weight_storages``; released here, after their bytes are written.
+        weights: from ``weight_storages``; released here, after their bytes are written.
     """
 
-    def __init__(self, storages: list[torch.UntypedStorage]) -> None:
-        self.storages = storages
-        self.sizes = [s.nbytes() for s in storages]
+    def __init__(self, weights: WeightStorages) -> None:
+        self.weights = weights
         self.offsets, total = [], 0
-        for size in self.sizes:
+        for used in weights.used:
             self.offsets.append(total)
-            total += -(-size // _ALIGN) * _ALIGN
+            total += -(-used // _ALIGN) * _ALIGN
         self.nbytes = total
         fd, self.path = tempfile.mkstemp(prefix="pagedllm-sleep-", suffix=".bin")
         os.close(fd)
         mapping = self._map()
-        for storage, offset, size in zip(storages, self.offsets, self.sizes):
-            mapping[offset : offset + size].copy_(_bytes_of(storage))
+        for storage, offset, used in zip(weights.storages, self.offsets, weights.used):
+            mapping[offset : offset + used].copy_(_bytes_of(storage)[:used])
         del mapping  # unmapped: the bytes are the file's pages now
-        release(storages)
+        release(weights)
 
     def _map(self) -> torch.Tensor:
         return torch.from_file(self.path, shared=True, size=max(self.nbytes, 1), dtype=torch.uint8)
@@ -182,9 +210,10 @@ class OffloadedWeights:
         """Copy the bytes back into the storages and delete the file."""
         mapping: Optional[torch.Tensor] = self._map()
         assert mapping is not None
-        for storage, offset, size in zip(self.storages, self.offsets, self.sizes):
+        w = self.weights
+        for storage, size, offset, used in zip(w.storages, w.sizes, self.offsets, w.used):
             storage.resize_(size)
-            _bytes_of(storage).copy_(mapping[offset : offset + size])
+            _bytes_of(storage)[:used].copy_(mapping[offset : offset + used])
         mapping = None
         self.discard()
 
@@ -207,25 +236,27 @@ class SleepingWeights:
         self.level = level
         self.opaque = OpaqueWeights(models)
         self.plain = self.opaque.take()
-        self.storages = weight_storages(models)
-        self.sizes = [s.nbytes() for s in self.storages]
+        self.weights = weight_storages(models)
         self.file: Optional[OffloadedWeights] = None
         if level == 1:
-            self.file = OffloadedWeights(self.storages + [p.untyped_storage() for p in self.plain])
+            for plain in self.plain:  # offloaded with the others
+                self.weights.add(plain.untyped_storage(), plain.untyped_storage().nbytes())
+            self.file = OffloadedWeights(self.weights)
         else:
             self.plain = []
-            release(self.storages)
+            release(self.weights)
 
     def wake_up(self, load_model: Callable[[], nn.Module]) -> None:
         """Put the weights back: from the file, or (level 2) from ``load_model()``, a model
         loaded anew as the sleeping one was."""
-        from pagedllm.model_executor.layers.cpu_gemm import pack_weight
+        from pagedllm.model_executor.layers.cpu_gemm import pack_weight, separate_fp32_copies
 
         if self.file is not None:
             self.file.restore()
             self.opaque.put_back([pack_weight(p) for p in self.plain])
         else:
-            fresh = load_model()
-            copy_storages(self.storages, self.sizes, weight_storages([fresh]))
+            with separate_fp32_copies():  # the reloaded model's copies die with it
+                fresh = load_model()
+            copy_storages(self.weights, weight_storages([fresh]))
             self.opaque.put_back(OpaqueWeights([fresh]).tensors)
         self.plain = []

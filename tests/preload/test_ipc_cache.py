@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -100,10 +101,13 @@ def test_engines_share_the_store_and_outlive_the_daemon(store, tiny_llama):
         assert llm.generate([{"prompt_token_ids": PROMPT}], params)[0].outputs[0].token_ids == expected
         assert _mapped_inode(llm) == inode  # both view the store's one copy
     root = store.parent
-    server = threading.Thread(target=daemon.serve_control, args=(root,))
+    server = threading.Thread(target=daemon.serve_control, args=(root,), daemon=True)
     server.start()
     try:
-        status = daemon.control(root, "status")
+        deadline, status = time.monotonic() + 30, None
+        while status is None and time.monotonic() < deadline:  # until the thread listens
+            status = daemon.control(root, "status")
+            time.sleep(0.01)
         assert status["stores"] == 1 and status["nbytes"] > 0
         assert [s["model_path"] for s in daemon.control(root, "list")["stores"]] == [str(tiny_llama.resolve())]
         assert daemon.control(root, "stop")["stopped"] is True

@@ -26,7 +26,7 @@ def test_sleep_levels_keep_greedy_output(tiny_llama):
     llm = LLM(str(tiny_llama), enable_sleep_mode=True, dtype="float32", max_model_len=64, num_gpu_blocks_override=32)
     expected = _tokens(llm)
     runner = _runner(llm)
-    weights = sleep_mode.weight_storages([runner.model])
+    weights = sleep_mode.weight_storages([runner.model]).storages
     kv_bytes = sum(t.untyped_storage().nbytes() for t in runner.kv_caches)
     assert kv_bytes > 0 and sum(s.nbytes() for s in weights) > 0
     for level in (1, 2):
