@@ -192,6 +192,13 @@ PAGEDLLM_LOG_STATS_INTERVAL = _declare(
 PAGEDLLM_LOGGING_LEVEL = _declare(
     "PAGEDLLM_LOGGING_LEVEL", "str", "INFO", "Level of the `pagedllm` logger (DEBUG, INFO, WARNING, ERROR).",
 )  # fmt: skip
+PAGEDLLM_PRELOAD_DIR = _declare(
+    "PAGEDLLM_PRELOAD_DIR", "str", "/dev/shm/pagedllm-preload",
+    "Folder of `pagedllm preload`'s weight stores and control socket (`--load-format ipc_cache` maps them).",
+)  # fmt: skip
+PAGEDLLM_SNAPSHOT_DIR = _declare(
+    "PAGEDLLM_SNAPSHOT_DIR", "str", "~/.cache/pagedllm/snapshots", "Folder of `pagedllm snapshot`'s snapshots.",
+)  # fmt: skip
 PAGEDLLM_BATCH_INVARIANT = _declare(
     "PAGEDLLM_BATCH_INVARIANT", "bool", False, "Turn `--batch-invariant` on.",
     alias="VLLM_BATCH_INVARIANT",

@@ -1,12 +1,16 @@
 """``pagedllm bench startup``: how long until the engine can serve.
 
-Two measurements, each in fresh processes (nothing warm but the OS page cache):
+Measurements (``--mode``), each start in a fresh process (nothing warm but the OS page cache):
 
 - ``serve``: ``pagedllm serve MODEL ...`` from process start until ``GET /health``
   answers 200 (polled every 20 ms), then the server is stopped with SIGINT.
 - ``llm``: a fresh ``python`` that runs ``from pagedllm import LLM; LLM(model=...)``;
   the time from interpreter start to the constructor's return (``llm_process_s``) and
   the constructor alone, imports included (``llm_construction_s``).
+- ``preload``: as ``serve``, with ``--load-format ipc_cache``, while one ``pagedllm preload``
+  daemon (started first, in a private ``PAGEDLLM_PRELOAD_DIR``, not timed) holds the weights.
+- ``wake``: one server with ``--enable-sleep-mode``; each iteration puts it to sleep
+  (``POST /sleep?level=1``, then ``level=2``) and times ``POST /wake_up`` until it answers.
 
 Each is repeated ``--num-iters`` times after ``--num-iters-warmup`` unrecorded runs (the
 first run on a machine also builds the C++ CPU kernels and fills the page cache).
@@ -45,7 +49,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser, unset=True)
     parser.set_defaults(dtype="auto")
     parser.add_argument("--serve-args", default="", help="extra `pagedllm serve` flags, one string")
-    parser.add_argument("--mode", default="serve,llm", help="comma-separated: serve, llm (default: both)")
+    parser.add_argument("--mode", default="serve,llm",
+                        help="comma-separated: serve, llm, preload, wake (default: serve,llm)")
     parser.add_argument("--num-iters-warmup", type=int, default=1, help="unrecorded starts first (default: 1)")
     parser.add_argument("--num-iters", type=int, default=3, help="recorded starts of each mode (default: 3)")
     parser.add_argument("--output-json", default=None, help="write the results here")
@@ -74,32 +79,96 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
             for arg in flag_as_args(actions[name].option_strings[0], actions[name], value)]
 
 
-def time_serve(args: argparse.Namespace) -> float:
-    """Seconds from starting ``pagedllm serve`` until ``/health`` is 200.
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _start_server(args: argparse.Namespace, extra: list[str], env: Optional[dict[str, str]] = None
+                  ) -> tuple[subprocess.Popen, str, float]:
+    """A ``pagedllm serve`` process, its URL, and the seconds until ``/health`` was 200.
 
     Raises:
         RuntimeError: the server exited or did not become healthy within 300 s.
     """
     port = _free_port()
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port), *engine_flags(args)]
-    cmd += shlex.split(args.serve_args)
+    cmd += shlex.split(args.serve_args) + extra
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    while not _healthy(url + "/health"):
+        if proc.poll() is not None:
+            raise RuntimeError(f"pagedllm serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        if time.perf_counter() - start > _START_TIMEOUT_S:
+            _stop(proc)
+            raise RuntimeError(f"pagedllm serve was not healthy after {_START_TIMEOUT_S:.0f} s")
+        time.sleep(0.02)
+    return proc, url, time.perf_counter() - start
+
+
+def time_serve(args: argparse.Namespace, extra: tuple[str, ...] = (), env: Optional[dict[str, str]] = None) -> float:
+    """Seconds from starting ``pagedllm serve`` (with ``extra`` flags, in ``env``) until
+    ``/health`` is 200.
+
+    Raises:
+        RuntimeError: the server exited or did not become healthy within 300 s.
+    """
+    proc, _, seconds = _start_server(args, list(extra), env)
+    _stop(proc)
+    return seconds
+
+
+def _post(url: str) -> None:
+    urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=_START_TIMEOUT_S).close()
+
+
+def time_wake(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Per iteration (``--num-iters``, after the warm-up ones): seconds of ``POST /wake_up``
+    after ``POST /sleep?level=1`` and after ``level=2``, on one ``--enable-sleep-mode`` server."""
+    proc, url, _ = _start_server(args, ["--enable-sleep-mode"])
+    times: dict[str, list[float]] = {"wake_level1_s": [], "wake_level2_s": []}
     try:
-        while not _healthy(f"http://127.0.0.1:{port}/health"):
-            if proc.poll() is not None:
-                raise RuntimeError(f"pagedllm serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-            if time.perf_counter() - start > _START_TIMEOUT_S:
-                raise RuntimeError(f"pagedllm serve was not healthy after {_START_TIMEOUT_S:.0f} s")
-            time.sleep(0.02)
-        return time.perf_counter() - start
+        for i in range(args.num_iters_warmup + args.num_iters):
+            for level in (1, 2):
+                _post(f"{url}/sleep?level={level}")
+                start = time.perf_counter()
+                _post(f"{url}/wake_up")
+                if i >= args.num_iters_warmup:
+                    times[f"wake_level{level}_s"].append(time.perf_counter() - start)
     finally:
-        proc.send_signal(signal.SIGINT)
+        _stop(proc)
+    return times
+
+
+def time_preload(args: argparse.Namespace) -> list[float]:
+    """Starts of ``pagedllm serve --load-format ipc_cache`` (seconds to ``/health`` 200) while a
+    ``pagedllm preload`` daemon, started first in a temporary folder, holds the weights.
+
+    Raises:
+        RuntimeError: the daemon exited or was not ready within 300 s; a server failed.
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="pagedllm-bench-preload-", dir="/dev/shm") as root:
+        env = {**os.environ, "PAGEDLLM_PRELOAD_DIR": root}
+        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "preload", *engine_flags(args)]
+        daemon = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            start = time.perf_counter()
+            while not os.path.exists(os.path.join(root, "control.sock")):
+                if daemon.poll() is not None or time.perf_counter() - start > _START_TIMEOUT_S:
+                    raise RuntimeError(f"pagedllm preload did not start: {daemon.stderr.read()[-2000:]}")
+                time.sleep(0.05)
+            for _ in range(args.num_iters_warmup):
+                time_serve(args, ("--load-format", "ipc_cache"), env)
+            return [time_serve(args, ("--load-format", "ipc_cache"), env) for _ in range(args.num_iters)]
+        finally:
+            _stop(daemon)
 
 
 _LLM_SCRIPT = """
@@ -137,9 +206,9 @@ def _median(values: list[float]) -> Optional[float]:
 
 def main(args: argparse.Namespace) -> int:
     modes = {m.strip() for m in args.mode.split(",") if m.strip()}
-    unknown = modes - {"serve", "llm"}
+    unknown = modes - {"serve", "llm", "preload", "wake"}
     if unknown:
-        raise SystemExit(f"pagedllm bench startup: error: unknown --mode {sorted(unknown)}; use serve, llm")
+        raise SystemExit(f"pagedllm bench startup: error: unknown --mode {sorted(unknown)}; use serve, llm, preload, wake")
     result: dict[str, Any] = {"machine": machine_info(), "model": args.model, "dtype": args.dtype}
     if "serve" in modes:
         for _ in range(args.num_iters_warmup):
@@ -157,5 +226,16 @@ def main(args: argparse.Namespace) -> int:
                       llm_construction_s=construction, median_llm_construction_s=_median(construction))
         print(f"LLM(...) in a fresh process: median {_median(process):.2f} s "
               f"(import + constructor {_median(construction):.2f} s)")
+    if "preload" in modes:
+        times = time_preload(args)
+        result.update(preload_serve_startup_s=times, median_preload_serve_startup_s=_median(times))
+        print(f"pagedllm serve --load-format ipc_cache until /health 200: median {_median(times):.2f} s  "
+              f"({', '.join(f'{t:.2f}' for t in times)})")
+    if "wake" in modes:
+        wakes = time_wake(args)
+        for name, times in wakes.items():
+            result.update({name: times, f"median_{name}": _median(times)})
+        print(f"POST /wake_up after /sleep?level=1: median {_median(wakes['wake_level1_s']):.2f} s; "
+              f"after level=2: median {_median(wakes['wake_level2_s']):.2f} s")
     write_json(args.output_json, result)
     return 0

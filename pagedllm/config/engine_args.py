@@ -404,12 +404,21 @@ class EngineArgs:
         "auto",
         help=(
             "Checkpoint format: 'auto' / 'safetensors' (*.safetensors), 'gguf' (a .gguf MODEL, also "
-            "read under 'auto'); the others are not supported yet."
+            "read under 'auto'), 'ipc_cache' (map the weights `pagedllm preload MODEL` holds, ready to run; "
+            "'auto' maps them too when they match, else loads the checkpoint); the others are not supported yet."
         ),
         choices=(
             "auto", "safetensors", "pt", "npcache", "dummy", "tensorizer", "sharded_state", "gguf", "bitsandbytes",
-            "mistral", "runai_streamer", "fastsafetensors",
+            "mistral", "runai_streamer", "fastsafetensors", "ipc_cache",
         ),  # fmt: skip
+    )
+    enable_sleep_mode: bool = flag_field(
+        False,
+        help=(
+            "Allow sleep() / wake_up() (POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping): level 1 frees "
+            "the KV cache and moves the weights to a file, level 2 drops them (wake-up loads them again)."
+        ),
+        action="store_true",
     )
     kv_cache_dtype: str = flag_field(
         "auto",
@@ -673,6 +682,8 @@ class EngineArgs:
             multimodal_config=MultiModalConfig.from_engine_args(
                 self.limit_mm_per_prompt, self.mm_processor_kwargs, self.trust_request_mm_kwargs,
                 self.allowed_local_media_path, self.allowed_media_domains),
+            load_format=self.load_format,
+            enable_sleep_mode=self.enable_sleep_mode,
         )
         model_config.pooling_activations  # a classifier's activation not built fails here, before loading
         self._check_num_gpu_blocks_override(max_model_len)

@@ -125,6 +125,8 @@ class ModelConfig:
     pooler_config: Optional[PoolerConfig] = None
     convert_type: str = "none"
     multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)  # images: see MultiModalConfig
+    load_format: str = "auto"  # --load-format: "ipc_cache" maps preloaded weights (pagedllm.preload)
+    enable_sleep_mode: bool = False  # --enable-sleep-mode: sleep() / wake_up() (pagedllm.worker.sleep_mode)
 
     @property
     def architecture(self) -> str:

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.client_factory import make_client
 from pagedllm.engine.core_client import EngineCoreClient
-from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.engine.exceptions import EngineDeadError, EngineSleepingError
 from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputCollector
 from pagedllm.engine.parallel_sampling import fan_out
@@ -122,6 +122,7 @@ class AsyncLLM:
         self._handler_loop: Optional[asyncio.AbstractEventLoop] = None
         self._dead_error: Optional[EngineDeadError] = None
         self._shut_down = False
+        self._sleeping = False  # from the start of sleep() until everything is woken up
 
     @classmethod
     def from_engine_args(
@@ -234,8 +235,11 @@ class AsyncLLM:
             ValueError: bad prompt or parameters, a request id already in use, or an
                 ``EngineCoreRequest`` whose id is not ``request_id`` (nothing is queued then).
             EngineDeadError: the engine is dead.
+            EngineSleepingError: the engine is asleep, or going to sleep (``sleep``).
         """
         self._check_alive()
+        if self._sleeping:
+            raise EngineSleepingError("The model is sleeping; POST /wake_up (wake_up()) before sending requests.")
         if request_id in self._collectors:
             raise ValueError(f"Request id {request_id!r} is already running.")
         if isinstance(prompt, EngineCoreRequest):
@@ -422,6 +426,51 @@ class AsyncLLM:
             raise RuntimeError(
                 "Cannot reset the prefix cache while requests are running; wait for them to finish."
             )
+
+    async def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (``EngineCore.sleep``): from now on new requests are refused
+        (``EngineSleepingError``); the unfinished ones finish first, then the engine frees
+        its KV cache and takes the weights out of memory (level 1: into a file; level 2:
+        dropped).
+
+        Raises:
+            ValueError: sleep mode off, or a bad level (the engine keeps serving).
+            EngineDeadError: the engine is dead.
+        """
+        self._check_alive()
+        self._sleeping = True
+        try:
+            while self.output_processor.has_unfinished_requests():
+                await asyncio.sleep(0.01)
+            await self._call_engines("sleep", level)
+        except BaseException:
+            self._sleeping = await self._engine_sleeping()
+            raise
+
+    async def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Put back ``tags`` (``"weights"``, ``"kv_cache"``; None: both); requests are taken
+        again once nothing is left asleep.
+
+        Raises:
+            ValueError: an unknown tag.
+            EngineDeadError: the engine is dead.
+        """
+        self._check_alive()
+        await self._call_engines("wake_up", tags)
+        self._sleeping = await self._engine_sleeping()
+
+    async def is_sleeping(self) -> bool:
+        """Whether the engine is asleep or going to sleep (requests are refused)."""
+        return self._sleeping
+
+    async def _engine_sleeping(self) -> bool:
+        return any(await self._call_engines("is_sleeping"))
+
+    async def _call_engines(self, method: str, *args: object) -> list:
+        """``EngineCore.<method>(*args)`` in every engine (each data-parallel replica); their results."""
+        self._ensure_output_handler()
+        result = await self.engine_core.call_utility_async(method, *args)  # type: ignore[attr-defined]
+        return result if isinstance(result, list) else [result]
 
     # -- output handling --------------------------------------------------------------------
 

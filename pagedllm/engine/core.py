@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from typing import Iterable
+from typing import Iterable, Optional
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_interface import KVCacheGroups
@@ -16,6 +16,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.batch_queue import BatchQueue
+from pagedllm.engine.protocol import SLEEP_TAGS
 from pagedllm.executor.selector import get_executor_class
 from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.multimodal.budget import encoder_cache_size
@@ -76,6 +77,7 @@ class EngineCore:
         # frozen). vLLM freezes its heap after start-up too.
         gc.collect()
         gc.freeze()
+        self._sleeping: set[str] = set()  # the SLEEP_TAGS put to sleep and not woken yet
 
     def _prefix_caching(self, groups: KVCacheGroups) -> bool:
         """``enable_prefix_caching``; for a model with state layers, with an INFO line on what
@@ -113,6 +115,8 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """Schedule, run the model once, and return what each request produced (with
         micro-batches: ``BatchQueue.step``)."""
+        if self._sleeping:  # requests added while asleep wait for wake_up
+            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
         if self.batch_queue is not None:
             return self.batch_queue.step()
         if not self.scheduler.has_unfinished_requests():
@@ -134,6 +138,48 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block. Returns False while any block is in use."""
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode: forget the prefix cache, free the KV cache, and take the weights
+        out of memory (level 1: into a file; level 2: dropped; ``pagedllm.worker.sleep_mode``).
+        Steps do nothing until ``wake_up``. A no-op while asleep.
+
+        Raises:
+            ValueError: without ``enable_sleep_mode``, or a level other than 1 and 2.
+            RuntimeError: while requests are unfinished (the front ends wait for them first).
+        """
+        if not self.config.model_config.enable_sleep_mode:
+            raise ValueError("Sleep mode is off; start the engine with --enable-sleep-mode (enable_sleep_mode=True).")
+        if level not in (1, 2):
+            raise ValueError(f"Sleep level must be 1 or 2, got {level!r}.")
+        if self._sleeping:
+            return
+        if self.scheduler.has_unfinished_requests():
+            raise RuntimeError("Cannot sleep while requests are unfinished; wait for them to finish.")
+        self.kv_cache_manager.reset_prefix_cache()
+        self.model_executor.sleep(level)
+        self._sleeping = set(SLEEP_TAGS)
+        logger.info("Sleeping (level %d): KV cache freed, weights %s.", level,
+                    "moved to a file" if level == 1 else "dropped")
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Put back ``tags`` (``SLEEP_TAGS``; None: both); those already awake are skipped.
+
+        Raises:
+            ValueError: an unknown tag.
+        """
+        unknown = sorted(set(tags or ()) - set(SLEEP_TAGS))
+        if unknown:
+            raise ValueError(f"Unknown wake_up tags {unknown}; the tags are {', '.join(SLEEP_TAGS)}.")
+        waking = [tag for tag in SLEEP_TAGS if tag in self._sleeping and (tags is None or tag in tags)]
+        if waking:
+            self.model_executor.wake_up(waking)
+            self._sleeping -= set(waking)
+            logger.info("Woke up: %s.", ", ".join(waking))
+
+    def is_sleeping(self) -> bool:
+        """Whether anything ``sleep`` took is still away."""
+        return bool(self._sleeping)
 
     def shutdown(self) -> None:
         """Stop the executor and release the model and the KV cache; idempotent."""

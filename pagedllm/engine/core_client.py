@@ -52,6 +52,7 @@ from pagedllm.engine.core_proc import (
     EngineFailure,
     ReadyInfo,
     UtilityCall,
+    UTILITY_METHODS,
     UtilityResult,
     make_socket,
     run_engine_core,
@@ -155,6 +156,12 @@ class InprocClient(EngineCoreClient):
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """``EngineCore.<method>(*args)`` (one of ``UTILITY_METHODS``), as ``MPClient.call_utility``."""
+        if method not in UTILITY_METHODS:
+            raise RuntimeError(f"unknown EngineCore utility method {method!r}")
+        return getattr(self.engine_core, method)(*args)
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -52,7 +52,7 @@ _IDLE_POLL_MS = 1000
 _PARENT_CHECK_INTERVAL_S = 1.0
 #: EngineCore methods the front end may call through a UTILITY message (plus
 #: ``block_accounting``, below).
-UTILITY_METHODS = frozenset({"reset_prefix_cache", "has_unfinished_requests"})
+UTILITY_METHODS = frozenset({"reset_prefix_cache", "has_unfinished_requests", "sleep", "wake_up", "is_sleeping"})
 
 
 def block_accounting(engine_core: Any) -> dict[str, int]:

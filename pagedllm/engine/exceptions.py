@@ -21,6 +21,11 @@ class EngineDeadError(RuntimeError):
         return error
 
 
+class EngineSleepingError(RuntimeError):
+    """The engine is asleep (``sleep``, vLLM's sleep mode): it takes no request until
+    ``wake_up``. Raised when a request is added; the OpenAI server answers it with 503."""
+
+
 class EngineStartupError(RuntimeError):
     """The EngineCore failed while starting (loading the model, sizing the KV cache).
 

@@ -14,6 +14,7 @@ from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.client_factory import make_client
 from pagedllm.engine.core_client import InprocClient
+from pagedllm.engine.exceptions import EngineSleepingError
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
@@ -47,6 +48,7 @@ class LLMEngine:
                                    config.scheduler_config.policy)
         self.engine_core_client = make_client(config, multiprocess=False, asyncio_mode=False)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._sleeping = False
         self.stat_logger: Optional[LoggingStatLogger] = None
         if log_stats:
             self.stat_logger = LoggingStatLogger()
@@ -83,7 +85,10 @@ class LLMEngine:
         Raises:
             ValueError: for a bad prompt, parameters or adapter (nothing is queued then).
             FileNotFoundError: no adapter at ``lora_request.lora_path``.
+            EngineSleepingError: the engine is asleep (``sleep``).
         """
+        if self._sleeping:
+            raise EngineSleepingError("The engine is sleeping; call wake_up() before adding requests.")
         if isinstance(params, PoolingParams):
             request, prompt_text = self.processor.process_pooling(request_id, prompt, params, arrival_time)
         else:
@@ -142,6 +147,25 @@ class LLMEngine:
         """
         if not self.engine_core_client.reset_prefix_cache():
             raise RuntimeError("Cannot reset the prefix cache while requests are running; wait for them to finish.")
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache and take the weights out of memory (``EngineCore.sleep``).
+
+        Raises:
+            ValueError: sleep mode off, or a bad level.
+            RuntimeError: while requests are unfinished.
+        """
+        self.engine_core_client.call_utility("sleep", level)
+        self._sleeping = True
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Put back ``tags`` (``"weights"``, ``"kv_cache"``; None: both) (``EngineCore.wake_up``)."""
+        self.engine_core_client.call_utility("wake_up", tags)
+        self._sleeping = bool(self.engine_core_client.call_utility("is_sleeping"))
+
+    def is_sleeping(self) -> bool:
+        """Whether anything ``sleep`` took is still away (no request is taken until then)."""
+        return self._sleeping
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from pagedllm.outputs import RequestOutput
     from pagedllm.sampling_params import SamplingParams
 
+#: What sleep mode takes away and ``wake_up(tags)`` can put back (vLLM's tags).
+SLEEP_TAGS = ("weights", "kv_cache")
+
 
 class EngineClient(Protocol):
     """An engine serving requests from asyncio.
@@ -80,6 +83,19 @@ class EngineClient(Protocol):
 
     def abort_all(self, error: Exception) -> list[str]:
         """End every running request, raising ``error`` in its consumer; returns their ids."""
+        ...
+
+    async def sleep(self, level: int = 1) -> None:
+        """Refuse new requests, let the unfinished ones finish, then free the KV cache and
+        take the weights out of memory (level 1: kept in a file; level 2: dropped)."""
+        ...
+
+    async def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Put back ``tags`` (``SLEEP_TAGS``; None: all); requests are taken once all are back."""
+        ...
+
+    async def is_sleeping(self) -> bool:
+        """Whether requests are refused because the engine sleeps (or is going to)."""
         ...
 
     async def do_log_stats(self) -> None:

@@ -1,5 +1,5 @@
 """The ``pagedllm`` command: ``pagedllm serve``, ``pagedllm run-batch``, ``pagedllm bench ...``,
-``pagedllm chat`` and ``pagedllm complete``.
+``pagedllm chat``, ``pagedllm complete``, ``pagedllm preload`` and ``pagedllm snapshot``.
 
 Each subcommand module exposes ``register(subparsers)``, which adds its parser and sets
 ``func`` (called with the parsed arguments, returning an exit code). This module is the top
@@ -21,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.entrypoints import client_cli
     from pagedllm.entrypoints.openai import cli_args as serve_cli
     from pagedllm.entrypoints.openai import run_batch as run_batch_cli
+    from pagedllm.preload import cli as preload_cli
+    from pagedllm.snapshot import cli as snapshot_cli
 
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: fast LLM inference and serving.")
     parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
@@ -29,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     run_batch_cli.register(subparsers)
     bench_cli.register(subparsers)
     client_cli.register(subparsers)
+    preload_cli.register(subparsers)
+    snapshot_cli.register(subparsers)
     return parser
 
 

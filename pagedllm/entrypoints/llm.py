@@ -331,6 +331,16 @@ class LLM:
         """Forget every cached block (see ``LLMEngine.reset_prefix_cache``)."""
         self.llm_engine.reset_prefix_cache()
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's ``LLM.sleep``: free the KV cache and take the weights out of memory (level 1:
+        into a file, level 2: dropped), until ``wake_up``; needs ``enable_sleep_mode=True``
+        (see ``EngineCore.sleep``)."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """vLLM's ``LLM.wake_up``: put back ``tags`` (``"weights"``, ``"kv_cache"``; None: both)."""
+        self.llm_engine.wake_up(tags)
+
     @classmethod
     def _as_prompt_list(
         cls, prompts: Union[PromptType, Sequence[PromptType], None], prompt_token_ids: Optional[list] = None

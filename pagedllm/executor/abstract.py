@@ -139,6 +139,14 @@ class Executor(ABC):
         """Allocate ``num_blocks`` KV-cache blocks on every worker."""
         self.collective_rpc("initialize_kv_cache", args=(num_blocks,))
 
+    def sleep(self, level: int) -> None:
+        """Put every worker to sleep (``Worker.sleep``)."""
+        self.collective_rpc("sleep", args=(level,))
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Wake ``tags`` up on every worker (``Worker.wake_up``)."""
+        self.collective_rpc("wake_up", args=(tags,))
+
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the workers and release their memory; idempotent."""

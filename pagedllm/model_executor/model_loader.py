@@ -17,6 +17,7 @@ from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.attention.selector import set_attn_backend
 from pagedllm.config import ModelConfig
 from pagedllm.model_executor.layers.batch_invariant import use_batch_invariant_methods
+from pagedllm.model_executor.layers.cpu_gemm import pack_weight
 from pagedllm.model_executor.layers.rotary_embedding import rope_cache_scope
 from pagedllm.model_executor.gguf_weights import KERNEL_TYPES, iterate_gguf_weights, open_gguf, tensor_types
 from pagedllm.model_executor.layers.quantization import (
@@ -124,14 +125,23 @@ def process_weights_after_loading(model: nn.Module) -> Counter[str]:
 
 def get_model(model_config: ModelConfig, device: torch.device, attn_backend: type[AttentionBackend]) -> nn.Module:
     """Instantiate the architecture named in config.json on ``device`` in ``model_config.dtype``,
-    its attention layers on ``attn_backend``, and load the checkpoint into it.
+    its attention layers on ``attn_backend``, and load the checkpoint into it; or, with
+    ``load_format`` "ipc_cache" (or "auto" and a matching store), map the model that
+    ``pagedllm preload`` holds (``pagedllm.preload.ipc_cache``).
 
     Raises:
         ValueError: unsupported architecture or quantization method, a config.json key the
             model code would ignore (``pagedllm.arch_config.check_hf_config``), missing files, unknown
             tensor names, shape mismatches, or parameters the checkpoint does not provide;
-            ``batch_invariant`` with a quantized model.
+            ``batch_invariant`` with a quantized model; with "ipc_cache", no preloaded
+            weights or weights that differ (naming the field).
     """
+    if model_config.load_format in ("auto", "ipc_cache"):
+        from pagedllm.preload.ipc_cache import load_preloaded
+
+        preloaded = load_preloaded(model_config, model_config.load_format == "ipc_cache", pack_weight)
+        if preloaded is not None:
+            return preloaded.eval()
     model_cls = get_model_class(model_config.architecture)
     if model_config.convert_type == "classify" and not hasattr(model_cls, "pooler_head"):
         model_cls = as_seq_cls_model(model_cls)  # --convert classify: a decoder with a score head

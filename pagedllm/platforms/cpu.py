@@ -13,7 +13,7 @@ import torch
 
 from pagedllm import envs
 from pagedllm.platforms.cpu_binding import BIND_ENV, available_cores, bind_setting, cores_for_rank
-from pagedllm.platforms.cpu_malloc import tune_malloc
+from pagedllm.platforms.cpu_malloc import trim_malloc, tune_malloc
 from pagedllm.platforms.interface import Platform, worker_count_text
 
 #: Tokens in the CPU profiling run; the measured activation peak is scaled linearly to
@@ -102,6 +102,10 @@ class CpuPlatform(Platform):
         """
         default = "shm" if platform.machine().lower() in ("x86_64", "amd64") else "gloo"
         return (envs.PAGEDLLM_CPU_COLLECTIVES.get() or default) == "shm"
+
+    def empty_cache(self) -> None:
+        """Give the heap's free pages back to the kernel (``cpu_malloc.trim_malloc``)."""
+        trim_malloc()
 
     def prepare_for_steps(self) -> None:
         """From now on step buffers stay in the heap (``cpu_malloc``); not before: the

@@ -15,7 +15,9 @@ output tok/s. ``CpuPlatform.prepare_for_steps`` applies it once the runner has l
 weights and allocated the KV cache, which keep mappings of their own (loading the 0.5B
 shape's weights under it took 1.0-1.6 s instead of 0.7-0.8 s).
 
-Source: glibc's ``mallopt(3)`` (``M_MMAP_THRESHOLD``, ``M_TRIM_THRESHOLD``).
+``trim_malloc`` gives the free heap back when memory is to be handed back (``empty_cache``).
+
+Source: glibc's ``mallopt(3)`` (``M_MMAP_THRESHOLD``, ``M_TRIM_THRESHOLD``), ``malloc_trim(3)``.
 """
 
 from __future__ import annotations
@@ -53,3 +55,16 @@ def tune_malloc() -> bool:
         return False
     _done = True
     return True
+
+
+def trim_malloc() -> bool:
+    """Hand the heap's free pages back to the kernel (glibc's ``malloc_trim(0)``): after sleep
+    mode frees the weights and the KV cache, which the raised thresholds keep in the heap.
+    Returns whether memory was released; False off Linux / glibc."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError) as exc:
+        logger.debug("malloc_trim unavailable: %s", exc)
+        return False

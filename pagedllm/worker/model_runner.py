@@ -55,6 +55,7 @@ from pagedllm.platforms import current_platform
 from pagedllm.spec_decode import DraftModelProposer, EagleProposer, NgramProposer
 from pagedllm.spec_decode.draft_model import TargetStep
 from pagedllm.spec_decode.rejection_sampler import num_accepted_matching, rejection_sample
+from pagedllm.worker import sleep_mode
 from pagedllm.worker.grammar_bitmask import sampled_rows_bitmask
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.kv_cache_sizing import kv_bytes_per_block, kv_cache_groups, num_state_slots, stage_layer_range
@@ -222,6 +223,7 @@ class ModelRunner:
         """Allocate ``num_blocks`` KV-cache blocks per layer (the draft model's too, in its
         model's dtype) and the persistent batch; with ``calculate_kv_scales``, the next
         forward (the first batch) sets each layer's FP8 scales."""
+        self.num_blocks = num_blocks
         self.kv_caches = self._allocate_kv_caches(num_blocks)
         self.num_state_slots = num_state_slots(self.config, self.kv_cache_groups)
         self.state_caches = bind_state_caches(self.state_layers, self._state_layer_groups, self.num_state_slots,
@@ -237,6 +239,37 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         current_platform.prepare_for_steps()
+
+    # ------------------------------------------------------------------ sleep mode
+    def _models(self) -> list[torch.nn.Module]:
+        """The model, and the drafter's when it has its own."""
+        draft = getattr(self.proposer, "model", None)
+        return [self.model] if draft is None or draft is self.model else [self.model, draft]
+
+    def sleep(self, level: int) -> None:
+        """Free the KV caches and take the weights out of memory (``sleep_mode``): level 1
+        into a file, level 2 dropped (``wake_up`` loads the checkpoint again).
+
+        Raises:
+            ValueError: level 2 with LoRA or a draft model (the checkpoint alone cannot refill them).
+        """
+        if level == 2 and (self.lora_manager is not None or len(self._models()) > 1):
+            raise ValueError("Sleep level 2 reloads the checkpoint, which holds no LoRA slots or draft model; "
+                             "use level 1.")
+        sleep_mode.unbind_kv_caches(self._models())
+        self.kv_caches, self.state_caches = [], []
+        self._sleeping_weights: Optional[sleep_mode.SleepingWeights] = sleep_mode.SleepingWeights(self._models(), level)
+        current_platform.empty_cache()
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Put back what ``sleep`` took: ``"weights"`` (from the file, or loaded again at
+        level 2) and / or ``"kv_cache"`` (allocated again, empty)."""
+        if "weights" in tags and self._sleeping_weights is not None:
+            self._sleeping_weights.wake_up(lambda: get_model(self.model_config, self.device, self.attn_backend))
+            self._sleeping_weights = None
+            current_platform.empty_cache()  # a reloaded model's memory (level 2)
+        if "kv_cache" in tags:
+            self.initialize_kv_cache(self.num_blocks)
 
     # ------------------------------------------------------------------ set-up
     def _allocate_kv_caches(self, num_blocks: int, zeroed: bool = False) -> list[torch.Tensor]:

@@ -160,6 +160,14 @@ class Worker:
         self.num_steps += 1
         return output if self.rank == self.config.parallel_config.output_rank else None
 
+    def sleep(self, level: int) -> None:
+        """Free the KV cache and take the weights out of memory (``ModelRunner.sleep``)."""
+        self.model_runner.sleep(level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Put back the ``tags`` (``"weights"``, ``"kv_cache"``) ``sleep`` took (``ModelRunner.wake_up``)."""
+        self.model_runner.wake_up(tags)
+
     def get_comm_stats(self, reset: bool = False) -> dict:
         """This rank's collectives since start-up (or the last reset): ``{"steps": steps
         run, "busy_s": seconds inside them, "ops": {operation: (calls, bytes, seconds)}}``;

@@ -18,7 +18,7 @@ from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
 
 ATTRIBUTES = ["metrics_registry", "model_config", "processor"]
 PROPERTIES = ["dead_error", "errored"]
-COROUTINES = ["check_health", "do_log_stats"]
+COROUTINES = ["check_health", "do_log_stats", "is_sleeping", "sleep", "wake_up"]
 ASYNC_GENERATORS = ["generate"]
 FUNCTIONS = ["abort_all", "get_num_unfinished_requests", "get_tokenizer", "shutdown"]
 

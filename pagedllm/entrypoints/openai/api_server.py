@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
-``GET /version``, ``GET /metrics``; OpenAI's Responses API (``POST /v1/responses``,
+``GET /version``, ``GET /metrics``; with ``--enable-sleep-mode`` ``POST /sleep``,
+``POST /wake_up``, ``GET /is_sleeping`` (``_add_sleep_routes``); OpenAI's Responses API (``POST /v1/responses``,
 ``GET`` / ``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``); on a pooling
 model only (as vLLM, a generative model answers them 404) ``POST /v1/embeddings``,
 ``/classify``, ``/v1/score`` (``/score``) and ``/v1/rerank`` (``/rerank``, ``/v2/rerank``);
@@ -37,7 +38,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm import envs
-from pagedllm.engine.protocol import EngineClient
+from pagedllm.engine.protocol import SLEEP_TAGS, EngineClient
 from pagedllm.entrypoints.chat_utils import image_placeholder
 from pagedllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from pagedllm.entrypoints.anthropic.serving_messages import error_response as anthropic_error_response
@@ -256,6 +257,33 @@ def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
         return PlainTextResponse(models.unload_lora_adapter(await body_of(raw_request)))
 
 
+def _add_sleep_routes(app: FastAPI, engine: EngineClient) -> None:
+    """vLLM's sleep-mode routes (``--enable-sleep-mode``; behind ``--api-key`` as the others):
+    ``POST /sleep?level=1|2`` (returns once asleep: requests in flight finish first, new ones
+    get 503 from the start), ``POST /wake_up`` (``?tags=weights&tags=kv_cache``; none: all),
+    ``GET /is_sleeping`` -> ``{"is_sleeping": bool}`` (``AsyncLLM.sleep`` / ``wake_up``)."""
+
+    @app.post("/sleep")
+    async def sleep(level: int = 1) -> Response:
+        if level not in (1, 2):
+            raise bad_request(f"level must be 1 or 2, got {level}.", param="level")
+        await engine.sleep(level)
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up(raw_request: Request) -> Response:
+        tags = raw_request.query_params.getlist("tags") or None
+        unknown = sorted(set(tags or ()) - set(SLEEP_TAGS))
+        if unknown:
+            raise bad_request(f"Unknown tags {unknown}; the tags are {', '.join(SLEEP_TAGS)}.", param="tags")
+        await engine.wake_up(tags)
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> dict[str, bool]:
+        return {"is_sleeping": await engine.is_sleeping()}
+
+
 def build_app(engine: EngineClient, frontend: FrontendConfig) -> FastAPI:
     """The FastAPI app serving ``engine`` (an ``AsyncLLM``; any ``EngineClient``) as ``frontend`` says.
 
@@ -372,6 +400,8 @@ def build_app(engine: EngineClient, frontend: FrontendConfig) -> FastAPI:
 
     if runtime_lora_updating_allowed():
         _add_lora_routes(app, models)
+    if getattr(model_config, "enable_sleep_mode", False):
+        _add_sleep_routes(app, engine)
 
     @app.post("/v1/completions")
     @with_cancellation

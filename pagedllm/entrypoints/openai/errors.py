@@ -39,7 +39,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.engine.exceptions import EngineDeadError, EngineSleepingError
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -204,6 +204,10 @@ async def _engine_dead_handler(_: Request, exc: EngineDeadError) -> JSONResponse
     return error_response(500, f"The engine is dead and cannot serve requests: {exc}")
 
 
+async def _engine_sleeping_handler(_: Request, exc: EngineSleepingError) -> JSONResponse:
+    return error_response(503, str(exc))
+
+
 async def _unexpected_error_handler(_: Request, exc: Exception) -> JSONResponse:
     logger.exception("Unhandled error while serving a request")
     return error_response(500, f"Internal server error: {type(exc).__name__}: {exc}")
@@ -215,4 +219,5 @@ def register_exception_handlers(app: FastAPI) -> None:
     app.add_exception_handler(OpenAIServingError, _serving_error_handler)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)  # type: ignore[arg-type]
     app.add_exception_handler(EngineDeadError, _engine_dead_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(EngineSleepingError, _engine_sleeping_handler)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _unexpected_error_handler)

@@ -16,7 +16,8 @@ start-up log. Which plan a layer gets, and the weight layout it needs, is decide
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -209,6 +210,20 @@ def fp32_weight_copy(weight: torch.Tensor) -> Optional[torch.Tensor]:
 _FP32_ARENA_BYTES = 256 << 20
 _fp32_arena: Optional[torch.Tensor] = None  # float32 storage the copies are carved from
 _fp32_arena_used = 0  # elements of it taken
+
+
+@contextmanager
+def separate_fp32_copies() -> Iterator[None]:
+    """The float32 copies made inside come from arenas of their own and from a budget measured
+    afresh; those made before are untouched (sleep mode's level 2 loads a model again, copies
+    its weights into the sleeping one's, then drops it: its copies go with it)."""
+    global _fp32_arena, _fp32_arena_used, _fp32_copy_budget
+    saved = _fp32_arena, _fp32_arena_used, _fp32_copy_budget
+    _fp32_arena, _fp32_arena_used, _fp32_copy_budget = None, 0, None
+    try:
+        yield
+    finally:
+        _fp32_arena, _fp32_arena_used, _fp32_copy_budget = saved
 
 
 def _fp32_arena_take(numel: int) -> torch.Tensor:

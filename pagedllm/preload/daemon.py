@@ -1,0 +1,152 @@
+"""``pagedllm preload``: the daemon that owns the stores of preloaded weights, and its control
+socket.
+
+``preload_model(engine_args)`` loads the model as a worker of that configuration would (every
+load-time transformation included) and writes its store under ``PAGEDLLM_PRELOAD_DIR``
+(``pagedllm.preload.store``). ``serve_control`` then answers on ``<dir>/control.sock`` until
+asked to stop; on stop (or SIGTERM / SIGINT) it deletes every store and the socket. A daemon
+killed outright leaves its stores: engines that map one keep serving from it, and new ones
+may still map it. A second ``pagedllm preload`` while a daemon runs writes its store beside
+the others (the daemon lists and evicts every store of the folder) and exits.
+
+The control protocol: one JSON object per connection each way, ``{"op": "status" | "list" |
+"evict" | "stop", "model": path (evict; None: every store)}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from pagedllm.config import EngineArgs
+from pagedllm.preload.ipc_cache import preload_root
+from pagedllm.preload.key import cache_key, store_name
+from pagedllm.preload.store import KEY_FILE, read_key, write_store
+
+logger = logging.getLogger(__name__)
+
+SOCKET_NAME = "control.sock"
+#: Seconds a control client waits for the daemon.
+CONTROL_TIMEOUT_S = 10.0
+
+
+def preload_model(engine_args: EngineArgs, root: Optional[Path] = None) -> Path:
+    """Load the model of ``engine_args`` (tensor and pipeline parallel size 1) and write its
+    store in ``root`` (None: ``PAGEDLLM_PRELOAD_DIR``); returns the store's folder.
+
+    Raises:
+        ValueError: a bad argument, more than one worker, or a model that cannot be stored.
+    """
+    from pagedllm.worker.worker import Worker
+
+    config = engine_args.create_engine_config()
+    if config.parallel_config.world_size > 1:
+        raise ValueError("pagedllm preload holds the weights of tensor_parallel_size 1 and pipeline_parallel_size 1 "
+                         "only, for now.")
+    config = dataclasses.replace(config, model_config=dataclasses.replace(config.model_config, load_format="safetensors"))
+    worker = Worker(config)
+    worker.init_device()
+    worker.load_model()
+    model = worker.model_runner.model
+    key = cache_key(config.model_config)
+    directory = (root or preload_root()) / store_name(config.model_config.model_path)
+    nbytes = write_store(model, directory, key)
+    worker.shutdown()
+    logger.info("Preloaded %s: %.1f MB in %s", key["model_path"], nbytes / 1e6, directory)
+    return directory
+
+
+def stores(root: Path) -> list[dict[str, Any]]:
+    """Every store in ``root``: its folder name, size and key fields."""
+    found = []
+    for directory in sorted(p for p in root.iterdir() if (p / KEY_FILE).exists()) if root.exists() else []:
+        meta = read_key(directory)
+        found.append({"name": directory.name, "nbytes": meta["nbytes"], **meta["key"]})
+    return found
+
+
+def evict(root: Path, model: Optional[str]) -> list[str]:
+    """Delete the stores of ``model`` (a path; None: all); returns their names. Engines that
+    map one keep its pages until they exit."""
+    wanted = None if model is None else str(Path(model).resolve())
+    names = [s["name"] for s in stores(root) if wanted is None or s["model_path"] == wanted]
+    for name in names:
+        shutil.rmtree(root / name, ignore_errors=True)
+    return names
+
+
+def serve_control(root: Path) -> None:
+    """Answer control requests on ``root/control.sock`` until "stop" (or SIGTERM / SIGINT),
+    then delete every store and the socket."""
+    path = root / SOCKET_NAME
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    if path.exists():
+        path.unlink()
+    server.bind(str(path))
+    server.listen(8)
+    started = time.time()
+    stopping = False
+
+    def on_signal(signum: int, _: Any) -> None:
+        nonlocal stopping
+        stopping = True
+        server.close()
+
+    in_main_thread = threading.current_thread() is threading.main_thread()  # signals reach that one only
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)} if in_main_thread else {}
+    try:
+        while not stopping:
+            try:
+                connection, _ = server.accept()
+            except OSError:
+                break
+            with connection:
+                request = json.loads(connection.makefile().readline() or "{}")
+                reply, stopping = _answer(root, request, started)
+                connection.sendall((json.dumps(reply) + "\n").encode())
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.close()
+        path.unlink(missing_ok=True)
+        evicted = evict(root, None)
+        logger.info("Preload daemon stopped; deleted %d store(s).", len(evicted))
+
+
+def _answer(root: Path, request: dict[str, Any], started: float) -> tuple[dict[str, Any], bool]:
+    """The reply to one control request, and whether the daemon stops after it."""
+    op = request.get("op")
+    if op == "status":
+        held = stores(root)
+        return {"pid": os.getpid(), "root": str(root), "uptime_s": time.time() - started, "stores": len(held),
+                "nbytes": sum(s["nbytes"] for s in held)}, False
+    if op == "list":
+        return {"stores": stores(root)}, False
+    if op == "evict":
+        return {"evicted": evict(root, request.get("model"))}, False
+    if op == "stop":
+        return {"stopped": True, "pid": os.getpid()}, True
+    return {"error": f"unknown op {op!r}; the ops are status, list, evict, stop"}, False
+
+
+def control(root: Path, op: str, **fields: Any) -> Optional[dict[str, Any]]:
+    """Send one request to the daemon of ``root``; its reply, or None when none answers."""
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.settimeout(CONTROL_TIMEOUT_S)
+    try:
+        client.connect(str(root / SOCKET_NAME))
+        client.sendall((json.dumps({"op": op, **fields}) + "\n").encode())
+        return json.loads(client.makefile().readline())
+    except (FileNotFoundError, ConnectionRefusedError):
+        return None
+    finally:
+        client.close()
