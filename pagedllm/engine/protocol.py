@@ -8,7 +8,7 @@ may hand the front end any object with the members it uses.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, AsyncGenerator, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Mapping, Optional, Protocol, Union
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -69,11 +69,14 @@ class EngineClient(Protocol):
         cache_salt: Optional[str] = None,
         prompt_text: Optional[str] = None,
         lora_request: Optional[LoRARequest] = None,
+        trace_headers: Optional[Mapping[str, str]] = None,
         priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """``RequestOutput``s of one request as the engine produces them, the last one
         ``finished``; closing the generator early aborts the request (all ``n`` completions).
-        ``priority``: its place under the priority scheduling policy (lower runs first).
+        ``trace_headers``: the caller's W3C trace context, the parent of the request's span
+        when tracing is on. ``priority``: its place under the priority scheduling policy
+        (lower runs first).
 
         Raises:
             ValueError: bad prompt or parameters (before anything is queued).
