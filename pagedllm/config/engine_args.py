@@ -591,7 +591,7 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             batch_invariant=self.batch_invariant,
             runner_type=runner_type,
-            pooler_config=self._pooler_config(runner_type, architecture, model_path),
+            pooler_config=self._pooler_config(runner_type, hf_config, model_path),
             convert_type=self.convert if self.convert in ("embed", "classify") else "none",
         )
         model_config.pooling_activations  # a classifier's activation not built fails here, before loading
@@ -625,7 +625,7 @@ class EngineArgs:
             )
         return dataclasses.replace(config, chunked_prefill_enabled=False)
 
-    def _pooler_config(self, runner_type: str, architecture: str, model_path: Any) -> Optional[PoolerConfig]:
+    def _pooler_config(self, runner_type: str, hf_config: PretrainedConfig, model_path: Any) -> Optional[PoolerConfig]:
         """The resolved ``PoolerConfig`` of a pooling runner (``default_pooler_config``); None otherwise.
 
         Raises:
@@ -636,7 +636,8 @@ class EngineArgs:
                 raise ValueError("pooler_config is set, but the model is not a pooling model (--runner pooling).")
             return None
         model_dir = model_path.parent if model_path.is_file() else model_path
-        return default_pooler_config(architecture, model_dir, PoolerConfig.from_dict(self.pooler_config))
+        architecture = (getattr(hf_config, "architectures", None) or ["<none>"])[0]
+        return default_pooler_config(architecture, model_dir, PoolerConfig.from_dict(self.pooler_config), hf_config)
 
     def _check_sizes(self) -> None:
         """``block_size``, ``max_num_seqs`` and ``gpu_memory_utilization`` in range.

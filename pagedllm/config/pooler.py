@@ -28,6 +28,7 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS")
 ENCODER_ARCHITECTURES = (
     "BertModel", "RobertaModel", "XLMRobertaModel",
     "BertForSequenceClassification", "RobertaForSequenceClassification", "XLMRobertaForSequenceClassification",
+    "ModernBertModel", "ModernBertForSequenceClassification",
 )
 #: The suffix of a sequence classifier's architecture name (transformers' naming): the
 #: pooling runner serves it for the "classify" and "score" tasks.
@@ -219,8 +220,17 @@ def sentence_transformers_pooler(model_dir: Path) -> PoolerConfig:
     return PoolerConfig(modes[0], normalize)
 
 
-def default_pooler_config(architecture: str, model_dir: Path, user: PoolerConfig) -> PoolerConfig:
+def architecture_pooling_type(architecture: str, hf_config: Any = None) -> str:
+    """The architecture's own pooling: a ModernBERT classifier's ``classifier_pooling`` ("cls"
+    / "mean", as transformers' head pools), else CLS for an encoder, LAST otherwise."""
+    if architecture == "ModernBertForSequenceClassification":
+        return str(getattr(hf_config, "classifier_pooling", None) or "cls").upper()
+    return "CLS" if is_encoder_architecture(architecture) else "LAST"
+
+
+def default_pooler_config(architecture: str, model_dir: Path, user: PoolerConfig,
+                          hf_config: Any = None) -> PoolerConfig:
     """``user``'s fields, else the sentence-transformers files', else the architecture's
-    default (CLS for an encoder, LAST otherwise; ``normalize`` True)."""
-    arch_default = PoolerConfig("CLS" if is_encoder_architecture(architecture) else "LAST", True)
+    default (``architecture_pooling_type`` of ``hf_config``; ``normalize`` True)."""
+    arch_default = PoolerConfig(architecture_pooling_type(architecture, hf_config), True)
     return user.with_defaults(sentence_transformers_pooler(model_dir)).with_defaults(arch_default)

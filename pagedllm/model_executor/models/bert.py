@@ -65,6 +65,12 @@ def sequence_bounds(positions: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, starts[1:] + [positions.numel()]))
 
 
+def refuse_pipeline_parallel(model: nn.Module) -> None:
+    """Raises ``ValueError`` when pipeline parallelism is on: an encoder is not split into stages."""
+    if get_pp_group().world_size > 1:
+        raise ValueError(f"{type(model).__name__} with pipeline parallelism is not supported yet.")
+
+
 def _parameter_name(name: str) -> str:
     """A checkpoint tensor's name as ``load_llama_weights`` takes it: without a task model's
     ``bert.`` / ``roberta.`` prefix, the attention's parts renamed (``_RENAMES``)."""
@@ -169,8 +175,7 @@ class BertModel(nn.Module):
 
     def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig] = None) -> None:
         super().__init__()
-        if get_pp_group().world_size > 1:
-            raise ValueError(f"{type(self).__name__} with pipeline parallelism is not supported yet.")
+        refuse_pipeline_parallel(self)
         self.config = config
         offset = config.pad_token_id if self.padded_positions else None
         self.embeddings = BertEmbedding(config, offset)
