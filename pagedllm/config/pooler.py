@@ -146,11 +146,16 @@ def set_classifier_from_token(hf_config: Any) -> None:
     ``classifier_from_token``, vLLM's key: the tokens whose LM-head rows become the score
     head), set ``num_labels``: 1 for two tokens (vLLM's "from_2_way_softmax": the score is the
     second token's logit less the first's), else one label per token. No-op without the key.
+    A Qwen3-Reranker checkpoint (``is_original_qwen3_reranker``, vLLM's key) needs two tokens.
 
     Raises:
-        ValueError: ``classifier_from_token`` not a list of at least two strings.
+        ValueError: ``classifier_from_token`` not a list of at least two strings (of two with
+            ``is_original_qwen3_reranker``).
     """
     tokens = getattr(hf_config, "classifier_from_token", None)
+    if getattr(hf_config, "is_original_qwen3_reranker", False) and (not isinstance(tokens, list) or len(tokens) != 2):
+        raise ValueError("is_original_qwen3_reranker needs classifier_from_token of two tokens, "
+                         f'["no", "yes"] (the model card\'s); got {tokens!r}.')
     if tokens is None:
         return
     if not isinstance(tokens, list) or len(tokens) < 2 or not all(isinstance(t, str) for t in tokens):
