@@ -110,7 +110,8 @@ class EngineArgs:
     (``pagedllm.config.pooler``): ``runner`` "auto" serves an encoder (``BertModel`` ...) or a
     ``convert="embed"`` checkpoint as a pooling model, whose ``ModelConfig.pooler_config`` is
     resolved from ``pooler_config``, the sentence-transformers files and the architecture;
-    a pooling model has no prefix caching, and an encoder no chunked prefill.
+    a pooling model has prefix caching only with causal attention and LAST pooling
+    (``ModelConfig.is_prefix_caching_supported``), and an encoder no chunked prefill.
 
     ``hf_overrides`` (vLLM's): a dict merged into the model's HF config once it is read,
     before anything checks it (``pagedllm.config.hub.apply_hf_overrides``); the default
@@ -597,8 +598,8 @@ class EngineArgs:
         model_config.pooling_activations  # a classifier's activation not built fails here, before loading
         self._check_num_gpu_blocks_override(max_model_len)
         cache_config = CacheConfig.from_engine_args(self, max_model_len)
-        if runner_type == "pooling" and cache_config.enable_prefix_caching:
-            # NOTE: a prefix hit would skip the hidden states MEAN / CLS pooling needs.
+        if cache_config.enable_prefix_caching and not model_config.is_prefix_caching_supported:
+            # NOTE: a prefix hit would skip the hidden states MEAN / CLS pooling (or an encoder) needs.
             cache_config = dataclasses.replace(cache_config, enable_prefix_caching=False)
         parallel_config = ParallelConfig.from_engine_args(self, model_config)
         return EngineConfig(

@@ -27,6 +27,7 @@ def test_modernbert_sentence_transformers_folder_equals_its_encode(tmp_path):
     llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20)
     model_config = llm.llm_engine.config.model_config
     assert (model_config.runner_type, model_config.pooler_config.pooling_type) == ("pooling", "MEAN")
+    assert not llm.llm_engine.config.cache_config.enable_prefix_caching  # an encoder: bidirectional
     got = torch.tensor([out.outputs.embedding for out in llm.embed(LONG_TEXTS, use_tqdm=False)])
     ref = SentenceTransformer(str(path), device="cpu").encode(LONG_TEXTS, convert_to_tensor=True)
     assert_close_embeddings(got, ref.float())
