@@ -166,8 +166,10 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         "encoder (ModernBertModel's); head (dense, activation, norm) and classifier on the classifier_pooling "
         "(cls / mean) state"),
     "Qwen3ForSequenceClassification": SupportedModel(
-        as_seq_cls_model(Qwen3ForCausalLM), ("tomaarsen/Qwen3-Reranker-0.6B-seq-cls",),
-        "decoder; score head on the last token"),
+        as_seq_cls_model(Qwen3ForCausalLM), ("tomaarsen/Qwen3-Reranker-0.6B-seq-cls", "Qwen/Qwen3-Reranker-0.6B"),
+        "decoder; score head on the last token; Qwen3-Reranker's Qwen3ForCausalLM checkpoints with vLLM's "
+        "hf_overrides (classifier_from_token [\"no\", \"yes\"], is_original_qwen3_reranker) and the model card's "
+        "prompt as the score template (--chat-template)"),
     "Qwen2ForSequenceClassification": SupportedModel(
         as_seq_cls_model(Qwen2ForCausalLM), ("jason9693/Qwen2.5-1.5B-apeach",),
         "decoder; score head on the last token"),
