@@ -34,7 +34,7 @@ from pagedllm.model_executor.layers.linear import MergedColumnParallelLinear, QK
 from pagedllm.model_executor.layers.quantization import QuantizationConfig
 from pagedllm.model_executor.layers.rotary_embedding import get_rope
 from pagedllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from pagedllm.model_executor.models.bert import refuse_pipeline_parallel, sequence_bounds
+from pagedllm.model_executor.models.bert import bidirectional_attention, refuse_pipeline_parallel, sequence_bounds
 from pagedllm.model_executor.models.llama import load_llama_weights
 from pagedllm.pooling_params import TOKEN_TYPE_SHIFT
 
@@ -94,12 +94,7 @@ class ModernBertAttention(nn.Module):
         q, k, v = (x.view(-1, self.num_heads, self.head_dim) for x in (q, k, v))
         cos, sin = self.rotary_emb.cos_sin(positions, q.dtype)
         q, k = self.rotary_emb(q, k, cos, sin)
-        out = torch.empty(hidden.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
-        for start, end in bounds:
-            heads = [x[start:end].transpose(0, 1) for x in (q, k, v)]
-            attn = torch.nn.functional.scaled_dot_product_attention(*heads, attn_mask=self._mask(end - start, q.device))
-            out[start:end] = attn.transpose(0, 1).reshape(end - start, -1)
-        return self.Wo(out)
+        return self.Wo(bidirectional_attention(q, k, v, bounds, self._mask))
 
     def _mask(self, length: int, device: torch.device) -> Optional[torch.Tensor]:
         """[length, length] bool, True where a query (row) sees a key; None: it sees all."""
