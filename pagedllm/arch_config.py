@@ -55,6 +55,10 @@ BEHAVIOUR_FREE_KEYS = frozenset({
     # ``time_step_min`` is Nemotron-H's dt floor too, so each architecture classifies it).
     "time_step_rank", "time_step_max", "time_step_floor", "rescale_prenorm_residual",
     "num_logits_to_keep", "z_loss_coefficient",  # Bamba: logits kept by generate; a training loss
+    # ModernBERT: initialisation, dropouts, flash-attention determinism, the masked-LM's
+    # sparse training loss, special-token ids (the tokenizer's)
+    "initializer_cutoff_factor", "embedding_dropout", "mlp_dropout", "deterministic_flash_attn",
+    "sparse_prediction", "sparse_pred_ignore_index", "cls_token_id", "sep_token_id",
 })
 
 #: Keys read by the engine rather than by the model code (the class, the dtype).
@@ -128,7 +132,9 @@ class ArchConfig:
         windows: how layers get a sliding window: "none" (every layer attends over the whole
             context, as transformers' Llama), "all" (``sliding_window`` on every layer, None:
             none; Mistral), "layer_types" (``sliding_window`` on the layers whose
-            ``layer_types`` entry is "sliding_attention"; Qwen2 / Qwen3).
+            ``layer_types`` entry is "sliding_attention"; Qwen2 / Qwen3), "bidirectional" (the
+            model code masks its "sliding_attention" layers itself, both ways; ModernBERT, an
+            encoder: no KV-cache windows).
         state_layers: which layers keep a recurrent state: "none", or "layer_types" (those
             whose ``layer_types`` entry is ``STATE_LAYER_TYPE``: every layer of Mamba-2, the
             layers outside ``attn_layer_indices`` of Bamba; or ``HYBRID_LAYER_TYPE``, beside
@@ -162,6 +168,16 @@ _ENCODER_BUILT = (
     ("add_cross_attention", (None, False)),
     ("position_embedding_type", (None, "absolute")),
 )
+
+#: ModernBERT (``pagedllm.model_executor.models.modernbert``): ``local_attention`` on the
+#: "sliding_attention" layers, rope per layer type; the classifier's head keys; ``decoder_bias``
+#: (the masked-LM decoder's, not built) and ``tie_word_embeddings`` (no LM head) change nothing.
+_MODERNBERT_KEYS = frozenset({
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "hidden_activation", "max_position_embeddings", "norm_eps", "norm_bias", "attention_bias", "mlp_bias",
+    "layer_types", "rope_parameters", "local_attention", "classifier_pooling", "classifier_bias",
+    "classifier_activation", "decoder_bias", "tie_word_embeddings",
+})
 
 ARCH_CONFIG: dict[str, ArchConfig] = {
     "LlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
@@ -220,6 +236,8 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
     "BertModel": ArchConfig("bert", _ENCODER_KEYS, "none", built_values=_ENCODER_BUILT),
     "RobertaModel": ArchConfig("roberta", _ENCODER_KEYS, "none", built_values=_ENCODER_BUILT),
     "XLMRobertaModel": ArchConfig("xlm-roberta", _ENCODER_KEYS, "none", built_values=_ENCODER_BUILT),
+    "ModernBertModel": ArchConfig("modernbert", _MODERNBERT_KEYS, "bidirectional"),
+    "ModernBertForSequenceClassification": ArchConfig("modernbert", _MODERNBERT_KEYS, "bidirectional"),
     # State-space models (``MambaMixer2`` on the state cache). NOTE: ``residual_in_fp32`` is
     # read as vLLM reads it: the residual stays in the model dtype (the same in float32).
     "Mamba2ForCausalLM": ArchConfig("mamba2", frozenset({
@@ -439,7 +457,7 @@ def _problems(architecture: str, hf_config: Any) -> list[str]:
         window = None  # Qwen2-MoE's config class writes 0 for "no window"
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         problems.append(f"sliding_window={window!r} (a positive number of tokens or null)")
-    if arch.windows == "layer_types":
+    if arch.windows in ("layer_types", "bidirectional"):
         problems += _layer_type_problems(hf_config)
     if arch.windows == "none" and window is not None and _value(hf_config, "use_sliding_window") is not False:
         problems.append(
@@ -517,7 +535,7 @@ def layer_sliding_windows(hf_config: Any) -> list[Optional[int]]:
     num_layers = hf_config.num_hidden_layers
     arch = ARCH_CONFIG.get((_value(hf_config, "architectures") or ["<none>"])[0])
     window = _value(hf_config, "sliding_window")
-    if arch is None or arch.windows == "none" or window is None:
+    if arch is None or arch.windows in ("none", "bidirectional") or window is None:
         return [None] * num_layers
     if arch.windows == "all":
         return [window] * num_layers

@@ -100,6 +100,7 @@ class PoolingRequestOutput:
         outputs: the pooled vector.
         finished: always True.
         prompt: the prompt text, when given as text.
+        num_cached_tokens: prompt tokens served from the prefix cache (not recomputed).
     """
 
     request_id: str
@@ -107,6 +108,7 @@ class PoolingRequestOutput:
     prompt_token_ids: list[int]
     finished: bool = True
     prompt: Optional[str] = None
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -130,12 +132,13 @@ class _TaskRequestOutput:
     outputs: Any
     prompt_token_ids: list[int]
     finished: bool = True
+    num_cached_tokens: int = 0
 
     @classmethod
     def from_base(cls, request_output: PoolingRequestOutput) -> Any:
         """This task's view of a pooling request's output."""
         return cls(request_output.request_id, cls.output_cls(request_output.outputs.data),
-                   request_output.prompt_token_ids, request_output.finished)
+                   request_output.prompt_token_ids, request_output.finished, request_output.num_cached_tokens)
 
 
 @dataclass

@@ -112,7 +112,8 @@ class EngineArgs:
     (``pagedllm.config.pooler``): ``runner`` "auto" serves an encoder (``BertModel`` ...) or a
     ``convert="embed"`` checkpoint as a pooling model, whose ``ModelConfig.pooler_config`` is
     resolved from ``pooler_config``, the sentence-transformers files and the architecture;
-    a pooling model has no prefix caching, and an encoder no chunked prefill.
+    a pooling model has prefix caching only with causal attention and LAST pooling
+    (``ModelConfig.is_prefix_caching_supported``), and an encoder no chunked prefill.
 
     ``hf_overrides`` (vLLM's): a dict merged into the model's HF config once it is read,
     before anything checks it (``pagedllm.config.hub.apply_hf_overrides``); the default
@@ -677,7 +678,7 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             batch_invariant=self.batch_invariant,
             runner_type=runner_type,
-            pooler_config=self._pooler_config(runner_type, architecture, model_path),
+            pooler_config=self._pooler_config(runner_type, hf_config, model_path),
             convert_type=self.convert if self.convert in ("embed", "classify") else "none",
             multimodal_config=MultiModalConfig.from_engine_args(
                 self.limit_mm_per_prompt, self.mm_processor_kwargs, self.trust_request_mm_kwargs,
@@ -688,8 +689,8 @@ class EngineArgs:
         model_config.pooling_activations  # a classifier's activation not built fails here, before loading
         self._check_num_gpu_blocks_override(max_model_len)
         cache_config = CacheConfig.from_engine_args(self, max_model_len)
-        if runner_type == "pooling" and cache_config.enable_prefix_caching:
-            # NOTE: a prefix hit would skip the hidden states MEAN / CLS pooling needs.
+        if cache_config.enable_prefix_caching and not model_config.is_prefix_caching_supported:
+            # NOTE: a prefix hit would skip the hidden states MEAN / CLS pooling (or an encoder) needs.
             cache_config = dataclasses.replace(cache_config, enable_prefix_caching=False)
         parallel_config = ParallelConfig.from_engine_args(self, model_config)
         return EngineConfig(
@@ -727,7 +728,7 @@ class EngineArgs:
             )
         return dataclasses.replace(config, chunked_prefill_enabled=False)
 
-    def _pooler_config(self, runner_type: str, architecture: str, model_path: Any) -> Optional[PoolerConfig]:
+    def _pooler_config(self, runner_type: str, hf_config: PretrainedConfig, model_path: Any) -> Optional[PoolerConfig]:
         """The resolved ``PoolerConfig`` of a pooling runner (``default_pooler_config``); None otherwise.
 
         Raises:
@@ -738,7 +739,8 @@ class EngineArgs:
                 raise ValueError("pooler_config is set, but the model is not a pooling model (--runner pooling).")
             return None
         model_dir = model_path.parent if model_path.is_file() else model_path
-        return default_pooler_config(architecture, model_dir, PoolerConfig.from_dict(self.pooler_config))
+        architecture = (getattr(hf_config, "architectures", None) or ["<none>"])[0]
+        return default_pooler_config(architecture, model_dir, PoolerConfig.from_dict(self.pooler_config), hf_config)
 
     def _check_sizes(self) -> None:
         """``block_size``, ``max_num_seqs`` and ``gpu_memory_utilization`` in range.

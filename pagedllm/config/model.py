@@ -139,6 +139,16 @@ class ModelConfig:
         return is_encoder_architecture(self.architecture)
 
     @property
+    def is_prefix_caching_supported(self) -> bool:
+        """Whether a prefix-cache hit leaves the output as it is (vLLM's rule for pooling
+        models): True for a generating model; for a pooling model only with causal attention
+        (not an encoder) and LAST pooling, which reads the last prompt token alone (a hit never
+        covers it); MEAN and CLS read hidden states a hit would skip."""
+        if self.runner_type != "pooling":
+            return True
+        return not self.is_encoder and self.pooler_config is not None and self.pooler_config.pooling_type == "LAST"
+
+    @property
     def is_classifier(self) -> bool:
         """Whether the model is a sequence classifier (``pagedllm.config.pooler.is_classifier``)."""
         return is_classifier(self.architecture, self.convert_type)

@@ -28,6 +28,7 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS")
 ENCODER_ARCHITECTURES = (
     "BertModel", "RobertaModel", "XLMRobertaModel",
     "BertForSequenceClassification", "RobertaForSequenceClassification", "XLMRobertaForSequenceClassification",
+    "ModernBertModel", "ModernBertForSequenceClassification",
 )
 #: The suffix of a sequence classifier's architecture name (transformers' naming): the
 #: pooling runner serves it for the "classify" and "score" tasks.
@@ -145,11 +146,16 @@ def set_classifier_from_token(hf_config: Any) -> None:
     ``classifier_from_token``, vLLM's key: the tokens whose LM-head rows become the score
     head), set ``num_labels``: 1 for two tokens (vLLM's "from_2_way_softmax": the score is the
     second token's logit less the first's), else one label per token. No-op without the key.
+    A Qwen3-Reranker checkpoint (``is_original_qwen3_reranker``, vLLM's key) needs two tokens.
 
     Raises:
-        ValueError: ``classifier_from_token`` not a list of at least two strings.
+        ValueError: ``classifier_from_token`` not a list of at least two strings (of two with
+            ``is_original_qwen3_reranker``).
     """
     tokens = getattr(hf_config, "classifier_from_token", None)
+    if getattr(hf_config, "is_original_qwen3_reranker", False) and (not isinstance(tokens, list) or len(tokens) != 2):
+        raise ValueError("is_original_qwen3_reranker needs classifier_from_token of two tokens, "
+                         f'["no", "yes"] (the model card\'s); got {tokens!r}.')
     if tokens is None:
         return
     if not isinstance(tokens, list) or len(tokens) < 2 or not all(isinstance(t, str) for t in tokens):
@@ -219,8 +225,17 @@ def sentence_transformers_pooler(model_dir: Path) -> PoolerConfig:
     return PoolerConfig(modes[0], normalize)
 
 
-def default_pooler_config(architecture: str, model_dir: Path, user: PoolerConfig) -> PoolerConfig:
+def architecture_pooling_type(architecture: str, hf_config: Any = None) -> str:
+    """The architecture's own pooling: a ModernBERT classifier's ``classifier_pooling`` ("cls"
+    / "mean", as transformers' head pools), else CLS for an encoder, LAST otherwise."""
+    if architecture == "ModernBertForSequenceClassification":
+        return str(getattr(hf_config, "classifier_pooling", None) or "cls").upper()
+    return "CLS" if is_encoder_architecture(architecture) else "LAST"
+
+
+def default_pooler_config(architecture: str, model_dir: Path, user: PoolerConfig,
+                          hf_config: Any = None) -> PoolerConfig:
     """``user``'s fields, else the sentence-transformers files', else the architecture's
-    default (CLS for an encoder, LAST otherwise; ``normalize`` True)."""
-    arch_default = PoolerConfig("CLS" if is_encoder_architecture(architecture) else "LAST", True)
+    default (``architecture_pooling_type`` of ``hf_config``; ``normalize`` True)."""
+    arch_default = PoolerConfig(architecture_pooling_type(architecture, hf_config), True)
     return user.with_defaults(sentence_transformers_pooler(model_dir)).with_defaults(arch_default)

@@ -187,11 +187,11 @@ class RequestState:
             stop_reason=stop_reason if finished else None,
         )
 
-    def pooling_output(self, pooled: list[float]) -> PoolingRequestOutput:
+    def pooling_output(self, pooled: list[float], num_cached_tokens: int = 0) -> PoolingRequestOutput:
         """A pooling request's output: the engine's raw vector after its ``PoolingParams``."""
         assert self.pooling_params is not None, "a pooled vector for a request without PoolingParams"
         return PoolingRequestOutput(self.request_id, PoolingOutput(self.pooling_params.apply(pooled)),
-                                    self.prompt_token_ids, prompt=self.prompt)
+                                    self.prompt_token_ids, prompt=self.prompt, num_cached_tokens=num_cached_tokens)
 
     def prompt_logprobs_to_send(self) -> Optional[PromptLogprobs]:
         """DELTA: the prompt logprobs not sent yet; else all of them."""
@@ -277,7 +277,8 @@ class OutputProcessor:
             state.started = True
             if output.pooling_output is not None:
                 del self.request_states[state.request_id]
-                _emit(state.pooling_output(output.pooling_output), state.queue, result.request_outputs)
+                _emit(state.pooling_output(output.pooling_output, output.num_cached_tokens), state.queue,
+                      result.request_outputs)
                 continue
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
             stop_string = state.update(output)

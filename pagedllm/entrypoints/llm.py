@@ -22,7 +22,7 @@ from pagedllm.entrypoints.chat_utils import (
     multimodal_chat_prompt,
 )
 from pagedllm.lora.request import LoRARequest
-from pagedllm.entrypoints.score_utils import check_cross_encoder, cosine_similarity, cross_encoder_prompt, score_pairs
+from pagedllm.entrypoints.score_utils import check_cross_encoder, cosine_similarity, score_pairs, score_prompts
 from pagedllm.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -292,11 +292,14 @@ class LLM:
         truncate_prompt_tokens: Optional[int] = None,
         use_tqdm: bool = True,
         pooling_params: Optional[PoolingParams] = None,
+        chat_template: Optional[str] = None,
     ) -> list[ScoringRequestOutput]:
         """The score of each (text_1, text_2) pair (vLLM's ``LLM.score``; pairs as
         ``score_pairs``: 1:1, 1:N, N:N), each ``outputs.score``, in pair order. A sequence
-        classifier (one label) scores each pair as one input; an embedding model returns the
-        cosine similarity of the two texts' embeddings (``pagedllm.entrypoints.score_utils``).
+        classifier (one label) scores each pair as one input (``chat_template``: a score
+        template over the query / document messages, e.g. Qwen3-Reranker's); an embedding
+        model returns the cosine similarity of the two texts' embeddings
+        (``pagedllm.entrypoints.score_utils``).
 
         Raises:
             ValueError: as ``score_pairs`` and ``encode``; a classifier with more than one label.
@@ -306,9 +309,7 @@ class LLM:
         if not model_config.is_classifier:
             return self._embedding_score(pairs, truncate_prompt_tokens, use_tqdm, pooling_params)
         check_cross_encoder(model_config)
-        tokenizer = self.get_tokenizer()
-        prompts = [cross_encoder_prompt(tokenizer, a, b, truncate_prompt_tokens, model_config.max_model_len)
-                   for a, b in pairs]
+        prompts = score_prompts(model_config, self.get_tokenizer(), pairs, truncate_prompt_tokens, chat_template)
         outputs = self.encode(prompts, pooling_params, use_tqdm, pooling_task="score")
         return [ScoringRequestOutput(out.request_id, ScoringOutput(out.outputs.data[0]),
                                      decode_token_ids(out.prompt_token_ids)) for out in outputs]

@@ -2,9 +2,17 @@
 ``score_utils``): how two text inputs pair up, a cross-encoder's pair prompt, the cosine of
 two embeddings.
 
-A sequence classifier (``ModelConfig.is_classifier``) scores a pair as one input (the
-tokenizer's pair encoding, with BERT's token types); an embedding model embeds both texts
-and scores their cosine similarity (a bi-encoder), as vLLM's score API.
+A sequence classifier (``ModelConfig.is_classifier``) scores a pair as one input; an
+embedding model embeds both texts and scores their cosine similarity (a bi-encoder), as
+vLLM's score API. A classifier's pair input is, as vLLM builds it (``score_prompts``):
+
+- with a score template (the server's ``--chat-template``, ``LLM.score``'s ``chat_template``):
+  the template rendered over ``messages`` [{"role": "query", "content": text_1}, {"role":
+  "document", "content": text_2}], tokenized as one text (Qwen3-Reranker's prompt);
+- else, for a cross-encoder (``use_pad_token``, ``uses_pair_encoding``): the tokenizer's
+  pair encoding, with BERT's token types;
+- else (a causal LM made a classifier by ``classifier_from_token``, "an LLM as reranker"):
+  text_1 + text_2 tokenized as one text (the caller's own prefix and suffix make the prompt).
 """
 
 from __future__ import annotations
@@ -45,11 +53,12 @@ def check_cross_encoder(model_config: ModelConfig) -> None:
                          f"{model_config.model} has {num_labels}.")
 
 
-def cross_encoder_prompt(tokenizer: Any, text_1: str, text_2: str, truncate_prompt_tokens: Optional[int],
-                         max_model_len: int) -> dict:
+def cross_encoder_prompt(tokenizer: Any, text_1: str, text_2: Optional[str] = None, *,
+                         truncate_prompt_tokens: Optional[int], max_model_len: int) -> dict:
     """The pair as one prompt: the tokenizer's pair encoding (special tokens and, when the
-    tokenizer gives them, ``token_type_ids``: 1 on the second segment), cut by the tokenizer
-    (longest segment first) to ``truncate_prompt_tokens`` (-1: ``max_model_len``; None: not cut)."""
+    tokenizer gives them, ``token_type_ids``: 1 on the second segment; ``text_2`` None: of
+    ``text_1`` alone), cut by the tokenizer (longest segment first) to ``truncate_prompt_tokens``
+    (-1: ``max_model_len``; None: not cut)."""
     kwargs: dict[str, Any] = {}
     if truncate_prompt_tokens is not None:
         kwargs = {"truncation": True, "max_length": max_model_len if truncate_prompt_tokens == -1
@@ -59,6 +68,42 @@ def cross_encoder_prompt(tokenizer: Any, text_1: str, text_2: str, truncate_prom
     if encoding.get("token_type_ids") is not None:
         prompt["token_type_ids"] = list(encoding["token_type_ids"])
     return prompt
+
+
+def uses_pair_encoding(hf_config: Any) -> bool:
+    """Whether a classifier's pair is the tokenizer's pair encoding (vLLM's ``use_pad_token``,
+    from config.json or ``--hf-overrides``): by default True, False for a classifier made from
+    a causal LM's tokens (``classifier_from_token``), whose two texts are joined instead."""
+    value = getattr(hf_config, "use_pad_token", None)
+    if value is None:
+        return getattr(hf_config, "classifier_from_token", None) is None
+    return bool(value)
+
+
+def score_template_text(tokenizer: Any, score_template: str, text_1: str, text_2: str) -> str:
+    """``score_template`` (Jinja, a chat template's syntax) rendered over the messages
+    [query text_1, document text_2] (module docstring).
+
+    Raises:
+        jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError: the template failed.
+    """
+    messages = [{"role": "query", "content": text_1}, {"role": "document", "content": text_2}]
+    return tokenizer.apply_chat_template(messages, chat_template=score_template, tokenize=False)
+
+
+def score_prompts(model_config: ModelConfig, tokenizer: Any, pairs: Sequence[tuple[str, str]],
+                  truncate_prompt_tokens: Optional[int], score_template: Optional[str] = None) -> list[dict]:
+    """A classifier's input of each pair (module docstring), cut as ``cross_encoder_prompt``."""
+    pair_encoding = uses_pair_encoding(model_config.hf_config)
+    prompts = []
+    for text_1, text_2 in pairs:
+        if score_template is not None:
+            texts: tuple[str, ...] = (score_template_text(tokenizer, score_template, text_1, text_2),)
+        else:
+            texts = (text_1, text_2) if pair_encoding else (text_1 + text_2,)
+        prompts.append(cross_encoder_prompt(tokenizer, *texts, truncate_prompt_tokens=truncate_prompt_tokens,
+                                            max_model_len=model_config.max_model_len))
+    return prompts
 
 
 def cosine_similarity(a: Sequence[float], b: Sequence[float]) -> float:

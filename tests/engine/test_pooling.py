@@ -1,6 +1,7 @@
 """Decoder checkpoints served as embedders (``--convert embed``): the pooled vector equals
 transformers' last hidden states pooled, also when prompts are cut into chunks over several
-steps (chunked prefill); a pooling request generates nothing and frees its blocks."""
+steps (chunked prefill), and with prefix caching for LAST pooling; a pooling request
+generates nothing and frees its blocks."""
 
 from __future__ import annotations
 
@@ -39,15 +40,20 @@ def _assert_cosine_one(got: list[torch.Tensor], ref: list[torch.Tensor]) -> None
 
 
 def test_convert_embed_last_token_normalized_in_chunks(tiny_qwen3, qwen3_hidden):
+    """LAST pooling of a causal model keeps prefix caching (vLLM's rule): a repeated prompt
+    hits its two full blocks, and its embedding equals the cold one."""
     prompts, hidden = qwen3_hidden
     llm = LLM(str(tiny_qwen3), dtype="float32", convert="embed", max_num_batched_tokens=16,
               kv_cache_memory_bytes=16 << 20)
     config = llm.llm_engine.config
-    assert config.model_config.runner_type == "pooling" and not config.cache_config.enable_prefix_caching
+    assert config.model_config.runner_type == "pooling" and config.cache_config.enable_prefix_caching
     pooler = config.model_config.pooler_config
     assert (pooler.pooling_type, pooler.normalize) == ("LAST", True)
     got = _embeddings(llm.embed(prompts, use_tqdm=False))
     _assert_cosine_one(got, [torch.nn.functional.normalize(h[-1], dim=0) for h in hidden])
+    warm = llm.embed(prompts[1:2], use_tqdm=False)
+    assert warm[0].num_cached_tokens == 32  # 37 tokens: two full 16-token blocks
+    torch.testing.assert_close(_embeddings(warm)[0], got[1], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="is a pooling model"):
         llm.generate(prompts[0])
     check_block_accounting(llm)
@@ -59,6 +65,7 @@ def test_mean_pooling_accumulates_over_chunks(tiny_qwen3, qwen3_hidden):
     prompts, hidden = qwen3_hidden
     llm = LLM(str(tiny_qwen3), dtype="float32", convert="embed", max_num_batched_tokens=8,
               pooler_config={"pooling_type": "MEAN", "normalize": False}, kv_cache_memory_bytes=16 << 20)
+    assert not llm.llm_engine.config.cache_config.enable_prefix_caching  # MEAN reads every token
     params = [PoolingParams(), PoolingParams(normalize=True), PoolingParams()]
     outputs = llm.encode(prompts, params, use_tqdm=False)
     assert all(isinstance(out, PoolingRequestOutput) and out.finished for out in outputs)

@@ -1,7 +1,8 @@
 """Sequence classifiers and scoring on the pooling runner: ``LLM.classify`` equals transformers'
 activated logits (BERT, RoBERTa, Qwen3 ``*ForSequenceClassification``; ``--convert classify``),
 ``LLM.score`` of a BERT CrossEncoder equals sentence-transformers' ``CrossEncoder.predict``
-(pairs with token types), and an embedding model's score is the cosine of
+(pairs with token types), a Qwen3-Reranker's (a Qwen3ForCausalLM with vLLM's hf_overrides)
+its model card's p(yes), and an embedding model's score is the cosine of
 sentence-transformers' embeddings."""
 
 from __future__ import annotations
@@ -17,6 +18,15 @@ from pagedllm import LLM
 from pagedllm.outputs import ClassificationRequestOutput, ScoringRequestOutput
 from tests.fixtures.encoders import TEXTS, make_cross_encoder, make_encoder, make_sentence_transformer
 from tests.helpers import check_block_accounting
+from tests.models.rerankers import (
+    QWEN3_RERANKER_TEMPLATE,
+    RERANKER_OVERRIDES,
+    card_document,
+    card_query,
+    card_scores,
+    card_token_ids,
+    make_qwen3_reranker,
+)
 
 QUERY = "the dog is fast"
 
@@ -136,11 +146,29 @@ def test_convert_classify_from_two_tokens_is_their_logit_difference(tiny_qwen3):
     llm = LLM(str(tiny_qwen3), dtype="float32", convert="classify", hf_overrides={"classifier_from_token": tokens},
               kv_cache_memory_bytes=16 << 20)
     torch.testing.assert_close(_probs(llm.classify(TEXTS, use_tqdm=False))[:, 0], probs, atol=1e-4, rtol=1e-4)
-    pair_ids = tokenizer(QUERY, TEXTS[1])["input_ids"]
+    pair_ids = tokenizer(QUERY + TEXTS[1])["input_ids"]  # an LLM as reranker: the texts joined (vLLM's use_pad_token)
     with torch.no_grad():
         pair_logits = model(torch.tensor([pair_ids])).logits[0, -1]
     score = llm.score(QUERY, TEXTS[1], use_tqdm=False)[0]
     assert score.prompt_token_ids == pair_ids
     assert score.outputs.score == pytest.approx(torch.sigmoid(pair_logits[true_id] - pair_logits[false_id]).item(),
                                                 abs=1e-4)
+    check_block_accounting(llm)
+
+
+def test_qwen3_reranker_scores_are_the_model_cards_p_yes(tiny_qwen3, tmp_path):
+    """Served as vLLM serves Qwen3-Reranker (``RERANKER_OVERRIDES``), the prompt built by the
+    score template or by the caller's prefix / suffix (vLLM's example: the texts are joined),
+    the score is the model card's p(yes) on the model card's token ids."""
+    path = make_qwen3_reranker(tiny_qwen3, tmp_path / "reranker")
+    reference = card_scores(path, QUERY, TEXTS)
+    llm = LLM(str(path), runner="pooling", hf_overrides=RERANKER_OVERRIDES, dtype="float32",
+              kv_cache_memory_bytes=16 << 20)
+    templated = llm.score(QUERY, TEXTS, use_tqdm=False, chat_template=QWEN3_RERANKER_TEMPLATE)
+    formatted = llm.score(card_query(QUERY), [card_document(t) for t in TEXTS], use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    for outputs in (templated, formatted):
+        assert [o.prompt_token_ids for o in outputs] == [card_token_ids(tokenizer, QUERY, t) for t in TEXTS]
+        torch.testing.assert_close(torch.tensor([o.outputs.score for o in outputs]), reference, atol=1e-5, rtol=1e-4)
+    assert len(set(round(o.outputs.score, 5) for o in templated)) == len(TEXTS)
     check_block_accounting(llm)

@@ -2,8 +2,9 @@
 model (vLLM's ``serving_score``).
 
 Both score text pairs (``pagedllm.entrypoints.score_utils``): a sequence classifier with one
-label (a cross-encoder) pools each pair as one input (the tokenizer's pair encoding) into
-its activated logit; an embedding model (a bi-encoder) embeds each distinct text once and
+label (a cross-encoder) pools each pair as one input (``score_prompts``: the tokenizer's pair
+encoding, or with the server's ``--chat-template`` as the score template, e.g.
+Qwen3-Reranker's) into its activated logit; an embedding model (a bi-encoder) embeds each distinct text once and
 scores the cosine of the two embeddings. ``/v1/score`` returns the scores in pair order;
 ``/v1/rerank`` the documents sorted by ``relevance_score`` (best first), cut to ``top_n``.
 Bad input (empty lists, unequal lengths, a classifier with several labels, a pair longer
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import logging
 from typing import Optional, Union
+
+import jinja2
 
 from pagedllm.entrypoints.openai.errors import bad_request
 from pagedllm.entrypoints.openai.protocol import (
@@ -30,7 +33,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_engine import random_id
 from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling
-from pagedllm.entrypoints.score_utils import check_cross_encoder, cosine_similarity, cross_encoder_prompt, score_pairs
+from pagedllm.entrypoints.score_utils import check_cross_encoder, cosine_similarity, score_pairs, score_prompts
 from pagedllm.pooling_params import PoolingParams
 
 logger = logging.getLogger(__name__)
@@ -114,14 +117,16 @@ class OpenAIServingScores(OpenAIServingPooling):
     async def _cross_encoding_score(self, request_id: str, pairs: list[tuple[str, str]],
                                     truncate_prompt_tokens: Optional[int], use_activation: Optional[bool],
                                     input_param: str) -> tuple[list[float], int]:
-        """Each pair pooled as one input into its activated logit."""
+        """Each pair pooled as one input (``score_prompts``; the server's ``--chat-template`` is the
+        score template) into its activated logit."""
         params = PoolingParams(task="score", use_activation=use_activation)
-        tokenizer, max_len = self.renderer.tokenizer, self.processor.model_config.max_model_len
-        engine_requests = [
-            self._engine_request(f"{request_id}-{i}", cross_encoder_prompt(tokenizer, a, b, truncate_prompt_tokens, max_len),
-                                 params, input_param)
-            for i, (a, b) in enumerate(pairs)
-        ]
+        try:
+            prompts = score_prompts(self.processor.model_config, self.renderer.tokenizer, pairs, truncate_prompt_tokens,
+                                    self.renderer.chat_template)
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
+            raise bad_request(f"The score template failed on this pair: {exc}", param=input_param) from None
+        engine_requests = [self._engine_request(f"{request_id}-{i}", prompt, params, input_param)
+                           for i, prompt in enumerate(prompts)]
         outputs = await self._collect([None] * len(pairs), engine_requests)
         return [out.outputs.data[0] for out in outputs], sum(len(out.prompt_token_ids) for out in outputs)
 

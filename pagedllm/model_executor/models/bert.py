@@ -21,7 +21,7 @@ not loaded; a classifier applies it, then its ``classifier``, to the pooled CLS 
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -63,6 +63,35 @@ def sequence_bounds(positions: torch.Tensor) -> list[tuple[int, int]]:
                          f"{int(positions[0])} of a prompt (chunked prefill).")
     starts = torch.nonzero(positions == 0).flatten().tolist()
     return list(zip(starts, starts[1:] + [positions.numel()]))
+
+
+def bidirectional_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[tuple[int, int]],
+    mask: Optional[Callable[[int, torch.device], Optional[torch.Tensor]]] = None,
+) -> torch.Tensor:
+    """Attention of each prompt of ``bounds`` over its own tokens, both ways: q, k, v [T, heads,
+    head_dim] -> [T, heads * head_dim]. ``mask(length, device)``: a prompt's [length, length] bool mask
+    (True: the query row sees the key column; None: all). Prompts of one length go through one
+    ``scaled_dot_product_attention`` call, as a batch (no padding)."""
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
+    starts_by_length: dict[int, list[int]] = {}
+    for start, end in bounds:
+        starts_by_length.setdefault(end - start, []).append(start)
+    for length, starts in starts_by_length.items():
+        rows = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).flatten()
+        heads = [x.index_select(0, rows).view(len(starts), length, num_heads, head_dim).transpose(1, 2)
+                 for x in (q, k, v)]
+        attn_mask = mask(length, q.device) if mask else None
+        attn = torch.nn.functional.scaled_dot_product_attention(*heads, attn_mask=attn_mask)
+        out[rows] = attn.transpose(1, 2).reshape(len(starts) * length, -1)
+    return out
+
+
+def refuse_pipeline_parallel(model: nn.Module) -> None:
+    """Raises ``ValueError`` when pipeline parallelism is on: an encoder is not split into stages."""
+    if get_pp_group().world_size > 1:
+        raise ValueError(f"{type(model).__name__} with pipeline parallelism is not supported yet.")
 
 
 def _parameter_name(name: str) -> str:
@@ -123,13 +152,9 @@ class BertAttention(nn.Module):
         self.LayerNorm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
 
     def forward(self, hidden: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.q_size, dim=-1)
-        out = torch.empty_like(q)
-        for start, end in bounds:
-            heads = [x[start:end].view(end - start, self.num_heads, self.head_dim).transpose(0, 1) for x in (q, k, v)]
-            attn = torch.nn.functional.scaled_dot_product_attention(*heads, is_causal=False)
-            out[start:end] = attn.transpose(0, 1).reshape(end - start, -1)
-        return self.LayerNorm(self.dense(out) + hidden)
+        q, k, v = (x.view(-1, self.num_heads, self.head_dim)
+                   for x in self.qkv_proj(hidden).split(self.qkv_proj.q_size, dim=-1))
+        return self.LayerNorm(self.dense(bidirectional_attention(q, k, v, bounds)) + hidden)
 
 
 class BertLayer(nn.Module):
@@ -169,8 +194,7 @@ class BertModel(nn.Module):
 
     def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig] = None) -> None:
         super().__init__()
-        if get_pp_group().world_size > 1:
-            raise ValueError(f"{type(self).__name__} with pipeline parallelism is not supported yet.")
+        refuse_pipeline_parallel(self)
         self.config = config
         offset = config.pad_token_id if self.padded_positions else None
         self.embeddings = BertEmbedding(config, offset)

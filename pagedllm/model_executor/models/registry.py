@@ -37,6 +37,7 @@ from pagedllm.model_executor.models.llava import LlavaForConditionalGeneration
 from pagedllm.model_executor.models.llama_eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM
 from pagedllm.model_executor.models.mamba2 import Mamba2ForCausalLM
 from pagedllm.model_executor.models.mixtral import MixtralForCausalLM
+from pagedllm.model_executor.models.modernbert import ModernBertForSequenceClassification, ModernBertModel
 from pagedllm.model_executor.models.nemotron_h import NemotronHForCausalLM
 from pagedllm.model_executor.models.olmo2 import Olmo2ForCausalLM
 from pagedllm.model_executor.models.phi3 import Phi3ForCausalLM
@@ -138,6 +139,10 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
     "XLMRobertaModel": SupportedModel(
         XLMRobertaModel, ("intfloat/multilingual-e5-small", "BAAI/bge-m3"),
         "encoder; positions offset by the padding index; embeddings only"),
+    "ModernBertModel": SupportedModel(
+        ModernBertModel, ("Alibaba-NLP/gte-modernbert-base", "nomic-ai/modernbert-embed-base"),
+        "encoder; rope with a global / local base; local (sliding-window) attention on all but every "
+        "global_attn_every_n_layers-th layer; GeGLU; embeddings only"),
     # Recurrent state in the state cache (``MambaMixer2``).
     "Mamba2ForCausalLM": SupportedModel(
         Mamba2ForCausalLM, ("mistralai/Mamba-Codestral-7B-v0.1",),
@@ -168,9 +173,15 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
     "XLMRobertaForSequenceClassification": SupportedModel(
         XLMRobertaForSequenceClassification, ("BAAI/bge-reranker-v2-m3",),
         "encoder; classification head (dense + tanh, out_proj) on the <s> token"),
+    "ModernBertForSequenceClassification": SupportedModel(
+        ModernBertForSequenceClassification, ("Alibaba-NLP/gte-reranker-modernbert-base",),
+        "encoder (ModernBertModel's); head (dense, activation, norm) and classifier on the classifier_pooling "
+        "(cls / mean) state"),
     "Qwen3ForSequenceClassification": SupportedModel(
-        as_seq_cls_model(Qwen3ForCausalLM), ("tomaarsen/Qwen3-Reranker-0.6B-seq-cls",),
-        "decoder; score head on the last token"),
+        as_seq_cls_model(Qwen3ForCausalLM), ("tomaarsen/Qwen3-Reranker-0.6B-seq-cls", "Qwen/Qwen3-Reranker-0.6B"),
+        "decoder; score head on the last token; Qwen3-Reranker's Qwen3ForCausalLM checkpoints with vLLM's "
+        "hf_overrides (classifier_from_token [\"no\", \"yes\"], is_original_qwen3_reranker) and the model card's "
+        "prompt as the score template (--chat-template)"),
     "Qwen2ForSequenceClassification": SupportedModel(
         as_seq_cls_model(Qwen2ForCausalLM), ("jason9693/Qwen2.5-1.5B-apeach",),
         "decoder; score head on the last token"),

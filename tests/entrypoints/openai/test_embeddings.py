@@ -1,7 +1,7 @@
 """``POST /v1/embeddings`` of a real ``pagedllm serve`` of a BERT sentence-transformers folder
 (MEAN + Normalize), declared Matryoshka by ``--hf-overrides``: the openai SDK's
 ``client.embeddings.create`` (float and base64, list and token-id inputs, ``dimensions``)
-equals sentence-transformers' ``encode``; bad input is a 400 in OpenAI's error JSON; a
+equals sentence-transformers' ``encode``, and LangChain's ``OpenAIEmbeddings`` the server's vectors; bad input is a 400 in OpenAI's error JSON; a
 generative model has no such route (404) and a pooling model no completions (400)."""
 
 from __future__ import annotations
@@ -62,6 +62,21 @@ def test_sdk_embeddings_equal_sentence_transformers(embedding_server, reference)
     _close([one.data[0].embedding], reference[1:2])
     cut = client.embeddings.create(model="tiny-bert", input=TEXTS[:2], dimensions=16, encoding_format="float")
     _close([d.embedding for d in cut.data], torch.nn.functional.normalize(reference[:2, :16], dim=-1))
+
+
+def test_langchain_openai_embeddings_equal_the_servers_vectors(embedding_server, reference):
+    """LangChain's ``OpenAIEmbeddings`` (token counting off: the server's tokenizer is not
+    tiktoken's) on the server: ``embed_documents`` / ``embed_query`` equal ``/v1/embeddings``'."""
+    from langchain_openai import OpenAIEmbeddings
+
+    served = embedding_server.post("/v1/embeddings", json={"model": "tiny-bert", "input": TEXTS})
+    assert served.status_code == 200, served.text
+    vectors = torch.tensor([d["embedding"] for d in served.json()["data"]], dtype=torch.float32)
+    _close(vectors, reference)
+    embeddings = OpenAIEmbeddings(model="tiny-bert", base_url=f"{embedding_server.url}/v1", api_key="unused",
+                                  check_embedding_ctx_length=False)
+    _close(embeddings.embed_documents(TEXTS), vectors)
+    _close([embeddings.embed_query(TEXTS[2])], vectors[2:3])
 
 
 def test_bi_encoder_score_and_rerank_are_cosines_of_the_embeddings(embedding_server, reference):

@@ -2,16 +2,21 @@
 CrossEncoder folder (one label), by raw HTTP: scores equal sentence-transformers'
 ``CrossEncoder.predict``, probabilities transformers' sigmoid of its logits; 1:N and N:N
 pairs, both field names, ranking, ``top_n`` and ``return_documents``; bad input is a 400 in
-OpenAI's error JSON. (The bi-encoder score of an embedding model: test_embeddings.py.)"""
+OpenAI's error JSON. A Qwen3-Reranker (a Qwen3ForCausalLM with vLLM's ``--hf-overrides``, its
+prompt by ``--chat-template``) reranks by its model card's p(yes). (The bi-encoder score of
+an embedding model: test_embeddings.py.)"""
 
 from __future__ import annotations
 
 from typing import Iterator
 
+import json
+
 import pytest
 import torch
 
 from tests.fixtures.encoders import TEXTS, make_cross_encoder
+from tests.models.rerankers import QWEN3_RERANKER_TEMPLATE, RERANKER_OVERRIDES, card_scores, make_qwen3_reranker
 from tests.server_utils import RemoteServer
 
 QUERY = "the dog is fast"
@@ -102,3 +107,28 @@ def test_bad_score_requests_are_openai_errors(score_server):
     assert "does not serve the 'embed' pooling task" in error["message"]
     _error(score_server.post("/v1/rerank", json={"query": QUERY, "documents": TEXTS, "top_n": -1}))
     assert score_server.health_ok()
+
+
+@pytest.fixture(scope="module")
+def reranker(tiny_qwen3, tmp_path_factory) -> Iterator[tuple[RemoteServer, torch.Tensor]]:
+    """(a server of the tiny Qwen3-Reranker with its score template, the model card's scores of
+    (QUERY, text) per text [4])."""
+    out = tmp_path_factory.mktemp("qwen3-reranker")
+    (out / "qwen3_reranker.jinja").write_text(QWEN3_RERANKER_TEMPLATE)
+    path = make_qwen3_reranker(tiny_qwen3, out / "model")
+    remote = RemoteServer(path, "--runner", "pooling", "--hf-overrides", json.dumps(RERANKER_OVERRIDES),
+                          "--chat-template", str(out / "qwen3_reranker.jinja"), "--served-model-name", "tiny-reranker")
+    try:
+        yield remote, card_scores(path, QUERY, TEXTS)
+    finally:
+        remote.close()
+
+
+def test_qwen3_reranker_reranks_by_the_model_cards_p_yes(reranker):
+    remote, reference = reranker
+    ranked = _ok(remote.post("/v1/rerank", json={"model": "tiny-reranker", "query": QUERY, "documents": TEXTS}))
+    order = torch.argsort(reference, descending=True).tolist()
+    assert [r["index"] for r in ranked["results"]] == order
+    _close([r["relevance_score"] for r in ranked["results"]], reference[order])
+    scored = _ok(remote.post("/v1/score", json={"text_1": QUERY, "text_2": TEXTS[1]}))
+    _close([scored["data"][0]["score"]], reference[1:2])
