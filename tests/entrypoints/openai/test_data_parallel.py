@@ -1,11 +1,14 @@
-"""``pagedllm serve -dp 2``: two engine-core replicas behind one API server (issue 17), on real
+"""``pagedllm serve -dp 2``: two engine-core replicas behind one API server, on real
 servers with the official ``openai`` client:
 
 - many concurrent requests use both replicas (``/metrics`` per ``engine`` label) and give the
   same greedy outputs as one engine; each replica runs on its own CPU;
 - one replica killed: every open request fails with an error naming it (no hang), and the
   server exits with code 1;
-- more replicas than CPUs: a one-line start-up error naming the numbers, exit code 2.
+
+More replicas than CPUs: ``split_cpus``' error (tests/engine/test_dp_router.py), reported as
+the one-line start-up error with exit code 2 that tests/entrypoints/openai/test_dp_tp_server.py
+checks end to end for ``-dp M -tp N``.
 """
 
 from __future__ import annotations
@@ -13,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 
 import openai
 import psutil
@@ -87,15 +88,3 @@ def test_a_killed_replica_fails_open_requests_and_the_server_exits_1(dp_server):
     assert all(dead in str(error) for error in errors), errors
     assert dead in log and "stopping the API server (exit code 1)" in log
     assert survivor_gone
-
-
-def test_more_replicas_than_cpus_is_a_start_up_error(tiny_llama):
-    size = len(CPUS) + 1
-    result = subprocess.run(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", str(tiny_llama), "--port", "0", "-dp", str(size)],
-        capture_output=True, text=True, timeout=180, env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )  # fmt: skip
-    assert result.returncode == 2
-    cpus = ", ".join(map(str, CPUS))
-    message = f"data_parallel_size={size} needs at least one CPU per replica; this process may run on {len(CPUS)} CPU(s) ({cpus})."
-    assert result.stderr.strip().splitlines()[-1] == f"pagedllm serve: error: {message}"
