@@ -116,10 +116,12 @@ def test_mp_client_serves_aborts_and_notices_death(tiny_llama):
         seen_long = 0
         while True:
             outputs = client.get_output(timeout_s=30)
-            seen_long += sum(1 for o in outputs.outputs if o.request_id == "long")
+            seen_long += sum(len(o.new_token_ids) for o in outputs.outputs if o.request_id == "long")
             if any(o.request_id == "short" and o.finished for o in outputs.outputs):
                 break
-        assert seen_long >= 4
+        # "long" ran beside "short": it may arrive one step after "short" started, so by the
+        # step that gives "short" its 4th token it has at least 3 tokens
+        assert seen_long >= 3
         # the engine refuses to reset the prefix cache while "long" holds blocks
         assert client.reset_prefix_cache() is False
         client.abort_requests(["long", "unknown-id"])

@@ -38,7 +38,7 @@ def test_first_build_is_announced_and_timed(monkeypatch, tmp_path, messages):
         f"Building CPU kernels for portable: no cached build for this key (about {build._DEFAULT_BUILD_ESTIMATE_S} s)..."
     )
     assert built.startswith("Built CPU kernels for portable in 0.") and str(library.parent) in built
-    assert 0.05 <= float((tmp_path / build._BUILD_TIME_FILE).read_text()) < 5
+    assert 0.05 <= float((tmp_path / f"{build._BUILD_TIME_FILE}_portable").read_text()) < 5
 
     # another process finds the build in the cache: nothing at INFO
     assert build.load("portable") is None
@@ -49,9 +49,10 @@ def test_first_build_is_announced_and_timed(monkeypatch, tmp_path, messages):
     assert build.load("portable") is None
     assert messages()[2].startswith("Building CPU kernels for portable: sources changed since the cached build (")
 
-    # the next build announces the duration this machine took last time
+    # the next build announces the duration this machine took last time for that level
     library.unlink()
-    (tmp_path / build._BUILD_TIME_FILE).write_text("42.4\n")
+    (tmp_path / f"{build._BUILD_TIME_FILE}_portable").write_text("42.4\n")
+    (tmp_path / f"{build._BUILD_TIME_FILE}_avx2").write_text("7\n")
     assert build.load("portable") is None
     assert messages()[4] == "Building CPU kernels for portable: no cached build for this key (about 42 s)..."
 

@@ -41,7 +41,8 @@ _ISA_FLAGS = {
 }
 
 #: Seconds a build is announced to take when this machine has not built one yet; later
-#: announcements use the previous build's time, kept in ``_BUILD_TIME_FILE`` beside the builds.
+#: announcements use the previous build of that level's time, kept in
+#: ``_BUILD_TIME_FILE`` + ``_<level>`` beside the builds (levels differ: portable builds slowest).
 _DEFAULT_BUILD_ESTIMATE_S = 80
 _BUILD_TIME_FILE = "pagedllm_cpu_kernels_build_seconds"
 
@@ -171,11 +172,16 @@ def _built_library(name: str) -> str | None:
         return None
 
 
-def _build_estimate_s(library: str) -> int:
-    """Seconds the previous build on this machine took (kept beside the builds), else
+def _build_time_file(library: str, level: str) -> Path:
+    """Where the last build of ``level`` on this machine recorded its seconds (beside the builds)."""
+    return Path(library).parent.parent / f"{_BUILD_TIME_FILE}_{level}"
+
+
+def _build_estimate_s(library: str, level: str) -> int:
+    """Seconds the previous build of ``level`` on this machine took, else
     ``_DEFAULT_BUILD_ESTIMATE_S``."""
     try:
-        return max(1, round(float(Path(library).parent.parent.joinpath(_BUILD_TIME_FILE).read_text())))
+        return max(1, round(float(_build_time_file(library, level).read_text())))
     except (OSError, ValueError):
         return _DEFAULT_BUILD_ESTIMATE_S
 
@@ -202,7 +208,7 @@ def load(level: str) -> str | None:
     library = _built_library(name)
     reason = _rebuild_reason(library)
     if reason is not None:
-        logger.info("Building CPU kernels for %s: %s (about %d s)...", level, reason, _build_estimate_s(library))
+        logger.info("Building CPU kernels for %s: %s (about %d s)...", level, reason, _build_estimate_s(library, level))
     start = time.perf_counter()
     try:
         _load_locked(name, cflags, ldflags)
@@ -213,7 +219,7 @@ def load(level: str) -> str | None:
         assert library is not None
         logger.info("Built CPU kernels for %s in %.1f s (cached in %s)", level, elapsed, os.path.dirname(library))
         with contextlib.suppress(OSError):
-            Path(library).parent.parent.joinpath(_BUILD_TIME_FILE).write_text(f"{elapsed:.1f}\n")
+            _build_time_file(library, level).write_text(f"{elapsed:.1f}\n")
     else:
         logger.debug("Loaded CPU kernels %s in %.1f s", name, elapsed)
     return None
