@@ -29,12 +29,15 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
+import openai
 import pytest
 
 from pagedllm import envs
 from pagedllm.kernels import isa
 from tests.fixtures.checkpoints import build_tokenizer, make_checkpoint
+from tests.server_utils import API_KEY, MODEL_ALIAS, MODEL_NAME, OTHER_API_KEY, RemoteServer
 
 
 def supported_isas() -> list[str]:
@@ -55,6 +58,41 @@ LLAMA3_ROPE_SCALING = {
 def tokenizer():
     """The 1024-token byte-level BPE tokenizer every tiny checkpoint uses."""
     return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def server(tiny_llama: Path) -> Iterator[RemoteServer]:
+    """The shared ``pagedllm serve`` of ``tiny_llama`` (settings in ``tests.server_utils``),
+    started once per pytest worker: with xdist's ``--dist loadfile`` a worker runs files of
+    different packages in turn, so a narrower scope would start it again and again. Read-only
+    use: do not kill its engine or change what it serves."""
+    remote = RemoteServer(
+        tiny_llama,
+        "--served-model-name", MODEL_NAME, MODEL_ALIAS,
+        "--max-model-len", "2K",  # = MAX_MODEL_LEN (upper-case suffix: x1024, as vLLM)
+        api_key=API_KEY, other_api_keys=(OTHER_API_KEY,),
+    )  # fmt: skip
+    try:
+        yield remote
+    finally:
+        remote.close()
+
+
+@pytest.fixture(scope="session")
+def client(server: RemoteServer) -> openai.OpenAI:
+    return server.client()
+
+
+@pytest.fixture(scope="session")
+def default_model_server() -> Iterator[RemoteServer]:
+    """``pagedllm serve`` of the shipped model, as a first user starts it (default
+    structured-outputs config), with ``--enable-auto-tool-choice --tool-call-parser hermes``
+    (read-only use)."""
+    remote = RemoteServer(None, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    try:
+        yield remote
+    finally:
+        remote.close()
 
 
 @pytest.fixture(scope="session")

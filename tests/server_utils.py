@@ -23,6 +23,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 STARTUP_TIMEOUT_S = 180.0
 
+# The shared server's settings (the ``server`` fixture, tests/conftest.py).
+API_KEY = "sk-pagedllm-test"
+#: A second key the shared server accepts (``--api-key`` takes several).
+OTHER_API_KEY = "sk-pagedllm-other"
+MODEL_NAME = "tiny-llama"
+MODEL_ALIAS = "tiny-llama-alias"
+MAX_MODEL_LEN = 2048
+
 
 def is_multiprocessing_child(child: psutil.Process, server_command: list[str]) -> bool:
     """Whether ``child`` (a descendant of the server run as ``server_command``) is one of its

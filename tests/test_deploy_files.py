@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.server_utils import RemoteServer
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "pagedllm.json"
@@ -40,15 +39,12 @@ def _queries(dashboard: dict) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def scraped_names(tiny_llama) -> set[str]:
-    """The sample names of a fresh server's /metrics."""
+def scraped_names(server) -> set[str]:
+    """The sample names of the shared server's /metrics (a server that has served requests
+    exports at least the samples a fresh one does)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    server = RemoteServer(tiny_llama)
-    try:
-        text = server.get("/metrics").text
-    finally:
-        server.close()
+    text = server.get("/metrics").text
     return {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
 
 

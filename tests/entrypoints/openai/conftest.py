@@ -1,58 +1,16 @@
-"""A real ``pagedllm serve`` process for the OpenAI server tests (``tests.server_utils``).
+"""What the OpenAI server tests share: the shared server's settings (its fixtures ``server``,
+``client`` and ``default_model_server`` are in ``tests/conftest.py``) and an SSE parser.
 
-The ``server`` fixture is one ``RemoteServer`` shared by the whole package (start-up costs
-seconds): API keys ``API_KEY`` and ``OTHER_API_KEY``, served names ``MODEL_NAME`` and ``MODEL_ALIAS``,
-``max_model_len`` ``MAX_MODEL_LEN`` (given as ``2K``). Tests that kill the engine start their own.
+The ``server`` fixture's API keys are ``API_KEY`` and ``OTHER_API_KEY``, its served names
+``MODEL_NAME`` and ``MODEL_ALIAS``, its ``max_model_len`` ``MAX_MODEL_LEN`` (given as ``2K``).
+Tests that kill the engine start their own.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Iterator
+from tests.server_utils import API_KEY, MAX_MODEL_LEN, MODEL_ALIAS, MODEL_NAME, OTHER_API_KEY
 
-import openai
-import pytest
-
-from tests.server_utils import RemoteServer
-
-API_KEY = "sk-pagedllm-test"
-#: A second key the shared server accepts (``--api-key`` takes several).
-OTHER_API_KEY = "sk-pagedllm-other"
-MODEL_NAME = "tiny-llama"
-MODEL_ALIAS = "tiny-llama-alias"
-MAX_MODEL_LEN = 2048
-
-
-@pytest.fixture(scope="package")
-def server(tiny_llama: Path) -> Iterator[RemoteServer]:
-    """The shared server (read-only use: do not kill its engine)."""
-    remote = RemoteServer(
-        tiny_llama,
-        "--served-model-name", MODEL_NAME, MODEL_ALIAS,
-        "--max-model-len", "2K",  # = MAX_MODEL_LEN (upper-case suffix: x1024, as vLLM)
-        api_key=API_KEY, other_api_keys=(OTHER_API_KEY,),
-    )  # fmt: skip
-    try:
-        yield remote
-    finally:
-        remote.close()
-
-
-@pytest.fixture(scope="package")
-def client(server: RemoteServer) -> openai.OpenAI:
-    return server.client()
-
-
-@pytest.fixture(scope="package")
-def default_model_server() -> Iterator[RemoteServer]:
-    """``pagedllm serve`` of the shipped model, as a first user starts it (default
-    structured-outputs config), with ``--enable-auto-tool-choice --tool-call-parser hermes``
-    (read-only use)."""
-    remote = RemoteServer(None, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    try:
-        yield remote
-    finally:
-        remote.close()
+__all__ = ["API_KEY", "MAX_MODEL_LEN", "MODEL_ALIAS", "MODEL_NAME", "OTHER_API_KEY", "parse_sse"]
 
 
 def parse_sse(body: str) -> list:
