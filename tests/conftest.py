@@ -14,8 +14,8 @@ each with its own seed, so no two share weights):
 ``checkpoint_factory(arch, **kwargs)`` makes any other one (arguments of
 ``tests.fixtures.checkpoints.make_checkpoint``), cached by its arguments.
 
-Kernel builds: the tests of every instruction-set level (``isa_kernel``, or marked
-``isa_levels``) need one C++ build per level (about a minute each on 2 cores). They are built at the lowest CPU priority by a
+Kernel builds: the tests of every instruction-set level they check (``isa_kernel``, or marked
+``isa_levels``; ``supported_isas``) need one C++ build per level (about a minute each on 2 cores). They are built at the lowest CPU priority by a
 background process started when those tests are collected, while the other tests run (they
 leave a core idle much of the time), and those tests run last: by then their builds are in
 the cache (a build still running is waited for, through its lock).
@@ -41,9 +41,9 @@ from tests.server_utils import API_KEY, MODEL_ALIAS, MODEL_NAME, OTHER_API_KEY, 
 
 
 def supported_isas() -> list[str]:
-    """The levels kernel tests run at: every one this CPU supports, capped by the override."""
-    levels = isa.supported_isas()
-    return levels[: levels.index(isa.selected_isa()) + 1]
+    """The levels kernel tests run at (``isa.check_levels``: portable and the selected level,
+    with the AVX-512 levels below it; avx2 where it is the selected one)."""
+    return isa.check_levels()
 
 LLAMA3_ROPE_SCALING = {
     "rope_type": "llama3",
@@ -184,8 +184,8 @@ def disable_cpu_kernels():
 
 @pytest.fixture(scope="module", params=supported_isas())
 def isa_kernel(request, kernel):
-    """The kernels module switched to each instruction-set level this CPU supports in turn
-    (``portable``, ``avx2``, ... up to the host's): kernel tests run every path the host can."""
+    """The kernels module switched to each instruction-set level ``supported_isas`` names in
+    turn (``portable`` up to the selected level): kernel tests run each of those paths."""
     with kernel.using_isa(request.param):
         assert kernel.build_info().split(",")[0] == request.param
         yield kernel

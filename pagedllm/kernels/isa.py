@@ -112,6 +112,18 @@ def selected_isa() -> str:
     return parse_override(envs.PAGEDLLM_CPU_ISA.get()) or detected_isa()
 
 
+def check_levels() -> list[str]:
+    """The levels the kernel tests run and ``python -m pagedllm.kernels.cpu --every-level``
+    builds, lowest first: ``portable`` and the selected level, with the AVX-512 levels below it
+    (``avx512`` under ``avx512_bf16``). ``avx2`` is checked where it is the selected level (an
+    AVX2 CPU, or ``PAGEDLLM_CPU_ISA=avx2``), not by default on an AVX-512 CPU: emulated there it
+    misses what a real AVX2 CPU does (oneDNN's int8 GEMMs stay exact there and saturate on AVX2)
+    and costs one more build of every kernel."""
+    selected = selected_isa()
+    avx512_below = [level for level in LEVELS[: LEVELS.index(selected)] if level.startswith("avx512")]
+    return list(dict.fromkeys(["portable", *avx512_below, selected]))
+
+
 def library_env(level: str) -> dict[str, str]:
     """The environment that caps oneDNN, ATen and MKL at ``level`` (see the module docstring)."""
     return dict(_LIBRARY_ENV[level])

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from pagedllm.kernels import isa
+from tests.conftest import supported_isas
 
 
 def test_levels_follow_the_cpu_flags(monkeypatch):
@@ -33,6 +34,26 @@ def test_levels_follow_the_cpu_flags(monkeypatch):
         assert isa.supported_isas() == list(isa.LEVELS[: isa.LEVELS.index(level) + 1])
     monkeypatch.setattr(isa.platform, "machine", lambda: "aarch64")
     assert isa.detected_isa() == "portable"
+
+
+def test_checked_levels_are_portable_and_the_selected_family(monkeypatch):
+    """What the kernel tests run and ``--every-level`` builds: avx2 only where it is selected."""
+    checked = {
+        ("portable", None): ["portable"],
+        ("avx2", None): ["portable", "avx2"],
+        ("avx512", None): ["portable", "avx512"],
+        ("avx512_bf16", None): ["portable", "avx512", "avx512_bf16"],
+        ("avx512_bf16", "avx2"): ["portable", "avx2"],
+        ("avx512_bf16", "avx512"): ["portable", "avx512"],
+        ("avx512_bf16", "portable"): ["portable"],
+    }
+    for (host, override), levels in checked.items():
+        monkeypatch.setattr(isa, "detected_isa", lambda host=host: host)
+        if override is None:
+            monkeypatch.delenv(isa.ENV, raising=False)
+        else:
+            monkeypatch.setenv(isa.ENV, override)
+        assert isa.check_levels() == levels, (host, override)
 
 
 def test_override_is_validated(monkeypatch):
@@ -61,7 +82,7 @@ print(torch.backends.cpu.get_cpu_capability(), bool(torch.ops.mkldnn._is_mkldnn_
 
 
 @pytest.mark.isa_levels
-@pytest.mark.parametrize("level", isa.supported_isas())
+@pytest.mark.parametrize("level", supported_isas())
 def test_override_runs_the_whole_process_at_that_level(level):
     """``PAGEDLLM_CPU_ISA=<level>`` in a fresh process: the kernels run at that level and, below
     the host's, ATen and oneDNN are capped there too (e.g. no oneDNN bf16 below AVX-512)."""
