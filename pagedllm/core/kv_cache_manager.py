@@ -190,12 +190,13 @@ class KVCacheManager:
 
     def get_num_offloaded_hit_tokens(self, request: Request, num_hit_tokens: int) -> int:
         """Tokens past the pool's ``num_hit_tokens`` hit that the second tier holds (whole
-        blocks, the last token never); 0 without a second tier."""
+        blocks, the last token never; pinned there for this step); 0 without a second tier."""
         if self.offloading is None or not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         first = num_hit_tokens // self.block_size
         num_hits = self.offloading.lookup(request.block_hashes[first:max_hit_blocks])
+        self.offloading.pin(request.block_hashes[first : first + num_hits])
         self.external_prefix_cache_queries += request.num_tokens
         self.external_prefix_cache_hits += num_hits * self.block_size
         return num_hits * self.block_size

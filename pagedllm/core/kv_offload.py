@@ -11,8 +11,10 @@ step (``SchedulerOutput.kv_transfers``), which every worker applies in order::
               (B7 is read before step N's forward reuses it; h1's load follows its store)
 
 The index is an LRU of ``num_blocks`` keys: a store beyond that drops the least recently
-stored or hit key first. A key is usable as soon as its store is listed: the workers apply
-each step's list in order, one step after the other.
+stored or hit key first, but never a key ``pin``ned in this step (hits about to be loaded,
+while their request's blocks are allocated, which may store evicted blocks); pins last until
+``take_transfers``. A key is usable as soon as its store is listed: the workers apply each
+step's list in order, one step after the other.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class OffloadingManager:
         self.num_blocks = num_blocks
         self._keys: OrderedDict[BlockHash, None] = OrderedDict()
         self._transfers: list[KVTransfer] = []
+        self._pinned: set[BlockHash] = set()
         #: Blocks stored, loaded and dropped so far (for metrics and tests).
         self.num_stored = self.num_loaded = self.num_dropped = 0
 
@@ -57,9 +60,16 @@ class OffloadingManager:
             num_hits += 1
         return num_hits
 
+    def pin(self, block_hashes: list[BlockHash]) -> None:
+        """Make held keys the most recent and keep them until this step's ``take_transfers``."""
+        for block_hash in block_hashes:
+            self._keys.move_to_end(block_hash)
+            self._pinned.add(block_hash)
+
     def store(self, block_id: int, block_hash: BlockHash) -> None:
         """Store an evicted block under ``block_hash`` (a key held already is only made the
-        most recent), dropping the least recent keys beyond ``num_blocks``."""
+        most recent), dropping the least recent unpinned keys beyond ``num_blocks`` (the new
+        one itself when all others are pinned)."""
         if block_hash in self._keys:
             self._keys.move_to_end(block_hash)
             return
@@ -67,7 +77,8 @@ class OffloadingManager:
         self._transfers.append(KVTransfer(STORE, block_hash, block_id))
         self.num_stored += 1
         while len(self._keys) > self.num_blocks:
-            dropped, _ = self._keys.popitem(last=False)
+            dropped = next(k for k in self._keys if k not in self._pinned)
+            del self._keys[dropped]
             self._transfers.append(KVTransfer(DROP, dropped))
             self.num_dropped += 1
 
@@ -91,6 +102,8 @@ class OffloadingManager:
         self._keys.clear()
 
     def take_transfers(self) -> list[KVTransfer]:
-        """The transfers decided since the last call, in order (for this step's output)."""
+        """The transfers decided since the last call, in order (for this step's output);
+        the pins end."""
         transfers, self._transfers = self._transfers, []
+        self._pinned.clear()
         return transfers

@@ -44,6 +44,18 @@ def test_lru_limit_drops_the_least_recent_and_hits_refresh():
         OffloadingManager(0)
 
 
+def test_pinned_hits_survive_the_stores_of_their_own_allocation():
+    tier = OffloadingManager(2)
+    tier.store(1, key(1))
+    tier.store(2, key(2))
+    tier.pin([key(1), key(2)])  # both about to be loaded
+    tier.store(3, key(3))  # all others pinned: the new key itself goes
+    assert key(1) in tier and key(2) in tier and key(3) not in tier
+    assert tier.take_transfers()[-2:] == [KVTransfer(STORE, key(3), 3), KVTransfer(DROP, key(3))]
+    tier.store(4, key(4))  # the pins ended with the step: the least recent goes
+    assert key(1) not in tier and key(4) in tier
+
+
 def request(req_id: str, tokens: list[int], max_tokens: int = 2):
     return EngineCoreRequest(req_id, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0, 0.0)
 
