@@ -43,10 +43,11 @@ class KVBlockLayout:
     def __init__(self, kv_caches: list[torch.Tensor], block_dims: list[int]) -> None:
         if len(kv_caches) != len(block_dims):
             raise ValueError(f"{len(kv_caches)} cache tensors, {len(block_dims)} block dimensions.")
-        self.kv_caches = kv_caches
+        # NOTE: copies go through byte views of the caches (any dtype, FP8 included).
+        self.byte_caches = [cache.view(torch.uint8) for cache in kv_caches]
         self.block_dims = block_dims
-        self.page_shapes = [cache.select(dim, 0).shape for cache, dim in zip(kv_caches, block_dims)]
-        self.page_bytes = [cache.select(dim, 0).numel() * cache.element_size() for cache, dim in zip(kv_caches, block_dims)]
+        self.page_shapes = [cache.select(dim, 0).shape for cache, dim in zip(self.byte_caches, block_dims)]
+        self.page_bytes = [cache.select(dim, 0).numel() for cache, dim in zip(self.byte_caches, block_dims)]
         #: Bytes of one block, all tensors together.
         self.block_bytes = sum(self.page_bytes)
         self.device = kv_caches[0].device if kv_caches else torch.device("cpu")
@@ -55,8 +56,8 @@ class KVBlockLayout:
         """A copy of the blocks ``block_ids``: [len(block_ids), block_bytes] uint8, on the
         caches' device."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        rows = [cache.index_select(dim, index).movedim(dim, 0).reshape(len(block_ids), -1).view(torch.uint8)
-                for cache, dim in zip(self.kv_caches, self.block_dims)]
+        rows = [cache.index_select(dim, index).movedim(dim, 0).reshape(len(block_ids), -1)
+                for cache, dim in zip(self.byte_caches, self.block_dims)]
         return torch.cat(rows, dim=1)
 
     def scatter(self, block_ids: list[int], rows: torch.Tensor) -> None:
@@ -72,7 +73,7 @@ class KVBlockLayout:
         rows = rows.to(self.device)
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         start = 0
-        for cache, dim, shape, nbytes in zip(self.kv_caches, self.block_dims, self.page_shapes, self.page_bytes):
-            pages = rows[:, start : start + nbytes].contiguous().view(cache.dtype).reshape(len(block_ids), *shape)
+        for cache, dim, shape, nbytes in zip(self.byte_caches, self.block_dims, self.page_shapes, self.page_bytes):
+            pages = rows[:, start : start + nbytes].reshape(len(block_ids), *shape)
             cache.index_copy_(dim, index, pages.movedim(0, dim))
             start += nbytes
