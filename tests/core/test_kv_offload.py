@@ -14,7 +14,7 @@ from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.messages.engine_core import EngineCoreRequest
 from pagedllm.messages.runner_output import ModelRunnerOutput
-from pagedllm.messages.sched_output import DROP, LOAD, STORE, KVTransfer
+from pagedllm.messages.sched_output import DROP, LOAD, STORE, KVTransfer, SchedulerOutput
 from pagedllm.sampling_params import SamplingParams
 
 BS = 4
@@ -60,7 +60,7 @@ def request(req_id: str, tokens: list[int], max_tokens: int = 2):
     return EngineCoreRequest(req_id, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0, 0.0)
 
 
-def run_step(scheduler: Scheduler, finished_recving=()) -> None:
+def run_step(scheduler: Scheduler, finished_recving=()) -> SchedulerOutput:
     """A fake step: each request whose known tokens are all computed samples token 7."""
     out = scheduler.schedule()
     req_ids = list(out.num_scheduled_tokens)
