@@ -166,3 +166,7 @@ def lora_module_type(value: str) -> dict[str, Any]:
 
 def non_negative_float(value: str) -> float:
     return _checked(value, float, "a number >= 0", lambda x: x >= 0)
+
+
+def positive_float(value: str) -> float:
+    return _checked(value, float, "a number > 0", lambda x: x > 0)

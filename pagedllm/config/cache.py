@@ -44,6 +44,24 @@ class CacheConfig:
     cache_dtype: str = "auto"
     #: vLLM's ``--calculate-kv-scales``: FP8 scales from the first batch (``pagedllm.attention.kv_cache_quant``).
     calculate_kv_scales: bool = False
+    #: vLLM's ``--kv-offloading-size``: the second KV tier in GiB (all ranks together; None: none).
+    kv_offloading_size: Optional[float] = None
+    #: ``--kv-offloading-path``: the second tier's directory (None: host RAM).
+    kv_offloading_path: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.kv_offloading_size is not None and self.kv_offloading_size <= 0:
+            raise ValueError(f"kv_offloading_size must be > 0 GiB, got {self.kv_offloading_size}.")
+        if self.kv_offloading_path is not None and self.kv_offloading_size is None:
+            raise ValueError("kv_offloading_path needs kv_offloading_size (the second KV tier's size in GiB).")
+        if self.kv_offloading_size is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size keeps blocks evicted from the prefix cache: it needs prefix caching "
+                             "(--enable-prefix-caching).")
+
+    @property
+    def kv_offloading_bytes(self) -> int:
+        """The second tier's size in bytes (0: none)."""
+        return int((self.kv_offloading_size or 0) * 2**30)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, max_model_len: int) -> CacheConfig:
@@ -68,6 +86,8 @@ class CacheConfig:
             num_gpu_blocks_override=args.num_gpu_blocks_override,
             cache_dtype=args.kv_cache_dtype,
             calculate_kv_scales=args.calculate_kv_scales,
+            kv_offloading_size=args.kv_offloading_size,
+            kv_offloading_path=args.kv_offloading_path,
         )
 
     def kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:

@@ -20,6 +20,7 @@ from pagedllm.config.arg_types import (
     json_object_type,
     max_model_len_type,
     non_negative_float,
+    positive_float,
     positive_int,
 )
 from pagedllm.config.attention import AttentionConfig
@@ -246,6 +247,19 @@ class EngineArgs:
             "cryptographic)."
         ),
         choices=("sha256", "sha256_cbor", "xxhash"),
+    )
+    kv_offloading_size: Optional[float] = flag_field(
+        None,
+        help=(
+            "A second KV tier of this many GiB (all ranks together): blocks evicted from the prefix "
+            "cache are kept there (host RAM, or files under --kv-offloading-path) and loaded back on a "
+            "prefix hit, in the background. Needs prefix caching."
+        ),
+        type=positive_float,
+    )
+    kv_offloading_path: Optional[str] = flag_field(
+        None,
+        help="A local directory for the second KV tier's blocks (one file per block) instead of host RAM.",
     )
     attention_backend: Optional[str] = flag_field(
         None,
@@ -693,10 +707,15 @@ class EngineArgs:
             # NOTE: a prefix hit would skip the hidden states MEAN / CLS pooling (or an encoder) needs.
             cache_config = dataclasses.replace(cache_config, enable_prefix_caching=False)
         parallel_config = ParallelConfig.from_engine_args(self, model_config)
+        speculative_config = self._speculative_config(model_config, parallel_config)
+        if cache_config.kv_offloading_size is not None and speculative_config is not None and (
+                speculative_config.uses_draft_model or speculative_config.is_eagle):
+            raise ValueError("kv_offloading_size with a draft model or EAGLE head is not supported (the drafter's own "
+                             "KV cache is not offloaded).")
         return EngineConfig(
             model_config, cache_config, scheduler_config, parallel_config, AttentionConfig(self.attention_backend),
             lora_config=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None,
-            speculative_config=self._speculative_config(model_config, parallel_config),
+            speculative_config=speculative_config,
             structured_outputs_config=StructuredOutputsConfig.from_dict(self.structured_outputs_config),
             observability_config=self._observability_config(),
         )  # fmt: skip

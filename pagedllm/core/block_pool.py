@@ -15,7 +15,7 @@ handed out, never freed and never counted (its ref count stays 0).
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from pagedllm.core.kv_cache_utils import BlockHash
 
@@ -103,6 +103,9 @@ class BlockPool:
         num_blocks: physical blocks (block ids 0 .. num_blocks - 1).
         enable_caching: keep freed blocks' hashes (prefix caching).
         use_null_block: reserve block 0 as the null block (``null_block``; None without).
+
+    ``on_evict`` (None: nothing) is called with each cached block, and its key, when its
+    hash is evicted for reuse (the second KV tier stores it: ``pagedllm.core.kv_offload``).
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool, use_null_block: bool = False) -> None:
@@ -116,6 +119,7 @@ class BlockPool:
         #: Blocks requests can hold (all but the null block).
         self.num_usable_blocks = num_blocks - int(use_null_block)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.on_evict: Optional[Callable[[KVCacheBlock, BlockHash], None]] = None
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -150,6 +154,8 @@ class BlockPool:
             return
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
+            if self.on_evict is not None:
+                self.on_evict(block, block.block_hash)
         block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:

@@ -20,6 +20,11 @@ group's own pool (``MambaManager``) and returned with its blocks (finish, abort,
 preemption). A request is admitted only when every group can give it what it needs: blocks
 in the attention pool and slots in each state group. With prefix caching a hit must be
 valid for the state groups too: it ends where a state is saved.
+
+With a second KV tier (``offloading``, ``pagedllm.core.kv_offload``; a model of one
+full-attention group) a cached block evicted from the pool is stored there, and a lookup
+continues there past the pool's hits (``get_num_offloaded_hit_tokens``): those blocks are
+allocated with ``delay_cache_blocks`` and loaded (``load_offloaded``) before the request runs.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Optional
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.kv_cache_interface import FullAttentionSpec, KVCacheGroups, KVCacheGroupSpec, SlidingWindowSpec
+from pagedllm.core.kv_offload import KVTransfer, OffloadingManager
 from pagedllm.core.kv_cache_utils import (
     extend_block_hashes,
     first_block_extra_keys,
@@ -75,9 +81,12 @@ class KVCacheManager:
             full-attention group.
         num_state_slots: state slots in each state group's pool (``max_num_seqs``); unused
             without state groups.
+        offloading: the second KV tier's index, or None (no second tier).
 
     Raises:
-        ValueError: groups of another block size; state groups with fewer than one slot.
+        ValueError: groups of another block size; state groups with fewer than one slot; a
+            second tier without prefix caching, or for a model other than one full-attention
+            group.
     """
 
     def __init__(
@@ -89,6 +98,7 @@ class KVCacheManager:
         hash_seed: Optional[str] = None,
         kv_cache_groups: Optional[KVCacheGroups] = None,
         num_state_slots: int = 0,
+        offloading: Optional[OffloadingManager] = None,
     ) -> None:
         groups = kv_cache_groups or single_group(block_size)
         if groups.groups and groups.block_size != block_size:
@@ -119,6 +129,22 @@ class KVCacheManager:
         # Prefix-cache statistics in tokens (read and reset by the scheduler each step).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # The same for the second tier (vLLM's external prefix cache), in tokens.
+        self.external_prefix_cache_queries = 0
+        self.external_prefix_cache_hits = 0
+        self.offloading = offloading
+        if offloading is not None:
+            self._check_offloading(groups)
+            self.block_pool.on_evict = lambda block, key: offloading.store(block.block_id, key)
+
+    def _check_offloading(self, groups: KVCacheGroups) -> None:
+        if not self.enable_caching:
+            raise ValueError("KV offloading (--kv-offloading-size) keeps blocks evicted from the prefix cache: it "
+                             "needs prefix caching (--enable-prefix-caching).")
+        if groups.state_groups or len(groups.groups) != 1 or not isinstance(groups.groups[0].kv_cache_spec,
+                                                                             FullAttentionSpec):
+            raise ValueError("KV offloading (--kv-offloading-size) supports models whose layers all attend fully "
+                             "(one KV-cache group); sliding windows and state layers are not supported.")
 
     def _update_block_hashes(self, request: Request, num_full_blocks: int) -> None:
         extend_block_hashes(
@@ -162,12 +188,39 @@ class KVCacheManager:
         self.prefix_cache_hits += hit_length
         return KVCacheBlocks(tuple(h[:num_hit_blocks] for h in hits)), hit_length
 
+    def get_num_offloaded_hit_tokens(self, request: Request, num_hit_tokens: int) -> int:
+        """Tokens past the pool's ``num_hit_tokens`` hit that the second tier holds (whole
+        blocks, the last token never; pinned there for this step); 0 without a second tier."""
+        if self.offloading is None or not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        first = num_hit_tokens // self.block_size
+        num_hits = self.offloading.lookup(request.block_hashes[first:max_hit_blocks])
+        self.offloading.pin(request.block_hashes[first : first + num_hits])
+        self.external_prefix_cache_queries += request.num_tokens
+        self.external_prefix_cache_hits += num_hits * self.block_size
+        return num_hits * self.block_size
+
+    def load_offloaded(self, request: Request, num_hit_tokens: int, num_offloaded_tokens: int) -> None:
+        """List the loads of the request's ``num_offloaded_tokens`` tokens after
+        ``num_hit_tokens`` from the second tier into its blocks there (allocated by
+        ``allocate_slots`` with ``delay_cache_blocks``)."""
+        assert self.offloading is not None
+        first, end = num_hit_tokens // self.block_size, (num_hit_tokens + num_offloaded_tokens) // self.block_size
+        blocks = self.managers[0].req_to_blocks[request.request_id][first:end]
+        self.offloading.load(request.request_id, request.block_hashes[first:end], [b.block_id for b in blocks])
+
+    def take_kv_transfers(self) -> list[KVTransfer]:
+        """The second tier's transfers since the last call (empty without one)."""
+        return self.offloading.take_transfers() if self.offloading is not None else []
+
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Optional[KVCacheBlocks] = None,
         num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> Optional[KVCacheBlocks]:
         """Make room for ``num_new_tokens`` more tokens of ``request``, plus
         ``num_lookahead_tokens`` slots after them (for speculative tokens), in every group.
@@ -182,6 +235,8 @@ class KVCacheManager:
               cached    not cached (holds a lookahead slot), not cached
 
         A request without a state slot takes one in each state group (at admission).
+        ``delay_cache_blocks`` (vLLM's): register none of the new full blocks in the prefix
+        cache yet (their KV is still being loaded; the next allocation registers them).
 
         Returns the newly allocated blocks per group (possibly none; a state group's slot
         the first time), or None, allocating nothing, when too few blocks are free for all
@@ -211,7 +266,7 @@ class KVCacheManager:
             if computed:
                 manager.save_new_computed_blocks(req_id, computed)
             new_blocks.append(manager.allocate_new_blocks(req_id, num_slots, num_computed_tokens))
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             num_cached_tokens = min(num_tokens_after, request.num_tokens)
             if num_cached_tokens // self.block_size > len(request.block_hashes):
                 self._update_block_hashes(request, num_cached_tokens // self.block_size)
@@ -276,8 +331,12 @@ class KVCacheManager:
                     if any(b is not null for b in blocks)})
 
     def reset_prefix_cache(self) -> bool:
-        """Forget all cached blocks; False while any block is in use."""
-        return self.block_pool.reset_prefix_cache()
+        """Forget all cached blocks (the second tier's too); False while any block is in use."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.offloading is not None:
+            self.offloading.clear()
+        return True
 
     @property
     def usage(self) -> float:

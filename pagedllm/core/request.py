@@ -17,12 +17,13 @@ class RequestStatus(enum.IntEnum):
 
     WAITING = 0
     WAITING_FOR_GRAMMAR = 1  # structured outputs: its grammar compiles in the background
-    RUNNING = 2
-    PREEMPTED = 3
+    WAITING_FOR_REMOTE_KVS = 2  # its prefix hits are loaded from the second KV tier
+    RUNNING = 3
+    PREEMPTED = 4
     # Everything after this point is finished.
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH_CAPPED = 5
-    FINISHED_ABORTED = 6
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH_CAPPED = 6
+    FINISHED_ABORTED = 7
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:

@@ -39,6 +39,13 @@ stays *in flight* from the ``schedule`` that includes it to the ``update_from_ou
 that step, and is neither scheduled again meanwhile (its next token, or its next prompt
 chunk, waits for that step) nor chosen as a preemption victim. With one step at a time
 nothing is in flight while ``schedule`` runs, so this changes nothing there.
+
+Second KV tier (``--kv-offloading-size``, ``pagedllm.core.kv_offload``): a waiting request
+whose prefix-cache lookup continues in the tier gets blocks for those hits and waits in
+WAITING_FOR_REMOTE_KVS while the workers load them (other requests keep running); when the
+runner reports its loads done (``ModelRunnerOutput.finished_recving``) it goes back to the
+front of the waiting queue with those tokens computed. The step's tier transfers travel in
+``SchedulerOutput.kv_transfers``.
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ from pagedllm.core.encoder_cache_manager import (
     free_computed_encoder_inputs,
     schedule_encoder_inputs,
 )
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import RequestQueue, create_request_queue, priority_key
 from pagedllm.core.spec_length import SpeculationLength
@@ -127,6 +134,9 @@ class Scheduler:
         self.waiting: RequestQueue = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
+        # Second KV tier: requests whose hits are loading, and those loaded, waiting to run.
+        self.waiting_for_kvs: dict[str, Request] = {}
+        self._kvs_loaded: set[str] = set()
         self.use_pp = use_pp
         # Ids of the requests in a scheduled step whose output is not back yet.
         self.in_flight: set[str] = set()
@@ -233,7 +243,15 @@ class Scheduler:
                 lora_waiters.append(self.waiting.pop_request())
                 skipped.append(request)
                 continue
-            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            if request.request_id in self._kvs_loaded:  # it holds its hits' blocks already
+                hit_blocks, num_hit_tokens = self.kv_cache_manager.empty_blocks, request.num_computed_tokens
+            else:
+                hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+                num_offloaded = self.kv_cache_manager.get_num_offloaded_hit_tokens(request, num_hit_tokens)
+                if num_offloaded:
+                    if not self._load_offloaded(request, hit_blocks, num_hit_tokens, num_offloaded):
+                        break
+                    continue
             num_new_tokens = self.kv_cache_manager.align_to_save_point(
                 request, num_hit_tokens, min(request.num_tokens - num_hit_tokens, token_budget))
             to_encode, num_new_tokens, budget_left = self._encoder_inputs(request, num_hit_tokens, num_new_tokens,
@@ -247,6 +265,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.pop_request()
+            self._kvs_loaded.discard(request.request_id)
             request.status = RequestStatus.RUNNING
             request.record_event(EngineCoreEventType.SCHEDULED, now)
             request.num_computed_tokens = num_hit_tokens
@@ -296,6 +315,7 @@ class Scheduler:
             scheduled_encoder_inputs=encoder_inputs,
             free_encoder_mm_hashes=(self.encoder_cache_manager.get_freed_mm_hashes()
                                     if self.encoder_cache_manager is not None else []),
+            kv_transfers=self.kv_cache_manager.take_kv_transfers(),
         )
         self.finished_req_ids = set()
         self.in_flight.update(num_scheduled_tokens)
@@ -304,6 +324,34 @@ class Scheduler:
         self._add_grammar_bitmask(output)
         self._choose_spec_lengths(output)
         return output
+
+    def _load_offloaded(self, request: Request, hit_blocks: KVCacheBlocks, num_hit_tokens: int,
+                        num_offloaded: int) -> bool:
+        """Take the waiting request at the queue's front to WAITING_FOR_REMOTE_KVS: blocks for
+        its ``num_offloaded`` second-tier tokens after its ``num_hit_tokens`` hit (registered
+        in the prefix cache once loaded) and their loads; False, changing nothing, when too
+        few blocks are free."""
+        if self.kv_cache_manager.allocate_slots(request, num_offloaded, hit_blocks, delay_cache_blocks=True) is None:
+            return False
+        self.kv_cache_manager.load_offloaded(request, num_hit_tokens, num_offloaded)
+        self.waiting.pop_request()
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.num_computed_tokens = num_hit_tokens + num_offloaded
+        self.waiting_for_kvs[request.request_id] = request
+        return True
+
+    def _finish_loading(self, req_id: str) -> None:
+        """A request's second-tier loads are done: back to the waiting queue's front (or
+        freed, if it was aborted meanwhile: its blocks were kept while they were written)."""
+        request = self.waiting_for_kvs.pop(req_id, None)
+        if request is None:
+            return
+        if request.is_finished:
+            self._free_request(request)
+            return
+        request.status = RequestStatus.WAITING
+        self._kvs_loaded.add(req_id)
+        self.waiting.prepend_request(request)
 
     def _encoder_inputs(self, request: Request, num_computed_tokens: int, num_new_tokens: int,
                         encoder_budget: int) -> tuple[list[int], int, int]:
@@ -410,7 +458,7 @@ class Scheduler:
     def has_schedulable_requests(self) -> bool:
         """Whether a request waits, or runs without being in flight (another step may
         include it now)."""
-        return bool(self.waiting) or any(r.request_id not in self.in_flight for r in self.running)
+        return bool(self.waiting or self.waiting_for_kvs) or any(r.request_id not in self.in_flight for r in self.running)
 
     def _lora_fits(self, lora_key: tuple[str, int, int], running_loras: set) -> bool:
         """Whether a request of adapter ``lora_key`` may start next to ``running_loras``."""
@@ -488,6 +536,8 @@ class Scheduler:
         spec_stats = SpecDecodingStats.new(self.num_spec_tokens) if self.num_spec_tokens else None
         outputs = [self._failed_grammar_output(request) for request in self._failed_grammar]
         self._failed_grammar = []
+        for req_id in runner_output.finished_recving:
+            self._finish_loading(req_id)
         self.in_flight.difference_update(scheduler_output.num_scheduled_tokens)
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
@@ -663,6 +713,9 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                request.status = status  # freed when its loads are done (``_finish_loading``)
+                continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
@@ -677,16 +730,17 @@ class Scheduler:
             self.encoder_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        self._kvs_loaded.discard(request.request_id)
         if self.spec_length is not None:
             self.spec_length.remove(request.request_id)
         if request.structured_output_request is not None:
             self._num_constrained -= 1
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.waiting_for_kvs)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self.waiting_for_kvs)
 
     def make_stats(self, spec_decoding_stats: Optional[SpecDecodingStats] = None) -> SchedulerStats:
         """Gauges, and counters since the previous call (prefix-cache tokens, preemptions),
@@ -698,6 +752,8 @@ class Scheduler:
             kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            external_prefix_cache_queries=kv.external_prefix_cache_queries,
+            external_prefix_cache_hits=kv.external_prefix_cache_hits,
             num_preemptions=self.num_preemptions - self._num_preemptions_reported,
             spec_decoding_stats=spec_decoding_stats,
         )
@@ -705,6 +761,7 @@ class Scheduler:
             stats.running_lora_adapters = sorted({r.lora_request.lora_name for r in self.running if r.lora_request})
             stats.waiting_lora_adapters = sorted({r.lora_request.lora_name for r in self.waiting if r.lora_request})
         kv.prefix_cache_queries = kv.prefix_cache_hits = 0
+        kv.external_prefix_cache_queries = kv.external_prefix_cache_hits = 0
         self._num_preemptions_reported = self.num_preemptions
         return stats
 

@@ -60,7 +60,8 @@ class BatchQueue:
         scheduler = self.scheduler
         while len(self.batches) < self.max_concurrent_batches and scheduler.has_schedulable_requests():
             scheduler_output = scheduler.schedule(self._micro_batch_size())
-            if scheduler_output.is_empty and not scheduler_output.finished_req_ids and self.batches:
+            if (scheduler_output.is_empty and not scheduler_output.finished_req_ids
+                    and not scheduler_output.kv_transfers and self.batches):
                 break  # nothing to run or tell the workers: wait for a step in flight
             self.batches.append((self.executor.execute_model(scheduler_output, non_block=True), scheduler_output))
             self.max_batches_in_flight = max(self.max_batches_in_flight, len(self.batches))

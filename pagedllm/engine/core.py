@@ -13,6 +13,7 @@ from typing import Iterable, Optional
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_interface import KVCacheGroups
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_offload import OffloadingManager
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.batch_queue import BatchQueue
@@ -21,7 +22,12 @@ from pagedllm.executor.selector import get_executor_class
 from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.multimodal.budget import encoder_cache_size
 from pagedllm.structured_output.manager import StructuredOutputManager
-from pagedllm.worker.kv_cache_sizing import check_state_layers_compose, kv_cache_groups, num_state_slots
+from pagedllm.worker.kv_cache_sizing import (
+    check_state_layers_compose,
+    kv_bytes_per_block,
+    kv_cache_groups,
+    num_state_slots,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -46,20 +52,21 @@ class EngineCore:
         groups = kv_cache_groups(config)
         check_state_layers_compose(config, groups)
         self.model_executor = get_executor_class(config)(config)
+        cache_config = config.cache_config
         try:
             num_gpu_blocks = self.num_gpu_blocks = self._initialize_kv_caches(groups)
+            self.kv_cache_manager = KVCacheManager(
+                num_blocks=num_gpu_blocks,
+                block_size=cache_config.block_size,
+                enable_caching=self._prefix_caching(groups),
+                hash_algo=cache_config.prefix_caching_hash_algo,
+                kv_cache_groups=groups,
+                num_state_slots=num_state_slots(config, groups),
+                offloading=self._offloading_manager(groups),
+            )
         except BaseException:
             self.model_executor.shutdown()  # worker processes too
             raise
-        cache_config = config.cache_config
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks=num_gpu_blocks,
-            block_size=cache_config.block_size,
-            enable_caching=self._prefix_caching(groups),
-            hash_algo=cache_config.prefix_caching_hash_algo,
-            kv_cache_groups=groups,
-            num_state_slots=num_state_slots(config, groups),
-        )
         max_loras = config.lora_config.max_loras if config.lora_config is not None else None
         self.structured_output_manager = StructuredOutputManager(config.structured_outputs_config, config.model_config)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, max_loras, config.speculative_config,
@@ -89,6 +96,23 @@ class EngineCore:
                         self.config.model_config.architecture,
                         sum(len(g.layer_indices) for g in groups.state_groups), self.config.model_config.num_layers)
         return enabled
+
+    def _offloading_manager(self, groups: KVCacheGroups) -> Optional[OffloadingManager]:
+        """The second KV tier's index (``--kv-offloading-size``): its size over one block's
+        bytes on all ranks; None without one. Logs the tier at start."""
+        cache_config = self.config.cache_config
+        if cache_config.kv_offloading_size is None:
+            return None
+        block_bytes = kv_bytes_per_block(self.config.model_config, groups) * self.config.parallel_config.world_size
+        num_blocks = cache_config.kv_offloading_bytes // max(block_bytes, 1)
+        if num_blocks < 1:
+            raise ValueError(f"kv_offloading_size {cache_config.kv_offloading_size} GiB holds no KV-cache block "
+                             f"({block_bytes:,} bytes on all ranks).")
+        where = f"files under {cache_config.kv_offloading_path}" if cache_config.kv_offloading_path else "host RAM"
+        logger.info("KV offloading: %.2f GiB in %s, %d blocks (%d tokens) beside the cache's %d blocks.",
+                    cache_config.kv_offloading_size, where, num_blocks, num_blocks * cache_config.block_size,
+                    self.num_gpu_blocks)
+        return OffloadingManager(num_blocks)
 
     def _initialize_kv_caches(self, groups: KVCacheGroups) -> int:
         """Size the KV cache on the workers (or take ``num_gpu_blocks_override``, as vLLM),

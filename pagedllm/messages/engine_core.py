@@ -158,6 +158,9 @@ class SchedulerStats(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
     running_lora_adapters: list[str] = []
     waiting_lora_adapters: list[str] = []
     spec_decoding_stats: Optional[SpecDecodingStats] = None
+    #: The second KV tier (vLLM's external prefix cache): tokens looked up there, and found.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
 
 
 class EngineCoreOutputs(

@@ -29,6 +29,8 @@ class ModelRunnerOutput:
             tokens proposed for its next step (empty when none); None without speculation.
         pooler_output: a pooling model: request id -> the pooled vector (float32 values,
             [hidden]) of each request whose prompt is now all computed.
+        finished_recving: ids of the requests whose second-tier loads (``LOAD`` transfers)
+            are all written into their blocks since the previous step (vLLM's name).
     """
 
     req_ids: list[str]
@@ -40,6 +42,7 @@ class ModelRunnerOutput:
     failed_req_ids: dict[str, str] = field(default_factory=dict)
     spec_token_ids: Optional[list[list[int]]] = None
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
+    finished_recving: set[str] = field(default_factory=set)
 
     def logprobs_for(self, index: int, num_tokens: int) -> Optional[LogprobsLists]:
         """The logprobs of the first ``num_tokens`` tokens request ``index`` sampled, or

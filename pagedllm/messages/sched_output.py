@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal.inputs import MultiModalFeatureSpec
@@ -52,6 +52,29 @@ class CachedRequestData:
     new_token_ids: list[list[int]] = field(default_factory=list)
 
 
+#: ``KVTransfer.kind`` values.
+STORE, LOAD, DROP = "store", "load", "drop"
+
+
+class KVTransfer(NamedTuple):
+    """One operation on the second tier, as a worker applies it.
+
+    Attributes:
+        kind: ``STORE`` (copy block ``block_id``'s KV, every layer, to the tier under
+            ``block_hash``, before this step's forward), ``LOAD`` (copy the tier's
+            ``block_hash`` into block ``block_id`` for request ``req_id``) or ``DROP``
+            (forget ``block_hash``; ``block_id`` -1).
+        block_hash: the block's prefix-cache key.
+        block_id: the first tier's block.
+        req_id: the loading request (``LOAD`` only; "" otherwise).
+    """
+
+    kind: str
+    block_hash: bytes
+    block_id: int = -1
+    req_id: str = ""
+
+
 @dataclass
 class SchedulerOutput:
     """One step's work: ``{request_id: num_scheduled_tokens}`` plus block-table diffs.
@@ -66,6 +89,8 @@ class SchedulerOutput:
     ``scheduled_encoder_inputs`` (vLLM's): request id -> the indices of its ``mm_features``
     whose encoder runs this step, before the forward; ``free_encoder_mm_hashes``: the content
     hashes of encoder outputs the runner drops (evicted from the encoder cache).
+    ``kv_transfers``: the second KV tier's stores, loads and drops (``KVTransfer``s decided by
+    ``pagedllm.core.kv_offload``), applied in order, stores before this step's forward.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -77,6 +102,7 @@ class SchedulerOutput:
     num_speculative_tokens: dict[str, int] = field(default_factory=dict)
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    kv_transfers: list[KVTransfer] = field(default_factory=list)
     # Structured outputs: rows ``structured_output_request_ids[req_id]`` .. + its number of
     # scheduled draft tokens of ``grammar_bitmask`` ([rows, ceil(vocab_size / 32)] int32
     # numpy) mask that request's sampled tokens this step (the next token, then the one after

@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Optional
+from typing import Iterable, Optional
 
 from pagedllm import envs
 from pagedllm.messages.engine_core import SchedulerStats
@@ -60,6 +60,8 @@ class LoggingStatLogger:
         self.last_scheduler_stats = SchedulerStats()
         self._last_was_busy = False
         self._prefix_window: collections.deque[tuple[int, int]] = collections.deque(maxlen=PREFIX_CACHE_WINDOW)
+        # The same for the second KV tier (empty without one: the line then leaves it out).
+        self._external_window: collections.deque[tuple[int, int]] = collections.deque(maxlen=PREFIX_CACHE_WINDOW)
         self.spec_decoding = SpecDecodingLogging()
 
     def record(self, scheduler_stats: Optional[SchedulerStats], iteration_stats: Optional[IterationStats]) -> None:
@@ -68,6 +70,9 @@ class LoggingStatLogger:
             self.last_scheduler_stats = scheduler_stats
             if scheduler_stats.prefix_cache_queries:
                 self._prefix_window.append((scheduler_stats.prefix_cache_queries, scheduler_stats.prefix_cache_hits))
+            if scheduler_stats.external_prefix_cache_queries:
+                self._external_window.append((scheduler_stats.external_prefix_cache_queries,
+                                              scheduler_stats.external_prefix_cache_hits))
             if scheduler_stats.spec_decoding_stats is not None:
                 self.spec_decoding.observe(scheduler_stats.spec_decoding_stats)
         if iteration_stats is not None:
@@ -77,8 +82,12 @@ class LoggingStatLogger:
     @property
     def prefix_cache_hit_rate(self) -> float:
         """Hits / queried tokens over the window, 0-1 (0 before any lookup)."""
-        queries = sum(q for q, _ in self._prefix_window)
-        return sum(h for _, h in self._prefix_window) / queries if queries else 0.0
+        return _hit_rate(self._prefix_window)
+
+    @property
+    def external_prefix_cache_hit_rate(self) -> float:
+        """The same for the second KV tier's lookups."""
+        return _hit_rate(self._external_window)
 
     def log(self, now: Optional[float] = None) -> str:
         """Log the line for the time since the previous call (INFO, or DEBUG while idle),
@@ -97,6 +106,8 @@ class LoggingStatLogger:
             f"GPU KV cache usage: {stats.kv_cache_usage * 100:.1f}%, "
             f"Prefix cache hit rate: {self.prefix_cache_hit_rate * 100:.1f}%"
         )
+        if self._external_window:
+            line += f", External prefix cache hit rate: {self.external_prefix_cache_hit_rate * 100:.1f}%"
         spec_line = self.spec_decoding.line()
         if spec_line is not None:
             line += ", " + spec_line
@@ -105,3 +116,10 @@ class LoggingStatLogger:
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.last_log_time = now
         return line
+
+
+def _hit_rate(window: Iterable[tuple[int, int]]) -> float:
+    """Hits / queried tokens of a window of (queries, hits), 0-1 (0 before any lookup)."""
+    pairs = list(window)
+    queries = sum(q for q, _ in pairs)
+    return sum(h for _, h in pairs) / queries if queries else 0.0

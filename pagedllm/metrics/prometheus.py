@@ -22,6 +22,9 @@ pagedllm:request_success_total                  counter    finished engine reque
 pagedllm:num_preemptions_total                  counter    preemptions
 pagedllm:prefix_cache_queries_total             counter    prompt tokens looked up in the prefix cache
 pagedllm:prefix_cache_hits_total                counter    of those, tokens found
+pagedllm:external_prefix_cache_queries_total    counter    prompt tokens of requests looked up in the
+                                                           second KV tier (--kv-offloading-size)
+pagedllm:external_prefix_cache_hits_total       counter    tokens found there (loaded back)
 pagedllm:time_to_first_token_seconds            histogram  per engine request
 pagedllm:inter_token_latency_seconds            histogram  per output after the first
 pagedllm:e2e_request_latency_seconds            histogram  per finished engine request
@@ -207,6 +210,16 @@ class _Families:
             "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
         )
         self.counter_prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.counter_external_prefix_queries = counter(
+            "external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of "
+            "queried tokens.",
+        )
+        self.counter_external_prefix_hits = counter(
+            "external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of "
+            "cached tokens.",
+        )
         self.counter_success = Counter(
             PREFIX + "request_success",
             "Count of successfully processed requests.",
@@ -268,6 +281,8 @@ class _EngineSeries:
         self.counter_preemptions = bind(families.counter_preemptions)
         self.counter_prefix_queries = bind(families.counter_prefix_queries)
         self.counter_prefix_hits = bind(families.counter_prefix_hits)
+        self.counter_external_prefix_queries = bind(families.counter_external_prefix_queries)
+        self.counter_external_prefix_hits = bind(families.counter_external_prefix_hits)
         self.counter_success = {
             reason: families.counter_success.labels(*label_values, reason) for reason in FINISHED_REASONS
         }
@@ -292,6 +307,8 @@ class _EngineSeries:
             self.counter_preemptions.inc(scheduler_stats.num_preemptions)
             self.counter_prefix_queries.inc(scheduler_stats.prefix_cache_queries)
             self.counter_prefix_hits.inc(scheduler_stats.prefix_cache_hits)
+            self.counter_external_prefix_queries.inc(scheduler_stats.external_prefix_cache_queries)
+            self.counter_external_prefix_hits.inc(scheduler_stats.external_prefix_cache_hits)
             if self.spec_decoding is not None and scheduler_stats.spec_decoding_stats is not None:
                 self.spec_decoding.observe(scheduler_stats.spec_decoding_stats)
         if iteration_stats is None:

@@ -26,6 +26,7 @@ of its image's embeddings, and the model runs on ``inputs_embeds`` (``_multimoda
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Optional
@@ -38,6 +39,8 @@ from pagedllm.attention.metadata import set_forward_context
 from pagedllm.attention.selector import get_attn_backend
 from pagedllm.config import EngineConfig
 from pagedllm.distributed import get_pp_group
+from pagedllm.distributed.kv_transfer.kv_blocks import KVBlockLayout, block_dim
+from pagedllm.distributed.kv_transfer.offloading import OffloadingWorker, make_block_store
 from pagedllm.messages.sched_output import SchedulerOutput
 from pagedllm.messages.engine_core import LogprobsLists
 from pagedllm.model_executor.layers.attention import Attention, bind_kv_caches, init_kv_scales
@@ -81,6 +84,10 @@ class ModelRunner:
     state is copied into the working slot before the step), and a step's new entry names a
     save slot (the working slot is copied into it after the step): ``MambaManager``.
 
+    With a second KV tier (``--kv-offloading-size``) an ``OffloadingWorker`` applies each
+    step's ``kv_transfers`` (stores snapshotted before the forward, the rest on its thread)
+    and the step's output names the requests whose loads are written (``finished_recving``).
+
     Its ``Worker`` sets it up in steps: ``load_model``, ``profile_run`` (when the KV cache
     is sized from the memory left), ``initialize_kv_cache``; then ``execute_model`` runs
     each step.
@@ -114,6 +121,7 @@ class ModelRunner:
         #: each request's images (``MultiModalFeatureSpec``).
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self._mm_features: dict[str, list] = {}
+        self.kv_offload: Optional[OffloadingWorker] = None
 
     def _make_proposer(self) -> DraftModelProposer | NgramProposer | None:
         spec = self.config.speculative_config
@@ -238,7 +246,24 @@ class ModelRunner:
             self.kv_cache_groups.num_groups,
         )
         self.sampler = Sampler()
+        self._start_kv_offload()
         current_platform.prepare_for_steps()
+
+    def _start_kv_offload(self) -> None:
+        """The second KV tier's worker over the caches just allocated (the previous one, after
+        a wake-up, stopped), in host RAM or files under ``kv_offloading_path``."""
+        if self.kv_offload is not None:
+            self.kv_offload.close()
+        if self.cache_config.kv_offloading_size is None:
+            return
+        dims = []
+        for cache in self.kv_caches:
+            layer = next(a for a in self.attention_layers if a.kv_cache is cache)
+            dims.append(block_dim(lambda n, layer=layer: layer.attn_backend.get_kv_cache_shape(
+                n, self.block_size, layer.num_kv_heads, layer.head_dim)))
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.kv_offload = OffloadingWorker(KVBlockLayout(self.kv_caches, dims),
+                                           make_block_store(self.cache_config.kv_offloading_path, rank))
 
     # ------------------------------------------------------------------ sleep mode
     def _models(self) -> list[torch.nn.Module]:
@@ -258,6 +283,9 @@ class ModelRunner:
                              "use level 1.")
         sleep_mode.unbind_kv_caches(self._models())
         self.kv_caches, self.state_caches = [], []
+        if self.kv_offload is not None:  # it holds the caches (the engine forgot the tier's keys)
+            self.kv_offload.close()
+            self.kv_offload = None
         self._sleeping_weights: Optional[sleep_mode.SleepingWeights] = sleep_mode.SleepingWeights(self._models(), level)
         current_platform.empty_cache()
 
@@ -381,12 +409,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: update the persistent batch, forward all scheduled tokens, sample.
+        """Run one step: apply the second tier's transfers (if any), update the persistent
+        batch, forward all scheduled tokens, sample.
 
         Returns:
             the sampled token ids (and logprobs) of requests whose known tokens are now all
-            computed; requests in the middle of their prompt sample nothing.
+            computed; requests in the middle of their prompt sample nothing; with a second
+            tier, the requests whose loads are now written.
         """
+        offload = self.kv_offload
+        if offload is None:
+            return self._execute_model(so)
+        offload.submit(so.kv_transfers)
+        offload.wait_for(new.req_id for new in so.scheduled_new_reqs)
+        output = self._execute_model(so)
+        # NOTE: a step with nothing to run (only loads pending) waits a little for them, not to spin.
+        finished = offload.get_finished(timeout=0.002 if so.is_empty else 0.0)
+        return dataclasses.replace(output, finished_recving=finished) if finished else output
+
+    def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
         if so.is_empty:
             return EMPTY_MODEL_RUNNER_OUTPUT

@@ -80,3 +80,12 @@ def test_interval_from_the_environment(monkeypatch):
         monkeypatch.setenv("PAGEDLLM_LOG_STATS_INTERVAL", bad)
         with pytest.raises(ValueError, match="PAGEDLLM_LOG_STATS_INTERVAL must be a positive number of seconds"):
             log_stats_interval()
+
+
+def test_the_second_kv_tier_has_its_own_hit_rate_on_the_line():
+    stat_logger = LoggingStatLogger()
+    assert "External" not in stat_logger.log(now=stat_logger.last_log_time + 1.0)
+    stat_logger.record(SchedulerStats(prefix_cache_queries=200, prefix_cache_hits=50,
+                                      external_prefix_cache_queries=200, external_prefix_cache_hits=96), None)
+    line = stat_logger.log(now=stat_logger.last_log_time + 1.0)
+    assert line.endswith("Prefix cache hit rate: 25.0%, External prefix cache hit rate: 48.0%")

@@ -31,6 +31,8 @@ COUNTERS = [
     "num_preemptions",
     "prefix_cache_queries",
     "prefix_cache_hits",
+    "external_prefix_cache_queries",
+    "external_prefix_cache_hits",
 ]
 HISTOGRAMS = [
     "time_to_first_token_seconds",
@@ -117,7 +119,8 @@ def test_logger_records_exactly_and_registries_are_independent(tiny_llama):
     tracker.add_request("x", 0.0, 7, n=1, max_tokens=16)
     tracker.finish_request("x", "stop", 1.0, stats)
     scheduler_stats = SchedulerStats(
-        2, 1, 0.25, prefix_cache_queries=32, prefix_cache_hits=16, num_preemptions=1
+        2, 1, 0.25, prefix_cache_queries=32, prefix_cache_hits=16, num_preemptions=1,
+        external_prefix_cache_queries=32, external_prefix_cache_hits=8,
     )
     loggers[0].record(scheduler_stats, stats)
     loggers[0].record(SchedulerStats(), None)
@@ -126,6 +129,7 @@ def test_logger_records_exactly_and_registries_are_independent(tiny_llama):
     assert value(r, "prompt_tokens_total") == 7 and value(r, "generation_tokens_total") == 3
     assert value(r, "num_preemptions_total") == 1
     assert value(r, "prefix_cache_queries_total") == 32 and value(r, "prefix_cache_hits_total") == 16
+    assert value(r, "external_prefix_cache_queries_total") == 32 and value(r, "external_prefix_cache_hits_total") == 8
     assert value(r, "request_success_total", finished_reason="stop") == 1
     assert value(r, "request_success_total", finished_reason="length") == 0
     assert value(r, "iteration_tokens_total_count") == 1 and value(r, "iteration_tokens_total_sum") == 9
