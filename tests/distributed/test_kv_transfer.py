@@ -1,0 +1,114 @@
+"""A prefill / decode split in one process (``--kv-transfer-config``, ``TCPConnector``): a
+request prefilled by a producer engine and finished by a consumer engine, which loads the
+prompt's KV over TCP, gives what one engine gives (greedy tokens identical, logprobs close,
+seeded sampling identical); both engines' block accounting ends clean; a consumer whose
+producer is gone, or no longer holds the KV, fails the request with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineArgs, KVTransferConfig
+from pagedllm.distributed import get_open_port
+from tests.helpers import check_block_accounting, model_runner, random_prompts
+
+KV_BYTES = 8 << 20
+#: One token, a part block, several blocks, and one past the producer's token budget
+#: (chunked prefill there): block size 16.
+PROMPT_LENGTHS = [1, 7, 16, 33, 70]
+NUM_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama):
+    """(producer, consumer, one plain engine) of the tiny Llama, float32."""
+    common = dict(dtype="float32", kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=False)
+    prefill = LLM(str(tiny_llama), **common, max_num_batched_tokens=48,
+                  kv_transfer_config={"kv_connector": "TCPConnector", "kv_role": "kv_producer",
+                                      "kv_port": get_open_port()})
+    decode = LLM(str(tiny_llama), **common, role="decode",
+                 kv_transfer_config={"kv_connector_extra_config": {"timeout_s": 1}})
+    single = LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=KV_BYTES)
+    return prefill, decode, single
+
+
+def _prefill(prefill: LLM, prompts: list[list[int]]) -> list[dict]:
+    params = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    outputs = prefill.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.kv_transfer_params for o in outputs]
+
+
+def _with_params(params: SamplingParams, kv_params: dict | None) -> SamplingParams:
+    return SamplingParams(**{f: getattr(params, f) for f in ("temperature", "seed", "max_tokens", "logprobs",
+                                                             "ignore_eos")},
+                          extra_args={"kv_transfer_params": kv_params} if kv_params else None)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_split_equals_one_engine(engines, sampling):
+    prefill, decode, single = engines
+    prompts = random_prompts(PROMPT_LENGTHS, 1024, seed=3)
+    params = (SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, logprobs=3, ignore_eos=True)
+              if sampling == "greedy" else
+              SamplingParams(temperature=0.9, seed=11, max_tokens=NUM_TOKENS, logprobs=3, ignore_eos=True))
+    expected = single.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    kv_params = _prefill(prefill, prompts)
+    assert kv_params[0] is None  # a one-token prompt has no KV to send: the consumer computes it
+    assert [p["remote_num_tokens"] for p in kv_params[1:]] == [n - 1 for n in PROMPT_LENGTHS[1:]]
+    check_block_accounting(prefill)  # blocks freed as the prefills finished; the KV waits in host memory
+    actual = decode.generate([{"prompt_token_ids": p} for p in prompts],
+                             [_with_params(params, kv) for kv in kv_params], use_tqdm=False)
+    for got, want in zip(actual, expected):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        for got_pos, want_pos in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
+            assert list(got_pos) == list(want_pos)
+            assert all(abs(got_pos[t].logprob - want_pos[t].logprob) < 1e-4 for t in want_pos)
+    assert not model_runner(prefill).kv_connector._buffer  # each prefill's KV was fetched once
+    check_block_accounting(decode)
+    check_block_accounting(prefill)
+
+
+def test_a_load_that_fails_aborts_the_request_with_the_reason(engines):
+    prefill, decode, _ = engines
+    [prompt] = random_prompts([40], 1024, seed=5)
+    [kv_params] = _prefill(prefill, [prompt])
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    decode.generate([{"prompt_token_ids": prompt}], _with_params(params, kv_params), use_tqdm=False)
+    gone = {**kv_params, "remote_port": get_open_port()}  # nobody listens there: a producer that died
+    again, dead = decode.generate([{"prompt_token_ids": prompt}] * 2,
+                                  [_with_params(params, kv) for kv in (kv_params, gone)], use_tqdm=False)
+    assert again.outputs[0].finish_reason == "abort" and again.outputs[0].token_ids == []
+    assert "no KV kept for request" in again.kv_transfer_params["error"]
+    assert dead.outputs[0].finish_reason == "abort"
+    assert f":{gone['remote_port']} did not answer in 1 s" in dead.kv_transfer_params["error"]
+    check_block_accounting(decode)
+    # The engine keeps serving.
+    [ok] = decode.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert len(ok.outputs[0].token_ids) == 4 and ok.kv_transfer_params is None
+
+
+def test_prefix_caching_with_a_role_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match="enable_prefix_caching is not supported yet with kv_transfer_config"):
+        EngineArgs(model=str(tiny_llama), role="prefill")
+    with pytest.raises(ValueError, match="--no-enable-prefix-caching"):
+        EngineArgs(model=str(tiny_llama), kv_transfer_config={"kv_role": "kv_consumer"})
+
+
+@pytest.mark.parametrize("config, role, message", [
+    ({"kv_connector": "NixlConnector"}, None, "kv_connector 'NixlConnector' is not supported yet"),
+    ({"kv_role": "kv_consumer"}, "prefill", "--role prefill means kv_role 'kv_producer'"),
+    ({"kv_port": 0}, None, "kv_port must be a TCP port"),
+    ({"kv_buffer_size": 1}, None, r"unknown key\(s\) \['kv_buffer_size'\]"),
+    ({"kv_connector_extra_config": {"timeout_s": 0}}, None, r"\['timeout_s'\] must be a positive number"),
+])  # fmt: skip
+def test_bad_kv_transfer_config_is_refused(config, role, message):
+    with pytest.raises(ValueError, match=message):
+        KVTransferConfig.from_args(config, role)
+
+
+def test_role_alone_sets_the_kv_role():
+    config = KVTransferConfig.from_args(None, "decode")
+    assert (config.kv_connector, config.kv_role, config.is_kv_consumer, config.is_kv_producer) == (
+        "TCPConnector", "kv_consumer", True, False)
+    assert KVTransferConfig.from_args(None, None) is None
