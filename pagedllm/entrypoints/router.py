@@ -12,8 +12,8 @@ JSON. ``GET /v1/models`` is the first decode instance's; ``GET /health`` is the 
 Light at import (argparse only): FastAPI, httpx and uvicorn are imported when it runs.
 """
 
-from __future__ import annotations
-
+# NOTE: no ``from __future__ import annotations``: FastAPI reads the handlers' annotations
+# (``Request``, imported inside ``build_app``) at run time.
 import argparse
 import itertools
 import logging
