@@ -252,8 +252,8 @@ class Scheduler:
                 break  # its next image does not fit in this step's encoder budget
             if not self.chunked_prefill_enabled and num_new_tokens < request.num_tokens - num_hit_tokens:
                 break  # an encoder's prompt runs whole: it waits for a step with room
-            new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_external_tokens + num_new_tokens, hit_blocks, self._lookahead(num_hit_tokens + num_new_tokens))
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_external_tokens + num_new_tokens, hit_blocks,
+                                                              self._lookahead(num_hit_tokens + num_new_tokens))
             if new_blocks is None:
                 break
             if num_external_tokens:

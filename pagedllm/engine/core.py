@@ -41,13 +41,15 @@ class EngineCore:
 
     Raises (constructor): what ``get_executor_class`` raises for an unsupported executor;
     ``ValueError`` when the KV cache cannot hold one ``max_model_len`` sequence, or for a
-    setting that does not compose with state layers (``check_state_layers_compose``).
+    setting that does not compose with state layers (``check_state_layers_compose``), or a
+    ``kv_transfer_config`` for a model with sliding windows or state layers (before loading).
     """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         groups = kv_cache_groups(config)
         check_state_layers_compose(config, groups)
+        kv_connector = self._kv_connector(groups)  # a model it cannot serve fails before loading
         self.model_executor = get_executor_class(config)(config)
         try:
             num_gpu_blocks = self.num_gpu_blocks = self._initialize_kv_caches(groups)
@@ -64,7 +66,6 @@ class EngineCore:
             num_state_slots=num_state_slots(config, groups),
         )
         max_loras = config.lora_config.max_loras if config.lora_config is not None else None
-        kv_connector = self._kv_connector(groups)
         self.structured_output_manager = StructuredOutputManager(config.structured_outputs_config, config.model_config)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, max_loras, config.speculative_config,
                                    structured_output_manager=self.structured_output_manager,

@@ -112,3 +112,9 @@ def test_role_alone_sets_the_kv_role():
     assert (config.kv_connector, config.kv_role, config.is_kv_consumer, config.is_kv_producer) == (
         "TCPConnector", "kv_consumer", True, False)
     assert KVTransferConfig.from_args(None, None) is None
+
+
+def test_a_model_with_sliding_windows_is_refused_before_loading(checkpoint_factory):
+    path = checkpoint_factory("MistralForCausalLM", sliding_window=16, seed=3)
+    with pytest.raises(ValueError, match="kv_transfer_config is not supported yet for MistralForCausalLM"):
+        LLM(str(path), dtype="float32", kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=False, role="decode")

@@ -22,18 +22,28 @@ A connector that moves blocks without the workers' copies (RDMA) fits the same c
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol
 
 from pagedllm.messages.kv_transfer import KVConnectorMetadata
+from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
-    from pagedllm.core.request import Request
     from pagedllm.messages.sched_output import SchedulerOutput
 
 
-def kv_transfer_params(request: "Request") -> dict[str, Any]:
+class Request(Protocol):
+    """What a connector reads of the scheduler's ``pagedllm.core.request.Request`` (the
+    core sits above this layer)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+
+
+def kv_transfer_params(request: Request) -> dict[str, Any]:
     """The request's ``kv_transfer_params`` (``SamplingParams.extra_args``); {} when none."""
     extra = request.sampling_params.extra_args or {}
     return extra.get("kv_transfer_params") or {}
@@ -43,29 +53,29 @@ class KVConnectorScheduler(abc.ABC):
     """The scheduler's half of a connector (plain Python, no torch)."""
 
     @abc.abstractmethod
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """Tokens after the first ``num_computed_tokens`` whose KV a waiting request gets
         from a remote engine (0: none); never its last prompt token."""
 
     @abc.abstractmethod
-    def update_state_after_alloc(self, request: "Request", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         """The request was admitted with blocks for its ``num_external_tokens`` remote
         tokens (after its ``num_computed_tokens``): load them before its first step."""
 
     @abc.abstractmethod
     def build_connector_meta(
-        self, scheduler_output: "SchedulerOutput", requests: Mapping[str, "Request"],
+        self, scheduler_output: "SchedulerOutput", requests: Mapping[str, Request],
         block_ids_of: Callable[[str], tuple[list[int], ...]],
     ) -> KVConnectorMetadata:
         """The step's loads and saves, once its requests' ``num_computed_tokens`` count the
         step; ``block_ids_of(req_id)`` gives a request's block table per KV-cache group."""
 
     @abc.abstractmethod
-    def request_finished(self, request: "Request") -> Optional[dict[str, Any]]:
+    def request_finished(self, request: Request) -> Optional[dict[str, Any]]:
         """The ``kv_transfer_params`` of a finished request's last output (None: none)."""
 
     @abc.abstractmethod
-    def request_failed(self, request: "Request", reason: str) -> Optional[dict[str, Any]]:
+    def request_failed(self, request: Request, reason: str) -> Optional[dict[str, Any]]:
         """The ``kv_transfer_params`` of a request the runner could not serve (a failed
         load: ``{"error": reason}``; None for other requests)."""
 

@@ -25,7 +25,12 @@ import torch
 import zmq
 
 from pagedllm.config import KVTransferConfig
-from pagedllm.distributed.kv_transfer.base import KVConnectorScheduler, KVConnectorWorker, kv_transfer_params
+from pagedllm.distributed.kv_transfer.base import (
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    Request,
+    kv_transfer_params,
+)
 from pagedllm.distributed.kv_transfer.block_copy import gather_tokens, scatter_tokens, token_slots
 from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedllm.messages.kv_transfer import KVConnectorMetadata, KVLoadSpec, KVSaveSpec
@@ -45,19 +50,20 @@ class TCPConnectorScheduler(KVConnectorScheduler):
         self._loading: set[str] = set()  # requests whose KV was (or is being) loaded
         self._saved: dict[str, int] = {}  # request id -> tokens its producer keeps
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         if not self.config.is_kv_consumer or request.request_id in self._loading or num_computed_tokens:
             return 0  # NOTE: a preempted request recomputes: its remote KV is fetched once
         if not kv_transfer_params(request).get("do_remote_prefill"):
             return 0
         return max(request.num_prompt_tokens - 1, 0)
 
-    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         self._to_load[request.request_id] = num_external_tokens
         self._loading.add(request.request_id)
 
     def build_connector_meta(
-        self, scheduler_output: Any, requests: Mapping[str, Any], block_ids_of: Callable[[str], tuple[list[int], ...]],
+        self, scheduler_output: Any, requests: Mapping[str, Request],
+        block_ids_of: Callable[[str], tuple[list[int], ...]],
     ) -> KVConnectorMetadata:
         metadata = KVConnectorMetadata()
         for req_id, num_tokens in self._to_load.items():
@@ -75,7 +81,7 @@ class TCPConnectorScheduler(KVConnectorScheduler):
                     self._saved[req_id] = num_tokens
         return metadata
 
-    def request_finished(self, request: Any) -> Optional[dict[str, Any]]:
+    def request_finished(self, request: Request) -> Optional[dict[str, Any]]:
         num_tokens = self._saved.get(request.request_id)
         if num_tokens is None:
             return None
@@ -89,7 +95,7 @@ class TCPConnectorScheduler(KVConnectorScheduler):
             "remote_num_tokens": num_tokens,
         }
 
-    def request_failed(self, request: Any, reason: str) -> Optional[dict[str, Any]]:
+    def request_failed(self, request: Request, reason: str) -> Optional[dict[str, Any]]:
         return {"error": reason} if request.request_id in self._loading else None
 
     def request_freed(self, request_id: str) -> None:
