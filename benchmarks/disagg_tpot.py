@@ -4,11 +4,11 @@
         --range-ratio 0.9 --output-len 64 --request-rate 2
 
 Runs the same ``pagedllm bench serve`` load (random prompts of ``input-len`` x [1 - ratio,
-1 + ratio] tokens, Poisson arrivals, streamed completions) twice: against one ``pagedllm
-serve`` with ``--threads`` threads, then against ``pagedllm router`` over a ``--role
-prefill`` and a ``--role decode`` instance with ``--threads / 2`` threads each (the same
-cores in all), then, with ``--also-half-threads``, against one server with ``--threads / 2``
-threads (on a loaded machine a process's threads wait for each other at every barrier). Prefix caching is off on both sides, so neither reuses a prompt. Each server
+1 + ratio] tokens, Poisson arrivals, streamed completions) against one ``pagedllm serve``
+for each ``--one-server-threads`` count (default: ``--threads``), then against ``pagedllm
+router`` over a ``--role prefill`` and a ``--role decode`` instance with ``--threads / 2``
+threads each (the same cores in all). On a loaded machine a process's threads wait for
+each other at every barrier, so one server may do better with fewer threads: give both. Prefix caching is off on both sides, so neither reuses a prompt. Each server
 logs to ``--log-dir``. Prints each run's TTFT / TPOT / ITL mean and p99 and the ratio of
 the TPOT p99s; ``--output-json`` writes both results.
 """
@@ -106,8 +106,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--request-rate", type=float, default=2.0)
     parser.add_argument("--threads", type=int, default=2, help="threads in all (split: half per instance)")
-    parser.add_argument("--also-half-threads", action="store_true",
-                        help="also run one server with --threads / 2 threads")
+    parser.add_argument("--one-server-threads", type=int, nargs="+", default=None,
+                        help="thread counts of the one-server runs (default: --threads)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", default="/tmp/disagg_tpot")
     parser.add_argument("--output-json", default=None)
@@ -117,8 +117,10 @@ def main() -> None:
     half = max(args.threads // 2, 1)
 
     port = _free_port()
-    with Process("one-server", _serve(args.model, port), port, args.threads, log_dir):
-        one = _bench(args, port, "one server")
+    results = {}
+    for threads in args.one_server_threads or [args.threads]:
+        with Process(f"one-server-{threads}", _serve(args.model, port), port, threads, log_dir):
+            results[f"one_server_{threads}_threads"] = _bench(args, port, f"one server, {threads} threads")
     prefill_port, decode_port, router_port, kv_port = (_free_port() for _ in range(4))
     kv_config = json.dumps({"kv_connector": "TCPConnector", "kv_port": kv_port})
     with Process("prefill", _serve(args.model, prefill_port, "--role", "prefill", "--kv-transfer-config", kv_config),
@@ -127,16 +129,12 @@ def main() -> None:
             Process("router", [sys.executable, "-m", "pagedllm.entrypoints.cli", "router", "--port", str(router_port),
                                "--prefill", f"http://127.0.0.1:{prefill_port}",
                                "--decode", f"http://127.0.0.1:{decode_port}"], router_port, None, log_dir):
-        split = _bench(args, router_port, "prefill + decode")
-    results = {"one_server": one, "split": split}
-    if args.also_half_threads:
-        with Process("one-server-half", _serve(args.model, port), port, half, log_dir):
-            results["one_server_half_threads"] = _bench(args, port, "one server, half the threads")
-    print(f"one server ({args.threads} threads)    {_row(one)}")
-    print(f"prefill + decode ({half} + {half}) {_row(split)}")
-    if args.also_half_threads:
-        print(f"one server ({half} threads)    {_row(results['one_server_half_threads'])}")
-    print(f"TPOT p99: split / one server = {split['p99_tpot_ms'] / one['p99_tpot_ms']:.2f}x")
+        split = results["split"] = _bench(args, router_port, "prefill + decode")
+    for name, result in results.items():
+        print(f"{name:24} {_row(result)}")
+    for name, result in results.items():
+        if name != "split":
+            print(f"TPOT p99: split / {name} = {split['p99_tpot_ms'] / result['p99_tpot_ms']:.2f}x")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(results, indent=1))
 
