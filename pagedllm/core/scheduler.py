@@ -256,8 +256,8 @@ class Scheduler:
                                                               self._lookahead(num_hit_tokens + num_new_tokens))
             if new_blocks is None:
                 break
-            if num_external_tokens:
-                self.kv_connector.update_state_after_alloc(request, num_external_tokens)  # type: ignore[union-attr]
+            if num_external_tokens and self.kv_connector is not None:
+                self.kv_connector.update_state_after_alloc(request, num_external_tokens)
             self.waiting.pop_request()
             request.status = RequestStatus.RUNNING
             request.record_event(EngineCoreEventType.SCHEDULED, now)

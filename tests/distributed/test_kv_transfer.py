@@ -88,11 +88,14 @@ def test_a_load_that_fails_aborts_the_request_with_the_reason(engines):
     assert len(ok.outputs[0].token_ids) == 4 and ok.kv_transfer_params is None
 
 
-def test_prefix_caching_with_a_role_is_refused(tiny_llama):
+def test_prefix_caching_or_a_draft_model_with_a_role_is_refused(tiny_llama):
     with pytest.raises(ValueError, match="enable_prefix_caching is not supported yet with kv_transfer_config"):
         EngineArgs(model=str(tiny_llama), role="prefill")
     with pytest.raises(ValueError, match="--no-enable-prefix-caching"):
         EngineArgs(model=str(tiny_llama), kv_transfer_config={"kv_role": "kv_consumer"})
+    with pytest.raises(ValueError, match="draft model or EAGLE head is not supported yet with kv_transfer_config"):
+        EngineArgs(model=str(tiny_llama), role="decode", enable_prefix_caching=False,
+                   speculative_config={"model": str(tiny_llama), "num_speculative_tokens": 2})
 
 
 @pytest.mark.parametrize("config, role, message", [
