@@ -18,6 +18,8 @@ KV_BYTES = 8 << 20
 #: (chunked prefill there): block size 16.
 PROMPT_LENGTHS = [1, 7, 16, 33, 70]
 NUM_TOKENS = 6
+#: The consumer's wait for a producer (seconds): what a dead producer costs the test.
+TIMEOUT_S = 3
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,7 @@ def engines(tiny_llama):
                   kv_transfer_config={"kv_connector": "TCPConnector", "kv_role": "kv_producer",
                                       "kv_port": get_open_port()})
     decode = LLM(str(tiny_llama), **common, role="decode",
-                 kv_transfer_config={"kv_connector_extra_config": {"timeout_s": 1}})
+                 kv_transfer_config={"kv_connector_extra_config": {"timeout_s": TIMEOUT_S}})
     single = LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=KV_BYTES)
     return prefill, decode, single
 
@@ -81,7 +83,7 @@ def test_a_load_that_fails_aborts_the_request_with_the_reason(engines):
     assert again.outputs[0].finish_reason == "abort" and again.outputs[0].token_ids == []
     assert "no KV kept for request" in again.kv_transfer_params["error"]
     assert dead.outputs[0].finish_reason == "abort"
-    assert f":{gone['remote_port']} did not answer in 1 s" in dead.kv_transfer_params["error"]
+    assert f":{gone['remote_port']} did not answer in {TIMEOUT_S} s" in dead.kv_transfer_params["error"]
     check_block_accounting(decode)
     # The engine keeps serving.
     [ok] = decode.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
