@@ -88,9 +88,12 @@ def test_router_splits_requests_and_answers_as_one_server(tiny_llama):
             unreachable = await _post(httpx.AsyncClient(transport=httpx.ASGITransport(
                 app=router.build_app([f"http://127.0.0.1:{get_open_port()}"], ["http://decode"], backends)),
                 base_url="http://router"), "/v1/completions", COMPLETION)
-            return results, (status, prefilled), fetched, again, unreachable
+            bad = [await _post(backends, "http://decode/v1/completions", {**COMPLETION, **fields}) for fields in (
+                {"kv_transfer_params": {"do_remote_prefill": True, "remote_host": "h"}},
+                {"kv_transfer_params": {"do_remote_decode": True}, "n": 2})]
+            return results, (status, prefilled), fetched, again, unreachable, bad
 
-        results, (status, prefilled), fetched, again, unreachable = asyncio.run(main())
+        results, (status, prefilled), fetched, again, unreachable, bad = asyncio.run(main())
     finally:
         prefill.shutdown()
         decode.shutdown()
@@ -110,3 +113,6 @@ def test_router_splits_requests_and_answers_as_one_server(tiny_llama):
     assert again[0] == 503 and "no KV kept for request" in again[1]["error"]["message"]
     assert again[1]["error"]["type"] == "ServiceUnavailableError"
     assert unreachable[0] == 502 and "prefill instance" in unreachable[1]["error"]["message"]
+    assert [status for status, _ in bad] == [400, 400]
+    assert "do_remote_prefill needs remote_port (int" in bad[0][1]["error"]["message"]
+    assert "serves n=1 only, got n=2" in bad[1][1]["error"]["message"]
