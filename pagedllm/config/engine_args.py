@@ -518,7 +518,7 @@ class EngineArgs:
             '"kv_role": "kv_producer" | "kv_consumer" | "kv_both", "kv_ip": "127.0.0.1", "kv_port": 14579, '
             '"kv_connector_extra_config": {"timeout_s": 10, "buffer_timeout_s": 120}} (docs/deployment.md).'
         ),
-        type=json_object_type,
+        type=json_object_type, metavar="JSON",
     )
     role: Optional[str] = flag_field(
         None,

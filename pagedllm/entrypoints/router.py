@@ -34,9 +34,11 @@ def base_url(url: str) -> str:
 
 
 def prefill_body(body: dict[str, Any], route: str) -> dict[str, Any]:
-    """The prefill instance's copy of a request: one token, not streamed, keeping its KV."""
+    """The prefill instance's copy of a request: one token (no ``min_tokens``), not streamed,
+    keeping its KV."""
     body = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
     body.pop("stream_options", None)
+    body.pop("min_tokens", None)
     for field in ROUTES[route]:
         if field == "max_tokens" or field in body:
             body[field] = 1
