@@ -732,7 +732,7 @@ class EngineArgs:
         Raises:
             ValueError: a bad config; prefix caching on with a split (not built yet: a
                 consumer's loaded blocks are not hashed, and a producer's cache hits would
-                have to be sent too), or a drafter with its own KV cache.
+                have to be sent too), data parallelism, or a drafter with its own KV cache.
         """
         config = KVTransferConfig.from_args(self.kv_transfer_config, self.role)
         if config is not None and self.enable_prefix_caching:
@@ -740,6 +740,9 @@ class EngineArgs:
                 "enable_prefix_caching is not supported yet with kv_transfer_config / role (prefill / decode "
                 "instances); pass --no-enable-prefix-caching (LLM: enable_prefix_caching=False)."
             )
+        if config is not None and self.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 is not supported yet with kv_transfer_config / role (the replicas "
+                             "would share one kv_port); run one instance per replica behind pagedllm router.")
         if (config is not None and self.speculative_config is not None
                 and SpeculativeConfig.from_dict(self.speculative_config).uses_draft_model):
             raise ValueError("speculative_config with a draft model or EAGLE head is not supported yet with "

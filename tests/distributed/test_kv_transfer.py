@@ -98,6 +98,9 @@ def test_prefix_caching_or_a_draft_model_with_a_role_is_refused(tiny_llama):
     with pytest.raises(ValueError, match="draft model or EAGLE head is not supported yet with kv_transfer_config"):
         EngineArgs(model=str(tiny_llama), role="decode", enable_prefix_caching=False,
                    speculative_config={"model": str(tiny_llama), "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="data_parallel_size > 1 is not supported yet with kv_transfer_config"):
+        EngineArgs(model=str(tiny_llama), role="prefill", enable_prefix_caching=False, data_parallel_size=2,
+                   usage_context="api_server")
 
 
 @pytest.mark.parametrize("config, role, message", [
