@@ -69,6 +69,9 @@ class RequestOutput:
         outputs: the completions, ordered by index.
         finished: True once every completion has finished.
         num_cached_tokens: prompt tokens served from the prefix cache (not recomputed).
+        kv_transfer_params: a prefill / decode split (vLLM's): on a producer's final output,
+            what a consumer's request needs to load the prompt's KV; on a consumer's output
+            whose load failed (finish reason "abort"), ``{"error": reason}``; else None.
     """
 
     request_id: str
@@ -79,6 +82,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: Optional[dict] = field(default=None, repr=False)
+    kv_transfer_params: Optional[dict] = None
 
 
 @dataclass

@@ -132,6 +132,33 @@ class StructuredOutputsParams(
         return next(kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False))
 
 
+#: The keys a consumer's ``kv_transfer_params`` must carry, and their types.
+_REMOTE_PREFILL_KEYS = {"remote_host": str, "remote_port": int, "remote_request_id": str}
+
+
+def check_kv_transfer_params(params: Any, n: int = 1) -> None:
+    """Check a request's ``kv_transfer_params`` (vLLM's): None, or a dict asking for
+    ``do_remote_decode`` (a producer keeps the prompt's KV) or ``do_remote_prefill`` (a
+    consumer loads it; then with ``remote_host``, ``remote_port`` and ``remote_request_id``,
+    as the producer's output gives them), for one completion (``n`` 1).
+
+    Raises:
+        ValueError: "kv_transfer_params ..." naming what is wrong.
+    """
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise ValueError(f"kv_transfer_params must be an object, got {params!r}.")
+    if (params.get("do_remote_decode") or params.get("do_remote_prefill")) and n != 1:
+        raise ValueError(f"kv_transfer_params asks for a prefill / decode split, which serves n=1 only, got n={n}.")
+    if params.get("do_remote_prefill"):
+        for key, kind in _REMOTE_PREFILL_KEYS.items():
+            value = params.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f"kv_transfer_params with do_remote_prefill needs {key} ({kind.__name__}, as the "
+                                 f"prefill instance's response gives it), got {value!r}.")
+
+
 #: The older name, used by vLLM's docs and many tutorials (``guided_decoding=``).
 GuidedDecodingParams = StructuredOutputsParams
 
@@ -185,6 +212,8 @@ class SamplingParams(
         bad_words: words that cannot be generated: the last token of a word is banned
             whenever the output ends with the word's other tokens. Each word is tokenized
             alone and after a space (``update_from_tokenizer``), as vLLM does.
+        extra_args: vLLM's free-form dict; its ``"kv_transfer_params"`` (a prefill / decode
+            split, ``check_kv_transfer_params``) is the one key read here.
 
     These are the only range rules of a request's sampling fields: the OpenAI server
     builds a ``SamplingParams`` and answers its ``ValueError`` with a 400, so offline and
@@ -223,6 +252,7 @@ class SamplingParams(
     truncate_prompt_tokens: Optional[int] = None
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
+    extra_args: Optional[dict[str, Any]] = None
     #: ``bad_words`` as token-id sequences, set by ``update_from_tokenizer``.
     _bad_words_token_ids: Optional[list[list[int]]] = None
 
@@ -240,6 +270,8 @@ class SamplingParams(
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         self._verify()
+        if self.extra_args is not None:
+            check_kv_transfer_params(self.extra_args.get("kv_transfer_params"), self.n)
         if self.top_k == 0:
             self.top_k = -1
 

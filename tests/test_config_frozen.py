@@ -12,10 +12,11 @@ from pagedllm.config import EngineArgs
 
 def test_sub_configs_are_frozen(tiny_llama):
     config = EngineArgs(
-        model=str(tiny_llama), enable_lora=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2}
+        model=str(tiny_llama), enable_lora=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        role="decode", enable_prefix_caching=False,
     ).create_engine_config(log_choices=False)
     subs = [getattr(config, f.name) for f in dataclasses.fields(config)]
-    assert len(subs) == 9 and all(sub is not None for sub in subs)
+    assert len(subs) == 10 and all(sub is not None for sub in subs)
     for sub in subs:
         name = dataclasses.fields(sub)[0].name
         with pytest.raises(dataclasses.FrozenInstanceError):

@@ -4,7 +4,7 @@
 command-line flags' metadata (``cli``); ``EngineArgs.create_engine_config`` checks them and
 resolves defaults into an ``EngineConfig``, one sub-config per module: ``model``,
 ``cache``, ``scheduler``, ``parallel``, ``attention``, ``speculative``, ``lora``,
-``structured_outputs``. ``hub`` finds models (local or on the Hugging Face Hub);
+``structured_outputs``, ``kv_transfer``. ``hub`` finds models (local or on the Hugging Face Hub);
 ``vllm_compat`` lists vLLM's arguments accepted with only some values.
 
 Importing this package imports neither torch nor transformers (``pagedllm serve`` reads
@@ -16,6 +16,7 @@ from pagedllm.config.cache import CPU_KVCACHE_SPACE_ENV_VARS, KV_CACHE_DTYPES, S
 from pagedllm.config.engine_args import EngineArgs
 from pagedllm.config.engine_config import EngineConfig
 from pagedllm.config.hub import HUB_ALLOW_PATTERNS, load_hf_config, resolve_model_path
+from pagedllm.config.kv_transfer import KV_CONNECTORS, KV_ROLES, KVTransferConfig
 from pagedllm.config.lora import LoRAConfig
 from pagedllm.config.model import (
     BATCH_INVARIANT_ENV,
@@ -32,7 +33,7 @@ from pagedllm.config.vllm_compat import PARTLY_BUILT_ARGS
 
 __all__ = [
     "AttentionConfig", "BATCH_INVARIANT_ENV", "CPU_KVCACHE_SPACE_ENV_VARS", "CacheConfig", "EAGLE_HEAD_ARCHITECTURES",
-    "EngineArgs", "EngineConfig", "GENERATION_CONFIG_MODES", "HUB_ALLOW_PATTERNS", "KV_CACHE_DTYPES", "LoRAConfig",
+    "EngineArgs", "EngineConfig", "KV_CONNECTORS", "KV_ROLES", "KVTransferConfig", "GENERATION_CONFIG_MODES", "HUB_ALLOW_PATTERNS", "KV_CACHE_DTYPES", "LoRAConfig",
     "ModelConfig", "PARTLY_BUILT_ARGS", "ParallelConfig", "SPECULATIVE_METHODS", "STRUCTURED_OUTPUTS_BACKENDS",
     "SUPPORTED_BLOCK_SIZES", "SchedulerConfig", "SpeculativeConfig", "StructuredOutputsConfig",
     "batch_invariant_from_env", "check_data_parallel_size", "default_max_num_batched_tokens", "load_hf_config",

@@ -52,6 +52,7 @@ from pagedllm.config.pooler import (
     set_classifier_from_token,
 )
 from pagedllm.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig
+from pagedllm.config.kv_transfer import KVTransferConfig
 from pagedllm.config.speculative import SpeculativeConfig
 from pagedllm.config.structured_outputs import StructuredOutputsConfig
 from pagedllm.config.vllm_compat import PARTLY_BUILT_ARGS
@@ -109,6 +110,9 @@ class EngineArgs:
 
     ``speculative_config``: vLLM's dict, checked by ``SpeculativeConfig.from_dict``.
 
+    ``kv_transfer_config`` / ``role``: a prefill / decode split (``KVTransferConfig``); not
+    with prefix caching yet.
+
     ``runner`` / ``convert`` / ``pooler_config`` (vLLM's): a pooling model's settings
     (``pagedllm.config.pooler``): ``runner`` "auto" serves an encoder (``BertModel`` ...) or a
     ``convert="embed"`` checkpoint as a pooling model, whose ``ModelConfig.pooler_config`` is
@@ -123,7 +127,8 @@ class EngineArgs:
     Raises (constructor):
         ValueError: a value of ``PARTLY_BUILT_ARGS`` that is not built; ``max_logprobs`` < -1;
             a bad ``speculative_config`` (the message names the key); a bad
-            ``structured_outputs_config``.
+            ``structured_outputs_config``; a bad ``kv_transfer_config`` or ``role``, or either
+            with ``enable_prefix_caching``.
     """
 
     model: Optional[str] = flag_field(
@@ -520,6 +525,23 @@ class EngineArgs:
         ),
         type=json_object_type,
     )
+    kv_transfer_config: Optional[dict] = flag_field(
+        None,
+        help=(
+            'Disaggregated prefill / decode, as JSON (vLLM\'s keys): {"kv_connector": "TCPConnector", '
+            '"kv_role": "kv_producer" | "kv_consumer" | "kv_both", "kv_ip": "127.0.0.1", "kv_port": 14579, '
+            '"kv_connector_extra_config": {"timeout_s": 10, "buffer_timeout_s": 120}} (docs/deployment.md).'
+        ),
+        type=json_object_type, metavar="JSON",
+    )
+    role: Optional[str] = flag_field(
+        None,
+        help=(
+            "Shorthand for the kv_role of --kv-transfer-config: prefill (kv_producer) or decode "
+            "(kv_consumer); alone it implies the TCP connector's defaults."
+        ),
+        choices=("prefill", "decode"),
+    )
     enable_lora: bool = flag_field(
         False,
         help=(
@@ -629,6 +651,7 @@ class EngineArgs:
         if self.enable_lora:
             LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # checks the values
         StructuredOutputsConfig.from_dict(self.structured_outputs_config)
+        self._kv_transfer_config()
         if self.otlp_traces_endpoint is not None:
             ObservabilityConfig(self.otlp_traces_endpoint)  # checks its form
             if self.usage_context != "api_server":
@@ -718,7 +741,32 @@ class EngineArgs:
             speculative_config=speculative_config,
             structured_outputs_config=StructuredOutputsConfig.from_dict(self.structured_outputs_config),
             observability_config=self._observability_config(),
+            kv_transfer_config=self._kv_transfer_config(),
         )  # fmt: skip
+
+    def _kv_transfer_config(self) -> Optional[KVTransferConfig]:
+        """``kv_transfer_config`` and ``role`` checked (``KVTransferConfig.from_args``; None: no
+        prefill / decode split).
+
+        Raises:
+            ValueError: a bad config; prefix caching on with a split (not built yet: a
+                consumer's loaded blocks are not hashed, and a producer's cache hits would
+                have to be sent too), data parallelism, or a drafter with its own KV cache.
+        """
+        config = KVTransferConfig.from_args(self.kv_transfer_config, self.role)
+        if config is not None and self.enable_prefix_caching:
+            raise ValueError(
+                "enable_prefix_caching is not supported yet with kv_transfer_config / role (prefill / decode "
+                "instances); pass --no-enable-prefix-caching (LLM: enable_prefix_caching=False)."
+            )
+        if config is not None and self.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 is not supported yet with kv_transfer_config / role (the replicas "
+                             "would share one kv_port); run one instance per replica behind pagedllm router.")
+        if (config is not None and self.speculative_config is not None
+                and SpeculativeConfig.from_dict(self.speculative_config).uses_draft_model):
+            raise ValueError("speculative_config with a draft model or EAGLE head is not supported yet with "
+                             "kv_transfer_config / role (the drafter's KV cache is not transferred); n-gram is.")
+        return config
 
     def _observability_config(self) -> ObservabilityConfig:
         """The tracing settings (``ObservabilityConfig``, which checks them: an endpoint's form,

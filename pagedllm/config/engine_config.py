@@ -7,6 +7,7 @@ from typing import Optional
 
 from pagedllm.config.attention import AttentionConfig
 from pagedllm.config.cache import CacheConfig
+from pagedllm.config.kv_transfer import KVTransferConfig
 from pagedllm.config.lora import LoRAConfig
 from pagedllm.config.model import ModelConfig
 from pagedllm.config.observability import ObservabilityConfig
@@ -27,3 +28,4 @@ class EngineConfig:
     speculative_config: Optional[SpeculativeConfig] = None
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    kv_transfer_config: Optional[KVTransferConfig] = None  # None: no prefill / decode split

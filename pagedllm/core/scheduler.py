@@ -79,6 +79,7 @@ from pagedllm.messages.engine_core import (
 from pagedllm.messages.runner_output import ModelRunnerOutput
 
 if TYPE_CHECKING:
+    from pagedllm.distributed.kv_transfer.base import KVConnectorScheduler
     from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,10 @@ class Scheduler:
         encoder_cache_size: an image-text model's encoder budget, in embeddings: what the
             encoder may compute in one step and what the encoder cache holds
             (``pagedllm.core.encoder_cache_manager``); None: a text-only model.
+        kv_connector: the scheduler side of a KV connector (a prefill / decode split,
+            ``pagedllm.distributed.kv_transfer``): a waiting request may get the KV of some
+            tokens from a remote engine, and each step's ``kv_connector_metadata`` lists the
+            loads and saves; None: no split.
     """
 
     def __init__(
@@ -115,6 +120,7 @@ class Scheduler:
         structured_output_manager: Optional[StructuredOutputManager] = None,
         use_pp: bool = False,
         encoder_cache_size: Optional[int] = None,
+        kv_connector: Optional[KVConnectorScheduler] = None,
     ) -> None:
         self.config = scheduler_config
         self.max_loras = max_loras
@@ -153,6 +159,7 @@ class Scheduler:
                                                  speculative_config.prior_draft_token_cost)
         self.max_num_encoder_input_tokens = encoder_cache_size or 0
         self.encoder_cache_manager = EncoderCacheManager(encoder_cache_size) if encoder_cache_size else None
+        self.kv_connector = kv_connector
         # perf_counter() when the last schedule() returned, and whether its step was decodes only.
         self._step_started = (0.0, False)
 
@@ -243,6 +250,7 @@ class Scheduler:
                 lora_waiters.append(self.waiting.pop_request())
                 skipped.append(request)
                 continue
+            num_external_tokens = 0
             if request.request_id in self._kvs_loaded:  # it holds its hits' blocks already
                 hit_blocks, num_hit_tokens = self.kv_cache_manager.empty_blocks, request.num_computed_tokens
             else:
@@ -252,6 +260,9 @@ class Scheduler:
                     if not self._load_offloaded(request, hit_blocks, num_hit_tokens, num_offloaded):
                         break
                     continue
+                if self.kv_connector is not None:  # a decode instance: the prompt's KV comes from the prefill one
+                    num_external_tokens = self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens)
+                    num_hit_tokens += num_external_tokens  # from here on, including tokens not computed here
             num_new_tokens = self.kv_cache_manager.align_to_save_point(
                 request, num_hit_tokens, min(request.num_tokens - num_hit_tokens, token_budget))
             to_encode, num_new_tokens, budget_left = self._encoder_inputs(request, num_hit_tokens, num_new_tokens,
@@ -260,10 +271,12 @@ class Scheduler:
                 break  # its next image does not fit in this step's encoder budget
             if not self.chunked_prefill_enabled and num_new_tokens < request.num_tokens - num_hit_tokens:
                 break  # an encoder's prompt runs whole: it waits for a step with room
-            new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, hit_blocks, self._lookahead(num_hit_tokens + num_new_tokens))
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_external_tokens + num_new_tokens, hit_blocks,
+                                                              self._lookahead(num_hit_tokens + num_new_tokens))
             if new_blocks is None:
                 break
+            if num_external_tokens and self.kv_connector is not None:
+                self.kv_connector.update_state_after_alloc(request, num_external_tokens)
             self.waiting.pop_request()
             self._kvs_loaded.discard(request.request_id)
             request.status = RequestStatus.RUNNING
@@ -321,6 +334,9 @@ class Scheduler:
         self.in_flight.update(num_scheduled_tokens)
         for req_id, num_tokens in num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
+        if self.kv_connector is not None:
+            output.kv_connector_metadata = self.kv_connector.build_connector_meta(
+                output, self.requests, self.kv_cache_manager.get_block_ids)
         self._add_grammar_bitmask(output)
         self._choose_spec_lengths(output)
         return output
@@ -575,6 +591,8 @@ class Scheduler:
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
                     events=request.take_events(),
+                    kv_transfer_params=(self.kv_connector.request_finished(request)
+                                        if self.kv_connector is not None and request.is_finished else None),
                 )
             )
             if request.is_finished:
@@ -618,11 +636,12 @@ class Scheduler:
     def _abort_failed(self, request: Request, reason: str) -> EngineCoreOutput:
         """Abort a running request the runner could not serve (logged with ``reason``)."""
         logger.error("Request %s aborted: %s", request.request_id, reason)
+        kv_params = self.kv_connector.request_failed(request, reason) if self.kv_connector is not None else None
         self.running.remove(request)
         request.status = RequestStatus.FINISHED_ABORTED
         self._free_request(request)
         return EngineCoreOutput(request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
-                                events=request.take_events())
+                                events=request.take_events(), kv_transfer_params=kv_params)
 
     def _failed_grammar_output(self, request: Request) -> EngineCoreOutput:
         """The final (aborted) output of a request whose grammar failed to compile."""
@@ -735,6 +754,8 @@ class Scheduler:
             self.spec_length.remove(request.request_id)
         if request.structured_output_request is not None:
             self._num_constrained -= 1
+        if self.kv_connector is not None:
+            self.kv_connector.request_freed(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting or self.waiting_for_kvs)

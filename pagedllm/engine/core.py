@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_interface import KVCacheGroups
@@ -29,6 +29,9 @@ from pagedllm.worker.kv_cache_sizing import (
     num_state_slots,
 )
 
+if TYPE_CHECKING:
+    from pagedllm.distributed.kv_transfer.base import KVConnectorScheduler
+
 logger = logging.getLogger(__name__)
 
 
@@ -44,13 +47,15 @@ class EngineCore:
 
     Raises (constructor): what ``get_executor_class`` raises for an unsupported executor;
     ``ValueError`` when the KV cache cannot hold one ``max_model_len`` sequence, or for a
-    setting that does not compose with state layers (``check_state_layers_compose``).
+    setting that does not compose with state layers (``check_state_layers_compose``), or a
+    ``kv_transfer_config`` for a model with sliding windows or state layers (before loading).
     """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         groups = kv_cache_groups(config)
         check_state_layers_compose(config, groups)
+        kv_connector = self._kv_connector(groups)  # a model it cannot serve fails before loading
         self.model_executor = get_executor_class(config)(config)
         cache_config = config.cache_config
         try:
@@ -73,7 +78,8 @@ class EngineCore:
                                    structured_output_manager=self.structured_output_manager,
                                    use_pp=config.parallel_config.pipeline_parallel_size > 1,
                                    encoder_cache_size=encoder_cache_size(config.model_config.hf_config,
-                                                                         config.scheduler_config.max_num_batched_tokens))
+                                                                         config.scheduler_config.max_num_batched_tokens),
+                                   kv_connector=kv_connector)
         # Pipeline parallelism: several steps (micro-batches) in flight, one per stage.
         max_concurrent_batches = self.model_executor.max_concurrent_batches
         self.batch_queue = (BatchQueue(self.scheduler, self.model_executor, max_concurrent_batches)
@@ -85,6 +91,24 @@ class EngineCore:
         gc.collect()
         gc.freeze()
         self._sleeping: set[str] = set()  # the SLEEP_TAGS put to sleep and not woken yet
+
+    def _kv_connector(self, groups: KVCacheGroups) -> Optional[KVConnectorScheduler]:
+        """The scheduler side of ``kv_transfer_config``'s connector (None: no split).
+
+        Raises:
+            ValueError: a model whose layers do not all use full attention (sliding
+                windows, state layers: their caches are not transferred yet).
+        """
+        kv_config = self.config.kv_transfer_config
+        if kv_config is None:
+            return None
+        if groups.state_groups or groups.has_sliding_window or len(groups.groups) != 1:
+            raise ValueError(f"kv_transfer_config is not supported yet for {self.config.model_config.architecture}: "
+                             "a prefill / decode split moves full-attention KV caches only (no sliding windows "
+                             "or state layers).")
+        from pagedllm.distributed.kv_transfer.factory import make_scheduler_connector
+
+        return make_scheduler_connector(kv_config)
 
     def _prefix_caching(self, groups: KVCacheGroups) -> bool:
         """``enable_prefix_caching``; for a model with state layers, with an INFO line on what

@@ -125,6 +125,8 @@ class RequestState:
         self.detokenizer = IncrementalDetokenizer(tokenizer, request)
         self.logprobs_processor = LogprobsProcessor(decode, request)
         self.num_cached_tokens = 0
+        #: The engine's ``kv_transfer_params`` for it (a prefill / decode split), once sent.
+        self.kv_transfer_params: Optional[dict] = None
         self.log_stats = log_stats
         self.arrival_time = request.arrival_time
         #: Whether the EngineCore has sent an output for it (else it is queued: waiting, or in its first prefill).
@@ -141,6 +143,8 @@ class RequestState:
         """Take one step's output; return the stop string that matched, if any."""
         if output.num_cached_tokens and not self.num_cached_tokens:
             self.num_cached_tokens = output.num_cached_tokens
+        if output.kv_transfer_params is not None:
+            self.kv_transfer_params = output.kv_transfer_params
         self.logprobs_processor.update_prompt(output.new_prompt_logprobs)
         num_before = len(self.output_token_ids)
         stop_string = self.detokenizer.update(
@@ -346,6 +350,7 @@ class OutputProcessor:
             finished=completion.finished(),
             num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics(),
+            kv_transfer_params=state.kv_transfer_params,
         )
         _emit(request_output, state.queue, request_outputs)
 

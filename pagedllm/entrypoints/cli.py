@@ -1,5 +1,6 @@
 """The ``pagedllm`` command: ``pagedllm serve``, ``pagedllm run-batch``, ``pagedllm bench ...``,
-``pagedllm chat``, ``pagedllm complete``, ``pagedllm preload`` and ``pagedllm snapshot``.
+``pagedllm chat``, ``pagedllm complete``, ``pagedllm router``, ``pagedllm preload`` and
+``pagedllm snapshot``.
 
 Each subcommand module exposes ``register(subparsers)``, which adds its parser and sets
 ``func`` (called with the parsed arguments, returning an exit code). This module is the top
@@ -18,7 +19,7 @@ from pagedllm.version import __version__
 
 def build_parser() -> argparse.ArgumentParser:
     from pagedllm.benchmarks import cli as bench_cli
-    from pagedllm.entrypoints import client_cli
+    from pagedllm.entrypoints import client_cli, router
     from pagedllm.entrypoints.openai import cli_args as serve_cli
     from pagedllm.entrypoints.openai import run_batch as run_batch_cli
     from pagedllm.preload import cli as preload_cli
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_batch_cli.register(subparsers)
     bench_cli.register(subparsers)
     client_cli.register(subparsers)
+    router.register(subparsers)
     preload_cli.register(subparsers)
     snapshot_cli.register(subparsers)
     return parser

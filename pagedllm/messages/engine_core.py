@@ -7,7 +7,7 @@ They are msgspec Structs so the EngineCore can run in the same process or in ano
 from __future__ import annotations
 
 import enum
-from typing import Optional
+from typing import Any, Optional
 
 import msgspec
 
@@ -98,6 +98,9 @@ class EngineCoreOutput(
     scheduling events since its previous output (oldest first), or None; set by the
     engine-core loop when statistics are on. ``pooling_output``: a pooling model's raw pooled
     vector (float32 values, [hidden]), on the request's only (finished) output.
+    ``kv_transfer_params`` (vLLM's, a prefill / decode split): on a producer's finished
+    output, where a consumer fetches the prompt's KV; on a consumer's aborted output,
+    ``{"error": reason}`` when its load failed.
     """
 
     request_id: str
@@ -109,6 +112,7 @@ class EngineCoreOutput(
     num_cached_tokens: int = 0
     events: Optional[list[EngineCoreEvent]] = None
     pooling_output: Optional[list[float]] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
     @property
     def finished(self) -> bool:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from pagedllm.lora.request import LoRARequest
+from pagedllm.messages.kv_transfer import KVConnectorMetadata
 from pagedllm.multimodal.inputs import MultiModalFeatureSpec
 from pagedllm.sampling_params import SamplingParams
 
@@ -109,6 +110,9 @@ class SchedulerOutput:
     # each draft); only constrained requests that sample this step have rows (None: none).
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: Optional["np.ndarray"] = None
+    # A prefill / decode split: the KV loads before this step's forward and the saves after
+    # it (``pagedllm.distributed.kv_transfer``); None without a KV connector.
+    kv_connector_metadata: Optional[KVConnectorMetadata] = None
 
     @property
     def is_empty(self) -> bool:

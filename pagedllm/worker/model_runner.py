@@ -41,6 +41,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.distributed import get_pp_group
 from pagedllm.distributed.kv_transfer.kv_blocks import KVBlockLayout, block_dim
 from pagedllm.distributed.kv_transfer.offloading import OffloadingWorker, make_block_store
+from pagedllm.distributed.kv_transfer.base import KVConnectorWorker
+from pagedllm.distributed.kv_transfer.factory import make_worker_connector
 from pagedllm.messages.sched_output import SchedulerOutput
 from pagedllm.messages.engine_core import LogprobsLists
 from pagedllm.model_executor.layers.attention import Attention, bind_kv_caches, init_kv_scales
@@ -122,6 +124,9 @@ class ModelRunner:
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self._mm_features: dict[str, list] = {}
         self.kv_offload: Optional[OffloadingWorker] = None
+        #: The worker side of a KV connector (a prefill / decode split; None: no split),
+        #: made with the KV cache (``initialize_kv_cache``).
+        self.kv_connector: Optional[KVConnectorWorker] = None
 
     def _make_proposer(self) -> DraftModelProposer | NgramProposer | None:
         spec = self.config.speculative_config
@@ -233,6 +238,10 @@ class ModelRunner:
         forward (the first batch) sets each layer's FP8 scales."""
         self.num_blocks = num_blocks
         self.kv_caches = self._allocate_kv_caches(num_blocks)
+        if self.config.kv_transfer_config is not None:
+            if self.kv_connector is None:
+                self.kv_connector = make_worker_connector(self.config.kv_transfer_config)
+            self.kv_connector.register_kv_caches(self.kv_caches, self.block_size)
         self.num_state_slots = num_state_slots(self.config, self.kv_cache_groups)
         self.state_caches = bind_state_caches(self.state_layers, self._state_layer_groups, self.num_state_slots,
                                               self.device)
@@ -464,6 +473,10 @@ class ModelRunner:
         if self.lora_manager is not None:
             self.lora_manager.set_token_slots(np.array([request_slots[r] for r in order], dtype=np.int64)[token_req])
 
+        kv_metadata = so.kv_connector_metadata
+        if self.kv_connector is not None and kv_metadata is not None:
+            # NOTE: a request whose load failed runs on whatever its blocks hold; the scheduler aborts it.
+            failed_req_ids.update(self.kv_connector.start_load_kv(kv_metadata))
         input_ids_t, positions_t = self._to_device(input_ids), self._to_device(positions)
         inputs_embeds = self._multimodal_embeds(so, order, computed, num_sched, starts, input_ids_t)
         if self.state_layers:
@@ -472,6 +485,8 @@ class ModelRunner:
             hidden = self._forward_stage(input_ids_t, positions_t, inputs_embeds)
         if self.state_layers:
             self._copy_states(self._copies_out)
+        if self.kv_connector is not None and kv_metadata is not None:
+            self.kv_connector.save_kv(kv_metadata)
 
         batch.num_computed_tokens[rows] = seq_lens
         if not self.pp.is_last_rank:

@@ -185,6 +185,8 @@ class Worker:
         """Drop the runner (the model and the KV caches go with it) and leave the
         model-parallel groups; idempotent. The worker answers no step afterwards."""
         if hasattr(self, "model_runner"):
+            if self.model_runner.kv_connector is not None:
+                self.model_runner.kv_connector.shutdown()
             del self.model_runner
             current_platform.empty_cache()
         if self.config.parallel_config.world_size > 1:

@@ -1,70 +1,128 @@
-"""Blocks as bytes (``KVBlockLayout``) and the second tier's worker: snapshots before reuse, loads
-written by its thread, RAM and disk stores."""
+"""A prefill / decode split in one process (``--kv-transfer-config``, ``TCPConnector``): a
+request prefilled by a producer engine and finished by a consumer engine, which loads the
+prompt's KV over TCP, gives what one engine gives (greedy tokens identical, logprobs close,
+seeded sampling identical); both engines' block accounting ends clean; a consumer whose
+producer is gone, or no longer holds the KV, fails the request with a clear error."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
 
-from pagedllm.distributed.kv_transfer.kv_blocks import KVBlockLayout, block_dim
-from pagedllm.distributed.kv_transfer.offloading import DiskBlockStore, HostBlockStore, OffloadingWorker
-from pagedllm.messages.sched_output import DROP, LOAD, STORE, KVTransfer
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineArgs, KVTransferConfig
+from pagedllm.distributed import get_open_port
+from tests.helpers import check_block_accounting, model_runner, random_prompts
 
-
-def caches() -> tuple[list[torch.Tensor], list[int]]:
-    """A paged [2, blocks, 4, 2, 8] float32 cache, an MLA-like [blocks, 4, 12] bfloat16 one and an
-    FP8 one: 6 blocks each."""
-    gen = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(2, 6, 4, 2, 8, generator=gen), torch.randn(6, 4, 12, generator=gen).bfloat16(),
-               torch.randn(2, 6, 4, 2, 8, generator=gen).to(torch.float8_e4m3fn)]
-    return tensors, [1, 0, 1]
-
-
-def test_block_dim_from_the_backend_shape():
-    assert block_dim(lambda n: (2, n, 16, 2, 64)) == 1
-    assert block_dim(lambda n: (n, 16, 576)) == 0
-    with pytest.raises(ValueError, match="one block dimension"):
-        block_dim(lambda n: (2, 16))
+KV_BYTES = 8 << 20
+#: One token, a part block, several blocks, and one past the producer's token budget
+#: (chunked prefill there): block size 16.
+PROMPT_LENGTHS = [1, 7, 16, 33, 70]
+NUM_TOKENS = 6
+#: The consumer's wait for a producer (seconds): what a dead producer costs the test.
+TIMEOUT_S = 3
 
 
-def test_gather_then_scatter_moves_whole_blocks_of_every_tensor():
-    tensors, dims = caches()
-    layout = KVBlockLayout(tensors, dims)
-    assert layout.block_bytes == 2 * 4 * 2 * 8 * 4 + 4 * 12 * 2 + 2 * 4 * 2 * 8
-    rows = layout.gather([4, 1])
-    before = [t.clone() for t in tensors]
-    layout.scatter([0, 5], rows)
-    for t, b, d in zip(tensors, before, dims):
-        assert torch.equal(t.select(d, 0).view(torch.uint8), b.select(d, 4).view(torch.uint8))
-        assert torch.equal(t.select(d, 5).view(torch.uint8), b.select(d, 1).view(torch.uint8))
-        assert torch.equal(t.select(d, 2).view(torch.uint8), b.select(d, 2).view(torch.uint8))
-    with pytest.raises(ValueError, match="uint8 rows"):
-        layout.scatter([0], rows)
+@pytest.fixture(scope="module")
+def engines(tiny_llama):
+    """(producer, consumer, one plain engine) of the tiny Llama, float32."""
+    common = dict(dtype="float32", kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=False)
+    prefill = LLM(str(tiny_llama), **common, max_num_batched_tokens=48,
+                  kv_transfer_config={"kv_connector": "TCPConnector", "kv_role": "kv_producer",
+                                      "kv_port": get_open_port()})
+    decode = LLM(str(tiny_llama), **common, role="decode",
+                 kv_transfer_config={"kv_connector_extra_config": {"timeout_s": TIMEOUT_S}})
+    single = LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=KV_BYTES)
+    return prefill, decode, single
 
 
-@pytest.mark.parametrize("where", ["ram", "disk"])
-def test_a_stored_block_keeps_its_bytes_after_reuse_and_loads_back(tmp_path, where):
-    tensors, dims = caches()
-    layout = KVBlockLayout(tensors, dims)
-    store = DiskBlockStore(str(tmp_path), rank=1) if where == "disk" else HostBlockStore()
-    worker = OffloadingWorker(layout, store)
-    original = layout.gather([2])
-    worker.submit([KVTransfer(STORE, b"k2", 2), KVTransfer(STORE, b"k3", 3)])
-    for t, d in zip(tensors, dims):  # the step's forward reuses blocks 2 and 3 right after submit
-        t.view(torch.uint8).select(d, 2).fill_(0)
-    worker.submit([KVTransfer(LOAD, b"k2", 5, "r"), KVTransfer(DROP, b"k3")])
-    worker.wait_for(["r"])
-    assert worker.get_finished() == {"r"} and worker.get_finished() == set() and not worker.has_pending()
-    assert torch.equal(layout.gather([5]), original)
-    assert len(store) == 1  # k3 dropped
-    if where == "disk":
-        assert os.path.basename(store.directory).startswith("pagedllm-kv-rank1-")
-    worker.submit([KVTransfer(LOAD, b"k3", 0, "q")])  # a key dropped: the thread's error surfaces
-    with pytest.raises(RuntimeError, match="copy thread failed"):
-        worker.wait_for(["q"])
-    worker.close()
-    if where == "disk":
-        store.close()
-        assert not os.path.exists(store.directory)
+def _prefill(prefill: LLM, prompts: list[list[int]]) -> list[dict]:
+    params = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    outputs = prefill.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.kv_transfer_params for o in outputs]
+
+
+def _with_params(params: SamplingParams, kv_params: dict | None) -> SamplingParams:
+    return SamplingParams(**{f: getattr(params, f) for f in ("temperature", "seed", "max_tokens", "logprobs",
+                                                             "ignore_eos")},
+                          extra_args={"kv_transfer_params": kv_params} if kv_params else None)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_split_equals_one_engine(engines, sampling):
+    prefill, decode, single = engines
+    prompts = random_prompts(PROMPT_LENGTHS, 1024, seed=3)
+    params = (SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, logprobs=3, ignore_eos=True)
+              if sampling == "greedy" else
+              SamplingParams(temperature=0.9, seed=11, max_tokens=NUM_TOKENS, logprobs=3, ignore_eos=True))
+    expected = single.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    kv_params = _prefill(prefill, prompts)
+    assert kv_params[0] is None  # a one-token prompt has no KV to send: the consumer computes it
+    assert [p["remote_num_tokens"] for p in kv_params[1:]] == [n - 1 for n in PROMPT_LENGTHS[1:]]
+    check_block_accounting(prefill)  # blocks freed as the prefills finished; the KV waits in host memory
+    actual = decode.generate([{"prompt_token_ids": p} for p in prompts],
+                             [_with_params(params, kv) for kv in kv_params], use_tqdm=False)
+    for got, want in zip(actual, expected):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        for got_pos, want_pos in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
+            assert list(got_pos) == list(want_pos)
+            assert all(abs(got_pos[t].logprob - want_pos[t].logprob) < 1e-4 for t in want_pos)
+    assert not model_runner(prefill).kv_connector._buffer  # each prefill's KV was fetched once
+    check_block_accounting(decode)
+    check_block_accounting(prefill)
+
+
+def test_a_load_that_fails_aborts_the_request_with_the_reason(engines):
+    prefill, decode, _ = engines
+    [prompt] = random_prompts([40], 1024, seed=5)
+    [kv_params] = _prefill(prefill, [prompt])
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    decode.generate([{"prompt_token_ids": prompt}], _with_params(params, kv_params), use_tqdm=False)
+    gone = {**kv_params, "remote_port": get_open_port()}  # nobody listens there: a producer that died
+    again, dead = decode.generate([{"prompt_token_ids": prompt}] * 2,
+                                  [_with_params(params, kv) for kv in (kv_params, gone)], use_tqdm=False)
+    assert again.outputs[0].finish_reason == "abort" and again.outputs[0].token_ids == []
+    assert "no KV kept for request" in again.kv_transfer_params["error"]
+    assert dead.outputs[0].finish_reason == "abort"
+    assert f":{gone['remote_port']} did not answer in {TIMEOUT_S} s" in dead.kv_transfer_params["error"]
+    check_block_accounting(decode)
+    # The engine keeps serving.
+    [ok] = decode.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert len(ok.outputs[0].token_ids) == 4 and ok.kv_transfer_params is None
+
+
+def test_prefix_caching_or_a_draft_model_with_a_role_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match="enable_prefix_caching is not supported yet with kv_transfer_config"):
+        EngineArgs(model=str(tiny_llama), role="prefill")
+    with pytest.raises(ValueError, match="--no-enable-prefix-caching"):
+        EngineArgs(model=str(tiny_llama), kv_transfer_config={"kv_role": "kv_consumer"})
+    with pytest.raises(ValueError, match="draft model or EAGLE head is not supported yet with kv_transfer_config"):
+        EngineArgs(model=str(tiny_llama), role="decode", enable_prefix_caching=False,
+                   speculative_config={"model": str(tiny_llama), "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="data_parallel_size > 1 is not supported yet with kv_transfer_config"):
+        EngineArgs(model=str(tiny_llama), role="prefill", enable_prefix_caching=False, data_parallel_size=2,
+                   usage_context="api_server")
+
+
+@pytest.mark.parametrize("config, role, message", [
+    ({"kv_connector": "NixlConnector"}, None, "kv_connector 'NixlConnector' is not supported yet"),
+    ({"kv_role": "kv_consumer"}, "prefill", "--role prefill means kv_role 'kv_producer'"),
+    ({"kv_port": 0}, None, "kv_port must be a TCP port"),
+    ({"kv_buffer_size": 1}, None, r"unknown key\(s\) \['kv_buffer_size'\]"),
+    ({"kv_connector_extra_config": {"timeout_s": 0}}, None, r"\['timeout_s'\] must be a positive number"),
+])  # fmt: skip
+def test_bad_kv_transfer_config_is_refused(config, role, message):
+    with pytest.raises(ValueError, match=message):
+        KVTransferConfig.from_args(config, role)
+
+
+def test_role_alone_sets_the_kv_role():
+    config = KVTransferConfig.from_args(None, "decode")
+    assert (config.kv_connector, config.kv_role, config.is_kv_consumer, config.is_kv_producer) == (
+        "TCPConnector", "kv_consumer", True, False)
+    assert KVTransferConfig.from_args(None, None) is None
+
+
+def test_a_model_with_sliding_windows_is_refused_before_loading(checkpoint_factory):
+    path = checkpoint_factory("MistralForCausalLM", sliding_window=16, seed=3)
+    with pytest.raises(ValueError, match="kv_transfer_config is not supported yet for MistralForCausalLM"):
+        LLM(str(path), dtype="float32", kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=False, role="decode")

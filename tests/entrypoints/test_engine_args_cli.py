@@ -40,6 +40,7 @@ SAMPLES = {
     "max_loras": ("2", 2), "max_lora_rank": ("8", 8), "max_cpu_loras": ("4", 4), "max_logprobs": ("5", 5),
     "num_gpu_blocks_override": ("64", 64), "max_seq_len_to_capture": ("1024", 1024), "swap_space": ("2", 2.0),
     "hf_overrides": ('{"rope_theta": 5.0}', {"rope_theta": 5.0}),
+    "kv_transfer_config": ('{"kv_role": "kv_producer"}', {"kv_role": "kv_producer"}), "role": ("decode", "decode"),
     "runner": ("pooling", "pooling"), "convert": ("embed", "embed"),
     "pooler_config": ('{"pooling_type": "MEAN"}', {"pooling_type": "MEAN"}),
     "limit_mm_per_prompt": ('{"image": 2}', {"image": 2}), "mm_processor_kwargs": ('{"do_resize": false}', {"do_resize": False}),
@@ -126,7 +127,10 @@ def test_engine_args_from_round_trips_every_flag(parsers):
         if action.nargs == 0:  # a switch: give the side that is not the default
             on = f.default is not True
             switches[f.name] = ([option_string(f.name) if on else "--no-" + option_string(f.name)[2:]], on)
-    samples = {name: ([option_string(name), text], value) for name, (text, value) in SAMPLES.items()}
+    # A prefill / decode role is refused with prefix caching on (the default).
+    companions = {"kv_transfer_config": ["--no-enable-prefix-caching"], "role": ["--no-enable-prefix-caching"]}
+    samples = {name: ([option_string(name), text, *companions.get(name, [])], value)
+               for name, (text, value) in SAMPLES.items()}
     assert set(samples) | set(switches) == {f.name for f in flag_fields(EngineArgs)}
     for name, (argv, value) in {**samples, **switches}.items():
         engine_args = engine_args_from(serve.parse_args(argv))

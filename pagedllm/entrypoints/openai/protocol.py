@@ -54,7 +54,6 @@ NOT_SUPPORTED_YET = {
     "length_penalty": "beam search",
     "logits_processors": "custom logits processors",
     "vllm_xargs": "custom logits processors",
-    "kv_transfer_params": "disaggregated prefill",
     "prompt_embeds": "prompt embeddings",
     "functions": "legacy function calling (use tools)",
     "function_call": "legacy function calling (use tool_choice)",
@@ -212,7 +211,9 @@ class SamplingRequest(OpenAIRequest):
     length_penalty: Any = None
     logits_processors: Any = None
     vllm_xargs: Any = None
-    kv_transfer_params: Any = None
+    # vLLM's: a prefill / decode split (``pagedllm.sampling_params.check_kv_transfer_params``);
+    # the response's ``kv_transfer_params`` carries what the decode instance's request needs.
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
     @model_validator(mode="after")
     def _check_structured_outputs(self) -> "SamplingRequest":
@@ -307,6 +308,7 @@ class SamplingRequest(OpenAIRequest):
             bad_words=self.bad_words,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             structured_outputs=self._structured_outputs,
+            extra_args={"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params else None,
         )
 
 
@@ -395,6 +397,7 @@ class CompletionResponse(OpenAIBaseModel):
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: Optional[str] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None  # vLLM's: a prefill instance's answer
 
 
 class CompletionResponseStreamChoice(OpenAIBaseModel):
@@ -755,6 +758,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
     system_fingerprint: Optional[str] = None
     prompt_logprobs: Optional[PromptLogprobsJSON] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None  # vLLM's: a prefill instance's answer
 
 
 class DeltaMessage(DropNoneModel):

@@ -270,6 +270,7 @@ class OpenAIServingChat(OpenAIServing):
             choices=choices,
             usage=make_usage(len(final.prompt_token_ids), num_generated, final.num_cached_tokens),
             prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs) if request.prompt_logprobs is not None else None,
+            kv_transfer_params=final.kv_transfer_params,
         )
 
     async def _stream(self, request: ChatCompletionRequest, run: ChatRun) -> AsyncGenerator[str, None]:

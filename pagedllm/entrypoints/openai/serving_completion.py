@@ -177,6 +177,7 @@ class OpenAIServingCompletion(OpenAIServing):
             model=model_name,
             choices=choices,
             usage=make_usage(num_prompt_tokens, num_generated, num_cached),
+            kv_transfer_params=finals[0].kv_transfer_params if len(finals) == 1 else None,
         )
 
     async def _stream(

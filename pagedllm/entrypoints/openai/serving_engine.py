@@ -297,6 +297,8 @@ class OpenAIServing:
         missing = [i for i in range(num_prompts) if i not in finals]
         if missing:
             raise RuntimeError(f"The engine returned no output for prompt(s) {missing}.")
+        for output in finals.values():
+            _raise_kv_transfer_error(output)
         return [finals[i] for i in range(num_prompts)]
 
     @staticmethod
@@ -317,6 +319,11 @@ class OpenAIServing:
             await stream.aclose()
             raise from_value_error(exc, SAMPLING_FIELDS) from None
         except BaseException:
+            await stream.aclose()
+            raise
+        try:
+            _raise_kv_transfer_error(first[1])
+        except OpenAIServingError:
             await stream.aclose()
             raise
         return _prepend(first, stream)
@@ -381,6 +388,15 @@ class OpenAIServing:
             data = self.token_text(token_id).encode("utf-8")
         self._token_bytes[token_id] = list(data)
         return self._token_bytes[token_id]
+
+
+def _raise_kv_transfer_error(output: RequestOutput) -> None:
+    """Raise a 503 for a decode instance's request whose prompt KV could not be loaded
+    (its ``kv_transfer_params`` carry the error: the prefill instance is gone, or no longer
+    holds it)."""
+    error = (output.kv_transfer_params or {}).get("error")
+    if error is not None:
+        raise OpenAIServingError(f"{error}; send the request to a prefill instance again.", 503)
 
 
 def _byte_level_decoder(tokenizer: Any) -> Optional[dict[str, int]]:

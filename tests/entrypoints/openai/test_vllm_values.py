@@ -184,7 +184,6 @@ NOT_YET = [
     (COMPLETIONS, "length_penalty", 0.5),
     (COMPLETIONS, "logits_processors", ["my.module:Processor"]),
     (CHAT, "vllm_xargs", {"a": 1}),
-    (COMPLETIONS, "kv_transfer_params", {"do_remote_decode": True}),
     (COMPLETIONS, "prompt_embeds", "AAAA"),
     (CHAT, "functions", [{"name": "f"}]),
     (CHAT, "function_call", {"name": "f"}),
