@@ -8,8 +8,10 @@ generative-AI semantic conventions, and vLLM's for those the conventions lack). 
 ``gen_ai.request.id``, the user request's id. An aborted request gets its span too
 (``gen_ai.response.finish_reasons`` = ``["abort"]``; vLLM sends none).
 
-A request that carries W3C trace context (``traceparent`` / ``tracestate``, passed to
-``AsyncLLM.generate`` as ``trace_headers``) gets its span as a child of the caller's.
+A request that carries W3C trace context (``traceparent`` / ``tracestate``: HTTP headers of the
+generating routes, or gRPC metadata, picked by ``trace_headers_of`` and passed to
+``AsyncLLM.generate`` as ``trace_headers``) gets its span as a child of the caller's; a
+malformed ``traceparent`` is ignored (a new trace), an unsampled one (flags ``00``) means no span.
 
 =============================================  =======  =========================================
 attribute                                      type     value

@@ -136,6 +136,44 @@ def test_n_completions_and_a_grpc_parent(server, collector):
     assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == PARENT_SPAN_ID
 
 
+def _traceparent(span_id: str) -> dict[str, str]:
+    return {"traceparent": f"00-{TRACE_ID}-{span_id}-01"}
+
+
+def test_http_trace_context_is_the_span_parent(server, collector):
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    traced = {  # route -> (body, the parent span id its traceparent names)
+        "/v1/completions": ({"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 1}, "00f067aa0ba902b7"),
+        "/v1/chat/completions": (chat, "00f067aa0ba902b8"),
+        "/v1/responses": ({"model": MODEL_NAME, "input": "Hi", "max_output_tokens": 1}, "00f067aa0ba902b9"),
+        "/v1/messages": (chat, "00f067aa0ba902ba"),
+    }
+    ids = {}
+    for path, (body, span_id) in traced.items():
+        headers = {**_traceparent(span_id), "tracestate": "congo=t61rcWkgMzE"}
+        reply = server.post(path, json=body, headers=headers)
+        assert reply.status_code == 200, (path, reply.text)
+        ids[path] = reply.json()["id"]
+    completion = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 1}
+    untraced = [server.post("/v1/completions", json=completion) for _ in range(2)]
+    malformed = [
+        server.post("/v1/completions", json=completion, headers={"traceparent": value})
+        for value in ("00-not-a-trace-01", f"00-{'0' * 32}-{PARENT_SPAN_ID}-01")  # junk; the invalid all-zero id
+    ]
+    for path, (_, span_id) in traced.items():
+        (span,) = collector.wait_for(ids[path] + "-0")
+        assert (span.trace_id.hex(), span.parent_span_id.hex()) == (TRACE_ID, span_id), path
+        assert span.trace_state == "congo=t61rcWkgMzE", path
+    roots = []
+    for reply in untraced + malformed:
+        assert reply.status_code == 200, reply.text
+        (span,) = collector.wait_for(reply.json()["id"] + "-0")
+        roots.append(span)
+    assert all(not span.parent_span_id and not span.trace_state for span in roots)
+    trace_ids = {span.trace_id.hex() for span in roots}
+    assert len(trace_ids) == len(roots) and TRACE_ID not in trace_ids and "0" * 32 not in trace_ids
+
+
 def test_tracing_flags_are_checked():
     args = build_parser().parse_args(["serve", "--collect-detailed-traces", "model,worker"])
     assert args.collect_detailed_traces == ["model", "worker"] and args.otlp_traces_endpoint is None
@@ -174,3 +212,28 @@ def test_an_aborted_request_gets_its_span_and_unknown_ids_none():
     assert span.attributes["gen_ai.usage.completion_tokens"] == 0 and span.attributes["gen_ai.latency.e2e"] == 2.5
     assert "gen_ai.latency.time_to_first_token" not in span.attributes  # no token came
     assert (span.start_time, span.end_time) == (100 * 10**9, int(102.5 * 1e9)) and not span.events
+
+
+def test_an_unsampled_parent_means_no_span():
+    """Parent-based sampling (the SDK's default): a caller that did not sample its trace
+    (``traceparent`` flags ``00``) gets no span; a sampled one does."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from pagedllm.metrics.stats import IterationStats, RequestStatsTracker
+    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.tracing import RequestTracer
+
+    exporter = InMemorySpanExporter()
+    tracer = RequestTracer(ObservabilityConfig("http://unused:4317"), "m", exporter=exporter)
+    tracker, stats = RequestStatsTracker(), IterationStats()
+    for request_id, flags in (("unsampled", "00"), ("sampled", "01")):
+        tracker.add_request(request_id, 100.0, 3, request_id, n=1, max_tokens=4)
+        headers = {"traceparent": f"00-{TRACE_ID}-{PARENT_SPAN_ID}-{flags}"}
+        tracer.add_request(request_id, request_id, SamplingParams(max_tokens=4), 4, headers)
+        state = tracker.requests[request_id]
+        tracker.finish_request(request_id, "length", 101.0, stats)
+        tracer.end_request(request_id, state, stats.finished_requests[-1], 101.0)
+    tracer.shutdown()
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes["gen_ai.request.id"] == "sampled"
+    assert (format(span.context.trace_id, "032x"), format(span.parent.span_id, "016x")) == (TRACE_ID, PARENT_SPAN_ID)

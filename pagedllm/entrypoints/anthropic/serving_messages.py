@@ -51,6 +51,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_engine import SAMPLING_FIELDS
+from pagedllm.tracing import trace_headers_of
 
 logger = logging.getLogger(__name__)
 
@@ -142,11 +143,12 @@ class AnthropicServingMessages:
             raise OpenAIServingError(validation_error_message(list(exc.errors()))[0]) from None
 
     async def create_messages(self, raw_request: Request) -> Union[JSONResponse, AsyncGenerator[str, None]]:
-        """The reply as JSON (an error's too), or (``stream``) the generator of its events."""
+        """The reply as JSON (an error's too), or (``stream``) the generator of its events.
+        The request's W3C trace context headers are the parent of its span (tracing on)."""
         try:
             request: AnthropicMessagesRequest = await self.parse(raw_request, AnthropicMessagesRequest)
             chat = chat_request(request)
-            run = self.chat.start(chat, anthropic_id("msg"))
+            run = self.chat.start(chat, anthropic_id("msg"), trace_headers_of(raw_request.headers))
             if request.stream:
                 run.stream = await self.chat.start_stream(run.stream)
                 return self._events(request, chat, run)

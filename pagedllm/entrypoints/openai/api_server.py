@@ -17,6 +17,9 @@ Anthropic's ``POST /v1/messages`` and
 - Cancellation: a client that disconnects — while waiting for a JSON response or in the
   middle of a stream — cancels its handler; the engine generators are closed, which
   aborts every request (all ``n`` choices) in the engine.
+- Tracing: a generating request's W3C trace context headers (``traceparent``, ``tracestate``)
+  become the parent of its engine requests' spans (``pagedllm.tracing``; without
+  ``--otlp-traces-endpoint`` the engine ignores them; a malformed one starts a new trace).
 - ``/health`` is 200 while the engine lives and 503 once it died; it never waits on the
   engine's work, only on the API process's event loop.
 """
@@ -73,6 +76,7 @@ from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.metrics.loggers import log_stats_interval
+from pagedllm.tracing import trace_headers_of
 from pagedllm.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -406,17 +410,17 @@ def build_app(engine: EngineClient, frontend: FrontendConfig) -> FastAPI:
     @app.post("/v1/completions")
     @with_cancellation
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
-        return _to_response(await completion.create_completion(request))
+        return _to_response(await completion.create_completion(request, trace_headers_of(raw_request.headers)))
 
     @app.post("/v1/chat/completions")
     @with_cancellation
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        return _to_response(await chat.create_chat_completion(request))
+        return _to_response(await chat.create_chat_completion(request, trace_headers_of(raw_request.headers)))
 
     @app.post("/v1/responses")
     @with_cancellation
     async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
-        return _to_response(await responses.create_response(request))
+        return _to_response(await responses.create_response(request, trace_headers_of(raw_request.headers)))
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> Response:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncGenerator, Optional, Sequence, Union
+from typing import Any, AsyncGenerator, Mapping, Optional, Sequence, Union
 
 from pagedllm.entrypoints.chat_utils import load_chat_images, media_connector, multimodal_chat_prompt, template_messages
 from pagedllm.entrypoints.openai.errors import bad_request
@@ -139,18 +139,19 @@ class OpenAIServingChat(OpenAIServing):
         return PromptInput(text, prompt["prompt_token_ids"], prompt["mm_features"])
 
     async def create_chat_completion(
-        self, request: ChatCompletionRequest
+        self, request: ChatCompletionRequest, trace_headers: Optional[Mapping[str, str]] = None
     ) -> Union[ChatCompletionResponse, AsyncGenerator[str, None]]:
         """A ``ChatCompletionResponse``, or (``stream``) an async generator of SSE events.
+        ``trace_headers``: the caller's W3C trace context (see ``OpenAIServing.generate``).
 
         Raises:
             OpenAIServingError: 400 for bad input, 404 for an unknown model.
             EngineDeadError: the engine died (a 500).
         """
         if _has_images(request):  # its images load (URLs are fetched) off the event loop
-            run = await asyncio.to_thread(self.start, request, random_id("chatcmpl"))
+            run = await asyncio.to_thread(self.start, request, random_id("chatcmpl"), trace_headers)
         else:
-            run = self.start(request, random_id("chatcmpl"))
+            run = self.start(request, random_id("chatcmpl"), trace_headers)
         if request.stream:
             run.stream = await self.start_stream(run.stream)
             events = self._stream(request, run)
@@ -175,9 +176,12 @@ class OpenAIServingChat(OpenAIServing):
             return None
         return parser
 
-    def start(self, request: ChatCompletionRequest, request_id: str) -> ChatRun:
+    def start(
+        self, request: ChatCompletionRequest, request_id: str, trace_headers: Optional[Mapping[str, str]] = None
+    ) -> ChatRun:
         """Validate a request and build its engine request; nothing reaches the engine until
         ``ChatRun.stream`` is iterated (the Messages API runs chat requests this way too).
+        ``trace_headers``: the caller's W3C trace context (see ``OpenAIServing.generate``).
 
         Raises:
             OpenAIServingError: 400 for bad input, 404 for an unknown model.
@@ -194,7 +198,7 @@ class OpenAIServingChat(OpenAIServing):
             logprobs=request.num_top_logprobs,
             prompt_logprobs=request.prompt_logprobs,
         )
-        stream = self.generate(request_id, [prompt], [engine_request])
+        stream = self.generate(request_id, [prompt], [engine_request], trace_headers)
         return ChatRun(request_id, model_name, prompt, stream, tool_parser, reasoning_parser)
 
     def _logprobs(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import AsyncGenerator, Optional, Sequence, Union
+from typing import AsyncGenerator, Mapping, Optional, Sequence, Union
 
 from pagedllm.entrypoints.openai.protocol import (
     CompletionLogProbs,
@@ -39,9 +39,10 @@ class OpenAIServingCompletion(OpenAIServing):
     """``POST /v1/completions``."""
 
     async def create_completion(
-        self, request: CompletionRequest
+        self, request: CompletionRequest, trace_headers: Optional[Mapping[str, str]] = None
     ) -> Union[CompletionResponse, AsyncGenerator[str, None]]:
         """A ``CompletionResponse``, or (``stream``) an async generator of SSE events.
+        ``trace_headers``: the caller's W3C trace context (see ``OpenAIServing.generate``).
 
         Raises:
             OpenAIServingError: 400 for bad input, 404 for an unknown model.
@@ -64,7 +65,7 @@ class OpenAIServingCompletion(OpenAIServing):
             )
             for i, prompt in enumerate(prompts)
         ]
-        stream = self.generate(request_id, prompts, engine_requests)
+        stream = self.generate(request_id, prompts, engine_requests, trace_headers)
         if request.stream:
             stream = await self.start_stream(stream)
             events = self._stream(request, request_id, model_name, prompts, stream)

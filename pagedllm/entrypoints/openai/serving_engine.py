@@ -18,7 +18,7 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncGenerator, Optional, Sequence, TypeVar, Union
+from typing import Any, AsyncGenerator, Mapping, Optional, Sequence, TypeVar, Union
 
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.processor import ContextLengthError
@@ -255,11 +255,14 @@ class OpenAIServing:
     # ------------------------------------------------------------------ engine
 
     def generate(
-        self, request_id: str, prompts: Sequence[PromptInput], requests: Sequence[EngineCoreRequest]
+        self, request_id: str, prompts: Sequence[PromptInput], requests: Sequence[EngineCoreRequest],
+        trace_headers: Optional[Mapping[str, str]] = None,
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """(prompt index, RequestOutput) of one engine request per prompt (built by
         ``engine_request``, ids ``{request_id}-{i}``). Nothing reaches the engine until it
         is iterated; past the request's deadline it raises ``RequestTimeoutError``.
+        ``trace_headers``: the HTTP request's W3C trace context (``pagedllm.tracing.trace_headers_of``),
+        the parent of every engine request's span when tracing is on.
 
         Raises:
             OpenAIServingError: 429 when queuing the requests passes a queue limit.
@@ -271,7 +274,9 @@ class OpenAIServing:
                 request_id, len(prompts), [len(p.token_ids) for p in prompts], requests[0].sampling_params,
             )  # fmt: skip
         generators = [
-            self.engine.generate(request, request.sampling_params, request.request_id, prompt_text=prompt.text)
+            self.engine.generate(
+                request, request.sampling_params, request.request_id, prompt_text=prompt.text, trace_headers=trace_headers
+            )
             for prompt, request in zip(prompts, requests)
         ]
         return self.admission.with_deadline(merge_async_iterators(generators))

@@ -33,7 +33,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncGenerator, Optional, Union
+from typing import Any, AsyncGenerator, Mapping, Optional, Union
 
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.entrypoints.openai.errors import OpenAIServingError, from_value_error
@@ -147,8 +147,11 @@ class OpenAIServingResponses:
         self._stored(response_id)
         raise OpenAIServingError("Only responses created with background=true can be cancelled.", 400)
 
-    async def create_response(self, request: ResponsesRequest) -> Union[dict[str, Any], AsyncGenerator[str, None]]:
+    async def create_response(
+        self, request: ResponsesRequest, trace_headers: Optional[Mapping[str, str]] = None
+    ) -> Union[dict[str, Any], AsyncGenerator[str, None]]:
         """The response object, or (``stream``) an async generator of its SSE events.
+        ``trace_headers``: the caller's W3C trace context (see ``OpenAIServing.generate``).
 
         Raises:
             OpenAIServingError: 400 for bad input, 404 for an unknown model or
@@ -161,7 +164,7 @@ class OpenAIServingResponses:
         conversation += input_items(request)
         chat = chat_request(request, conversation)
         try:
-            run = self.chat.start(chat, item_id("resp"))
+            run = self.chat.start(chat, item_id("resp"), trace_headers)
             if request.stream:
                 run.stream = await self.chat.start_stream(run.stream)
             else:

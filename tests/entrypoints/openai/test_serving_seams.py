@@ -44,7 +44,7 @@ class _Engine:
         self.model_config = model_config
         self.requests = []
 
-    async def generate(self, request, sampling_params, request_id, prompt_text=None):
+    async def generate(self, request, sampling_params, request_id, prompt_text=None, trace_headers=None):
         self.requests.append((request, prompt_text))
         raise RuntimeError("stop here: the test inspects the engine request")
         yield  # an async generator

@@ -85,7 +85,7 @@ class _ScriptedEngine:
     async def check_health(self) -> None:
         return None
 
-    async def generate(self, request, sampling_params, request_id, prompt_text=None):
+    async def generate(self, request, sampling_params, request_id, prompt_text=None, trace_headers=None):
         self.requests.append(request)
         n = sampling_params.n
         if sampling_params.output_kind == RequestOutputKind.DELTA:
