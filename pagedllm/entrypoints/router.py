@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 ROUTES = {"/v1/completions": ("max_tokens",), "/v1/chat/completions": ("max_tokens", "max_completion_tokens")}
 #: Seconds to wait for an instance's answer (a long prompt may queue).
 READ_TIMEOUT_S = 600.0
+#: The request headers passed on to both instances: the API key, the request id, and the W3C
+#: trace context (the instances' spans join the caller's trace).
+FORWARDED_HEADERS = ("authorization", "x-request-id", "traceparent", "tracestate")
 
 
 def base_url(url: str) -> str:
@@ -74,7 +77,7 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], client: A
         return Response(response.content, response.status_code, media_type=response.headers.get("content-type"))
 
     def forwarded_headers(request: Request) -> dict[str, str]:
-        return {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "x-request-id")}
+        return {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
 
     async def split(route: str, request: Request) -> Response:
         try:

@@ -116,3 +116,32 @@ def test_router_splits_requests_and_answers_as_one_server(tiny_llama):
     assert [status for status, _ in bad] == [400, 400]
     assert "do_remote_prefill needs remote_port (int" in bad[0][1]["error"]["message"]
     assert "serves n=1 only, got n=2" in bad[1][1]["error"]["message"]
+
+
+def test_router_passes_on_the_key_request_id_and_trace_context():
+    """Both instances get the caller's API key, request id and W3C trace context (their spans
+    join the caller's trace); other headers stay with the router."""
+    seen: list[tuple[str, dict]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.host, dict(request.headers)))
+        body = {"choices": [{"text": "x"}]}
+        if request.url.host == "prefill":
+            body["kv_transfer_params"] = {"remote_request_id": "r"}
+        return httpx.Response(200, json=body)
+
+    upstream = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    app = router.build_app(["http://prefill:1"], ["http://decode:2"], client=upstream)
+    sent = {
+        "authorization": "Bearer k", "x-request-id": "req-1", "x-other": "no",
+        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "tracestate": "a=1",
+    }  # fmt: skip
+
+    async def call() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+            return await client.post("/v1/completions", json={"model": "m", "prompt": "hi"}, headers=sent)
+
+    assert asyncio.run(call()).status_code == 200
+    assert [host for host, _ in seen] == ["prefill", "decode"]
+    for _, headers in seen:
+        assert {k: headers.get(k) for k in sent} == {**sent, "x-other": None}
