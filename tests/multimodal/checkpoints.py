@@ -94,6 +94,10 @@ def llava_checkpoint(tmp_path_factory, vision_feature_select_strategy: str = "de
 QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
+#: The factor on the Qwen-VL mergers' output weights.
+MERGER_SCALE = 30.0
+
+
 def make_qwen_vl_checkpoint(out: Path, architecture: str = "Qwen2_5_VLForConditionalGeneration", seed: int = 21) -> Path:
     """A tiny Qwen2.5-VL (or Qwen3-VL) checkpoint written by transformers: a vision tower of 8 x 8
     patches merged 2 x 2 (Qwen2.5-VL: 3 blocks, windows of 2 x 2 merged patches, block 1 full;
@@ -122,21 +126,23 @@ def make_qwen_vl_checkpoint(out: Path, architecture: str = "Qwen2_5_VLForConditi
 
         vision.update(window_size=32, fullatt_block_indexes=[1])
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
-        merger_out = "model.visual.merger.mlp.2.weight"
+        merger_outs = ("model.visual.merger.mlp.2.weight",)
     else:
         from transformers import Qwen3VLConfig as Config, Qwen3VLForConditionalGeneration as Model
 
         vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0, 1], hidden_act="gelu_pytorch_tanh")
         text.update(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                   "mrope_section": [2, 3, 3], "mrope_interleaved": True})
-        merger_out = "model.visual.merger.linear_fc2.weight"
+        merger_outs = ("model.visual.merger.linear_fc2.weight", "model.visual.deepstack_merger_list.0.linear_fc2.weight",
+                       "model.visual.deepstack_merger_list.1.linear_fc2.weight")
     config = Config(vision_config=vision, text_config=text, **tokens)
     config.architectures = [architecture]
     with no_init_weights():
         model = Model(config)
     _init_weights(model, seed)
     with torch.no_grad():
-        dict(model.named_parameters())[merger_out].mul_(8.0)
+        for name in merger_outs:
+            dict(model.named_parameters())[name].mul_(MERGER_SCALE)
     model.eval().save_pretrained(out)
     image_processor = Qwen2VLImageProcessor(patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16,
                                             max_pixels=96 * 96)

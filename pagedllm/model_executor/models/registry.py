@@ -35,6 +35,7 @@ from pagedllm.model_executor.models.llama import (
 )
 from pagedllm.model_executor.models.llava import LlavaForConditionalGeneration
 from pagedllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from pagedllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from pagedllm.model_executor.models.llama_eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM
 from pagedllm.model_executor.models.mamba2 import Mamba2ForCausalLM
 from pagedllm.model_executor.models.mixtral import MixtralForCausalLM
@@ -93,6 +94,9 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
     "Qwen2_5_VLForConditionalGeneration": SupportedModel(
         Qwen2_5_VLForConditionalGeneration, ("Qwen/Qwen2.5-VL-3B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct"),
         "images in (windowed vision transformer, multimodal RoPE); no video"),
+    "Qwen3VLForConditionalGeneration": SupportedModel(
+        Qwen3VLForConditionalGeneration, ("Qwen/Qwen3-VL-2B-Instruct", "Qwen/Qwen3-VL-8B-Instruct"),
+        "images in (vision transformer with DeepStack features, interleaved multimodal RoPE); no video"),
     "Phi3ForCausalLM": SupportedModel(
         Phi3ForCausalLM, ("microsoft/Phi-3-mini-4k-instruct", "microsoft/Phi-3.5-mini-instruct", "microsoft/Phi-4-mini-instruct"),
         "fused q/k/v and gate/up checkpoints; sliding window on every layer; longrope; partial rotary (Phi-4-mini)"),
