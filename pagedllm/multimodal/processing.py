@@ -55,8 +55,8 @@ class QwenVLImageProcessing:
     """The Qwen-VL processors' image path (see the module docstring), called as the processor:
     ``(text=[prompt], images=[...], return_tensors="pt", add_special_tokens=..., **kwargs)`` ->
     ``input_ids`` [1, L], ``pixel_values`` [sum of patches, C * temporal_patch * patch^2] and
-    ``image_grid_thw`` [N, 3]; ``kwargs`` (``min_pixels``, ``max_pixels`` ...) go to the image
-    processor.
+    ``image_grid_thw`` [N, 3]; ``kwargs`` (``min_pixels``, ``max_pixels``, ``size`` ...) go to the
+    image processor.
 
     Raises (when called):
         ValueError: the prompt's image tokens are not one per image.
@@ -71,6 +71,7 @@ class QwenVLImageProcessing:
 
     def __call__(self, text: list[str], images: list, return_tensors: str = "pt", add_special_tokens: bool = True,
                  **kwargs: Any) -> dict[str, torch.Tensor]:
+        kwargs = self._pixel_bounds_as_size(kwargs)
         outputs = dict(self.image_processor(images=images, return_tensors=return_tensors, **kwargs))
         merge = kwargs.get("merge_size") or self.image_processor.merge_size
         pieces = text[0].split(self.image_token)
@@ -80,6 +81,20 @@ class QwenVLImageProcessing:
         prompt = pieces[0] + "".join(self.image_token * n + piece for n, piece in zip(counts, pieces[1:]))
         ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
         return {"input_ids": torch.tensor([ids]), **outputs}
+
+
+    def _pixel_bounds_as_size(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``min_pixels`` / ``max_pixels`` (vLLM's and the Qwen model cards' options) as the
+        image processor's ``size`` {"shortest_edge", "longest_edge"} (its current spelling)."""
+        if "min_pixels" not in kwargs and "max_pixels" not in kwargs:
+            return kwargs
+        kwargs = dict(kwargs)
+        size = dict(kwargs.pop("size", None) or self.image_processor.size)
+        for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+            if kwargs.get(key) is not None:
+                size[edge] = kwargs.pop(key)
+            kwargs.pop(key, None)
+        return {**kwargs, "size": size}
 
 
 def _split_by_grid(outputs: Mapping[str, torch.Tensor], num_items: int) -> list[dict[str, torch.Tensor]]:

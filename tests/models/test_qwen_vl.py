@@ -31,6 +31,9 @@ TWO_IMAGES = f"First {IMAGE} then {IMAGE}: compare them."
 TEXT_ONLY = "Describe a sunny day in the park."
 #: A request's processor option: images of at most 32 x 32 pixels (4 tokens).
 SMALL = {"max_pixels": 32 * 32}
+QUESTION = "What is this?"
+#: The chat template's rendering of one user message with one image and ``QUESTION``.
+RENDERED = f"<|im_start|>user\n{IMAGE}\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +74,12 @@ def test_qwen_vl_greedy_matches_transformers(tmp_path_factory, images, architect
     path = make_qwen_vl_checkpoint(tmp_path_factory.mktemp(architecture), architecture)
     cases = [(ONE_IMAGE, [images[0]], {}), (TWO_IMAGES, images[:2], {}), (TWO_IMAGES, images[1::-1], {}),
              (TEXT_ONLY, [], {}), (ONE_IMAGE, [images[2]], SMALL)]
-    expected = [hf_qwen_vl_greedy(path, text, imgs, MAX_TOKENS, **kwargs) for text, imgs, kwargs in cases]
+    # transformers' processor spells max_pixels as size's longest_edge.
+    hf_kwargs = [{"size": {"shortest_edge": 16 * 16, "longest_edge": k["max_pixels"]}} if k else {} for *_, k in cases]
+    expected = [hf_qwen_vl_greedy(path, text, imgs, MAX_TOKENS, **kw) for (text, imgs, _), kw in zip(cases, hf_kwargs)]
     assert expected[1] != expected[2], "the images do not change the output: the test would not see a bug"
-    assert hf_qwen_vl_processor(path)(text=[ONE_IMAGE], images=[images[2]], **SMALL)["image_grid_thw"].tolist() == \
-        [[1, 4, 4]], "max_pixels did not shrink the image"
+    assert hf_qwen_vl_processor(path)(text=[ONE_IMAGE], images=[images[2]], **hf_kwargs[-1])["image_grid_thw"].tolist() \
+        == [[1, 4, 4]], "max_pixels did not shrink the image"
     llm = LLM(str(path), dtype="float32", block_size=8, max_num_batched_tokens=8, enable_prefix_caching=True,
               trust_request_mm_kwargs=True, kv_cache_memory_bytes=4 << 20)
     model = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.model
@@ -89,4 +94,25 @@ def test_qwen_vl_greedy_matches_transformers(tmp_path_factory, images, architect
                                                                              ignore_eos=True), use_tqdm=False)
     assert other.num_cached_tokens == 0, "another image with the same text hit the first image's blocks"
     assert list(other.outputs[0].token_ids) == hf_qwen_vl_greedy(path, ONE_IMAGE, [images[1]], MAX_TOKENS)
+    _check_chat(llm, path, images[1])
     _check_accounting(llm)
+
+
+def _check_chat(llm: LLM, path, image) -> None:
+    """A chat image part becomes the model's vision placeholder (transformers' reply to the
+    rendered prompt); a video part, video data and an image larger than the encoder cache are
+    refused, saying why."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    parts = [{"type": "image_pil", "image_pil": image}, {"type": "text", "text": QUESTION}]
+    reply, = llm.chat([{"role": "user", "content": parts}], params, use_tqdm=False)
+    assert list(reply.outputs[0].token_ids) == hf_qwen_vl_greedy(path, RENDERED, [image], MAX_TOKENS)
+    video = [{"type": "video_url", "video_url": {"url": "file:///clip.mp4"}}]
+    with pytest.raises(ValueError, match="'video_url' are not supported"):
+        llm.chat([{"role": "user", "content": video}], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="unknown modality 'video'"):
+        llm.generate({"prompt": ONE_IMAGE, "multi_modal_data": {"video": [image]}}, params, use_tqdm=False)
+    # The encoder cache holds the checkpoint's largest image (96 x 96 pixels: 36 embeddings);
+    # a request's larger max_pixels may not make one that never fits.
+    big = _prompt(ONE_IMAGE, [random_image(160, 160, seed=4)], mm_processor_kwargs={"max_pixels": 160 * 160})
+    with pytest.raises(ValueError, match="An image of 100 tokens is larger than the encoder cache \\(36 embeddings"):
+        llm.generate(big, params, use_tqdm=False)
