@@ -82,7 +82,6 @@ class QwenVLImageProcessing:
         ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
         return {"input_ids": torch.tensor([ids]), **outputs}
 
-
     def _pixel_bounds_as_size(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """``min_pixels`` / ``max_pixels`` (vLLM's and the Qwen model cards' options) as the
         image processor's ``size`` {"shortest_edge", "longest_edge"} (its current spelling)."""
@@ -122,9 +121,9 @@ def _split_batched(outputs: Mapping[str, torch.Tensor], num_items: int) -> list[
     return [{"pixel_values": pixel_values[i : i + 1]} for i in range(num_items)]
 
 
-#: Architecture -> its ``ItemLayout`` (the image-text models served with their vision encoder).
 _QWEN_VL_LAYOUT = ItemLayout("image_token_id", _split_by_grid, _grid_tokens,
                              "<|vision_start|><|image_pad|><|vision_end|>", QwenVLImageProcessing)
+#: Architecture -> its ``ItemLayout`` (the image-text models served with their vision encoder).
 MULTIMODAL_LAYOUTS: dict[str, ItemLayout] = {
     "LlavaForConditionalGeneration": ItemLayout("image_token_index", _split_batched),
     "Qwen2_5_VLForConditionalGeneration": _QWEN_VL_LAYOUT,
