@@ -4,8 +4,8 @@ on tiny checkpoints transformers writes: greedy output token-identical to transf
 in one prompt, a text-only prompt and an image resized by a request's ``max_pixels``, all under
 chunked prefill of 8-token steps that cut the images' placeholder runs; the prompt's three-row
 positions equal transformers' ``get_rope_index``; with prefix caching the same image and text
-hit the cache and another image with the same text does not; block and encoder-cache accounting
-checked at the end."""
+hit the cache and another image with the same text does not; a preempted request's positions are
+computed again (Qwen2.5-VL); block and encoder-cache accounting checked at the end."""
 
 from __future__ import annotations
 
@@ -116,3 +116,19 @@ def _check_chat(llm: LLM, path, image) -> None:
     big = _prompt(ONE_IMAGE, [random_image(160, 160, seed=4)], mm_processor_kwargs={"max_pixels": 160 * 160})
     with pytest.raises(ValueError, match="An image of 100 tokens is larger than the encoder cache \\(36 embeddings"):
         llm.generate(big, params, use_tqdm=False)
+
+
+def test_preemption_recomputes_the_prompt_positions(tmp_path_factory, images):
+    """Too few blocks for the batch: a preempted request comes back as a new one, its three-row
+    prompt positions computed again, and its output is transformers'."""
+    path = make_qwen_vl_checkpoint(tmp_path_factory.mktemp("preempt"))
+    # Each prompt (32 tokens, 12 outputs: 6 blocks of 8) outgrows the 12 blocks beside another one.
+    prompts = [_prompt(TWO_IMAGES, [images[i], images[(i + 1) % 3]]) for i in range(3)]
+    expected = [hf_qwen_vl_greedy(path, TWO_IMAGES, p["multi_modal_data"]["image"], 12) for p in prompts]
+    # A KV block: 2 layers, K and V, 8 tokens, 2 heads of 16, float32.
+    llm = LLM(str(path), dtype="float32", block_size=8, max_model_len=96, enable_prefix_caching=False,
+              kv_cache_memory_bytes=12 * (2 * 2 * 8 * 2 * 16 * 4))
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0, "the scenario did not preempt"
+    _check_accounting(llm)
