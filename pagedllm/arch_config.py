@@ -198,6 +198,11 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
     # The Llama language model of a Llava checkpoint (``language_model_config``: its
     # ``text_config``, with ``IMAGE_TEXT_ARCHITECTURES``' vision keys carried onto it).
     "LlavaForConditionalGeneration": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
+    # The Qwen2 / Qwen3 language models of Qwen2.5-VL / Qwen3-VL (multimodal RoPE: the
+    # ``mrope_section`` of their ``rope_parameters``).
+    "Qwen2_5_VLForConditionalGeneration": ArchConfig(
+        "qwen2_5_vl_text", _LLAMA_FAMILY_KEYS | _WINDOW_KEYS, "layer_types"),
+    "Qwen3VLForConditionalGeneration": ArchConfig("qwen3_vl_text", _LLAMA_FAMILY_KEYS | {"attention_bias"}, "none"),
     "Phi3ForCausalLM": ArchConfig(
         "phi3", _LLAMA_FAMILY_KEYS | {"sliding_window", "original_max_position_embeddings", "partial_rotary_factor"},
         "all"),
@@ -325,6 +330,8 @@ FOREIGN_KEYS: dict[str, Callable[[Any], bool]] = {
 #: Image-text architectures served by their language model alone (images are not served).
 TEXT_PART_ARCHITECTURES = frozenset({"Gemma3ForConditionalGeneration"})
 
+_QWEN_VL_KEYS = ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
 #: Image-text architectures served with their vision encoder -> the keys of the whole
 #: checkpoint's config that the vision path reads, carried onto the language model's config.
 IMAGE_TEXT_ARCHITECTURES: dict[str, tuple[str, ...]] = {
@@ -332,6 +339,8 @@ IMAGE_TEXT_ARCHITECTURES: dict[str, tuple[str, ...]] = {
         "vision_config", "image_token_index", "projector_hidden_act", "vision_feature_layer",
         "vision_feature_select_strategy", "multimodal_projector_bias", "image_seq_length",
     ),
+    "Qwen2_5_VLForConditionalGeneration": _QWEN_VL_KEYS,
+    "Qwen3VLForConditionalGeneration": _QWEN_VL_KEYS,
 }
 
 

@@ -233,6 +233,11 @@ class ModelConfig:
     # ------------------------------------------------------------ generation config
 
     @property
+    def model_dir(self) -> Path:
+        """The checkpoint's folder (the folder of a single-file checkpoint)."""
+        return self.model_path.parent if self.model_path.is_file() else self.model_path
+
+    @property
     def generation_config_dir(self) -> Path:
         """The folder whose generation_config.json is read: the model's, or the one
         ``generation_config`` names."""

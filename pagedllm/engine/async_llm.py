@@ -102,7 +102,7 @@ class AsyncLLM:
             self.engine_core.shutdown(timeout_s=0)
             raise
         self.processor = Processor(config.model_config, self.tokenizer, config.lora_config, config.structured_outputs_config,
-                                   config.scheduler_config.policy)
+                                   config.scheduler_config.policy, config.scheduler_config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics_registry = CollectorRegistry()
         num_engines = config.parallel_config.data_parallel_size

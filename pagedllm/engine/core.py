@@ -77,8 +77,10 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, max_loras, config.speculative_config,
                                    structured_output_manager=self.structured_output_manager,
                                    use_pp=config.parallel_config.pipeline_parallel_size > 1,
-                                   encoder_cache_size=encoder_cache_size(config.model_config.hf_config,
-                                                                         config.scheduler_config.max_num_batched_tokens),
+                                   encoder_cache_size=encoder_cache_size(
+                                       config.model_config.hf_config, config.scheduler_config.max_num_batched_tokens,
+                                       config.model_config.model_dir,
+                                       config.model_config.multimodal_config.mm_processor_kwargs),
                                    kv_connector=kv_connector)
         # Pipeline parallelism: several steps (micro-batches) in flight, one per stage.
         max_concurrent_batches = self.model_executor.max_concurrent_batches

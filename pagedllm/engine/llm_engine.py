@@ -45,7 +45,7 @@ class LLMEngine:
         self.model_config = config.model_config
         self.tokenizer = get_tokenizer(config.model_config.tokenizer_path, config.model_config.trust_remote_code)
         self.processor = Processor(config.model_config, self.tokenizer, config.lora_config, config.structured_outputs_config,
-                                   config.scheduler_config.policy)
+                                   config.scheduler_config.policy, config.scheduler_config.max_num_batched_tokens)
         self.engine_core_client = make_client(config, multiprocess=False, asyncio_mode=False)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._sleeping = False

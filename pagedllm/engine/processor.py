@@ -101,6 +101,8 @@ class Processor:
             request's ``structured_outputs`` is checked (None: the defaults).
         scheduling_policy: the scheduler's (``SchedulerConfig.policy``): a request's
             ``priority`` other than 0 needs "priority", as vLLM.
+        max_num_batched_tokens: the scheduler's: an image-text model's images may fill at most
+            the encoder cache (``pagedllm.multimodal.budget``; None: no limit).
 
     Attributes:
         default_sampling_params: the model's default sampling parameters (field -> value,
@@ -117,8 +119,10 @@ class Processor:
     def __init__(
         self, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase, lora_config: Optional[LoRAConfig] = None,
         structured_outputs_config: Optional[StructuredOutputsConfig] = None, scheduling_policy: str = "fcfs",
+        max_num_batched_tokens: Optional[int] = None,
     ) -> None:
         self.hf_config = model_config.hf_config
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.scheduling_policy = scheduling_policy
         self.model_config = model_config
         self.lora_config = lora_config
@@ -361,6 +365,7 @@ class Processor:
         """
         if not isinstance(prompt, dict) or not prompt.get("multi_modal_data"):
             return None
+        from pagedllm.multimodal.budget import encoder_cache_size
         from pagedllm.multimodal.processing import MultiModalProcessor
         from PIL import Image
 
@@ -386,9 +391,12 @@ class Processor:
             raise ValueError("A prompt with multi_modal_data needs its text in 'prompt' (the processor places the "
                              "images' tokens).")
         if self._mm_processor is None:
+            cache_size = (encoder_cache_size(self.hf_config, self.max_num_batched_tokens, self.model_config.model_dir,
+                                             mm_config.mm_processor_kwargs)
+                          if self.max_num_batched_tokens is not None else None)
             self._mm_processor = MultiModalProcessor(
                 self.model_config.model_path, architecture, self.hf_config, self.model_config.trust_remote_code,
-                mm_config.mm_processor_kwargs)
+                mm_config.mm_processor_kwargs, cache_size)
         token_ids, features = self._mm_processor.apply(prompt["prompt"], images, kwargs, add_special_tokens)
         return prompt["prompt"], token_ids, features
 

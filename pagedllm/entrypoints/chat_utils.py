@@ -184,13 +184,16 @@ def load_chat_images(images: Sequence[ChatImage], connector: Any) -> list[Any]:
 
 
 def image_placeholder(model_config: Any, tokenizer: Any) -> Optional[str]:
-    """The text of the model's image token (Llava's ``<image>``), which ``conversation_images``
-    puts where a message's images go; None for a text-only model."""
+    """The text ``conversation_images`` puts where a message's images go: the model's image
+    token (Llava's ``<image>``), or its layout's ``chat_placeholder`` (Qwen-VL's
+    ``<|vision_start|><|image_pad|><|vision_end|>``); None for a text-only model."""
     from pagedllm.multimodal.processing import MULTIMODAL_LAYOUTS
 
     layout = MULTIMODAL_LAYOUTS.get(getattr(model_config, "architecture", None))
     if layout is None:
         return None
+    if layout.chat_placeholder is not None:
+        return layout.chat_placeholder
     return tokenizer.convert_ids_to_tokens(int(getattr(model_config.hf_config, layout.image_token_key)))
 
 

@@ -1,32 +1,64 @@
 """The encoder budget of an image-text model (plain Python; no torch), as vLLM's
 ``compute_encoder_budget``: the embeddings the encoder may compute in one step and the encoder
 cache holds, ``max(max_num_batched_tokens, the largest item's embeddings)`` so that any one
-image can always run."""
+image can always run. The largest item is the model's fixed count (Llava), or for a model whose
+images fill as many tokens as their size asks (Qwen-VL) the count of the largest image its
+processor makes: ``max_pixels`` (``--mm-processor-kwargs``' or the checkpoint's
+preprocessor_config.json ``size.longest_edge``) over the pixels of one token."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Optional
 
 from pagedllm.arch_config import IMAGE_TEXT_ARCHITECTURES
+
+#: Architectures whose images fill ``grid_thw.prod() / merge_size^2`` tokens.
+GRID_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
 
 
 def _vision_value(vision: Any, key: str) -> Any:
     return vision[key] if isinstance(vision, dict) else getattr(vision, key)
 
 
-def max_tokens_per_mm_item(hf_config: Any) -> Optional[int]:
+def max_pixels_of(model_dir: Optional[Path], mm_processor_kwargs: Optional[dict]) -> Optional[int]:
+    """The largest image (pixels) a Qwen-VL processor makes under ``mm_processor_kwargs``
+    (``max_pixels``, or ``size["longest_edge"]``) or the checkpoint's preprocessor_config.json
+    (``max_pixels``, or ``size.longest_edge``); None when neither says."""
+    kwargs = mm_processor_kwargs or {}
+    if kwargs.get("max_pixels") is not None:
+        return int(kwargs["max_pixels"])
+    if isinstance(kwargs.get("size"), dict) and kwargs["size"].get("longest_edge") is not None:
+        return int(kwargs["size"]["longest_edge"])
+    path = Path(model_dir) / "preprocessor_config.json" if model_dir is not None else None
+    if path is None or not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    value = config.get("max_pixels") or (config.get("size") or {}).get("longest_edge")
+    return None if value is None else int(value)
+
+
+def max_tokens_per_mm_item(hf_config: Any, model_dir: Optional[Path] = None,
+                           mm_processor_kwargs: Optional[dict] = None) -> Optional[int]:
     """The most placeholder tokens one image fills in ``hf_config``'s model (Llava: one per
-    patch, plus the class token under ``vision_feature_select_strategy`` "full"); None for a
-    text-only model."""
+    patch, plus the class token under ``vision_feature_select_strategy`` "full"; Qwen-VL: those
+    of its processor's largest image, ``max_pixels_of``, 0 when unknown); None for a text-only
+    model."""
     architecture = (getattr(hf_config, "architectures", None) or ["<none>"])[0]
     if architecture not in IMAGE_TEXT_ARCHITECTURES:
         return None
     vision = hf_config.vision_config
+    if architecture in GRID_ARCHITECTURES:
+        max_pixels = max_pixels_of(model_dir, mm_processor_kwargs)
+        token_side = _vision_value(vision, "patch_size") * _vision_value(vision, "spatial_merge_size")
+        return 0 if max_pixels is None else max_pixels // token_side**2
     num_patches = (_vision_value(vision, "image_size") // _vision_value(vision, "patch_size")) ** 2
     return num_patches + (hf_config.vision_feature_select_strategy == "full")
 
 
-def encoder_cache_size(hf_config: Any, max_num_batched_tokens: int) -> Optional[int]:
+def encoder_cache_size(hf_config: Any, max_num_batched_tokens: int, model_dir: Optional[Path] = None,
+                       mm_processor_kwargs: Optional[dict] = None) -> Optional[int]:
     """The encoder budget in embeddings (see the module docstring); None for a text-only model."""
-    per_item = max_tokens_per_mm_item(hf_config)
+    per_item = max_tokens_per_mm_item(hf_config, model_dir, mm_processor_kwargs)
     return None if per_item is None else max(max_num_batched_tokens, per_item)

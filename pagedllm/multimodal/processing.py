@@ -6,6 +6,11 @@ expansion are the model's, as vLLM's ``BaseMultiModalProcessor`` applies the HF 
 An architecture's ``ItemLayout`` says how the processor's batched tensors split into items
 and how many placeholder tokens each fills; ``MULTIMODAL_LAYOUTS`` lists the image-text
 architectures the engine serves with their vision encoder.
+
+The Qwen-VL processors load their video processor, which needs torchvision, with their image
+one; ``QwenVLImageProcessing`` is their image path alone, from the checkpoint's image
+processor and tokenizer (transformers' ``Qwen2_5_VLProcessor`` / ``Qwen3VLProcessor`` for
+images: each image placeholder expanded to ``grid_thw.prod() / merge_size^2`` tokens).
 """
 
 from __future__ import annotations
@@ -20,6 +25,12 @@ from pagedllm.multimodal.hasher import hash_item
 from pagedllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange, TensorData
 
 
+def _auto_processor(path: Path, trust_remote_code: bool) -> Any:
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
 @dataclass(frozen=True)
 class ItemLayout:
     """How one architecture's processor output splits into images.
@@ -27,10 +38,79 @@ class ItemLayout:
     Attributes:
         image_token_key: the config key holding the image placeholder token id.
         split: (processor output, number of images) -> each image's tensors.
+        item_tokens: (an image's tensors, the model's config) -> its placeholder tokens (None:
+            every image of a prompt fills the same number).
+        chat_placeholder: the text a chat message gets per image (None: the image token's).
+        load_processor: (checkpoint folder, trust_remote_code) -> the processor.
     """
 
     image_token_key: str
     split: Callable[[Mapping[str, torch.Tensor], int], list[dict[str, torch.Tensor]]]
+    item_tokens: Optional[Callable[[Mapping[str, torch.Tensor], Any], int]] = None
+    chat_placeholder: Optional[str] = None
+    load_processor: Callable[[Path, bool], Any] = _auto_processor
+
+
+class QwenVLImageProcessing:
+    """The Qwen-VL processors' image path (see the module docstring), called as the processor:
+    ``(text=[prompt], images=[...], return_tensors="pt", add_special_tokens=..., **kwargs)`` ->
+    ``input_ids`` [1, L], ``pixel_values`` [sum of patches, C * temporal_patch * patch^2] and
+    ``image_grid_thw`` [N, 3]; ``kwargs`` (``min_pixels``, ``max_pixels``, ``size`` ...) go to the
+    image processor.
+
+    Raises (when called):
+        ValueError: the prompt's image tokens are not one per image.
+    """
+
+    def __init__(self, path: Path, trust_remote_code: bool = False) -> None:
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        self.image_processor = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        self.image_token = getattr(self.tokenizer, "image_token", None) or "<|image_pad|>"
+
+    def __call__(self, text: list[str], images: list, return_tensors: str = "pt", add_special_tokens: bool = True,
+                 **kwargs: Any) -> dict[str, torch.Tensor]:
+        kwargs = self._pixel_bounds_as_size(kwargs)
+        outputs = dict(self.image_processor(images=images, return_tensors=return_tensors, **kwargs))
+        merge = kwargs.get("merge_size") or self.image_processor.merge_size
+        pieces = text[0].split(self.image_token)
+        if len(pieces) - 1 != len(images):
+            raise ValueError(f"the prompt has {len(pieces) - 1} {self.image_token} placeholders for {len(images)} image(s)")
+        counts = (outputs["image_grid_thw"].prod(-1) // merge**2).tolist()
+        prompt = pieces[0] + "".join(self.image_token * n + piece for n, piece in zip(counts, pieces[1:]))
+        ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+        return {"input_ids": torch.tensor([ids]), **outputs}
+
+    def _pixel_bounds_as_size(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``min_pixels`` / ``max_pixels`` (vLLM's and the Qwen model cards' options) as the
+        image processor's ``size`` {"shortest_edge", "longest_edge"} (its current spelling)."""
+        if "min_pixels" not in kwargs and "max_pixels" not in kwargs:
+            return kwargs
+        kwargs = dict(kwargs)
+        size = dict(kwargs.pop("size", None) or self.image_processor.size)
+        for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+            if kwargs.get(key) is not None:
+                size[edge] = kwargs.pop(key)
+            kwargs.pop(key, None)
+        return {**kwargs, "size": size}
+
+
+def _split_by_grid(outputs: Mapping[str, torch.Tensor], num_items: int) -> list[dict[str, torch.Tensor]]:
+    """Qwen-VL's layout: ``pixel_values`` [sum of patches, ...], image i the next
+    ``image_grid_thw[i].prod()`` rows; ``image_grid_thw`` [N, 3]."""
+    grids = outputs["image_grid_thw"]
+    if grids.shape[0] != num_items:
+        raise ValueError(f"the processor made {grids.shape[0]} images of {num_items}")
+    sizes = grids.prod(-1).tolist()
+    pixels = outputs["pixel_values"].split(sizes)
+    return [{"pixel_values": pixels[i], "image_grid_thw": grids[i : i + 1]} for i in range(num_items)]
+
+
+def _grid_tokens(item: Mapping[str, torch.Tensor], hf_config: Any) -> int:
+    vision = hf_config.vision_config
+    merge = vision["spatial_merge_size"] if isinstance(vision, dict) else vision.spatial_merge_size
+    return int(item["image_grid_thw"].prod()) // merge**2
 
 
 def _split_batched(outputs: Mapping[str, torch.Tensor], num_items: int) -> list[dict[str, torch.Tensor]]:
@@ -41,9 +121,13 @@ def _split_batched(outputs: Mapping[str, torch.Tensor], num_items: int) -> list[
     return [{"pixel_values": pixel_values[i : i + 1]} for i in range(num_items)]
 
 
+_QWEN_VL_LAYOUT = ItemLayout("image_token_id", _split_by_grid, _grid_tokens,
+                             "<|vision_start|><|image_pad|><|vision_end|>", QwenVLImageProcessing)
 #: Architecture -> its ``ItemLayout`` (the image-text models served with their vision encoder).
 MULTIMODAL_LAYOUTS: dict[str, ItemLayout] = {
     "LlavaForConditionalGeneration": ItemLayout("image_token_index", _split_batched),
+    "Qwen2_5_VLForConditionalGeneration": _QWEN_VL_LAYOUT,
+    "Qwen3VLForConditionalGeneration": _QWEN_VL_LAYOUT,
 }
 
 
@@ -78,16 +162,18 @@ class MultiModalProcessor:
         trust_remote_code: passed to ``AutoProcessor``.
         default_kwargs: ``--mm-processor-kwargs``: options of every call (a request's own
             ``mm_processor_kwargs`` go over them).
+        max_tokens_per_item: the most placeholder tokens an image may fill (the encoder
+            cache's size; None: no limit).
     """
 
     def __init__(self, model_path: Path, architecture: str, hf_config: Any, trust_remote_code: bool = False,
-                 default_kwargs: Optional[dict] = None) -> None:
-        from transformers import AutoProcessor
-
+                 default_kwargs: Optional[dict] = None, max_tokens_per_item: Optional[int] = None) -> None:
         self.layout = MULTIMODAL_LAYOUTS[architecture]
+        self.hf_config = hf_config
         self.image_token_id = int(getattr(hf_config, self.layout.image_token_key))
-        self.processor = AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        self.processor = self.layout.load_processor(model_path, trust_remote_code)
         self.default_kwargs = dict(default_kwargs or {})
+        self.max_tokens_per_item = max_tokens_per_item
 
     def apply(self, prompt: str, images: Sequence[Any], mm_processor_kwargs: Optional[dict] = None,
               add_special_tokens: bool = True) -> tuple[list[int], list[MultiModalFeatureSpec]]:
@@ -97,8 +183,8 @@ class MultiModalProcessor:
 
         Raises:
             ValueError: the processor refuses the input (an image it cannot read, a count of
-                placeholders that differs from the images') or an unknown option; the message
-                says which.
+                placeholders that differs from the images') or an unknown option; an image of
+                more than ``max_tokens_per_item`` tokens; the message says which.
         """
         kwargs = {**self.default_kwargs, **(mm_processor_kwargs or {})}
         try:
@@ -109,10 +195,17 @@ class MultiModalProcessor:
         token_ids = outputs["input_ids"][0].tolist()
         items = self.layout.split(outputs, len(images))
         try:
-            lengths = [self._num_placeholders(token_ids, len(items))] * len(items)
+            if self.layout.item_tokens is None:
+                lengths = [self._num_placeholders(token_ids, len(items))] * len(items)
+            else:
+                lengths = [self.layout.item_tokens(item, self.hf_config) for item in items]
             ranges = placeholder_ranges(token_ids, self.image_token_id, lengths)
         except ValueError as exc:
             raise ValueError(f"The prompt does not match its images: {exc}.") from None
+        limit = self.max_tokens_per_item
+        if limit is not None and max(lengths, default=0) > limit:
+            raise ValueError(f"An image of {max(lengths)} tokens is larger than the encoder cache ({limit} embeddings, "
+                             "--max-num-batched-tokens): send a smaller image or lower max_pixels.")
         features = [
             MultiModalFeatureSpec("image", hash_item(item), position,
                                   {name: TensorData.from_tensor(t) for name, t in item.items()})

@@ -22,6 +22,12 @@ runs the vision encoder on the step's ``scheduled_encoder_inputs`` and keeps eac
 embeddings in its encoder cache (by content hash, until ``free_encoder_mm_hashes`` drops
 them); the step's token embeddings then get, at each scheduled placeholder position, the row
 of its image's embeddings, and the model runs on ``inputs_embeds`` (``_multimodal_embeds``).
+
+A model with multimodal RoPE (one with ``get_mrope_input_positions``: Qwen2.5-VL, Qwen3-VL)
+takes three position rows (t, h, w) per token: the model computes a request's prompt rows once,
+when the request is added, from its prompt and images (``_mrope_positions``); a token past the
+prompt is at its index plus the request's ``mrope_position_delta`` on every row
+(``_model_positions``). The slot mapping and attention metadata use the plain token index.
 """
 
 from __future__ import annotations
@@ -127,6 +133,9 @@ class ModelRunner:
         #: The worker side of a KV connector (a prefill / decode split; None: no split),
         #: made with the KV cache (``initialize_kv_cache``).
         self.kv_connector: Optional[KVConnectorWorker] = None
+        #: Multimodal-RoPE models: request id -> (its prompt's positions [3, P] int64, its
+        #: ``mrope_position_delta``).
+        self._mrope_positions: dict[str, tuple[np.ndarray, int]] = {}
 
     def _make_proposer(self) -> DraftModelProposer | NgramProposer | None:
         spec = self.config.speculative_config
@@ -160,6 +169,8 @@ class ModelRunner:
         )
         start = time.perf_counter()
         self.model = get_model(self.model_config, self.device, self.attn_backend)
+        #: Whether the model takes three position rows per token (multimodal RoPE).
+        self.uses_mrope = hasattr(self.model, "get_mrope_input_positions")
         if self.pooler is not None:  # a classifier's head on each pooled state (None: an embedder)
             self.pooler.head = getattr(self.model, "pooler_head", None)
         # Buffers too: the layers' float32 weight copies, rotary tables; and LoRA slots.
@@ -373,12 +384,16 @@ class ModelRunner:
             self._draft_probs.pop(req_id, None)
             self._pooling_states.pop(req_id, None)
             self._mm_features.pop(req_id, None)
+            self._mrope_positions.pop(req_id, None)
         for mm_hash in so.free_encoder_mm_hashes:
             self.encoder_cache.pop(mm_hash, None)
         for new in so.scheduled_new_reqs:
             batch.add_request(new)
             if new.mm_features:
                 self._mm_features[new.req_id] = new.mm_features
+            if self.uses_mrope:
+                self._mrope_positions[new.req_id] = self.model.get_mrope_input_positions(
+                    new.token_ids[: new.num_prompt_tokens], new.mm_features)
         cached = so.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             state = batch.requests[req_id]
@@ -478,11 +493,12 @@ class ModelRunner:
             # NOTE: a request whose load failed runs on whatever its blocks hold; the scheduler aborts it.
             failed_req_ids.update(self.kv_connector.start_load_kv(kv_metadata))
         input_ids_t, positions_t = self._to_device(input_ids), self._to_device(positions)
+        model_positions_t = self._model_positions(order, positions, token_req, positions_t)
         inputs_embeds = self._multimodal_embeds(so, order, computed, num_sched, starts, input_ids_t)
         if self.state_layers:
             self._copy_states(self._copies_in)
         with set_forward_context(metadata):
-            hidden = self._forward_stage(input_ids_t, positions_t, inputs_embeds)
+            hidden = self._forward_stage(input_ids_t, model_positions_t, inputs_embeds)
         if self.state_layers:
             self._copy_states(self._copies_out)
         if self.kv_connector is not None and kv_metadata is not None:
@@ -592,6 +608,24 @@ class ModelRunner:
         if not self.pp.is_last_rank:
             self.pp.send_tensor_dict(out)
         return out
+
+    def _model_positions(self, order: list[str], positions: np.ndarray, token_req: np.ndarray,
+                         positions_t: torch.Tensor) -> torch.Tensor:
+        """The positions the model takes for the step's tokens: ``positions_t`` ([T] int64, each
+        token's index in its request) or, for a multimodal-RoPE model, [3, T] int64: a prompt
+        token's rows as the model computed them, a later token's index plus the request's
+        ``mrope_position_delta`` on every row."""
+        if not self.uses_mrope:
+            return positions_t
+        rows = np.repeat(positions[None, :], 3, axis=0)
+        for i, req_id in enumerate(order):
+            prompt_positions, delta = self._mrope_positions[req_id]
+            tokens = np.flatnonzero(token_req == i)
+            index = positions[tokens]
+            in_prompt = index < prompt_positions.shape[1]
+            rows[:, tokens[in_prompt]] = prompt_positions[:, index[in_prompt]]
+            rows[:, tokens[~in_prompt]] += delta
+        return self._to_device(rows)
 
     def _run_encoders(self, so: SchedulerOutput) -> None:
         """Run the vision encoder on each image of ``so.scheduled_encoder_inputs``, one at a

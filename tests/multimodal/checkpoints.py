@@ -88,3 +88,95 @@ def llava_checkpoint(tmp_path_factory, vision_feature_select_strategy: str = "de
         _CHECKPOINTS[vision_feature_select_strategy] = make_llava_checkpoint(
             out, vision_feature_select_strategy=vision_feature_select_strategy)
     return _CHECKPOINTS[vision_feature_select_strategy]
+
+
+#: Qwen-VL placeholder tokens added to the tests' tokenizer (the processors' and chat template's).
+QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+#: The factor on the Qwen-VL mergers' output weights.
+MERGER_SCALE = 30.0
+
+
+def make_qwen_vl_checkpoint(out: Path, architecture: str = "Qwen2_5_VLForConditionalGeneration", seed: int = 21) -> Path:
+    """A tiny Qwen2.5-VL (or Qwen3-VL) checkpoint written by transformers: a vision tower of 8 x 8
+    patches merged 2 x 2 (Qwen2.5-VL: 3 blocks, windows of 2 x 2 merged patches, block 1 full;
+    Qwen3-VL: 3 blocks, deepstack features after blocks 0 and 1), a language model of hidden 64
+    and 2 layers with multimodal RoPE over the tests' tokenizer plus the Qwen-VL tokens, and the
+    image processor (images resized to multiples of 16 pixels, 16^2 .. 96^2 pixels). Weights as
+    ``tests.fixtures.checkpoints``'; the merger's output scaled up, so images change the output."""
+    from transformers import Qwen2VLImageProcessor
+    from transformers.initialization import no_init_weights
+
+    from tests.fixtures.checkpoints import _init_weights, build_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = copy.deepcopy(build_tokenizer())
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_VL_TOKENS)})
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_VL_TOKENS}
+    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=8, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=64)
+    text = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, vocab_size=len(tokenizer), max_position_embeddings=2048,
+                bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    if architecture == "Qwen2_5_VLForConditionalGeneration":
+        from transformers import Qwen2_5_VLConfig as Config, Qwen2_5_VLForConditionalGeneration as Model
+
+        vision.update(window_size=32, fullatt_block_indexes=[1])
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+        merger_outs = ("model.visual.merger.mlp.2.weight",)
+    else:
+        from transformers import Qwen3VLConfig as Config, Qwen3VLForConditionalGeneration as Model
+
+        vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0, 1], hidden_act="gelu_pytorch_tanh")
+        text.update(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "mrope_section": [2, 3, 3], "mrope_interleaved": True})
+        merger_outs = ("model.visual.merger.linear_fc2.weight", "model.visual.deepstack_merger_list.0.linear_fc2.weight",
+                       "model.visual.deepstack_merger_list.1.linear_fc2.weight")
+    config = Config(vision_config=vision, text_config=text, **tokens)
+    config.architectures = [architecture]
+    with no_init_weights():
+        model = Model(config)
+    _init_weights(model, seed)
+    with torch.no_grad():
+        for name in merger_outs:
+            dict(model.named_parameters())[name].mul_(MERGER_SCALE)
+    model.eval().save_pretrained(out)
+    image_processor = Qwen2VLImageProcessor(patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16,
+                                            max_pixels=96 * 96)
+    image_processor.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def hf_qwen_vl_processor(path: Path):
+    """transformers' own Qwen-VL processor of the checkpoint for images, built without its video
+    processor (which needs torchvision, absent here)."""
+    from unittest import mock
+
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer, Qwen2_5_VLProcessor, Qwen3VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    cls = Qwen3VLProcessor if AutoConfig.from_pretrained(path).model_type == "qwen3_vl" else Qwen2_5_VLProcessor
+    image_processor, tokenizer = AutoImageProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda *args: None):
+        return cls(image_processor=image_processor, tokenizer=tokenizer, video_processor=None)
+
+
+@functools.lru_cache(maxsize=2)
+def _hf_qwen_vl(path: Path):
+    from transformers import AutoModelForImageTextToText
+
+    return hf_qwen_vl_processor(path), AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_qwen_vl_greedy(path: Path, prompt: str, images: list, max_new_tokens: int, **processor_kwargs) -> list[int]:
+    """transformers' float32 greedy completion of ``prompt`` (one ``<|image_pad|>`` per image)
+    with ``images``, through transformers' processor."""
+    processor, model = _hf_qwen_vl(path)
+    inputs = processor(text=[prompt], images=images or None, return_tensors="pt", **processor_kwargs)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()

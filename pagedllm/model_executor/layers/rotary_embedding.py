@@ -330,3 +330,51 @@ def get_rope(
         )  # fmt: skip
         _ROPE_CACHE[key] = rope
     return rope
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE (Qwen2-VL's mRoPE; vLLM's ``MRotaryEmbedding``): each token has three
+    positions (temporal, height, width; the same three for text), and each rotary frequency
+    takes its angle from one of them, as transformers' Qwen-VL ``recomposition_frequencies``:
+
+    - sectioned (Qwen2-VL, Qwen2.5-VL): frequencies ``0 .. s0 - 1`` from t, the next ``s1``
+      from h, the next ``s2`` from w (``mrope_section`` [s0, s1, s2], summing to d / 2);
+    - interleaved (Qwen3-VL): frequency i from h when ``i % 3 == 1`` and ``i < 3 * s1``, from w
+      when ``i % 3 == 2`` and ``i < 3 * s2``, else from t.
+
+    Args:
+        mrope_section: [s0, s1, s2] (frequencies per axis).
+        interleaved: the layout (see above).
+        others: as ``RotaryEmbedding``'s (neox layout, every channel rotating).
+
+    Raises:
+        ValueError: a section that is not three counts summing to ``head_dim / 2``; and as
+            ``RotaryEmbedding``.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: Optional[dict],
+                 mrope_section: list[int], interleaved: bool = False) -> None:
+        super().__init__(head_dim, max_position, base, rope_scaling)
+        half = head_dim // 2
+        if len(mrope_section) != 3 or sum(mrope_section) != half:
+            raise ValueError(f"mrope_section {list(mrope_section)} must be three counts summing to head_dim / 2 = {half}.")
+        if interleaved:
+            index = torch.arange(half)
+            axis = torch.zeros(half, dtype=torch.int64)
+            axis[(index % 3 == 1) & (index < 3 * mrope_section[1])] = 1
+            axis[(index % 3 == 2) & (index < 3 * mrope_section[2])] = 2
+        else:
+            axis = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
+        # Channel c of cos / sin takes the angle of axis[c] (both halves alike, neox layout).
+        self.register_buffer("axis_of_channel", torch.cat((axis, axis)), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, each [T, 1, head_dim] in ``dtype``, for positions [3, T] (int64: t, h, w
+        rows) or [T] (text: the same position on every axis)."""
+        if positions.dim() == 1:
+            return super().cos_sin(positions, dtype)
+        num_tokens = positions.shape[1]
+        index = self.axis_of_channel[None, None, :].expand(1, num_tokens, -1)
+        cos = self.cos_cache[positions].gather(0, index)[0]
+        sin = self.sin_cache[positions].gather(0, index)[0]
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)

@@ -34,6 +34,8 @@ from pagedllm.model_executor.models.llama import (
     Qwen3ForCausalLM,
 )
 from pagedllm.model_executor.models.llava import LlavaForConditionalGeneration
+from pagedllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from pagedllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from pagedllm.model_executor.models.llama_eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM
 from pagedllm.model_executor.models.mamba2 import Mamba2ForCausalLM
 from pagedllm.model_executor.models.mixtral import MixtralForCausalLM
@@ -89,6 +91,12 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         LlavaForConditionalGeneration, ("llava-hf/llava-1.5-7b-hf", "llava-hf/llava-1.5-13b-hf"),
         "CLIP vision tower and MLP projector (vision_feature_layer, vision_feature_select_strategy); Llama "
         "language model; images through the checkpoint's own processor, encoder cache, image-keyed prefix caching"),
+    "Qwen2_5_VLForConditionalGeneration": SupportedModel(
+        Qwen2_5_VLForConditionalGeneration, ("Qwen/Qwen2.5-VL-3B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct"),
+        "images in (windowed vision transformer, multimodal RoPE); no video"),
+    "Qwen3VLForConditionalGeneration": SupportedModel(
+        Qwen3VLForConditionalGeneration, ("Qwen/Qwen3-VL-2B-Instruct", "Qwen/Qwen3-VL-8B-Instruct"),
+        "images in (vision transformer with DeepStack features, interleaved multimodal RoPE); no video"),
     "Phi3ForCausalLM": SupportedModel(
         Phi3ForCausalLM, ("microsoft/Phi-3-mini-4k-instruct", "microsoft/Phi-3.5-mini-instruct", "microsoft/Phi-4-mini-instruct"),
         "fused q/k/v and gate/up checkpoints; sliding window on every layer; longrope; partial rotary (Phi-4-mini)"),
