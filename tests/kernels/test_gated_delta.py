@@ -132,7 +132,7 @@ def test_bad_shapes_are_refused():
 KERNEL_V_DIM = 20
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_kernels_equal_the_recurrence(isa_kernel, dtype):
     """Prefill over ragged requests (one token, inside a 64-token block, exactly one, across
     two block bounds) from zero and initial float32 states, then two decode steps of every
