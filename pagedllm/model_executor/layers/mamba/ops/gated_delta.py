@@ -152,9 +152,9 @@ def chunk_gated_delta_rule(
         raise ValueError(f"query_start_loc {bounds} must end at num_tokens {q.shape[0]} and give one request per "
                          f"cache_indices / has_initial_state entry ({len(cache_indices)}, {len(has_initial_state)}).")
     if cpu_dispatch.use_kernels() and _kernel_form(q, k, v, ssm_state):
-        return cpu_kernels.gated_delta_rule_prefill(
-            q, k, v, g, beta, ssm_state, query_start_loc.contiguous(), kernel_slot_indices(cache_indices, len(bounds) - 1),
-            has_initial_state, _scale(q, scale), use_qk_l2norm_in_kernel)
+        slots = kernel_slot_indices(cache_indices, len(bounds) - 1)
+        return cpu_kernels.gated_delta_rule_prefill(q, k, v, g, beta, ssm_state, query_start_loc.contiguous(), slots,
+                                                    has_initial_state, _scale(q, scale), use_qk_l2norm_in_kernel)
     return chunk_gated_delta_rule_native(q, k, v, g, beta, ssm_state, bounds, cache_indices.tolist(),
                                          has_initial_state.tolist(), scale, use_qk_l2norm_in_kernel, chunk_size)
 
