@@ -83,8 +83,8 @@ def kv_cache_groups(config: EngineConfig) -> KVCacheGroups:
     spec = config.speculative_config
     if spec is not None and spec.uses_draft_model and None not in windows:
         windows = [None] * len(windows)
-    return _groups(model_config, config.cache_config, windows, config.parallel_config.tensor_parallel_size,
-                   state_layer_specs(model_config))
+    tp_size = config.parallel_config.tensor_parallel_size
+    return _groups(model_config, config.cache_config, windows, tp_size, state_layer_specs(model_config, tp_size))
 
 
 def num_state_slots(config: EngineConfig, groups: KVCacheGroups) -> int:
@@ -100,7 +100,7 @@ def num_state_slots(config: EngineConfig, groups: KVCacheGroups) -> int:
 def check_state_layers_compose(config: EngineConfig, groups: KVCacheGroups) -> None:
     """Refuse what is not built beside state layers: speculative decoding (a rejected draft
     would need its state rolled back), LoRA (no adapter for a state layer's projections),
-    tensor or pipeline parallelism (the states are not split over ranks).
+    pipeline parallelism (the states are not split over stages).
 
     Raises:
         ValueError: naming the setting and the model's state layers.
@@ -115,8 +115,6 @@ def check_state_layers_compose(config: EngineConfig, groups: KVCacheGroups) -> N
         (config.speculative_config is not None, "speculative decoding (speculative_config)",
          "a rejected draft token would need its state rolled back"),
         (config.lora_config is not None, "LoRA (enable_lora)", "no adapter is built for a state layer"),
-        (parallel.tensor_parallel_size > 1, f"tensor_parallel_size {parallel.tensor_parallel_size}",
-         "the states are not split over ranks"),
         (parallel.pipeline_parallel_size > 1, f"pipeline_parallel_size {parallel.pipeline_parallel_size}",
          "the states are not split over stages"),
     ]
@@ -125,9 +123,10 @@ def check_state_layers_compose(config: EngineConfig, groups: KVCacheGroups) -> N
             raise ValueError(f"{setting} is not supported with {model}: {why}.")
 
 
-def state_layer_specs(model_config: ModelConfig) -> dict[int, MambaSpec]:
-    """Layer index -> ``MambaSpec`` of each state layer (none for most models), from the
-    model class's ``get_mamba_state_shape_from_config(hf_config)`` and
+def state_layer_specs(model_config: ModelConfig, tp_size: int = 1) -> dict[int, MambaSpec]:
+    """Layer index -> ``MambaSpec`` of each state layer (none for most models) on each of
+    ``tp_size`` tensor-parallel ranks (which hold their heads' states), from the model class's
+    ``get_mamba_state_shape_from_config(hf_config, tp_size)`` and
     ``get_mamba_state_dtype_from_config(hf_config, dtype)`` (and its ``mamba_type``, the
     log's name of the state)."""
     layers = [i for i in state_layer_indices(model_config.hf_config) if i < model_config.num_layers]
@@ -137,7 +136,7 @@ def state_layer_specs(model_config: ModelConfig) -> dict[int, MambaSpec]:
 
     model_cls = get_model_class(model_config.architecture)
     hf_config = model_config.hf_config
-    spec = MambaSpec(tuple(model_cls.get_mamba_state_shape_from_config(hf_config)),  # type: ignore[attr-defined]
+    spec = MambaSpec(tuple(model_cls.get_mamba_state_shape_from_config(hf_config, tp_size)),  # type: ignore[attr-defined]
                      tuple(model_cls.get_mamba_state_dtype_from_config(hf_config, model_config.dtype)),  # type: ignore[attr-defined]
                      getattr(model_cls, "mamba_type", "mamba2"))
     return {i: spec for i in layers}

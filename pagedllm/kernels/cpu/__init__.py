@@ -1,6 +1,7 @@
 """The C++ CPU kernels: paged attention and KV-cache writes, RMSNorm / SwiGLU / rotary
 embedding, greedy argmax, few-row and dequantizing matmuls on packed 16-, 8- and 4-bit
-weights, multi-LoRA updates, and Mamba-2's decode step (the ``.cpp`` files beside this one).
+weights, multi-LoRA updates, Mamba-2's decode step and the gated delta rule (the ``.cpp`` files beside
+this one).
 
 Built on first use, never at import, once per instruction-set level (``build``); the level
 is chosen once per process from the CPU or ``PAGEDLLM_CPU_ISA`` (``runtime``). When no level
@@ -35,6 +36,8 @@ from pagedllm.kernels.cpu.ops import (
     lora_sgmv,
     causal_conv1d_update,
     selective_state_update,
+    gated_delta_rule_decode,
+    gated_delta_rule_prefill,
 )
 from pagedllm.kernels.cpu.runtime import (
     DISABLE_ENV,
@@ -55,6 +58,8 @@ __all__ = [
     "build_info",
     "causal_conv1d_update",
     "fused_add_rms_norm",
+    "gated_delta_rule_decode",
+    "gated_delta_rule_prefill",
     "has_amx",
     "has_packed_linear",
     "is_available",

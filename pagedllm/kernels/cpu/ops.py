@@ -441,3 +441,41 @@ def selective_state_update(
     dt_bias = None if dt_bias is None else dt_bias.float()
     return _ns.selective_state_update(state, x, dt, A.float(), B, C, D, z, dt_bias, dt_softplus,
                                       state_batch_indices, float(dt_min), float(dt_max))
+
+
+def gated_delta_rule_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    cache_indices: torch.Tensor, scale: float, use_qk_l2norm: bool,
+) -> torch.Tensor:
+    """One gated-delta-rule step per request (``mamba.ops.gated_delta``'s
+    ``fused_recurrent_gated_delta_rule`` maths, see ``gated_delta.cpp``): q, k [B, H, K], v
+    [B, HV, V] of one dtype (float32 / bfloat16 / float16; last dimensions contiguous), g, beta
+    [B, HV] (converted to float32), state [slots, HV, K, V] float32 or v's dtype (last two
+    dimensions contiguous; updated in place), cache_indices [B] int32 / int64, ``scale`` on q
+    after the optional L2 norm -> [B, HV, V] in v's dtype.
+
+    Raises:
+        RuntimeError: unavailable kernels, bad shapes / dtypes, or a slot out of range.
+    """
+    return _ns.gated_delta_rule_decode(q, k, v, g.float().contiguous(), beta.float().contiguous(), state,
+                                       cache_indices, float(scale), use_qk_l2norm)
+
+
+def gated_delta_rule_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    query_start_loc: torch.Tensor, cache_indices: torch.Tensor, has_initial_state: torch.Tensor, scale: float,
+    use_qk_l2norm: bool,
+) -> torch.Tensor:
+    """The gated delta rule over a varlen batch of prefill chunks (``chunk_gated_delta_rule``'s
+    maths, computed token by token, see ``gated_delta.cpp``): q, k [T, H, K], v [T, HV, V], g,
+    beta [T, HV], state, scale and use_qk_l2norm as ``gated_delta_rule_decode``'s;
+    query_start_loc [R + 1] and cache_indices [R] int32 / int64, has_initial_state [R]
+    (converted to bool; False: the request starts from zeros) -> [T, HV, V] in v's dtype, each
+    request's final state written to its slot.
+
+    Raises:
+        RuntimeError: unavailable kernels, bad shapes / dtypes / bounds, or a slot out of range.
+    """
+    return _ns.gated_delta_rule_prefill(q, k, v, g.float().contiguous(), beta.float().contiguous(), state,
+                                        query_start_loc, cache_indices, has_initial_state.bool().contiguous(),
+                                        float(scale), use_qk_l2norm)

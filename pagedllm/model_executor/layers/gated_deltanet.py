@@ -14,6 +14,12 @@ state [conv_dim, width - 1] (the conv's last inputs) and the recurrent state [nu
 head_k_dim, head_v_dim]; the runner binds ``kv_cache`` = [conv_state, ssm_state], each with a
 leading slot dimension, and the forward context's ``MambaMetadata`` of the layer's state group
 gives each request's slot and whether it starts from it (decodes first, one token each).
+
+Under tensor parallelism each rank holds ``linear_num_key_heads / tp_size`` key heads and their
+value heads (vLLM's split): the input projections are column-parallel (Qwen3-Next's rows are
+grouped by key head, so each rank's rows are consecutive; Qwen3.5's [q | k | v] splits part by
+part), the conv, dt_bias, A_log and the states hold this rank's channels and heads, ``out_proj``
+is row-parallel; the norm (per value head) is whole on every rank.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagedllm.attention.metadata import get_forward_context
-from pagedllm.distributed import get_tensor_model_parallel_world_size
+from pagedllm.distributed import divide, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from pagedllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.model_executor.layers.mamba.abstract import MambaBase, MambaMetadata
 from pagedllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
@@ -34,18 +40,26 @@ from pagedllm.model_executor.layers.mamba.ops.gated_delta import (
     chunk_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
 )
+from pagedllm.model_executor.layers.mamba.sharding import head_weight_loader, segmented_weight_loader
 from pagedllm.model_executor.layers.quantization import QuantizationConfig
-from pagedllm.model_executor.utils import default_weight_loader, set_weight_attrs
+from pagedllm.model_executor.utils import set_weight_attrs
 
 
-def gated_deltanet_state_shape(config: PretrainedConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
-    """The per-slot shapes of a Gated DeltaNet layer's (conv_state, ssm_state) for ``config``:
-    (conv_dim, linear_conv_kernel_dim - 1), conv_dim = 2 x key heads x key dim + value heads x
-    value dim, and (linear_num_value_heads, linear_key_head_dim, linear_value_head_dim)."""
-    conv_dim = (2 * config.linear_num_key_heads * config.linear_key_head_dim
-                + config.linear_num_value_heads * config.linear_value_head_dim)
+def gated_deltanet_state_shape(config: PretrainedConfig,
+                               tp_size: int = 1) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """The per-slot shapes of a Gated DeltaNet layer's (conv_state, ssm_state) for ``config`` on
+    each of ``tp_size`` ranks: (conv_dim, linear_conv_kernel_dim - 1), conv_dim = 2 x key heads
+    x key dim + value heads x value dim, and (value heads, linear_key_head_dim,
+    linear_value_head_dim), with the rank's heads (``linear_num_*_heads / tp_size``).
+
+    Raises:
+        ValueError: key heads not divisible by ``tp_size``.
+    """
+    key_heads = divide(config.linear_num_key_heads, tp_size)
+    value_heads = key_heads * (config.linear_num_value_heads // config.linear_num_key_heads)
+    conv_dim = 2 * key_heads * config.linear_key_head_dim + value_heads * config.linear_value_head_dim
     return ((conv_dim, config.linear_conv_kernel_dim - 1),
-            (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim))
+            (value_heads, config.linear_key_head_dim, config.linear_value_head_dim))
 
 
 class RMSNormGated(nn.Module):
@@ -73,19 +87,22 @@ class GatedDeltaNet(MambaBase):
     ``linear_value_head_dim``, ``linear_conv_kernel_dim``, ``hidden_act`` (the conv's
     activation, "silu"), ``rms_norm_eps``.
 
+    Head counts and dims (``num_k_heads``, ``key_dim``, ``conv_dim`` ...) are this rank's.
+
     Raises:
-        ValueError: value heads not a multiple of key heads.
-        NotImplementedError: tensor parallelism (the layer is built whole on one rank).
+        ValueError: value heads not a multiple of key heads, or key heads not divisible by the
+            tensor-parallel size.
     """
 
     def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig], prefix: str) -> None:
         super().__init__()
-        if get_tensor_model_parallel_world_size() > 1:
-            raise NotImplementedError("The Gated DeltaNet layer does not split over tensor-parallel ranks yet.")
-        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
-        if self.num_v_heads % self.num_k_heads:
-            raise ValueError(f"linear_num_value_heads {self.num_v_heads} is not a multiple of "
-                             f"linear_num_key_heads {self.num_k_heads}.")
+        total_k_heads, total_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        if total_v_heads % total_k_heads:
+            raise ValueError(f"linear_num_value_heads {total_v_heads} is not a multiple of "
+                             f"linear_num_key_heads {total_k_heads}.")
+        tp_size, tp_rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        self.num_k_heads = divide(total_k_heads, tp_size)
+        self.num_v_heads = self.num_k_heads * (total_v_heads // total_k_heads)
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.key_dim, self.value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
@@ -98,21 +115,26 @@ class GatedDeltaNet(MambaBase):
         self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, self.conv_kernel_size), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads), requires_grad=False)
-        for param in (self.conv1d.weight, self.dt_bias, self.A_log):
-            set_weight_attrs(param, {"weight_loader": default_weight_loader})
+        # The conv's channels [q | k | v] and the per-value-head vectors: this rank's part of each.
+        conv_loader = segmented_weight_loader([(self.key_dim, tp_rank, tp_size), (self.key_dim, tp_rank, tp_size),
+                                               (self.value_dim, tp_rank, tp_size)])
+        set_weight_attrs(self.conv1d.weight, {"weight_loader": conv_loader})
+        for param in (self.dt_bias, self.A_log):
+            set_weight_attrs(param, {"weight_loader": head_weight_loader(total_v_heads, tp_size, tp_rank)})
         self.norm = RMSNormGated(self.head_v_dim, config.rms_norm_eps)
-        self.out_proj = RowParallelLinear(self.value_dim, hidden, bias=False, quant_config=quant_config,
-                                          prefix=f"{prefix}.out_proj")
-        self.state_shape = gated_deltanet_state_shape(config)
+        self.out_proj = RowParallelLinear(total_v_heads * self.head_v_dim, hidden, bias=False,
+                                          quant_config=quant_config, prefix=f"{prefix}.out_proj")
+        self.state_shape = gated_deltanet_state_shape(config, tp_size)
         #: The states' dtype: the parameters' (the model dtype), as vLLM's "auto" state dtypes.
         self.state_dtype = torch.get_default_dtype()
 
     def make_projections(self, hidden: int, quant_config: Optional[QuantizationConfig], prefix: str) -> None:
         """The input projections ``project`` reads: Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``."""
-        self.in_proj_qkvz = ColumnParallelLinear(hidden, self.conv_dim + self.value_dim, bias=False,
+        tp_size = get_tensor_model_parallel_world_size()
+        self.in_proj_qkvz = ColumnParallelLinear(hidden, (self.conv_dim + self.value_dim) * tp_size, bias=False,
                                                  quant_config=quant_config, prefix=f"{prefix}.in_proj_qkvz")
-        self.in_proj_ba = ColumnParallelLinear(hidden, 2 * self.num_v_heads, bias=False, quant_config=quant_config,
-                                               prefix=f"{prefix}.in_proj_ba")
+        self.in_proj_ba = ColumnParallelLinear(hidden, 2 * self.num_v_heads * tp_size, bias=False,
+                                               quant_config=quant_config, prefix=f"{prefix}.in_proj_ba")
 
     def get_state_shape(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
         """The per-slot shapes of (conv_state, ssm_state) (``gated_deltanet_state_shape``)."""

@@ -66,10 +66,13 @@ class BambaForCausalLM(LlamaForCausalLM):
     mamba_type = "mamba2"
 
     @classmethod
-    def get_mamba_state_shape_from_config(cls, config: PretrainedConfig) -> tuple[tuple[int, ...], ...]:
-        """A mixer layer's (conv, ssm) state shapes per slot (``mamba2_state_shape``)."""
+    def get_mamba_state_shape_from_config(cls, config: PretrainedConfig,
+                                          tp_size: int = 1) -> tuple[tuple[int, ...], ...]:
+        """A mixer layer's (conv, ssm) state shapes per slot on each of ``tp_size`` ranks
+        (``mamba2_state_shape``)."""
         return mamba2_state_shape(int(config.mamba_expand * config.hidden_size), config.mamba_n_groups,
-                                  config.mamba_n_heads, config.mamba_d_head, config.mamba_d_state, config.mamba_d_conv)
+                                  config.mamba_n_heads, config.mamba_d_head, config.mamba_d_state, config.mamba_d_conv,
+                                  tp_size)
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, config: PretrainedConfig, dtype: torch.dtype) -> tuple[torch.dtype, ...]:

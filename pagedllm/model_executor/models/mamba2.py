@@ -71,10 +71,12 @@ class Mamba2ForCausalLM(nn.Module):
         return Mamba2DecoderLayer(config, quant_config, prefix)
 
     @classmethod
-    def get_mamba_state_shape_from_config(cls, config: PretrainedConfig) -> tuple[tuple[int, ...], ...]:
-        """Each layer's (conv, ssm) state shapes per slot (``mamba2_state_shape``)."""
+    def get_mamba_state_shape_from_config(cls, config: PretrainedConfig,
+                                          tp_size: int = 1) -> tuple[tuple[int, ...], ...]:
+        """Each layer's (conv, ssm) state shapes per slot on each of ``tp_size`` ranks
+        (``mamba2_state_shape``)."""
         return mamba2_state_shape(int(config.expand * config.hidden_size), config.n_groups, config.num_heads,
-                                  config.head_dim, config.state_size, config.conv_kernel)
+                                  config.head_dim, config.state_size, config.conv_kernel, tp_size)
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, config: PretrainedConfig, dtype: torch.dtype) -> tuple[torch.dtype, ...]:

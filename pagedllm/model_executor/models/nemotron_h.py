@@ -172,11 +172,13 @@ class NemotronHForCausalLM(Mamba2ForCausalLM):
         return NemotronHBlock(config, layer_idx, quant_config, prefix)
 
     @classmethod
-    def get_mamba_state_shape_from_config(cls, config: PretrainedConfig) -> tuple[tuple[int, ...], ...]:
-        """A mixer layer's (conv, ssm) state shapes per slot (``mamba2_state_shape``)."""
+    def get_mamba_state_shape_from_config(cls, config: PretrainedConfig,
+                                          tp_size: int = 1) -> tuple[tuple[int, ...], ...]:
+        """A mixer layer's (conv, ssm) state shapes per slot on each of ``tp_size`` ranks
+        (``mamba2_state_shape``)."""
         return mamba2_state_shape(config.mamba_num_heads * config.mamba_head_dim, config.n_groups,
                                   config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size,
-                                  config.conv_kernel)
+                                  config.conv_kernel, tp_size)
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, config: PretrainedConfig, dtype: torch.dtype) -> tuple[torch.dtype, ...]:

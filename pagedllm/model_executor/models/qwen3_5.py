@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from pagedllm.distributed import get_tensor_model_parallel_world_size
 from pagedllm.model_executor.layers.linear import ColumnParallelLinear
 from pagedllm.model_executor.layers.quantization import QuantizationConfig
 from pagedllm.model_executor.models.llama import make_llama_mlp
@@ -22,12 +23,17 @@ from pagedllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM, Qwen
 
 
 class Qwen3_5LinearAttention(Qwen3NextLinearAttention):
-    """Qwen3.5's Gated DeltaNet (transformers' ``Qwen3_5GatedDeltaNet``): its own projections."""
+    """Qwen3.5's Gated DeltaNet (transformers' ``Qwen3_5GatedDeltaNet``): its own projections
+    (``in_proj_qkv`` column-parallel by part of [q | k | v])."""
 
     def make_projections(self, hidden: int, quant_config: Optional[QuantizationConfig], prefix: str) -> None:
-        for name, size in (("in_proj_qkv", self.conv_dim), ("in_proj_z", self.value_dim),
-                           ("in_proj_b", self.num_v_heads), ("in_proj_a", self.num_v_heads)):
-            setattr(self, name, ColumnParallelLinear(hidden, size, bias=False, quant_config=quant_config,
+        tp_size = get_tensor_model_parallel_world_size()
+        self.in_proj_qkv = ColumnParallelLinear(
+            hidden, self.conv_dim * tp_size, bias=False, quant_config=quant_config, prefix=f"{prefix}.in_proj_qkv",
+            output_sizes=[self.key_dim * tp_size, self.key_dim * tp_size, self.value_dim * tp_size])
+        for name, size in (("in_proj_z", self.value_dim), ("in_proj_b", self.num_v_heads),
+                           ("in_proj_a", self.num_v_heads)):
+            setattr(self, name, ColumnParallelLinear(hidden, size * tp_size, bias=False, quant_config=quant_config,
                                                      prefix=f"{prefix}.{name}"))
 
     def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:

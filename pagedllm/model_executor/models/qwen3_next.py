@@ -98,9 +98,11 @@ class Qwen3NextForCausalLM(LlamaMoEForCausalLM):
     mamba_type = "gdn_attention"
 
     @classmethod
-    def get_mamba_state_shape_from_config(cls, hf_config: PretrainedConfig) -> tuple[tuple[int, ...], ...]:
-        """Each linear-attention layer's state shapes per slot (``gated_deltanet_state_shape``)."""
-        return gated_deltanet_state_shape(hf_config)
+    def get_mamba_state_shape_from_config(cls, hf_config: PretrainedConfig,
+                                          tp_size: int = 1) -> tuple[tuple[int, ...], ...]:
+        """Each linear-attention layer's state shapes per slot on each of ``tp_size`` ranks
+        (``gated_deltanet_state_shape``)."""
+        return gated_deltanet_state_shape(hf_config, tp_size)
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, hf_config: PretrainedConfig,

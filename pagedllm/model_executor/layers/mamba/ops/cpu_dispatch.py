@@ -1,6 +1,7 @@
-"""Whether the state layers' decode ops run the C++ CPU kernels (``pagedllm.kernels.cpu``):
-decided once, at the first decode step, from ``platforms.current_platform`` and the kernels'
-own availability, and again whenever the kernels' build may change (``runtime.on_change``).
+"""Whether the state layers' decode ops, and the gated delta rule's prefill, run the C++ CPU
+kernels (``pagedllm.kernels.cpu``): decided once, at the first call, from
+``platforms.current_platform`` and the kernels' own availability, and again whenever the
+kernels' build may change (``runtime.on_change``).
 
 The kernels run on the CPU platform when they are built at a vector level (avx2 and up);
 the portable build's scalar loops are no faster than PyTorch's vectorised ops there, so
@@ -27,7 +28,7 @@ runtime.on_change(_forget)
 
 
 def use_kernels() -> bool:
-    """Whether the decode ops call the C++ CPU kernels (builds them on the first call)."""
+    """Whether the state ops call the C++ CPU kernels (builds them on the first call)."""
     global _decision
     if _decision is None:
         _decision = bool(

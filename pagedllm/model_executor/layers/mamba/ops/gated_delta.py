@@ -14,6 +14,10 @@ for decode, as ``torch_recurrent_gated_delta_rule``. Names and argument conventi
 ``fla`` ops' that vLLM calls (token-major ``[num_tokens, heads, dim]``; ``num_v_heads`` a
 multiple of ``num_k_heads``, each q/k head serving consecutive value heads). The state cache
 holds ``ssm_state`` ``[num_slots, num_v_heads, head_k_dim, head_v_dim]``.
+
+On CPU both run the C++ kernels (``pagedllm.kernels.cpu``, ``gated_delta.cpp``: the same maths
+token by token) where ``cpu_dispatch.use_kernels()`` and the tensors are in the kernels' form
+(``_kernel_form``); the PyTorch code below is the portable path and the kernels' reference.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.model_executor.layers.mamba.ops import cpu_dispatch
+from pagedllm.model_executor.layers.mamba.ops.slots import kernel_slot_indices
 
 #: Tokens per block of the chunked form (transformers' and fla's default).
 CHUNK_SIZE = 64
@@ -54,6 +62,21 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                          f"got {tuple(ssm_state.shape)}.")
 
 
+def _kernel_form(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ssm_state: torch.Tensor) -> bool:
+    """Whether the C++ kernels take these tensors: q, k and v of one dtype with contiguous last
+    dimensions, the state float32 or of v's dtype with its last two dimensions contiguous."""
+    return (
+        q.dtype == k.dtype == v.dtype
+        and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+        and ssm_state.dtype in (torch.float32, v.dtype)
+        and ssm_state.stride(3) == 1 and ssm_state.stride(2) == ssm_state.shape[3]
+    )
+
+
+def _scale(q: torch.Tensor, scale: Optional[float]) -> float:
+    return q.shape[-1] ** -0.5 if scale is None else scale
+
+
 def _heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  scale: Optional[float], use_qk_l2norm: bool) -> tuple[torch.Tensor, ...]:
     """The inputs in float32, value-head-major ([HV, T, ...]; [HV, T] for g and beta), q/k
@@ -63,7 +86,7 @@ def _heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     q, k, v, g, beta = (x.transpose(0, 1).to(torch.float32).contiguous() for x in (q, k, v, g, beta))
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
-    return q * (q.shape[-1] ** -0.5 if scale is None else scale), k, v, g, beta
+    return q * _scale(q, scale), k, v, g, beta
 
 
 def _chunk_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -128,10 +151,25 @@ def chunk_gated_delta_rule(
     if bounds[-1] != q.shape[0] or len(cache_indices) != len(bounds) - 1 or len(has_initial_state) != len(bounds) - 1:
         raise ValueError(f"query_start_loc {bounds} must end at num_tokens {q.shape[0]} and give one request per "
                          f"cache_indices / has_initial_state entry ({len(cache_indices)}, {len(has_initial_state)}).")
+    if cpu_dispatch.use_kernels() and _kernel_form(q, k, v, ssm_state):
+        slots = kernel_slot_indices(cache_indices, len(bounds) - 1)
+        return cpu_kernels.gated_delta_rule_prefill(q, k, v, g, beta, ssm_state, query_start_loc.contiguous(), slots,
+                                                    has_initial_state, _scale(q, scale), use_qk_l2norm_in_kernel)
+    return chunk_gated_delta_rule_native(q, k, v, g, beta, ssm_state, bounds, cache_indices.tolist(),
+                                         has_initial_state.tolist(), scale, use_qk_l2norm_in_kernel, chunk_size)
+
+
+def chunk_gated_delta_rule_native(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    ssm_state: torch.Tensor, bounds: list[int], slots: list[int], has_initial_state: list[bool],
+    scale: Optional[float] = None, use_qk_l2norm: bool = False, chunk_size: int = CHUNK_SIZE,
+) -> torch.Tensor:
+    """``chunk_gated_delta_rule`` in PyTorch (every device; the C++ kernel's reference), with
+    the request bounds, slots and initial-state flags as lists, arguments checked by the caller."""
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     dtype = v.dtype
-    q, k, v, g, beta = _heads_first(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    for (start, end), slot, initial in zip(zip(bounds, bounds[1:]), cache_indices.tolist(), has_initial_state.tolist()):
+    q, k, v, g, beta = _heads_first(q, k, v, g, beta, scale, use_qk_l2norm)
+    for (start, end), slot, initial in zip(zip(bounds, bounds[1:]), slots, has_initial_state):
         if end == start:
             continue
         if initial:
@@ -168,8 +206,23 @@ def fused_recurrent_gated_delta_rule(
     _check_inputs(q, k, v, g, beta, ssm_state)
     if len(cache_indices) != q.shape[0]:
         raise ValueError(f"cache_indices has {len(cache_indices)} entries for {q.shape[0]} tokens (one per request).")
+    if cpu_dispatch.use_kernels() and _kernel_form(q, k, v, ssm_state):
+        return cpu_kernels.gated_delta_rule_decode(q, k, v, g, beta, ssm_state,
+                                                   kernel_slot_indices(cache_indices, q.shape[0]), _scale(q, scale),
+                                                   use_qk_l2norm_in_kernel)
+    return fused_recurrent_gated_delta_rule_native(q, k, v, g, beta, ssm_state, cache_indices.long(), scale,
+                                                   use_qk_l2norm_in_kernel)
+
+
+def fused_recurrent_gated_delta_rule_native(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    ssm_state: torch.Tensor, cache_indices: torch.Tensor, scale: Optional[float] = None,
+    use_qk_l2norm: bool = False,
+) -> torch.Tensor:
+    """``fused_recurrent_gated_delta_rule`` in PyTorch (every device; the C++ kernel's
+    reference), arguments checked by the caller, ``cache_indices`` int64."""
     dtype = v.dtype
-    q, k, v, g, beta = (x.transpose(0, 1) for x in _heads_first(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel))
+    q, k, v, g, beta = (x.transpose(0, 1) for x in _heads_first(q, k, v, g, beta, scale, use_qk_l2norm))
     state = ssm_state[cache_indices].to(torch.float32) * g.exp()[..., None, None]  # [N, HV, K, V]
     delta = (v - (state * k.unsqueeze(-1)).sum(dim=-2)) * beta.unsqueeze(-1)
     state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
