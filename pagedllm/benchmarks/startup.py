@@ -9,6 +9,8 @@ Measurements (``--mode``), each start in a fresh process (nothing warm but the O
   the constructor alone, imports included (``llm_construction_s``).
 - ``preload``: as ``serve``, with ``--load-format ipc_cache``, while one ``pagedllm preload``
   daemon (started first, in a private ``PAGEDLLM_PRELOAD_DIR``, not timed) holds the weights.
+- ``snapshot``: ``pagedllm snapshot restore`` of a snapshot of the same server (``pagedllm
+  snapshot create`` first, in a private ``PAGEDLLM_SNAPSHOT_DIR``, not timed), as ``serve``.
 - ``wake``: one server with ``--enable-sleep-mode``; each iteration puts it to sleep
   (``POST /sleep?level=1``, then ``level=2``) and times ``POST /wake_up`` until it answers.
 
@@ -50,7 +52,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(dtype="auto")
     parser.add_argument("--serve-args", default="", help="extra `pagedllm serve` flags, one string")
     parser.add_argument("--mode", default="serve,llm",
-                        help="comma-separated: serve, llm, preload, wake (default: serve,llm)")
+                        help="comma-separated: serve, llm, preload, snapshot, wake (default: serve,llm)")
     parser.add_argument("--num-iters-warmup", type=int, default=1, help="unrecorded starts first (default: 1)")
     parser.add_argument("--num-iters", type=int, default=3, help="recorded starts of each mode (default: 3)")
     parser.add_argument("--output-json", default=None, help="write the results here")
@@ -88,16 +90,21 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def _start_server(args: argparse.Namespace, extra: list[str], env: Optional[dict[str, str]] = None
-                  ) -> tuple[subprocess.Popen, str, float]:
-    """A ``pagedllm serve`` process, its URL, and the seconds until ``/health`` was 200.
+def _start_server(args: argparse.Namespace, extra: list[str], env: Optional[dict[str, str]] = None,
+                  restore: Optional[str] = None) -> tuple[subprocess.Popen, str, float]:
+    """A ``pagedllm serve`` process (``pagedllm snapshot restore RESTORE``, which keeps its own
+    flags, with ``restore``), its URL, and the seconds until ``/health`` was 200.
 
     Raises:
         RuntimeError: the server exited or did not become healthy within 300 s.
     """
     port = _free_port()
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port), *engine_flags(args)]
-    cmd += shlex.split(args.serve_args) + extra
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli"]
+    if restore is None:
+        cmd += ["serve", "--port", str(port), *engine_flags(args), *shlex.split(args.serve_args)]
+    else:
+        cmd += ["snapshot", "restore", restore, "--port", str(port)]
+    cmd += extra
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -171,6 +178,34 @@ def time_preload(args: argparse.Namespace) -> list[float]:
             _stop(daemon)
 
 
+def time_snapshot(args: argparse.Namespace) -> list[float]:
+    """Starts of ``pagedllm snapshot restore`` (seconds to ``/health`` 200) of one snapshot of
+    the benchmarked server (``pagedllm snapshot create``, not timed) in a temporary
+    ``PAGEDLLM_SNAPSHOT_DIR``.
+
+    Raises:
+        RuntimeError: the snapshot could not be made; a server failed.
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="pagedllm-bench-snapshot-") as root:
+        env = {**os.environ, "PAGEDLLM_SNAPSHOT_DIR": root}
+        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "snapshot", "create", "bench", *engine_flags(args),
+               *shlex.split(args.serve_args)]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=_START_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"pagedllm snapshot create failed: {done.stderr[-2000:]}")
+
+        def one() -> float:
+            proc, _, seconds = _start_server(args, [], env, restore="bench")
+            _stop(proc)
+            return seconds
+
+        for _ in range(args.num_iters_warmup):
+            one()
+        return [one() for _ in range(args.num_iters)]
+
+
 _LLM_SCRIPT = """
 import json, sys, time
 start = time.perf_counter()
@@ -206,9 +241,10 @@ def _median(values: list[float]) -> Optional[float]:
 
 def main(args: argparse.Namespace) -> int:
     modes = {m.strip() for m in args.mode.split(",") if m.strip()}
-    unknown = modes - {"serve", "llm", "preload", "wake"}
+    unknown = modes - {"serve", "llm", "preload", "snapshot", "wake"}
     if unknown:
-        raise SystemExit(f"pagedllm bench startup: error: unknown --mode {sorted(unknown)}; use serve, llm, preload, wake")
+        raise SystemExit(
+            f"pagedllm bench startup: error: unknown --mode {sorted(unknown)}; use serve, llm, preload, snapshot, wake")
     result: dict[str, Any] = {"machine": machine_info(), "model": args.model, "dtype": args.dtype}
     if "serve" in modes:
         for _ in range(args.num_iters_warmup):
@@ -230,6 +266,11 @@ def main(args: argparse.Namespace) -> int:
         times = time_preload(args)
         result.update(preload_serve_startup_s=times, median_preload_serve_startup_s=_median(times))
         print(f"pagedllm serve --load-format ipc_cache until /health 200: median {_median(times):.2f} s  "
+              f"({', '.join(f'{t:.2f}' for t in times)})")
+    if "snapshot" in modes:
+        times = time_snapshot(args)
+        result.update(snapshot_serve_startup_s=times, median_snapshot_serve_startup_s=_median(times))
+        print(f"pagedllm snapshot restore until /health 200: median {_median(times):.2f} s  "
               f"({', '.join(f'{t:.2f}' for t in times)})")
     if "wake" in modes:
         wakes = time_wake(args)

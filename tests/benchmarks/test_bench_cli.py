@@ -501,6 +501,17 @@ def test_startup_measures_serve_and_llm(tiny_llama, tmp_path):
     assert 0.2 < construction_s < process_s < 120
 
 
+def test_startup_measures_a_snapshot_restore(tiny_llama, tmp_path):
+    out = tmp_path / "startup.json"
+    assert run_bench(["startup", "--model", str(tiny_llama), "--dtype", "float32", "--kv-cache-memory-bytes",
+                      KV_BYTES, "--mode", "snapshot", "--num-iters-warmup", "0", "--num-iters", "1",
+                      "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    (restore_s,) = result["snapshot_serve_startup_s"]
+    assert 0.2 < restore_s < 120 and result["median_snapshot_serve_startup_s"] == restore_s
+    assert "serve_startup_s" not in result and "llm_process_s" not in result
+
+
 def test_startup_rejects_unknown_mode(tiny_llama):
     with pytest.raises(SystemExit, match="unknown --mode"):
         run_bench(["startup", "--model", str(tiny_llama), "--mode", "serve,warm"])
