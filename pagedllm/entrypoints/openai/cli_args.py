@@ -316,6 +316,10 @@ async def _serve(frontend: FrontendConfig, engine_args: EngineArgs, sock: socket
         return _fail(str(exc), 2)
     from pagedllm.engine.client_factory import make_client
 
+    # NOTE: torch and transformers stay loaded for good: frozen now, they stay frozen here
+    # after the fork too (``mp_context.start``), so the collection before serving scans only
+    # what came after.
+    gc.freeze()
     # one engine-core process, or one per data-parallel replica (``-dp``)
     engine_core = make_client(config, multiprocess=True, asyncio_mode=True, wait_for_ready=False)
     try:
