@@ -16,7 +16,10 @@ Measurements (``--mode``), each start in a fresh process (nothing warm but the O
 
 Each is repeated ``--num-iters`` times after ``--num-iters-warmup`` unrecorded runs (the
 first run on a machine also builds the C++ CPU kernels and fills the page cache).
-Reported: the list of times and their median, in seconds (also in ``--output-json``).
+Reported: the list of times and their median, in seconds (also in ``--output-json``); for the
+server starts also the CPU seconds its processes (the server and its engine) had used by then,
+``*_cpu_s`` (Linux' ``/proc``; the figure that counts on a busy host, where the wall time is
+mostly waiting for a core).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -90,10 +93,43 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+class Start(NamedTuple):
+    """One server start: seconds until ``/health`` was 200 (wall clock), and the CPU seconds
+    its process tree had used then (None where ``/proc`` is missing)."""
+
+    seconds: float
+    cpu_s: Optional[float]
+
+
+def tree_cpu_seconds(pid: int) -> Optional[float]:
+    """User + system CPU seconds of process ``pid`` and its live descendants (``/proc``), or
+    None without ``/proc``."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    parents: dict[int, int] = {}
+    used: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:  # exited meanwhile
+                continue
+            parents[int(entry)] = int(fields[1])
+            used[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        total += used.get(current, 0.0)
+        todo += [child for child, parent in parents.items() if parent == current]
+    return total
+
+
 def _start_server(args: argparse.Namespace, extra: list[str], env: Optional[dict[str, str]] = None,
-                  restore: Optional[str] = None) -> tuple[subprocess.Popen, str, float]:
+                  restore: Optional[str] = None) -> tuple[subprocess.Popen, str, Start]:
     """A ``pagedllm serve`` process (``pagedllm snapshot restore RESTORE``, which keeps its own
-    flags, with ``restore``), its URL, and the seconds until ``/health`` was 200.
+    flags, with ``restore``), its URL, and its ``Start``.
 
     Raises:
         RuntimeError: the server exited or did not become healthy within 300 s.
@@ -115,19 +151,19 @@ def _start_server(args: argparse.Namespace, extra: list[str], env: Optional[dict
             _stop(proc)
             raise RuntimeError(f"pagedllm serve was not healthy after {_START_TIMEOUT_S:.0f} s")
         time.sleep(0.02)
-    return proc, url, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    return proc, url, Start(seconds, tree_cpu_seconds(proc.pid))
 
 
-def time_serve(args: argparse.Namespace, extra: tuple[str, ...] = (), env: Optional[dict[str, str]] = None) -> float:
-    """Seconds from starting ``pagedllm serve`` (with ``extra`` flags, in ``env``) until
-    ``/health`` is 200.
+def time_serve(args: argparse.Namespace, extra: tuple[str, ...] = (), env: Optional[dict[str, str]] = None) -> Start:
+    """A start of ``pagedllm serve`` (with ``extra`` flags, in ``env``) until ``/health`` is 200.
 
     Raises:
         RuntimeError: the server exited or did not become healthy within 300 s.
     """
-    proc, _, seconds = _start_server(args, list(extra), env)
+    proc, _, started = _start_server(args, list(extra), env)
     _stop(proc)
-    return seconds
+    return started
 
 
 def _post(url: str) -> None:
@@ -152,7 +188,7 @@ def time_wake(args: argparse.Namespace) -> dict[str, list[float]]:
     return times
 
 
-def time_preload(args: argparse.Namespace) -> list[float]:
+def time_preload(args: argparse.Namespace) -> list[Start]:
     """Starts of ``pagedllm serve --load-format ipc_cache`` (seconds to ``/health`` 200) while a
     ``pagedllm preload`` daemon, started first in a temporary folder, holds the weights.
 
@@ -178,7 +214,7 @@ def time_preload(args: argparse.Namespace) -> list[float]:
             _stop(daemon)
 
 
-def time_snapshot(args: argparse.Namespace) -> list[float]:
+def time_snapshot(args: argparse.Namespace) -> list[Start]:
     """Starts of ``pagedllm snapshot restore`` (seconds to ``/health`` 200) of one snapshot of
     the benchmarked server (``pagedllm snapshot create``, not timed) in a temporary
     ``PAGEDLLM_SNAPSHOT_DIR``.
@@ -196,10 +232,10 @@ def time_snapshot(args: argparse.Namespace) -> list[float]:
         if done.returncode != 0:
             raise RuntimeError(f"pagedllm snapshot create failed: {done.stderr[-2000:]}")
 
-        def one() -> float:
-            proc, _, seconds = _start_server(args, [], env, restore="bench")
+        def one() -> Start:
+            proc, _, started = _start_server(args, [], env, restore="bench")
             _stop(proc)
-            return seconds
+            return started
 
         for _ in range(args.num_iters_warmup):
             one()
@@ -239,6 +275,18 @@ def _median(values: list[float]) -> Optional[float]:
     return float(np.median(values)) if values else None
 
 
+def _record(result: dict[str, Any], key: str, starts: list[Start], what: str) -> None:
+    times = [s.seconds for s in starts]
+    result.update({key: times, f"median_{key}": _median(times)})
+    line = f"{what} until /health 200: median {_median(times):.2f} s  ({', '.join(f'{t:.2f}' for t in times)})"
+    if all(s.cpu_s is not None for s in starts):
+        cpu = [s.cpu_s for s in starts]
+        cpu_key = key[: -len("_s")] + "_cpu_s"
+        result.update({cpu_key: cpu, f"median_{cpu_key}": _median(cpu)})
+        line += f"; CPU median {_median(cpu):.2f} s"
+    print(line)
+
+
 def main(args: argparse.Namespace) -> int:
     modes = {m.strip() for m in args.mode.split(",") if m.strip()}
     unknown = modes - {"serve", "llm", "preload", "snapshot", "wake"}
@@ -249,9 +297,7 @@ def main(args: argparse.Namespace) -> int:
     if "serve" in modes:
         for _ in range(args.num_iters_warmup):
             time_serve(args)
-        times = [time_serve(args) for _ in range(args.num_iters)]
-        result.update(serve_startup_s=times, median_serve_startup_s=_median(times))
-        print(f"pagedllm serve until /health 200: median {_median(times):.2f} s  ({', '.join(f'{t:.2f}' for t in times)})")
+        _record(result, "serve_startup_s", [time_serve(args) for _ in range(args.num_iters)], "pagedllm serve")
     if "llm" in modes:
         for _ in range(args.num_iters_warmup):
             time_llm(args)
@@ -263,15 +309,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"LLM(...) in a fresh process: median {_median(process):.2f} s "
               f"(import + constructor {_median(construction):.2f} s)")
     if "preload" in modes:
-        times = time_preload(args)
-        result.update(preload_serve_startup_s=times, median_preload_serve_startup_s=_median(times))
-        print(f"pagedllm serve --load-format ipc_cache until /health 200: median {_median(times):.2f} s  "
-              f"({', '.join(f'{t:.2f}' for t in times)})")
+        _record(result, "preload_serve_startup_s", time_preload(args), "pagedllm serve --load-format ipc_cache")
     if "snapshot" in modes:
-        times = time_snapshot(args)
-        result.update(snapshot_serve_startup_s=times, median_snapshot_serve_startup_s=_median(times))
-        print(f"pagedllm snapshot restore until /health 200: median {_median(times):.2f} s  "
-              f"({', '.join(f'{t:.2f}' for t in times)})")
+        _record(result, "snapshot_serve_startup_s", time_snapshot(args), "pagedllm snapshot restore")
     if "wake" in modes:
         wakes = time_wake(args)
         for name, times in wakes.items():
