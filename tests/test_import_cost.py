@@ -69,3 +69,14 @@ def test_api_server_imports_nothing_of_model_execution():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "", f"importing the API server imported {done.stdout.strip()}"
+
+
+def test_serve_builds_only_its_own_parser():
+    code = (
+        "import sys\n"
+        "from pagedllm.entrypoints.cli import build_parser\n"
+        "args = build_parser('serve').parse_args(['serve', '--max-model-len', '1k'])\n"
+        "print(args.command, args.max_model_len, 'pagedllm.benchmarks' in sys.modules, 'numpy' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["serve", "1000", "False", "False"]
