@@ -1,9 +1,10 @@
 """pagedllm: a high-throughput, memory-efficient LLM inference and serving engine.
 
 The public names are imported on first use (PEP 562), so ``import pagedllm`` and the
-``pagedllm`` command stay light until torch is needed: ``pagedllm serve`` starts its
-engine process before it imports torch itself. Importing it sets the few environment
-defaults of ``pagedllm.env_override`` (for torch, which reads them when first used).
+``pagedllm`` command stay light until torch is needed (``pagedllm --help``, the client
+commands; ``pagedllm serve`` imports torch once and forks its engine process after).
+Importing it sets the few environment defaults of ``pagedllm.env_override`` (for torch,
+which reads them when first used).
 """
 
 from __future__ import annotations

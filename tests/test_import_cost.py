@@ -1,7 +1,10 @@
-"""``pagedllm serve`` starts its engine process before it imports torch (start-up time,
-see ``pagedllm/entrypoints/openai/cli_args.py``): the modules on that path must stay
+"""Import cost of the start-up path. The ``pagedllm`` command and the modules below it stay
 free of torch and transformers (and of the grammar libraries, xgrammar and llguidance, and of
-Ray, imported only by the Ray executor)."""
+Ray, imported only by the Ray executor): ``pagedllm --help``, the client commands and a
+spawned engine process pay only for what they use. ``pagedllm serve`` imports torch and
+transformers' config modules once, to resolve the configuration, before it forks the engine
+(``pagedllm/entrypoints/openai/cli_args.py``); the HTTP server's modules import nothing of the
+model's execution (model code, workers, transformers' modeling modules, gRPC)."""
 
 from __future__ import annotations
 
@@ -46,3 +49,34 @@ def test_lazy_public_names_resolve():
     assert "LLM" in dir(pagedllm)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         getattr(pagedllm, "nope")
+
+
+#: What the API server never needs (the engine process imports the model side itself).
+NOT_IN_API_SERVER = ("grpc", "ray", "xgrammar", "llguidance", "sympy", "torch.distributed.tensor",
+                     "transformers.modeling_utils", "pagedllm.model_executor", "pagedllm.worker",
+                     "pagedllm.executor", "pagedllm.attention")
+
+
+def test_api_server_imports_nothing_of_model_execution():
+    code = (
+        "import sys, pagedllm.entrypoints.openai.api_server\n"
+        f"prefixes = {NOT_IN_API_SERVER!r}\n"
+        "found = sorted(m for m in sys.modules if m.startswith(prefixes) and (m in prefixes or\n"
+        "               any(m.startswith(p + '.') for p in prefixes)))\n"
+        "found += sorted(m for m in sys.modules  # a model's modeling code (auto's name tables are not)\n"
+        "               if m.startswith('transformers.models.') and '.modeling_' in m and '.auto.' not in m)\n"
+        "print(','.join(found))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "", f"importing the API server imported {done.stdout.strip()}"
+
+
+def test_serve_builds_only_its_own_parser():
+    code = (
+        "import sys\n"
+        "from pagedllm.entrypoints.cli import build_parser\n"
+        "args = build_parser('serve').parse_args(['serve', '--max-model-len', '1k'])\n"
+        "print(args.command, args.max_model_len, 'pagedllm.benchmarks' in sys.modules, 'numpy' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["serve", "1000", "False", "False"]

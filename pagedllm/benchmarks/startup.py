@@ -9,12 +9,17 @@ Measurements (``--mode``), each start in a fresh process (nothing warm but the O
   the constructor alone, imports included (``llm_construction_s``).
 - ``preload``: as ``serve``, with ``--load-format ipc_cache``, while one ``pagedllm preload``
   daemon (started first, in a private ``PAGEDLLM_PRELOAD_DIR``, not timed) holds the weights.
+- ``snapshot``: ``pagedllm snapshot restore`` of a snapshot of the same server (``pagedllm
+  snapshot create`` first, in a private ``PAGEDLLM_SNAPSHOT_DIR``, not timed), as ``serve``.
 - ``wake``: one server with ``--enable-sleep-mode``; each iteration puts it to sleep
   (``POST /sleep?level=1``, then ``level=2``) and times ``POST /wake_up`` until it answers.
 
 Each is repeated ``--num-iters`` times after ``--num-iters-warmup`` unrecorded runs (the
 first run on a machine also builds the C++ CPU kernels and fills the page cache).
-Reported: the list of times and their median, in seconds (also in ``--output-json``).
+Reported: the list of times and their median, in seconds (also in ``--output-json``); for the
+server starts also the CPU seconds its processes (the server and its engine) had used by then,
+``*_cpu_s`` (Linux' ``/proc``; the figure that counts on a busy host, where the wall time is
+mostly waiting for a core).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -50,7 +55,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(dtype="auto")
     parser.add_argument("--serve-args", default="", help="extra `pagedllm serve` flags, one string")
     parser.add_argument("--mode", default="serve,llm",
-                        help="comma-separated: serve, llm, preload, wake (default: serve,llm)")
+                        help="comma-separated: serve, llm, preload, snapshot, wake (default: serve,llm)")
     parser.add_argument("--num-iters-warmup", type=int, default=1, help="unrecorded starts first (default: 1)")
     parser.add_argument("--num-iters", type=int, default=3, help="recorded starts of each mode (default: 3)")
     parser.add_argument("--output-json", default=None, help="write the results here")
@@ -88,16 +93,54 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def _start_server(args: argparse.Namespace, extra: list[str], env: Optional[dict[str, str]] = None
-                  ) -> tuple[subprocess.Popen, str, float]:
-    """A ``pagedllm serve`` process, its URL, and the seconds until ``/health`` was 200.
+class Start(NamedTuple):
+    """One server start: seconds until ``/health`` was 200 (wall clock), and the CPU seconds
+    its process tree had used then (None where ``/proc`` is missing)."""
+
+    seconds: float
+    cpu_s: Optional[float]
+
+
+def tree_cpu_seconds(pid: int) -> Optional[float]:
+    """User + system CPU seconds of process ``pid`` and its live descendants (``/proc``), or
+    None without ``/proc``."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    parents: dict[int, int] = {}
+    used: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:  # exited meanwhile
+                continue
+            parents[int(entry)] = int(fields[1])
+            used[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        total += used.get(current, 0.0)
+        todo += [child for child, parent in parents.items() if parent == current]
+    return total
+
+
+def _start_server(args: argparse.Namespace, extra: list[str], env: Optional[dict[str, str]] = None,
+                  restore: Optional[str] = None) -> tuple[subprocess.Popen, str, Start]:
+    """A ``pagedllm serve`` process (``pagedllm snapshot restore RESTORE``, which keeps its own
+    flags, with ``restore``), its URL, and its ``Start``.
 
     Raises:
         RuntimeError: the server exited or did not become healthy within 300 s.
     """
     port = _free_port()
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port), *engine_flags(args)]
-    cmd += shlex.split(args.serve_args) + extra
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli"]
+    if restore is None:
+        cmd += ["serve", "--port", str(port), *engine_flags(args), *shlex.split(args.serve_args)]
+    else:
+        cmd += ["snapshot", "restore", restore, "--port", str(port)]
+    cmd += extra
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -108,19 +151,19 @@ def _start_server(args: argparse.Namespace, extra: list[str], env: Optional[dict
             _stop(proc)
             raise RuntimeError(f"pagedllm serve was not healthy after {_START_TIMEOUT_S:.0f} s")
         time.sleep(0.02)
-    return proc, url, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    return proc, url, Start(seconds, tree_cpu_seconds(proc.pid))
 
 
-def time_serve(args: argparse.Namespace, extra: tuple[str, ...] = (), env: Optional[dict[str, str]] = None) -> float:
-    """Seconds from starting ``pagedllm serve`` (with ``extra`` flags, in ``env``) until
-    ``/health`` is 200.
+def time_serve(args: argparse.Namespace, extra: tuple[str, ...] = (), env: Optional[dict[str, str]] = None) -> Start:
+    """A start of ``pagedllm serve`` (with ``extra`` flags, in ``env``) until ``/health`` is 200.
 
     Raises:
         RuntimeError: the server exited or did not become healthy within 300 s.
     """
-    proc, _, seconds = _start_server(args, list(extra), env)
+    proc, _, started = _start_server(args, list(extra), env)
     _stop(proc)
-    return seconds
+    return started
 
 
 def _post(url: str) -> None:
@@ -145,7 +188,7 @@ def time_wake(args: argparse.Namespace) -> dict[str, list[float]]:
     return times
 
 
-def time_preload(args: argparse.Namespace) -> list[float]:
+def time_preload(args: argparse.Namespace) -> list[Start]:
     """Starts of ``pagedllm serve --load-format ipc_cache`` (seconds to ``/health`` 200) while a
     ``pagedllm preload`` daemon, started first in a temporary folder, holds the weights.
 
@@ -169,6 +212,34 @@ def time_preload(args: argparse.Namespace) -> list[float]:
             return [time_serve(args, ("--load-format", "ipc_cache"), env) for _ in range(args.num_iters)]
         finally:
             _stop(daemon)
+
+
+def time_snapshot(args: argparse.Namespace) -> list[Start]:
+    """Starts of ``pagedllm snapshot restore`` (seconds to ``/health`` 200) of one snapshot of
+    the benchmarked server (``pagedllm snapshot create``, not timed) in a temporary
+    ``PAGEDLLM_SNAPSHOT_DIR``.
+
+    Raises:
+        RuntimeError: the snapshot could not be made; a server failed.
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="pagedllm-bench-snapshot-") as root:
+        env = {**os.environ, "PAGEDLLM_SNAPSHOT_DIR": root}
+        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "snapshot", "create", "bench", *engine_flags(args),
+               *shlex.split(args.serve_args)]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=_START_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"pagedllm snapshot create failed: {done.stderr[-2000:]}")
+
+        def one() -> Start:
+            proc, _, started = _start_server(args, [], env, restore="bench")
+            _stop(proc)
+            return started
+
+        for _ in range(args.num_iters_warmup):
+            one()
+        return [one() for _ in range(args.num_iters)]
 
 
 _LLM_SCRIPT = """
@@ -204,18 +275,29 @@ def _median(values: list[float]) -> Optional[float]:
     return float(np.median(values)) if values else None
 
 
+def _record(result: dict[str, Any], key: str, starts: list[Start], what: str) -> None:
+    times = [s.seconds for s in starts]
+    result.update({key: times, f"median_{key}": _median(times)})
+    line = f"{what} until /health 200: median {_median(times):.2f} s  ({', '.join(f'{t:.2f}' for t in times)})"
+    if all(s.cpu_s is not None for s in starts):
+        cpu = [s.cpu_s for s in starts]
+        cpu_key = key[: -len("_s")] + "_cpu_s"
+        result.update({cpu_key: cpu, f"median_{cpu_key}": _median(cpu)})
+        line += f"; CPU median {_median(cpu):.2f} s"
+    print(line)
+
+
 def main(args: argparse.Namespace) -> int:
     modes = {m.strip() for m in args.mode.split(",") if m.strip()}
-    unknown = modes - {"serve", "llm", "preload", "wake"}
+    unknown = modes - {"serve", "llm", "preload", "snapshot", "wake"}
     if unknown:
-        raise SystemExit(f"pagedllm bench startup: error: unknown --mode {sorted(unknown)}; use serve, llm, preload, wake")
+        raise SystemExit(
+            f"pagedllm bench startup: error: unknown --mode {sorted(unknown)}; use serve, llm, preload, snapshot, wake")
     result: dict[str, Any] = {"machine": machine_info(), "model": args.model, "dtype": args.dtype}
     if "serve" in modes:
         for _ in range(args.num_iters_warmup):
             time_serve(args)
-        times = [time_serve(args) for _ in range(args.num_iters)]
-        result.update(serve_startup_s=times, median_serve_startup_s=_median(times))
-        print(f"pagedllm serve until /health 200: median {_median(times):.2f} s  ({', '.join(f'{t:.2f}' for t in times)})")
+        _record(result, "serve_startup_s", [time_serve(args) for _ in range(args.num_iters)], "pagedllm serve")
     if "llm" in modes:
         for _ in range(args.num_iters_warmup):
             time_llm(args)
@@ -227,10 +309,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"LLM(...) in a fresh process: median {_median(process):.2f} s "
               f"(import + constructor {_median(construction):.2f} s)")
     if "preload" in modes:
-        times = time_preload(args)
-        result.update(preload_serve_startup_s=times, median_preload_serve_startup_s=_median(times))
-        print(f"pagedllm serve --load-format ipc_cache until /health 200: median {_median(times):.2f} s  "
-              f"({', '.join(f'{t:.2f}' for t in times)})")
+        _record(result, "preload_serve_startup_s", time_preload(args), "pagedllm serve --load-format ipc_cache")
+    if "snapshot" in modes:
+        _record(result, "snapshot_serve_startup_s", time_snapshot(args), "pagedllm snapshot restore")
     if "wake" in modes:
         wakes = time_wake(args)
         for name, times in wakes.items():

@@ -137,21 +137,21 @@ class AsyncLLM:
     ) -> "AsyncLLM":
         """Check the arguments, start the engine and return once it is ready.
 
-        ``engine_core``: see the class docstring; without it the engine process is
-        started first (from ``engine_args``), so that it loads the model while this
-        process resolves the configuration and loads the tokenizer.
+        ``engine_core``: see the class docstring; without it the configuration is resolved
+        first and the engine process started from it (a forked one inherits torch,
+        transformers and the configuration instead of importing and resolving them again),
+        which loads the model while this process loads the tokenizer.
 
         Raises:
             ValueError: bad arguments or settings (see the class docstring).
             OSError: a model directory without a readable config.json.
             EngineStartupError: the engine process crashed while starting.
         """
-        if engine_core is None:
-            engine_core = _make_async_client(engine_args, multiprocess)
         try:
             config = engine_args.create_engine_config()
         except BaseException:
-            engine_core.shutdown(timeout_s=0)
+            if engine_core is not None:
+                engine_core.shutdown(timeout_s=0)
             raise
         return cls(
             config,

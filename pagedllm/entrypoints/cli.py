@@ -11,35 +11,41 @@ floor (``tests/test_import_layers.py``): the benchmarks it dispatches to import 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Optional, Sequence
 
 from pagedllm.version import __version__
 
+#: Each subcommand, in ``--help``'s order, and the module whose ``register`` adds it.
+SUBCOMMANDS = {
+    "serve": "pagedllm.entrypoints.openai.cli_args",
+    "run-batch": "pagedllm.entrypoints.openai.run_batch",
+    "bench": "pagedllm.benchmarks.cli",
+    "chat": "pagedllm.entrypoints.client_cli",
+    "complete": "pagedllm.entrypoints.client_cli",
+    "router": "pagedllm.entrypoints.router",
+    "preload": "pagedllm.preload.cli",
+    "snapshot": "pagedllm.snapshot.cli",
+}
 
-def build_parser() -> argparse.ArgumentParser:
-    from pagedllm.benchmarks import cli as bench_cli
-    from pagedllm.entrypoints import client_cli, router
-    from pagedllm.entrypoints.openai import cli_args as serve_cli
-    from pagedllm.entrypoints.openai import run_batch as run_batch_cli
-    from pagedllm.preload import cli as preload_cli
-    from pagedllm.snapshot import cli as snapshot_cli
 
+def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
+    """The ``pagedllm`` parser with every subcommand, or with ``command``'s alone (a name of
+    ``SUBCOMMANDS``): ``pagedllm serve`` then neither imports the benchmarks (numpy) nor
+    builds their parsers."""
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: fast LLM inference and serving.")
     parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    serve_cli.register(subparsers)
-    run_batch_cli.register(subparsers)
-    bench_cli.register(subparsers)
-    client_cli.register(subparsers)
-    router.register(subparsers)
-    preload_cli.register(subparsers)
-    snapshot_cli.register(subparsers)
+    modules = [SUBCOMMANDS[command]] if command in SUBCOMMANDS else SUBCOMMANDS.values()
+    for module in dict.fromkeys(modules):
+        importlib.import_module(module).register(subparsers)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     return int(args.func(args) or 0)
 
 

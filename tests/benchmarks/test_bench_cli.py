@@ -9,6 +9,7 @@ import asyncio
 import importlib.util
 import json
 import math
+import os
 import socket
 import threading
 import time
@@ -497,8 +498,23 @@ def test_startup_measures_serve_and_llm(tiny_llama, tmp_path):
     (process_s,) = result["llm_process_s"]
     (construction_s,) = result["llm_construction_s"]
     assert 0.2 < serve_s < 120 and result["median_serve_startup_s"] == serve_s
+    # the server and its engine process: at least an import of torch, at most every core all along
+    (serve_cpu_s,) = result["serve_startup_cpu_s"]
+    assert 0.2 < serve_cpu_s < (os.cpu_count() or 1) * serve_s + 1
     # the constructor runs inside the measured process, after the interpreter started
     assert 0.2 < construction_s < process_s < 120
+
+
+def test_startup_measures_a_snapshot_restore(tiny_llama, tmp_path):
+    out = tmp_path / "startup.json"
+    assert run_bench(["startup", "--model", str(tiny_llama), "--dtype", "float32", "--kv-cache-memory-bytes",
+                      KV_BYTES, "--mode", "snapshot", "--num-iters-warmup", "0", "--num-iters", "1",
+                      "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    (restore_s,) = result["snapshot_serve_startup_s"]
+    assert 0.2 < restore_s < 120 and result["median_snapshot_serve_startup_s"] == restore_s
+    assert result["median_snapshot_serve_startup_cpu_s"] > 0.2
+    assert "serve_startup_s" not in result and "llm_process_s" not in result
 
 
 def test_startup_rejects_unknown_mode(tiny_llama):

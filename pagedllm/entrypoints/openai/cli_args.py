@@ -304,13 +304,24 @@ def main(args: argparse.Namespace) -> int:
 
 
 async def _serve(frontend: FrontendConfig, engine_args: EngineArgs, sock: socket.socket) -> int:
-    # NOTE: start-up order: the engine process starts first (it imports torch and loads
-    # the model on its own), then this process imports torch/transformers/FastAPI,
-    # resolves and checks the configuration and loads the tokenizer meanwhile.
+    # NOTE: start-up order: this process resolves the configuration first (which imports
+    # torch and transformers' config modules, most of a start's CPU time), then forks the
+    # engine process, which inherits those modules and the configuration and loads the
+    # model, while this process imports FastAPI and loads the tokenizer. Forking before the
+    # imports had both processes import torch and transformers: twice the CPU time, which on
+    # a busy (or 2-core) host is start-up time.
+    try:
+        config = engine_args.create_engine_config()
+    except (ValueError, OSError) as exc:  # OSError: a model directory without a usable config.json
+        return _fail(str(exc), 2)
     from pagedllm.engine.client_factory import make_client
 
+    # NOTE: torch and transformers stay loaded for good: frozen now, they stay frozen here
+    # after the fork too (``mp_context.start``), so the collection before serving scans only
+    # what came after.
+    gc.freeze()
     # one engine-core process, or one per data-parallel replica (``-dp``)
-    engine_core = make_client(engine_args, multiprocess=True, asyncio_mode=True, wait_for_ready=False)
+    engine_core = make_client(config, multiprocess=True, asyncio_mode=True, wait_for_ready=False)
     try:
         import uvicorn
 
@@ -321,13 +332,13 @@ async def _serve(frontend: FrontendConfig, engine_args: EngineArgs, sock: socket
 
         frontend = dataclasses.replace(frontend, chat_template=load_chat_template(frontend.chat_template))
         served_name = (frontend.served_model_name or [None])[0]
-        engine = AsyncLLM.from_engine_args(
-            engine_args,
+        engine = AsyncLLM(
+            config,
             log_requests=not frontend.disable_log_requests,
             served_model_name=served_name,
             engine_core=engine_core,
         )
-    except (ValueError, OSError) as exc:  # OSError: a model directory without a usable config.json
+    except (ValueError, OSError) as exc:
         engine_core.shutdown(timeout_s=0)
         return _fail(str(exc), 2)
     except Exception as exc:  # EngineStartupError and friends: one line, not a traceback
