@@ -184,14 +184,15 @@ def load_chat_images(images: Sequence[ChatImage], connector: Any) -> list[Any]:
 
 
 def image_placeholder(model_config: Any, tokenizer: Any) -> Optional[str]:
-    """The text of the model's image token (Llava's ``<image>``), which ``conversation_images``
-    puts where a message's images go; None for a text-only model."""
+    """The text of the model's image token (Llava's ``<image>``, Gemma 3's ``<start_of_image>``),
+    which ``conversation_images`` puts where a message's images go; None for a text-only model."""
     from pagedllm.multimodal.processing import MULTIMODAL_LAYOUTS
 
     layout = MULTIMODAL_LAYOUTS.get(getattr(model_config, "architecture", None))
     if layout is None:
         return None
-    return tokenizer.convert_ids_to_tokens(int(getattr(model_config.hf_config, layout.image_token_key)))
+    key = layout.prompt_token_key or layout.image_token_key
+    return tokenizer.convert_ids_to_tokens(int(getattr(model_config.hf_config, key)))
 
 
 def media_connector(model_config: Any) -> Any:

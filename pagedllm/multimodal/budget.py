@@ -16,11 +16,13 @@ def _vision_value(vision: Any, key: str) -> Any:
 
 def max_tokens_per_mm_item(hf_config: Any) -> Optional[int]:
     """The most placeholder tokens one image fills in ``hf_config``'s model (Llava: one per
-    patch, plus the class token under ``vision_feature_select_strategy`` "full"); None for a
-    text-only model."""
+    patch, plus the class token under ``vision_feature_select_strategy`` "full"; Gemma 3:
+    ``mm_tokens_per_image``); None for a text-only model."""
     architecture = (getattr(hf_config, "architectures", None) or ["<none>"])[0]
     if architecture not in IMAGE_TEXT_ARCHITECTURES:
         return None
+    if architecture == "Gemma3ForConditionalGeneration":
+        return int(hf_config.mm_tokens_per_image)
     vision = hf_config.vision_config
     num_patches = (_vision_value(vision, "image_size") // _vision_value(vision, "patch_size")) ** 2
     return num_patches + (hf_config.vision_feature_select_strategy == "full")

@@ -25,16 +25,22 @@ class ItemLayout:
     """How one architecture's processor output splits into images.
 
     Attributes:
-        image_token_key: the config key holding the image placeholder token id.
+        image_token_key: the config key holding the image placeholder token id (the token the
+            processor repeats, one per embedding).
         split: (processor output, number of images) -> each image's tensors.
+        prompt_token_key: the config key holding the token a prompt (and the chat template)
+            writes for an image, when it is not the placeholder (Gemma 3's ``<start_of_image>``,
+            which the processor expands to its image tokens); None: the placeholder itself.
     """
 
     image_token_key: str
     split: Callable[[Mapping[str, torch.Tensor], int], list[dict[str, torch.Tensor]]]
+    prompt_token_key: Optional[str] = None
 
 
 def _split_batched(outputs: Mapping[str, torch.Tensor], num_items: int) -> list[dict[str, torch.Tensor]]:
-    """Llava's layout: ``pixel_values`` [N, 3, H, W], image i is row i."""
+    """Llava's and Gemma 3's layout (without pan-and-scan crops): ``pixel_values`` [N, 3, H, W],
+    image i is row i."""
     pixel_values = outputs["pixel_values"]
     if pixel_values.shape[0] != num_items:
         raise ValueError(f"the processor made {pixel_values.shape[0]} images of {num_items}")
@@ -44,6 +50,7 @@ def _split_batched(outputs: Mapping[str, torch.Tensor], num_items: int) -> list[
 #: Architecture -> its ``ItemLayout`` (the image-text models served with their vision encoder).
 MULTIMODAL_LAYOUTS: dict[str, ItemLayout] = {
     "LlavaForConditionalGeneration": ItemLayout("image_token_index", _split_batched),
+    "Gemma3ForConditionalGeneration": ItemLayout("image_token_index", _split_batched, "boi_token_index"),
 }
 
 
