@@ -145,3 +145,20 @@ def gemma3_checkpoint(tmp_path_factory) -> Path:
     if "gemma3" not in _CHECKPOINTS:
         _CHECKPOINTS["gemma3"] = make_gemma3_checkpoint(tmp_path_factory.mktemp("gemma3-vl"))
     return _CHECKPOINTS["gemma3"]
+
+
+def hf_log_softmax(path: Path, prompt: str, images: list, continuation: list[int]) -> tuple[torch.Tensor, int]:
+    """transformers' float32 log-softmax [prompt + continuation, vocab] of ``prompt`` with
+    ``images`` (through the checkpoint's processor, its ``token_type_ids`` too) followed by
+    ``continuation``, and the prompt's length in tokens."""
+    processor, model = _hf_model(path)
+    inputs = dict(processor(text=[prompt], images=images or None, return_tensors="pt"))
+    num_prompt = inputs["input_ids"].shape[1]
+    tail = torch.tensor([continuation])
+    inputs["input_ids"] = torch.cat([inputs["input_ids"], tail], dim=1)
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    if "token_type_ids" in inputs:  # the generated tokens are text
+        inputs["token_type_ids"] = torch.cat([inputs["token_type_ids"], torch.zeros_like(tail)], dim=1)
+    with torch.no_grad():
+        logits = model(**inputs).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1), num_prompt
