@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import argparse
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
-from pagedllm.arch_config import BIDIRECTIONAL_IMAGE_ARCHITECTURES, check_hf_config, disable_sliding_window, min_sliding_window
+from pagedllm.arch_config import BIDIRECTIONAL_IMAGE_ARCHITECTURES, check_hf_config
+from pagedllm.arch_config import disable_sliding_window, min_sliding_window
 from pagedllm.config.arg_types import (
     fraction_type,
     human_readable_int,
@@ -726,8 +727,8 @@ class EngineArgs:
 
             per_item = max_tokens_per_mm_item(hf_config)
             if per_item is not None and config.max_num_batched_tokens < per_item:
-                raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than one image's "
-                                 f"{per_item} tokens, which {architecture} computes in one step.")
+                raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than one "
+                                 f"image's {per_item} tokens, which {architecture} computes in one step.")
             return dataclasses.replace(config, disable_chunked_mm_input=True)
         if runner_type != "pooling" or not is_encoder_architecture(architecture):
             return config

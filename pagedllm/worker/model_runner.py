@@ -607,7 +607,8 @@ class ModelRunner:
                 start, end = feature.mm_position.offset, feature.mm_position.end
                 if start < seq_lens[i] and end > computed[i]:
                     if end > seq_lens[i]:
-                        raise RuntimeError(f"Request {req_id}'s step ends inside an image's tokens ({start} .. {end - 1}).")
+                        raise RuntimeError(f"Request {req_id}'s step ends inside an image's tokens "
+                                           f"({start} .. {end - 1}).")
                     ranges.append((i, start, end))
         return np.array(ranges, dtype=np.int64) if ranges else None
 

@@ -40,7 +40,8 @@ def test_gemma3_images_match_transformers(tmp_path_factory):
     for j, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
         assert abs(entry[token].logprob - reference[num_prompt - 1 + j, token].item()) < 1e-3, f"token {j}"
 
-    again, changed = (llm.generate([_prompt(ONE_IMAGE, [image])], params, use_tqdm=False)[0] for image in (small, other))
+    again, changed = (llm.generate([_prompt(ONE_IMAGE, [image])], params, use_tqdm=False)[0]
+                      for image in (small, other))
     assert list(again.outputs[0].token_ids) == expected[0]
     assert again.num_cached_tokens >= NUM_IMAGE_TOKENS, "the same image and text did not hit the prefix cache"
     assert list(changed.outputs[0].token_ids) == expected_other

@@ -60,7 +60,8 @@ def vision_config_of(config: PretrainedConfig) -> SiglipVisionConfig:
     if isinstance(vision, dict):
         vision = SiglipVisionConfig(**{k: v for k, v in vision.items() if k != "model_type"})
     if getattr(vision, "model_type", "siglip_vision_model") != "siglip_vision_model":
-        raise ValueError(f"Gemma 3 with a {vision.model_type!r} vision tower is not built (built: siglip_vision_model).")
+        raise ValueError(f"Gemma 3 with a {vision.model_type!r} vision tower is not built "
+                         "(built: siglip_vision_model).")
     return vision
 
 
