@@ -12,10 +12,10 @@ code keeps but never applies (Gemma 3's ``attn_logit_softcapping``) is honoured 
 settings). ``FOREIGN_KEYS`` are keys other architectures read (soft-capping, multipliers):
 a config.json that sets one to a non-neutral value asks for math the code does not do.
 
-An image-text checkpoint of ``TEXT_PART_ARCHITECTURES`` is served by its language model:
-``language_model_config`` is the config its code reads (config.json's ``text_config``). One of
-``IMAGE_TEXT_ARCHITECTURES`` is served whole: its code reads the ``text_config`` too, with the
-vision tower's keys (``vision_config`` ...) carried onto it.
+An image-text checkpoint of ``IMAGE_TEXT_ARCHITECTURES`` is served whole: its code reads
+``language_model_config``, config.json's ``text_config`` with the vision tower's keys
+(``vision_config`` ...) carried onto it. One of ``BIDIRECTIONAL_IMAGE_ARCHITECTURES`` attends
+both ways inside each image's tokens.
 
 ``check_hf_config`` refuses, with a message naming the key, a config that sets a key to a
 value the code would silently ignore or misread; ``layer_sliding_windows`` is each layer's
@@ -191,8 +191,8 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
     # applies it; ignored here alike.
     "Gemma3ForCausalLM": ArchConfig(
         "gemma3_text", _GEMMA_KEYS | {"attn_logit_softcapping", "final_logit_softcapping"}, "layer_types"),
-    # The text part of an image-text checkpoint (``language_model_config``): transformers'
-    # Gemma3ForConditionalGeneration applies no final_logit_softcapping either; ignored alike.
+    # The language model of a Gemma 3 image-text checkpoint (``language_model_config``):
+    # transformers' Gemma3ForConditionalGeneration applies no final_logit_softcapping; ignored alike.
     "Gemma3ForConditionalGeneration": ArchConfig(
         "gemma3_text", _GEMMA_KEYS | {"attn_logit_softcapping", "final_logit_softcapping"}, "layer_types"),
     # The Llama language model of a Llava checkpoint (``language_model_config``: its
@@ -327,9 +327,6 @@ FOREIGN_KEYS: dict[str, Callable[[Any], bool]] = {
     "layer_types": lambda v: not v or set(v) == {"full_attention"},
 }
 
-#: Image-text architectures served by their language model alone (images are not served).
-TEXT_PART_ARCHITECTURES = frozenset({"Gemma3ForConditionalGeneration"})
-
 _QWEN_VL_KEYS = ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 #: Image-text architectures served with their vision encoder -> the keys of the whole
@@ -341,7 +338,15 @@ IMAGE_TEXT_ARCHITECTURES: dict[str, tuple[str, ...]] = {
     ),
     "Qwen2_5_VLForConditionalGeneration": _QWEN_VL_KEYS,
     "Qwen3VLForConditionalGeneration": _QWEN_VL_KEYS,
+    "Gemma3ForConditionalGeneration": (
+        "vision_config", "image_token_index", "boi_token_index", "eoi_token_index", "mm_tokens_per_image",
+    ),
 }
+
+#: Image-text architectures whose images' tokens attend to each other both ways (transformers'
+#: ``token_type_ids`` mask; causal elsewhere): their attention metadata carries each image's
+#: range and the scheduler never cuts one (``SchedulerConfig.disable_chunked_mm_input``).
+BIDIRECTIONAL_IMAGE_ARCHITECTURES = frozenset({"Gemma3ForConditionalGeneration"})
 
 
 def _value(hf_config: Any, key: str) -> Any:
@@ -519,12 +524,12 @@ def check_hf_config(hf_config: Any) -> None:
 
 def language_model_config(hf_config: Any) -> Any:
     """The config the model code reads: ``hf_config`` itself, or for an architecture of
-    ``TEXT_PART_ARCHITECTURES`` / ``IMAGE_TEXT_ARCHITECTURES`` its ``text_config``, given the
-    whole checkpoint's ``architectures``, ``tie_word_embeddings`` (transformers ties by the
-    outer config), ``dtype`` and ``quantization_config`` (and, for the second, the vision keys
-    of ``IMAGE_TEXT_ARCHITECTURES``). Edits that sub-config in place."""
+    ``IMAGE_TEXT_ARCHITECTURES`` its ``text_config``, given the whole checkpoint's
+    ``architectures``, ``tie_word_embeddings`` (transformers ties by the outer config),
+    ``dtype``, ``quantization_config`` and the vision keys of ``IMAGE_TEXT_ARCHITECTURES``.
+    Edits that sub-config in place."""
     architecture = (_value(hf_config, "architectures") or ["<none>"])[0]
-    if architecture not in TEXT_PART_ARCHITECTURES and architecture not in IMAGE_TEXT_ARCHITECTURES:
+    if architecture not in IMAGE_TEXT_ARCHITECTURES:
         return hf_config
     text = hf_config.text_config
     text.architectures = [architecture]
@@ -532,7 +537,7 @@ def language_model_config(hf_config: Any) -> Any:
     for key in ("dtype", "quantization_config"):
         if _value(hf_config, key) is not None:
             setattr(text, key, _value(hf_config, key))
-    for key in IMAGE_TEXT_ARCHITECTURES.get(architecture, ()):
+    for key in IMAGE_TEXT_ARCHITECTURES[architecture]:
         setattr(text, key, _value(hf_config, key))
     return text
 

@@ -4,8 +4,9 @@ The choice, made once per engine (``get_attn_backend``): the name given
 (``--attention-backend``), else ``$PAGEDLLM_ATTENTION_BACKEND``, else automatic — the first
 backend of ``current_platform.attn_backend_preference`` that can run with the model's head
 size and dtype, the block size, and the attention features the model uses (sliding windows,
-logits soft caps, sinks; on CPU: ``CPU_ATTN`` when the C++ kernels build, else
-``TORCH_SDPA``; both have every feature); when it passes over a backend it logs why (INFO,
+logits soft caps, sinks, bidirectional image spans; on CPU: ``CPU_ATTN`` when the C++ kernels
+build, else ``TORCH_SDPA``; both have every feature but the last, which only ``TORCH_SDPA``
+has); when it passes over a backend it logs why (INFO,
 once per reason). A model with multi-head latent attention (``use_mla``: DeepSeek-V2 / V3)
 runs on an MLA backend (``AttentionBackend.is_mla``; built: ``TORCH_MLA``), any other on a
 backend that is not one. Another backend (a CUDA one, a test's) joins with
@@ -56,7 +57,7 @@ def registered_attn_backends() -> list[str]:
 def get_attn_backend(
     head_size: int, dtype: torch.dtype, block_size: Optional[int], name: Optional[str] = None,
     kv_cache_dtype: str = "auto", uses_sliding_window: bool = False, uses_logits_soft_cap: bool = False,
-    has_sinks: bool = False, use_mla: bool = False,
+    has_sinks: bool = False, use_mla: bool = False, uses_bidirectional_ranges: bool = False,
 ) -> type[AttentionBackend]:
     """The backend to run: ``name`` (case-insensitive), else ``$PAGEDLLM_ATTENTION_BACKEND``,
     else the platform's first that can run.
@@ -69,7 +70,8 @@ def get_attn_backend(
         uses_sliding_window: some layer of the model has a sliding window (a backend must
             support windows, ``AttentionBackend.supports_sliding_window``);
         uses_logits_soft_cap, has_sinks: likewise, a logits soft cap, attention sinks
-            (``supports_logits_soft_cap``, ``supports_sinks``).
+            (``supports_logits_soft_cap``, ``supports_sinks``), attention both ways inside
+            images' tokens (``supports_bidirectional_ranges``).
         use_mla: the model's attention is MLA: only MLA backends qualify (automatic: the
             registered ones, in order); else only the others.
 
@@ -78,7 +80,7 @@ def get_attn_backend(
             that cannot run here, or (automatic) none that can — each with the reasons.
     """
     name = name or envs.PAGEDLLM_ATTENTION_BACKEND.get()
-    features = (uses_sliding_window, uses_logits_soft_cap, has_sinks)
+    features = (uses_sliding_window, uses_logits_soft_cap, has_sinks, uses_bidirectional_ranges)
     if name is not None:
         backend = _registry.get(name.upper())
         if backend is None:

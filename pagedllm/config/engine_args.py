@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import argparse
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
-from pagedllm.arch_config import check_hf_config, disable_sliding_window, min_sliding_window
+from pagedllm.arch_config import BIDIRECTIONAL_IMAGE_ARCHITECTURES, check_hf_config
+from pagedllm.arch_config import disable_sliding_window, min_sliding_window
 from pagedllm.config.arg_types import (
     fraction_type,
     human_readable_int,
@@ -697,7 +698,7 @@ class EngineArgs:
             set_classifier_from_token(hf_config)
         if runner_type == "pooling" and self.speculative_config is not None:
             raise ValueError("speculative_config with a pooling model is not supported (it generates no tokens).")
-        scheduler_config = self._scheduler_config(max_model_len, runner_type, architecture)
+        scheduler_config = self._scheduler_config(max_model_len, runner_type, hf_config)
         model_config = ModelConfig(
             model=str(self.model or model_path.name),
             model_path=model_path,
@@ -778,14 +779,24 @@ class EngineArgs:
         modules = self.collect_detailed_traces
         return ObservabilityConfig(self.otlp_traces_endpoint, None if modules is None else tuple(modules))
 
-    def _scheduler_config(self, max_model_len: int, runner_type: str, architecture: str) -> SchedulerConfig:
+    def _scheduler_config(self, max_model_len: int, runner_type: str, hf_config: PretrainedConfig) -> SchedulerConfig:
         """The batching limits; for an encoder (one pass over the whole prompt) no chunked
-        prefill, as vLLM.
+        prefill, as vLLM; for a model whose images attend both ways no step that cuts an image.
 
         Raises:
-            ValueError: a bad token budget; for an encoder, a budget below ``max_model_len``.
+            ValueError: a bad token budget; for an encoder, a budget below ``max_model_len``;
+                for images that are not cut, a budget below one image's tokens.
         """
+        architecture = (getattr(hf_config, "architectures", None) or ["<none>"])[0]
         config = SchedulerConfig.from_engine_args(self, max_model_len)
+        if architecture in BIDIRECTIONAL_IMAGE_ARCHITECTURES:
+            from pagedllm.multimodal.budget import max_tokens_per_mm_item
+
+            per_item = max_tokens_per_mm_item(hf_config)
+            if per_item is not None and config.max_num_batched_tokens < per_item:
+                raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than one "
+                                 f"image's {per_item} tokens, which {architecture} computes in one step.")
+            return dataclasses.replace(config, disable_chunked_mm_input=True)
         if runner_type != "pooling" or not is_encoder_architecture(architecture):
             return config
         if config.max_num_batched_tokens < max_model_len:

@@ -21,6 +21,10 @@ class SchedulerConfig:
     ``policy`` (vLLM's ``--scheduling-policy``): "fcfs" or "priority" (``pagedllm.core.request_queue``).
     ``max_num_active_seqs``: the most requests admitted to RUNNING at once (None:
     ``max_num_seqs``); ``max_num_seqs`` still sizes the runner's batch.
+    ``disable_chunked_mm_input`` (vLLM's): a step never ends inside an image's placeholder
+    tokens; it stops before the image instead (set for the models whose image tokens attend
+    both ways, ``pagedllm.arch_config.BIDIRECTIONAL_IMAGE_ARCHITECTURES``, whose attention
+    across such a cut has no representation, as vLLM does).
     """
 
     max_num_seqs: int
@@ -29,6 +33,7 @@ class SchedulerConfig:
     chunked_prefill_enabled: bool = True
     policy: str = "fcfs"
     max_num_active_seqs: Optional[int] = None
+    disable_chunked_mm_input: bool = False
 
     @property
     def max_running_reqs(self) -> int:

@@ -92,7 +92,7 @@ class EncoderCacheManager:
 
 def schedule_encoder_inputs(
     manager: EncoderCacheManager, request: Request, num_computed_tokens: int, num_new_tokens: int,
-    encoder_budget: int,
+    encoder_budget: int, disable_chunked_mm_input: bool = False,
 ) -> tuple[list[int], int, int]:
     """The encoder runs a step needs for ``request``'s tokens ``num_computed_tokens`` ..
     ``+ num_new_tokens``, as vLLM's ``_try_schedule_encoder_inputs``: each item whose
@@ -100,7 +100,8 @@ def schedule_encoder_inputs(
     ``encoder_budget`` (embeddings the step's encoder may still compute) and in the cache;
     otherwise the step stops before that item's first token (0 tokens when it is the first).
     Items whose tokens are all computed are skipped (their KV exists); a cached item gains this
-    request's reference.
+    request's reference. With ``disable_chunked_mm_input`` the step also stops before an item
+    whose tokens it would not reach the end of (0 tokens when it starts inside that item).
 
     Returns:
         (indices of the items to run, the tokens the request may compute, the budget left);
@@ -112,7 +113,11 @@ def schedule_encoder_inputs(
         start, length = feature.mm_position.offset, feature.mm_position.length
         if start >= end:
             break
-        if start + length <= num_computed_tokens or manager.check_and_update_cache(request, i):
+        if start + length <= num_computed_tokens:
+            continue
+        if disable_chunked_mm_input and end < start + length:
+            return to_run, max(start - num_computed_tokens, 0), encoder_budget
+        if manager.check_and_update_cache(request, i):
             continue
         if length > encoder_budget or not manager.can_allocate(length + sum(
                 request.mm_features[j].mm_position.length for j in to_run)):

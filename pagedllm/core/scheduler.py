@@ -376,7 +376,7 @@ class Scheduler:
         if not request.mm_features or self.encoder_cache_manager is None:
             return [], num_new_tokens, encoder_budget
         return schedule_encoder_inputs(self.encoder_cache_manager, request, num_computed_tokens, num_new_tokens,
-                                       encoder_budget)
+                                       encoder_budget, self.config.disable_chunked_mm_input)
 
     def _allocate_encoder_inputs(self, request: Request, to_encode: list[int], encoder_inputs: dict[str, list[int]],
                                  budget_left: int, encoder_budget: int) -> int:

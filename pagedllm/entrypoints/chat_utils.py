@@ -185,7 +185,8 @@ def load_chat_images(images: Sequence[ChatImage], connector: Any) -> list[Any]:
 
 def image_placeholder(model_config: Any, tokenizer: Any) -> Optional[str]:
     """The text ``conversation_images`` puts where a message's images go: the model's image
-    token (Llava's ``<image>``), or its layout's ``chat_placeholder`` (Qwen-VL's
+    token (Llava's ``<image>``), the layout's ``prompt_token_key`` token (Gemma 3's
+    ``<start_of_image>``) or its ``chat_placeholder`` (Qwen-VL's
     ``<|vision_start|><|image_pad|><|vision_end|>``); None for a text-only model."""
     from pagedllm.multimodal.processing import MULTIMODAL_LAYOUTS
 
@@ -194,7 +195,8 @@ def image_placeholder(model_config: Any, tokenizer: Any) -> Optional[str]:
         return None
     if layout.chat_placeholder is not None:
         return layout.chat_placeholder
-    return tokenizer.convert_ids_to_tokens(int(getattr(model_config.hf_config, layout.image_token_key)))
+    key = layout.prompt_token_key or layout.image_token_key
+    return tokenizer.convert_ids_to_tokens(int(getattr(model_config.hf_config, key)))
 
 
 def media_connector(model_config: Any) -> Any:

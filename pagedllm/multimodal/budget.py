@@ -42,12 +42,14 @@ def max_pixels_of(model_dir: Optional[Path], mm_processor_kwargs: Optional[dict]
 def max_tokens_per_mm_item(hf_config: Any, model_dir: Optional[Path] = None,
                            mm_processor_kwargs: Optional[dict] = None) -> Optional[int]:
     """The most placeholder tokens one image fills in ``hf_config``'s model (Llava: one per
-    patch, plus the class token under ``vision_feature_select_strategy`` "full"; Qwen-VL: those
-    of its processor's largest image, ``max_pixels_of``, 0 when unknown); None for a text-only
-    model."""
+    patch, plus the class token under ``vision_feature_select_strategy`` "full"; Gemma 3:
+    ``mm_tokens_per_image``; Qwen-VL: those of its processor's largest image,
+    ``max_pixels_of``, 0 when unknown); None for a text-only model."""
     architecture = (getattr(hf_config, "architectures", None) or ["<none>"])[0]
     if architecture not in IMAGE_TEXT_ARCHITECTURES:
         return None
+    if architecture == "Gemma3ForConditionalGeneration":
+        return int(hf_config.mm_tokens_per_image)
     vision = hf_config.vision_config
     if architecture in GRID_ARCHITECTURES:
         max_pixels = max_pixels_of(model_dir, mm_processor_kwargs)

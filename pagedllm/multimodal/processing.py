@@ -36,12 +36,16 @@ class ItemLayout:
     """How one architecture's processor output splits into images.
 
     Attributes:
-        image_token_key: the config key holding the image placeholder token id.
+        image_token_key: the config key holding the image placeholder token id (the token the
+            processor repeats, one per embedding).
         split: (processor output, number of images) -> each image's tensors.
         item_tokens: (an image's tensors, the model's config) -> its placeholder tokens (None:
             every image of a prompt fills the same number).
         chat_placeholder: the text a chat message gets per image (None: the image token's).
         load_processor: (checkpoint folder, trust_remote_code) -> the processor.
+        prompt_token_key: the config key holding the token a prompt (and the chat template)
+            writes for an image, when it is not the placeholder (Gemma 3's ``<start_of_image>``,
+            which the processor expands to its image tokens); None: the placeholder itself.
     """
 
     image_token_key: str
@@ -50,6 +54,7 @@ class ItemLayout:
     chat_placeholder: Optional[str] = None
     load_processor: Callable[[Path, bool], Any] = _auto_processor
 
+    prompt_token_key: Optional[str] = None
 
 class QwenVLImageProcessing:
     """The Qwen-VL processors' image path (see the module docstring), called as the processor:
@@ -114,7 +119,8 @@ def _grid_tokens(item: Mapping[str, torch.Tensor], hf_config: Any) -> int:
 
 
 def _split_batched(outputs: Mapping[str, torch.Tensor], num_items: int) -> list[dict[str, torch.Tensor]]:
-    """Llava's layout: ``pixel_values`` [N, 3, H, W], image i is row i."""
+    """Llava's and Gemma 3's layout (without pan-and-scan crops): ``pixel_values`` [N, 3, H, W],
+    image i is row i."""
     pixel_values = outputs["pixel_values"]
     if pixel_values.shape[0] != num_items:
         raise ValueError(f"the processor made {pixel_values.shape[0]} images of {num_items}")
@@ -128,6 +134,8 @@ MULTIMODAL_LAYOUTS: dict[str, ItemLayout] = {
     "LlavaForConditionalGeneration": ItemLayout("image_token_index", _split_batched),
     "Qwen2_5_VLForConditionalGeneration": _QWEN_VL_LAYOUT,
     "Qwen3VLForConditionalGeneration": _QWEN_VL_LAYOUT,
+    "Gemma3ForConditionalGeneration": ItemLayout("image_token_index", _split_batched,
+                                                 prompt_token_key="boi_token_index"),
 }
 
 

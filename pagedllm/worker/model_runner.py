@@ -28,6 +28,10 @@ takes three position rows (t, h, w) per token: the model computes a request's pr
 when the request is added, from its prompt and images (``_mrope_positions``); a token past the
 prompt is at its index plus the request's ``mrope_position_delta`` on every row
 (``_model_positions``). The slot mapping and attention metadata use the plain token index.
+
+A model of ``BIDIRECTIONAL_IMAGE_ARCHITECTURES`` (Gemma 3) attends both ways inside each
+image's tokens: the step's attention metadata carries the scheduled images' placeholder ranges
+as ``bidirectional_ranges`` (``_bidirectional_ranges``).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from pagedllm.arch_config import BIDIRECTIONAL_IMAGE_ARCHITECTURES
 from pagedllm.attention.backends.abstract import AttentionMetadata, CommonAttentionMetadata
 from pagedllm.attention.metadata import set_forward_context
 from pagedllm.attention.selector import get_attn_backend
@@ -136,6 +141,8 @@ class ModelRunner:
         #: Multimodal-RoPE models: request id -> (its prompt's positions [3, P] int64, its
         #: ``mrope_position_delta``).
         self._mrope_positions: dict[str, tuple[np.ndarray, int]] = {}
+        #: Whether each image's tokens attend to each other both ways.
+        self.bidirectional_images = self.model_config.architecture in BIDIRECTIONAL_IMAGE_ARCHITECTURES
 
     def _make_proposer(self) -> DraftModelProposer | NgramProposer | None:
         spec = self.config.speculative_config
@@ -162,6 +169,7 @@ class ModelRunner:
             self.model_config.head_dim, self.model_config.dtype, self.block_size, self.config.attention_config.backend,
             kv_cache_dtype=self.cache_config.cache_dtype,
             uses_sliding_window=self.model_config.sliding_window is not None, use_mla=self.model_config.use_mla,
+            uses_bidirectional_ranges=self.bidirectional_images,
         )
         logger.info("Attention backend: %s", self.attn_backend.get_name())
         self.attn_metadata_builder = self.attn_backend.get_builder_cls()(
@@ -479,8 +487,9 @@ class ModelRunner:
         block_index, offset = positions // bs, positions % bs
         seq_lens = computed + num_sched
         num_attention_groups = len(self.kv_cache_groups.groups)
+        ranges = self._bidirectional_ranges(order, computed, seq_lens)
         metadata = [self._attention_metadata(table, rows, seq_lens, computed, cu, len(decodes),
-                                             table[token_rows, block_index] * bs + offset)
+                                             table[token_rows, block_index] * bs + offset, ranges)
                     for table in batch.block_tables[:num_attention_groups]]
         if self.state_layers:
             metadata += self._state_metadata(batch.block_tables[num_attention_groups:], rows, computed, cu,
@@ -670,6 +679,30 @@ class ModelRunner:
         embeds[torch.cat(rows).to(self.device)] = torch.cat(chunks).to(embeds.dtype)
         return embeds
 
+    def _bidirectional_ranges(self, order: list[str], computed: np.ndarray, seq_lens: np.ndarray
+                              ) -> Optional[np.ndarray]:
+        """A ``BIDIRECTIONAL_IMAGE_ARCHITECTURES`` model's ``bidirectional_ranges`` of the step:
+        [num_ranges, 3] int64 (index in ``order``, start, end) for each image whose placeholder
+        tokens overlap the request's tokens ``computed`` .. ``seq_lens`` - 1; None for another
+        model, or when no scheduled token is an image's.
+
+        Raises:
+            RuntimeError: a step that cuts an image's tokens (the scheduler's
+                ``disable_chunked_mm_input`` prevents it).
+        """
+        if not self.bidirectional_images or not self._mm_features:
+            return None
+        ranges = []
+        for i, req_id in enumerate(order):
+            for feature in self._mm_features.get(req_id, ()):
+                start, end = feature.mm_position.offset, feature.mm_position.end
+                if start < seq_lens[i] and end > computed[i]:
+                    if end > seq_lens[i]:
+                        raise RuntimeError(f"Request {req_id}'s step ends inside an image's tokens "
+                                           f"({start} .. {end - 1}).")
+                    ranges.append((i, start, end))
+        return np.array(ranges, dtype=np.int64) if ranges else None
+
     def _activate_loras(self, decodes: list[str], prefills: list[str]) -> tuple[dict[str, int], dict[str, str]]:
         """With LoRA: put the step's adapters in slots and sort ``decodes`` and ``prefills``
         (in place) by slot, so each slot's tokens form at most two runs (see
@@ -763,11 +796,13 @@ class ModelRunner:
         cu: np.ndarray,
         num_decodes: int,
         slot_mapping: np.ndarray,
+        bidirectional_ranges: Optional[np.ndarray] = None,
     ) -> AttentionMetadata:
         """One KV-cache group's metadata of the step, by the backend's builder: the group's
         ``block_table`` ([max_num_reqs, max_blocks] int64); ``rows`` / ``seq_lens`` /
         ``computed`` / ``cu`` (cumulative scheduled tokens) per request (decodes first),
-        ``slot_mapping`` (in the group's blocks) per token."""
+        ``slot_mapping`` (in the group's blocks) per token; ``bidirectional_ranges`` as
+        ``CommonAttentionMetadata``'s."""
         width = int(-(-seq_lens.max() // self.block_size))
         common = CommonAttentionMetadata(
             query_start_loc=np.concatenate(([0], cu)),
@@ -776,6 +811,7 @@ class ModelRunner:
             block_table=block_table[rows, :width],
             slot_mapping=slot_mapping,
             num_decodes=num_decodes,
+            bidirectional_ranges=bidirectional_ranges,
         )
         return self.attn_metadata_builder.build(common)
 

@@ -1,8 +1,9 @@
-"""Gemma 3's language model, as ``Gemma3ForCausalLM`` and as the text part of a
-``Gemma3ForConditionalGeneration`` checkpoint (``text_config``, ``language_model.`` weights):
-greedy output token-identical to transformers float32 (every scenario of
-``tests.models.utils`` for the first, chunked prefill for the second, whose model is the
-same), windows of 16 on the sliding layers, local and global rope bases apart, and the final
+"""Gemma 3's language model, as ``Gemma3ForCausalLM`` and inside a
+``Gemma3ForConditionalGeneration`` checkpoint on text-only prompts (``text_config``,
+``language_model.`` weights, a tiny vision tower loaded beside; images:
+``tests/models/test_gemma3_mm.py``): greedy output token-identical to transformers float32
+(every scenario of ``tests.models.utils`` for the first, chunked prefill for the second, whose
+language model is the same), windows of 16 on the sliding layers, local and global rope bases apart, and the final
 soft cap (which keeps the argmax) in the logprobs."""
 
 from __future__ import annotations

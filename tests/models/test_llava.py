@@ -9,7 +9,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from tests.helpers import check_block_accounting
-from tests.multimodal.checkpoints import hf_llava_greedy, llava_checkpoint, random_image
+from tests.multimodal.checkpoints import hf_greedy, llava_checkpoint, random_image
 
 MAX_TOKENS = 6
 ONE_IMAGE = "<image> What is in this picture?"
@@ -23,7 +23,7 @@ def test_llava_greedy_matches_transformers(tmp_path_factory, strategy):
     cases = [(ONE_IMAGE, [small])]
     if strategy == "default":  # "full" changes the vision path only: one case shows it
         cases += [(TWO_IMAGES, [small, wide]), (ONE_IMAGE, [other])]
-    expected = [hf_llava_greedy(path, prompt, images, MAX_TOKENS) for prompt, images in cases]
+    expected = [hf_greedy(path, prompt, images, MAX_TOKENS) for prompt, images in cases]
     if strategy == "default":
         assert expected[0] != expected[2], "the image does not change the output: the test would not see a bug"
     llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=16 << 20)

@@ -1,9 +1,18 @@
-"""A tiny Llava checkpoint written by transformers: a CLIP vision tower (32 x 32 pixels in
-8 x 8 patches: 16 image tokens, 3 layers, features from the second to last), the projector and
-a Llama language model (hidden 64, 2 layers) over the tests' tokenizer plus an ``<image>``
-token, and a ``LlavaProcessor`` (``CLIPImageProcessor``: images of any size are resized and
-cropped to 32 x 32) saved beside it. Weights drawn as ``tests.fixtures.checkpoints``' (the
-projector's output scaled up, so images change the greedy output)."""
+"""Tiny image-text checkpoints written by transformers, each with its processor saved beside
+it, weights drawn as ``tests.fixtures.checkpoints``':
+
+- Llava: a CLIP vision tower (32 x 32 pixels in 8 x 8 patches: 16 image tokens, 3 layers,
+  features from the second to last), the projector and a Llama language model (hidden 64, 2
+  layers) over the tests' tokenizer plus an ``<image>`` token, and a ``LlavaProcessor``
+  (``CLIPImageProcessor``: images of any size are resized and cropped to 32 x 32); the
+  projector's output scaled up, so images change the greedy output.
+- Gemma 3: a SigLIP vision tower (32 x 32 pixels in 4 x 4 patches, 2 layers) pooled to 16 image
+  tokens, and a Gemma 3 language model (hidden 64, a sliding layer with an 8-token window and
+  a full one) over the tests' tokenizer plus ``<start_of_image>``, ``<end_of_image>`` and
+  ``<image_soft_token>``, and a ``Gemma3Processor`` (images resized to 32 x 32; a prompt's
+  ``<start_of_image>`` becomes the image's 16 soft tokens between the two markers); the text
+  embeddings scaled down to the images' size, so images change the greedy output.
+"""
 
 from __future__ import annotations
 
@@ -61,17 +70,58 @@ def random_image(width: int, height: int, seed: int):
     return Image.fromarray(pixels)
 
 
-@functools.lru_cache(maxsize=2)
-def _hf_llava(path: Path):
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+def make_gemma3_checkpoint(out: Path, seed: int = 31) -> Path:
+    """Write the Gemma 3 checkpoint, tokenizer and processor to ``out``; returns ``out``."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil, Gemma3Processor
+    from transformers import Gemma3TextConfig, SiglipVisionConfig
+    from transformers.initialization import no_init_weights
 
-    return AutoProcessor.from_pretrained(path), LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    from tests.fixtures.checkpoints import _init_weights, build_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = copy.deepcopy(build_tokenizer())
+    markers = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *markers.values()]})
+    tokenizer._set_model_specific_special_tokens(special_tokens=markers)  # saved as its extra_special_tokens
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                image_size=32, patch_size=4, vision_use_head=False)
+    text = Gemma3TextConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, vocab_size=len(tokenizer), max_position_embeddings=2048, query_pre_attn_scalar=24,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in markers.items()}
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=NUM_IMAGE_TOKENS,
+                          boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"],
+                          image_token_index=ids["image_token"], tie_word_embeddings=False)
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    with no_init_weights():
+        model = Gemma3ForConditionalGeneration(config)
+    _init_weights(model, seed)
+    with torch.no_grad():  # text embeddings (times sqrt(hidden) in the model) down to the images' size
+        model.model.language_model.embed_tokens.weight.mul_(0.125)
+    model.eval().save_pretrained(out)
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
+                                tokenizer=tokenizer, image_seq_length=NUM_IMAGE_TOKENS)
+    processor.save_pretrained(out)
+    return out
 
 
-def hf_llava_greedy(path: Path, prompt: str, images: list, max_new_tokens: int) -> list[int]:
+@functools.lru_cache(maxsize=3)
+def _hf_model(path: Path):
+    import transformers
+    from transformers import AutoConfig, AutoProcessor
+
+    model_class = getattr(transformers, AutoConfig.from_pretrained(path).architectures[0])
+    return AutoProcessor.from_pretrained(path), model_class.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(path: Path, prompt: str, images: list, max_new_tokens: int) -> list[int]:
     """transformers' float32 greedy completion of ``prompt`` with ``images``, through the
-    checkpoint's processor."""
-    processor, model = _hf_llava(path)
+    checkpoint's processor (any of the image-text checkpoints here)."""
+    processor, model = _hf_model(path)
     inputs = processor(text=[prompt], images=images or None, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens)
@@ -180,3 +230,25 @@ def hf_qwen_vl_greedy(path: Path, prompt: str, images: list, max_new_tokens: int
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
+def gemma3_checkpoint(tmp_path_factory) -> Path:
+    """``make_gemma3_checkpoint`` once per test session, under pytest's tmp."""
+    if "gemma3" not in _CHECKPOINTS:
+        _CHECKPOINTS["gemma3"] = make_gemma3_checkpoint(tmp_path_factory.mktemp("gemma3-vl"))
+    return _CHECKPOINTS["gemma3"]
+
+
+def hf_log_softmax(path: Path, prompt: str, images: list, continuation: list[int]) -> tuple[torch.Tensor, int]:
+    """transformers' float32 log-softmax [prompt + continuation, vocab] of ``prompt`` with
+    ``images`` (through the checkpoint's processor, its ``token_type_ids`` too) followed by
+    ``continuation``, and the prompt's length in tokens."""
+    processor, model = _hf_model(path)
+    inputs = dict(processor(text=[prompt], images=images or None, return_tensors="pt"))
+    num_prompt = inputs["input_ids"].shape[1]
+    tail = torch.tensor([continuation])
+    inputs["input_ids"] = torch.cat([inputs["input_ids"], tail], dim=1)
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    if "token_type_ids" in inputs:  # the generated tokens are text
+        inputs["token_type_ids"] = torch.cat([inputs["token_type_ids"], torch.zeros_like(tail)], dim=1)
+    with torch.no_grad():
+        logits = model(**inputs).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1), num_prompt

@@ -22,7 +22,7 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.multimodal.checkpoints import hf_llava_greedy, llava_checkpoint, random_image
+from tests.multimodal.checkpoints import hf_greedy, llava_checkpoint, random_image
 from tests.server_utils import RemoteServer
 
 MAX_TOKENS = 5
@@ -117,7 +117,7 @@ def test_image_urls_of_every_kind_give_transformers_reply(server, tmp_path_facto
 
     path = llava_checkpoint(tmp_path_factory)
     decoded = Image.open(io.BytesIO(_png(image))).convert("RGB")
-    expected = AutoTokenizer.from_pretrained(path).decode(hf_llava_greedy(path, RENDERED, [decoded], MAX_TOKENS))
+    expected = AutoTokenizer.from_pretrained(path).decode(hf_greedy(path, RENDERED, [decoded], MAX_TOKENS))
     client = server.client()
     data_url = "data:image/png;base64," + base64.b64encode(_png(image)).decode()
     for url in (data_url, f"file://{media_dir / 'a.png'}", f"{media_url}/a.png", f"{media_url}/moved"):

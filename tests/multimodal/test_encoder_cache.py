@@ -1,6 +1,7 @@
 """The encoder cache's accounting and the scheduling of encoder inputs, on plain requests (no
 model): items shared by content hash, kept while referenced, evicted oldest first when room is
-needed (and reported once), and a step stopped before an image that does not fit its budget."""
+needed (and reported once), a step stopped before an image that does not fit its budget, and
+(``disable_chunked_mm_input``) before one it would not reach the end of."""
 
 from __future__ import annotations
 
@@ -67,3 +68,17 @@ def test_the_same_image_twice_in_one_step_is_one_entry():
     request.num_computed_tokens = 40
     free_computed_encoder_inputs(manager, request)
     assert manager.freeable == {"x": 16} and manager.num_free_slots + 16 == manager.cache_size
+
+
+def test_disable_chunked_mm_input_never_ends_a_step_inside_an_image():
+    manager = EncoderCacheManager(cache_size=32)
+    request = _request("r", [("x", 4, 16), ("y", 24, 16)])
+    # 12 tokens would end inside the first image: the step stops before it (4 text tokens).
+    assert schedule_encoder_inputs(manager, request, 0, 12, 32, disable_chunked_mm_input=True) == ([], 4, 32)
+    # 30 tokens: the first image whole, the step stops where the second begins.
+    assert schedule_encoder_inputs(manager, request, 0, 30, 32, disable_chunked_mm_input=True) == ([0], 24, 16)
+    # Starting inside an image (a prefix-cache hit) and not reaching its end: no token runs.
+    assert schedule_encoder_inputs(manager, request, 8, 8, 32, disable_chunked_mm_input=True) == ([], 0, 32)
+    assert schedule_encoder_inputs(manager, request, 8, 12, 32, disable_chunked_mm_input=True) == ([0], 12, 16)
+    # Without the option the same step cuts the image.
+    assert schedule_encoder_inputs(manager, request, 0, 12, 32) == ([0], 12, 16)

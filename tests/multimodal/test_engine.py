@@ -16,7 +16,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from tests.helpers import check_block_accounting, model_runner
-from tests.multimodal.checkpoints import hf_llava_greedy, llava_checkpoint, random_image
+from tests.multimodal.checkpoints import hf_greedy, llava_checkpoint, random_image
 
 MAX_TOKENS = 5
 ONE_IMAGE = "<image> What is in this picture?"
@@ -67,7 +67,7 @@ def _check_accounting(llm: LLM) -> None:
 
 def test_chunked_prefill_runs_each_image_once(path, images):
     prompts = [_prompt(ONE_IMAGE, [images[0]]), _prompt(TWO_IMAGES, images[:2])]
-    expected = [hf_llava_greedy(path, p["prompt"], p["multi_modal_data"]["image"], MAX_TOKENS) for p in prompts]
+    expected = [hf_greedy(path, p["prompt"], p["multi_modal_data"]["image"], MAX_TOKENS) for p in prompts]
     llm = LLM(str(path), dtype="float32", block_size=8, max_num_batched_tokens=8, kv_cache_memory_bytes=4 << 20)
     runs = _count_encoder_runs(llm)
     assert [list(o.outputs[0].token_ids) for o in _generate(llm, prompts)] == expected
@@ -78,7 +78,7 @@ def test_chunked_prefill_runs_each_image_once(path, images):
 def test_preemption_recomputes_with_images(path, images):
     # Two of these (42 prompt tokens, 12 outputs: 7 blocks each) outgrow the 12 blocks while decoding.
     prompts = [_prompt(TWO_IMAGES, [images[i], images[(i + 1) % 3]]) for i in range(3)]
-    expected = [hf_llava_greedy(path, p["prompt"], p["multi_modal_data"]["image"], 12) for p in prompts]
+    expected = [hf_greedy(path, p["prompt"], p["multi_modal_data"]["image"], 12) for p in prompts]
     llm = LLM(str(path), dtype="float32", block_size=8, max_model_len=96, enable_prefix_caching=False,
               kv_cache_memory_bytes=12 * BLOCK_BYTES)
     assert [list(o.outputs[0].token_ids) for o in _generate(llm, prompts, 12)] == expected
@@ -88,8 +88,8 @@ def test_preemption_recomputes_with_images(path, images):
 
 def test_prefix_cache_keys_blocks_by_image(path, images):
     same, other = _prompt(ONE_IMAGE, [images[0]]), _prompt(ONE_IMAGE, [images[2]])
-    expected_same = hf_llava_greedy(path, ONE_IMAGE, [images[0]], MAX_TOKENS)
-    expected_other = hf_llava_greedy(path, ONE_IMAGE, [images[2]], MAX_TOKENS)
+    expected_same = hf_greedy(path, ONE_IMAGE, [images[0]], MAX_TOKENS)
+    expected_other = hf_greedy(path, ONE_IMAGE, [images[2]], MAX_TOKENS)
     llm = LLM(str(path), dtype="float32", block_size=8, enable_prefix_caching=True, kv_cache_memory_bytes=4 << 20)
     first, = _generate(llm, [same])
     again, = _generate(llm, [same])

@@ -14,6 +14,10 @@ A backend is a class-level bundle (vLLM's shape):
 Token order in a step: the ``num_decodes`` decode requests first, one query token each;
 then the prefill requests (query length > 1, possibly a chunk of a longer prompt), each a
 contiguous run of tokens.
+
+Attention is causal, except inside a request's ``bidirectional_ranges`` (an image's tokens
+under Gemma 3's ``token_type_ids`` mask): there a query also sees the later keys of its range.
+A backend honours them only if its impl's ``supports_bidirectional_ranges`` says so.
 """
 
 from __future__ import annotations
@@ -46,6 +50,13 @@ class CommonAttentionMetadata:
         slot_mapping: [num_tokens] int64; cache slot of each token's K/V
             (``block_id * block_size + offset``).
         num_decodes: the first ``num_decodes`` requests have one query token each.
+        bidirectional_ranges: [num_ranges, 3] int64 rows (request index r, start, end), or
+            None: request r's context positions start .. end - 1 attend to each other both
+            ways, so a query at position i in the range sees keys up to end - 1 (a sliding
+            window W still hides keys <= i - W, as transformers' AND of the window with the
+            OR of causal and range masks). Every range overlaps the step's query tokens of its
+            request and ends at or before its ``seq_len`` (its later keys are in this step: the
+            scheduler never cuts a range, ``SchedulerConfig.disable_chunked_mm_input``).
     """
 
     query_start_loc: np.ndarray
@@ -54,6 +65,7 @@ class CommonAttentionMetadata:
     block_table: np.ndarray
     slot_mapping: np.ndarray
     num_decodes: int
+    bidirectional_ranges: Optional[np.ndarray] = None
 
     @property
     def num_reqs(self) -> int:
@@ -73,6 +85,18 @@ class CommonAttentionMetadata:
         token_req = np.repeat(np.arange(self.num_reqs), np.diff(self.query_start_loc))
         # token t of request r (tokens [start_r, end_r)): position seq_len_r - (end_r - t).
         return token_req, (self.seq_lens - self.query_start_loc[1:] + 1)[token_req] + np.arange(self.num_tokens)
+
+    def query_key_ends(self) -> np.ndarray:
+        """[num_tokens] int64: the end (exclusive) of the keys each query token sees: its
+        position + 1, or the end of the ``bidirectional_ranges`` entry holding it."""
+        token_req, ends = self.tokens_as_decodes()
+        if self.bidirectional_ranges is None:
+            return ends
+        ends = ends.copy()
+        for req, start, end in self.bidirectional_ranges:
+            inside = (token_req == req) & (ends > start) & (ends <= end)  # position ends - 1 in [start, end)
+            ends[inside] = end
+        return ends
 
 
 @dataclass
@@ -146,6 +170,8 @@ class AttentionImpl(ABC, Generic[M]):
     supports_logits_soft_cap: ClassVar[bool] = False
     #: Whether the impl honours ``layer.sinks``.
     supports_sinks: ClassVar[bool] = False
+    #: Whether the impl honours ``CommonAttentionMetadata.bidirectional_ranges``.
+    supports_bidirectional_ranges: ClassVar[bool] = False
 
     def __init__(
         self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, sliding_window: Optional[int] = None,
@@ -183,8 +209,9 @@ class AttentionImpl(ABC, Generic[M]):
     def forward(self, layer: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: M) -> torch.Tensor:
         """Write this step's K/V into ``kv_cache`` at ``attn_metadata.slot_mapping``, then
-        attend: each query sees its request's context up to and including itself (with
-        ``sliding_window`` W, only its last W positions; the block-table entries of blocks
+        attend: each query sees its request's context up to and including itself, inside a
+        bidirectional range up to the range's end (with ``sliding_window`` W, only keys after
+        its position - W; the block-table entries of blocks
         wholly before them may name any block of the cache, whatever it holds, NaN included,
         and do not affect the output). Scores ``scale * q.k``, soft-capped with ``logits_soft_cap``; with
         ``layer.sinks`` (s_h per query head h) the softmax's denominator gains ``exp(s_h)``:
@@ -261,13 +288,19 @@ class AttentionBackend:
         return cls.impl_cls.supports_sinks
 
     @classmethod
+    def supports_bidirectional_ranges(cls) -> bool:
+        """Whether the backend attends both ways inside ``bidirectional_ranges``."""
+        return cls.impl_cls.supports_bidirectional_ranges
+
+    @classmethod
     def missing_features(cls, uses_sliding_window: bool = False, uses_logits_soft_cap: bool = False,
-                         has_sinks: bool = False) -> list[str]:
+                         has_sinks: bool = False, uses_bidirectional_ranges: bool = False) -> list[str]:
         """The features asked for that the backend lacks, by name (empty: none)."""
         wanted = [
             (uses_sliding_window, cls.supports_sliding_window, "sliding-window attention"),
             (uses_logits_soft_cap, cls.supports_logits_soft_cap, "logits soft-capping"),
             (has_sinks, cls.supports_sinks, "attention sinks"),
+            (uses_bidirectional_ranges, cls.supports_bidirectional_ranges, "bidirectional attention in image spans"),
         ]
         return [what for used, supported, what in wanted if used and not supported()]
 
@@ -296,6 +329,7 @@ class AttentionBackend:
     def validate_configuration(
         cls, head_size: int, dtype: torch.dtype, block_size: Optional[int], kv_cache_dtype: str = "auto",
         uses_sliding_window: bool = False, uses_logits_soft_cap: bool = False, has_sinks: bool = False,
+        uses_bidirectional_ranges: bool = False,
     ) -> list[str]:
         """Why this backend cannot run here with these settings (empty: it can). Subclasses
         add their own reasons (device, kernels) to these.
@@ -306,9 +340,10 @@ class AttentionBackend:
             kv_cache_dtype: ``--kv-cache-dtype``;
             uses_sliding_window: some layer of the model has a ``sliding_window``;
             uses_logits_soft_cap: some layer has a ``logits_soft_cap``;
-            has_sinks: some layer has attention ``sinks``.
+            has_sinks: some layer has attention ``sinks``;
+            uses_bidirectional_ranges: the model attends both ways inside its images' tokens.
         """
-        missing = cls.missing_features(uses_sliding_window, uses_logits_soft_cap, has_sinks)
+        missing = cls.missing_features(uses_sliding_window, uses_logits_soft_cap, has_sinks, uses_bidirectional_ranges)
         reasons = [f"it has no {', '.join(missing)}, which the model uses"] if missing else []
         if dtype not in cls.get_supported_dtypes():
             names = ", ".join(str(d).removeprefix("torch.") for d in cls.get_supported_dtypes())

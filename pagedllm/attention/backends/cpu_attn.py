@@ -27,6 +27,11 @@ at most ``FP8_WIDEN_MAX_CONTEXT_TOKENS``), each layer widens their contexts' blo
 and their tokens attend over that copy (block tables renumbered by the builder); decode
 tokens still read the FP8 cache (for them it is faster).
 
+No bidirectional ranges (``CommonAttentionMetadata.bidirectional_ranges``, Gemma 3's image
+spans): the kernel's context of a query is the ``seq_len`` keys before it and its window the
+last W of them, so a query that sees later keys of its range would have its window moved with
+them; a model that uses such ranges runs on ``TORCH_SDPA``.
+
 With ``--batch-invariant`` the kernel forms no runs (``per_token``) and nothing is widened:
 every token is computed alone, from the cache as it is.
 """
@@ -173,12 +178,15 @@ class CpuAttnBackend(AttentionBackend):
     def validate_configuration(
         cls, head_size: int, dtype: torch.dtype, block_size: Optional[int], kv_cache_dtype: str = "auto",
         uses_sliding_window: bool = False, uses_logits_soft_cap: bool = False, has_sinks: bool = False,
+        uses_bidirectional_ranges: bool = False,
     ) -> list[str]:
-        """The base checks (the kernel has every feature: windows, soft caps, sinks), the
-        platform (CPU), and the kernels (built or loaded now, at start-up rather than in the
-        first request; ~15 s the first time on a machine)."""
+        """The base checks (the kernel has windows, soft caps and sinks, not bidirectional
+        ranges: see the module docstring), the platform (CPU), and the kernels (built or
+        loaded now, at start-up rather than in the first request; ~15 s the first time on a
+        machine)."""
         reasons = super().validate_configuration(
-            head_size, dtype, block_size, kv_cache_dtype, uses_sliding_window, uses_logits_soft_cap, has_sinks
+            head_size, dtype, block_size, kv_cache_dtype, uses_sliding_window, uses_logits_soft_cap, has_sinks,
+            uses_bidirectional_ranges,
         )
         if not current_platform.is_cpu:
             reasons.append(f"it runs on CPU only, not on {current_platform.device_type}")

@@ -27,6 +27,10 @@ An FP8 cache (``--kv-cache-dtype fp8``) is read the same way, its gathered conte
 dequantized to the query's dtype (``pagedllm.attention.paged_kv_cache.gather_context``),
 with torch's float8 types: the same code runs on CUDA.
 
+A request's ``bidirectional_ranges`` (Gemma 3's image spans) widen its prefill queries' causal
+masks: a query inside a range sees keys up to the range's end (the window still bounds them
+from below), as transformers' ``token_type_ids`` mask.
+
 Masks and gather indices are built once per step by the builder, not per layer.
 
 With ``--batch-invariant`` every token, decode or prefill, is attended alone over exactly
@@ -64,8 +68,10 @@ class TorchSDPAMetadata(AttentionMetadata):
             are real tokens, in token order.
         decode_positions: [num_decodes] int64; each decode query's position (seq_len - 1).
         prefill_positions: [num_prefills, max_query_len] int64; each padded query row's position.
-        token_seq_lens: ``--batch-invariant``: each token's context length (host ints); the
-            ``decode_*`` tables then have one row per token, and ``prefill_*`` are None.
+        token_seq_lens: ``--batch-invariant``: the keys each token sees, 0 .. n - 1 (host
+            ints: its position + 1, or its bidirectional range's end); the ``decode_*`` tables
+            then have one row per token, and ``prefill_*`` are None.
+        token_positions: ``--batch-invariant``: each token's position (host ints).
     """
 
     decode_block_table: torch.Tensor
@@ -78,6 +84,7 @@ class TorchSDPAMetadata(AttentionMetadata):
     decode_positions: Optional[torch.Tensor] = None
     prefill_positions: Optional[torch.Tensor] = None
     token_seq_lens: Optional[list[int]] = None
+    token_positions: Optional[list[int]] = None
     _window_masks: dict = field(default_factory=dict, repr=False)
 
     def decode_keys(self, window: Optional[int]) -> torch.Tensor:
@@ -132,8 +139,9 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
         return metadata
 
     def _build_per_token(self, common: CommonAttentionMetadata) -> TorchSDPAMetadata:
-        """Every token as a decode of its own: its request's block table, its position + 1."""
-        token_req, seq_lens = common.tokens_as_decodes()
+        """Every token as a decode of its own: its request's block table, the keys it sees."""
+        token_req, positions = common.tokens_as_decodes()
+        seq_lens = common.query_key_ends()
         table, valid = self._tables(common.block_table[token_req], seq_lens)
         return TorchSDPAMetadata(
             slot_mapping=self.to_device(common.slot_mapping),
@@ -142,6 +150,7 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
             decode_block_table=table,
             decode_valid=valid,
             token_seq_lens=seq_lens.tolist(),
+            token_positions=(positions - 1).tolist(),
         )
 
     def _tables(self, block_table: np.ndarray, seq_lens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,10 +170,15 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
         table, valid = self._tables(common.block_table[num_decodes:], seq_lens)
         row = np.minimum(np.arange(max_query_len)[None, :], query_lens[:, None] - 1)  # padding repeats the last
         query_pos = self.to_device((seq_lens - query_lens)[:, None] + row)
+        query_index = starts[:-1, None] + row
         metadata.prefill_block_table = table
         metadata.prefill_valid = valid[:, :max_seq_len]
-        metadata.prefill_query_index = self.to_device(starts[:-1, None] + row)
-        metadata.prefill_mask = (torch.arange(max_seq_len, device=self.device) <= query_pos[:, :, None])[:, None]
+        metadata.prefill_query_index = self.to_device(query_index)
+        if common.bidirectional_ranges is None:
+            key_ends = query_pos + 1
+        else:  # each padded row's token's key end (the prefill tokens follow the decodes)
+            key_ends = self.to_device(common.query_key_ends()[common.num_decodes + query_index])
+        metadata.prefill_mask = (torch.arange(max_seq_len, device=self.device) < key_ends[:, :, None])[:, None]
         metadata.prefill_positions = query_pos
         real = np.arange(max_query_len)[None, :] < query_lens[:, None]
         metadata.prefill_output_index = self.to_device(np.flatnonzero(real))
@@ -174,6 +188,7 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
     supports_sliding_window = True
     supports_logits_soft_cap = True
     supports_sinks = True
+    supports_bidirectional_ranges = True
 
     def forward(self, layer: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TorchSDPAMetadata) -> torch.Tensor:
@@ -228,14 +243,14 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
 
     def _per_token(self, query: torch.Tensor, kv_cache: torch.Tensor, scales: tuple[float, float],
                    md: TorchSDPAMetadata, sinks: Optional[torch.Tensor]) -> torch.Tensor:
-        """[num_tokens, num_heads, head_size] queries, each over exactly its own context (its
-        last ``sliding_window`` positions in a windowed layer, gathered from their blocks only)."""
-        assert md.token_seq_lens is not None
+        """[num_tokens, num_heads, head_size] queries, each over exactly the keys it sees (in a
+        windowed layer those after its position - ``sliding_window``, gathered from their blocks only)."""
+        assert md.token_seq_lens is not None and md.token_positions is not None
         output = torch.empty_like(query)
         group = self.num_heads // self.num_kv_heads
         block_size = kv_cache.shape[2]
-        for t, seq_len in enumerate(md.token_seq_lens):
-            start = 0 if self.sliding_window is None else max(0, seq_len - self.sliding_window)
+        for t, (seq_len, position) in enumerate(zip(md.token_seq_lens, md.token_positions)):
+            start = 0 if self.sliding_window is None else max(0, position + 1 - self.sliding_window)
             first_block, width = start // block_size, -(-seq_len // block_size)
             table = md.decode_block_table[t : t + 1, first_block:width]
             valid = md.decode_valid[t : t + 1, first_block * block_size : seq_len]

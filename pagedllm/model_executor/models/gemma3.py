@@ -1,14 +1,11 @@
-"""Gemma 3's language model (``Gemma3ForCausalLM``, and the text part of
-``Gemma3ForConditionalGeneration`` checkpoints): Gemma 2's blocks (``gemma2``) with a
+"""Gemma 3's language model (``Gemma3ForCausalLM``, and the language model of
+``Gemma3ForConditionalGeneration``, ``gemma3_mm``): Gemma 2's blocks (``gemma2``) with a
 ``GemmaRMSNorm`` on each query and key head, no attention soft-capping, and one rope per
 layer type (``rope_parameters["sliding_attention"]`` on the windowed layers, the
 "full_attention" one on the others), as transformers' ``modeling_gemma3``."""
 
 from __future__ import annotations
 
-from typing import Iterable
-
-import torch
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -37,27 +34,3 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     qk_norm = True
     model_cls = Gemma3Model
 
-
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """The language model of a Gemma 3 image-text checkpoint (its config is ``text_config``:
-    ``pagedllm.arch_config.language_model_config``); its weights under ``language_model.``
-    (``language_model.model.*``, ``language_model.lm_head.*``, or ``model.language_model.*``
-    as transformers 5 names them). The vision tower and projector are not loaded."""
-
-    final_soft_cap = False  # transformers' image-text class does not apply final_logit_softcapping
-    #: Checkpoint name prefixes -> ours (the first that matches renames).
-    renamed_prefixes = (
-        ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."), ("model.language_model.", "model."),
-    )
-    skipped_prefixes = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(
-            (self._renamed(name), tensor) for name, tensor in weights if not name.startswith(self.skipped_prefixes)
-        )
-
-    def _renamed(self, name: str) -> str:
-        for old, new in self.renamed_prefixes:
-            if name.startswith(old):
-                return new + name[len(old):]
-        return name

@@ -323,6 +323,12 @@ class LlamaModel(nn.Module):
         self.aux_hidden_state_layers: tuple[int, ...] = ()
         self.aux_hidden_states: list[torch.Tensor] = []
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the first layer's input [T, hidden]: the token embeddings, times
+        ``embedding_scale`` where the variant has one."""
+        embeds = self.embed_tokens(input_ids)
+        return embeds if self.embed_scale is None else embeds * self.embed_scale
+
     def embedding_scale(self, config: PretrainedConfig) -> Optional[float | torch.Tensor]:
         """The factor on the token embeddings (None: none; a 0-d tensor multiplies in its dtype)."""
         return None
@@ -353,12 +359,11 @@ class LlamaModel(nn.Module):
         last stage; on the others the ``IntermediateTensors`` for the next stage,
         ``{"hidden_states", "residual"}`` [T, hidden] each, which a stage after the first
         takes as ``intermediate_tensors`` instead of embedding ``input_ids``. ``inputs_embeds``
-        [T, hidden] (an image-text model's, images merged in) replaces ``embed_tokens(input_ids)``."""
+        [T, hidden] (an image-text model's: ``embed_input_ids`` with the images merged in)
+        replaces ``embed_input_ids(input_ids)``."""
         if self.is_first_stage:
-            embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-            hidden_states, residual = embeds, None
-            if self.embed_scale is not None:
-                hidden_states = hidden_states * self.embed_scale
+            hidden_states = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
         else:
             assert intermediate_tensors is not None
             hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]

@@ -118,7 +118,7 @@ class LlavaForConditionalGeneration(nn.Module):
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> the language model's token embeddings [T, hidden]."""
-        return self.language_model.model.embed_tokens(input_ids)
+        return self.language_model.model.embed_input_ids(input_ids)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -22,7 +22,8 @@ from pagedllm.model_executor.models.bert import (
 from pagedllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from pagedllm.model_executor.models.falcon_h1 import FalconH1ForCausalLM
 from pagedllm.model_executor.models.gemma2 import Gemma2ForCausalLM
-from pagedllm.model_executor.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from pagedllm.model_executor.models.gemma3 import Gemma3ForCausalLM
+from pagedllm.model_executor.models.gemma3_mm import Gemma3ForConditionalGeneration
 from pagedllm.model_executor.models.glm4 import Glm4ForCausalLM
 from pagedllm.model_executor.models.gpt_oss import GptOssForCausalLM
 from pagedllm.model_executor.models.granite import GraniteForCausalLM
@@ -83,10 +84,12 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         Gemma3ForCausalLM, ("google/gemma-3-1b-it",),
         "(1 + w) RMSNorms before and after each block; GeGLU; per-head q/k norm; sliding window by layer_types "
         "with its own rope base; final logit soft-capping"),
+    # Image-text models with their vision encoder (images in ``multi_modal_data`` / chat ``image_url`` parts).
     "Gemma3ForConditionalGeneration": SupportedModel(
         Gemma3ForConditionalGeneration, ("google/gemma-3-4b-it", "google/gemma-3-27b-it"),
-        "the language model only (text_config; images are not served)"),
-    # Image-text models with their vision encoder (images in ``multi_modal_data`` / chat ``image_url`` parts).
+        "SigLIP vision tower, average-pooled and RMS-normed projector; Gemma 3 language model; bidirectional "
+        "attention within each image's tokens (an image is never split across prefill chunks; TORCH_SDPA "
+        "attention); no pan-and-scan crops"),
     "LlavaForConditionalGeneration": SupportedModel(
         LlavaForConditionalGeneration, ("llava-hf/llava-1.5-7b-hf", "llava-hf/llava-1.5-13b-hf"),
         "CLIP vision tower and MLP projector (vision_feature_layer, vision_feature_select_strategy); Llama "
@@ -215,7 +218,7 @@ _FAMILIES = (
      "NemotronHForCausalLM, Qwen3NextForCausalLM, Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM)"),
     (("ConditionalGeneration", "Llava", "VL", "Vision", "Mllama", "Idefics", "PaliGemma", "Pixtral", "Siglip"),
      "it is an image-text model whose vision encoder pagedllm does not build yet (it serves "
-     "LlavaForConditionalGeneration's)"),
+     "LlavaForConditionalGeneration's and Gemma3ForConditionalGeneration's)"),
 )
 
 
