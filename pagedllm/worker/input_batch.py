@@ -68,8 +68,9 @@ class _SamplingView:
 
 class InputBatch:
     """Rows of token ids [max_num_reqs, max_model_len] and, per KV-cache group, block tables
-    [max_num_reqs, max_blocks_per_req] (``block_tables[g]``; ``block_table`` is group 0's; none of either for an encoder),
-    all int64 numpy arrays, and the rows' sampling settings."""
+    [max_num_reqs, max_blocks_per_req] (``block_tables[g]``; ``block_table`` is group 0's;
+    neither for an encoder, which has no group), all int64 numpy arrays, and the rows'
+    sampling settings."""
 
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device,
                  num_kv_cache_groups: int = 1) -> None:
