@@ -108,7 +108,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.kv_cache_groups = groups
-        # NOTE: a model of state layers only has no attention blocks; its pool holds one, never used.
+        # NOTE: a model of state layers only, or an encoder, has no attention blocks; its pool holds
+        # one, never used.
         self.block_pool = BlockPool(num_blocks if groups.groups else max(num_blocks, 1), enable_caching,
                                     use_null_block=groups.has_sliding_window)
         #: The attention groups' managers (group g is ``managers[g]``).

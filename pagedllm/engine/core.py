@@ -143,9 +143,10 @@ class EngineCore:
     def _initialize_kv_caches(self, groups: KVCacheGroups) -> int:
         """Size the KV cache on the workers (or take ``num_gpu_blocks_override``, as vLLM),
         allocate it there (and the state slots of ``groups``' state layers); returns the
-        number of blocks."""
+        number of blocks (0 for a model with no KV-cache group, an encoder, whatever the
+        override)."""
         num_gpu_blocks = self.config.cache_config.num_gpu_blocks_override
-        if num_gpu_blocks is None:
+        if num_gpu_blocks is None or not groups.num_groups:
             num_gpu_blocks = self.model_executor.determine_num_available_blocks()
         else:
             slots = num_state_slots(self.config, groups)

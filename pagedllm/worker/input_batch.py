@@ -68,8 +68,9 @@ class _SamplingView:
 
 class InputBatch:
     """Rows of token ids [max_num_reqs, max_model_len] and, per KV-cache group, block tables
-    [max_num_reqs, max_blocks_per_req] (``block_tables[g]``; ``block_table`` is group 0's),
-    all int64 numpy arrays, and the rows' sampling settings."""
+    [max_num_reqs, max_blocks_per_req] (``block_tables[g]``; ``block_table`` is group 0's;
+    neither for an encoder, which has no group), all int64 numpy arrays, and the rows'
+    sampling settings."""
 
     def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device,
                  num_kv_cache_groups: int = 1) -> None:
@@ -82,7 +83,7 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_tables = [np.zeros((max_num_reqs, max_blocks), dtype=np.int64) for _ in range(num_kv_cache_groups)]
-        self.block_table = self.block_tables[0]
+        self.block_table = self.block_tables[0] if self.block_tables else None
         # Blocks in each row's table, per group: [num_kv_cache_groups, max_num_reqs].
         self.num_blocks = np.zeros((num_kv_cache_groups, max_num_reqs), dtype=np.int64)
         self.requests: dict[str, CachedRequestState] = {}

@@ -21,6 +21,8 @@ vLLM's names); a hybrid layer (Falcon-H1's) keeps both, its attention in an atte
 and its mixer in a state group. The budget first sets aside the state slots (``num_state_slots``: one per
 request that can run at once, three with prefix caching) x the state bytes of one request
 over all state layers; the rest buys attention blocks (none in a model of state layers only).
+An encoder-only pooling model has no KV-cache group at all: no blocks, no memory profiling,
+and its requests are admitted by ``max_num_seqs`` / ``max_num_batched_tokens`` alone.
 """
 
 from __future__ import annotations
@@ -76,9 +78,12 @@ def kv_cache_groups(config: EngineConfig) -> KVCacheGroups:
     size and cache dtype. A drafter with its own KV cache (a draft model, an EAGLE head)
     writes through a full-attention group's table: when the target has no full-attention
     layer, its windowed layers keep every block (one full-attention group; the backend
-    still masks the window).
+    still masks the window). An encoder (``ModelConfig.is_encoder``: vLLM's "encoder_only"
+    attention, over each whole prompt in one step) has no group: it keeps no KV cache.
     """
     model_config = config.model_config
+    if model_config.is_encoder:
+        return KVCacheGroups((), 0)
     windows = layer_sliding_windows(model_config.hf_config)[: model_config.num_layers]
     spec = config.speculative_config
     if spec is not None and spec.uses_draft_model and None not in windows:
@@ -181,6 +186,17 @@ def kv_bytes_per_token(model_config: ModelConfig, cache_dtype: Optional[torch.dt
     itemsize = (cache_dtype or model_config.dtype).itemsize
     return (model_config.num_kv_cache_tensors * num_layers_per_stage(model_config) * num_kv_heads_per_rank(model_config)
             * model_config.head_dim * itemsize)
+
+
+def no_kv_cache(config: EngineConfig) -> int:
+    """The blocks of a model with no KV-cache group (an encoder: ``kv_cache_groups``): 0,
+    sized without a budget or a profiling run, with the start-up log line saying so."""
+    scheduler_config = config.scheduler_config
+    logger.info("KV cache: none (%s is encoder-only: bidirectional attention over each whole prompt in one step, "
+                "no KV-cache blocks); admission bounded by max_num_seqs = %d and max_num_batched_tokens = %d.",
+                config.model_config.architecture, scheduler_config.max_num_seqs,
+                scheduler_config.max_num_batched_tokens)
+    return 0
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from pagedllm.distributed import (
 from pagedllm.messages.runner_output import ModelRunnerOutput
 from pagedllm.messages.sched_output import SchedulerOutput
 from pagedllm.platforms import current_platform
-from pagedllm.worker.kv_cache_sizing import KVCacheBudget, kv_cache_budget, num_kv_blocks, num_state_slots
+from pagedllm.worker.kv_cache_sizing import KVCacheBudget, kv_cache_budget, no_kv_cache, num_kv_blocks, num_state_slots
 from pagedllm.worker.model_runner import ModelRunner
 
 
@@ -132,6 +132,8 @@ class Worker:
         """
         spec = self.config.speculative_config
         groups = self.model_runner.kv_cache_groups
+        if not groups.num_groups:  # an encoder keeps no cache: nothing to size, no profiling run
+            return no_kv_cache(self.config)
         return num_kv_blocks(self.config.model_config, self.config.cache_config, self._budget(),
                              spec.draft_model_config if spec else None, groups,
                              self.config.scheduler_config.max_num_batched_tokens, num_state_slots(self.config, groups))

@@ -47,6 +47,7 @@ def test_convert_embed_last_token_normalized_in_chunks(tiny_qwen3, qwen3_hidden)
               kv_cache_memory_bytes=16 << 20)
     config = llm.llm_engine.config
     assert config.model_config.runner_type == "pooling" and config.cache_config.enable_prefix_caching
+    assert llm.llm_engine.engine_core.num_gpu_blocks > 0  # causal: a paged KV cache, unlike an encoder
     pooler = config.model_config.pooler_config
     assert (pooler.pooling_type, pooler.normalize) == ("LAST", True)
     got = _embeddings(llm.embed(prompts, use_tqdm=False))

@@ -48,12 +48,14 @@ def test_bert_sentence_transformers_folder_equals_its_encode(bert_st):
 def test_roberta_cls_equals_transformers_whole_prompts(tmp_path):
     """RoBERTa's positions (from pad_token_id + 1, padding tokens at pad_token_id), CLS pooling
     (the encoder default) unnormalized; prompts up to max_model_len, two per step at most,
-    none cut: a step's budget of one max_model_len leaves later prompts waiting."""
+    none cut: a step's budget of one max_model_len leaves later prompts waiting. No KV cache,
+    whatever ``num_gpu_blocks_override`` says: admission by the step budget and max_num_seqs alone."""
     from transformers import AutoModel
 
     path = make_encoder(tmp_path, "RobertaModel", seed=1)
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=4 << 20, pooler_config={"normalize": False},
+    llm = LLM(str(path), dtype="float32", num_gpu_blocks_override=16, pooler_config={"normalize": False},
               max_num_batched_tokens=64, max_num_seqs=2)
+    assert llm.llm_engine.engine_core.num_gpu_blocks == 0
     assert llm.llm_engine.config.model_config.max_model_len == 64
     assert llm.llm_engine.config.model_config.pooler_config.pooling_type == "CLS"
     tokenizer = llm.get_tokenizer()

@@ -398,7 +398,9 @@ class OpenAIServing:
 def _raise_kv_transfer_error(output: RequestOutput) -> None:
     """Raise a 503 for a decode instance's request whose prompt KV could not be loaded
     (its ``kv_transfer_params`` carry the error: the prefill instance is gone, or no longer
-    holds it)."""
+    holds it). A pooling output (``PoolingRequestOutput``) carries none."""
+    if not isinstance(output, RequestOutput):
+        return
     error = (output.kv_transfer_params or {}).get("error")
     if error is not None:
         raise OpenAIServingError(f"{error}; send the request to a prefill instance again.", 503)
