@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from pagedllm.distributed import get_open_port
 from pagedllm.entrypoints.cli import build_parser
 from pagedllm.entrypoints.openai.cli_args import engine_args_from, human_readable_int, resolve_api_key
 from pagedllm.entrypoints.chat_utils import load_chat_template
@@ -97,7 +98,8 @@ def test_bad_flag_value_is_one_line_exit_2(argv, capsys):
     ],
 )
 def test_bad_value_found_at_start_is_one_line_exit_2(argv, fragment, tiny_llama, capsys):
-    args = _parse(*[a.format(model=tiny_llama) for a in argv])
+    # a free port: the port check comes first, and another server may hold the default 8000
+    args = _parse(*[a.format(model=tiny_llama) for a in argv], "--port", str(get_open_port()))
     assert args.func(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("pagedllm serve: error:") and fragment in err, err
