@@ -51,6 +51,8 @@ def test_evicted_prefix_comes_back_equal_to_the_cold_run(tiny_llama, tokenizer, 
     # Two requests sharing the reloaded prefix, and one cold: still the cold run's tokens.
     assert _run(llm, [shared, other_a])[0] == cold[0]
     check_block_accounting(llm)
+    llm.llm_engine.engine_core.shutdown()  # what a server's engine process runs at exit
+    assert path is None or os.listdir(path) == []  # the tier's directory is removed
 
 
 def test_the_tier_keeps_only_its_size(tiny_llama, tokenizer):
