@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import shutil
 from typing import TYPE_CHECKING, Iterable, Optional
 
 from pagedllm.config import EngineConfig
@@ -33,6 +35,28 @@ if TYPE_CHECKING:
     from pagedllm.distributed.kv_transfer.base import KVConnectorScheduler
 
 logger = logging.getLogger(__name__)
+
+
+def check_offloading_fits(path: Optional[str], num_bytes: int) -> None:
+    """Refuse a second KV tier of ``num_bytes`` that the host RAM available now (no ``path``)
+    or the free space of the file system holding ``path`` cannot take (the tier fills lazily,
+    so a size beyond them would fail only once it is full).
+
+    Raises:
+        ValueError: ``num_bytes`` over what is free.
+    """
+    if path is None:
+        import psutil
+
+        free, where = psutil.virtual_memory().available, "host RAM available"
+    else:
+        existing = os.path.abspath(path)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        free, where = shutil.disk_usage(existing).free, f"free space under {existing}"
+    if num_bytes > free:
+        raise ValueError(f"kv_offloading_size needs {num_bytes / 2**30:.2f} GiB, more than the {free / 2**30:.2f} GiB "
+                         f"of {where}; pass a smaller --kv-offloading-size.")
 
 
 class EngineCore:
@@ -125,7 +149,11 @@ class EngineCore:
 
     def _offloading_manager(self, groups: KVCacheGroups) -> Optional[OffloadingManager]:
         """The second KV tier's index (``--kv-offloading-size``): its size over one block's
-        bytes on all ranks; None without one. Logs the tier at start."""
+        bytes on all ranks; None without one. Logs the tier at start.
+
+        Raises:
+            ValueError: the size holds no block, or more than the host RAM or disk has free.
+        """
         cache_config = self.config.cache_config
         if cache_config.kv_offloading_size is None:
             return None
@@ -134,6 +162,7 @@ class EngineCore:
         if num_blocks < 1:
             raise ValueError(f"kv_offloading_size {cache_config.kv_offloading_size} GiB holds no KV-cache block "
                              f"({block_bytes:,} bytes on all ranks).")
+        check_offloading_fits(cache_config.kv_offloading_path, num_blocks * block_bytes)
         where = f"files under {cache_config.kv_offloading_path}" if cache_config.kv_offloading_path else "host RAM"
         logger.info("KV offloading: %.2f GiB in %s, %d blocks (%d tokens) beside the cache's %d blocks.",
                     cache_config.kv_offloading_size, where, num_blocks, num_blocks * cache_config.block_size,

@@ -17,6 +17,7 @@ Light at import (argparse only): FastAPI, httpx and uvicorn are imported when it
 import argparse
 import itertools
 import logging
+import urllib.parse
 from typing import Any, Sequence
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,14 @@ FORWARDED_HEADERS = ("authorization", "x-request-id", "traceparent", "tracestate
 
 
 def base_url(url: str) -> str:
-    """``url`` without a trailing ``/`` or ``/v1`` (the router adds each route's path)."""
+    """``url`` without a trailing ``/`` or ``/v1`` (the router adds each route's path).
+
+    Raises:
+        ValueError: ``url`` is not an ``http://`` or ``https://`` URL with a host.
+    """
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"an instance's URL must be http://host:port or https://host:port, got {url!r}.")
     url = url.rstrip("/")
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
@@ -53,7 +61,7 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], client: A
     ``client``: the ``httpx.AsyncClient`` it sends with (default: a new one).
 
     Raises:
-        ValueError: no prefill or no decode URL.
+        ValueError: no prefill or no decode URL, or one that is not ``http(s)://host``.
     """
     import httpx
     from fastapi import FastAPI, Request
@@ -148,6 +156,15 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _url_arg(url: str) -> str:
+    """argparse ``type`` of ``--prefill`` / ``--decode``: ``base_url``'s check as a usage error."""
+    try:
+        base_url(url)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return url
+
+
 def register(subparsers: Any) -> None:
     """Add ``router`` to the ``pagedllm`` command (``func``: ``main``)."""
     parser = subparsers.add_parser(
@@ -156,9 +173,9 @@ def register(subparsers: Any) -> None:
         "then to a decode instance (--role decode) with the prefill's kv_transfer_params; round-robin over each "
         "kind (docs/deployment.md).",
     )  # fmt: skip
-    parser.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+    parser.add_argument("--prefill", nargs="+", required=True, metavar="URL", type=_url_arg,
                         help="Base URLs of the prefill instances (http://host:port).")
-    parser.add_argument("--decode", nargs="+", required=True, metavar="URL",
+    parser.add_argument("--decode", nargs="+", required=True, metavar="URL", type=_url_arg,
                         help="Base URLs of the decode instances (http://host:port).")
     parser.add_argument("--host", default="0.0.0.0", help="Host to listen on.")
     parser.add_argument("--port", type=int, default=8000, help="Port to listen on.")

@@ -184,11 +184,13 @@ class Worker:
         return stats
 
     def shutdown(self) -> None:
-        """Drop the runner (the model and the KV caches go with it) and leave the
-        model-parallel groups; idempotent. The worker answers no step afterwards."""
+        """Drop the runner (the model, the KV caches and the second KV tier's blocks and
+        files go with it) and leave the model-parallel groups; idempotent. The worker answers no step afterwards."""
         if hasattr(self, "model_runner"):
             if self.model_runner.kv_connector is not None:
                 self.model_runner.kv_connector.shutdown()
+            if self.model_runner.kv_offload is not None:  # a process's exit runs no finalizer
+                self.model_runner.kv_offload.close()
             del self.model_runner
             current_platform.empty_cache()
         if self.config.parallel_config.world_size > 1:

@@ -51,6 +51,8 @@ def test_evicted_prefix_comes_back_equal_to_the_cold_run(tiny_llama, tokenizer, 
     # Two requests sharing the reloaded prefix, and one cold: still the cold run's tokens.
     assert _run(llm, [shared, other_a])[0] == cold[0]
     check_block_accounting(llm)
+    llm.llm_engine.engine_core.shutdown()  # what a server's engine process runs at exit
+    assert path is None or os.listdir(path) == []  # the tier's directory is removed
 
 
 def test_the_tier_keeps_only_its_size(tiny_llama, tokenizer):
@@ -72,3 +74,21 @@ def test_the_tier_keeps_only_its_size(tiny_llama, tokenizer):
     assert list(again.outputs[0].token_ids) == cold[0] and again.num_cached_tokens == 96
     assert _tier_hits(llm)[0] == 64
     check_block_accounting(llm)
+
+
+def test_a_tier_larger_than_the_free_ram_or_disk_is_refused(tmp_path):
+    import shutil
+
+    import psutil
+
+    from pagedllm.engine.core import check_offloading_fits
+
+    ram = psutil.virtual_memory().available
+    with pytest.raises(ValueError, match="more than the .* GiB of host RAM available"):
+        check_offloading_fits(None, 2 * ram)
+    check_offloading_fits(None, 2**20)
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(ValueError, match=f"of free space under {tmp_path}; pass a smaller --kv-offloading-size"):
+        check_offloading_fits(str(tmp_path / "not" / "made"), 2 * free)
+    check_offloading_fits(str(tmp_path / "not" / "made"), 2**20)
+    assert not (tmp_path / "not").exists()

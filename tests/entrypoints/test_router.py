@@ -145,3 +145,22 @@ def test_router_passes_on_the_key_request_id_and_trace_context():
     assert [host for host, _ in seen] == ["prefill", "decode"]
     for _, headers in seen:
         assert {k: headers.get(k) for k in sent} == {**sent, "x-other": None}
+
+
+def test_router_refuses_an_instance_url_without_scheme_or_host(capsys):
+    import argparse
+
+    import pytest
+
+    parser = argparse.ArgumentParser(prog="pagedllm")
+    router.register(parser.add_subparsers())
+    for flag, url in (("--prefill", "foo"), ("--decode", "localhost:8200"), ("--decode", "http://")):
+        args = ["router", "--prefill", "http://p:8100", "--decode", "http://d:8200", flag, url]
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args(args)
+        assert exc.value.code == 2
+        assert f"argument {flag}: an instance's URL must be http://host:port" in capsys.readouterr().err
+    ok = parser.parse_args(["router", "--prefill", "https://p:8100/v1/", "--decode", "http://d:8200"])
+    assert (ok.prefill, ok.decode) == (["https://p:8100/v1/"], ["http://d:8200"])
+    with pytest.raises(ValueError, match="got 'p:8100'"):
+        router.build_app(["p:8100"], ["http://d:8200"])

@@ -43,6 +43,9 @@ class BlockStore(Protocol):
 
     def drop(self, key: bytes) -> None: ...
 
+    def close(self) -> None:
+        """Free every block (idempotent)."""
+
 
 class HostBlockStore:
     """Blocks in host RAM (a dict of CPU tensors)."""
@@ -62,6 +65,9 @@ class HostBlockStore:
 
     def drop(self, key: bytes) -> None:
         self._blocks.pop(key, None)
+
+    def close(self) -> None:
+        self._blocks.clear()
 
 
 class DiskBlockStore:
@@ -172,10 +178,12 @@ class OffloadingWorker:
             raise RuntimeError("The KV offloading copy thread failed.") from self._error
 
     def close(self) -> None:
-        """Stop the copy thread after the queued work (idempotent)."""
+        """Stop the copy thread after the queued work, then close the store (a
+        ``DiskBlockStore``'s directory is removed); idempotent."""
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join()
+        self.store.close()
 
     def _run(self) -> None:
         while True:
