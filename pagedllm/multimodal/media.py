@@ -36,6 +36,8 @@ def decode_image(data: bytes) -> Any:
         with Image.open(io.BytesIO(data)) as image:
             image.load()
             return image.convert("RGB")
+    except Image.UnidentifiedImageError:  # its message names the BytesIO object: say what it means
+        raise MediaError("the image could not be decoded (not a format Pillow reads: PNG, JPEG, WebP, GIF, ...)") from None
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
         raise MediaError(f"the image could not be decoded ({type(exc).__name__}: {exc})") from None
 
