@@ -30,7 +30,7 @@ from transformers import PretrainedConfig, SiglipVisionConfig
 from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm
 from pagedllm.model_executor.layers.quantization import QuantizationConfig
 from pagedllm.model_executor.models.gemma3 import Gemma3ForCausalLM
-from pagedllm.model_executor.models.llama import load_llama_weights
+from pagedllm.model_executor.models.llava import load_image_text_weights
 from pagedllm.model_executor.models.siglip import SiglipVisionModel
 
 #: Checkpoint name prefixes -> ours (the first that matches renames).
@@ -148,15 +148,5 @@ class Gemma3ForConditionalGeneration(nn.Module):
         Raises:
             ValueError: a tensor with no matching parameter, or a shape mismatch.
         """
-        parts: dict[str, list[tuple[str, torch.Tensor]]] = {"language_model": [], "vision_tower": [], "": []}
-        for name, tensor in weights:
-            name = _renamed(name)
-            head = name.split(".", 1)[0]
-            if head in ("language_model", "vision_tower"):
-                parts[head].append((name[len(head) + 1:], tensor))
-            else:
-                parts[""].append((name, tensor))
-        loaded = {f"language_model.{n}" for n in self.language_model.load_weights(parts["language_model"])}
-        loaded |= {f"vision_tower.{n}" for n in self.vision_tower.load_weights(parts["vision_tower"])}
-        return loaded | load_llama_weights(self, parts[""])
+        return load_image_text_weights(self, weights, _renamed)
 

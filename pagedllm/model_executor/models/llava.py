@@ -16,7 +16,7 @@ The config is the checkpoint's ``text_config`` with the vision keys carried onto
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -138,14 +138,28 @@ class LlavaForConditionalGeneration(nn.Module):
         Raises:
             ValueError: a tensor with no matching parameter, or a shape mismatch.
         """
-        parts: dict[str, list[tuple[str, torch.Tensor]]] = {"language_model": [], "vision_tower": [], "": []}
-        for name, tensor in weights:
-            name = _renamed(name)
-            head = name.split(".", 1)[0]
-            if head in ("language_model", "vision_tower"):
-                parts[head].append((name[len(head) + 1:], tensor))
-            else:
-                parts[""].append((name, tensor))
-        loaded = {f"language_model.{n}" for n in self.language_model.load_weights(parts["language_model"])}
-        loaded |= {f"vision_tower.{n}" for n in self.vision_tower.load_weights(parts["vision_tower"])}
-        return loaded | load_llama_weights(self, parts[""])
+        return load_image_text_weights(self, weights, _renamed)
+
+
+def load_image_text_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                            renamed: Callable[[str], str]) -> set[str]:
+    """Load a vision-tower + projector + language-model checkpoint into ``model`` (Llava,
+    Gemma 3): each name is mapped by ``renamed`` to this model's, then ``language_model.*``
+    goes to ``model.language_model.load_weights``, ``vision_tower.*`` to
+    ``model.vision_tower.load_weights`` and the rest (the projector) to ``model``'s own
+    parameters; returns the parameter names loaded.
+
+    Raises:
+        ValueError: a tensor with no matching parameter, or a shape mismatch.
+    """
+    parts: dict[str, list[tuple[str, torch.Tensor]]] = {"language_model": [], "vision_tower": [], "": []}
+    for name, tensor in weights:
+        name = renamed(name)
+        head = name.split(".", 1)[0]
+        if head in ("language_model", "vision_tower"):
+            parts[head].append((name[len(head) + 1:], tensor))
+        else:
+            parts[""].append((name, tensor))
+    loaded = {f"language_model.{n}" for n in model.language_model.load_weights(parts["language_model"])}
+    loaded |= {f"vision_tower.{n}" for n in model.vision_tower.load_weights(parts["vision_tower"])}
+    return loaded | load_llama_weights(model, parts[""])

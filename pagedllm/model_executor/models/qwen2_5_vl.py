@@ -362,15 +362,7 @@ class Qwen2_5_VLForConditionalGeneration(MRopePositionsMixin, nn.Module):
         Raises:
             ValueError: a tensor with no matching parameter, or a shape mismatch.
         """
-        language, vision = [], []
-        for name, tensor in weights:
-            name = renamed(name)
-            if name.startswith("language_model."):
-                language.append((name[len("language_model."):], tensor))
-            else:
-                vision.append((name, tensor))
-        loaded = {f"language_model.{n}" for n in self.language_model.load_weights(language)}
-        return loaded | load_vision_weights(self, vision)
+        return load_qwen_vl_weights(self, weights)
 
 
 def load_vision_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -397,3 +389,22 @@ def load_vision_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Ten
             loader(param, tensor)
         loaded.add(name)
     return loaded
+
+
+def load_qwen_vl_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Load a Qwen2.5-VL / Qwen3-VL checkpoint (either naming: ``renamed``) into ``model``:
+    ``language_model.*`` to ``model.language_model.load_weights``, the rest to the vision
+    tower (``load_vision_weights``); returns the parameter names loaded.
+
+    Raises:
+        ValueError: a tensor with no matching parameter, or a shape mismatch.
+    """
+    language, vision = [], []
+    for name, tensor in weights:
+        name = renamed(name)
+        if name.startswith("language_model."):
+            language.append((name[len("language_model."):], tensor))
+        else:
+            vision.append((name, tensor))
+    loaded = {f"language_model.{n}" for n in model.language_model.load_weights(language)}
+    return loaded | load_vision_weights(model, vision)

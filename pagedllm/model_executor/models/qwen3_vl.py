@@ -35,8 +35,7 @@ from pagedllm.model_executor.models.qwen2_5_vl import (
     MRopePositionsMixin,
     VisionAttention,
     config_value,
-    load_vision_weights,
-    renamed,
+    load_qwen_vl_weights,
     vision_rotary_cos_sin,
     vision_rotary_inv_freq,
 )
@@ -254,12 +253,4 @@ class Qwen3VLForConditionalGeneration(MRopePositionsMixin, nn.Module):
         Raises:
             ValueError: a tensor with no matching parameter, or a shape mismatch.
         """
-        language, vision = [], []
-        for name, tensor in weights:
-            name = renamed(name)
-            if name.startswith("language_model."):
-                language.append((name[len("language_model."):], tensor))
-            else:
-                vision.append((name, tensor))
-        loaded = {f"language_model.{n}" for n in self.language_model.load_weights(language)}
-        return loaded | load_vision_weights(self, vision)
+        return load_qwen_vl_weights(self, weights)
