@@ -4,6 +4,7 @@ host RAM or disk with the same tokens as the cold run."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -38,9 +39,13 @@ def test_evicted_prefix_comes_back_equal_to_the_cold_run(tiny_llama, tokenizer, 
     # partial block and 8 of its 10 full blocks (stored; other_a's stay cached).
     _run(llm, [other_b])
     assert _tier_hits(llm) == (0, 8)
-    if path is not None:
+    if path is not None:  # one file per block, written by the tier's copy thread (off the step)
         (directory,) = os.listdir(path)
-        assert len(os.listdir(os.path.join(path, directory))) == 8  # one file per block
+        deadline = time.monotonic() + 10
+        while len(os.listdir(os.path.join(path, directory))) < 8:
+            assert time.monotonic() < deadline, os.listdir(os.path.join(path, directory))
+            time.sleep(0.01)
+        assert len(os.listdir(os.path.join(path, directory))) == 8
     again = llm.generate({"prompt_token_ids": shared}, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                          use_tqdm=False)[0]
     assert list(again.outputs[0].token_ids) == cold[0]
