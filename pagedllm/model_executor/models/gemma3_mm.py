@@ -30,7 +30,7 @@ from transformers import PretrainedConfig, SiglipVisionConfig
 from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm
 from pagedllm.model_executor.layers.quantization import QuantizationConfig
 from pagedllm.model_executor.models.gemma3 import Gemma3ForCausalLM
-from pagedllm.model_executor.models.llava import load_image_text_weights
+from pagedllm.model_executor.models.llava import load_image_text_weights, vision_config_as
 from pagedllm.model_executor.models.siglip import SiglipVisionModel
 
 #: Checkpoint name prefixes -> ours (the first that matches renames).
@@ -51,18 +51,12 @@ def _renamed(name: str) -> str:
 
 
 def vision_config_of(config: PretrainedConfig) -> SiglipVisionConfig:
-    """The vision tower's config carried on ``config`` (a config or its dict).
+    """Gemma 3's SigLIP vision config (``vision_config_as``).
 
     Raises:
         ValueError: a vision tower other than SigLIP's.
     """
-    vision = config.vision_config
-    if isinstance(vision, dict):
-        vision = SiglipVisionConfig(**{k: v for k, v in vision.items() if k != "model_type"})
-    if getattr(vision, "model_type", "siglip_vision_model") != "siglip_vision_model":
-        raise ValueError(f"Gemma 3 with a {vision.model_type!r} vision tower is not built "
-                         "(built: siglip_vision_model).")
-    return vision
+    return vision_config_as(config, SiglipVisionConfig, "Gemma 3")
 
 
 class Gemma3MultiModalProjector(nn.Module):

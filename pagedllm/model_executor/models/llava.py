@@ -46,18 +46,30 @@ def _renamed(name: str) -> str:
     return name
 
 
+def vision_config_as(config: PretrainedConfig, config_class: type, model_name: str) -> Any:
+    """The vision tower's config carried on ``config`` (a config or its dict), as
+    ``config_class`` (transformers' vision config class, whose ``model_type`` the tower must
+    have); ``model_name`` names the model in the error.
+
+    Raises:
+        ValueError: a vision tower of another ``model_type``.
+    """
+    built = config_class.model_type
+    vision = config.vision_config
+    if isinstance(vision, dict):
+        vision = config_class(**{k: v for k, v in vision.items() if k != "model_type"})
+    if getattr(vision, "model_type", built) != built:
+        raise ValueError(f"{model_name} with a {vision.model_type!r} vision tower is not built (built: {built}).")
+    return vision
+
+
 def vision_config_of(config: PretrainedConfig) -> CLIPVisionConfig:
-    """The vision tower's config carried on ``config`` (a config or its dict).
+    """Llava's CLIP vision config (``vision_config_as``).
 
     Raises:
         ValueError: a vision tower other than CLIP's.
     """
-    vision = config.vision_config
-    if isinstance(vision, dict):
-        vision = CLIPVisionConfig(**{k: v for k, v in vision.items() if k != "model_type"})
-    if getattr(vision, "model_type", "clip_vision_model") != "clip_vision_model":
-        raise ValueError(f"Llava with a {vision.model_type!r} vision tower is not built (built: clip_vision_model).")
-    return vision
+    return vision_config_as(config, CLIPVisionConfig, "Llava")
 
 
 class LlavaMultiModalProjector(nn.Module):
