@@ -50,7 +50,7 @@ from pagedllm.entrypoints.openai.protocol import (
     DeltaToolCall,
 )
 from pagedllm.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
-from pagedllm.entrypoints.openai.serving_engine import SAMPLING_FIELDS
+from pagedllm.entrypoints.openai.serving_engine import SAMPLING_FIELDS, sse
 from pagedllm.tracing import trace_headers_of
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def _failure(exc: BaseException) -> tuple[int, str]:
 
 def sse_event(name: str, data: dict[str, Any]) -> str:
     """One Server-Sent Event of Anthropic's stream: ``data`` carries ``type`` ``name``."""
-    return f"event: {name}\ndata: {json.dumps({'type': name, **data}, ensure_ascii=False)}\n\n"
+    return sse(json.dumps({"type": name, **data}, ensure_ascii=False), event=name)
 
 
 def anthropic_id(prefix: str) -> str:

@@ -56,9 +56,16 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sse(data: str) -> str:
-    """One Server-Sent Event carrying ``data`` (a JSON text)."""
-    return f"data: {data}\n\n"
+#: Line breaks that JSON leaves unescaped inside strings but that line readers split on
+#: (Python's ``str.splitlines``, so httpx's ``iter_lines``): sent as
+#: ``\\uXXXX`` escapes, the same JSON value, so a generated token holding one cannot cut an event.
+_UNSAFE_LINE_BREAKS = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse(data: str, event: Optional[str] = None) -> str:
+    """One Server-Sent Event carrying ``data`` (a JSON text), named ``event`` if given."""
+    data = data.translate(_UNSAFE_LINE_BREAKS)
+    return f"data: {data}\n\n" if event is None else f"event: {event}\ndata: {data}\n\n"
 
 
 def sse_error(exc: BaseException) -> str:

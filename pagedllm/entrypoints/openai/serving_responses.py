@@ -48,7 +48,7 @@ from pagedllm.entrypoints.openai.responses_conversion import chat_request, input
 from pagedllm.entrypoints.openai.responses_protocol import NamedToolChoice, ResponsesRequest
 from pagedllm.entrypoints.openai.responses_store import ResponsesStore, StoredResponse
 from pagedllm.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
-from pagedllm.entrypoints.openai.serving_engine import SAMPLING_FIELDS, sse_error
+from pagedllm.entrypoints.openai.serving_engine import SAMPLING_FIELDS, sse, sse_error
 
 logger = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ class _Sequence:
     def event(self, name: str, data: dict[str, Any]) -> str:
         body = {"type": name, "sequence_number": self.number, **data}
         self.number += 1
-        return f"event: {name}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return sse(json.dumps(body, ensure_ascii=False), event=name)
 
     def error(self, exc: BaseException) -> str:
         """The ``error`` event of a failure (the message, type and param of OpenAI's error JSON)."""

@@ -135,3 +135,20 @@ def test_one_gpt2_byte_map(parts):
         str(p.relative_to(package)) for p in package.rglob("*.py") if "bytes_to_unicode" in p.read_text()
     )
     assert defining == ["tokenizer.py"]
+
+
+@pytest.mark.parametrize("event", [None, "response.output_text.delta"])
+def test_sse_events_survive_line_readers_that_split_on_unicode_breaks(event):
+    """A generated token holding U+2028, U+2029 or U+0085 stays inside its event: httpx's
+    ``iter_lines`` (``str.splitlines``) reads the event as its lines, and the JSON value is the text."""
+    import json
+
+    import httpx
+
+    text = "a\u2028b\u2029c\x85d"
+    wire = serving_engine.sse(json.dumps({"text": text}, ensure_ascii=False), event=event)
+    lines = [line for line in httpx.Response(200, content=wire.encode()).iter_lines() if line]
+    assert len(lines) == (1 if event is None else 2), lines
+    assert json.loads(lines[-1].removeprefix("data: ")) == {"text": text}
+    if event is not None:
+        assert lines[0] == f"event: {event}"

@@ -36,6 +36,19 @@ def soak_server(tiny_llama):
         remote.close()
 
 
+async def _sse_events(response: httpx.Response):
+    """The ``data:`` payloads of an SSE stream, split on the blank line that ends each event
+    (not httpx's ``aiter_lines``, which also splits inside a chunk whose text holds U+2028 or
+    U+0085: JSON leaves those unescaped)."""
+    buffer = b""
+    async for data in response.aiter_bytes():
+        buffer += data
+        *complete, buffer = buffer.split(b"\n\n")
+        for event in complete:
+            if event:
+                yield event.decode().removeprefix("data: ")
+
+
 async def _one(http: httpx.AsyncClient, rng: random.Random) -> str:
     """Send one streamed completion; returns "200", "200-timeout", "disconnect" or "429"."""
     body = {"model": MODEL_NAME, "prompt": [rng.randrange(3, 1000) for _ in range(rng.randrange(4, 60))],
@@ -48,15 +61,16 @@ async def _one(http: httpx.AsyncClient, rng: random.Random) -> str:
             return "429"
         assert response.status_code == 200, await response.aread()
         events = []
-        async for line in response.aiter_lines():
-            if not line:
-                continue
-            events.append(line.removeprefix("data: "))
+        async for event in _sse_events(response):
+            events.append(event)
             if disconnect:
                 return "disconnect"
         assert events[-1] == "[DONE]", events[-3:]
-        if len(events) > 1 and '"error"' in events[-2]:
-            assert json.loads(events[-2])["error"]["code"] == "timeout", events[-2]
+        # The error event is the object {"error": ...}; a chunk whose text is the token "error"
+        # also holds the substring '"error"', so the event is parsed, not searched.
+        last = json.loads(events[-2]) if len(events) > 1 else {}
+        if "error" in last:
+            assert last["error"]["code"] == "timeout", events[-2]
             return "200-timeout"
         return "200"
 
