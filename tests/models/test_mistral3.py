@@ -4,9 +4,13 @@ runs are cut across chunks, mid-row too) and prefix caching: greedy output token
 transformers float32 with one image, two images of different sizes (6 x 5 and 3 x 6 tokens:
 different [IMG_BREAK] patterns) and a text-only prompt; the two-image prompt's logprobs close to
 transformers'; the same image again hits the prefix cache, another image with the same text
-hits nothing; then the block and encoder-cache accounting checks."""
+hits nothing; then the block and encoder-cache accounting checks. One chat request with a
+``data:`` URL image through a real ``pagedllm serve`` gives transformers' reply."""
 
 from __future__ import annotations
+
+import base64
+import io
 
 import torch
 
@@ -19,6 +23,7 @@ from tests.multimodal.checkpoints import (
     mistral3_checkpoint,
     random_image,
 )
+from tests.server_utils import RemoteServer
 
 MAX_TOKENS = 5
 ONE_IMAGE = "Describe [IMG]"
@@ -66,3 +71,25 @@ def test_mistral3_images_match_transformers(tmp_path_factory):
     check_block_accounting(llm)
     manager = llm.llm_engine.engine_core.scheduler.encoder_cache_manager
     assert not any(manager.cached.values()), "an encoder-cache entry is still referenced"
+
+
+def test_a_chat_image_url_gives_transformers_reply(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    path = mistral3_checkpoint(tmp_path_factory)
+    buffer = io.BytesIO()
+    random_image(64, 30, seed=2).save(buffer, format="PNG")
+    rendered = "<|im_start|>user\n[IMG]\nWhat is this?<|im_end|>\n<|im_start|>assistant\n"
+    decoded = random_image(64, 30, seed=2)  # PNG is lossless: the same pixels
+    expected = AutoTokenizer.from_pretrained(path).decode(hf_mistral3_greedy(path, rendered, [decoded], MAX_TOKENS))
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    remote = RemoteServer(path, "--served-model-name", "mistral3", "--dtype", "float32")
+    try:
+        response = remote.client().chat.completions.create(
+            model="mistral3", messages=messages, max_completion_tokens=MAX_TOKENS, temperature=0.0,
+            extra_body={"ignore_eos": True})
+    finally:
+        remote.close()
+    assert response.choices[0].message.content == expected
