@@ -4,7 +4,7 @@ runs are cut across chunks, mid-row too) and prefix caching: greedy output token
 transformers float32 with one image, two images of different sizes (6 x 5 and 3 x 6 tokens:
 different [IMG_BREAK] patterns) and a text-only prompt; the two-image prompt's logprobs close to
 transformers'; the same image again hits the prefix cache, another image with the same text
-hits nothing; then the block and encoder-cache accounting checks. One chat request with a
+hits nothing; a prompt with fewer [IMG] than images is refused; then the block and encoder-cache accounting checks. One chat request with a
 ``data:`` URL image through a real ``pagedllm serve`` gives transformers' reply."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import io
 
+import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
@@ -68,6 +69,8 @@ def test_mistral3_images_match_transformers(tmp_path_factory):
     assert again.num_cached_tokens >= 32, "the same image and text did not hit the prefix cache"
     assert list(changed.outputs[0].token_ids) == expected_other
     assert changed.num_cached_tokens == 0, "another image with the same text hit the first image's blocks"
+    with pytest.raises(ValueError, match=r"1 \[IMG\] placeholders for 2 image"):
+        llm.generate([_prompt(ONE_IMAGE, [tall, wide])], params, use_tqdm=False)
     check_block_accounting(llm)
     manager = llm.llm_engine.engine_core.scheduler.encoder_cache_manager
     assert not any(manager.cached.values()), "an encoder-cache entry is still referenced"

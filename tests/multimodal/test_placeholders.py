@@ -2,9 +2,12 @@
 row and [IMG_END] last): the range covers the whole run and flags the image-token positions
 (``is_embed``); a chunk of the run takes the right slice of the image's embeddings at the right
 positions; the encoder cache and the encoder budget count embeddings, not run tokens; the flags
-survive the engine's msgpack encoding; a run that does not match its image is refused."""
+survive the engine's msgpack encoding; a Pixtral image's largest embedding count comes from its
+processor's longest edge; a run that does not match its image is refused."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -12,6 +15,7 @@ import pytest
 from pagedllm.core.encoder_cache_manager import EncoderCacheManager, schedule_encoder_inputs
 from pagedllm.core.request import Request
 from pagedllm.messages.engine_core import EngineCoreRequest
+from pagedllm.multimodal.budget import max_tokens_per_mm_item
 from pagedllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from pagedllm.multimodal.processing import placeholder_ranges
 from pagedllm.sampling_params import SamplingParams
@@ -55,6 +59,13 @@ def test_the_encoder_cache_and_budget_count_embeddings():
     assert manager.num_free_slots == 0
     manager.free(request)
     assert manager.freeable == {"x": 6}
+
+
+def test_a_pixtral_image_is_at_most_its_longest_edge_in_embeddings():
+    config = SimpleNamespace(architectures=["Mistral3ForConditionalGeneration"], spatial_merge_size=2,
+                             vision_config={"patch_size": 14, "image_size": 1540})
+    assert max_tokens_per_mm_item(config) == 55**2  # 1540 pixels a side, 28 per embedding
+    assert max_tokens_per_mm_item(config, mm_processor_kwargs={"size": {"longest_edge": 560}}) == 20**2
 
 
 def test_the_flags_survive_the_engine_encoding():
