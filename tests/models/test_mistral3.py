@@ -4,8 +4,10 @@ runs are cut across chunks, mid-row too) and prefix caching: greedy output token
 transformers float32 with one image, two images of different sizes (6 x 5 and 3 x 6 tokens:
 different [IMG_BREAK] patterns) and a text-only prompt; the two-image prompt's logprobs close to
 transformers'; the same image again hits the prefix cache, another image with the same text
-hits nothing; a prompt with fewer [IMG] than images is refused; then the block and encoder-cache accounting checks. One chat request with a
-``data:`` URL image through a real ``pagedllm serve`` gives transformers' reply."""
+hits nothing; a prompt with fewer [IMG] than images is refused; then the block and
+encoder-cache accounting checks. Too few blocks for three two-image prompts: they are preempted
+and recomputed to the same tokens. One chat request with a ``data:`` URL image through a real
+``pagedllm serve`` gives transformers' reply."""
 
 from __future__ import annotations
 
@@ -96,3 +98,21 @@ def test_a_chat_image_url_gives_transformers_reply(tmp_path_factory):
     finally:
         remote.close()
     assert response.choices[0].message.content == expected
+
+
+#: Bytes of one KV block of the tiny model at block size 8 (2 layers, K and V, 2 heads of 16, float32).
+BLOCK_BYTES = 2 * 2 * 8 * 2 * 16 * 4
+
+
+def test_preemption_recomputes_with_images(tmp_path_factory):
+    path = mistral3_checkpoint(tmp_path_factory)
+    images = [random_image(40, 50, seed=1), random_image(64, 30, seed=2), random_image(30, 30, seed=4)]
+    # Each prompt is about 60 tokens with 12 outputs (9 to 10 blocks): two outgrow 16 blocks while decoding.
+    prompts = [_prompt(TWO_IMAGES, [images[i], images[(i + 1) % 3]]) for i in range(3)]
+    expected = [hf_mistral3_greedy(path, TWO_IMAGES, p["multi_modal_data"]["image"], 12) for p in prompts]
+    llm = LLM(str(path), dtype="float32", block_size=8, max_model_len=96, enable_prefix_caching=False,
+              kv_cache_memory_bytes=16 * BLOCK_BYTES)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0, "the scenario did not preempt"
+    check_block_accounting(llm)
