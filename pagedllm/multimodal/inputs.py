@@ -3,9 +3,11 @@
 
 ``MultiModalFeatureSpec`` is one item (an image): its modality, its content hash
 (``identifier``, vLLM's ``mm_hash``), the run of placeholder tokens it fills in the prompt
-(``PlaceholderRange``, vLLM's ``mm_position``) and the processor's tensors of that item alone
-(``TensorData``, name -> array; ``pixel_values`` [1, 3, H, W] for Llava and Gemma 3), which the model
-runner turns back into tensors for the vision encoder.
+(``PlaceholderRange``, vLLM's ``mm_position``, with its ``is_embed`` flags when the run holds
+tokens that keep their own embedding) and the processor's tensors of that item alone
+(``TensorData``, name -> array; ``pixel_values`` [1, 3, H, W] for Llava and Gemma 3, plus
+``image_sizes`` [1, 2] for Mistral 3), which the model runner turns back into tensors for the
+vision encoder.
 """
 
 from __future__ import annotations
