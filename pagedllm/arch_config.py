@@ -198,6 +198,8 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
     # The Llama language model of a Llava checkpoint (``language_model_config``: its
     # ``text_config``, with ``IMAGE_TEXT_ARCHITECTURES``' vision keys carried onto it).
     "LlavaForConditionalGeneration": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
+    # The Mistral language model of a Mistral 3 (Pixtral vision tower) checkpoint.
+    "Mistral3ForConditionalGeneration": ArchConfig("mistral", _LLAMA_FAMILY_KEYS | {"sliding_window"}, "all"),
     # The Qwen2 / Qwen3 language models of Qwen2.5-VL / Qwen3-VL (multimodal RoPE: the
     # ``mrope_section`` of their ``rope_parameters``).
     "Qwen2_5_VLForConditionalGeneration": ArchConfig(
@@ -340,6 +342,10 @@ IMAGE_TEXT_ARCHITECTURES: dict[str, tuple[str, ...]] = {
     "Qwen3VLForConditionalGeneration": _QWEN_VL_KEYS,
     "Gemma3ForConditionalGeneration": (
         "vision_config", "image_token_index", "boi_token_index", "eoi_token_index", "mm_tokens_per_image",
+    ),
+    "Mistral3ForConditionalGeneration": (
+        "vision_config", "image_token_index", "projector_hidden_act", "vision_feature_layer",
+        "multimodal_projector_bias", "spatial_merge_size",
     ),
 }
 

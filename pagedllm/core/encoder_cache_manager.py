@@ -1,7 +1,8 @@
 """Which multimodal items' encoder outputs the model runner holds (plain Python; no torch),
 as vLLM's ``EncoderCacheManager``.
 
-The cache is counted in embeddings (one per placeholder token), ``cache_size`` of them. An
+The cache is counted in embeddings (``PlaceholderRange.num_embeds``: one per placeholder
+token, or per flagged one of an item whose run also holds other tokens), ``cache_size`` of them. An
 item enters when the scheduler schedules its encoder run (``allocate``), keyed by its content
 hash, so two requests with the same image share one entry; each request that needs it holds a
 reference until every chunk of its placeholder tokens has run (``free_encoder_input``). An
@@ -57,7 +58,7 @@ class EncoderCacheManager:
             self.cached[feature.identifier].add((request.request_id, input_id))
             self.freeable.pop(feature.identifier, None)
             return
-        size = feature.mm_position.length
+        size = feature.mm_position.num_embeds
         if not self.can_allocate(size):
             raise ValueError(f"An item of {size} embeddings does not fit in the encoder cache ({self.cache_size}).")
         while self.num_free_slots < size:
@@ -77,7 +78,7 @@ class EncoderCacheManager:
             return
         holders.discard((request.request_id, input_id))
         if not holders:
-            self.freeable[feature.identifier] = feature.mm_position.length
+            self.freeable[feature.identifier] = feature.mm_position.num_embeds
 
     def free(self, request: Request) -> None:
         """Drop every reference ``request`` holds."""
@@ -96,7 +97,7 @@ def schedule_encoder_inputs(
 ) -> tuple[list[int], int, int]:
     """The encoder runs a step needs for ``request``'s tokens ``num_computed_tokens`` ..
     ``+ num_new_tokens``, as vLLM's ``_try_schedule_encoder_inputs``: each item whose
-    placeholder tokens overlap them and that is not cached runs, if its embeddings fit in
+    placeholder tokens overlap them and that is not cached runs, if its embeddings (``num_embeds``) fit in
     ``encoder_budget`` (embeddings the step's encoder may still compute) and in the cache;
     otherwise the step stops before that item's first token (0 tokens when it is the first).
     Items whose tokens are all computed are skipped (their KV exists); a cached item gains this
@@ -111,6 +112,7 @@ def schedule_encoder_inputs(
     end = num_computed_tokens + num_new_tokens
     for i, feature in enumerate(request.mm_features):
         start, length = feature.mm_position.offset, feature.mm_position.length
+        num_embeds = feature.mm_position.num_embeds
         if start >= end:
             break
         if start + length <= num_computed_tokens:
@@ -119,11 +121,11 @@ def schedule_encoder_inputs(
             return to_run, max(start - num_computed_tokens, 0), encoder_budget
         if manager.check_and_update_cache(request, i):
             continue
-        if length > encoder_budget or not manager.can_allocate(length + sum(
-                request.mm_features[j].mm_position.length for j in to_run)):
+        if num_embeds > encoder_budget or not manager.can_allocate(num_embeds + sum(
+                request.mm_features[j].mm_position.num_embeds for j in to_run)):
             return to_run, max(start - num_computed_tokens, 0), encoder_budget
         to_run.append(i)
-        encoder_budget -= length
+        encoder_budget -= num_embeds
     return to_run, num_new_tokens, encoder_budget
 
 

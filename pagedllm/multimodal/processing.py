@@ -11,10 +11,18 @@ The Qwen-VL processors load their video processor, which needs torchvision, with
 one; ``QwenVLImageProcessing`` is their image path alone, from the checkpoint's image
 processor and tokenizer (transformers' ``Qwen2_5_VLProcessor`` / ``Qwen3VLProcessor`` for
 images: each image placeholder expanded to ``grid_thw.prod() / merge_size^2`` tokens).
+transformers' ``PixtralProcessor`` (Mistral 3) needs torchvision too; ``PixtralImageProcessing``
+is the same rule on the checkpoint's image processor (its Pillow variant without torchvision)
+and tokenizer.
+
+An image's placeholder run may hold tokens that keep their own embedding (Pixtral's
+[IMG_BREAK] after each row of [IMG] tokens and [IMG_END] last): its ``PlaceholderRange``
+then covers the whole run and flags the image-token positions in ``is_embed``.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -46,6 +54,9 @@ class ItemLayout:
         prompt_token_key: the config key holding the token a prompt (and the chat template)
             writes for an image, when it is not the placeholder (Gemma 3's ``<start_of_image>``,
             which the processor expands to its image tokens); None: the placeholder itself.
+        run_token_ids: the processor -> the other token ids inside an image's placeholder run,
+            which keep their own embedding (Pixtral's [IMG_BREAK], [IMG_END]); None: the run is
+            the image token alone. ``item_tokens`` then counts the whole run.
     """
 
     image_token_key: str
@@ -55,6 +66,7 @@ class ItemLayout:
     load_processor: Callable[[Path, bool], Any] = _auto_processor
 
     prompt_token_key: Optional[str] = None
+    run_token_ids: Optional[Callable[[Any], Sequence[int]]] = None
 
 class QwenVLImageProcessing:
     """The Qwen-VL processors' image path (see the module docstring), called as the processor:
@@ -101,6 +113,80 @@ class QwenVLImageProcessing:
         return {**kwargs, "size": size}
 
 
+class PixtralImageProcessing:
+    """transformers' ``PixtralProcessor`` for images (see the module docstring), called as the
+    processor: ``(text=[prompt], images=[...], return_tensors="pt", add_special_tokens=...,
+    **kwargs)`` -> ``input_ids`` [1, L], ``pixel_values`` [N, C, H_max, W_max] (padded to the
+    largest image) and ``image_sizes`` [N, 2] (height, width in pixels, multiples of
+    ``patch_size * spatial_merge_size``); ``kwargs`` (``size`` ...) go to the image processor.
+    Each ``image_token`` of the prompt becomes, per row of the image's tokens, one
+    ``image_token`` per column then ``image_break_token``, the last break ``image_end_token``.
+    ``patch_size``, ``spatial_merge_size`` and the three tokens are processor_config.json's,
+    else the model's config.json (``vision_config.patch_size``, ``spatial_merge_size``) and
+    transformers' defaults ([IMG], [IMG_BREAK], [IMG_END]).
+
+    Raises (when called):
+        ValueError: the prompt's image tokens are not one per image.
+    """
+
+    def __init__(self, path: Path, trust_remote_code: bool = False) -> None:
+        from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+
+        self.image_processor = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        options_path = Path(path) / "processor_config.json"
+        options = json.loads(options_path.read_text()) if options_path.is_file() else {}
+        if "patch_size" not in options or "spatial_merge_size" not in options:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+            options = {"patch_size": config.vision_config.patch_size,
+                       "spatial_merge_size": config.spatial_merge_size, **options}
+        self.token_side = int(options["patch_size"]) * int(options["spatial_merge_size"])
+        self.image_token = options.get("image_token", "[IMG]")
+        self.image_break_token = options.get("image_break_token", "[IMG_BREAK]")
+        self.image_end_token = options.get("image_end_token", "[IMG_END]")
+        #: The ids of [IMG_BREAK] and [IMG_END] (the run's tokens besides [IMG]).
+        self.run_token_ids = tuple(self.tokenizer.convert_tokens_to_ids(t)
+                                   for t in (self.image_break_token, self.image_end_token))
+
+    def __call__(self, text: list[str], images: list, return_tensors: str = "pt", add_special_tokens: bool = True,
+                 **kwargs: Any) -> dict[str, torch.Tensor]:
+        outputs = dict(self.image_processor(images=images, return_tensors=return_tensors,
+                                            patch_size=self.token_side, **kwargs))
+        pieces = text[0].split(self.image_token)
+        if len(pieces) - 1 != len(images):
+            raise ValueError(f"the prompt has {len(pieces) - 1} {self.image_token} placeholders for {len(images)} image(s)")
+        runs = [self._run(int(h), int(w)) for h, w in outputs["image_sizes"].tolist()]
+        prompt = pieces[0] + "".join(run + piece for run, piece in zip(runs, pieces[1:]))
+        ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+        return {"input_ids": torch.tensor([ids]), **outputs}
+
+    def _run(self, height: int, width: int) -> str:
+        rows, cols = height // self.token_side, width // self.token_side
+        row = self.image_token * cols + self.image_break_token
+        return row * (rows - 1) + self.image_token * cols + self.image_end_token
+
+
+def _split_by_sizes(outputs: Mapping[str, torch.Tensor], num_items: int) -> list[dict[str, torch.Tensor]]:
+    """Pixtral's layout: ``pixel_values`` [N, C, H_max, W_max], image i row i cropped to its
+    ``image_sizes[i]`` (the padding of the batch is not the image's); ``image_sizes`` [N, 2]."""
+    sizes = outputs["image_sizes"]
+    if sizes.shape[0] != num_items:
+        raise ValueError(f"the processor made {sizes.shape[0]} images of {num_items}")
+    items = []
+    for i, (height, width) in enumerate(sizes.tolist()):
+        pixels = outputs["pixel_values"][i : i + 1, :, :height, :width].contiguous()
+        items.append({"pixel_values": pixels, "image_sizes": sizes[i : i + 1]})
+    return items
+
+
+def _pixtral_run_tokens(item: Mapping[str, torch.Tensor], hf_config: Any) -> int:
+    """An image's run: rows x (columns + 1) tokens (one [IMG_BREAK] / [IMG_END] per row)."""
+    vision = hf_config.vision_config
+    side = (vision["patch_size"] if isinstance(vision, dict) else vision.patch_size) * hf_config.spatial_merge_size
+    height, width = item["image_sizes"][0].tolist()
+    return (height // side) * (width // side + 1)
+
+
 def _split_by_grid(outputs: Mapping[str, torch.Tensor], num_items: int) -> list[dict[str, torch.Tensor]]:
     """Qwen-VL's layout: ``pixel_values`` [sum of patches, ...], image i the next
     ``image_grid_thw[i].prod()`` rows; ``image_grid_thw`` [N, 3]."""
@@ -136,17 +222,24 @@ MULTIMODAL_LAYOUTS: dict[str, ItemLayout] = {
     "Qwen3VLForConditionalGeneration": _QWEN_VL_LAYOUT,
     "Gemma3ForConditionalGeneration": ItemLayout("image_token_index", _split_batched,
                                                  prompt_token_key="boi_token_index"),
+    "Mistral3ForConditionalGeneration": ItemLayout(
+        "image_token_index", _split_by_sizes, _pixtral_run_tokens, load_processor=PixtralImageProcessing,
+        run_token_ids=lambda processor: processor.run_token_ids),
 }
 
 
-def placeholder_ranges(token_ids: Sequence[int], token_id: int, lengths: Sequence[int]) -> list[PlaceholderRange]:
-    """The positions of each item's placeholder tokens: the runs of ``token_id`` in
-    ``token_ids``, taken in order, ``lengths[i]`` tokens for item i (adjacent images share a run).
+def placeholder_ranges(token_ids: Sequence[int], token_id: int, lengths: Sequence[int],
+                       run_token_ids: Sequence[int] = ()) -> list[PlaceholderRange]:
+    """The positions of each item's placeholder tokens: the runs of ``token_id`` (and of
+    ``run_token_ids``, the tokens inside a run that keep their own embedding) in
+    ``token_ids``, taken in order, ``lengths[i]`` tokens for item i (adjacent images share a
+    run); a range holding ``run_token_ids`` flags its ``token_id`` positions in ``is_embed``.
 
     Raises:
         ValueError: the runs do not hold exactly ``sum(lengths)`` tokens in items' lengths.
     """
-    positions = [i for i, t in enumerate(token_ids) if t == token_id]
+    run_ids = {token_id, *run_token_ids}
+    positions = [i for i, t in enumerate(token_ids) if t in run_ids]
     if len(positions) != sum(lengths):
         raise ValueError(f"the prompt has {len(positions)} image placeholder tokens for {len(lengths)} image(s) "
                          f"of {sum(lengths)} tokens in all")
@@ -155,7 +248,8 @@ def placeholder_ranges(token_ids: Sequence[int], token_id: int, lengths: Sequenc
         run = positions[start : start + length]
         if run[-1] - run[0] != length - 1:
             raise ValueError("an image's placeholder tokens are not contiguous in the prompt")
-        ranges.append(PlaceholderRange(run[0], length))
+        is_embed = tuple(token_ids[p] == token_id for p in run)
+        ranges.append(PlaceholderRange(run[0], length, None if all(is_embed) else is_embed))
         start += length
     return ranges
 
@@ -170,8 +264,8 @@ class MultiModalProcessor:
         trust_remote_code: passed to ``AutoProcessor``.
         default_kwargs: ``--mm-processor-kwargs``: options of every call (a request's own
             ``mm_processor_kwargs`` go over them).
-        max_tokens_per_item: the most placeholder tokens an image may fill (the encoder
-            cache's size; None: no limit).
+        max_tokens_per_item: the most embeddings an image may have (the encoder cache's
+            size; None: no limit).
     """
 
     def __init__(self, model_path: Path, architecture: str, hf_config: Any, trust_remote_code: bool = False,
@@ -180,6 +274,7 @@ class MultiModalProcessor:
         self.hf_config = hf_config
         self.image_token_id = int(getattr(hf_config, self.layout.image_token_key))
         self.processor = self.layout.load_processor(model_path, trust_remote_code)
+        self.run_token_ids = tuple(self.layout.run_token_ids(self.processor)) if self.layout.run_token_ids else ()
         self.default_kwargs = dict(default_kwargs or {})
         self.max_tokens_per_item = max_tokens_per_item
 
@@ -207,12 +302,13 @@ class MultiModalProcessor:
                 lengths = [self._num_placeholders(token_ids, len(items))] * len(items)
             else:
                 lengths = [self.layout.item_tokens(item, self.hf_config) for item in items]
-            ranges = placeholder_ranges(token_ids, self.image_token_id, lengths)
+            ranges = placeholder_ranges(token_ids, self.image_token_id, lengths, self.run_token_ids)
         except ValueError as exc:
             raise ValueError(f"The prompt does not match its images: {exc}.") from None
         limit = self.max_tokens_per_item
-        if limit is not None and max(lengths, default=0) > limit:
-            raise ValueError(f"An image of {max(lengths)} tokens is larger than the encoder cache ({limit} embeddings, "
+        largest = max((r.num_embeds for r in ranges), default=0)
+        if limit is not None and largest > limit:
+            raise ValueError(f"An image of {largest} tokens is larger than the encoder cache ({limit} embeddings, "
                              "--max-num-batched-tokens): send a smaller image or lower max_pixels.")
         features = [
             MultiModalFeatureSpec("image", hash_item(item), position,

@@ -20,7 +20,8 @@ so no stage waits for the last one and several steps (micro-batches) can be in f
 An image-text model (one with ``get_multimodal_embeddings``): before the forward, the runner
 runs the vision encoder on the step's ``scheduled_encoder_inputs`` and keeps each image's
 embeddings in its encoder cache (by content hash, until ``free_encoder_mm_hashes`` drops
-them); the step's token embeddings then get, at each scheduled placeholder position, the row
+them); the step's token embeddings then get, at each scheduled placeholder position that takes
+one (``PlaceholderRange.embeds_in``: all of them, or those its ``is_embed`` flags), the next row
 of its image's embeddings, and the model runs on ``inputs_embeds`` (``_multimodal_embeds``).
 
 A model with multimodal RoPE (one with ``get_mrope_input_positions``: Qwen2.5-VL, Qwen3-VL)
@@ -641,7 +642,7 @@ class ModelRunner:
         time, into ``encoder_cache``.
 
         Raises:
-            ValueError: an image's embeddings are not as many as its placeholder tokens.
+            ValueError: an image's embeddings are not as many as its placeholders take (``num_embeds``).
         """
         names = self.model.mm_input_names
         for req_id, input_ids in so.scheduled_encoder_inputs.items():
@@ -649,17 +650,17 @@ class ModelRunner:
                 feature = self._mm_features[req_id][input_id]
                 inputs = {name: feature.data[name].to_tensor().to(self.device) for name in names}
                 embeds = self.model.get_multimodal_embeddings(**inputs)[0]
-                if embeds.shape[0] != feature.mm_position.length:
+                if embeds.shape[0] != feature.mm_position.num_embeds:
                     raise ValueError(f"An image's encoder gave {embeds.shape[0]} embeddings for its "
-                                     f"{feature.mm_position.length} placeholder tokens.")
+                                     f"{feature.mm_position.num_embeds} placeholder tokens.")
                 self.encoder_cache[feature.identifier] = embeds
 
     def _multimodal_embeds(self, so: SchedulerOutput, order: list[str], computed: np.ndarray, num_sched: np.ndarray,
                            starts: np.ndarray, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
         """An image-text model's step inputs (first pipeline stage): the token embeddings of
-        ``input_ids`` [T] with, at every scheduled placeholder position, its image's embedding
-        row (from ``encoder_cache``, after ``_run_encoders``); None when no request of the step
-        has an image (the model embeds the tokens itself)."""
+        ``input_ids`` [T] with, at every scheduled placeholder position that takes an embedding,
+        its image's embedding row (from ``encoder_cache``, after ``_run_encoders``); None when no
+        request of the step has an image (the model embeds the tokens itself)."""
         if not self._mm_features or not self.pp.is_first_rank or not hasattr(self.model, "get_multimodal_embeddings"):
             return None
         self._run_encoders(so)
@@ -667,12 +668,11 @@ class ModelRunner:
         for i, req_id in enumerate(order):
             first, last = int(computed[i]), int(computed[i] + num_sched[i])
             for feature in self._mm_features.get(req_id, ()):
-                start, end = feature.mm_position.offset, feature.mm_position.end
-                lo, hi = max(start, first), min(end, last)
-                if lo >= hi:
+                positions, lo, hi = feature.mm_position.embeds_in(first, last)
+                if not positions:
                     continue
-                chunks.append(self.encoder_cache[feature.identifier][lo - start : hi - start])
-                rows.append(torch.arange(hi - lo) + int(starts[i]) + lo - first)
+                chunks.append(self.encoder_cache[feature.identifier][lo:hi])
+                rows.append(torch.tensor(positions) + int(starts[i]) - first)
         if not rows:
             return None
         embeds = self.model.embed_input_ids(input_ids)

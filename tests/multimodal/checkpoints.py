@@ -12,12 +12,19 @@ it, weights drawn as ``tests.fixtures.checkpoints``':
   ``<image_soft_token>``, and a ``Gemma3Processor`` (images resized to 32 x 32; a prompt's
   ``<start_of_image>`` becomes the image's 16 soft tokens between the two markers); the text
   embeddings scaled down to the images' size, so images change the greedy output.
+- Mistral 3: a Pixtral vision tower (4 x 4 patches, 2 layers, 2-D rope) merged 2 x 2, so one
+  embedding per 8 x 8 pixels, and a Mistral language model (hidden 64, 2 layers) over the tests'
+  tokenizer plus ``[IMG]``, ``[IMG_BREAK]`` and ``[IMG_END]``, the Pillow ``PixtralImageProcessor``
+  (longest side 48 pixels, sides rounded up to 8) and the processor_config.json of transformers'
+  ``PixtralProcessor`` (which needs torchvision, absent here: ``hf_mistral3_inputs`` applies its
+  rule); the projector's output scaled up, so images change the greedy output.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import json
 from pathlib import Path
 
 import numpy as np
@@ -252,3 +259,88 @@ def hf_log_softmax(path: Path, prompt: str, images: list, continuation: list[int
     with torch.no_grad():
         logits = model(**inputs).logits[0]
     return torch.log_softmax(logits.float(), dim=-1), num_prompt
+
+
+#: Mistral 3's image tokens (transformers' ``PixtralProcessor`` defaults) and its processor options.
+PIXTRAL_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+PIXTRAL_PATCH, PIXTRAL_MERGE, PIXTRAL_LONGEST_EDGE = 4, 2, 48
+
+
+def make_mistral3_checkpoint(out: Path, seed: int = 41) -> Path:
+    """Write the Mistral 3 checkpoint, tokenizer, image processor and processor_config.json to
+    ``out``; returns ``out``."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig
+    from transformers import PixtralImageProcessorPil, PixtralVisionConfig
+    from transformers.initialization import no_init_weights
+
+    from tests.fixtures.checkpoints import _init_weights, build_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = copy.deepcopy(build_tokenizer())
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *PIXTRAL_TOKENS]})
+    vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 image_size=PIXTRAL_LONGEST_EDGE, patch_size=PIXTRAL_PATCH)
+    text = MistralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, intermediate_size=128, vocab_size=len(tokenizer), max_position_embeddings=2048,
+                         sliding_window=None, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    config = Mistral3Config(vision_config=vision, text_config=text, spatial_merge_size=PIXTRAL_MERGE,
+                            image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), tie_word_embeddings=False)
+    config.architectures = ["Mistral3ForConditionalGeneration"]
+    with no_init_weights():
+        model = Mistral3ForConditionalGeneration(config)
+    _init_weights(model, seed)
+    with torch.no_grad():
+        model.model.multi_modal_projector.linear_2.weight.mul_(8.0)
+    model.eval().save_pretrained(out)
+    side = PIXTRAL_PATCH * PIXTRAL_MERGE
+    PixtralImageProcessorPil(size={"longest_edge": PIXTRAL_LONGEST_EDGE},
+                             patch_size={"height": side, "width": side}).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "processor_config.json").write_text(json.dumps({
+        "processor_class": "PixtralProcessor", "patch_size": PIXTRAL_PATCH, "spatial_merge_size": PIXTRAL_MERGE,
+        "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}))
+    return out
+
+
+def mistral3_checkpoint(tmp_path_factory) -> Path:
+    """``make_mistral3_checkpoint`` once per test session, under pytest's tmp."""
+    if "mistral3" not in _CHECKPOINTS:
+        _CHECKPOINTS["mistral3"] = make_mistral3_checkpoint(tmp_path_factory.mktemp("mistral3"))
+    return _CHECKPOINTS["mistral3"]
+
+
+def hf_mistral3_inputs(path: Path, prompt: str, images: list) -> dict:
+    """transformers' Mistral 3 inputs of ``prompt`` (one ``[IMG]`` per image) with ``images``:
+    the checkpoint's image processor, then ``PixtralProcessor``'s expansion of each ``[IMG]`` to
+    rows of ``[IMG]`` x columns + ``[IMG_BREAK]``, the last break ``[IMG_END]``, tokenized."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    side = PIXTRAL_PATCH * PIXTRAL_MERGE
+    inputs = dict(AutoImageProcessor.from_pretrained(path)(images, patch_size=side, return_tensors="pt")) if images else {}
+    pieces = prompt.split("[IMG]")
+    assert len(pieces) - 1 == len(images)
+    text = pieces[0]
+    for (height, width), piece in zip(inputs.get("image_sizes", torch.empty(0, 2)).tolist(), pieces[1:]):
+        rows = [["[IMG]"] * (width // side) + ["[IMG_BREAK]"] for _ in range(height // side)]
+        tokens = [t for row in rows for t in row]
+        tokens[-1] = "[IMG_END]"
+        text += "".join(tokens) + piece
+    inputs["input_ids"] = torch.tensor([tokenizer(text)["input_ids"]])
+    return inputs
+
+
+@functools.lru_cache(maxsize=1)
+def _hf_mistral3(path: Path):
+    from transformers import Mistral3ForConditionalGeneration
+
+    return Mistral3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_mistral3_greedy(path: Path, prompt: str, images: list, max_new_tokens: int) -> list[int]:
+    """transformers' float32 greedy completion of ``prompt`` with ``images`` (``hf_mistral3_inputs``)."""
+    inputs = hf_mistral3_inputs(path, prompt, images)
+    with torch.no_grad():
+        out = _hf_mistral3(path).generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                          min_new_tokens=max_new_tokens)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()

@@ -35,6 +35,7 @@ from pagedllm.model_executor.models.llama import (
     Qwen3ForCausalLM,
 )
 from pagedllm.model_executor.models.llava import LlavaForConditionalGeneration
+from pagedllm.model_executor.models.mistral3 import Mistral3ForConditionalGeneration
 from pagedllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from pagedllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from pagedllm.model_executor.models.llama_eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM
@@ -94,6 +95,10 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         LlavaForConditionalGeneration, ("llava-hf/llava-1.5-7b-hf", "llava-hf/llava-1.5-13b-hf"),
         "CLIP vision tower and MLP projector (vision_feature_layer, vision_feature_select_strategy); Llama "
         "language model; images through the checkpoint's own processor, encoder cache, image-keyed prefix caching"),
+    "Mistral3ForConditionalGeneration": SupportedModel(
+        Mistral3ForConditionalGeneration, ("mistralai/Mistral-Small-3.1-24B-Instruct-2503",),
+        "Pixtral vision tower (2-D rope, images at their own size), patch-merging projector; Mistral language "
+        "model; [IMG] tokens take the image's embeddings, [IMG_BREAK] / [IMG_END] keep theirs"),
     "Qwen2_5_VLForConditionalGeneration": SupportedModel(
         Qwen2_5_VLForConditionalGeneration, ("Qwen/Qwen2.5-VL-3B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct"),
         "images in (windowed vision transformer, multimodal RoPE); no video"),
@@ -218,7 +223,7 @@ _FAMILIES = (
      "NemotronHForCausalLM, Qwen3NextForCausalLM, Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM)"),
     (("ConditionalGeneration", "Llava", "VL", "Vision", "Mllama", "Idefics", "PaliGemma", "Pixtral", "Siglip"),
      "it is an image-text model whose vision encoder pagedllm does not build yet (it serves "
-     "LlavaForConditionalGeneration's and Gemma3ForConditionalGeneration's)"),
+     "LlavaForConditionalGeneration's, Gemma3ForConditionalGeneration's and Mistral3ForConditionalGeneration's)"),
 )
 
 
