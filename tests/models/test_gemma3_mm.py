@@ -8,44 +8,13 @@ image with the same text hits nothing; then the block and encoder-cache accounti
 
 from __future__ import annotations
 
-from pagedllm import LLM, SamplingParams
-from tests.helpers import check_block_accounting
 from tests.multimodal.checkpoints import NUM_IMAGE_TOKENS, gemma3_checkpoint, hf_greedy, hf_log_softmax, random_image
-
-MAX_TOKENS = 5
-ONE_IMAGE = "Describe <start_of_image>"
-TWO_IMAGES = "Compare <start_of_image> and <start_of_image>"
-TEXT_ONLY = "A text-only prompt about nothing in particular."
-
-
-def _prompt(text: str, images: list) -> dict | str:
-    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+from tests.multimodal.scenarios import check_caches_released, check_image_prompts
 
 
 def test_gemma3_images_match_transformers(tmp_path_factory):
-    path = gemma3_checkpoint(tmp_path_factory)
-    small, wide, other = random_image(40, 50, seed=1), random_image(64, 30, seed=2), random_image(50, 50, seed=3)
-    cases = [(ONE_IMAGE, [small]), (TWO_IMAGES, [small, wide]), (TEXT_ONLY, [])]
-    expected = [hf_greedy(path, text, images, MAX_TOKENS) for text, images in cases]
-    expected_other = hf_greedy(path, ONE_IMAGE, [other], MAX_TOKENS)
-    assert expected[0] != expected_other, "the image does not change the output: the test would not see a bug"
-
-    llm = LLM(str(path), dtype="float32", block_size=8, max_num_batched_tokens=24, enable_prefix_caching=True,
-              kv_cache_memory_bytes=4 << 20)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
-    outputs = llm.generate([_prompt(text, images) for text, images in cases], params, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
-    completion = outputs[1].outputs[0]
-    reference, num_prompt = hf_log_softmax(path, TWO_IMAGES, [small, wide], list(completion.token_ids))
-    for j, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
-        assert abs(entry[token].logprob - reference[num_prompt - 1 + j, token].item()) < 1e-3, f"token {j}"
-
-    again, changed = (llm.generate([_prompt(ONE_IMAGE, [image])], params, use_tqdm=False)[0]
-                      for image in (small, other))
-    assert list(again.outputs[0].token_ids) == expected[0]
-    assert again.num_cached_tokens >= NUM_IMAGE_TOKENS, "the same image and text did not hit the prefix cache"
-    assert list(changed.outputs[0].token_ids) == expected_other
-    assert changed.num_cached_tokens == 0, "another image with the same text hit the first image's blocks"
-    check_block_accounting(llm)
-    manager = llm.llm_engine.engine_core.scheduler.encoder_cache_manager
-    assert not any(manager.cached.values()), "an encoder-cache entry is still referenced"
+    images = (random_image(40, 50, seed=1), random_image(64, 30, seed=2), random_image(50, 50, seed=3))
+    llm, _ = check_image_prompts(gemma3_checkpoint(tmp_path_factory), hf_greedy, hf_log_softmax,
+                                 "Describe <start_of_image>", "Compare <start_of_image> and <start_of_image>",
+                                 images, min_cached=NUM_IMAGE_TOKENS)
+    check_caches_released(llm)

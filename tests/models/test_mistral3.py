@@ -15,67 +15,30 @@ import base64
 import io
 
 import pytest
-import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.helpers import check_block_accounting
 from tests.multimodal.checkpoints import (
-    _hf_mistral3,
     hf_mistral3_greedy,
-    hf_mistral3_inputs,
+    hf_mistral3_log_softmax,
     mistral3_checkpoint,
     random_image,
 )
+from tests.multimodal.scenarios import MAX_TOKENS, check_caches_released, check_image_prompts, image_prompt
 from tests.server_utils import RemoteServer
 
-MAX_TOKENS = 5
 ONE_IMAGE = "Describe [IMG]"
 TWO_IMAGES = "Compare [IMG] and [IMG]"
-TEXT_ONLY = "A text-only prompt about nothing in particular."
-
-
-def _prompt(text: str, images: list) -> dict | str:
-    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
-
-
-def _hf_log_softmax(path, prompt: str, images: list, continuation: list[int]) -> tuple[torch.Tensor, int]:
-    inputs = hf_mistral3_inputs(path, prompt, images)
-    num_prompt = inputs["input_ids"].shape[1]
-    inputs["input_ids"] = torch.cat([inputs["input_ids"], torch.tensor([continuation])], dim=1)
-    with torch.no_grad():
-        logits = _hf_mistral3(path)(**inputs).logits[0]
-    return torch.log_softmax(logits.float(), dim=-1), num_prompt
 
 
 def test_mistral3_images_match_transformers(tmp_path_factory):
-    path = mistral3_checkpoint(tmp_path_factory)
     tall, wide, other = random_image(40, 50, seed=1), random_image(64, 30, seed=2), random_image(40, 50, seed=3)
-    cases = [(ONE_IMAGE, [tall]), (TWO_IMAGES, [tall, wide]), (TEXT_ONLY, [])]
-    expected = [hf_mistral3_greedy(path, text, images, MAX_TOKENS) for text, images in cases]
-    expected_other = hf_mistral3_greedy(path, ONE_IMAGE, [other], MAX_TOKENS)
-    assert expected[0] != expected_other, "the image does not change the output: the test would not see a bug"
-
-    llm = LLM(str(path), dtype="float32", block_size=8, max_num_batched_tokens=24, enable_prefix_caching=True,
-              kv_cache_memory_bytes=4 << 20)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
-    outputs = llm.generate([_prompt(text, images) for text, images in cases], params, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
-    completion = outputs[1].outputs[0]
-    reference, num_prompt = _hf_log_softmax(path, TWO_IMAGES, [tall, wide], list(completion.token_ids))
-    for j, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
-        assert abs(entry[token].logprob - reference[num_prompt - 1 + j, token].item()) < 1e-3, f"token {j}"
-
-    again, changed = (llm.generate([_prompt(ONE_IMAGE, [image])], params, use_tqdm=False)[0]
-                      for image in (tall, other))
-    assert list(again.outputs[0].token_ids) == expected[0]
-    assert again.num_cached_tokens >= 32, "the same image and text did not hit the prefix cache"
-    assert list(changed.outputs[0].token_ids) == expected_other
-    assert changed.num_cached_tokens == 0, "another image with the same text hit the first image's blocks"
+    llm, params = check_image_prompts(mistral3_checkpoint(tmp_path_factory), hf_mistral3_greedy,
+                                      hf_mistral3_log_softmax, ONE_IMAGE, TWO_IMAGES, (tall, wide, other),
+                                      min_cached=32)
     with pytest.raises(ValueError, match=r"1 \[IMG\] placeholders for 2 image"):
-        llm.generate([_prompt(ONE_IMAGE, [tall, wide])], params, use_tqdm=False)
-    check_block_accounting(llm)
-    manager = llm.llm_engine.engine_core.scheduler.encoder_cache_manager
-    assert not any(manager.cached.values()), "an encoder-cache entry is still referenced"
+        llm.generate([image_prompt(ONE_IMAGE, [tall, wide])], params, use_tqdm=False)
+    check_caches_released(llm)
 
 
 def test_a_chat_image_url_gives_transformers_reply(tmp_path_factory):
@@ -108,7 +71,7 @@ def test_preemption_recomputes_with_images(tmp_path_factory):
     path = mistral3_checkpoint(tmp_path_factory)
     images = [random_image(40, 50, seed=1), random_image(64, 30, seed=2), random_image(30, 30, seed=4)]
     # Each prompt is about 60 tokens with 12 outputs (9 to 10 blocks): two outgrow 16 blocks while decoding.
-    prompts = [_prompt(TWO_IMAGES, [images[i], images[(i + 1) % 3]]) for i in range(3)]
+    prompts = [image_prompt(TWO_IMAGES, [images[i], images[(i + 1) % 3]]) for i in range(3)]
     expected = [hf_mistral3_greedy(path, TWO_IMAGES, p["multi_modal_data"]["image"], 12) for p in prompts]
     llm = LLM(str(path), dtype="float32", block_size=8, max_model_len=96, enable_prefix_caching=False,
               kv_cache_memory_bytes=16 * BLOCK_BYTES)

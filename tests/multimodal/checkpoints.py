@@ -344,3 +344,14 @@ def hf_mistral3_greedy(path: Path, prompt: str, images: list, max_new_tokens: in
         out = _hf_mistral3(path).generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                           min_new_tokens=max_new_tokens)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def hf_mistral3_log_softmax(path: Path, prompt: str, images: list, continuation: list[int]) -> tuple[torch.Tensor, int]:
+    """transformers' float32 log-softmax [prompt + continuation, vocab] of ``prompt`` with
+    ``images`` (``hf_mistral3_inputs``) followed by ``continuation``, and the prompt's length."""
+    inputs = hf_mistral3_inputs(path, prompt, images)
+    num_prompt = inputs["input_ids"].shape[1]
+    inputs["input_ids"] = torch.cat([inputs["input_ids"], torch.tensor([continuation])], dim=1)
+    with torch.no_grad():
+        logits = _hf_mistral3(path)(**inputs).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1), num_prompt
