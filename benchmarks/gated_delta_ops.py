@@ -17,11 +17,13 @@ left out: they are the same on both paths.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from typing import Callable
 
 import torch
+
+# The sibling script (this folder is sys.path[0] when run as ``python benchmarks/...``).
+from mamba_ops import median_us  # noqa: E402  isort: skip
 
 
 def make_inputs(tokens: int, slots: int, args: argparse.Namespace, seed: int) -> tuple[torch.Tensor, ...]:
@@ -71,22 +73,6 @@ def make_prefill(tokens: int, args: argparse.Namespace, kernels: bool) -> Callab
             chunk_gated_delta_rule_native(q, k, v, decay, beta, state, [0, tokens], [0], [True], None, True)
 
     return step
-
-
-def median_us(steps: dict[str, Callable[[], None]], rounds: int, calls: int,
-              clock: Callable[[], float]) -> dict[str, float]:
-    """Median microseconds per call of each step over ``rounds`` alternated rounds."""
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    names = list(steps)
-    for step in steps.values():
-        step()  # warm-up
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            start = clock()
-            for _ in range(calls):
-                steps[name]()
-            times[name].append((clock() - start) / calls * 1e6)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
