@@ -20,6 +20,9 @@ measured here compare with the peers' table:
   every 6 layers) and vocab 32000.
 - ``qwen3-30b-a3b-cut``: Qwen3MoeForCausalLM with Qwen3-30B-A3B's per-layer shape (128 experts
   of 768, top-8), 6 layers, vocab 32000.
+- ``qwen3-next-cut``: Qwen3NextForCausalLM with Qwen3-Next-80B-A3B's per-layer shape, 8 layers
+  (6 Gated DeltaNet, 2 full attention), 64 experts, vocab 32000; ``qwen3-next-cut-all-attention``:
+  the same with full attention on every layer.
 
 All use the 32000-token byte-level BPE tokenizer of ``tests.fixtures.checkpoints``
 with the ChatML chat template. Weights are created directly in ``--dtype`` (default
@@ -110,6 +113,44 @@ PRESETS["qwen3-30b-a3b-cut"] = dict(
     max_position_embeddings=32768,
     rms_norm_eps=1e-6,
     tokenizer_vocab_size=32000,
+)
+
+#: Qwen3-Next-80B-A3B's layer shape (hidden 2048; gated attention, 16 heads / 2 KV heads of 256,
+#: partial rotary 0.25; Gated DeltaNet, 16 key heads / 32 value heads of 128, conv 4; experts of
+#: 512, top-10, a shared expert of 512) cut to 8 layers (6 linear-attention, 2 full), 64 experts
+#: and vocab 32000 (~1.9B parameters, 3.8 GB in bf16).
+PRESETS["qwen3-next-cut"] = dict(
+    arch="Qwen3NextForCausalLM",
+    hidden_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=4,
+    partial_rotary_factor=0.25,
+    intermediate_size=5120,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    num_experts=64,
+    num_experts_per_tok=10,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    tie_word_embeddings=False,
+    rope_theta=10000000.0,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    tokenizer_vocab_size=32000,
+)
+
+#: ``qwen3-next-cut`` with every layer full attention: the same parameters but for the mixers,
+#: the baseline of how decode slows with context.
+PRESETS["qwen3-next-cut-all-attention"] = dict(
+    PRESETS["qwen3-next-cut"], layer_types=["full_attention"] * 8,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
