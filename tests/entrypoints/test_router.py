@@ -164,3 +164,30 @@ def test_router_refuses_an_instance_url_without_scheme_or_host(capsys):
     assert (ok.prefill, ok.decode) == (["https://p:8100/v1/"], ["http://d:8200"])
     with pytest.raises(ValueError, match="got 'p:8100'"):
         router.build_app(["p:8100"], ["http://d:8200"])
+
+
+def test_a_decode_instance_of_another_kv_layout_answers_500_naming_the_field(tiny_llama):
+    """A float32 prefill instance and a decode instance with an FP8 KV cache: the router's
+    answer is the decode instance's 500 (``code`` ``kv_layout_mismatch``, not a retryable
+    503) naming kv_cache_dtype with both values."""
+    prefill = _engine(tiny_llama, role="prefill", kv_transfer_config={"kv_port": get_open_port()})
+    decode = _engine(tiny_llama, role="decode", kv_cache_dtype="fp8")
+    try:
+        async def main():
+            mounts = {"http://prefill": httpx.ASGITransport(app=_app(prefill)),
+                      "http://decode": httpx.ASGITransport(app=_app(decode))}
+            backends = httpx.AsyncClient(mounts=mounts, timeout=30)
+            proxy = httpx.AsyncClient(transport=httpx.ASGITransport(
+                app=router.build_app(["http://prefill"], ["http://decode"], backends)), base_url="http://router")
+            return [await _post(proxy, "/v1/completions", {**COMPLETION, "stream": stream}) for stream in (False, True)]
+
+        answers = asyncio.run(main())
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+    for status, answer in answers:
+        assert status == 500 and answer["error"]["code"] == "kv_layout_mismatch"
+        assert answer["error"]["type"] == "InternalServerError"
+        assert "kv_cache_dtype is float8_e4m3fn on this decode instance (rank 0), float32 on the prefill instance" \
+            in answer["error"]["message"]
+        assert "Sending the request again does not help." in answer["error"]["message"]
