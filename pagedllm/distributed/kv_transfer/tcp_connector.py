@@ -9,7 +9,7 @@ answer against its own cache and writes it into the request's blocks.
 
 Handshake: before its first fetch from a producer's rank, a consumer's rank sends its
 ``KVLayout``; the producer answers with its own, and each side logs the fields that differ
-(once per peer). A consumer fetches only from a producer whose layout matches; until then
+(each distinct mismatch once). A consumer fetches only from a producer whose layout matches; until then
 each of its loads fails at once with a ``LAYOUT_MISMATCH`` message naming the fields (a
 failure that sending the request again does not fix). A producer that stops answering is
 checked again at the next fetch (it may have restarted with another layout).
