@@ -1,10 +1,11 @@
 """Soak a running OpenAI server: many streamed completions, then check that it is idle again.
 
-    PYTHONPATH=$PWD .venv/bin/python -m pagedllm.entrypoints.cli serve benchmarks/checkpoints/tiny-llama \\
-        --port 8000 --max-model-len 256 --num-gpu-blocks-override 40 --max-num-seqs 8 \\
-        --scheduling-policy priority --max-num-queued-reqs 8 --request-timeout 4 &
+    OMP_NUM_THREADS=1 PYTHONPATH=$PWD .venv/bin/python -m pagedllm.entrypoints.cli serve \\
+        benchmarks/checkpoints/tiny-llama --port 8000 --dtype float32 --max-model-len 256 \\
+        --num-gpu-blocks-override 40 --max-num-seqs 8 --scheduling-policy priority \\
+        --max-num-queued-reqs 16 --request-timeout 20 --disable-log-requests &
     PYTHONPATH=$PWD .venv/bin/python benchmarks/soak.py --base-url http://127.0.0.1:8000 \\
-        --num-requests 2000 --concurrency 48
+        --num-requests 2000 --concurrency 26 --max-tokens 16 32 64
 
 Sends ``--num-requests`` streamed ``/v1/completions`` requests, ``--concurrency`` at a time,
 each with a random prompt (token ids), ``max_tokens``, ``priority``; a share of them
@@ -14,10 +15,12 @@ the request's slot waits its ``Retry-After`` (``--no-honor-retry-after``: at onc
 own deadline (``--request-timeout``) ends a stream with a ``timeout`` error event. It
 reports the count of each outcome (``ok``, ``server-timeout``, ``disconnect``,
 ``client-deadline``, ``429``, ``status-<code>``, ``error``), TTFT p50 / p99 of the streams that
-got a token, then polls ``/metrics`` until ``pagedllm:num_requests_running``, ``_waiting``
+got a token, how much the server's preemption, rejection and timeout counters grew (its
+rejections should equal the 429s when no other client sends), then polls ``/metrics`` until ``pagedllm:num_requests_running``, ``_waiting``
 and ``kv_cache_usage_perc`` (the share of KV blocks held) are 0, for at most
 ``--idle-timeout`` seconds. Exit status 1 when a request got an unexpected answer
-(``status-*`` other than 429, or ``error``) or the server is not idle in time;
+(``status-*`` other than 429, or ``error``), the 429s and the server's rejections differ, or
+the server is not idle in time;
 ``--output-json`` writes the report.
 """
 
@@ -36,6 +39,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 GAUGES = ("pagedllm:num_requests_running", "pagedllm:num_requests_waiting", "pagedllm:kv_cache_usage_perc")
+#: Counters whose growth over the soak is reported.
+COUNTERS = ("pagedllm:num_preemptions_total", "pagedllm:request_rejected_total", "pagedllm:request_timeout_total")
 #: Outcomes that a healthy server under overload may give.
 EXPECTED = {"ok", "server-timeout", "disconnect", "client-deadline", "429"}
 
@@ -48,10 +53,11 @@ def percentile(values: list[float], q: float) -> Optional[float]:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
 
 
-async def gauges(http: httpx.AsyncClient) -> dict[str, float]:
-    """The idle gauges of ``/metrics``, each summed over its label sets (engines)."""
+async def metrics(http: httpx.AsyncClient, names: tuple[str, ...]) -> dict[str, float]:
+    """The samples ``names`` of ``/metrics``, each summed over its label sets (engines,
+    reasons); 0 for one the server does not export."""
     text = (await http.get("/metrics")).text
-    values = dict.fromkeys(GAUGES, 0.0)
+    values = dict.fromkeys(names, 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in values:
@@ -115,6 +121,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout, limits=limits) as http:
         model = args.model or (await http.get("/v1/models")).json()["data"][0]["id"]
         slots = asyncio.Semaphore(args.concurrency)
+        counters_before = await metrics(http, COUNTERS)
 
         async def bounded() -> tuple[str, Optional[float]]:
             async with slots:
@@ -125,18 +132,23 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         elapsed = time.perf_counter() - start
         idle_start = time.perf_counter()
         while True:
-            last = await gauges(http)
+            last = await metrics(http, GAUGES)
             idle = not any(last.values())
             if idle or time.perf_counter() - idle_start > args.idle_timeout:
                 break
             await asyncio.sleep(0.05)
+        counters_after = await metrics(http, COUNTERS)
     ttfts = [t for _, t in results if t is not None]
     counts = Counter(outcome for outcome, _ in results)
+    grown = {name.removeprefix("pagedllm:"): int(counters_after[name] - counters_before[name]) for name in COUNTERS}
     return {
         "num_requests": args.num_requests, "concurrency": args.concurrency, "duration_s": round(elapsed, 2),
         "outcomes": dict(sorted(counts.items())), "unexpected": sum(n for o, n in counts.items() if o not in EXPECTED),
         "ttft_p50_ms": None if not ttfts else round(percentile(ttfts, 50) * 1000, 1),
         "ttft_p99_ms": None if not ttfts else round(percentile(ttfts, 99) * 1000, 1),
+        "server_counters": grown,
+        # Every 429 the client saw is one the server counted (no other client: equal).
+        "rejections_match": grown["request_rejected_total"] == counts.get("429", 0),
         "idle": idle, "idle_after_s": round(time.perf_counter() - idle_start, 2), "gauges_after": last,
     }
 
@@ -156,10 +168,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="The server (http://host:port).")
     parser.add_argument("--model", default=None, help="Model name sent (default: the first of /v1/models).")
     parser.add_argument("--num-requests", type=int, default=2000)
-    parser.add_argument("--concurrency", type=int, default=48, help="Requests in flight at once.")
+    parser.add_argument("--concurrency", type=int, default=26, help="Requests in flight at once.")
     parser.add_argument("--prompt-len", type=_int_pair, default=(4, 60), metavar="MIN,MAX",
                         help="Prompt length in tokens, uniform.")
-    parser.add_argument("--max-tokens", type=int, nargs="+", default=[16, 150, 190],
+    parser.add_argument("--max-tokens", type=int, nargs="+", default=[16, 32, 64],
                         help="max_tokens values, one drawn per request.")
     parser.add_argument("--disconnect-prob", type=float, default=0.15,
                         help="Share of requests that disconnect after their first event.")
@@ -180,7 +192,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(report, f, indent=2)
-    return 0 if report["idle"] and not report["unexpected"] else 1
+    return 0 if report["idle"] and not report["unexpected"] and report["rejections_match"] else 1
 
 
 if __name__ == "__main__":
