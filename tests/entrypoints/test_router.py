@@ -164,8 +164,13 @@ def test_router_refuses_an_instance_url_without_scheme_or_host(capsys):
             parser.parse_args(args)
         assert exc.value.code == 2
         assert f"argument {flag}: an instance's URL must be http://host:port" in capsys.readouterr().err
+    for backoff in ("0", "-1", "soon"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["router", "--prefill", "http://p:8100", "--decode", "http://d:8200",
+                               "--unhealthy-backoff-s", backoff])
+        assert "argument --unhealthy-backoff-s: must be a positive number of seconds" in capsys.readouterr().err
     ok = parser.parse_args(["router", "--prefill", "https://p:8100/v1/", "--decode", "http://d:8200"])
-    assert (ok.prefill, ok.decode) == (["https://p:8100/v1/"], ["http://d:8200"])
+    assert (ok.prefill, ok.decode, ok.unhealthy_backoff_s) == (["https://p:8100/v1/"], ["http://d:8200"], 5.0)
     with pytest.raises(ValueError, match="got 'p:8100'"):
         router.build_app(["p:8100"], ["http://d:8200"])
 
@@ -278,26 +283,26 @@ def test_router_fails_over_a_refused_connection_and_answers_503_when_all_are_dow
 
 
 def test_router_keeps_serving_when_one_of_two_decode_instances_is_killed(tiny_llama):
-    """Real processes: a prefill and two decode instances; decode instance 2 is killed
-    (SIGKILL) after the first requests; every request, before and after, answers what one
-    server answers, and the instances end idle with no block held."""
+    """Two decode instances as real processes (the prefill instance in this process, its KV
+    served over TCP); decode instance 2 is killed (SIGKILL) after the first requests; every
+    request, before and after, answers what one server answers, and the surviving decode
+    instance ends idle with no block held."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.server_utils import RemoteServer
 
-    common = ("--served-model-name", "m", "--no-enable-prefix-caching", "--max-model-len", "256")
-    kv_config = json.dumps({"kv_port": get_open_port()})
-    with ThreadPoolExecutor(3) as pool:
-        starts = [pool.submit(RemoteServer, tiny_llama, *common, "--role", "prefill", "--kv-transfer-config",
-                              kv_config)] + [pool.submit(RemoteServer, tiny_llama, *common, "--role", "decode")
-                                             for _ in range(2)]
-        servers = [start.result() for start in starts]
-    prefill, decode1, decode2 = servers
+    flags = ("--served-model-name", "m", "--no-enable-prefix-caching", "--max-model-len", "256", "--role", "decode")
+    with ThreadPoolExecutor(2) as pool:
+        starts = [pool.submit(RemoteServer, tiny_llama, *flags) for _ in range(2)]
+        decode1, decode2 = servers = [start.result() for start in starts]
+    prefill = _engine(tiny_llama, role="prefill", kv_transfer_config={"kv_port": get_open_port()})
     try:
         async def main():
-            async with httpx.AsyncClient(timeout=60) as http:
+            mounts = {"http://prefill": httpx.ASGITransport(app=_app(prefill))}
+            async with httpx.AsyncClient(mounts=mounts, timeout=60) as http:
                 proxy = httpx.AsyncClient(transport=httpx.ASGITransport(app=router.build_app(
-                    [prefill.url], [decode1.url, decode2.url], http, unhealthy_backoff_s=60)), base_url="http://router")
+                    ["http://prefill"], [decode1.url, decode2.url], http, unhealthy_backoff_s=60)),
+                    base_url="http://router")
                 want = [await _post(http, decode1.url + "/v1/completions", {**COMPLETION, "stream": stream})
                         for stream in (False, True)]
                 got = []
@@ -311,14 +316,13 @@ def test_router_keeps_serving_when_one_of_two_decode_instances_is_killed(tiny_ll
         want, got = asyncio.run(main())
         assert [status for status, _ in got] == [200] * 8
         assert {_text(answer) for _, answer in got} == {_text(want[0][1])} == {_text(want[1][1])}
-        for server in (prefill, decode1):
-            metrics = server.metrics()
-            assert not any(metrics[name] for name in ("pagedllm:num_requests_running",
-                                                      "pagedllm:num_requests_waiting",
-                                                      "pagedllm:kv_cache_usage_perc"))
+        metrics = decode1.metrics()
+        assert not any(metrics[name] for name in ("pagedllm:num_requests_running", "pagedllm:num_requests_waiting",
+                                                  "pagedllm:kv_cache_usage_perc"))
         # Decode 1: the two reference requests, requests 0 and 2 (round-robin), and all from the
         # kill on (3: decode 2's turn, refused; then decode 2 is in its back-off).
-        assert decode1.metrics()["pagedllm:request_success_total{finished_reason=length}"] == 2 + 2 + 5
+        assert metrics["pagedllm:request_success_total{finished_reason=length}"] == 2 + 2 + 5
     finally:
+        prefill.shutdown()
         for server in servers:
             server.close()
