@@ -16,9 +16,9 @@ own deadline (``--request-timeout``) ends a stream with a ``timeout`` error even
 reports the count of each outcome (``ok``, ``server-timeout``, ``disconnect``,
 ``client-deadline``, ``429``, ``status-<code>``, ``error``), TTFT p50 / p99 of the streams that
 got a token, how much the server's preemption, rejection and timeout counters grew (its
-rejections should equal the 429s when no other client sends), then polls ``/metrics`` until ``pagedllm:num_requests_running``, ``_waiting``
-and ``kv_cache_usage_perc`` (the share of KV blocks held) are 0, for at most
-``--idle-timeout`` seconds. Exit status 1 when a request got an unexpected answer
+rejections should equal the 429s when no other client sends), then polls ``/metrics``
+until ``pagedllm:num_requests_running``, ``_waiting`` and ``kv_cache_usage_perc`` (the
+share of KV blocks held) are 0, for at most ``--idle-timeout`` seconds. Exit status 1 when a request got an unexpected answer
 (``status-*`` other than 429, or ``error``), the 429s and the server's rejections differ, or
 the server is not idle in time;
 ``--output-json`` writes the report.
