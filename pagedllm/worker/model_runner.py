@@ -50,11 +50,12 @@ from pagedllm.attention.backends.abstract import AttentionMetadata, CommonAttent
 from pagedllm.attention.metadata import set_forward_context
 from pagedllm.attention.selector import get_attn_backend
 from pagedllm.config import EngineConfig
-from pagedllm.distributed import get_pp_group
+from pagedllm.distributed import get_pp_group, get_tp_group
 from pagedllm.distributed.kv_transfer.kv_blocks import KVBlockLayout, block_dim
 from pagedllm.distributed.kv_transfer.offloading import OffloadingWorker, make_block_store
 from pagedllm.distributed.kv_transfer.base import KVConnectorWorker
 from pagedllm.distributed.kv_transfer.factory import make_worker_connector
+from pagedllm.distributed.kv_transfer.layout import KVLayout
 from pagedllm.messages.sched_output import SchedulerOutput
 from pagedllm.messages.engine_core import LogprobsLists
 from pagedllm.model_executor.layers.attention import Attention, bind_kv_caches, init_kv_scales
@@ -261,7 +262,9 @@ class ModelRunner:
         if self.config.kv_transfer_config is not None:
             if self.kv_connector is None:
                 self.kv_connector = make_worker_connector(self.config.kv_transfer_config)
-            self.kv_connector.register_kv_caches(self.kv_caches, self.block_size)
+            layout = KVLayout.of(self.kv_caches, self.block_size, self.model_config.architecture,
+                                 get_tp_group().world_size, self.pp.world_size)
+            self.kv_connector.register_kv_caches(self.kv_caches, layout)
         self.num_state_slots = num_state_slots(self.config, self.kv_cache_groups)
         self.state_caches = bind_state_caches(self.state_layers, self._state_layer_groups, self.num_state_slots,
                                               self.device)

@@ -1,10 +1,14 @@
 """A prefill / decode split in one process (``--kv-transfer-config``, ``TCPConnector``): a
 request prefilled by a producer engine and finished by a consumer engine, which loads the
 prompt's KV over TCP, gives what one engine gives (greedy tokens identical, logprobs close,
-seeded sampling identical); both engines' block accounting ends clean; a consumer whose
-producer is gone, or no longer holds the KV, fails the request with a clear error."""
+seeded sampling identical), whatever the consumer's block size; both engines' block
+accounting ends clean; a consumer whose producer is gone, or no longer holds the KV, fails
+the request with a clear error, and one whose KV layout differs (the handshake) fails each
+request at once, naming the field with both values, not retryable."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 
@@ -126,3 +130,56 @@ def test_a_model_with_sliding_windows_is_refused_before_loading(checkpoint_facto
     path = checkpoint_factory("MistralForCausalLM", sliding_window=16, seed=3)
     with pytest.raises(ValueError, match="kv_transfer_config is not supported yet for MistralForCausalLM"):
         LLM(str(path), dtype="float32", kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=False, role="decode")
+
+
+def test_a_consumer_of_another_block_size_loads_the_kv(engines, tiny_llama):
+    """Block size is not part of the layout the two engines must share: KV moves token by
+    token (``block_copy``)."""
+    prefill, _, single = engines
+    decode = LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=False,
+                 role="decode", block_size=32,
+                 kv_transfer_config={"kv_connector_extra_config": {"timeout_s": TIMEOUT_S}})
+    prompts = random_prompts([7, 40], 1024, seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    expected = single.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    actual = decode.generate([{"prompt_token_ids": p} for p in prompts],
+                             [_with_params(params, kv) for kv in _prefill(prefill, prompts)], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in actual] == [o.outputs[0].token_ids for o in expected]
+    assert all(o.outputs[0].finish_reason == "length" and o.num_cached_tokens == len(p) - 1
+               for o, p in zip(actual, prompts))
+    check_block_accounting(decode)
+
+
+def test_a_consumer_of_another_layout_fails_its_requests_naming_the_field(engines, tiny_llama, caplog):
+    """A decode engine with an FP8 KV cache (and another block size) next to a float32
+    producer: the handshake names kv_cache_dtype with both values, on both sides' logs, and
+    every request fails at once, not retryable; the engine keeps serving."""
+    prefill, _, _ = engines
+    decode = LLM(str(tiny_llama), dtype="float32", kv_cache_memory_bytes=KV_BYTES, enable_prefix_caching=False,
+                 role="decode", block_size=32, kv_cache_dtype="fp8",
+                 kv_transfer_config={"kv_connector_extra_config": {"timeout_s": TIMEOUT_S}})
+    prompts = random_prompts([20, 33], 1024, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    kv_params = _prefill(prefill, prompts)
+    with caplog.at_level(logging.ERROR, logger="pagedllm"):
+        outputs = decode.generate([{"prompt_token_ids": p} for p in prompts],
+                                  [_with_params(params, kv) for kv in kv_params], use_tqdm=False)
+    address = f"tcp://127.0.0.1:{kv_params[0]['remote_port']}"
+    for output in outputs:
+        assert output.outputs[0].finish_reason == "abort" and output.outputs[0].token_ids == []
+        error = output.kv_transfer_params["error"]
+        assert error.startswith("KV layout mismatch: kv_cache_dtype is float8_e4m3fn on this decode instance "
+                                f"(rank 0), float32 on the prefill instance at {address}.")
+        assert "block_size" not in error and output.kv_transfer_params["retryable"] is False
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV layout mismatch")]
+    assert any("float8_e4m3fn on this decode instance" in m for m in logged)  # the consumer's log
+    assert any("float32 on this prefill instance (rank 0" in m and "float8_e4m3fn on a decode instance" in m
+               for m in logged)  # the producer's
+    check_block_accounting(decode)
+    [ok] = decode.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+    assert len(ok.outputs[0].token_ids) == 4
+    # The producer kept the KV nobody could fetch; a consumer that matches still gets it.
+    _, matching, single = engines
+    [want] = single.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+    [got] = matching.generate([{"prompt_token_ids": prompts[0]}], _with_params(params, kv_params[0]), use_tqdm=False)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids

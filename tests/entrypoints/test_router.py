@@ -2,7 +2,9 @@
 (``build_app``) over an in-process engine: completions and chat, streamed and not, answer
 as the decode instance alone does; the prefill's response carries the ``kv_transfer_params``
 the decode's request takes; a decode request whose KV the prefill instance no longer holds
-is a 503 with the reason, and an unreachable prefill instance a 502."""
+is a 503 with the reason, and an unreachable prefill instance a 503 naming it. Failover: an
+instance that refuses connections is skipped for the back-off and tried again after it; with
+real processes, requests keep succeeding when one of two decode instances is killed."""
 
 from __future__ import annotations
 
@@ -112,7 +114,9 @@ def test_router_splits_requests_and_answers_as_one_server(tiny_llama):
     # Fetched already: the prefill instance no longer holds it (the same answer as a prefill gone).
     assert again[0] == 503 and "no KV kept for request" in again[1]["error"]["message"]
     assert again[1]["error"]["type"] == "ServiceUnavailableError"
-    assert unreachable[0] == 502 and "prefill instance" in unreachable[1]["error"]["message"]
+    assert unreachable[0] == 503 and "No prefill instance can be reached: http://127.0.0.1:" in \
+        unreachable[1]["error"]["message"]
+    assert unreachable[1]["error"]["type"] == "ServiceUnavailableError"
     assert [status for status, _ in bad] == [400, 400]
     assert "do_remote_prefill needs remote_port (int" in bad[0][1]["error"]["message"]
     assert "serves n=1 only, got n=2" in bad[1][1]["error"]["message"]
@@ -160,7 +164,165 @@ def test_router_refuses_an_instance_url_without_scheme_or_host(capsys):
             parser.parse_args(args)
         assert exc.value.code == 2
         assert f"argument {flag}: an instance's URL must be http://host:port" in capsys.readouterr().err
+    for backoff in ("0", "-1", "soon"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["router", "--prefill", "http://p:8100", "--decode", "http://d:8200",
+                               "--unhealthy-backoff-s", backoff])
+        assert "argument --unhealthy-backoff-s: must be a positive number of seconds" in capsys.readouterr().err
     ok = parser.parse_args(["router", "--prefill", "https://p:8100/v1/", "--decode", "http://d:8200"])
-    assert (ok.prefill, ok.decode) == (["https://p:8100/v1/"], ["http://d:8200"])
+    assert (ok.prefill, ok.decode, ok.unhealthy_backoff_s) == (["https://p:8100/v1/"], ["http://d:8200"], 5.0)
     with pytest.raises(ValueError, match="got 'p:8100'"):
         router.build_app(["p:8100"], ["http://d:8200"])
+
+
+def test_a_decode_instance_of_another_kv_layout_answers_500_naming_the_field(tiny_llama):
+    """A float32 prefill instance and a decode instance with an FP8 KV cache: the router's
+    answer is the decode instance's 500 (``code`` ``kv_layout_mismatch``, not a retryable
+    503) naming kv_cache_dtype with both values."""
+    prefill = _engine(tiny_llama, role="prefill", kv_transfer_config={"kv_port": get_open_port()})
+    decode = _engine(tiny_llama, role="decode", kv_cache_dtype="fp8")
+    try:
+        async def main():
+            mounts = {"http://prefill": httpx.ASGITransport(app=_app(prefill)),
+                      "http://decode": httpx.ASGITransport(app=_app(decode))}
+            backends = httpx.AsyncClient(mounts=mounts, timeout=30)
+            proxy = httpx.AsyncClient(transport=httpx.ASGITransport(
+                app=router.build_app(["http://prefill"], ["http://decode"], backends)), base_url="http://router")
+            return [await _post(proxy, "/v1/completions", {**COMPLETION, "stream": stream}) for stream in (False, True)]
+
+        answers = asyncio.run(main())
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+    for status, answer in answers:
+        assert status == 500 and answer["error"]["code"] == "kv_layout_mismatch"
+        assert answer["error"]["type"] == "InternalServerError"
+        assert "kv_cache_dtype is float8_e4m3fn on this decode instance (rank 0), float32 on the prefill instance" \
+            in answer["error"]["message"]
+        assert "Sending the request again does not help." in answer["error"]["message"]
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_instance_pool_skips_an_instance_marked_down_until_its_back_off_ends():
+    clock = _Clock()
+    pool = router.InstancePool("decode", ["http://a", "http://b", "http://c"], backoff_s=5.0, clock=clock)
+    assert [pool.candidates()[0] for _ in range(4)] == ["http://a", "http://b", "http://c", "http://a"]
+    pool.mark_down("http://b", "refused")
+    assert pool.candidates() == ["http://c", "http://a"]  # round-robin position: b's turn, b skipped
+    clock.now += 4.9
+    assert pool.candidates() == ["http://a", "http://c"]
+    clock.now += 0.2  # back-off over: tried again
+    assert pool.candidates() == ["http://b", "http://c", "http://a"]
+    for url in ("http://a", "http://c", "http://b"):
+        pool.mark_down(url, "refused")
+        clock.now += 1.0
+    # None healthy: all, the one whose back-off ends first first.
+    assert pool.candidates() == ["http://a", "http://c", "http://b"]
+    pool.mark_up("http://c")
+    assert pool.candidates() == ["http://c"]
+
+
+def test_router_fails_over_a_refused_connection_and_answers_503_when_all_are_down():
+    """Decode instance d1 refuses connections: requests go to d2 (d1 is not asked again
+    within the back-off); with d2 down too, a 503 in OpenAI's error JSON names both; an
+    instance that fails after the request reached it is a 502 and is not retried."""
+    down = {"d1"}
+    seen: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        seen.append(host)
+        if host in down:
+            raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+        if host == "broken":
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": host}]})
+        body = {"choices": [{"text": host}]}
+        if host == "p":
+            body["kv_transfer_params"] = {"remote_request_id": "r"}
+        return httpx.Response(200, json=body)
+
+    upstream = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    app = router.build_app(["http://p"], ["http://d1", "http://d2"], client=upstream, unhealthy_backoff_s=60)
+    broken = router.build_app(["http://p"], ["http://broken", "http://d2"], client=upstream)
+
+    async def call():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client, \
+                httpx.AsyncClient(transport=httpx.ASGITransport(app=broken), base_url="http://router") as other:
+            texts = []
+            for _ in range(4):
+                response = await client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+                texts.append((response.status_code, response.json()["choices"][0]["text"]))
+            models = (await client.get("/v1/models")).json()["data"][0]["id"]
+            down.add("d2")
+            all_down = await client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+            failed = await other.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+            return texts, models, all_down, failed
+
+    texts, models, all_down, failed = asyncio.run(call())
+    assert texts == [(200, "d2")] * 4 and models == "d2"
+    assert seen[:3] == ["p", "d1", "d2"] and seen.count("d1") == 1  # d1 skipped within its back-off
+    assert all_down.status_code == 503
+    error = all_down.json()["error"]
+    assert error["type"] == "ServiceUnavailableError" and error["code"] == 503
+    assert error["message"].startswith("No decode instance can be reached: ")
+    # d2 tried; d1 in its back-off, not tried again.
+    assert error["message"].endswith("http://d2 ([Errno 111] Connection refused); http://d1 ([Errno 111] "
+                                     "Connection refused; tried again in 60 s).")
+    assert failed.status_code == 502 and "The decode instance at http://broken failed" in \
+        failed.json()["error"]["message"]
+    assert seen[-2:] == ["p", "broken"]  # not sent again to d2
+
+
+def test_router_keeps_serving_when_one_of_two_decode_instances_is_killed(tiny_llama):
+    """Two decode instances as real processes (the prefill instance in this process, its KV
+    served over TCP); decode instance 2 is killed (SIGKILL) after the first requests; every
+    request, before and after, answers what one server answers, and the surviving decode
+    instance ends idle with no block held."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.server_utils import RemoteServer
+
+    flags = ("--served-model-name", "m", "--no-enable-prefix-caching", "--max-model-len", "256", "--role", "decode")
+    with ThreadPoolExecutor(2) as pool:
+        starts = [pool.submit(RemoteServer, tiny_llama, *flags) for _ in range(2)]
+        decode1, decode2 = servers = [start.result() for start in starts]
+    prefill = _engine(tiny_llama, role="prefill", kv_transfer_config={"kv_port": get_open_port()})
+    try:
+        async def main():
+            mounts = {"http://prefill": httpx.ASGITransport(app=_app(prefill))}
+            async with httpx.AsyncClient(mounts=mounts, timeout=60) as http:
+                proxy = httpx.AsyncClient(transport=httpx.ASGITransport(app=router.build_app(
+                    ["http://prefill"], [decode1.url, decode2.url], http, unhealthy_backoff_s=60)),
+                    base_url="http://router")
+                want = [await _post(http, decode1.url + "/v1/completions", {**COMPLETION, "stream": stream})
+                        for stream in (False, True)]
+                got = []
+                for i in range(8):
+                    if i == 3:
+                        decode2.process.kill()
+                        decode2.process.wait(timeout=10)
+                    got.append(await _post(proxy, "/v1/completions", {**COMPLETION, "stream": i % 2 == 1}))
+                return want, got
+
+        want, got = asyncio.run(main())
+        assert [status for status, _ in got] == [200] * 8
+        assert {_text(answer) for _, answer in got} == {_text(want[0][1])} == {_text(want[1][1])}
+        metrics = decode1.metrics()
+        assert not any(metrics[name] for name in ("pagedllm:num_requests_running", "pagedllm:num_requests_waiting",
+                                                  "pagedllm:kv_cache_usage_perc"))
+        # Decode 1: the two reference requests, requests 0 and 2 (round-robin), and all from the
+        # kill on (3: decode 2's turn, refused; then decode 2 is in its back-off).
+        assert metrics["pagedllm:request_success_total{finished_reason=length}"] == 2 + 2 + 5
+    finally:
+        prefill.shutdown()
+        for server in servers:
+            server.close()

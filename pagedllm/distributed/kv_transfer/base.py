@@ -30,6 +30,7 @@ from pagedllm.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from pagedllm.distributed.kv_transfer.layout import KVLayout
     from pagedllm.messages.sched_output import SchedulerOutput
 
 
@@ -88,8 +89,9 @@ class KVConnectorWorker(abc.ABC):
     """The worker's half of a connector: moves KV in and out of its paged cache."""
 
     @abc.abstractmethod
-    def register_kv_caches(self, kv_caches: list["torch.Tensor"], block_size: int) -> None:
-        """The worker's cache tensors, one per attention layer (again after a wake-up)."""
+    def register_kv_caches(self, kv_caches: list["torch.Tensor"], layout: "KVLayout") -> None:
+        """The worker's cache tensors, one per attention layer, and their layout (again
+        after a wake-up); a connector checks a peer's layout against it before moving KV."""
 
     @abc.abstractmethod
     def start_load_kv(self, metadata: KVConnectorMetadata) -> dict[str, str]:

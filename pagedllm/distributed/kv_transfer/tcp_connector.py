@@ -7,9 +7,17 @@ request's blocks are freed as soon as it finishes. Consumer: before a step's for
 worker asks the producer's rank r for each load (a REQ socket, ``timeout_s``), checks the
 answer against its own cache and writes it into the request's blocks.
 
+Handshake: before its first fetch from a producer's rank, a consumer's rank sends its
+``KVLayout``; the producer answers with its own, and each side logs the fields that differ
+(each distinct mismatch once). A consumer fetches only from a producer whose layout matches; until then
+each of its loads fails at once with a ``LAYOUT_MISMATCH`` message naming the fields (a
+failure that sending the request again does not fix). A producer that stops answering is
+checked again at the next fetch (it may have restarted with another layout).
+
 Wire format: a request ``[b"get", remote_request_id, num_tokens]``; an answer
 ``[b"ok", header JSON {"num_tokens", "dtype", "shapes"}, one frame per layer]`` (each
-layer's ``gather_tokens`` tensor, raw bytes) or ``[b"error", message]``.
+layer's ``gather_tokens`` tensor, raw bytes) or ``[b"error", message]``. The handshake
+``[b"layout", KVLayout JSON]``, answered ``[b"layout", KVLayout JSON]``.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from pagedllm.distributed.kv_transfer.base import (
     kv_transfer_params,
 )
 from pagedllm.distributed.kv_transfer.block_copy import gather_tokens, scatter_tokens, token_slots
+from pagedllm.distributed.kv_transfer.layout import LAYOUT_MISMATCH, KVLayout, mismatch_message
 from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedllm.messages.kv_transfer import KVConnectorMetadata, KVLoadSpec, KVSaveSpec
 
@@ -96,7 +105,9 @@ class TCPConnectorScheduler(KVConnectorScheduler):
         }
 
     def request_failed(self, request: Request, reason: str) -> Optional[dict[str, Any]]:
-        return {"error": reason} if request.request_id in self._loading else None
+        if request.request_id not in self._loading:
+            return None
+        return {"error": reason, "retryable": not reason.startswith(LAYOUT_MISMATCH)}
 
     def request_freed(self, request_id: str) -> None:
         self._to_load.pop(request_id, None)
@@ -116,6 +127,11 @@ class TCPConnectorWorker(KVConnectorWorker):
         self.rank = get_pp_group().rank_in_group * get_tp_group().world_size + get_tp_group().rank_in_group
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
+        self.layout: Optional[KVLayout] = None
+        # Consumer: the producer addresses whose layout matches this one.
+        self._matched_peers: set[str] = set()
+        # Both sides: the mismatch messages logged already (each once).
+        self._logged_mismatches: set[str] = set()
         self._context = zmq.Context()
         self._timeout_ms = int(config.extra("timeout_s") * 1000)
         self._buffer_timeout_s = config.extra("buffer_timeout_s")
@@ -136,8 +152,13 @@ class TCPConnectorWorker(KVConnectorWorker):
             self._server = threading.Thread(target=self._serve, args=(socket,), name="kv-producer", daemon=True)
             self._server.start()
 
-    def register_kv_caches(self, kv_caches: list[torch.Tensor], block_size: int) -> None:
-        self.kv_caches, self.block_size = kv_caches, block_size
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], layout: KVLayout) -> None:
+        self.kv_caches, self.block_size, self.layout = kv_caches, layout.block_size, layout
+
+    def _log_mismatch(self, message: str) -> None:
+        if message not in self._logged_mismatches:
+            self._logged_mismatches.add(message)
+            logger.error("%s", message)
 
     # ------------------------------------------------------------------ producer
     def save_kv(self, metadata: KVConnectorMetadata) -> None:
@@ -162,6 +183,8 @@ class TCPConnectorWorker(KVConnectorWorker):
             socket.close(linger=0)
 
     def _answer(self, frames: list[bytes]) -> list[Any]:
+        if len(frames) == 2 and frames[0] == b"layout":
+            return self._answer_layout(frames[1])
         if len(frames) != 3 or frames[0] != b"get":
             return [b"error", b"malformed KV fetch"]
         req_id, num_tokens = frames[1].decode(), int(frames[2])
@@ -175,6 +198,21 @@ class TCPConnectorWorker(KVConnectorWorker):
             return [b"error", f"request {req_id} has the KV of {header['num_tokens']} prompt tokens here, not "
                               f"{num_tokens}: the two requests' prompts differ".encode()]
         return [b"ok", json.dumps(header).encode(), *(t.view(torch.uint8).numpy() for t in layers)]
+
+    def _answer_layout(self, data: bytes) -> list[Any]:
+        """The handshake's answer: this rank's layout; a consumer's that differs is logged."""
+        if self.layout is None:  # the caches are not allocated yet
+            return [b"error", b"the prefill instance is starting"]
+        try:
+            theirs = KVLayout.from_json(data)
+        except ValueError as exc:
+            return [b"error", f"malformed KV layout handshake: {exc}".encode()]
+        mismatches = self.layout.mismatches(theirs)
+        if mismatches:
+            self._log_mismatch(mismatch_message(
+                mismatches, f"this prefill instance (rank {self.rank} on port {self.config.kv_port + self.rank})",
+                "a decode instance that connected"))
+        return [b"layout", self.layout.to_json()]
 
     def _expire(self) -> None:
         cutoff = time.monotonic() - self._buffer_timeout_s
@@ -198,22 +236,34 @@ class TCPConnectorWorker(KVConnectorWorker):
         """Fetch one request's KV from its producer and write it into its blocks.
 
         Raises:
-            RuntimeError: no answer in ``timeout_s``, or the producer's error.
+            RuntimeError: no answer in ``timeout_s``, the producer's error, or a producer
+                whose layout differs (``_handshake``).
             ValueError: KV that does not fit this cache (another model, dtype or parallel size).
         """
         address = f"tcp://{load.remote_host}:{load.remote_port + self.rank}"
         socket = self._context.socket(zmq.REQ)
         try:
             socket.connect(address)
+            if address not in self._matched_peers:
+                self._handshake(socket, address)
             socket.send_multipart([b"get", load.remote_request_id.encode(), str(load.num_tokens).encode()])
-            if not socket.poll(self._timeout_ms):
-                raise RuntimeError(f"KV transfer failed: the prefill instance at {address} did not answer in "
-                                   f"{self._timeout_ms / 1000:g} s (is it running?)")
-            frames = socket.recv_multipart(copy=False)
+            frames = self._receive(socket, address)
         finally:
             socket.close(linger=0)
         if frames[0].bytes != b"ok":
             raise RuntimeError(f"KV transfer failed: the prefill instance at {address}: {frames[1].bytes.decode()}")
+        try:
+            self._write(load, frames, address)
+        except ValueError:
+            self._matched_peers.discard(address)  # a producer restarted with another layout: check it again
+            raise
+
+    def _write(self, load: KVLoadSpec, frames: list[Any], address: str) -> None:
+        """Write a fetch's answer (``[b"ok", header, layers...]``) into the load's blocks.
+
+        Raises:
+            ValueError: KV that does not fit this cache.
+        """
         header = json.loads(frames[1].bytes)
         if len(frames) - 2 != len(self.kv_caches):
             raise ValueError(f"KV transfer failed: {len(frames) - 2} layers from {address}, this engine has "
@@ -226,6 +276,40 @@ class TCPConnectorWorker(KVConnectorWorker):
             for cache, frame, shape in zip(self.kv_caches, frames[2:], header["shapes"]):
                 tokens = torch.frombuffer(frame.buffer, dtype=torch.uint8).view(dtype).reshape(shape)
                 scatter_tokens(cache, slots, tokens)
+
+    def _receive(self, socket: zmq.Socket, address: str) -> list[Any]:
+        """The producer's answer on ``socket``, within ``timeout_s``.
+
+        Raises:
+            RuntimeError: no answer in time (the producer is checked again next time).
+        """
+        if not socket.poll(self._timeout_ms):
+            self._matched_peers.discard(address)
+            raise RuntimeError(f"KV transfer failed: the prefill instance at {address} did not answer in "
+                               f"{self._timeout_ms / 1000:g} s (is it running?)")
+        return socket.recv_multipart(copy=False)
+
+    def _handshake(self, socket: zmq.Socket, address: str) -> None:
+        """Exchange layouts with the producer at ``address``; remember it when they match.
+
+        Raises:
+            RuntimeError: no answer, an error answer, or a layout that differs
+                (``LAYOUT_MISMATCH``: the fields that differ, with both values).
+        """
+        assert self.layout is not None  # loads come after register_kv_caches
+        socket.send_multipart([b"layout", self.layout.to_json()])
+        frames = self._receive(socket, address)
+        if frames[0].bytes != b"layout":
+            raise RuntimeError(f"KV transfer failed: the prefill instance at {address} refused the layout "
+                               f"handshake: {frames[-1].bytes.decode()}")
+        theirs = KVLayout.from_json(frames[1].bytes)
+        mismatches = self.layout.mismatches(theirs)
+        if mismatches:
+            message = mismatch_message(mismatches, f"this decode instance (rank {self.rank})",
+                                       f"the prefill instance at {address}")
+            self._log_mismatch(message)
+            raise RuntimeError(message)
+        self._matched_peers.add(address)
 
     def shutdown(self) -> None:
         self._stop.set()

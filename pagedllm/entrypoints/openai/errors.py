@@ -16,7 +16,9 @@ status type                         when
 429    ``requests`` / ``tokens``    a queue limit (``--max-num-queued-reqs`` / ``-tokens``;
                                     ``code`` ``rate_limit_exceeded``, ``Retry-After``)
 504    ``timeout_error``            past ``--request-timeout`` (``code`` ``timeout``)
-500    ``InternalServerError``      the engine died, or a bug (``code`` 500, as vLLM)
+500    ``InternalServerError``      the engine died, or a bug (``code`` 500, as vLLM);
+                                    a decode instance whose prefill instance's KV
+                                    layout differs (``code`` ``kv_layout_mismatch``)
 =====  ===========================  =================================================
 
 Bad input never yields a 500: request handlers raise ``OpenAIServingError`` (see

@@ -403,14 +403,20 @@ class OpenAIServing:
 
 
 def _raise_kv_transfer_error(output: RequestOutput) -> None:
-    """Raise a 503 for a decode instance's request whose prompt KV could not be loaded
-    (its ``kv_transfer_params`` carry the error: the prefill instance is gone, or no longer
-    holds it). A pooling output (``PoolingRequestOutput``) carries none."""
+    """Raise for a decode instance's request whose prompt KV could not be loaded (its
+    ``kv_transfer_params`` carry the error): a 503 when sending it again may work (the
+    prefill instance is gone, or no longer holds the KV), a 500 with ``code``
+    ``kv_layout_mismatch`` when it cannot (``"retryable": false``: the two instances' KV
+    layouts differ). A pooling output (``PoolingRequestOutput``) carries none."""
     if not isinstance(output, RequestOutput):
         return
-    error = (output.kv_transfer_params or {}).get("error")
-    if error is not None:
+    params = output.kv_transfer_params or {}
+    error = params.get("error")
+    if error is None:
+        return
+    if params.get("retryable", True):
         raise OpenAIServingError(f"{error}; send the request to a prefill instance again.", 503)
+    raise OpenAIServingError(f"{error} Sending the request again does not help.", 500, code="kv_layout_mismatch")
 
 
 def _byte_level_decoder(tokenizer: Any) -> Optional[dict[str, int]]:
