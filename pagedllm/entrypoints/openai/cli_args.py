@@ -296,14 +296,16 @@ def main(args: argparse.Namespace) -> int:
     import asyncio
 
     try:
-        return asyncio.run(_serve(frontend, engine_args, sock))
+        command_line = getattr(args, "command_line", None)  # set by `pagedllm` (``entrypoints.cli``)
+        return asyncio.run(_serve(frontend, engine_args, sock, command_line[1:] if command_line else None))
     except KeyboardInterrupt:
         return 0
     finally:
         sock.close()
 
 
-async def _serve(frontend: FrontendConfig, engine_args: EngineArgs, sock: socket.socket) -> int:
+async def _serve(frontend: FrontendConfig, engine_args: EngineArgs, sock: socket.socket,
+                 serve_args: Optional[list[str]] = None) -> int:
     # NOTE: start-up order: this process resolves the configuration first (which imports
     # torch and transformers' config modules, most of a start's CPU time), then forks the
     # engine process, which inherits those modules and the configuration and loads the
@@ -346,7 +348,7 @@ async def _serve(frontend: FrontendConfig, engine_args: EngineArgs, sock: socket
         return _fail(f"the engine failed to start: {exc}", 1)
     try:
         try:
-            app = build_app(engine, frontend)
+            app = build_app(engine, frontend, serve_args)
         except (ValueError, OSError) as exc:  # a --lora-modules adapter that cannot be served
             return _fail(str(exc), 2)
         # NOTE: torch and transformers leave millions of long-lived objects; without this,
