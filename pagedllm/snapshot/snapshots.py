@@ -109,8 +109,9 @@ def create_from_url(name: str, url: str, api_key: Optional[str] = None, more_ser
         ValueError: no server answers, it refuses the key, it does not report its flags
             (not started by ``pagedllm serve``), or as ``create``.
     """
-    from pagedllm.entrypoints.openai.server_info import API_KEY_FLAG, LORA_MODULES_FLAG, serve_parser
     from pagedllm.entrypoints.arg_parsing import drop_flag
+    from pagedllm.entrypoints.openai.cli_args import serve_parser
+    from pagedllm.entrypoints.openai.server_info import API_KEY_FLAG, LORA_MODULES_FLAG
 
     info = _server_info(url, api_key)
     if info.get("serve_args") is None:

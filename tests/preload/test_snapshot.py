@@ -15,6 +15,7 @@ import time
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.entrypoints.cli import main as pagedllm_main
 from pagedllm.entrypoints.openai.cli_args import engine_args_from, make_arg_parser
 from pagedllm.snapshot import snapshots
 from tests.helpers import check_block_accounting, hf_greedy, make_peft_adapter
@@ -98,7 +99,8 @@ def test_snapshot_of_a_running_server_by_url(tiny_llama, tmp_path, monkeypatch):
         cards = _cards(original)
         with pytest.raises(ValueError, match="needs its API key"):
             snapshots.create_from_url("live", original.url)
-        directory = snapshots.create_from_url("live", original.url, OTHER_API_KEY)
+        assert pagedllm_main(["snapshot", "create", "live", "--url", original.url, "--api-key", OTHER_API_KEY]) == 0
+        directory = snapshots.snapshot_dir("live")
     finally:
         original.close()
     assert API_KEY not in json.dumps(info) and OTHER_API_KEY not in json.dumps(info) and info["api_key"]

@@ -74,7 +74,7 @@ from pagedllm.entrypoints.openai.serving_classification import OpenAIServingClas
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScores
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
-from pagedllm.entrypoints.openai.server_info import reported_serve_args, server_info
+from pagedllm.entrypoints.openai.server_info import server_info
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.metrics.loggers import log_stats_interval
@@ -290,10 +290,10 @@ def _add_sleep_routes(app: FastAPI, engine: EngineClient) -> None:
         return {"is_sleeping": await engine.is_sleeping()}
 
 
-def build_app(engine: EngineClient, frontend: FrontendConfig, serve_args: Optional[Sequence[str]] = None) -> FastAPI:
+def build_app(engine: EngineClient, frontend: FrontendConfig, reported_args: Optional[list[str]] = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (an ``AsyncLLM``; any ``EngineClient``) as ``frontend`` says;
-    ``serve_args``: the ``pagedllm serve`` flags it was started with (``/server_info``; None: not
-    reported).
+    ``reported_args``: the ``pagedllm serve`` flags ``/server_info`` reports
+    (``server_info.reported_serve_args``; None: not reported).
 
     ``frontend`` (see ``FrontendConfig``): ``served_model_name`` (list or None: the
     engine's model name), ``chat_template`` (the template text, already loaded by
@@ -340,7 +340,6 @@ def build_app(engine: EngineClient, frontend: FrontendConfig, serve_args: Option
     tokenization = OpenAIServingTokenization(models, renderer, model_config.max_model_len, engine.processor.vocab_size)
 
     log_stats = not frontend.disable_log_stats
-    reported_args = None if serve_args is None else reported_serve_args(serve_args)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

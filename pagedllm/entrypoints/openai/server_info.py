@@ -22,23 +22,16 @@ API_KEY_FLAG = "--api-key"
 LORA_MODULES_FLAG = "--lora-modules"
 
 
-def serve_parser() -> argparse.ArgumentParser:
-    """A parser of the ``pagedllm serve`` flags (``cli_args.make_arg_parser``)."""
-    from pagedllm.entrypoints.openai.cli_args import make_arg_parser
-
-    return make_arg_parser(argparse.ArgumentParser(prog="pagedllm serve"))
-
-
-def reported_serve_args(serve_args: Sequence[str]) -> list[str]:
-    """``serve_args`` as ``/server_info`` reports them: the config file inlined, no API key."""
-    parser = serve_parser()
+def reported_serve_args(parser: argparse.ArgumentParser, serve_args: Sequence[str]) -> list[str]:
+    """``serve_args`` (``parser``: ``pagedllm serve``'s, ``cli_args.serve_parser``) as
+    ``/server_info`` reports them: the config file inlined, no API key."""
     return drop_flag(parser, inline_config_file(parser, serve_args), API_KEY_FLAG)
 
 
 def server_info(reported_args: Optional[list[str]], models: OpenAIServingModels, needs_api_key: bool) -> dict[str, Any]:
     """The body of ``GET /server_info``; ``reported_args``: ``reported_serve_args`` of the
-    server's flags, made once at start-up (None when the app was not started by ``pagedllm
-    serve``: one built in process).
+    server's flags, made once at start-up by ``cli_args.main`` (None when the app was not
+    started by ``pagedllm serve``: one built in process).
 
     Returns:
         ``{"version", "cwd", "serve_args", "api_key"`` (bool), ``"lora_modules"``
