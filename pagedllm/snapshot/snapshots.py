@@ -60,8 +60,8 @@ def _serve_args(serve_argv: list[str]) -> argparse.Namespace:
 
 
 def create(name: str, serve_argv: list[str], cwd: Optional[str] = None) -> Path:
-    """Snapshot the server that ``pagedllm serve <serve_argv>`` started in ``cwd`` (None: this
-    process's folder) starts: its flags, copies of its LoRA adapters and its loaded weights;
+    """Snapshot the server that ``pagedllm serve <serve_argv>``, run in the folder ``cwd`` (None:
+    this process's), starts: its flags, copies of its LoRA adapters and its loaded weights;
     returns the snapshot's folder.
 
     Raises:
