@@ -59,6 +59,7 @@ class RemoteServer:
         other_api_keys: more keys given with it (vLLM's ``--api-key`` takes several).
         env: the server's environment instead of this process's.
         log_requests: log each request (by default the server runs with --disable-log-requests).
+        command: the ``pagedllm`` subcommand that starts it (``("snapshot", "restore", NAME)``).
     """
 
     def __init__(
@@ -69,24 +70,25 @@ class RemoteServer:
         other_api_keys: tuple[str, ...] = (),
         env: Optional[dict[str, str]] = None,
         log_requests: bool = False,
+        command: tuple[str, ...] = ("serve",),
     ) -> None:
         self.port = _free_port()
         self.api_key = api_key
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [
-            sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *([str(model)] if model else []),
+        argv = [
+            sys.executable, "-m", "pagedllm.entrypoints.cli", *command, *([str(model)] if model else []),
             "--port", str(self.port), "--dtype", "float32", "--kv-cache-memory-bytes", "16M",
             *([] if log_requests else ["--disable-log-requests"]),
             "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", *flags,
         ]  # fmt: skip
         if api_key:
-            command += ["--api-key", api_key, *other_api_keys]
+            argv += ["--api-key", api_key, *other_api_keys]
         env = dict(env if env is not None else os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         for name in ("PAGEDLLM_API_KEY", "VLLM_API_KEY"):
             env.pop(name, None)
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm-serve-", suffix=".log", delete=False)
         started = time.monotonic()
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self._children: list[psutil.Process] = []
         try:
             self._wait_until_healthy()

@@ -99,6 +99,17 @@ def config_file_values(parser: argparse.ArgumentParser, path: str) -> dict[str, 
         parser.error(f"{CONFIG_FLAG} {path}: cannot read it: {' '.join(str(exc).split())}")
     if not isinstance(content, dict):
         parser.error(f"{CONFIG_FLAG} {path}: expected a mapping of flag names to values, got {type(content).__name__}")
+    file_args, actions = _config_file_args(parser, path, content)
+    namespace, extras = argparse.ArgumentParser.parse_known_args(parser, file_args, argparse.Namespace())
+    if extras:
+        refuse_unknown(parser, extras, f" in {path}")
+    return {action.dest: getattr(namespace, action.dest) for action in actions}
+
+
+def _config_file_args(
+    parser: argparse.ArgumentParser, path: str, content: dict
+) -> tuple[list[str], list[argparse.Action]]:
+    """The command-line form of a config file's mapping, and the action of each flag it sets."""
     file_args: list[str] = []
     actions = []
     for key, value in content.items():
@@ -108,10 +119,69 @@ def config_file_values(parser: argparse.ArgumentParser, path: str) -> dict[str, 
             refuse_unknown(parser, [option], f" in {path}")
         actions.append(action)
         file_args += flag_as_args(option, action, value)
-    namespace, extras = argparse.ArgumentParser.parse_known_args(parser, file_args, argparse.Namespace())
-    if extras:
-        refuse_unknown(parser, extras, f" in {path}")
-    return {action.dest: getattr(namespace, action.dest) for action in actions}
+    return file_args, actions
+
+
+def inline_config_file(parser: argparse.ArgumentParser, args: Sequence[str]) -> list[str]:
+    """``args`` (parsed by ``parser`` without error) with ``--config FILE`` replaced by the flags
+    the file sets, put first: the command line still wins over the file, and the result no
+    longer needs the file. ``args`` unchanged without ``--config``."""
+    arg_list = [_dashed(arg) for arg in args]
+    path = _config_path(arg_list)
+    if path is None:
+        return arg_list
+    import yaml
+
+    file_args, _ = _config_file_args(parser, path, yaml.safe_load(Path(path).read_text()))
+    return file_args + drop_flag(parser, arg_list, CONFIG_FLAG)
+
+
+def _action_of(parser: argparse.ArgumentParser, arg: str) -> Optional[argparse.Action]:
+    """The action a ``--flag`` / ``--flag=value`` argument names (an unambiguous prefix too,
+    as argparse allows), or None."""
+    if not arg.startswith("--"):
+        return None
+    name = _dashed(arg).partition("=")[0]
+    options = parser._option_string_actions
+    if name in options:
+        return options[name]
+    found = {id(action): action for option, action in options.items() if option.startswith(name)}
+    return next(iter(found.values())) if len(found) == 1 else None
+
+
+def _is_value(arg: str) -> bool:
+    """Whether argparse takes ``arg`` as a value, not a flag."""
+    if not arg.startswith("-") or arg == "-":
+        return True
+    try:
+        float(arg)
+    except ValueError:
+        return False
+    return True
+
+
+def drop_flag(parser: argparse.ArgumentParser, args: Sequence[str], option: str) -> list[str]:
+    """``args`` (parsed by ``parser`` without error) without every use of the flag ``option``
+    (``--api-key``) and its values, in each spelling argparse accepts: ``--flag value``,
+    ``--flag=value``, several values for a flag that takes them, ``--flag_name``, a prefix."""
+    target = parser._option_string_actions[option]
+    kept: list[str] = []
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        index += 1
+        if _action_of(parser, arg) is not target:
+            kept.append(arg)
+            continue
+        if "=" in arg:
+            continue
+        nargs = target.nargs
+        most = {None: 1, "?": 1, "+": len(args), "*": len(args)}.get(nargs, nargs)  # type: ignore[arg-type]
+        taken = 0
+        while index < len(args) and taken < most and _is_value(args[index]):
+            index += 1
+            taken += 1
+    return kept
 
 
 def flag_as_args(option: str, action: argparse.Action, value: Any) -> list[str]:

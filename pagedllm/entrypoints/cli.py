@@ -46,6 +46,7 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv[0] if argv else None).parse_args(argv)
+    args.command_line = argv  # `pagedllm serve` reports its flags (GET /server_info)
     return int(args.func(args) or 0)
 
 

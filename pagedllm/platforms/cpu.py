@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import platform
-import resource
 from typing import Callable
 
 import psutil
@@ -14,6 +13,7 @@ import torch
 from pagedllm import envs
 from pagedllm.platforms.cpu_binding import BIND_ENV, available_cores, bind_setting, cores_for_rank
 from pagedllm.platforms.cpu_malloc import trim_malloc, tune_malloc
+from pagedllm.platforms.cpu_memory import peak_growth
 from pagedllm.platforms.interface import Platform, worker_count_text
 
 #: Tokens in the CPU profiling run; the measured activation peak is scaled linearly to
@@ -60,13 +60,12 @@ class CpuPlatform(Platform):
         return f"CPU(s) {', '.join(map(str, share))} ({len(share)} thread(s), 1/{size} of the RAM)"
 
     def profile_activation_peak(self, dummy_run: Callable[[int], None], max_num_tokens: int) -> int:
-        """The growth of the process's peak RSS over a ``PROFILE_TOKENS``-token dummy run,
-        scaled linearly to ``max_num_tokens`` (a full-size run would dominate start-up)."""
+        """The anonymous memory a ``PROFILE_TOKENS``-token dummy run adds at its peak
+        (``cpu_memory.peak_growth``: the peak RSS reset first, mapped weights' pages left
+        out), scaled linearly to ``max_num_tokens`` (a full-size run would dominate start-up)."""
         num_tokens = min(max_num_tokens, PROFILE_TOKENS)
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        dummy_run(num_tokens)
-        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return int(max(after - before, 0) * max_num_tokens / num_tokens)
+        growth = peak_growth(lambda: dummy_run(num_tokens))
+        return int(growth * max_num_tokens / num_tokens)
 
     def check_worker_count(self, world_size: int, data_parallel_size: int = 1) -> None:
         """At least one core per worker process (under ``PAGEDLLM_CPU_OMP_THREADS_BIND``

@@ -11,7 +11,9 @@ A store is a folder of three files, written to a temporary folder and renamed in
 
 ``map_store`` maps ``weights.bin`` copy-on-write (``MAP_PRIVATE``): the tensors view the shared
 pages, the file is never written, and a page an engine writes (none of the weights; an FP8 KV
-scale) becomes that engine's own. Engines mapping one store share one copy of its pages; the
+scale) becomes that engine's own. The pages are faulted in when mapped (``MADV_POPULATE_READ``;
+0.08 s for the 0.5B shape's 790 MB from the page cache), so the engine's memory profile sees
+resident weights, as after a load, and the first forward does not read them in. Engines mapping one store share one copy of its pages; the
 file's pages stay while any engine maps it, even once the store is deleted. Opaque tensors
 are packed again when mapped (``pack_opaque``: private memory, not shared).
 """
@@ -33,6 +35,8 @@ from torch import nn
 
 WEIGHTS_FILE, MODEL_FILE, KEY_FILE = "weights.bin", "model.pkl", "key.json"
 _PAGE = mmap.PAGESIZE
+#: madvise(2)'s MADV_POPULATE_READ (Linux 5.14; not in Python 3.11's ``mmap``).
+_MADV_POPULATE_READ = 22
 
 
 class _Writer(pickle.Pickler):
@@ -145,4 +149,14 @@ def map_store(directory: Path, pack_opaque: Callable[[torch.Tensor], torch.Tenso
         size = os.fstat(f.fileno()).st_size
         mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     mapping = torch.frombuffer(mapped, dtype=torch.uint8)
+    _populate(mapped, mapping)
     return _Reader(io.BytesIO((directory / MODEL_FILE).read_bytes()), mapping, meta["offsets"], pack_opaque).load()
+
+
+def _populate(mapped: mmap.mmap, mapping: torch.Tensor) -> None:
+    """Fault in every page of ``mapped`` (``mapping`` views it): one ``madvise``, or where the
+    kernel refuses it (before Linux 5.14) a read of one byte per page."""
+    try:
+        mapped.madvise(_MADV_POPULATE_READ)
+    except (OSError, AttributeError):
+        int(mapping[::_PAGE].sum())

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
-``GET /version``, ``GET /metrics``; with ``--enable-sleep-mode`` ``POST /sleep``,
+``GET /version``, ``GET /metrics``, ``GET /server_info`` (the flags and adapters to start it
+again: ``server_info``); with ``--enable-sleep-mode`` ``POST /sleep``,
 ``POST /wake_up``, ``GET /is_sleeping`` (``_add_sleep_routes``); OpenAI's Responses API (``POST /v1/responses``,
 ``GET`` / ``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``); on a pooling
 model only (as vLLM, a generative model answers them 404) ``POST /v1/embeddings``,
@@ -73,6 +74,7 @@ from pagedllm.entrypoints.openai.serving_classification import OpenAIServingClas
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScores
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.server_info import server_info
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.metrics.loggers import log_stats_interval
@@ -288,8 +290,10 @@ def _add_sleep_routes(app: FastAPI, engine: EngineClient) -> None:
         return {"is_sleeping": await engine.is_sleeping()}
 
 
-def build_app(engine: EngineClient, frontend: FrontendConfig) -> FastAPI:
-    """The FastAPI app serving ``engine`` (an ``AsyncLLM``; any ``EngineClient``) as ``frontend`` says.
+def build_app(engine: EngineClient, frontend: FrontendConfig, reported_args: Optional[list[str]] = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` (an ``AsyncLLM``; any ``EngineClient``) as ``frontend`` says;
+    ``reported_args``: the ``pagedllm serve`` flags ``/server_info`` reports
+    (``server_info.reported_serve_args``; None: not reported).
 
     ``frontend`` (see ``FrontendConfig``): ``served_model_name`` (list or None: the
     engine's model name), ``chat_template`` (the template text, already loaded by
@@ -391,6 +395,10 @@ def build_app(engine: EngineClient, frontend: FrontendConfig) -> FastAPI:
 
         registry = getattr(engine, "metrics_registry", None) or REGISTRY
         return Response(content=generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/server_info")
+    async def get_server_info() -> dict[str, Any]:
+        return server_info(reported_args, models, bool(api_keys))
 
     @app.get("/v1/models")
     async def list_models() -> Response:

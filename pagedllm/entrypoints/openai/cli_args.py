@@ -90,6 +90,11 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def serve_parser() -> argparse.ArgumentParser:
+    """A parser of the ``pagedllm serve`` flags alone (``make_arg_parser``)."""
+    return make_arg_parser(argparse.ArgumentParser(prog="pagedllm serve"))
+
+
 def check_tool_calling_args(args: argparse.Namespace) -> None:
     """vLLM's start-up checks of the tool-calling flags.
 
@@ -242,6 +247,15 @@ def bind_unix_socket(path: str) -> socket.socket:
     return sock
 
 
+def _reported_args(args: argparse.Namespace) -> Optional[list[str]]:
+    """The flags ``GET /server_info`` reports (``server_info.reported_serve_args``) of the
+    command line ``pagedllm`` records (``entrypoints.cli``); None without one."""
+    from pagedllm.entrypoints.openai.server_info import reported_serve_args
+
+    command_line = getattr(args, "command_line", None)
+    return reported_serve_args(serve_parser(), command_line[1:]) if command_line else None
+
+
 def _exit_on_sigterm(signum: int, _: Any) -> NoReturn:
     raise SystemExit(0)
 
@@ -296,14 +310,15 @@ def main(args: argparse.Namespace) -> int:
     import asyncio
 
     try:
-        return asyncio.run(_serve(frontend, engine_args, sock))
+        return asyncio.run(_serve(frontend, engine_args, sock, _reported_args(args)))
     except KeyboardInterrupt:
         return 0
     finally:
         sock.close()
 
 
-async def _serve(frontend: FrontendConfig, engine_args: EngineArgs, sock: socket.socket) -> int:
+async def _serve(frontend: FrontendConfig, engine_args: EngineArgs, sock: socket.socket,
+                 reported_args: Optional[list[str]] = None) -> int:
     # NOTE: start-up order: this process resolves the configuration first (which imports
     # torch and transformers' config modules, most of a start's CPU time), then forks the
     # engine process, which inherits those modules and the configuration and loads the
@@ -346,7 +361,7 @@ async def _serve(frontend: FrontendConfig, engine_args: EngineArgs, sock: socket
         return _fail(f"the engine failed to start: {exc}", 1)
     try:
         try:
-            app = build_app(engine, frontend)
+            app = build_app(engine, frontend, reported_args)
         except (ValueError, OSError) as exc:  # a --lora-modules adapter that cannot be served
             return _fail(str(exc), 2)
         # NOTE: torch and transformers leave millions of long-lived objects; without this,

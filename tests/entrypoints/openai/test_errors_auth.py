@@ -180,7 +180,8 @@ def test_models_with_a_trailing_slash_is_the_list(server):
 
 
 PROTECTED = [("POST", COMPLETIONS), ("POST", CHAT), ("GET", "/v1/models"), ("GET", f"/v1/models/{MODEL_NAME}"),
-             ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version"), ("GET", "/docs")]  # fmt: skip
+             ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version"), ("GET", "/docs"),
+             ("GET", "/server_info")]  # fmt: skip
 
 
 @pytest.mark.parametrize("method, path", PROTECTED)
