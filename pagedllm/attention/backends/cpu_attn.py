@@ -30,7 +30,9 @@ tokens still read the FP8 cache (for them it is faster).
 No bidirectional ranges (``CommonAttentionMetadata.bidirectional_ranges``, Gemma 3's image
 spans): the kernel's context of a query is the ``seq_len`` keys before it and its window the
 last W of them, so a query that sees later keys of its range would have its window moved with
-them; a model that uses such ranges runs on ``TORCH_SDPA``.
+them; a model that uses such ranges runs on ``TORCH_SDPA``. No chunked local attention
+(Llama 4's ``attention_chunk_size``) either: the kernel's window is the last W keys, not the
+query's aligned chunk; such a model runs on ``TORCH_SDPA`` too.
 
 With ``--batch-invariant`` the kernel forms no runs (``per_token``) and nothing is widened:
 every token is computed alone, from the cache as it is.
@@ -178,15 +180,16 @@ class CpuAttnBackend(AttentionBackend):
     def validate_configuration(
         cls, head_size: int, dtype: torch.dtype, block_size: Optional[int], kv_cache_dtype: str = "auto",
         uses_sliding_window: bool = False, uses_logits_soft_cap: bool = False, has_sinks: bool = False,
-        uses_bidirectional_ranges: bool = False,
+        uses_bidirectional_ranges: bool = False, uses_chunked_local_attention: bool = False,
     ) -> list[str]:
         """The base checks (the kernel has windows, soft caps and sinks, not bidirectional
-        ranges: see the module docstring), the platform (CPU), and the kernels (built or
+        ranges nor chunked local attention: see the module docstring), the platform (CPU),
+        and the kernels (built or
         loaded now, at start-up rather than in the first request; ~15 s the first time on a
         machine)."""
         reasons = super().validate_configuration(
             head_size, dtype, block_size, kv_cache_dtype, uses_sliding_window, uses_logits_soft_cap, has_sinks,
-            uses_bidirectional_ranges,
+            uses_bidirectional_ranges, uses_chunked_local_attention,
         )
         if not current_platform.is_cpu:
             reasons.append(f"it runs on CPU only, not on {current_platform.device_type}")
