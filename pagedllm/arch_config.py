@@ -15,7 +15,8 @@ a config.json that sets one to a non-neutral value asks for math the code does n
 An image-text checkpoint of ``IMAGE_TEXT_ARCHITECTURES`` is served whole: its code reads
 ``language_model_config``, config.json's ``text_config`` with the vision tower's keys
 (``vision_config`` ...) carried onto it. One of ``BIDIRECTIONAL_IMAGE_ARCHITECTURES`` attends
-both ways inside each image's tokens.
+both ways inside each image's tokens. One of ``TEXT_ONLY_ARCHITECTURES`` (Llama 4's) is served
+by its language model alone, from the same ``text_config``.
 
 ``check_hf_config`` refuses, with a message naming the key, a config that sets a key to a
 value the code would silently ignore or misread; ``layer_sliding_windows`` is each layer's
@@ -313,6 +314,8 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
     # no_rope_layers 1, full attention without rope (temperature-tuned queries) on the others;
     # a sigmoid top-1 router with a shared expert on the moe_layers, a dense MLP elsewhere.
     "Llama4ForCausalLM": ArchConfig("llama4_text", _LLAMA4_TEXT_KEYS, "chunked"),
+    # The language model of a Llama 4 image-text checkpoint, served text-only (``TEXT_ONLY_ARCHITECTURES``).
+    "Llama4ForConditionalGeneration": ArchConfig("llama4_text", _LLAMA4_TEXT_KEYS, "chunked"),
     # EAGLE heads: Llama configs (their own keys, ``bias`` ..., are not the class's).
     "EagleLlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
     "Eagle3LlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
@@ -358,6 +361,10 @@ IMAGE_TEXT_ARCHITECTURES: dict[str, tuple[str, ...]] = {
         "vision_config", "image_token_index", "boi_token_index", "eoi_token_index", "mm_tokens_per_image",
     ),
 }
+
+#: Image-text architectures served by their language model alone (text-only): its config is
+#: ``language_model_config``'s, and the vision tower's and projector's tensors are not loaded.
+TEXT_ONLY_ARCHITECTURES = frozenset({"Llama4ForConditionalGeneration"})
 
 #: Image-text architectures whose images' tokens attend to each other both ways (transformers'
 #: ``token_type_ids`` mask; causal elsewhere): their attention metadata carries each image's
@@ -556,12 +563,12 @@ def check_hf_config(hf_config: Any) -> None:
 
 def language_model_config(hf_config: Any) -> Any:
     """The config the model code reads: ``hf_config`` itself, or for an architecture of
-    ``IMAGE_TEXT_ARCHITECTURES`` its ``text_config``, given the whole checkpoint's
-    ``architectures``, ``tie_word_embeddings`` (transformers ties by the outer config),
-    ``dtype``, ``quantization_config`` and the vision keys of ``IMAGE_TEXT_ARCHITECTURES``.
-    Edits that sub-config in place."""
+    ``IMAGE_TEXT_ARCHITECTURES`` or ``TEXT_ONLY_ARCHITECTURES`` its ``text_config``, given the
+    whole checkpoint's ``architectures``, ``tie_word_embeddings`` (transformers ties by the
+    outer config), ``dtype``, ``quantization_config`` and the vision keys of
+    ``IMAGE_TEXT_ARCHITECTURES`` (none for a text-only one). Edits that sub-config in place."""
     architecture = (_value(hf_config, "architectures") or ["<none>"])[0]
-    if architecture not in IMAGE_TEXT_ARCHITECTURES:
+    if architecture not in IMAGE_TEXT_ARCHITECTURES and architecture not in TEXT_ONLY_ARCHITECTURES:
         return hf_config
     text = hf_config.text_config
     text.architectures = [architecture]
@@ -569,7 +576,7 @@ def language_model_config(hf_config: Any) -> Any:
     for key in ("dtype", "quantization_config"):
         if _value(hf_config, key) is not None:
             setattr(text, key, _value(hf_config, key))
-    for key in IMAGE_TEXT_ARCHITECTURES[architecture]:
+    for key in IMAGE_TEXT_ARCHITECTURES.get(architecture, ()):
         setattr(text, key, _value(hf_config, key))
     return text
 

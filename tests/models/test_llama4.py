@@ -17,6 +17,7 @@ from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend
 from pagedllm.model_executor.layers.fused_moe.router import topk_sigmoid
 from pagedllm.model_executor.models.llama4 import Llama4ForCausalLM
 from tests.conftest import LLAMA3_ROPE_SCALING
+from tests.helpers import float32_llm
 from tests.models.utils import SCENARIOS, assert_scenario, prompts_for
 
 #: 4 layers: chunked, chunked, chunked, NoPE (no_rope_layer_interval 4); experts on layers 1
@@ -78,3 +79,36 @@ def test_sigmoid_router_equals_transformers():
     assert torch.equal(ids[:, 0], scores.argmax(dim=-1))
     assert torch.equal(weights[:, 0], scores.max(dim=-1).values)
 
+
+
+@pytest.fixture(scope="module")
+def llama4_image_text(llama4, tmp_path_factory):
+    """A ``Llama4ForConditionalGeneration`` checkpoint written by transformers whose language
+    model is ``llama4``'s (its weights copied in) beside a tiny vision tower and projector."""
+    import shutil
+
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    text = AutoConfig.from_pretrained(llama4).to_dict()
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
+                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+    config = Llama4Config(text_config=text, vision_config=vision)
+    config.architectures = ["Llama4ForConditionalGeneration"]
+    model = Llama4ForConditionalGeneration(config).eval()
+    missing, unexpected = model.language_model.load_state_dict(load_file(llama4 / "model.safetensors"), strict=False)
+    assert not unexpected and not [m for m in missing if "lm_head" not in m]
+    out = tmp_path_factory.mktemp("llama4-image-text")
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        shutil.copy(llama4 / name, out / name)
+    return out
+
+
+def test_image_text_checkpoint_serves_its_language_model(llama4, llama4_image_text):
+    """The image-text checkpoint loads text-only (vision tensors skipped, ``language_model.``
+    removed) and gives the text checkpoint's transformers greedy output under chunked prefill."""
+    names = load_file(llama4_image_text / "model.safetensors").keys()
+    assert any(n.startswith("vision_model.") for n in names) and any(n.startswith("multi_modal_projector.") for n in names)
+    llm = float32_llm(llama4_image_text, SCENARIOS["chunked_prefill"])
+    assert llm.llm_engine.model_config.architecture == "Llama4ForConditionalGeneration"
+    assert_scenario(llama4, "chunked_prefill", prompts_for(1024), llm=llm)

@@ -18,13 +18,14 @@ sigmoid (``router.topk_sigmoid``), the token entering its expert scaled by that 
 
 Checkpoint layout as transformers writes it: ``feed_forward.*`` (our ``mlp``), the experts
 stacked as ``experts.gate_up_proj`` [E, H, 2 x I] (x @ W; gate columns, then up) and
-``experts.down_proj`` [E, I, H].
+``experts.down_proj`` [E, I, H]. An image-text checkpoint (``Llama4ForConditionalGeneration``,
+the published ones) is served text-only: its ``text_config`` and ``language_model.*`` tensors.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -39,6 +40,9 @@ from pagedllm.model_executor.layers.quantization import QuantizationConfig
 from pagedllm.model_executor.layers.rotary_embedding import get_rope, get_rope_parameters
 from pagedllm.model_executor.models.llama import LLAMA_NORMS, DecoderLayer, LlamaAttention, LlamaMLP, LlamaModel
 from pagedllm.model_executor.models.llama_moe import LlamaMoEForCausalLM
+
+#: Tensor name prefixes of an image-text checkpoint's vision part (not loaded text-only).
+_VISION_PREFIXES = ("vision_model.", "multi_modal_projector.")
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -165,3 +169,23 @@ class Llama4ForCausalLM(LlamaMoEForCausalLM):
             raise ValueError(f"Checkpoint tensor {name!r} has no matching parameter (Llama 4's experts are stacked: "
                              f"experts.gate_up_proj [E, H, 2 x I], experts.down_proj [E, I, H]).")
         return super()._load_expert(layer, match, name, tensor.transpose(1, 2))
+
+
+class Llama4ForConditionalGeneration(Llama4ForCausalLM):
+    """The language model of a Llama 4 image-text checkpoint, text-only: the config is its
+    ``text_config`` (``pagedllm.arch_config.TEXT_ONLY_ARCHITECTURES``), the tensors its
+    ``language_model.*`` ones; the vision tower's (``vision_model.*``) and the projector's
+    (``multi_modal_projector.*``) are not loaded."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """``Llama4ForCausalLM.load_weights`` of the ``language_model.`` tensors, that prefix
+        removed; returns the names loaded.
+
+        Raises:
+            ValueError: as the parent's (a tensor of neither the language model nor the
+                vision part has no matching parameter).
+        """
+        return super().load_weights(
+            (name.removeprefix("language_model."), tensor) for name, tensor in weights
+            if not name.startswith(_VISION_PREFIXES)
+        )
