@@ -1,5 +1,5 @@
 """Sliding windows, logits soft-capping and attention sinks (with any softmax scale) in both
-backends: the C++ kernel at every instruction-set level the host runs (vector and portable
+backends (and chunked local attention in TORCH_SDPA, the backend that has it): the C++ kernel at every instruction-set level the host runs (vector and portable
 paths, decode tokens and runs of prefill tokens, GQA, several block sizes, an FP8 cache)
 against the float64 reference, TORCH_SDPA and CPU_ATTN on a step mixing decodes and chunked
 prefills (also ``--batch-invariant`` and FP8), with the blocks wholly before each request's
@@ -252,6 +252,46 @@ def test_backend_features_over_fp8_cache(request, name, widened, monkeypatch):
         monkeypatch.setattr(cpu_attn, "FP8_WIDEN_MIN_QUERY_LEN", 1)
     out, expected = _backend_step(request, name, "all", torch.float32, fp8=torch.float8_e4m3fn)
     _assert_close(out, expected, 2e-5)
+
+
+CHUNK = 12  # the mixed step's requests cross chunk boundaries at 12, 24 and 36
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["batched", "batch_invariant"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_torch_sdpa_chunked_local_attention_on_mixed_step(batch_invariant, dtype):
+    """Decodes and chunked prefills crossing chunk boundaries, each query over its own aligned
+    chunk only, the blocks wholly before each request's first query's chunk holding NaN (what
+    the KV-cache manager freed); CPU_ATTN has no chunked local attention (TORCH_SDPA runs it)."""
+    query, key, value, kv_cache, common = _mixed_step(dtype)
+    poisoned = kv_cache.clone()
+    for r in range(common.num_reqs):
+        first = int(common.num_computed_tokens[r])
+        for i in range((first - first % CHUNK) // 8):
+            poisoned[:, common.block_table[r, i]] = float("nan")
+    cache = kv_cache.clone()
+    for t, slot in enumerate(common.slot_mapping.tolist()):
+        cache[0, slot // 8, slot % 8], cache[1, slot // 8, slot % 8] = key[t], value[t]
+    token_req, seq_lens = common.tokens_as_decodes()
+    expected = reference_decode_attention(query, cache, torch.from_numpy(common.block_table[token_req]),
+                                          torch.from_numpy(seq_lens), SCALE, chunk=CHUNK)
+    metadata = TorchSDPABackend.get_builder_cls()(8, torch.device("cpu"), batch_invariant=batch_invariant).build(common)
+    impl = TorchSDPAImpl(6, 64, SCALE, 2, attention_chunk_size=CHUNK)
+    out = impl.forward(_Layer(None), query, key, value, poisoned, metadata)
+    _assert_close(out, expected, TOLERANCE[dtype])
+    whole = reference_decode_attention(query, cache, torch.from_numpy(common.block_table[token_req]),
+                                       torch.from_numpy(seq_lens), SCALE)
+    assert not torch.allclose(out.float(), whole.float(), atol=0.1)  # the chunks change the output
+
+
+def test_chunked_local_attention_is_refused_where_not_built():
+    assert CpuAttnBackend.missing_features(uses_chunked_local_attention=True) == ["chunked local attention"]
+    with pytest.raises(ValueError, match="CpuAttnImpl has no chunked local attention"):
+        cpu_attn.CpuAttnImpl(6, 64, SCALE, 2, attention_chunk_size=16)
+    with pytest.raises(ValueError, match="either a sliding_window or an attention_chunk_size"):
+        TorchSDPAImpl(6, 64, SCALE, 2, sliding_window=8, attention_chunk_size=16)
+    with pytest.raises(ValueError, match="attention_chunk_size must be a positive number of tokens"):
+        TorchSDPAImpl(6, 64, SCALE, 2, attention_chunk_size=0)
 
 
 # --- the layer, the impls and the selector ---------------------------------------------------
