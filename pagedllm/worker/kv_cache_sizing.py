@@ -78,7 +78,7 @@ def kv_cache_groups(config: EngineConfig) -> KVCacheGroups:
     windows (``layer_sliding_windows``) and chunks (``layer_attention_chunk_sizes``), block size, KV heads per tensor-parallel rank, head
     size and cache dtype. A drafter with its own KV cache (a draft model, an EAGLE head)
     writes through a full-attention group's table: when the target has no full-attention
-    layer, its windowed layers keep every block (one full-attention group; the backend
+    layer, its windowed (or chunked) layers keep every block (one full-attention group; the backend
     still masks the window). An encoder (``ModelConfig.is_encoder``: vLLM's "encoder_only"
     attention, over each whole prompt in one step) has no group: it keeps no KV cache.
     """
@@ -86,11 +86,13 @@ def kv_cache_groups(config: EngineConfig) -> KVCacheGroups:
     if model_config.is_encoder:
         return KVCacheGroups((), 0)
     windows = layer_sliding_windows(model_config.hf_config)[: model_config.num_layers]
+    chunks = layer_attention_chunk_sizes(model_config.hf_config)[: model_config.num_layers]
     spec = config.speculative_config
-    if spec is not None and spec.uses_draft_model and None not in windows:
-        windows = [None] * len(windows)
+    if spec is not None and spec.uses_draft_model and not any(w is None and c is None for w, c in zip(windows, chunks)):
+        windows, chunks = [None] * len(windows), [None] * len(chunks)
     tp_size = config.parallel_config.tensor_parallel_size
-    return _groups(model_config, config.cache_config, windows, tp_size, state_layer_specs(model_config, tp_size))
+    return _groups(model_config, config.cache_config, windows, tp_size, state_layer_specs(model_config, tp_size),
+                   chunks)
 
 
 def num_state_slots(config: EngineConfig, groups: KVCacheGroups) -> int:
@@ -149,7 +151,8 @@ def state_layer_specs(model_config: ModelConfig, tp_size: int = 1) -> dict[int, 
 
 
 def _groups(model_config: ModelConfig, cache_config: CacheConfig, windows: list[Optional[int]],
-            tp_size: int, state_specs: Optional[dict[int, MambaSpec]] = None) -> KVCacheGroups:
+            tp_size: int, state_specs: Optional[dict[int, MambaSpec]] = None,
+            chunks: Optional[list[Optional[int]]] = None) -> KVCacheGroups:
     state_specs = state_specs or {}
     cacheless = [i for i in cacheless_layer_indices(model_config.hf_config) if i < len(windows)]
     hybrid = [i for i in hybrid_layer_indices(model_config.hf_config) if i in state_specs]
@@ -157,7 +160,6 @@ def _groups(model_config: ModelConfig, cache_config: CacheConfig, windows: list[
         return group_layers([state_specs.get(i) for i in range(len(windows))])
     num_kv_heads = kv_heads_per_rank(model_config.num_kv_heads, tp_size)
     dtype_bytes = cache_config.kv_cache_dtype(model_config.dtype).itemsize
-    chunks = layer_attention_chunk_sizes(model_config.hf_config)[: len(windows)]
     return group_layers(layer_kv_cache_specs(windows, cache_config.block_size, num_kv_heads, model_config.head_dim,
                                              dtype_bytes, use_mla=model_config.use_mla, state_specs=state_specs,
                                              cacheless=cacheless, hybrid=hybrid, attention_chunk_sizes=chunks))
