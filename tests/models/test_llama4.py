@@ -1,9 +1,9 @@
 """Llama 4 (text): greedy token-identical to transformers (float32) under chunked prefill (steps
 crossing chunk boundaries), preemption and prefix caching, on a checkpoint of three chunked
 rope layers (24-token chunks, L2 q/k norms, llama3 rope) and one NoPE layer (temperature
-tuning that the prompts' positions reach), dense and expert layers interleaved; the model runs
-on TORCH_SDPA (CPU_ATTN has no chunked local attention) and its stacked experts load as
-transformers holds them."""
+tuning that the prompts' positions reach), dense and expert layers interleaved, on each attention
+backend; its stacked experts load as transformers holds them, and an image-text checkpoint
+serves its language model."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend
 from pagedllm.model_executor.layers.fused_moe.router import topk_sigmoid
 from pagedllm.model_executor.models.llama4 import Llama4ForCausalLM
 from tests.conftest import LLAMA3_ROPE_SCALING
-from tests.helpers import float32_llm
+from tests.helpers import cpu_only, float32_llm, model_runner
 from tests.models.utils import SCENARIOS, assert_scenario, prompts_for
 
 #: 4 layers: chunked, chunked, chunked, NoPE (no_rope_layer_interval 4); experts on layers 1
@@ -46,11 +46,15 @@ def test_chunked_prefill_steps_cross_chunk_boundaries(llama4):
     assert_scenario(llama4, "chunked_prefill", prompts, max_tokens=12, max_num_batched_tokens=20)
 
 
-def test_runs_on_torch_sdpa_and_cpu_attn_is_refused_by_name():
-    backend = selector.get_attn_backend(16, torch.float32, 8, uses_chunked_local_attention=True)
-    assert backend is TorchSDPABackend
-    with pytest.raises(ValueError, match="CPU_ATTN cannot run here: it has no chunked local attention"):
-        selector.get_attn_backend(16, torch.float32, 8, "CPU_ATTN", uses_chunked_local_attention=True)
+@pytest.mark.parametrize("backend", ["TORCH_SDPA", pytest.param("CPU_ATTN", marks=cpu_only)])
+@pytest.mark.parametrize("scenario", ["chunked_prefill", "prefix_caching"])
+def test_each_attention_backend_equals_transformers(request, llama4, backend, scenario):
+    """Both backends have chunked local attention (the C++ kernel's window starting at the
+    query's chunk): the same greedy tokens on each."""
+    if backend == "CPU_ATTN":
+        request.getfixturevalue("kernel")
+    llm = assert_scenario(llama4, scenario, prompts_for(1024), attention_backend=backend)
+    assert model_runner(llm).attn_backend.get_name() == backend
 
 
 def test_stacked_experts_load_transposed(llama4):
