@@ -75,11 +75,11 @@ def num_layers_per_stage(model_config: ModelConfig) -> int:
 
 def kv_cache_groups(config: EngineConfig) -> KVCacheGroups:
     """The target model's KV-cache groups (the same on every rank and stage): its layers'
-    windows (``layer_sliding_windows``) and chunks (``layer_attention_chunk_sizes``), block size, KV heads per tensor-parallel rank, head
-    size and cache dtype. A drafter with its own KV cache (a draft model, an EAGLE head)
-    writes through a full-attention group's table: when the target has no full-attention
-    layer, its windowed (or chunked) layers keep every block (one full-attention group; the backend
-    still masks the window). An encoder (``ModelConfig.is_encoder``: vLLM's "encoder_only"
+    windows (``layer_sliding_windows``) and chunks (``layer_attention_chunk_sizes``), block
+    size, KV heads per tensor-parallel rank, head size and cache dtype. A drafter with its own
+    KV cache (a draft model, an EAGLE head) writes through a full-attention group's table: when
+    the target has no full-attention layer, its windowed or chunked layers keep every block
+    (one full-attention group; the backend still masks the window or chunk). An encoder (``ModelConfig.is_encoder``: vLLM's "encoder_only"
     attention, over each whole prompt in one step) has no group: it keeps no KV cache.
     """
     model_config = config.model_config

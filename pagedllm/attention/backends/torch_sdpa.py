@@ -282,7 +282,8 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
         keys = gather_context(kv_cache[0], md.prefill_block_table, attended, query.dtype, scales[0])
         values = gather_context(kv_cache[1], md.prefill_block_table, attended, query.dtype, scales[1])
         q = query[md.prefill_query_index].transpose(1, 2)  # [P, num_heads, max_query_len, D]
-        mask = md.prefill_attn_mask(self.sliding_window, self.attention_chunk_size)  # [P, 1, max_query_len, max_seq_len]
+        # [P, 1, max_query_len, max_seq_len]
+        mask = md.prefill_attn_mask(self.sliding_window, self.attention_chunk_size)
         if self.logits_soft_cap is None and sinks is None:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
         else:

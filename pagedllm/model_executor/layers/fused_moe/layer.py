@@ -133,7 +133,8 @@ class FusedMoE(nn.Module):
         if activation not in MOE_ACTIVATIONS:
             raise ValueError(f"FusedMoE activation {activation!r} is not built (built: {', '.join(MOE_ACTIVATIONS)}).")
         if apply_router_weight_on_input and top_k != 1:
-            raise ValueError(f"{prefix}: apply_router_weight_on_input needs top_k 1 (one expert per token), got {top_k}.")
+            raise ValueError(
+                f"{prefix}: apply_router_weight_on_input needs top_k 1 (one expert per token), got {top_k}.")
         self.apply_router_weight_on_input = apply_router_weight_on_input
         self.has_bias = has_bias
         #: Whether W13 is [gate | up] under a gated activation (vLLM's name); else up alone.

@@ -58,7 +58,8 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool = Tr
     return torch.softmax(logits, dim=-1), ids
 
 
-def topk_sigmoid(router_logits: torch.Tensor, top_k: int, renormalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_sigmoid(router_logits: torch.Tensor, top_k: int,
+                 renormalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``top_k`` largest logits, each one's sigmoid (float32) its weight (not renormalised:
     ``renormalize`` is ignored, as transformers' ``Llama4Router`` has none)."""
     _check_top_k(router_logits, top_k)
