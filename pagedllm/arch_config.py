@@ -15,12 +15,14 @@ a config.json that sets one to a non-neutral value asks for math the code does n
 An image-text checkpoint of ``IMAGE_TEXT_ARCHITECTURES`` is served whole: its code reads
 ``language_model_config``, config.json's ``text_config`` with the vision tower's keys
 (``vision_config`` ...) carried onto it. One of ``BIDIRECTIONAL_IMAGE_ARCHITECTURES`` attends
-both ways inside each image's tokens.
+both ways inside each image's tokens. One of ``TEXT_ONLY_ARCHITECTURES`` (Llama 4's) is served
+by its language model alone, from the same ``text_config``.
 
 ``check_hf_config`` refuses, with a message naming the key, a config that sets a key to a
 value the code would silently ignore or misread; ``layer_sliding_windows`` is each layer's
 attention window (transformers' semantics: a query at position i sees keys i - W + 1 .. i);
-``state_layer_indices`` the layers that keep a recurrent state instead of a KV cache
+``layer_attention_chunk_sizes`` each layer's chunked local attention (Llama 4's
+``attention_chunk_size``); ``state_layer_indices`` the layers that keep a recurrent state instead of a KV cache
 (Mamba-2, gated delta rule: transformers' ``layer_types`` entry "linear_attention").
 
 ``get_rope_parameters`` is a layer's rope parameters read from either generation of config
@@ -112,6 +114,8 @@ _ORIGINAL_LENGTH_TYPES = ("llama3", "yarn", "longrope")
 GELU_ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
 #: ``layer_types`` entries the attention layers build.
 LAYER_TYPES = ("full_attention", "sliding_attention")
+#: ``layer_types`` of an architecture with chunked local attention (``ArchConfig.windows`` "chunked").
+CHUNKED_LAYER_TYPES = ("full_attention", "chunked_attention")
 #: The ``layer_types`` entry of a layer that keeps a recurrent state (transformers' name for
 #: Mamba-2 and gated delta rule layers).
 STATE_LAYER_TYPE = "linear_attention"
@@ -134,7 +138,9 @@ class ArchConfig:
             none; Mistral), "layer_types" (``sliding_window`` on the layers whose
             ``layer_types`` entry is "sliding_attention"; Qwen2 / Qwen3), "bidirectional" (the
             model code masks its "sliding_attention" layers itself, both ways; ModernBERT, an
-            encoder: no KV-cache windows).
+            encoder: no KV-cache windows), "chunked" (no window: chunked local attention of
+            ``attention_chunk_size`` on the layers whose ``layer_types`` entry is
+            "chunked_attention", full attention on the others; Llama 4).
         state_layers: which layers keep a recurrent state: "none", or "layer_types" (those
             whose ``layer_types`` entry is ``STATE_LAYER_TYPE``: every layer of Mamba-2, the
             layers outside ``attn_layer_indices`` of Bamba; or ``HYBRID_LAYER_TYPE``, beside
@@ -178,6 +184,13 @@ _MODERNBERT_KEYS = frozenset({
     "layer_types", "rope_parameters", "local_attention", "classifier_pooling", "classifier_bias",
     "classifier_activation", "decoder_bias", "tie_word_embeddings",
 })
+
+#: Llama 4's text config (``Llama4TextConfig``): the layers' kinds, rope, norms and experts.
+_LLAMA4_TEXT_KEYS = _LLAMA_FAMILY_KEYS | {
+    "intermediate_size_mlp", "num_local_experts", "num_experts_per_tok", "moe_layers", "interleave_moe_layer_step",
+    "use_qk_norm", "no_rope_layers", "no_rope_layer_interval", "attention_chunk_size", "layer_types",
+    "attn_temperature_tuning", "floor_scale", "attn_scale", "attention_bias",
+}
 
 ARCH_CONFIG: dict[str, ArchConfig] = {
     "LlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
@@ -299,6 +312,12 @@ ARCH_CONFIG: dict[str, ArchConfig] = {
             "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"},
         "none", "layer_types",
     ),
+    # Llama 4's text model: chunked local attention with rope and L2 q/k norms on the layers of
+    # no_rope_layers 1, full attention without rope (temperature-tuned queries) on the others;
+    # a sigmoid top-1 router with a shared expert on the moe_layers, a dense MLP elsewhere.
+    "Llama4ForCausalLM": ArchConfig("llama4_text", _LLAMA4_TEXT_KEYS, "chunked"),
+    # The language model of a Llama 4 image-text checkpoint, served text-only (``TEXT_ONLY_ARCHITECTURES``).
+    "Llama4ForConditionalGeneration": ArchConfig("llama4_text", _LLAMA4_TEXT_KEYS, "chunked"),
     # EAGLE heads: Llama configs (their own keys, ``bias`` ..., are not the class's).
     "EagleLlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
     "Eagle3LlamaForCausalLM": ArchConfig("llama", _LLAMA_FAMILY_KEYS | {"attention_bias", "mlp_bias"}, "none"),
@@ -348,6 +367,10 @@ IMAGE_TEXT_ARCHITECTURES: dict[str, tuple[str, ...]] = {
         "multimodal_projector_bias", "spatial_merge_size",
     ),
 }
+
+#: Image-text architectures served by their language model alone (text-only): its config is
+#: ``language_model_config``'s, and the vision tower's and projector's tensors are not loaded.
+TEXT_ONLY_ARCHITECTURES = frozenset({"Llama4ForConditionalGeneration"})
 
 #: Image-text architectures whose images' tokens attend to each other both ways (transformers'
 #: ``token_type_ids`` mask; causal elsewhere): their attention metadata carries each image's
@@ -479,6 +502,8 @@ def _problems(architecture: str, hf_config: Any) -> list[str]:
         problems.append(f"sliding_window={window!r} (a positive number of tokens or null)")
     if arch.windows in ("layer_types", "bidirectional"):
         problems += _layer_type_problems(hf_config)
+    if arch.windows == "chunked":
+        problems += _chunked_layer_type_problems(hf_config)
     if arch.windows == "none" and window is not None and _value(hf_config, "use_sliding_window") is not False:
         problems.append(
             f"sliding_window={window} ({architecture} attends over the whole context, as transformers' code does; "
@@ -508,6 +533,20 @@ def _layer_type_problems(hf_config: Any) -> list[str]:
     return problems
 
 
+def _chunked_layer_type_problems(hf_config: Any) -> list[str]:
+    kinds = _value(hf_config, "layer_types") or []
+    problems = []
+    unknown = sorted(set(kinds) - set(CHUNKED_LAYER_TYPES))
+    if unknown:
+        problems.append(f"layer_types {unknown} (built: {', '.join(CHUNKED_LAYER_TYPES)})")
+    if kinds and len(kinds) != hf_config.num_hidden_layers:
+        problems.append(f"layer_types has {len(kinds)} entries for {hf_config.num_hidden_layers} layers")
+    chunk = _value(hf_config, "attention_chunk_size")
+    if "chunked_attention" in kinds and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+        problems.append(f"attention_chunk_size={chunk!r} for chunked_attention layers (a positive number of tokens)")
+    return problems
+
+
 def check_hf_config(hf_config: Any) -> None:
     """Refuse a config whose architecture's code would ignore or misread one of its keys.
 
@@ -530,12 +569,12 @@ def check_hf_config(hf_config: Any) -> None:
 
 def language_model_config(hf_config: Any) -> Any:
     """The config the model code reads: ``hf_config`` itself, or for an architecture of
-    ``IMAGE_TEXT_ARCHITECTURES`` its ``text_config``, given the whole checkpoint's
-    ``architectures``, ``tie_word_embeddings`` (transformers ties by the outer config),
-    ``dtype``, ``quantization_config`` and the vision keys of ``IMAGE_TEXT_ARCHITECTURES``.
-    Edits that sub-config in place."""
+    ``IMAGE_TEXT_ARCHITECTURES`` or ``TEXT_ONLY_ARCHITECTURES`` its ``text_config``, given the
+    whole checkpoint's ``architectures``, ``tie_word_embeddings`` (transformers ties by the
+    outer config), ``dtype``, ``quantization_config`` and the vision keys of
+    ``IMAGE_TEXT_ARCHITECTURES`` (none for a text-only one). Edits that sub-config in place."""
     architecture = (_value(hf_config, "architectures") or ["<none>"])[0]
-    if architecture not in IMAGE_TEXT_ARCHITECTURES:
+    if architecture not in IMAGE_TEXT_ARCHITECTURES and architecture not in TEXT_ONLY_ARCHITECTURES:
         return hf_config
     text = hf_config.text_config
     text.architectures = [architecture]
@@ -543,7 +582,7 @@ def language_model_config(hf_config: Any) -> Any:
     for key in ("dtype", "quantization_config"):
         if _value(hf_config, key) is not None:
             setattr(text, key, _value(hf_config, key))
-    for key in IMAGE_TEXT_ARCHITECTURES[architecture]:
+    for key in IMAGE_TEXT_ARCHITECTURES.get(architecture, ()):
         setattr(text, key, _value(hf_config, key))
     return text
 
@@ -555,12 +594,26 @@ def layer_sliding_windows(hf_config: Any) -> list[Optional[int]]:
     num_layers = hf_config.num_hidden_layers
     arch = ARCH_CONFIG.get((_value(hf_config, "architectures") or ["<none>"])[0])
     window = _value(hf_config, "sliding_window")
-    if arch is None or arch.windows in ("none", "bidirectional") or window is None:
+    if arch is None or arch.windows in ("none", "bidirectional", "chunked") or window is None:
         return [None] * num_layers
     if arch.windows == "all":
         return [window] * num_layers
     kinds = _value(hf_config, "layer_types") or ["full_attention"] * num_layers
     return [window if kind == "sliding_attention" else None for kind in kinds]
+
+
+def layer_attention_chunk_sizes(hf_config: Any) -> list[Optional[int]]:
+    """Each layer's chunked local attention size in tokens (None: not chunked): an
+    architecture of ``ArchConfig.windows`` "chunked" gives ``attention_chunk_size`` to its
+    "chunked_attention" ``layer_types`` (transformers' Llama 4: a query at position i sees keys
+    i - i % C .. i); all None for any other."""
+    num_layers = hf_config.num_hidden_layers
+    arch = ARCH_CONFIG.get((_value(hf_config, "architectures") or ["<none>"])[0])
+    chunk = _value(hf_config, "attention_chunk_size")
+    if arch is None or arch.windows != "chunked" or chunk is None:
+        return [None] * num_layers
+    kinds = _value(hf_config, "layer_types") or ["full_attention"] * num_layers
+    return [chunk if kind == "chunked_attention" else None for kind in kinds]
 
 
 def state_layer_indices(hf_config: Any) -> list[int]:

@@ -13,6 +13,7 @@ from pagedllm.arch_config import (
     ENGINE_KEYS,
     check_hf_config,
     language_model_config,
+    layer_attention_chunk_sizes,
     layer_sliding_windows,
 )
 from pagedllm.model_executor.models.registry import MODEL_REGISTRY
@@ -59,6 +60,10 @@ def test_every_config_key_is_classified(architecture):
         ("Phi3ForCausalLM", {"attention_multiplier": 0.5}, "attention_multiplier=0.5"),
         ("BertModel", {"is_decoder": True}, "is_decoder=True"),
         ("RobertaModel", {"hidden_act": "quick_gelu"}, "hidden_act='quick_gelu'"),
+        ("Llama4ForCausalLM", {"layer_types": ["chunked_attention", "sliding_attention"]},
+         r"layer_types \['sliding_attention'\]"),
+        ("Llama4ForCausalLM", {"layer_types": ["chunked_attention", "full_attention"], "attention_chunk_size": None},
+         "attention_chunk_size=None for chunked_attention layers"),
     ],
 )
 def test_unread_config_keys_are_refused(architecture, kwargs, message):
@@ -106,3 +111,18 @@ def test_image_text_checkpoint_is_served_by_its_text_config():
     assert layer_sliding_windows(text) == [8, 8]
     llama = _config("LlamaForCausalLM")
     assert language_model_config(llama) is llama
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "chunks"),
+    [
+        ({"attention_chunk_size": 8, "no_rope_layer_interval": 2}, [8, None]),  # NoPE layers attend fully
+        ({"attention_chunk_size": None}, [None, None]),  # no chunk: every layer full
+        ({"attention_chunk_size": 8, "layer_types": ["full_attention", "chunked_attention"]}, [None, 8]),
+    ],
+)
+def test_llama4_layers_attend_in_chunks_by_layer_types(kwargs, chunks):
+    config = _config("Llama4ForCausalLM", **kwargs)
+    check_hf_config(config)
+    assert layer_attention_chunk_sizes(config) == chunks and layer_sliding_windows(config) == [None, None]
+    assert layer_attention_chunk_sizes(_config("MistralForCausalLM", sliding_window=8)) == [None, None]

@@ -4,9 +4,9 @@ The choice, made once per engine (``get_attn_backend``): the name given
 (``--attention-backend``), else ``$PAGEDLLM_ATTENTION_BACKEND``, else automatic — the first
 backend of ``current_platform.attn_backend_preference`` that can run with the model's head
 size and dtype, the block size, and the attention features the model uses (sliding windows,
-logits soft caps, sinks, bidirectional image spans; on CPU: ``CPU_ATTN`` when the C++ kernels
-build, else ``TORCH_SDPA``; both have every feature but the last, which only ``TORCH_SDPA``
-has); when it passes over a backend it logs why (INFO,
+logits soft caps, sinks, chunked local attention, bidirectional image spans; on CPU:
+``CPU_ATTN`` when the C++ kernels build, else ``TORCH_SDPA``; both have every feature but the
+last, which only ``TORCH_SDPA`` has); when it passes over a backend it logs why (INFO,
 once per reason). A model with multi-head latent attention (``use_mla``: DeepSeek-V2 / V3)
 runs on an MLA backend (``AttentionBackend.is_mla``; built: ``TORCH_MLA``), any other on a
 backend that is not one. Another backend (a CUDA one, a test's) joins with
@@ -58,6 +58,7 @@ def get_attn_backend(
     head_size: int, dtype: torch.dtype, block_size: Optional[int], name: Optional[str] = None,
     kv_cache_dtype: str = "auto", uses_sliding_window: bool = False, uses_logits_soft_cap: bool = False,
     has_sinks: bool = False, use_mla: bool = False, uses_bidirectional_ranges: bool = False,
+    uses_chunked_local_attention: bool = False,
 ) -> type[AttentionBackend]:
     """The backend to run: ``name`` (case-insensitive), else ``$PAGEDLLM_ATTENTION_BACKEND``,
     else the platform's first that can run.
@@ -71,7 +72,8 @@ def get_attn_backend(
             support windows, ``AttentionBackend.supports_sliding_window``);
         uses_logits_soft_cap, has_sinks: likewise, a logits soft cap, attention sinks
             (``supports_logits_soft_cap``, ``supports_sinks``), attention both ways inside
-            images' tokens (``supports_bidirectional_ranges``).
+            images' tokens (``supports_bidirectional_ranges``), chunked local attention
+            (``supports_chunked_local_attention``).
         use_mla: the model's attention is MLA: only MLA backends qualify (automatic: the
             registered ones, in order); else only the others.
 
@@ -80,7 +82,8 @@ def get_attn_backend(
             that cannot run here, or (automatic) none that can — each with the reasons.
     """
     name = name or envs.PAGEDLLM_ATTENTION_BACKEND.get()
-    features = (uses_sliding_window, uses_logits_soft_cap, has_sinks, uses_bidirectional_ranges)
+    features = (uses_sliding_window, uses_logits_soft_cap, has_sinks, uses_bidirectional_ranges,
+                uses_chunked_local_attention)
     if name is not None:
         backend = _registry.get(name.upper())
         if backend is None:
@@ -126,7 +129,8 @@ def set_attn_backend(backend: type[AttentionBackend]) -> Iterator[None]:
 
 
 def get_current_attn_backend(
-    uses_sliding_window: bool = False, uses_logits_soft_cap: bool = False, has_sinks: bool = False
+    uses_sliding_window: bool = False, uses_logits_soft_cap: bool = False, has_sinks: bool = False,
+    uses_chunked_local_attention: bool = False,
 ) -> type[AttentionBackend]:
     """The backend of the ``set_attn_backend`` block an ``Attention`` layer is being
     constructed in.
@@ -142,7 +146,8 @@ def get_current_attn_backend(
             "No attention backend set: build models inside selector.set_attn_backend(backend) "
             "(model_loader.get_model(model_config, device, attn_backend) does)."
         )
-    missing = _model_backend.missing_features(uses_sliding_window, uses_logits_soft_cap, has_sinks)
+    missing = _model_backend.missing_features(uses_sliding_window, uses_logits_soft_cap, has_sinks,
+                                              uses_chunked_local_attention=uses_chunked_local_attention)
     if missing:
         raise ValueError(
             f"Attention backend {_model_backend.get_name()} has no {', '.join(missing)}, which this layer uses."

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from pagedllm import envs
-from pagedllm.arch_config import min_sliding_window, model_context_len
+from pagedllm.arch_config import layer_attention_chunk_sizes, min_sliding_window, model_context_len
 from pagedllm.config.multimodal import MultiModalConfig
 from pagedllm.config.pooler import (
     PoolerConfig,
@@ -229,6 +229,13 @@ class ModelConfig:
         """The smallest attention window of any layer in tokens (vLLM's ``get_sliding_window``);
         None: every layer attends over the whole context."""
         return min_sliding_window(self.hf_config)
+
+    @property
+    def attention_chunk_size(self) -> Optional[int]:
+        """The smallest chunk of any chunked local attention layer in tokens (Llama 4's
+        ``attention_chunk_size``); None: no layer attends in chunks."""
+        chunks = [c for c in layer_attention_chunk_sizes(self.hf_config) if c is not None]
+        return min(chunks) if chunks else None
 
     # ------------------------------------------------------------ generation config
 

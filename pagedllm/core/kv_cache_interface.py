@@ -4,7 +4,8 @@ plain Python, no torch).
 
 A layer's ``KVCacheSpec`` says how many bytes a block of it takes and how many blocks a
 request needs: full attention keeps every block of the context; a sliding window of W
-tokens needs only the blocks that hold the last W - 1 tokens before the query.
+tokens needs only the blocks that hold the last W - 1 tokens before the query; chunked
+local attention of C tokens (Llama 4) only those of the query's own aligned chunk.
 
 Layers with equal specs are grouped, every group holding the same number of layers (the
 smallest count among the kinds, padded where a kind's count does not divide; as vLLM)::
@@ -104,6 +105,34 @@ class SlidingWindowSpec(AttentionSpec):
 
 
 @dataclass(frozen=True)
+class ChunkedLocalAttentionSpec(AttentionSpec):
+    """A layer of chunked local attention (vLLM's ``ChunkedLocalAttentionSpec``; Llama 4's
+    ``attention_chunk_size`` C in tokens): a query at position i sees keys i - i % C .. i,
+    those of its own aligned chunk of C positions.
+
+    Raises:
+        ValueError: a chunk below 1 token.
+    """
+
+    attention_chunk_size: int
+
+    def __post_init__(self) -> None:
+        if self.attention_chunk_size < 1:
+            raise ValueError(f"attention_chunk_size must be a positive number of tokens, got "
+                             f"{self.attention_chunk_size}.")
+
+    def max_num_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """The most blocks one request holds: a step of up to ``max_num_batched_tokens`` new
+        tokens and the at most C - 1 of its first query's chunk before them, one block more
+        where they straddle a boundary; never more than full attention."""
+        num_tokens = min(self.attention_chunk_size - 1 + max_num_batched_tokens, max_model_len)
+        return min(cdiv(num_tokens, self.block_size) + 1, cdiv(max_model_len, self.block_size))
+
+    def describe(self) -> str:
+        return f"chunked local attention {self.attention_chunk_size}"
+
+
+@dataclass(frozen=True)
 class MLAAttentionSpec(FullAttentionSpec):
     """A multi-head latent attention layer (vLLM's ``MLAAttentionSpec``): full attention
     whose cache holds one latent per token (``num_kv_heads`` 1 of ``head_size``
@@ -152,7 +181,9 @@ class MambaSpec:
         return f"{self.mamba_type} state"
 
 
-KVCacheSpec = Union[FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec]
+KVCacheSpec = Union[FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, MLAAttentionSpec]
+#: Specs whose layers see only recent keys: their groups free older blocks (the null block stands in).
+LOCAL_ATTENTION_SPECS = (SlidingWindowSpec, ChunkedLocalAttentionSpec)
 #: The specs of one layer with attention and a state side by side (Falcon-H1's).
 LayerSpecs = tuple[KVCacheSpec, MambaSpec]
 
@@ -215,6 +246,12 @@ class KVCacheGroups:
     def has_sliding_window(self) -> bool:
         return any(isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in self.groups)
 
+    @property
+    def has_local_attention(self) -> bool:
+        """Whether some group frees blocks its layers no longer see (a sliding window or
+        chunked local attention): the pool then keeps block 0 as the null block."""
+        return any(isinstance(g.kv_cache_spec, LOCAL_ATTENTION_SPECS) for g in self.groups)
+
     def group_of_layer(self) -> dict[int, tuple[int, int]]:
         """Model layer index -> (its group, its position in the group: its cache tensor)."""
         return {layer: (g, j) for g, group in enumerate(self.groups) for j, layer in enumerate(group.layer_indices)}
@@ -265,7 +302,7 @@ def _group_attention_layers(layers_and_specs: list[tuple[int, KVCacheSpec]]) -> 
     group_size = min(counts)
     if max(counts) < group_size * 1.25:
         group_size = max(counts)
-    kinds = sorted(by_spec.items(), key=lambda item: isinstance(item[0], SlidingWindowSpec))
+    kinds = sorted(by_spec.items(), key=lambda item: isinstance(item[0], LOCAL_ATTENTION_SPECS))
     groups = []
     for spec, layers in kinds:
         num_groups = cdiv(len(layers), group_size)
@@ -276,24 +313,28 @@ def _group_attention_layers(layers_and_specs: list[tuple[int, KVCacheSpec]]) -> 
 def layer_kv_cache_specs(
     layer_windows: Sequence[Optional[int]], block_size: int, num_kv_heads: int, head_size: int, dtype_bytes: int,
     use_mla: bool = False, state_specs: Optional[dict[int, MambaSpec]] = None, cacheless: Sequence[int] = (),
-    hybrid: Sequence[int] = (),
+    hybrid: Sequence[int] = (), attention_chunk_sizes: Optional[Sequence[Optional[int]]] = None,
 ) -> list[Union[KVCacheSpec, MambaSpec, LayerSpecs, None]]:
     """Each layer's spec from its attention window (None: full attention; with ``use_mla``
-    latent attention, ``MLAAttentionSpec``), ``state_specs[i]`` for a state layer i, (its
-    attention's spec, ``state_specs[i]``) for a layer of ``hybrid`` (both side by side), or None
-    for a layer of ``cacheless`` (no attention, no state)."""
+    latent attention, ``MLAAttentionSpec``) or its ``attention_chunk_sizes`` entry (not None:
+    ``ChunkedLocalAttentionSpec``), ``state_specs[i]`` for a state layer i, (its attention's
+    spec, ``state_specs[i]``) for a layer of ``hybrid`` (both side by side), or None for a
+    layer of ``cacheless`` (no attention, no state)."""
     full = MLAAttentionSpec if use_mla else FullAttentionSpec
     state_specs = state_specs or {}
+    chunks = list(attention_chunk_sizes or [None] * len(layer_windows))
 
-    def attention(window: Optional[int]) -> KVCacheSpec:
+    def attention(window: Optional[int], chunk: Optional[int]) -> KVCacheSpec:
+        if chunk is not None:
+            return ChunkedLocalAttentionSpec(block_size, num_kv_heads, head_size, dtype_bytes, chunk)
         if window is None:
             return full(block_size, num_kv_heads, head_size, dtype_bytes)
         return SlidingWindowSpec(block_size, num_kv_heads, head_size, dtype_bytes, window)
 
     return [
         None if i in cacheless
-        else (attention(window), state_specs[i]) if i in hybrid
+        else (attention(window, chunks[i]), state_specs[i]) if i in hybrid
         else state_specs[i] if i in state_specs
-        else attention(window)
+        else attention(window, chunks[i])
         for i, window in enumerate(layer_windows)
     ]

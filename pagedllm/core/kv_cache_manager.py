@@ -5,11 +5,13 @@ Token ``i`` of a request lives in ``block_table[i // block_size]`` at offset
 ``i % block_size`` of each group's table; a full-attention group holds
 ``ceil(num_tokens / block_size)`` blocks, never more (plus those of the lookahead slots it
 asked for, see ``allocate_slots``); a sliding-window group only those its window still
-sees, the others being the null block (``pagedllm.core.single_type_kv_cache_manager``)::
+sees, a chunked local attention group those of the next query's chunk, the others being the
+null block (``pagedllm.core.single_type_kv_cache_manager``)::
 
     tokens:           0 .. 15 | 16 .. 31 | 32 .. 37
     full attention:   [  B4   ,    B9    ,    B1    ]   (B1 partly filled)
     sliding, W = 16:  [  N    ,    B3    ,    B8    ]
+    chunked, C = 32:  [  N    ,    N     ,    B6    ]
 
 A model with one kind of attention has one group: one table per request, as before groups.
 
@@ -33,7 +35,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
-from pagedllm.core.kv_cache_interface import FullAttentionSpec, KVCacheGroups, KVCacheGroupSpec, SlidingWindowSpec
+from pagedllm.core.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheGroups,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 from pagedllm.core.kv_offload import KVTransfer, OffloadingManager
 from pagedllm.core.kv_cache_utils import (
     extend_block_hashes,
@@ -43,11 +51,19 @@ from pagedllm.core.kv_cache_utils import (
 )
 from pagedllm.core.request import Request
 from pagedllm.core.single_type_kv_cache_manager import (
+    ChunkedLocalAttentionManager,
     FullAttentionManager,
     MambaManager,
     SingleTypeKVCacheManager,
     SlidingWindowManager,
 )
+
+
+#: The manager of each local-attention spec (any other spec: ``FullAttentionManager``).
+_ATTENTION_MANAGERS: dict[type, type[SingleTypeKVCacheManager]] = {
+    SlidingWindowSpec: SlidingWindowManager,
+    ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
+}
 
 
 @dataclass
@@ -72,7 +88,7 @@ class KVCacheManager:
 
     Args:
         num_blocks: number of physical blocks (block 0 is the null block when a group has a
-            sliding window).
+            sliding window or chunked local attention).
         block_size: tokens per block.
         enable_caching: automatic prefix caching on/off.
         hash_algo: ``sha256``, ``sha256_cbor`` or ``xxhash``.
@@ -111,11 +127,11 @@ class KVCacheManager:
         # NOTE: a model of state layers only, or an encoder, has no attention blocks; its pool holds
         # one, never used.
         self.block_pool = BlockPool(num_blocks if groups.groups else max(num_blocks, 1), enable_caching,
-                                    use_null_block=groups.has_sliding_window)
+                                    use_null_block=groups.has_local_attention)
         #: The attention groups' managers (group g is ``managers[g]``).
         self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
-            SlidingWindowManager(g.kv_cache_spec, self.block_pool, i) if isinstance(g.kv_cache_spec, SlidingWindowSpec)
-            else FullAttentionManager(g.kv_cache_spec, self.block_pool, i)  # type: ignore[arg-type]
+            _ATTENTION_MANAGERS.get(type(g.kv_cache_spec), FullAttentionManager)(  # type: ignore[arg-type]
+                g.kv_cache_spec, self.block_pool, i)
             for i, g in enumerate(groups.groups)
         )
         #: The state groups' managers (state group s is group ``len(managers) + s``).

@@ -1,7 +1,7 @@
 """The blocks of one KV-cache group per request: full attention keeps them all, a sliding
-window frees those that fell out of it (vLLM's ``FullAttentionManager`` /
-``SlidingWindowManager``), a state group holds one state slot (``MambaManager``); plain
-Python, no torch.
+window frees those that fell out of it, chunked local attention those of the chunks passed
+(vLLM's ``FullAttentionManager`` / ``SlidingWindowManager`` / ``ChunkedLocalAttentionManager``),
+a state group holds one state slot (``MambaManager``); plain Python, no torch.
 
 With window W, block size 4 and W = 6, after 13 computed tokens the next query (position
 13) sees keys 8 .. 13; blocks wholly before token 13 - W + 1 = 8 are replaced by the null
@@ -14,7 +14,13 @@ block (N) and go back to the pool, keeping their prefix-cache hash::
 from __future__ import annotations
 
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
-from pagedllm.core.kv_cache_interface import KVCacheSpec, MambaSpec, SlidingWindowSpec, cdiv
+from pagedllm.core.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    cdiv,
+)
 from pagedllm.core.kv_cache_utils import BlockHash, hash_with_group_id
 from pagedllm.core.request import Request
 
@@ -119,24 +125,24 @@ class SingleTypeKVCacheManager:
 FullAttentionManager = SingleTypeKVCacheManager
 
 
-class SlidingWindowManager(SingleTypeKVCacheManager):
-    """A group of layers with a sliding window of W tokens (``SlidingWindowSpec``)."""
+class LocalAttentionManager(SingleTypeKVCacheManager):
+    """A group whose layers see only recent keys (a sliding window, chunked local attention):
+    the blocks wholly before the next query's first visible key (``num_skipped_tokens``) go
+    back to the pool and the null block stands in for them. A subclass gives
+    ``num_skipped_tokens`` and ``find_longest_cache_hit``."""
 
-    def __init__(self, kv_cache_spec: SlidingWindowSpec, block_pool: BlockPool, group_id: int) -> None:
+    def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, group_id: int) -> None:
         if block_pool.null_block is None:
-            raise ValueError("A sliding-window group needs a block pool with a null block.")
+            raise ValueError(f"A {kv_cache_spec.describe()} group needs a block pool with a null block.")
         super().__init__(kv_cache_spec, block_pool, group_id)
-        self.sliding_window = kv_cache_spec.sliding_window
-        # A hit at position p needs the blocks of tokens p - W + 1 .. p - 1.
-        self.num_hit_blocks_needed = cdiv(self.sliding_window - 1, self.block_size)
 
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        """Tokens before the window of the next query (at position ``num_computed_tokens``)."""
-        return max(num_computed_tokens - self.sliding_window + 1, 0)
+        """Tokens no query from position ``num_computed_tokens`` on sees."""
+        raise NotImplementedError
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        """See the base class; the blocks wholly before the window of the query at
-        ``num_computed_tokens`` go back to the pool (keeping their hash)."""
+        """See the base class; the blocks wholly before the first key the query at
+        ``num_computed_tokens`` sees go back to the pool (keeping their hash)."""
         num_skipped_blocks = self.num_skipped_tokens(num_computed_tokens) // self.block_size
         blocks = self.req_to_blocks.get(request_id)
         if not num_skipped_blocks or not blocks:
@@ -171,6 +177,20 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             blocks.extend([self.block_pool.null_block] * (num_skipped_blocks - len(blocks)))  # type: ignore[list-item]
         return self._extend(blocks, -(-num_tokens // self.block_size) - len(blocks))
 
+
+class SlidingWindowManager(LocalAttentionManager):
+    """A group of layers with a sliding window of W tokens (``SlidingWindowSpec``)."""
+
+    def __init__(self, kv_cache_spec: SlidingWindowSpec, block_pool: BlockPool, group_id: int) -> None:
+        super().__init__(kv_cache_spec, block_pool, group_id)
+        self.sliding_window = kv_cache_spec.sliding_window
+        # A hit at position p needs the blocks of tokens p - W + 1 .. p - 1.
+        self.num_hit_blocks_needed = cdiv(self.sliding_window - 1, self.block_size)
+
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens before the window of the next query (at position ``num_computed_tokens``)."""
+        return max(num_computed_tokens - self.sliding_window + 1, 0)
+
     def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_length: int) -> list[KVCacheBlock]:
         """The longest prefix of at most ``max_length`` tokens whose last W - 1 tokens'
         blocks are cached (vLLM's ``SlidingWindowManager.find_longest_cache_hit``): searched
@@ -192,6 +212,45 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             if run >= self.num_hit_blocks_needed:
                 return hits[: i + run]
         return hits[:run]
+
+
+class ChunkedLocalAttentionManager(LocalAttentionManager):
+    """A group of chunked local attention of C tokens (``ChunkedLocalAttentionSpec``; vLLM's
+    ``ChunkedLocalAttentionManager``): once the next query enters a new chunk, the blocks wholly
+    before the chunk's first position go back to the pool. C = 8, block size 4, after 13
+    computed tokens (the next query, position 13, sees 8 .. 13)::
+
+        tokens:      0..3 | 4..7 | 8..11 | 12..
+        block_table: [ N  ,  N   ,  B7   ,  B2  ]
+    """
+
+    def __init__(self, kv_cache_spec: ChunkedLocalAttentionSpec, block_pool: BlockPool, group_id: int) -> None:
+        super().__init__(kv_cache_spec, block_pool, group_id)
+        self.attention_chunk_size = kv_cache_spec.attention_chunk_size
+
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens before the chunk of the next query (at position ``num_computed_tokens``)."""
+        return num_computed_tokens - num_computed_tokens % self.attention_chunk_size
+
+    def find_longest_cache_hit(self, block_hashes: list[BlockHash], max_length: int) -> list[KVCacheBlock]:
+        """The longest prefix of at most ``max_length`` tokens whose blocks from its end's chunk
+        on are cached: the blocks before that chunk are the null block (a prefix ending on a
+        chunk boundary needs none). Where the run of hits stops inside an earlier chunk, the
+        search starts again from there."""
+        null = self.block_pool.null_block
+        length = max_length // self.block_size * self.block_size
+        while True:
+            first = self.num_skipped_tokens(length) // self.block_size
+            hits: list[KVCacheBlock] = [null] * first  # type: ignore[list-item]
+            for block_hash in block_hashes[first : length // self.block_size]:
+                block = self.block_pool.get_cached_block(hash_with_group_id(block_hash, self.group_id))
+                if block is None:
+                    break
+                hits.append(block)
+            hit_length = len(hits) * self.block_size
+            if self.num_skipped_tokens(hit_length) // self.block_size >= first:
+                return hits
+            length = hit_length
 
 
 class MambaManager(SingleTypeKVCacheManager):

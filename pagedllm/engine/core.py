@@ -128,7 +128,7 @@ class EngineCore:
         kv_config = self.config.kv_transfer_config
         if kv_config is None:
             return None
-        if groups.state_groups or groups.has_sliding_window or len(groups.groups) != 1:
+        if groups.state_groups or groups.has_local_attention or len(groups.groups) != 1:
             raise ValueError(f"kv_transfer_config is not supported yet for {self.config.model_config.architecture}: "
                              "a prefill / decode split moves full-attention KV caches only (no sliding windows "
                              "or state layers).")

@@ -11,8 +11,8 @@ kind of attention). ``num_kv_heads`` is this rank's (the KV heads its attention 
 hold; all of them at tensor-parallel size 1).
 
 A request needs, per group, every block of its context (full attention) or those of its
-window and chunk (a sliding window), so the same budget admits more long requests in a
-model of mostly sliding-window layers.
+window and step (a sliding window), or of its query's chunk and step (chunked local
+attention), so the same budget admits more long requests in a model of mostly local layers.
 
 State layers (Mamba-2, gated delta rule: ``pagedllm.arch_config.state_layer_indices``)
 keep a fixed-size state per request instead (``MambaSpec``, whose shapes and dtypes the
@@ -34,14 +34,15 @@ from typing import TYPE_CHECKING, Optional
 from pagedllm.arch_config import (
     cacheless_layer_indices,
     hybrid_layer_indices,
+    layer_attention_chunk_sizes,
     layer_sliding_windows,
     state_layer_indices,
 )
 from pagedllm.config import CacheConfig, EngineConfig, ModelConfig
 from pagedllm.core.kv_cache_interface import (
+    LOCAL_ATTENTION_SPECS,
     KVCacheGroups,
     MambaSpec,
-    SlidingWindowSpec,
     cdiv,
     group_layers,
     layer_kv_cache_specs,
@@ -74,22 +75,24 @@ def num_layers_per_stage(model_config: ModelConfig) -> int:
 
 def kv_cache_groups(config: EngineConfig) -> KVCacheGroups:
     """The target model's KV-cache groups (the same on every rank and stage): its layers'
-    windows (``layer_sliding_windows``), block size, KV heads per tensor-parallel rank, head
-    size and cache dtype. A drafter with its own KV cache (a draft model, an EAGLE head)
-    writes through a full-attention group's table: when the target has no full-attention
-    layer, its windowed layers keep every block (one full-attention group; the backend
-    still masks the window). An encoder (``ModelConfig.is_encoder``: vLLM's "encoder_only"
+    windows (``layer_sliding_windows``) and chunks (``layer_attention_chunk_sizes``), block
+    size, KV heads per tensor-parallel rank, head size and cache dtype. A drafter with its own
+    KV cache (a draft model, an EAGLE head) writes through a full-attention group's table: when
+    the target has no full-attention layer, its windowed or chunked layers keep every block
+    (one full-attention group; the backend still masks the window or chunk). An encoder (``ModelConfig.is_encoder``: vLLM's "encoder_only"
     attention, over each whole prompt in one step) has no group: it keeps no KV cache.
     """
     model_config = config.model_config
     if model_config.is_encoder:
         return KVCacheGroups((), 0)
     windows = layer_sliding_windows(model_config.hf_config)[: model_config.num_layers]
+    chunks = layer_attention_chunk_sizes(model_config.hf_config)[: model_config.num_layers]
     spec = config.speculative_config
-    if spec is not None and spec.uses_draft_model and None not in windows:
-        windows = [None] * len(windows)
+    if spec is not None and spec.uses_draft_model and not any(w is None and c is None for w, c in zip(windows, chunks)):
+        windows, chunks = [None] * len(windows), [None] * len(chunks)
     tp_size = config.parallel_config.tensor_parallel_size
-    return _groups(model_config, config.cache_config, windows, tp_size, state_layer_specs(model_config, tp_size))
+    return _groups(model_config, config.cache_config, windows, tp_size, state_layer_specs(model_config, tp_size),
+                   chunks)
 
 
 def num_state_slots(config: EngineConfig, groups: KVCacheGroups) -> int:
@@ -148,7 +151,8 @@ def state_layer_specs(model_config: ModelConfig, tp_size: int = 1) -> dict[int, 
 
 
 def _groups(model_config: ModelConfig, cache_config: CacheConfig, windows: list[Optional[int]],
-            tp_size: int, state_specs: Optional[dict[int, MambaSpec]] = None) -> KVCacheGroups:
+            tp_size: int, state_specs: Optional[dict[int, MambaSpec]] = None,
+            chunks: Optional[list[Optional[int]]] = None) -> KVCacheGroups:
     state_specs = state_specs or {}
     cacheless = [i for i in cacheless_layer_indices(model_config.hf_config) if i < len(windows)]
     hybrid = [i for i in hybrid_layer_indices(model_config.hf_config) if i in state_specs]
@@ -158,7 +162,7 @@ def _groups(model_config: ModelConfig, cache_config: CacheConfig, windows: list[
     dtype_bytes = cache_config.kv_cache_dtype(model_config.dtype).itemsize
     return group_layers(layer_kv_cache_specs(windows, cache_config.block_size, num_kv_heads, model_config.head_dim,
                                              dtype_bytes, use_mla=model_config.use_mla, state_specs=state_specs,
-                                             cacheless=cacheless, hybrid=hybrid))
+                                             cacheless=cacheless, hybrid=hybrid, attention_chunk_sizes=chunks))
 
 
 def kv_bytes_per_block(model_config: ModelConfig, groups: KVCacheGroups,
@@ -268,7 +272,7 @@ def num_kv_blocks(
         return 0
     num_tensors = num_stage_cache_tensors(groups, stage_layer_range(model_config))
     per_block = kv_bytes_per_block(model_config, groups, draft_model_config)
-    num_null = int(groups.has_sliding_window)
+    num_null = int(groups.has_local_attention)
     blocks_per_seq = groups.max_num_blocks_per_request(max_len, chunk) + num_null
     num_blocks = max(budget.num_bytes - state_bytes, 0) // per_block
     derivation = budget.derivation
@@ -335,10 +339,10 @@ def _check_state_slots(groups: KVCacheGroups, num_slots: int, state_bytes: int, 
 def _demand_blocks(groups: KVCacheGroups, max_tokens: int, block_size: int, max_model_len: int, chunk: int) -> int:
     """Blocks the ``max_tokens / max_model_len`` longest requests ``max_kv_cache_tokens``
     counts need at once: ``max_tokens`` tokens in a full-attention group, a request's
-    bound (``SlidingWindowSpec.max_num_blocks``) per request in a sliding one."""
+    bound (``SlidingWindowSpec.max_num_blocks``) per request in a sliding or chunked one."""
     num_seqs = cdiv(max_tokens, max_model_len)
     return sum(num_seqs * g.kv_cache_spec.max_num_blocks(max_model_len, chunk)
-               if isinstance(g.kv_cache_spec, SlidingWindowSpec) else cdiv(max_tokens, block_size)
+               if isinstance(g.kv_cache_spec, LOCAL_ATTENTION_SPECS) else cdiv(max_tokens, block_size)
                for g in groups.groups)
 
 

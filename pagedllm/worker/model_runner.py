@@ -172,6 +172,7 @@ class ModelRunner:
             kv_cache_dtype=self.cache_config.cache_dtype,
             uses_sliding_window=self.model_config.sliding_window is not None, use_mla=self.model_config.use_mla,
             uses_bidirectional_ranges=self.bidirectional_images,
+            uses_chunked_local_attention=self.model_config.attention_chunk_size is not None,
         )
         logger.info("Attention backend: %s", self.attn_backend.get_name())
         self.attn_metadata_builder = self.attn_backend.get_builder_cls()(
@@ -336,7 +337,7 @@ class ModelRunner:
         """The cache tensors (one per layer of a group), in the cache dtype (see
         ``bind_kv_caches``); block 0 zeroed where it is the null block."""
         return bind_kv_caches(self.attention_layers, num_blocks, self.block_size, self.kv_cache_dtype,
-                              self.device, zeroed, self._layer_groups, self.kv_cache_groups.has_sliding_window)
+                              self.device, zeroed, self._layer_groups, self.kv_cache_groups.has_local_attention)
 
     @torch.inference_mode()
     def profile_run(self) -> int:

@@ -1,5 +1,5 @@
-"""Sliding windows, logits soft-capping and attention sinks (with any softmax scale) in both
-backends: the C++ kernel at every instruction-set level the host runs (vector and portable
+"""Sliding windows, chunked local attention, logits soft-capping and attention sinks (with any
+softmax scale) in both backends: the C++ kernel at every instruction-set level the host runs (vector and portable
 paths, decode tokens and runs of prefill tokens, GQA, several block sizes, an FP8 cache)
 against the float64 reference, TORCH_SDPA and CPU_ATTN on a step mixing decodes and chunked
 prefills (also ``--batch-invariant`` and FP8), with the blocks wholly before each request's
@@ -252,6 +252,84 @@ def test_backend_features_over_fp8_cache(request, name, widened, monkeypatch):
         monkeypatch.setattr(cpu_attn, "FP8_WIDEN_MIN_QUERY_LEN", 1)
     out, expected = _backend_step(request, name, "all", torch.float32, fp8=torch.float8_e4m3fn)
     _assert_close(out, expected, 2e-5)
+
+
+CHUNK = 12  # the mixed step's requests cross chunk boundaries at 12, 24 and 36
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["batched", "batch_invariant"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_chunked_local_attention_on_mixed_step(request, name, dtype, batch_invariant):
+    """Decodes and chunked prefills crossing chunk boundaries, each query over its own aligned
+    chunk only, the blocks wholly before each request's first query's chunk holding NaN (what
+    the KV-cache manager freed)."""
+    if name == "CPU_ATTN":
+        request.getfixturevalue("kernel")
+    query, key, value, kv_cache, common = _mixed_step(dtype)
+    poisoned = kv_cache.clone()
+    for r in range(common.num_reqs):
+        first = int(common.num_computed_tokens[r])
+        for i in range((first - first % CHUNK) // 8):
+            poisoned[:, common.block_table[r, i]] = float("nan")
+    cache = kv_cache.clone()
+    for t, slot in enumerate(common.slot_mapping.tolist()):
+        cache[0, slot // 8, slot % 8], cache[1, slot // 8, slot % 8] = key[t], value[t]
+    token_req, seq_lens = common.tokens_as_decodes()
+    table, lens = torch.from_numpy(common.block_table[token_req]), torch.from_numpy(seq_lens)
+    expected = reference_decode_attention(query, cache, table, lens, SCALE, chunk=CHUNK)
+    backend = selector.get_attn_backend(64, dtype, 8, name, uses_chunked_local_attention=True)
+    metadata = backend.get_builder_cls()(8, torch.device("cpu"), batch_invariant=batch_invariant).build(common)
+    impl = backend.get_impl_cls()(6, 64, SCALE, 2, attention_chunk_size=CHUNK)
+    out = impl.forward(_Layer(None), query, key, value, poisoned, metadata)
+    _assert_close(out, expected, TOLERANCE[dtype])
+    whole = reference_decode_attention(query, cache, table, lens, SCALE)
+    assert not torch.allclose(out.float(), whole.float(), atol=0.1)  # the chunks change the output
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16])
+def test_kernel_chunked_local_attention_matches_reference(isa_kernel, chunk):
+    """Every instruction-set level, decodes and runs of prefill tokens (GQA group 4), over
+    NaN blocks and invalid ids before each token's chunk."""
+    gen = torch.Generator().manual_seed(chunk)
+    num_heads, num_kv_heads, head_dim, block_size, width = 8, 2, 64, 4, 10
+    seq_lens = torch.tensor([37, 38, 39, 40, 9, 1, 17], dtype=torch.int64)  # a run of 4 crossing 36 / 40
+    contexts = [0, 0, 0, 0, 1, 2, 3]  # the run's tokens share one context; the others have their own
+    kv_cache = torch.randn(2, 4 * width, block_size, num_kv_heads, head_dim, generator=gen)
+    blocks = torch.randperm(4 * width, generator=gen).view(4, width)  # disjoint blocks per context
+    table = blocks[contexts]
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)
+    expected = reference_decode_attention(query, kv_cache, table, seq_lens, SCALE, chunk=chunk)
+    poisoned, bad_table = kv_cache.clone(), table.clone()
+    for b, n in enumerate(seq_lens.tolist()):
+        first = min((m - 1) - (m - 1) % chunk for m, c in zip(seq_lens.tolist(), contexts) if c == contexts[b])
+        for i in range(first // block_size):  # before every token of this context's chunk
+            poisoned[:, table[b, i]] = float("nan")
+            bad_table[b, i] = -3 if i % 2 else 10**6
+    out = torch.empty_like(query)
+    isa_kernel.paged_decode_attention(out, query, poisoned[0], poisoned[1], bad_table, seq_lens, SCALE,
+                                      attention_chunk_size=chunk)
+    _assert_close(out, expected, TOLERANCE[torch.float32])
+
+
+def test_chunked_local_attention_arguments_are_checked(kernel):
+    query = torch.zeros(1, 2, 16)
+    cache = torch.zeros(2, 4, 4, 1, 16)
+    call = functools.partial(kernel.paged_decode_attention, torch.empty_like(query), query, cache[0], cache[1],
+                             torch.zeros(1, 4, dtype=torch.int64), torch.ones(1, dtype=torch.int64), 1.0)
+    with pytest.raises(RuntimeError, match="attention_chunk_size must be >= 0"):
+        call(attention_chunk_size=-1)
+    with pytest.raises(RuntimeError, match="sliding_window and attention_chunk_size cannot both be set"):
+        call(sliding_window=4, attention_chunk_size=8)
+
+
+def test_chunked_local_attention_impl_arguments():
+    with pytest.raises(ValueError, match="either a sliding_window or an attention_chunk_size"):
+        TorchSDPAImpl(6, 64, SCALE, 2, sliding_window=8, attention_chunk_size=16)
+    with pytest.raises(ValueError, match="attention_chunk_size must be a positive number of tokens"):
+        TorchSDPAImpl(6, 64, SCALE, 2, attention_chunk_size=0)
+    assert not CpuAttnBackend.missing_features(uses_chunked_local_attention=True)
+    assert not TorchSDPABackend.missing_features(uses_chunked_local_attention=True)
 
 
 # --- the layer, the impls and the selector ---------------------------------------------------

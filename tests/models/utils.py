@@ -86,13 +86,13 @@ def assert_scenario(path: Path, scenario: str, prompts: list[list[int]], max_tok
 
 
 def _with_windowed_cache(path: Path, kwargs: dict) -> dict:
-    """``kwargs`` for a model with sliding windows: 16-token steps (a window's KV-cache group
-    holds its window plus a step's tokens per request) and ``kv_blocks`` one block more than
-    one ``max_model_len`` request can hold over all groups (so requests still outgrow the
-    cache); ``kwargs`` itself without windows."""
+    """``kwargs`` for a model with sliding windows or chunked local attention: 16-token steps
+    (such a KV-cache group holds its window or chunk plus a step's tokens per request) and
+    ``kv_blocks`` one block more than one ``max_model_len`` request can hold over all groups
+    (so requests still outgrow the cache); ``kwargs`` itself without them."""
     engine_args = {k: v for k, v in kwargs.items() if k != "kv_blocks"}
     config = EngineArgs(model=str(path), dtype="float32", **engine_args).create_engine_config()
-    if config.model_config.sliding_window is None:
+    if config.model_config.sliding_window is None and config.model_config.attention_chunk_size is None:
         return kwargs
     engine_args.setdefault("max_num_batched_tokens", 16)
     groups = kv_cache_groups(EngineArgs(model=str(path), dtype="float32", **engine_args).create_engine_config())

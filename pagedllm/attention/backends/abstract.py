@@ -154,14 +154,17 @@ class AttentionImpl(ABC, Generic[M]):
         logits_soft_cap: scores become ``cap * tanh(score / cap)`` before the softmax
             (Gemma 2's ``attn_logit_softcapping``, vLLM's ``logits_soft_cap``); None (or 0,
             as in vLLM): none.
+        attention_chunk_size: C tokens: chunked local attention, a query at position i
+            attends to keys i - i % C .. i only (its aligned chunk; Llama 4's); None: none.
 
     Attention sinks (gpt-oss) are the layer's: ``forward`` reads ``layer.sinks``, [num_heads]
     float32 or None (see ``forward``).
 
     Raises:
-        ValueError: ``sliding_window`` or ``logits_soft_cap`` set for a backend without it
-            (its ``supports_sliding_window`` / ``supports_logits_soft_cap`` is False), or not
-            a positive int / number.
+        ValueError: ``sliding_window``, ``logits_soft_cap`` or ``attention_chunk_size`` set
+            for a backend without it (its ``supports_sliding_window`` /
+            ``supports_logits_soft_cap`` / ``supports_chunked_local_attention`` is False), or
+            not a positive int / number; both a window and a chunk.
     """
 
     #: Whether the impl honours ``sliding_window`` (``AttentionBackend.supports_sliding_window``).
@@ -172,11 +175,23 @@ class AttentionImpl(ABC, Generic[M]):
     supports_sinks: ClassVar[bool] = False
     #: Whether the impl honours ``CommonAttentionMetadata.bidirectional_ranges``.
     supports_bidirectional_ranges: ClassVar[bool] = False
+    #: Whether the impl honours ``attention_chunk_size``.
+    supports_chunked_local_attention: ClassVar[bool] = False
 
     def __init__(
         self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, sliding_window: Optional[int] = None,
-        logits_soft_cap: Optional[float] = None,
+        logits_soft_cap: Optional[float] = None, attention_chunk_size: Optional[int] = None,
     ) -> None:
+        if attention_chunk_size is not None:
+            if not self.supports_chunked_local_attention:
+                raise ValueError(f"{type(self).__name__} has no chunked local attention "
+                                 f"(attention_chunk_size={attention_chunk_size}).")
+            if isinstance(attention_chunk_size, bool) or not isinstance(attention_chunk_size, int) or (
+                    attention_chunk_size < 1):
+                raise ValueError(f"attention_chunk_size must be a positive number of tokens, got "
+                                 f"{attention_chunk_size!r}.")
+            if sliding_window is not None:
+                raise ValueError("A layer has either a sliding_window or an attention_chunk_size, not both.")
         if sliding_window is not None:
             if not self.supports_sliding_window:
                 raise ValueError(f"{type(self).__name__} has no sliding-window attention (sliding_window={sliding_window}).")
@@ -198,6 +213,7 @@ class AttentionImpl(ABC, Generic[M]):
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self.attention_chunk_size = attention_chunk_size
 
     @staticmethod
     def layer_sinks(layer: Optional[nn.Module]) -> Optional[torch.Tensor]:
@@ -293,14 +309,21 @@ class AttentionBackend:
         return cls.impl_cls.supports_bidirectional_ranges
 
     @classmethod
+    def supports_chunked_local_attention(cls) -> bool:
+        """Whether the backend masks keys before a query's chunk (a layer's ``attention_chunk_size``)."""
+        return cls.impl_cls.supports_chunked_local_attention
+
+    @classmethod
     def missing_features(cls, uses_sliding_window: bool = False, uses_logits_soft_cap: bool = False,
-                         has_sinks: bool = False, uses_bidirectional_ranges: bool = False) -> list[str]:
+                         has_sinks: bool = False, uses_bidirectional_ranges: bool = False,
+                         uses_chunked_local_attention: bool = False) -> list[str]:
         """The features asked for that the backend lacks, by name (empty: none)."""
         wanted = [
             (uses_sliding_window, cls.supports_sliding_window, "sliding-window attention"),
             (uses_logits_soft_cap, cls.supports_logits_soft_cap, "logits soft-capping"),
             (has_sinks, cls.supports_sinks, "attention sinks"),
             (uses_bidirectional_ranges, cls.supports_bidirectional_ranges, "bidirectional attention in image spans"),
+            (uses_chunked_local_attention, cls.supports_chunked_local_attention, "chunked local attention"),
         ]
         return [what for used, supported, what in wanted if used and not supported()]
 
@@ -329,7 +352,7 @@ class AttentionBackend:
     def validate_configuration(
         cls, head_size: int, dtype: torch.dtype, block_size: Optional[int], kv_cache_dtype: str = "auto",
         uses_sliding_window: bool = False, uses_logits_soft_cap: bool = False, has_sinks: bool = False,
-        uses_bidirectional_ranges: bool = False,
+        uses_bidirectional_ranges: bool = False, uses_chunked_local_attention: bool = False,
     ) -> list[str]:
         """Why this backend cannot run here with these settings (empty: it can). Subclasses
         add their own reasons (device, kernels) to these.
@@ -341,9 +364,11 @@ class AttentionBackend:
             uses_sliding_window: some layer of the model has a ``sliding_window``;
             uses_logits_soft_cap: some layer has a ``logits_soft_cap``;
             has_sinks: some layer has attention ``sinks``;
-            uses_bidirectional_ranges: the model attends both ways inside its images' tokens.
+            uses_bidirectional_ranges: the model attends both ways inside its images' tokens;
+            uses_chunked_local_attention: some layer has an ``attention_chunk_size``.
         """
-        missing = cls.missing_features(uses_sliding_window, uses_logits_soft_cap, has_sinks, uses_bidirectional_ranges)
+        missing = cls.missing_features(uses_sliding_window, uses_logits_soft_cap, has_sinks, uses_bidirectional_ranges,
+                                       uses_chunked_local_attention)
         reasons = [f"it has no {', '.join(missing)}, which the model uses"] if missing else []
         if dtype not in cls.get_supported_dtypes():
             names = ", ".join(str(d).removeprefix("torch.") for d in cls.get_supported_dtypes())

@@ -30,7 +30,9 @@ tokens still read the FP8 cache (for them it is faster).
 No bidirectional ranges (``CommonAttentionMetadata.bidirectional_ranges``, Gemma 3's image
 spans): the kernel's context of a query is the ``seq_len`` keys before it and its window the
 last W of them, so a query that sees later keys of its range would have its window moved with
-them; a model that uses such ranges runs on ``TORCH_SDPA``.
+them; a model that uses such ranges runs on ``TORCH_SDPA``. Chunked local attention (Llama 4's
+``attention_chunk_size`` C) is the kernel's window starting at the query's chunk
+(position - position % C) instead.
 
 With ``--batch-invariant`` the kernel forms no runs (``per_token``) and nothing is widened:
 every token is computed alone, from the cache as it is.
@@ -123,6 +125,7 @@ class CpuAttnImpl(AttentionImpl[CpuAttnMetadata]):
     supports_sliding_window = True
     supports_logits_soft_cap = True
     supports_sinks = True
+    supports_chunked_local_attention = True
 
     def forward(self, layer: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: CpuAttnMetadata) -> torch.Tensor:
@@ -136,7 +139,7 @@ class CpuAttnImpl(AttentionImpl[CpuAttnMetadata]):
         cpu_kernels.write_kv_cache(kv_cache[0], kv_cache[1], key, value, md.slot_mapping, k_scale, v_scale)
         output = torch.empty_like(query)
         features = {"sliding_window": self.sliding_window, "logits_soft_cap": self.logits_soft_cap,
-                    "sinks": self.layer_sinks(layer)}
+                    "sinks": self.layer_sinks(layer), "attention_chunk_size": self.attention_chunk_size}
         if md.prefill_blocks is not None and is_fp8(kv_cache.dtype):
             self._attend_widened(output, query, kv_cache, md, k_scale, v_scale, features)
         else:
@@ -150,7 +153,7 @@ class CpuAttnImpl(AttentionImpl[CpuAttnMetadata]):
                         k_scale: float, v_scale: float, features: dict) -> None:
         """Decode tokens over the FP8 cache; prefill tokens over their contexts' blocks widened
         to the query's dtype (``md.prefill_blocks``, see the module docstring); ``features``
-        the kernel's window / soft cap / sinks arguments."""
+        the kernel's window / soft cap / sinks / chunk arguments."""
         assert md.prefill_block_table is not None
         nd = md.num_decodes
         if nd:
@@ -178,15 +181,15 @@ class CpuAttnBackend(AttentionBackend):
     def validate_configuration(
         cls, head_size: int, dtype: torch.dtype, block_size: Optional[int], kv_cache_dtype: str = "auto",
         uses_sliding_window: bool = False, uses_logits_soft_cap: bool = False, has_sinks: bool = False,
-        uses_bidirectional_ranges: bool = False,
+        uses_bidirectional_ranges: bool = False, uses_chunked_local_attention: bool = False,
     ) -> list[str]:
-        """The base checks (the kernel has windows, soft caps and sinks, not bidirectional
-        ranges: see the module docstring), the platform (CPU), and the kernels (built or
+        """The base checks (the kernel has windows, chunks, soft caps and sinks, not
+        bidirectional ranges: see the module docstring), the platform (CPU), and the kernels (built or
         loaded now, at start-up rather than in the first request; ~15 s the first time on a
         machine)."""
         reasons = super().validate_configuration(
             head_size, dtype, block_size, kv_cache_dtype, uses_sliding_window, uses_logits_soft_cap, has_sinks,
-            uses_bidirectional_ranges,
+            uses_bidirectional_ranges, uses_chunked_local_attention,
         )
         if not current_platform.is_cpu:
             reasons.append(f"it runs on CPU only, not on {current_platform.device_type}")

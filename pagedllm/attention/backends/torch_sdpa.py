@@ -15,8 +15,10 @@ the cache by then.
 A layer with a ``sliding_window`` W masks, besides, the keys a query at position i does
 not see (positions <= i - W), and zeroes the gathered keys and values before every query's
 window, as those past the context: their blocks may hold anything (a KV-cache manager may
-have given them to other requests), NaN included. The windowed masks are built once per
-step and window, by the first such layer, and kept in the metadata for the others.
+have given them to other requests), NaN included. A layer of chunked local attention
+(``attention_chunk_size`` C, Llama 4) does the same with the keys before its query's aligned
+chunk (positions < i - i % C). The windowed masks are built once per step and window or
+chunk, by the first such layer, and kept in the metadata for the others.
 
 A layer with a ``logits_soft_cap`` or attention sinks (``layer.sinks``) attends by explicit
 float32 matrix products instead of SDPA (which has neither): scores ``scale * q.k``,
@@ -87,35 +89,37 @@ class TorchSDPAMetadata(AttentionMetadata):
     token_positions: Optional[list[int]] = None
     _window_masks: dict = field(default_factory=dict, repr=False)
 
-    def decode_keys(self, window: Optional[int]) -> torch.Tensor:
+    def decode_keys(self, window: Optional[int], chunk: Optional[int] = None) -> torch.Tensor:
         """[num_decodes, nb * block_size] bool: the keys each decode query attends to (its
-        context; with ``window`` W, its last W positions only)."""
-        return self._windowed("decode", window, self.decode_valid, self.decode_positions)
+        context; with ``window`` W, its last W positions only; with ``chunk`` C, those of its
+        own aligned chunk of C positions only)."""
+        return self._windowed("decode", window, chunk, self.decode_valid, self.decode_positions)
 
-    def prefill_keys(self, window: Optional[int]) -> torch.Tensor:
-        """[num_prefills, max_seq_len] bool: ``prefill_valid``, with ``window`` W only the
-        positions in some query's window (after the first query's position - W)."""
+    def prefill_keys(self, window: Optional[int], chunk: Optional[int] = None) -> torch.Tensor:
+        """[num_prefills, max_seq_len] bool: ``prefill_valid``, with ``window`` W (``chunk`` C)
+        only the positions some query sees (from the first query's window or chunk on)."""
         assert self.prefill_valid is not None and self.prefill_positions is not None
-        return self._windowed("prefill_keys", window, self.prefill_valid, self.prefill_positions[:, 0])
+        return self._windowed("prefill_keys", window, chunk, self.prefill_valid, self.prefill_positions[:, 0])
 
-    def prefill_attn_mask(self, window: Optional[int]) -> torch.Tensor:
+    def prefill_attn_mask(self, window: Optional[int], chunk: Optional[int] = None) -> torch.Tensor:
         """``prefill_mask``, with ``window`` W also hiding keys at positions <= i - W from a
-        query at position i."""
+        query at position i (with ``chunk`` C, keys before i - i % C)."""
         assert self.prefill_mask is not None and self.prefill_positions is not None
-        return self._windowed("prefill", window, self.prefill_mask, self.prefill_positions[:, None])
+        return self._windowed("prefill", window, chunk, self.prefill_mask, self.prefill_positions[:, None])
 
-    def _windowed(self, name: str, window: Optional[int], mask: torch.Tensor,
+    def _windowed(self, name: str, window: Optional[int], chunk: Optional[int], mask: torch.Tensor,
                   positions: Optional[torch.Tensor]) -> torch.Tensor:
-        """``mask`` [..., L] (as it is without ``window``) less the keys at positions <= p - W
-        for each query position p (``positions``, of mask's shape without L); built once per
-        step and window."""
-        if window is None:
+        """``mask`` [..., L] (as it is without ``window`` and ``chunk``) less the keys before
+        each query position p's first visible key (``positions``, of mask's shape without L):
+        p - W + 1 with ``window`` W, p - p % C with ``chunk`` C; built once per step and kind."""
+        if window is None and chunk is None:
             return mask
-        key = (name, window)
+        key = (name, window, chunk)
         if key not in self._window_masks:
             assert positions is not None
             keys = torch.arange(mask.shape[-1], device=mask.device)
-            self._window_masks[key] = mask & (keys > positions.unsqueeze(-1) - window)
+            first = positions - positions % chunk if chunk is not None else positions - window + 1
+            self._window_masks[key] = mask & (keys >= first.unsqueeze(-1))
         return self._window_masks[key]
 
 
@@ -189,6 +193,13 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
     supports_logits_soft_cap = True
     supports_sinks = True
     supports_bidirectional_ranges = True
+    supports_chunked_local_attention = True
+
+    def _first_key(self, position: int) -> int:
+        """The first key position a query at ``position`` sees (its window's or chunk's start)."""
+        if self.attention_chunk_size is not None:
+            return position - position % self.attention_chunk_size
+        return 0 if self.sliding_window is None else max(0, position + 1 - self.sliding_window)
 
     def forward(self, layer: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TorchSDPAMetadata) -> torch.Tensor:
@@ -234,7 +245,7 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
         """[num_decodes, num_heads, head_size] queries -> their attention output."""
         num_decodes = query.shape[0]
         group = self.num_heads // self.num_kv_heads
-        attended = md.decode_keys(self.sliding_window)
+        attended = md.decode_keys(self.sliding_window, self.attention_chunk_size)
         keys = gather_context(kv_cache[0], md.decode_block_table, attended, query.dtype, scales[0])
         values = gather_context(kv_cache[1], md.decode_block_table, attended, query.dtype, scales[1])
         q = query.view(num_decodes, self.num_kv_heads, group, self.head_size)
@@ -250,7 +261,7 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
         group = self.num_heads // self.num_kv_heads
         block_size = kv_cache.shape[2]
         for t, (seq_len, position) in enumerate(zip(md.token_seq_lens, md.token_positions)):
-            start = 0 if self.sliding_window is None else max(0, position + 1 - self.sliding_window)
+            start = self._first_key(position)
             first_block, width = start // block_size, -(-seq_len // block_size)
             table = md.decode_block_table[t : t + 1, first_block:width]
             valid = md.decode_valid[t : t + 1, first_block * block_size : seq_len]
@@ -267,11 +278,12 @@ class TorchSDPAImpl(AttentionImpl[TorchSDPAMetadata]):
         """[num_prefill_tokens, num_heads, head_size] queries -> their attention output."""
         assert md.prefill_block_table is not None and md.prefill_query_index is not None
         assert md.prefill_output_index is not None
-        attended = md.prefill_keys(self.sliding_window)
+        attended = md.prefill_keys(self.sliding_window, self.attention_chunk_size)
         keys = gather_context(kv_cache[0], md.prefill_block_table, attended, query.dtype, scales[0])
         values = gather_context(kv_cache[1], md.prefill_block_table, attended, query.dtype, scales[1])
         q = query[md.prefill_query_index].transpose(1, 2)  # [P, num_heads, max_query_len, D]
-        mask = md.prefill_attn_mask(self.sliding_window)  # [P, 1, max_query_len, max_seq_len]
+        # [P, 1, max_query_len, max_seq_len]
+        mask = md.prefill_attn_mask(self.sliding_window, self.attention_chunk_size)
         if self.logits_soft_cap is None and sinks is None:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
         else:

@@ -26,7 +26,7 @@ import torch
 
 logger = logging.getLogger(__package__)  # the package's logger, as every kernels message
 
-_KERNEL_VERSION = 6
+_KERNEL_VERSION = 7
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / name for name in ("build_info.cpp", "paged_attention.cpp", "paged_attention_portable.cpp", "paged_attention_vec.cpp", "kv_cache_write.cpp", "elementwise.cpp", "sampling.cpp", "packed_linear.cpp", "linear_w16.cpp", "linear_grouped.cpp", "linear_dequant.cpp", "lora.cpp", "mamba_decode.cpp", "gated_delta.cpp")]
 

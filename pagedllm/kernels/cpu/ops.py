@@ -52,6 +52,7 @@ def paged_decode_attention(
     sliding_window: Optional[int] = None,
     logits_soft_cap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
+    attention_chunk_size: Optional[int] = None,
 ) -> None:
     """Decode attention (one query per request) over the paged KV cache, into ``out``.
 
@@ -78,10 +79,13 @@ def paged_decode_attention(
             (Gemma 2's ``attn_logit_softcapping``); None: none.
         sinks: [Hq] float32 (other float dtypes are converted): a logit per query head that
             joins the softmax's denominator only (gpt-oss); None: none.
+        attention_chunk_size: C tokens: chunked local attention, a query of context length n
+            attends to positions (n - 1) - (n - 1) % C .. n - 1 only, its aligned chunk (Llama
+            4; the blocks before are never read); None: none. Not with ``sliding_window``.
 
     Raises:
         RuntimeError: if the kernels are unavailable, or on bad shapes, dtypes, block ids,
-            lengths, windows or caps.
+            lengths, windows, chunks or caps.
     """
     ops = _ns
     if portable:
@@ -91,7 +95,7 @@ def paged_decode_attention(
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()  # no copy when it is already
     op(out, query, key_cache, value_cache, block_table.long(), seq_lens.long(), float(scale), float(k_scale),
-       float(v_scale), sliding_window or 0, float(logits_soft_cap or 0.0), sinks)
+       float(v_scale), sliding_window or 0, float(logits_soft_cap or 0.0), sinks, attention_chunk_size or 0)
 
 
 def write_kv_cache(

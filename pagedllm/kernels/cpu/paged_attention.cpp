@@ -14,6 +14,9 @@
 //   sliding_window    W > 0: the query at position n - 1 attends positions max(0, n - W) .. n - 1
 //                     only (the blocks wholly before them are not looked up: their block-table
 //                     entries may hold any id); 0: its whole context.
+//   attention_chunk_size  C > 0: the query at position n - 1 attends positions (n - 1) - (n - 1) % C
+//                     .. n - 1 only, its aligned chunk (Llama 4; the blocks before are not looked
+//                     up); 0: none. Not with sliding_window.
 //   logits_soft_cap   cap > 0: scores become cap * tanh(score / cap) before the softmax (Gemma 2);
 //                     0: none.
 //   sinks             [Hq] float32 or None: a logit per query head that joins the softmax's
@@ -121,8 +124,10 @@ void run(const Params& p, const Ptrs<T, C>& x, bool force_portable, bool runs) {
   const int64_t heads_per_item = num_runs >= 4 * threads ? p.num_kv_heads : 1;
   const int64_t items_per_run = p.num_kv_heads / heads_per_item;
   const int64_t total = num_runs * items_per_run;
-  // (With a window, a member's softmax starts past the row's start, and AVX-512's writes up to a tile past its end.)
-  const int64_t cap = round_up(std::max<int64_t>(p.max_blocks * p.block_size, kTile) + (p.window > 0 ? kTile : 0), 32);
+  // (With a window or a chunk, a member's softmax starts past the row's start, and AVX-512's writes up to a tile
+  // past its end.)
+  const int64_t local = p.window > 0 || p.chunk > 0 ? kTile : 0;
+  const int64_t cap = round_up(std::max<int64_t>(p.max_blocks * p.block_size, kTile) + local, 32);
   const int64_t num_tasks = std::min<int64_t>(threads, total);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, num_tasks, 1, [&](int64_t, int64_t) {
@@ -187,8 +192,8 @@ void run_cache(const Params& p, at::Tensor& out, const at::Tensor& query, const 
 void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
                            double scale, double k_scale, double v_scale, int64_t sliding_window,
-                           double logits_soft_cap, const std::optional<at::Tensor>& sinks, bool force_portable,
-                           bool runs) {
+                           double logits_soft_cap, const std::optional<at::Tensor>& sinks,
+                           int64_t attention_chunk_size, bool force_portable, bool runs) {
   TORCH_CHECK(query.device().is_cpu() && out.device().is_cpu() && key_cache.device().is_cpu() &&
                   value_cache.device().is_cpu() && block_table.device().is_cpu() && seq_lens.device().is_cpu(),
               "paged_decode_attention: all tensors must be on CPU");
@@ -206,6 +211,10 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
               "block_table and seq_lens must be int64");
   TORCH_CHECK(block_table.dim() == 2 && seq_lens.dim() == 1, "block_table [B, max_blocks], seq_lens [B]");
   TORCH_CHECK(sliding_window >= 0, "paged_decode_attention: sliding_window must be >= 0 (0: none), got ", sliding_window);
+  TORCH_CHECK(attention_chunk_size >= 0, "paged_decode_attention: attention_chunk_size must be >= 0 (0: none), got ",
+              attention_chunk_size);
+  TORCH_CHECK(attention_chunk_size == 0 || sliding_window == 0,
+              "paged_decode_attention: sliding_window and attention_chunk_size cannot both be set");
   TORCH_CHECK(logits_soft_cap >= 0, "paged_decode_attention: logits_soft_cap must be >= 0 (0: none), got ",
               logits_soft_cap);
   if (sinks.has_value()) {
@@ -247,6 +256,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   p.k_scale = static_cast<float>(k_scale);
   p.v_scale = static_cast<float>(v_scale);
   p.window = sliding_window;
+  p.chunk = attention_chunk_size;
   p.soft_cap = static_cast<float>(logits_soft_cap);
   p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
   if (p.batch == 0 || p.num_heads == 0) return;
@@ -265,9 +275,9 @@ template <bool kPortable, bool kRuns>
 void decode_attention_op(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                          const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
                          double scale, double k_scale, double v_scale, int64_t sliding_window, double logits_soft_cap,
-                         const std::optional<at::Tensor>& sinks) {
+                         const std::optional<at::Tensor>& sinks, int64_t attention_chunk_size) {
   decode_attention_impl(out, query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale,
-                        sliding_window, logits_soft_cap, sinks, kPortable, kRuns);
+                        sliding_window, logits_soft_cap, sinks, attention_chunk_size, kPortable, kRuns);
 }
 
 }  // namespace
@@ -275,7 +285,7 @@ void decode_attention_op(at::Tensor& out, const at::Tensor& query, const at::Ten
 #define PAGEDLLM_DECODE_SCHEMA                                                                                \
   "(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor seq_lens, " \
   "float scale, float k_scale, float v_scale, int sliding_window=0, float logits_soft_cap=0., "               \
-  "Tensor? sinks=None) -> ()"
+  "Tensor? sinks=None, int attention_chunk_size=0) -> ()"
 
 PAGEDLLM_FRAGMENT(m) {
   m.def("paged_decode_attention" PAGEDLLM_DECODE_SCHEMA);

@@ -11,7 +11,8 @@
 //
 // The softmax's variants (Params): a sliding window W (a query at position i attends keys
 // i - W + 1 .. i: the rows before are never read, the blocks wholly before them not even
-// looked up), logits soft-capping (score = cap * tanh(score / cap), Gemma 2) and attention
+// looked up) or chunked local attention of C tokens (keys i - i % C .. i, the query's aligned
+// chunk, Llama 4: the same, from the chunk's start), logits soft-capping (score = cap * tanh(score / cap), Gemma 2) and attention
 // sinks (a logit per query head that joins the softmax's denominator only, gpt-oss). Each is
 // decided once per Work item member, outside the loops over rows.
 #pragma once
@@ -43,12 +44,16 @@ struct Params {
   float scale;
   float k_scale, v_scale;  // FP8 cache: stored K = key / k_scale, V = value / v_scale (1 otherwise)
   int64_t window;          // sliding window in tokens; 0: the whole context
+  int64_t chunk;           // chunked local attention in tokens (window 0 then); 0: none
   float soft_cap;          // logits soft cap; 0: none
   const float* sinks;      // [num_heads] sink logits (contiguous float32); nullptr: none
 };
 
-// The first position a query of context length n attends to.
-inline int64_t window_start(const Params& p, int64_t n) { return p.window > 0 && n > p.window ? n - p.window : 0; }
+// The first position a query of context length n (at position n - 1) attends to.
+inline int64_t window_start(const Params& p, int64_t n) {
+  if (p.chunk > 0) return n > 0 ? (n - 1) - (n - 1) % p.chunk : 0;
+  return p.window > 0 && n > p.window ? n - p.window : 0;
+}
 
 // Query head hq's sink logit; -inf without sinks (then exp(sink - max) adds exactly 0).
 inline float sink_logit(const Params& p, int64_t hq) {

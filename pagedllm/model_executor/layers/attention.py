@@ -34,6 +34,9 @@ class Attention(nn.Module):
       wholly before a query's window do not affect its output (CPU_ATTN never reads them,
       TORCH_SDPA zeroes them once gathered): the KV-cache manager frees them, their
       block-table entries then naming the zeroed null block or a block another request reuses.
+    - ``attention_chunk_size`` C (tokens; None: none): chunked local attention, a query at
+      position i attends to keys i - i % C .. i only (transformers' ``chunked_overlay``, Llama
+      4); as with a window, the blocks of earlier chunks are freed and do not affect it.
     - ``logits_soft_cap`` (None or 0: none): scores become ``cap * tanh(score / cap)``
       before the softmax (Gemma 2's ``attn_logit_softcapping``).
     - ``sinks``: [num_heads] logits (float32; with tensor parallelism this rank's heads),
@@ -53,13 +56,14 @@ class Attention(nn.Module):
 
     Raises:
         RuntimeError: built outside ``selector.set_attn_backend``.
-        ValueError: the backend lacks a feature the layer uses; a bad ``sliding_window`` or
-            ``logits_soft_cap``; ``sinks`` not a floating tensor of shape [num_heads].
+        ValueError: the backend lacks a feature the layer uses; a bad ``sliding_window``,
+            ``attention_chunk_size`` or ``logits_soft_cap``; ``sinks`` not a floating tensor of shape [num_heads].
     """
 
     def __init__(
         self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, sliding_window: Optional[int] = None,
         logits_soft_cap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+        attention_chunk_size: Optional[int] = None,
     ) -> None:
         super().__init__()
         if sinks is not None and (
@@ -72,15 +76,17 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
+        self.attention_chunk_size = attention_chunk_size
         self.logits_soft_cap = logits_soft_cap or None
         # NOTE: a plain attribute, not a registered parameter: the model's module owns it.
         object.__setattr__(self, "sinks", sinks)
         self.attn_backend = get_current_attn_backend(
             uses_sliding_window=sliding_window is not None, uses_logits_soft_cap=self.logits_soft_cap is not None,
-            has_sinks=sinks is not None,
+            has_sinks=sinks is not None, uses_chunked_local_attention=attention_chunk_size is not None,
         )
         self.impl = self.attn_backend.get_impl_cls()(
-            num_heads, head_dim, scale, num_kv_heads, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
+            num_heads, head_dim, scale, num_kv_heads, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            attention_chunk_size=attention_chunk_size,
         )
         self.kv_cache = torch.empty(0)
         self.kv_cache_group_id = 0

@@ -64,6 +64,8 @@ class LlamaAttention(nn.Module):
     rank's heads], loaded from the checkpoint's [num_attention_heads] split as the heads are.
     ``output_gate``: q_proj gives each head's query and then its output gate (Qwen3-Next), so
     ``qkv_proj``'s "q" part is twice the heads' width; a subclass's ``forward`` applies the gate.
+    ``attention_chunk_size`` C: chunked local attention, a query at position i attends to keys
+    i - i % C .. i only (Llama 4; None: none).
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class LlamaAttention(nn.Module):
         logits_soft_cap: Optional[float] = None,
         sinks: bool = False,
         output_gate: bool = False,
+        attention_chunk_size: Optional[int] = None,
     ) -> None:
         super().__init__()
         hidden = config.hidden_size
@@ -115,7 +118,7 @@ class LlamaAttention(nn.Module):
                 "weight_loader": lambda param, w: load_weight_part(param.data, w, 0, tp_rank, tp_size)})
         self.attn = Attention(
             self.num_heads, self.head_dim, self.num_kv_heads, scale, sliding_window=sliding_window,
-            logits_soft_cap=logits_soft_cap, sinks=self.sinks,
+            logits_soft_cap=logits_soft_cap, sinks=self.sinks, attention_chunk_size=attention_chunk_size,
         )
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ from pagedllm.model_executor.models.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from pagedllm.model_executor.models.llama4 import Llama4ForCausalLM, Llama4ForConditionalGeneration
 from pagedllm.model_executor.models.llava import LlavaForConditionalGeneration
 from pagedllm.model_executor.models.mistral3 import Mistral3ForConditionalGeneration
 from pagedllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
@@ -119,6 +120,16 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         "mixture of experts (FusedMoE) with a gated shared expert; q/k/v bias"),
     "Qwen3MoeForCausalLM": SupportedModel(
         Qwen3MoeForCausalLM, ("Qwen/Qwen3-30B-A3B",), "mixture of experts (FusedMoE); per-head q/k RMSNorm"),
+    "Llama4ForCausalLM": SupportedModel(
+        Llama4ForCausalLM, (),
+        "chunked local attention (its own KV-cache group) with rope and L2 q/k norms on 3 of 4 layers; NoPE "
+        "layers with attention temperature tuning; mixture of experts (FusedMoE) with a sigmoid top-1 router, "
+        "the weight on the expert's input, and a shared expert"),
+    "Llama4ForConditionalGeneration": SupportedModel(
+        Llama4ForConditionalGeneration,
+        ("meta-llama/Llama-4-Scout-17B-16E-Instruct", "meta-llama/Llama-4-Maverick-17B-128E-Instruct"),
+        "text-only: the language model of the image-text checkpoint (as Llama4ForCausalLM; the vision tower "
+        "is not loaded)"),
     "GptOssForCausalLM": SupportedModel(
         GptOssForCausalLM, ("openai/gpt-oss-20b", "openai/gpt-oss-120b"),
         "mixture of experts (FusedMoE) with biased experts and clamped SwiGLU; attention sinks; sliding window on "

@@ -88,6 +88,9 @@ class FusedMoE(nn.Module):
         has_bias: each expert's W13 and W2 have a bias (``w13_bias`` [E, 2 x I] as [gate |
             up], ``w2_bias`` [E, H]; gpt-oss), loaded with ``shard_id`` as the weights'.
         swiglu_alpha, swiglu_limit: the "swigluoai" activation's sigmoid gain and clamp.
+        apply_router_weight_on_input: each token enters its expert scaled by its routing
+            weight (in the token's dtype), the expert's output then added unweighted (vLLM's
+            name; Llama 4's experts); top_k must be 1.
         quant_config: ``get_quant_method(self, prefix)`` may return a ``FusedMoEMethodBase``;
             None (or a None answer): ``UnquantizedFusedMoEMethod``.
         prefix: the layer's name in the model (``model.layers.0.mlp.experts``).
@@ -97,7 +100,8 @@ class FusedMoE(nn.Module):
     Raises:
         ValueError: an activation not built, biases the method does not apply, an I the
             tensor-parallel size does not divide, fewer experts than expert-parallel ranks, or
-            a quantization method for linear layers only.
+            a quantization method for linear layers only; apply_router_weight_on_input with
+            top_k above 1.
     """
 
     def __init__(
@@ -123,10 +127,15 @@ class FusedMoE(nn.Module):
         has_bias: bool = False,
         swiglu_alpha: float = 1.702,
         swiglu_limit: float = 7.0,
+        apply_router_weight_on_input: bool = False,
     ) -> None:
         super().__init__()
         if activation not in MOE_ACTIVATIONS:
             raise ValueError(f"FusedMoE activation {activation!r} is not built (built: {', '.join(MOE_ACTIVATIONS)}).")
+        if apply_router_weight_on_input and top_k != 1:
+            raise ValueError(
+                f"{prefix}: apply_router_weight_on_input needs top_k 1 (one expert per token), got {top_k}.")
+        self.apply_router_weight_on_input = apply_router_weight_on_input
         self.has_bias = has_bias
         #: Whether W13 is [gate | up] under a gated activation (vLLM's name); else up alone.
         self.is_act_and_mul = activation in GATED_MOE_ACTIVATIONS
@@ -261,6 +270,9 @@ class FusedMoE(nn.Module):
         if logger.isEnabledFor(logging.DEBUG):
             counts = torch.bincount(topk_ids.reshape(-1), minlength=self.global_num_experts).tolist()
             logger.debug("%s: %d tokens; tokens per expert %s", self.prefix, hidden_states.shape[0], counts)
+        if self.apply_router_weight_on_input:
+            hidden_states = hidden_states * topk_weights.to(hidden_states.dtype)
+            topk_weights = torch.ones_like(topk_weights)
         out = self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)

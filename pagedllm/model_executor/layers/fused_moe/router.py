@@ -17,6 +17,9 @@ row is not part of the contract (the expert outputs are summed).
   ``DeepseekV2TopkRouter``; V2's "greedy" is one group).
 - ``topk_softmax``: the k largest logits, then a softmax over those k only (gpt-oss's
   ``GptOssTopKRouter``).
+- ``topk_sigmoid``: the k largest logits, each through a sigmoid on its own (Llama 4's
+  ``Llama4Router``, whose experts take the weight on their input:
+  ``FusedMoE(apply_router_weight_on_input=True)``).
 """
 
 from __future__ import annotations
@@ -53,6 +56,15 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool = Tr
     _check_top_k(router_logits, top_k)
     logits, ids = torch.topk(router_logits.float(), top_k, dim=-1)
     return torch.softmax(logits, dim=-1), ids
+
+
+def topk_sigmoid(router_logits: torch.Tensor, top_k: int,
+                 renormalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``top_k`` largest logits, each one's sigmoid (float32) its weight (not renormalised:
+    ``renormalize`` is ignored, as transformers' ``Llama4Router`` has none)."""
+    _check_top_k(router_logits, top_k)
+    logits, ids = torch.topk(router_logits, top_k, dim=-1)
+    return torch.sigmoid(logits.float()), ids
 
 
 def grouped_topk(
