@@ -17,6 +17,7 @@ The control protocol: one JSON object per connection each way, ``{"op": "status"
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -64,6 +65,10 @@ def preload_model(engine_args: EngineArgs, root: Optional[Path] = None) -> list[
             return [Path(write_rank_store(worker, str(root)))]
         finally:
             worker.shutdown()
+            del worker
+            # NOTE: the loaded model sits in reference cycles; without a collection the daemon
+            # keeps a private copy of the weights beside the store (0.5B shape: 1.0 GB RSS).
+            gc.collect()
     from pagedllm.executor.multiproc_executor import MultiprocExecutor
 
     executor = MultiprocExecutor(config)

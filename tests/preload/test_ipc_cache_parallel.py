@@ -47,7 +47,8 @@ def _mapped_file(worker) -> str:
 def test_each_rank_maps_its_store_and_greedy_matches_a_normal_load(size, tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_PRELOAD_DIR", str(tmp_path))
     parallel = SIZES[size]
-    directories = daemon.preload_model(EngineArgs(model=str(tiny_llama), dtype="float32", max_model_len=128, **parallel))
+    engine_args = EngineArgs(model=str(tiny_llama), dtype="float32", max_model_len=128, **parallel)
+    directories = daemon.preload_model(engine_args)
     tp, pp = parallel.get("tensor_parallel_size", 1), parallel.get("pipeline_parallel_size", 1)
     assert [d.name for d in directories] == [store_name(tiny_llama, r % tp, r // tp) for r in range(tp * pp)]
     normal = LLM(str(tiny_llama), **parallel, **ARGS)
