@@ -1,9 +1,10 @@
 """``pagedllm preload``: the daemon that owns the stores of preloaded weights, and its control
 socket.
 
-``preload_model(engine_args)`` loads the model as a worker of that configuration would (every
-load-time transformation included) and writes its store under ``PAGEDLLM_PRELOAD_DIR``
-(``pagedllm.preload.store``). ``serve_control`` then answers on ``<dir>/control.sock`` until
+``preload_model(engine_args)`` loads the model as the workers of that configuration would (every
+load-time transformation included; with tensor / pipeline parallelism, the same worker
+processes, each loading its own shard) and writes one store per rank under
+``PAGEDLLM_PRELOAD_DIR`` (``pagedllm.preload.store``). ``serve_control`` then answers on ``<dir>/control.sock`` until
 asked to stop; on stop (or SIGTERM / SIGINT) it deletes every store and the socket. A daemon
 killed outright leaves its stores: engines that map one keep serving from it, and new ones
 may still map it. A second ``pagedllm preload`` while a daemon runs writes its store beside
@@ -16,6 +17,7 @@ The control protocol: one JSON object per connection each way, ``{"op": "status"
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -39,30 +41,55 @@ SOCKET_NAME = "control.sock"
 CONTROL_TIMEOUT_S = 10.0
 
 
-def preload_model(engine_args: EngineArgs, root: Optional[Path] = None) -> Path:
-    """Load the model of ``engine_args`` (tensor and pipeline parallel size 1) and write its
-    store in ``root`` (None: ``PAGEDLLM_PRELOAD_DIR``); returns the store's folder.
+def preload_model(engine_args: EngineArgs, root: Optional[Path] = None) -> list[Path]:
+    """Load the model of ``engine_args`` as its workers would and write one store per rank
+    in ``root`` (None: ``PAGEDLLM_PRELOAD_DIR``); returns the stores' folders in rank order.
+
+    With tensor or pipeline parallelism the workers of that configuration are started once
+    (the multiprocess executor: their own process group, so each loads its own shard) and
+    each writes its rank's store (``key.store_name``), then they exit.
 
     Raises:
-        ValueError: a bad argument, more than one worker, or a model that cannot be stored.
+        ValueError: a bad argument or a model that cannot be stored.
     """
-    from pagedllm.worker.worker import Worker
-
     config = engine_args.create_engine_config()
-    if config.parallel_config.world_size > 1:
-        raise ValueError("pagedllm preload holds the weights of tensor_parallel_size 1 and pipeline_parallel_size 1 "
-                         "only, for now.")
     config = dataclasses.replace(config, model_config=dataclasses.replace(config.model_config, load_format="safetensors"))
-    worker = Worker(config)
-    worker.init_device()
-    worker.load_model()
-    model = worker.model_runner.model
-    key = cache_key(config.model_config)
-    directory = (root or preload_root()) / store_name(config.model_config.model_path)
-    nbytes = write_store(model, directory, key)
-    worker.shutdown()
-    logger.info("Preloaded %s: %.1f MB in %s", key["model_path"], nbytes / 1e6, directory)
-    return directory
+    root = root or preload_root()
+    if config.parallel_config.world_size == 1:
+        from pagedllm.worker.worker import Worker
+
+        worker = Worker(config)
+        worker.init_device()
+        worker.load_model()
+        try:
+            return [Path(write_rank_store(worker, str(root)))]
+        finally:
+            worker.shutdown()
+            del worker
+            # NOTE: the loaded model sits in reference cycles; without a collection the daemon
+            # keeps a private copy of the weights beside the store (0.5B shape: 1.0 GB RSS).
+            gc.collect()
+    from pagedllm.executor.multiproc_executor import MultiprocExecutor
+
+    executor = MultiprocExecutor(config)
+    try:
+        return [Path(p) for p in executor.collective_rpc(write_rank_store, args=(str(root),))]
+    finally:
+        executor.shutdown()
+
+
+def write_rank_store(worker: Any, root: str) -> str:
+    """Write the loaded model of ``worker`` (a ``Worker``, in its rank's process group) as its
+    rank's store in ``root``; returns the store's folder (a ``collective_rpc`` callable)."""
+    model_config = worker.config.model_config
+    key = cache_key(model_config)
+    directory = Path(root) / store_name(model_config.model_path, key["tensor_parallel_rank"],
+                                        key["pipeline_parallel_rank"])
+    nbytes = write_store(worker.model_runner.model, directory, key)
+    logger.info("Preloaded %s (tensor-parallel rank %d/%d, pipeline rank %d/%d): %.1f MB in %s", key["model_path"],
+                key["tensor_parallel_rank"], key["tensor_parallel_size"], key["pipeline_parallel_rank"],
+                key["pipeline_parallel_size"], nbytes / 1e6, directory)
+    return str(directory)
 
 
 def stores(root: Path) -> list[dict[str, Any]]:

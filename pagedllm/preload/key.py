@@ -3,7 +3,9 @@
 Fields (``cache_key``): the model folder, the size and modification time (ns) of each file
 the loader reads (``config.json``, the weight files), the dtype, ``--quantization`` and
 ``--quantization-config``, the tensor- and pipeline-parallel rank and size, the CPU kernels'
-ISA level, and the pagedllm and torch versions. ``mismatch`` names the first field that differs.
+ISA level and whether they are on (``PAGEDLLM_DISABLE_CPU_KERNELS`` unset: the loader lays
+weights out for them, else keeps PyTorch's plain layout), and the pagedllm and torch versions.
+``mismatch`` names the first field that differs.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from typing import Any, Optional
 #: The fields of a key, in the order ``mismatch`` compares them.
 KEY_FIELDS = (
     "model_path", "files", "dtype", "quantization", "quantization_config", "tensor_parallel_rank",
-    "tensor_parallel_size", "pipeline_parallel_rank", "pipeline_parallel_size", "isa", "pagedllm_version",
-    "torch_version",
+    "tensor_parallel_size", "pipeline_parallel_rank", "pipeline_parallel_size", "isa", "cpu_kernels",
+    "pagedllm_version", "torch_version",
 )  # fmt: skip
 
 
@@ -33,6 +35,7 @@ def cache_key(model_config: Any) -> dict[str, Any]:
     as plain JSON values (see the module docstring)."""
     import torch
 
+    from pagedllm import envs
     from pagedllm.distributed import get_pp_group, get_tp_group
     from pagedllm.kernels import isa
     from pagedllm.version import __version__
@@ -51,6 +54,7 @@ def cache_key(model_config: Any) -> dict[str, Any]:
         "pipeline_parallel_rank": pp.rank_in_group,
         "pipeline_parallel_size": pp.world_size,
         "isa": isa.selected_isa(),
+        "cpu_kernels": not envs.PAGEDLLM_DISABLE_CPU_KERNELS.get(),
         "pagedllm_version": __version__,
         "torch_version": torch.__version__,
     }

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, envs
 from pagedllm.config import EngineArgs
 from pagedllm.preload import daemon
 from pagedllm.model_executor.layers.cpu_gemm import pack_weight
@@ -30,7 +30,8 @@ def store(tiny_llama, tmp_path_factory):
     """The store of ``tiny_llama`` (float32) in a private PAGEDLLM_PRELOAD_DIR; yields its folder."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PAGEDLLM_PRELOAD_DIR", str(tmp_path_factory.mktemp("preload")))
-        yield daemon.preload_model(EngineArgs(model=str(tiny_llama), **ARGS))
+        (directory,) = daemon.preload_model(EngineArgs(model=str(tiny_llama), **ARGS))
+        yield directory
 
 
 def _model_config(tiny_llama: Path, **changes):
@@ -54,6 +55,11 @@ def test_each_key_field_that_differs_is_named(store, tiny_llama, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setenv("PAGEDLLM_CPU_ISA", "portable")
         with pytest.raises(ValueError, match="isa .preloaded: 'avx"):
+            _load(_model_config(tiny_llama))
+    with monkeypatch.context() as patch:  # the loader lays weights out for the kernels, or not
+        stored_on = not envs.PAGEDLLM_DISABLE_CPU_KERNELS.get()
+        patch.setenv("PAGEDLLM_DISABLE_CPU_KERNELS", "1" if stored_on else "0")
+        with pytest.raises(ValueError, match=f"cpu_kernels .preloaded: {stored_on}, this engine: {not stored_on}"):
             _load(_model_config(tiny_llama))
     with monkeypatch.context() as patch:
         patch.setattr("pagedllm.version.__version__", "0.0.1")
