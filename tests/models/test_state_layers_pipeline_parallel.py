@@ -1,10 +1,11 @@
 """``-pp 2`` on state-space and hybrid models (one worker process per stage, hidden states and
 the residual passed on by gloo send / recv, two micro-batches in flight): Mamba-2, Bamba
-(Mamba-2 mixers and attention) and Qwen3-Next (Gated DeltaNet, gated attention, experts) give
+(Mamba-2 mixers and attention), Qwen3-Next (Gated DeltaNet, gated attention, experts) and
+Nemotron-H (Mamba-2, attention, MLP and expert layers; a stage of cacheless layers only) give
 transformers' greedy tokens (float32), as one process does, with prompts cut into 16-token
-chunks beside decodes, requests preempted for lack of attention blocks (the hybrids) and a
-second pass starting from the prefix cache's saved states; each run ends with the
-block-accounting check. Each stage holds only its layers, their state tensors (the same slot
+chunks beside decodes, requests preempted for lack of attention blocks (the hybrids), and a
+prompt's second run starting from the state its first saved (a prefix-cache hit); each run
+ends with the block-accounting check. Each stage holds only its layers, their state tensors (the same slot
 ids, the scheduler's, on both stages) and the KV caches of its attention layers; a stage with no
 attention layer sizes no attention block.
 
@@ -53,6 +54,14 @@ MODELS = {
         dict(test_qwen3_next.CONFIG, seed=7),
         [{"state_layers": [0, 1], "state_tensors": 4, "kv_caches": 0, "embed": True, "head": False},
          {"state_layers": [2], "state_tensors": 2, "kv_caches": 1, "embed": False, "head": True}],
+    ),
+    "NemotronHForCausalLM": (  # Mamba-2, routed experts, attention | MLP, routed experts
+        dict(seed=9, hybrid_override_pattern="ME*-E", head_dim=16, mamba_num_heads=8, mamba_head_dim=16, n_groups=2,
+             ssm_state_size=16, conv_kernel=4, chunk_size=16, intermediate_size=128, n_routed_experts=8,
+             num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=32,
+             moe_shared_expert_intermediate_size=48, routed_scaling_factor=2.5, norm_topk_prob=True),
+        [{"state_layers": [0], "state_tensors": 2, "kv_caches": 1, "embed": True, "head": False},
+         {"state_layers": [], "state_tensors": 0, "kv_caches": 0, "embed": False, "head": True}],
     ),
 }
 
@@ -120,7 +129,7 @@ def test_each_stage_holds_its_layers_states_and_kv_caches(pp2):
     hybrid = any(stage["kv_caches"] for stage in MODELS[arch][1])
     for stage, expected in zip(contents, MODELS[arch][1]):
         assert {k: stage[k] for k in expected} == expected
-        assert stage["slots"] == {slots}
+        assert stage["slots"] == ({slots} if expected["state_tensors"] else set())
         if not hybrid:  # no attention anywhere: no attention block at all
             assert stage["blocks_sized"] == 0
         elif expected["kv_caches"]:
