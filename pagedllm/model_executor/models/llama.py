@@ -273,7 +273,7 @@ class LlamaDecoderLayer(DecoderLayer):
 
 class LlamaModel(nn.Module):
     """The decoder stack of this pipeline stage: layers ``[start_layer, end_layer)``
-    (``pp_layer_range``; the others are ``PPMissingLayer``), the embedding on the first
+    (``PipelineStage``; the others are ``PPMissingLayer``), the embedding on the first
     stage (and on the last when the LM head shares it), the final norm on the last. Each
     layer's attention window is ``pagedllm.arch_config.layer_sliding_windows``' (Mistral:
     ``sliding_window`` on all; Qwen2 / Qwen3: on the "sliding_attention" ``layer_types``).
