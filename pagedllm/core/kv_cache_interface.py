@@ -231,6 +231,12 @@ class KVCacheGroups:
         """Bytes of one request's states in every state layer (0 without state layers)."""
         return sum(len(g.layer_indices) * g.kv_cache_spec.page_size_bytes for g in self.state_groups)
 
+    def stage_state_bytes_per_request(self, start: int, end: int) -> int:
+        """Bytes of one request's states in the state layers ``start <= i < end`` (those a
+        pipeline stage holds; ``state_bytes_per_request`` over all layers)."""
+        return sum(sum(start <= i < end for i in g.layer_indices) * g.kv_cache_spec.page_size_bytes
+                   for g in self.state_groups)
+
     def state_group_of_layer(self) -> dict[int, int]:
         """State layer index -> its group's index in every per-group sequence."""
         first = len(self.groups)

@@ -20,7 +20,10 @@ model class gives: ``get_mamba_state_shape_from_config`` / ``get_mamba_state_dty
 vLLM's names); a hybrid layer (Falcon-H1's) keeps both, its attention in an attention group
 and its mixer in a state group. The budget first sets aside the state slots (``num_state_slots``: one per
 request that can run at once, three with prefix caching) x the state bytes of one request
-over all state layers; the rest buys attention blocks (none in a model of state layers only).
+over the stage's state layers; the rest buys attention blocks (none in a model of state layers
+only; no limit from a pipeline stage that holds no attention layer of a hybrid model, which
+allocates no attention block: ``NO_BLOCK_LIMIT``). Every stage uses the same slot ids, the
+scheduler's, each in its own layers' state tensors.
 An encoder-only pooling model has no KV-cache group at all: no blocks, no memory profiling,
 and its requests are admitted by ``max_num_seqs`` / ``max_num_batched_tokens`` alone.
 """
@@ -28,6 +31,7 @@ and its requests are admitted by ``max_num_seqs`` / ``max_num_batched_tokens`` a
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -54,6 +58,11 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
+
+#: What ``num_kv_blocks`` gives on a pipeline stage that holds no attention layer of a model
+#: that has some: the stage stores no block, so the other stages' sizes decide (the executor
+#: takes the smallest).
+NO_BLOCK_LIMIT = sys.maxsize
 
 
 def num_kv_heads_per_rank(model_config: ModelConfig) -> int:
@@ -107,8 +116,8 @@ def num_state_slots(config: EngineConfig, groups: KVCacheGroups) -> int:
 
 def check_state_layers_compose(config: EngineConfig, groups: KVCacheGroups) -> None:
     """Refuse what is not built beside state layers: speculative decoding (a rejected draft
-    would need its state rolled back), LoRA (no adapter for a state layer's projections),
-    pipeline parallelism (the states are not split over stages).
+    would need its state rolled back), LoRA (no adapter for a state layer's projections).
+    (Pipeline parallelism composes: each stage holds its own layers' states.)
 
     Raises:
         ValueError: naming the setting and the model's state layers.
@@ -118,13 +127,10 @@ def check_state_layers_compose(config: EngineConfig, groups: KVCacheGroups) -> N
     num_state_layers = sum(len(g.layer_indices) for g in groups.state_groups)
     model = (f"{config.model_config.architecture}, whose {num_state_layers} of {config.model_config.num_layers} "
              "layers keep a recurrent state")
-    parallel = config.parallel_config
     refused = [
         (config.speculative_config is not None, "speculative decoding (speculative_config)",
          "a rejected draft token would need its state rolled back"),
         (config.lora_config is not None, "LoRA (enable_lora)", "no adapter is built for a state layer"),
-        (parallel.pipeline_parallel_size > 1, f"pipeline_parallel_size {parallel.pipeline_parallel_size}",
-         "the states are not split over stages"),
     ]
     for is_set, setting, why in refused:
         if is_set:
@@ -265,12 +271,17 @@ def num_kv_blocks(
     if groups is None:
         groups = _groups(model_config, cache_config, [None] * model_config.num_layers,
                          get_tensor_model_parallel_world_size())
-    state_bytes = num_state_slots * groups.state_bytes_per_request if groups.state_groups else 0
-    state_words = _check_state_slots(groups, num_state_slots, state_bytes, budget)
+    layer_range = stage_layer_range(model_config)
+    state_bytes = num_state_slots * groups.stage_state_bytes_per_request(*layer_range)
+    state_words = _check_state_slots(groups, num_state_slots, state_bytes, budget, layer_range)
     if not groups.groups:
         logger.info("KV cache: no attention layers; %s. Budget from %s.", state_words, budget.derivation)
         return 0
-    num_tensors = num_stage_cache_tensors(groups, stage_layer_range(model_config))
+    num_tensors = num_stage_cache_tensors(groups, layer_range)
+    if num_tensors == 0 and draft_model_config is None:
+        logger.info("KV cache: none on this pipeline stage (layers %d .. %d hold no attention); %s. Budget from %s.",
+                    layer_range[0], layer_range[1] - 1, state_words, budget.derivation)
+        return NO_BLOCK_LIMIT
     per_block = kv_bytes_per_block(model_config, groups, draft_model_config)
     num_null = int(groups.has_local_attention)
     blocks_per_seq = groups.max_num_blocks_per_request(max_len, chunk) + num_null
@@ -315,8 +326,10 @@ def num_kv_blocks(
     return int(num_blocks)
 
 
-def _check_state_slots(groups: KVCacheGroups, num_slots: int, state_bytes: int, budget: KVCacheBudget) -> str:
-    """The log's words for the state slots set aside (empty without state layers).
+def _check_state_slots(groups: KVCacheGroups, num_slots: int, state_bytes: int, budget: KVCacheBudget,
+                       layer_range: tuple[int, int]) -> str:
+    """The log's words for the state slots set aside for the state layers of ``layer_range``
+    (this stage's; empty without state layers).
 
     Raises:
         ValueError: a state model with no slot, or a budget that cannot hold the slots.
@@ -324,9 +337,11 @@ def _check_state_slots(groups: KVCacheGroups, num_slots: int, state_bytes: int, 
     if not groups.state_groups:
         return ""
     kinds = ", ".join(sorted({g.kv_cache_spec.describe() for g in groups.state_groups}))
-    per_request = groups.state_bytes_per_request
+    per_request = groups.stage_state_bytes_per_request(*layer_range)
+    start, end = layer_range
+    num_layers = sum(start <= i < end for g in groups.state_groups for i in g.layer_indices)
     words = (f"state: {num_slots} slots of {per_request:,} bytes ({kinds} of "
-             f"{sum(len(g.layer_indices) for g in groups.state_groups)} layers; {state_bytes / 2**30:.2f} GiB)")
+             f"{num_layers} layers; {state_bytes / 2**30:.2f} GiB)")
     if num_slots < 1 or state_bytes > budget.num_bytes:
         raise ValueError(
             f"The KV cache cannot hold the recurrent states of max_num_seqs = {num_slots} requests: "

@@ -152,3 +152,34 @@ def test_sizing_sets_the_state_bytes_aside_and_logs_the_slots(caplog):
         num_kv_blocks(model_config, cache_config, KVCacheBudget(state_bytes + per_block, "a small budget"),
                       groups=groups, num_state_slots=10)
     assert num_kv_blocks(model_config, cache_config, budget, groups=bamba_groups("mm"), num_state_slots=10) == 0
+
+
+def test_a_pipeline_stage_counts_its_own_state_layers():
+    groups = bamba_groups("mmfm")
+    page = STATE.page_size_bytes
+    assert [groups.stage_state_bytes_per_request(*r) for r in ((0, 2), (2, 4), (2, 3), (0, 4))] == [
+        2 * page, page, 0, groups.state_bytes_per_request]
+
+
+def test_a_pipeline_stage_sizes_its_blocks_after_its_own_states(monkeypatch, caplog):
+    """Layer 0 a state layer, the others attention: the stage of layer 0 alone stores no block
+    (``NO_BLOCK_LIMIT``: the other stage decides), the stage of the others sets no state aside."""
+    from pagedllm.config import EngineArgs
+    from pagedllm.worker import kv_cache_sizing
+    from pagedllm.worker.kv_cache_sizing import NO_BLOCK_LIMIT, kv_bytes_per_block, num_kv_blocks
+
+    config = EngineArgs(model=None, dtype="float32", block_size=8, max_model_len=64).create_engine_config()
+    model_config, cache_config = config.model_config, config.cache_config
+    num_layers = model_config.num_layers
+    groups = group_layers(layer_kv_cache_specs(
+        [None] * num_layers, 8, model_config.num_kv_heads, model_config.head_dim, 4, state_specs={0: STATE}))
+    monkeypatch.setattr(kv_cache_sizing, "stage_layer_range", lambda _: (0, 1))
+    with caplog.at_level(logging.INFO, logger="pagedllm.worker.kv_cache_sizing"):
+        assert num_kv_blocks(model_config, cache_config, KVCacheBudget(1 << 20, "a test budget"), groups=groups,
+                             num_state_slots=10) == NO_BLOCK_LIMIT
+    assert "none on this pipeline stage (layers 0 .. 0 hold no attention)" in caplog.text
+    assert f"state: 10 slots of {STATE.page_size_bytes:,} bytes" in caplog.text
+    monkeypatch.setattr(kv_cache_sizing, "stage_layer_range", lambda _: (1, num_layers))
+    per_block = kv_bytes_per_block(model_config, groups)
+    assert num_kv_blocks(model_config, cache_config, KVCacheBudget(100 * per_block, "a test budget"), groups=groups,
+                         num_state_slots=10) == 100

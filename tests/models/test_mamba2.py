@@ -49,7 +49,6 @@ def test_mamba2_prefix_cache_hits_restore_saved_states(mamba2, tokenizer, caplog
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}},
      r"speculative decoding \(speculative_config\)"),
     ({"enable_lora": True}, r"LoRA \(enable_lora\)"),
-    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size 2"),
 ])
 def test_what_does_not_compose_with_state_layers_is_refused(mamba2, kwargs, setting):
     config = EngineArgs(model=str(mamba2), dtype="float32", **kwargs).create_engine_config()

@@ -21,8 +21,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagedllm.arch_config import layer_sliding_windows
-from pagedllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-from pagedllm.distributed.utils import pp_layer_range
+from pagedllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from pagedllm.model_executor.layers.activation import SiluAndMul
 from pagedllm.model_executor.layers.attention import Attention
 from pagedllm.model_executor.layers.layernorm import RMSNorm
@@ -31,6 +30,7 @@ from pagedllm.model_executor.layers.quantization import QuantizationConfig
 from pagedllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pagedllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model_executor.kv_cache_scales import load_kv_cache_scale
+from pagedllm.model_executor.models.pipeline_stage import PipelineStage, PPMissingLayer, without_other_stages
 from pagedllm.model_executor.utils import default_weight_loader, load_weight_part, set_weight_attrs
 from pagedllm.platforms import current_platform
 
@@ -45,10 +45,6 @@ STACKED_PARAMS_MAPPING = [
     (".gate_up_proj.", ".gate_proj.", 0),
     (".gate_up_proj.", ".up_proj.", 1),
 ]
-
-
-class PPMissingLayer(nn.Identity):
-    """Stands for a module held by another pipeline stage: no parameters, not loaded."""
 
 
 class LlamaAttention(nn.Module):
@@ -280,7 +276,7 @@ class LlamaDecoderLayer(DecoderLayer):
 
 class LlamaModel(nn.Module):
     """The decoder stack of this pipeline stage: layers ``[start_layer, end_layer)``
-    (``pp_layer_range``; the others are ``PPMissingLayer``), the embedding on the first
+    (``PipelineStage``; the others are ``PPMissingLayer``), the embedding on the first
     stage (and on the last when the LM head shares it), the final norm on the last. Each
     layer's attention window is ``pagedllm.arch_config.layer_sliding_windows``' (Mistral:
     ``sliding_window`` on all; Qwen2 / Qwen3: on the "sliding_attention" ``layer_types``).
@@ -298,14 +294,12 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.qkv_bias, self.qk_norm, self.make_mlp = qkv_bias, qk_norm, make_mlp
-        pp = get_pp_group()
-        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
-        self.start_layer, self.end_layer = pp_layer_range(config.num_hidden_layers, pp.rank_in_group, pp.world_size)
+        self.stage = stage = PipelineStage.of(config.num_hidden_layers)
+        self.is_first_stage, self.is_last_stage = stage.is_first, stage.is_last
+        self.start_layer, self.end_layer = stage.start_layer, stage.end_layer
         tied = bool(getattr(config, "tie_word_embeddings", False))
-        if self.is_first_stage or (tied and self.is_last_stage):
-            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        else:
-            self.embed_tokens = PPMissingLayer()
+        self.embed_tokens = stage.held(stage.is_first or (tied and stage.is_last),
+                                       lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size))
         scale = self.embedding_scale(config)
         if isinstance(scale, torch.Tensor):
             self.register_buffer("embed_scale", scale, persistent=False)
@@ -316,12 +310,9 @@ class LlamaModel(nn.Module):
         self.rotary_embs = nn.ModuleList(tables)
         self.rotary_emb = tables[0]
         windows = layer_sliding_windows(config)  # per layer, as transformers' code of the architecture
-        self.layers = nn.ModuleList(
-            self.make_layer(config, i, tables[self.layer_rope[i]], windows[i], quant_config, f"{prefix}.layers.{i}")
-            if self.start_layer <= i < self.end_layer else PPMissingLayer()
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
+        self.layers = stage.make_layers(config.num_hidden_layers, lambda i: self.make_layer(
+            config, i, tables[self.layer_rope[i]], windows[i], quant_config, f"{prefix}.layers.{i}"))
+        self.norm = stage.held(stage.is_last, lambda: self.norm_cls(config.hidden_size, config.rms_norm_eps))
         #: Layers whose input ``forward`` keeps in ``aux_hidden_states`` (an EAGLE-3 head reads them).
         self.aux_hidden_state_layers: tuple[int, ...] = ()
         self.aux_hidden_states: list[torch.Tensor] = []
@@ -364,12 +355,8 @@ class LlamaModel(nn.Module):
         takes as ``intermediate_tensors`` instead of embedding ``input_ids``. ``inputs_embeds``
         [T, hidden] (an image-text model's: ``embed_input_ids`` with the images merged in)
         replaces ``embed_input_ids(input_ids)``."""
-        if self.is_first_stage:
-            hidden_states = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-            residual = None
-        else:
-            assert intermediate_tensors is not None
-            hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        hidden_states, residual = self.stage.inputs(
+            intermediate_tensors, lambda: self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds)
         ropes = [table.cos_sin(positions, hidden_states.dtype) for table in self.rotary_embs]
         captured = {}
         for i in range(self.start_layer, self.end_layer):
@@ -378,10 +365,7 @@ class LlamaModel(nn.Module):
                 captured[i] = hidden_states.clone() if residual is None else hidden_states + residual
             hidden_states, residual = self.layers[i](ropes[self.layer_rope[i]], hidden_states, residual)
         self.aux_hidden_states = [captured[i] for i in sorted(self.aux_hidden_state_layers)]
-        if not self.is_last_stage:
-            return {"hidden_states": hidden_states, "residual": residual}
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+        return self.stage.outputs(hidden_states, residual, self.norm)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -445,12 +429,10 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             ValueError: for a checkpoint tensor with no matching parameter, or a shape mismatch.
         """
-        other_stages = tuple(f"{n}." for n, m in self.named_modules() if isinstance(m, PPMissingLayer))
-        return load_llama_weights(self, (
+        return load_llama_weights(self, without_other_stages(self, (
             (name, tensor) for name, tensor in weights
             if "rotary_emb.inv_freq" not in name and not (self.tie_word_embeddings and name == "lm_head.weight")
-            and not name.startswith(other_stages)
-        ))
+        )))
 
 
 def load_llama_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -20,7 +20,8 @@ from pagedllm.model_executor.layers.fused_moe import FusedMoE
 from pagedllm.model_executor.layers.fused_moe.layer import STACKED_EXPERT_TENSORS
 from pagedllm.model_executor.layers.linear import ReplicatedLinear
 from pagedllm.model_executor.layers.quantization import QuantizationConfig
-from pagedllm.model_executor.models.llama import LlamaForCausalLM, LlamaMLP, PPMissingLayer
+from pagedllm.model_executor.models.llama import LlamaForCausalLM, LlamaMLP
+from pagedllm.model_executor.models.pipeline_stage import other_stage_prefixes
 
 #: ``<layer>.experts.<id>.<projection>.weight``: one expert's matrix (the Hub's layout).
 _EXPERT_TENSOR = re.compile(r"(?P<layer>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight")
@@ -80,9 +81,8 @@ class LlamaMoEForCausalLM(LlamaForCausalLM):
                 ``FusedMoE`` layer left without some expert's matrix (named in the message).
         """
         moe_layers = {name: m for name, m in self.named_modules() if isinstance(m, FusedMoE)}
-        other_stages = tuple(f"{n}." for n, m in self.named_modules() if isinstance(m, PPMissingLayer))
         loaded: set[str] = set()
-        loaded |= super().load_weights(self._route_experts(weights, moe_layers, other_stages, loaded))
+        loaded |= super().load_weights(self._route_experts(weights, moe_layers, other_stage_prefixes(self), loaded))
         for name, layer in moe_layers.items():
             missing = layer.missing_weights()
             if missing:

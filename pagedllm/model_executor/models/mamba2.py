@@ -16,6 +16,7 @@ from pagedllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2, mamba
 from pagedllm.model_executor.layers.quantization import QuantizationConfig
 from pagedllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model_executor.models.llama import load_llama_weights
+from pagedllm.model_executor.models.pipeline_stage import IntermediateTensors, PipelineStage, without_other_stages
 
 
 class Mamba2DecoderLayer(nn.Module):
@@ -43,7 +44,10 @@ class Mamba2ForCausalLM(nn.Module):
     """``forward(input_ids [T], positions [T]) -> hidden [T, hidden]`` and
     ``compute_logits(hidden [N, hidden]) -> [N, vocab]``; parameters under transformers'
     names (``backbone.embeddings``, ``backbone.layers.i.{norm, mixer}``, ``backbone.norm_f``,
-    ``lm_head``; an old checkpoint's ``backbone.embedding`` is read too).
+    ``lm_head``; an old checkpoint's ``backbone.embedding`` is read too). With pipeline
+    parallelism this stage's part only (``PipelineStage``: its layers, the embeddings on the
+    first stage, ``norm_f`` and the LM head on the last; ``forward`` then takes and returns
+    ``IntermediateTensors`` between stages, as ``LlamaModel``'s).
 
     ``get_mamba_state_shape_from_config`` / ``get_mamba_state_dtype_from_config`` (vLLM's
     names) give each layer's state for the KV-cache sizing, before the model is built.
@@ -54,14 +58,18 @@ class Mamba2ForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig] = None) -> None:
         super().__init__()
         self.config = config
-        self.backbone = nn.Module()
-        self.backbone.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.backbone.layers = nn.ModuleList(
-            self.make_layer(config, i, quant_config, f"backbone.layers.{i}") for i in range(config.num_hidden_layers))
-        self.backbone.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+        self.stage = stage = PipelineStage.of(config.num_hidden_layers)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=quant_config, prefix="lm_head")
-        if self.tie_word_embeddings:
+        self.backbone = nn.Module()
+        self.backbone.embeddings = stage.held(stage.is_first or (self.tie_word_embeddings and stage.is_last),
+                                              lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size))
+        self.backbone.layers = stage.make_layers(
+            config.num_hidden_layers, lambda i: self.make_layer(config, i, quant_config, f"backbone.layers.{i}"))
+        self.backbone.norm_f = stage.held(stage.is_last,
+                                          lambda: RMSNorm(config.hidden_size, config.layer_norm_epsilon))
+        self.lm_head = stage.held(stage.is_last, lambda: ParallelLMHead(
+            config.vocab_size, config.hidden_size, quant_config=quant_config, prefix="lm_head"))
+        if self.tie_word_embeddings and stage.is_last:
             self.lm_head.tie_weights(self.backbone.embeddings)
 
     def make_layer(self, config: PretrainedConfig, layer_idx: int, quant_config: Optional[QuantizationConfig],
@@ -84,25 +92,29 @@ class Mamba2ForCausalLM(nn.Module):
         return dtype, dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: Optional[dict[str, torch.Tensor]] = None) -> torch.Tensor:
-        del positions, intermediate_tensors  # a state carries the order; no pipeline stages
-        hidden_states, residual = self.backbone.embeddings(input_ids), None
-        for layer in self.backbone.layers:
-            hidden_states, residual = layer(hidden_states, residual)
-        hidden_states, _ = self.backbone.norm_f(hidden_states, residual)
-        return hidden_states
+                intermediate_tensors: Optional[IntermediateTensors] = None) -> torch.Tensor | IntermediateTensors:
+        """input_ids, positions [T] (int64; a state carries the order, positions are unused) ->
+        the final hidden states [T, hidden] on the last stage, the ``IntermediateTensors`` for
+        the next stage on the others (``PipelineStage.outputs``)."""
+        del positions
+        stage = self.stage
+        hidden_states, residual = stage.inputs(intermediate_tensors, lambda: self.backbone.embeddings(input_ids))
+        for i in range(stage.start_layer, stage.end_layer):
+            hidden_states, residual = self.backbone.layers[i](hidden_states, residual)
+        return stage.outputs(hidden_states, residual, self.backbone.norm_f)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits in the model dtype."""
         return self.lm_head.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors into the parameters by name; returns the names loaded.
+        """Copy checkpoint tensors into the parameters by name, skipping those of other pipeline
+        stages' modules; returns the names loaded.
 
         Raises:
             ValueError: for a checkpoint tensor with no matching parameter, or a shape mismatch.
         """
-        return load_llama_weights(self, (
+        return load_llama_weights(self, without_other_stages(self, (
             (name.replace("backbone.embedding.", "backbone.embeddings."), tensor) for name, tensor in weights
             if not (self.tie_word_embeddings and name == "lm_head.weight")
-        ))
+        )))

@@ -35,6 +35,7 @@ from pagedllm.model_executor.models.granitemoehybrid import NoPositionEmbedding
 from pagedllm.model_executor.models.llama import LlamaAttention
 from pagedllm.model_executor.models.llama_moe import LlamaMoEForCausalLM
 from pagedllm.model_executor.models.mamba2 import Mamba2ForCausalLM
+from pagedllm.model_executor.models.pipeline_stage import other_stage_prefixes
 
 
 class NemotronHMLP(nn.Module):
@@ -209,7 +210,7 @@ class NemotronHForCausalLM(Mamba2ForCausalLM):
         loaded: set[str] = set()
 
         def others():
-            for name, tensor in self._route_experts(weights, moe_layers, (), loaded):
+            for name, tensor in self._route_experts(weights, moe_layers, other_stage_prefixes(self), loaded):
                 if ".up_proj." in name and name in params:
                     params[name].weight_loader(params[name], tensor)
                     loaded.add(name)
