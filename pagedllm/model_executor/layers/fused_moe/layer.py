@@ -127,7 +127,7 @@ class FusedMoE(nn.Module):
         super().__init__()
         if activation not in MOE_ACTIVATIONS:
             raise ValueError(f"FusedMoE activation {activation!r} is not built (built: {', '.join(MOE_ACTIVATIONS)}).")
-        self.has_bias = has_bias
+        self.has_bias, self.activation = has_bias, activation
         #: Whether W13 is [gate | up] under a gated activation (vLLM's name); else up alone.
         self.is_act_and_mul = activation in GATED_MOE_ACTIVATIONS
         self.global_num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
