@@ -23,6 +23,8 @@ from pagedllm.platforms import current_platform
 FUSED_ACTIVATIONS = ("silu", "relu2_no_mul")
 #: The expert weight dtypes it reads.
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: Experts packed per call at load.
+_PACK_CHUNK = 8
 
 
 def can_fuse(layer: nn.Module) -> bool:
@@ -41,14 +43,15 @@ def can_fuse(layer: nn.Module) -> bool:
 def pack_for_fused_kernel(layer: nn.Module) -> None:
     """Replace ``layer``'s ``w13_weight`` [E, N13, H] / ``w2_weight`` [E, H, I] by
     ``w13_packed`` [E, ceil(N13 / 16), H, 16] / ``w2_packed`` [E, ceil(H / 16), I, 16]
-    (``cpu_kernels.pack_experts``), expert by expert so that the peak holds one extra expert's
-    matrix, not a second copy of the layer. Call only when ``can_fuse(layer)``."""
+    (``cpu_kernels.pack_experts``), ``_PACK_CHUNK`` experts at a time (one thread per expert)
+    so that the peak holds a few extra experts' matrices, not a second copy of the layer. Call
+    only when ``can_fuse(layer)``."""
     for name in ("w13", "w2"):
         weight = getattr(layer, f"{name}_weight").data
         n, k = weight.shape[1], weight.shape[2]
         packed = torch.empty((weight.shape[0], (n + 15) // 16, k, 16), dtype=weight.dtype)
-        for expert in range(weight.shape[0]):
-            packed[expert] = cpu_kernels.pack_experts(weight[expert : expert + 1])[0]
+        for first in range(0, weight.shape[0], _PACK_CHUNK):
+            packed[first : first + _PACK_CHUNK] = cpu_kernels.pack_experts(weight[first : first + _PACK_CHUNK])
         delattr(layer, f"{name}_weight")
         layer.register_parameter(f"{name}_packed", nn.Parameter(packed, requires_grad=False))
 
