@@ -1,7 +1,7 @@
 """The C++ CPU kernels: paged attention and KV-cache writes, RMSNorm / SwiGLU / rotary
 embedding, greedy argmax, few-row and dequantizing matmuls on packed 16-, 8- and 4-bit
-weights, multi-LoRA updates, fused mixture-of-experts layers, Mamba-2's decode step and the gated delta rule (the ``.cpp`` files beside
-this one).
+weights, multi-LoRA updates, fused mixture-of-experts layers, Mamba-2's decode step and the
+gated delta rule (the ``.cpp`` files beside this one).
 
 Built on first use, never at import, once per instruction-set level (``build``); the level
 is chosen once per process from the CPU or ``PAGEDLLM_CPU_ISA`` (``runtime``). When no level
