@@ -1,6 +1,7 @@
 """``FusedMoE``'s routers against transformers' router modules on random logits, the grouped
 expert compute against transformers' expert loop (and touching only the chosen experts at
-batch 1), expert placement, and the loading of expert tensors (both layouts, clear errors)."""
+batch 1), expert placement, the loading of expert tensors (both layouts, clear errors), and
+the CPU layout each layer gets at load (the fused C++ kernel, or one GEMM plan per matrix)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts, Mixtral
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 
+from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.model_executor.layers import cpu_gemm
+from pagedllm.model_executor.layers.fused_moe import cpu_fused
 from pagedllm.model_executor.layers.fused_moe import FusedMoE, expert_range
 from pagedllm.model_executor.layers.fused_moe.expert_groups import fused_experts, group_by_expert
 from pagedllm.model_executor.layers.fused_moe.router import grouped_topk, select_experts, softmax_topk, topk_softmax
@@ -235,18 +238,53 @@ def test_debug_log_counts_tokens_per_expert(monkeypatch):
 
 
 @cpu_only
-def test_bfloat16_experts_get_one_widening_plan_per_matrix_where_needed():
-    """On a CPU without native bf16 matmuls each expert matrix gets ``linear_w16``; the output
-    stays that of torch's matmul on the stacked weights (to bf16 rounding)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_experts_run_on_the_fused_kernel_where_it_is_built(dtype):
+    """With the C++ kernels, loaded experts are packed for the fused kernel (no stacked or
+    per-expert matrices left); the output is transformers' experts in float64 to one rounding
+    of the output (bf16) or float32 summation error, as close as torch's matmuls on the
+    stacked weights were (which round bf16 intermediates too)."""
+    ref = _reference_experts(num_experts=4)
+    with torch.no_grad():
+        ref.gate_up_proj.copy_(ref.gate_up_proj.to(dtype))
+        ref.down_proj.copy_(ref.down_proj.to(dtype))
+    layer = _loaded_layer(ref, params_dtype=dtype)
+    x = _hidden(6).to(dtype)
+    weights, ids = softmax_topk(torch.randn(TOKENS, 4, generator=torch.Generator().manual_seed(11)), 2, True)
+    with torch.inference_mode():
+        stacked = layer.quant_method.apply(layer, x, weights, ids)
+        fused = cpu_fused.can_fuse(layer)
+        assert fused == cpu_kernels.is_available()
+        layer.quant_method.process_weights_after_loading(layer)
+        layer.quant_method.process_weights_after_loading(layer)  # a second call changes nothing
+        assert hasattr(layer, "w13_packed") == fused and hasattr(layer, "w13_weight") != fused
+        assert not hasattr(layer, "w13_experts")
+        if fused:
+            assert layer.w13_packed.shape == (4, 2, HIDDEN, 16) and layer.w2_packed.shape == (4, 2, 16, 16)
+            assert layer.quant_method.describe_path(layer).startswith("experts: fused C++ kernel")
+        got = layer.quant_method.apply(layer, x, weights, ids)
+        exact = ref.double()(x.double(), ids, weights.double())
+        scale = float(exact.abs().max())
+        tol = torch.finfo(dtype).eps * scale if dtype == torch.bfloat16 else 1e-6 * scale
+        assert float((got.double() - exact).abs().max()) <= tol
+        assert float((got.double() - exact).abs().max()) <= float((stacked.double() - exact).abs().max()) + tol / 2
+
+
+@cpu_only
+def test_clamped_swiglu_bfloat16_experts_get_one_widening_plan_per_matrix_where_needed():
+    """gpt-oss's "swigluoai" is not fused: on a CPU without native bf16 matmuls each expert
+    matrix gets ``linear_w16``; the output stays that of torch's matmul on the stacked weights
+    (to bf16 rounding)."""
     ref = _reference_experts(num_experts=4)
     with torch.no_grad():
         ref.gate_up_proj.copy_(ref.gate_up_proj.bfloat16())
         ref.down_proj.copy_(ref.down_proj.bfloat16())
-    layer = _loaded_layer(ref, params_dtype=torch.bfloat16)
+    layer = _loaded_layer(ref, params_dtype=torch.bfloat16, activation="swigluoai")
     x = _hidden(6).bfloat16()
     weights, ids = softmax_topk(torch.randn(TOKENS, 4, generator=torch.Generator().manual_seed(11)), 2, True)
     with torch.inference_mode():
         stacked = layer.quant_method.apply(layer, x, weights, ids)
+        assert not cpu_fused.can_fuse(layer)
         widen = cpu_gemm.should_widen(layer.w13_weight.data[0])
         layer.quant_method.process_weights_after_loading(layer)
         assert hasattr(layer, "w13_experts") == widen and hasattr(layer, "w13_weight") != widen

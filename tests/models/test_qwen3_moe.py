@@ -1,12 +1,14 @@
 """Qwen3-MoE: greedy token-identical to transformers (float32) under chunked prefill,
 preemption and prefix caching, with q/k norms, renormalised top-k (``norm_topk_prob``) and
-experts on every second layer only (``decoder_sparse_step`` 2); int8 experts."""
+experts on every second layer only (``decoder_sparse_step`` 2), the experts on the fused C++
+kernel where it is built; int8 experts."""
 
 from __future__ import annotations
 
 import pytest
 
 from pagedllm import LLM
+from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.model_executor.layers.fused_moe import FusedMoE
 from pagedllm.model_executor.layers.quantization.grouped import INT8_ACTIVATIONS_ENV
 from tests.helpers import assert_greedy_equals_hf, check_block_accounting, model_runner, rewrite_linear_weights
@@ -25,6 +27,16 @@ def qwen3_moe(checkpoint_factory):
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_greedy_equals_transformers(qwen3_moe, scenario):
     assert_scenario(qwen3_moe, scenario, prompts_for(1024))
+
+
+def test_experts_on_the_fused_kernel_equal_transformers(qwen3_moe):
+    """With the C++ kernels, every expert layer is packed for the fused kernel (one call per
+    layer and step) and greedy output stays token-identical."""
+    llm = LLM(str(qwen3_moe), dtype="float32", kv_cache_memory_bytes=8 << 20)
+    experts = [m for m in model_runner(llm).model.modules() if isinstance(m, FusedMoE)]
+    assert experts and all(hasattr(m, "w13_packed") == cpu_kernels.is_available() for m in experts)
+    assert_greedy_equals_hf(llm, qwen3_moe)
+    check_block_accounting(llm)
 
 
 def test_int8_experts_equal_transformers_on_dequantized_weights(qwen3_moe, tmp_path, monkeypatch):

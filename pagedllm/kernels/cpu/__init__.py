@@ -1,7 +1,7 @@
 """The C++ CPU kernels: paged attention and KV-cache writes, RMSNorm / SwiGLU / rotary
 embedding, greedy argmax, few-row and dequantizing matmuls on packed 16-, 8- and 4-bit
-weights, multi-LoRA updates, Mamba-2's decode step and the gated delta rule (the ``.cpp`` files beside
-this one).
+weights, multi-LoRA updates, fused mixture-of-experts layers, Mamba-2's decode step and the
+gated delta rule (the ``.cpp`` files beside this one).
 
 Built on first use, never at import, once per instruction-set level (``build``); the level
 is chosen once per process from the CPU or ``PAGEDLLM_CPU_ISA`` (``runtime``). When no level
@@ -33,6 +33,8 @@ from pagedllm.kernels.cpu.ops import (
     linear_w4,
     linear_w8g,
     linear_dequant,
+    pack_experts,
+    fused_moe,
     lora_sgmv,
     causal_conv1d_update,
     selective_state_update,
@@ -58,6 +60,7 @@ __all__ = [
     "build_info",
     "causal_conv1d_update",
     "fused_add_rms_norm",
+    "fused_moe",
     "gated_delta_rule_decode",
     "gated_delta_rule_prefill",
     "has_amx",
@@ -71,6 +74,7 @@ __all__ = [
     "linear_w8",
     "linear_w8g",
     "lora_sgmv",
+    "pack_experts",
     "pack_groups",
     "pack_w16",
     "pack_w32",

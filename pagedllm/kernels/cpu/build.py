@@ -28,7 +28,7 @@ logger = logging.getLogger(__package__)  # the package's logger, as every kernel
 
 _KERNEL_VERSION = 7
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / name for name in ("build_info.cpp", "paged_attention.cpp", "paged_attention_portable.cpp", "paged_attention_vec.cpp", "kv_cache_write.cpp", "elementwise.cpp", "sampling.cpp", "packed_linear.cpp", "linear_w16.cpp", "linear_grouped.cpp", "linear_dequant.cpp", "lora.cpp", "mamba_decode.cpp", "gated_delta.cpp")]
+_SOURCES = [_DIR / name for name in ("build_info.cpp", "paged_attention.cpp", "paged_attention_portable.cpp", "paged_attention_vec.cpp", "kv_cache_write.cpp", "elementwise.cpp", "sampling.cpp", "packed_linear.cpp", "linear_w16.cpp", "linear_grouped.cpp", "linear_dequant.cpp", "lora.cpp", "mamba_decode.cpp", "gated_delta.cpp", "fused_moe.cpp")]
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 _AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]

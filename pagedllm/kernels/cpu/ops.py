@@ -396,6 +396,43 @@ def linear_dequant(
     return _ns.linear_dequant(x, weight, scale, zero, bias, n, bits, tile_cols)
 
 
+def pack_experts(weight: torch.Tensor) -> torch.Tensor:
+    """Stacked expert matrices ``weight`` [E, N, K] bfloat16 / float16 / float32 re-laid out
+    for ``fused_moe``: [E, ceil(N / 16), K, 16] of the same dtype, each expert's matrix in
+    ``pack_w16``'s blocks (the last block padded with zeros; see ``fused_moe.cpp``).
+
+    Raises:
+        RuntimeError: unavailable kernels, or a bad shape / dtype.
+    """
+    return _ns.pack_experts(weight)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    token_rows: torch.Tensor,
+    weights: torch.Tensor,
+    counts: list[int],
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    activation: str,
+    w13_bias: Optional[torch.Tensor] = None,
+    w2_bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """A ``FusedMoE`` layer's routed experts in one call (see ``fused_moe.cpp``): x [T, H]
+    float32 / bfloat16 / float16; the (token, choice) pairs sorted by expert as
+    ``ExpertGroups`` holds them (``token_rows`` [P] int64, ``weights`` [P] float32, ``counts``
+    one int per expert summing to P); ``w13`` / ``w2`` ``pack_experts``' output for W13
+    [E, N13, H] and W2 [E, H, I] (one dtype: bfloat16 / float16 / float32); ``activation``
+    "silu" (W13 = [gate | up], N13 = 2 I: silu(gate) * up) or "relu2_no_mul" (W13 = up,
+    N13 = I: relu(up)^2); biases [E, N13] / [E, H] or None. Returns [T, H] in x's dtype: per
+    token the routing-weighted sum of its experts' outputs, float32 products and sums.
+
+    Raises:
+        RuntimeError: unavailable kernels, or bad shapes / dtypes / row indices.
+    """
+    return _ns.fused_moe(x, token_rows, weights, counts, w13, w2, activation, w13_bias, w2_bias)
+
+
 def lora_sgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
               groups: torch.Tensor, output_sizes: list[int]) -> None:
     """Add each token's LoRA update to ``y`` in place, the whole mixed batch in one call

@@ -136,7 +136,7 @@ class FusedMoE(nn.Module):
             raise ValueError(
                 f"{prefix}: apply_router_weight_on_input needs top_k 1 (one expert per token), got {top_k}.")
         self.apply_router_weight_on_input = apply_router_weight_on_input
-        self.has_bias = has_bias
+        self.has_bias, self.activation = has_bias, activation
         #: Whether W13 is [gate | up] under a gated activation (vLLM's name); else up alone.
         self.is_act_and_mul = activation in GATED_MOE_ACTIVATIONS
         self.global_num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size

@@ -6,7 +6,9 @@ A quantized format plugs in as another method: its ``QuantizationConfig.get_quan
 returns it for a ``FusedMoE`` layer (None keeps the unquantized one), it creates parameters
 loaded through the layer's ``weight_loader`` and runs each expert inside
 ``expert_groups.fused_experts``. Once loaded, a method may re-lay the stacked weights out as
-one ``ExpertMatrix`` per expert matrix (``split_experts``), each with its own ``cpu_gemm`` plan.
+one ``ExpertMatrix`` per expert matrix (``split_experts``), each with its own ``cpu_gemm`` plan,
+or, on CPU, in the blocks of the fused C++ kernel that computes every expert in one call
+(``cpu_fused``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from pagedllm.model_executor.layers import cpu_gemm
+from pagedllm.model_executor.layers.fused_moe import cpu_fused
 from pagedllm.model_executor.layers.fused_moe.expert_groups import fused_experts, group_by_expert
 from pagedllm.model_executor.layers.quantization import QuantizeMethodBase
 from pagedllm.model_executor.utils import set_weight_attrs
@@ -122,12 +125,25 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
             layer.register_parameter(name, weight)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """On CPU, 16-bit experts that this machine has no native matmul for get one
+        """On CPU with the C++ kernels, bfloat16 / float16 / float32 experts under "silu" or
+        "relu2_no_mul" are packed for the fused kernel (``cpu_fused.can_fuse``: every expert
+        in one call); other 16-bit experts that this machine has no native matmul for get one
         ``linear_w16`` plan per matrix (``cpu_gemm.plan_unquantized``, no float32 copy: the
-        experts are most of the model); otherwise the stacked weights stay for torch's matmul."""
-        if (current_platform.is_cpu and hasattr(layer, "w13_weight")
+        experts are most of the model); otherwise the stacked weights stay for torch's matmul.
+        A second call changes nothing."""
+        if cpu_fused.can_fuse(layer):
+            cpu_fused.pack_for_fused_kernel(layer)
+        elif (current_platform.is_cpu and hasattr(layer, "w13_weight")
                 and cpu_gemm.should_widen(layer.w13_weight.data[0])):
             split_experts(layer, lambda matrix: setattr(matrix, "gemm_plan", cpu_gemm.plan_unquantized(matrix, False)))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        """As ``FusedMoEMethodBase.apply``; a layer packed for the fused kernel runs it once."""
+        if not hasattr(layer, "w13_packed"):
+            return super().apply(layer, x, topk_weights, topk_ids)
+        groups = group_by_expert(topk_weights, topk_ids, layer.local_num_experts, layer.expert_map)
+        return cpu_fused.fused_kernel_experts(layer, x, groups)
 
     def expert_forward(self, layer: nn.Module, expert: int, rows: torch.Tensor) -> torch.Tensor:
         w13_bias, w2_bias = _expert_biases(layer, expert)
@@ -138,6 +154,8 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
         return _mm(layer.act_fn(gate_up), layer.w2_weight[expert], w2_bias)
 
     def describe_path(self, layer: nn.Module) -> str:
+        if hasattr(layer, "w13_packed"):
+            return cpu_fused.describe(layer)
         if hasattr(layer, "w13_experts"):
             return f"experts: {layer.w13_experts[0].gemm_plan.describe()}" if len(layer.w13_experts) else "experts"
         return f"experts: torch {str(layer.w13_weight.dtype).removeprefix('torch.')} matmul"
