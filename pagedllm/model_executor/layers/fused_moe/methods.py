@@ -26,25 +26,30 @@ from pagedllm.platforms import current_platform
 
 class ExpertMatrix(nn.Module):
     """One expert's matrix W [out, in] and its matmul ``gemm_plan(x [n, in], bias) -> [n, out]``,
-    with the attributes ``cpu_gemm``'s plans and ``store_int8`` read of a linear layer
-    (``weight``, ``weight_fp32``, ``output_size_per_partition``); torch's matmul until prepared."""
+    with the attributes the quantization formats' ``store_*`` functions and ``cpu_gemm``'s plans
+    read of a linear layer (``weight``, ``weight_fp32``, ``output_size_per_partition``,
+    ``input_size_per_partition``, and ``output_partition_sizes``: the rows of each checkpoint
+    matrix it holds, [I, I] for W13's gate and up); torch's matmul until prepared."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, output_partition_sizes: Optional[list[int]] = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.register_buffer("weight_fp32", None, persistent=False)
-        self.output_size_per_partition = weight.shape[0]
+        self.output_size_per_partition, self.input_size_per_partition = weight.shape
+        self.output_partition_sizes = output_partition_sizes or [weight.shape[0]]
         self.gemm_plan = cpu_gemm.TorchGemm(self)
 
 
 def split_experts(layer: nn.Module, prepare: Callable[[ExpertMatrix], None]) -> None:
     """Replace ``layer``'s stacked ``w13_weight`` / ``w2_weight`` by ``w13_experts`` /
-    ``w2_experts``, one ``ExpertMatrix`` per local expert, each passed to ``prepare`` (which
+    ``w2_experts``, one ``ExpertMatrix`` per local expert (W13's ``output_partition_sizes``
+    its gate and up rows, or up alone for an ungated layer), each passed to ``prepare`` (which
     sets its layout and plan); a second call changes nothing."""
     if not hasattr(layer, "w13_weight"):
         return
-    for name in ("w13", "w2"):
-        matrices = nn.ModuleList(ExpertMatrix(w) for w in getattr(layer, f"{name}_weight").data)
+    w13_parts = [layer.intermediate_size_per_partition] * (2 if getattr(layer, "is_act_and_mul", True) else 1)
+    for name, parts in (("w13", w13_parts), ("w2", None)):
+        matrices = nn.ModuleList(ExpertMatrix(w, parts) for w in getattr(layer, f"{name}_weight").data)
         for matrix in matrices:
             prepare(matrix)
         delattr(layer, f"{name}_weight")

@@ -11,6 +11,10 @@
   ``weight_scale_inv`` per block) are dequantized at load, with a warning. Modules listed in
   ``ignored_layers`` / ``modules_to_not_convert`` stay unquantized.
 
+``FusedMoE`` experts under ``--quantization fp8`` (``Fp8FusedMoEMethod``): each expert's gate,
+up and down matrices get their own scale the same way, one plan per matrix (W13, W2); routers
+stay in the model dtype.
+
 On CPU the matmul is ``pagedllm.kernels.cpu.linear_fp8``: one byte per weight streamed and
 widened exactly to float32 in the kernel, the scale applied once per output. The lm_head keeps
 the model dtype.
@@ -26,6 +30,8 @@ from torch import nn
 
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.model_executor.layers import cpu_gemm
+from pagedllm.model_executor.layers.fused_moe import FusedMoE, UnquantizedFusedMoEMethod
+from pagedllm.model_executor.layers.fused_moe.methods import split_experts
 from pagedllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from pagedllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from pagedllm.model_executor.layers.quantization.packed_int import checkpoint_module_names, name_matches
@@ -73,11 +79,22 @@ class Fp8Config(QuantizationConfig):
         return cls(config.get("quant_method") == "fp8", block, ignored)
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
-        if not isinstance(layer, LinearBase):
+        """``Fp8LinearMethod`` for a linear layer, ``Fp8FusedMoEMethod`` for ``FusedMoE`` experts
+        (online only), None for other layers and ignored ones.
+
+        Raises:
+            ValueError: ``FusedMoE`` experts of an FP8 checkpoint (not read yet; names the layer).
+        """
+        if not isinstance(layer, (LinearBase, FusedMoE)):
             return None
         if any(name_matches(name, pattern) for name in checkpoint_module_names(prefix) for pattern in self.ignored):
             return None
-        return Fp8LinearMethod(self, prefix)
+        if isinstance(layer, LinearBase):
+            return Fp8LinearMethod(self, prefix)
+        if self.serialized:
+            raise ValueError(f"fp8: the experts {prefix} of an FP8 checkpoint cannot be read yet; "
+                             "quantize the 16-bit checkpoint at load instead (--quantization fp8).")
+        return Fp8FusedMoEMethod()
 
 
 def store_fp8(layer: nn.Module, weight: torch.Tensor, scale: torch.Tensor) -> None:
@@ -95,6 +112,15 @@ def store_fp8(layer: nn.Module, weight: torch.Tensor, scale: torch.Tensor) -> No
         layer.gemm_plan = cpu_gemm.Scaled8BitGemm(layer.weight, layer.weight_scale, n, cpu_kernels.linear_fp8)
     else:
         layer.gemm_plan = cpu_gemm.DequantizedTorchGemm(layer.weight, layer.weight_scale)
+
+
+def store_fp8_per_part(layer: nn.Module) -> None:
+    """Quantize ``layer.weight`` [out, in] (float) to FP8 with one scale per checkpoint matrix
+    (``quantize_fp8_per_tensor`` on each of ``layer.output_partition_sizes``' row ranges:
+    q / k / v, gate / up) and ``store_fp8`` it."""
+    parts = [quantize_fp8_per_tensor(part) for part in layer.weight.data.split(layer.output_partition_sizes)]
+    scales = [scale.expand(f8.shape[0]) for f8, scale in parts]
+    store_fp8(layer, torch.cat([f8 for f8, _ in parts]), torch.cat(scales))
 
 
 def apply_fp8(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -195,9 +221,7 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
         layer.fp8_processed = True
         weight = layer.weight.data
         if not self.config.serialized:
-            parts = [quantize_fp8_per_tensor(part) for part in weight.split(layer.output_partition_sizes)]
-            scales = [scale.expand(f8.shape[0]) for f8, scale in parts]
-            store_fp8(layer, torch.cat([f8 for f8, _ in parts]), torch.cat(scales))
+            store_fp8_per_part(layer)
             return
         del layer.input_scale
         if self.config.block_size is None:
@@ -220,3 +244,18 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
         if layer.weight.dtype != torch.float8_e4m3fn:
             return "fp8 block-wise, dequantized at load: " + super().describe_path(layer)
         return f"fp8 e4m3 weight-only, per-tensor scales ({fp8_kernel_name(layer)})"
+
+
+class Fp8FusedMoEMethod(UnquantizedFusedMoEMethod):
+    """Loads the experts like the unquantized method, then keeps each expert's W13 [2 x I, H]
+    (one scale for the gate rows, one for the up rows) and W2 [H, I] (one scale) only in FP8
+    form (``store_fp8_per_part`` on each of ``split_experts``' matrices)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Quantize the loaded experts; a second call changes nothing."""
+        split_experts(layer, store_fp8_per_part)
+
+    def describe_path(self, layer: nn.Module) -> str:
+        if not len(layer.w13_experts):
+            return "experts: fp8"
+        return f"experts: fp8 e4m3 weight-only, per-tensor scales ({fp8_kernel_name(layer.w13_experts[0])})"
