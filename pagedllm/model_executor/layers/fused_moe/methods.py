@@ -31,8 +31,11 @@ class ExpertMatrix(nn.Module):
     ``input_size_per_partition``, and ``output_partition_sizes``: the rows of each checkpoint
     matrix it holds, [I, I] for W13's gate and up); torch's matmul until prepared."""
 
-    def __init__(self, weight: torch.Tensor, output_partition_sizes: Optional[list[int]] = None) -> None:
+    def __init__(self, weight: torch.Tensor, output_partition_sizes: Optional[list[int]] = None,
+                 kind: str = "w13") -> None:
         super().__init__()
+        #: Which of the layer's matrices this is: "w13" or "w2".
+        self.kind = kind
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.register_buffer("weight_fp32", None, persistent=False)
         self.output_size_per_partition, self.input_size_per_partition = weight.shape
@@ -40,19 +43,23 @@ class ExpertMatrix(nn.Module):
         self.gemm_plan = cpu_gemm.TorchGemm(self)
 
 
-def split_experts(layer: nn.Module, prepare: Callable[[ExpertMatrix], None]) -> None:
-    """Replace ``layer``'s stacked ``w13_weight`` / ``w2_weight`` by ``w13_experts`` /
-    ``w2_experts``, one ``ExpertMatrix`` per local expert (W13's ``output_partition_sizes``
-    its gate and up rows, or up alone for an ungated layer), each passed to ``prepare`` (which
-    sets its layout and plan); a second call changes nothing."""
-    if not hasattr(layer, "w13_weight"):
+def split_experts(layer: nn.Module, prepare: Callable[..., None], tensors: tuple[str, ...] = ("weight",)) -> None:
+    """Replace ``layer``'s stacked ``w13_<tensor>`` / ``w2_<tensor>`` parameters (``tensors``:
+    the weight first, e.g. ``("qweight", "scales", "qzeros")``; default ``w13_weight`` /
+    ``w2_weight``) by ``w13_experts`` / ``w2_experts``, one ``ExpertMatrix`` per local expert
+    holding the expert's slice of the first (its ``kind`` "w13" or "w2"; W13's
+    ``output_partition_sizes`` its gate and up rows, or up alone for an ungated layer), each passed to ``prepare(matrix, *slices of the
+    other tensors)``, which sets its layout and plan; a second call changes nothing."""
+    if not hasattr(layer, f"w13_{tensors[0]}"):
         return
     w13_parts = [layer.intermediate_size_per_partition] * (2 if getattr(layer, "is_act_and_mul", True) else 1)
     for name, parts in (("w13", w13_parts), ("w2", None)):
-        matrices = nn.ModuleList(ExpertMatrix(w, parts) for w in getattr(layer, f"{name}_weight").data)
-        for matrix in matrices:
-            prepare(matrix)
-        delattr(layer, f"{name}_weight")
+        stacked = [getattr(layer, f"{name}_{tensor}").data for tensor in tensors]
+        matrices = nn.ModuleList(ExpertMatrix(w, parts, name) for w in stacked[0])
+        for expert, matrix in enumerate(matrices):
+            prepare(matrix, *(tensor[expert] for tensor in stacked[1:]))
+        for tensor in tensors:
+            delattr(layer, f"{name}_{tensor}")
         setattr(layer, f"{name}_experts", matrices)
 
 
