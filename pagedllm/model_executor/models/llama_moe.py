@@ -127,7 +127,7 @@ class LlamaMoEForCausalLM(LlamaForCausalLM):
                     f"Checkpoint tensor {name!r} has no matching parameter: the experts of {match['layer']} hold "
                     f"{', '.join(held)} ({type(layer.quant_method).__name__})."
                 )
-            layer.weight_loader(param, tensor, name, shard_id, int(match["expert"]))
+            getattr(param, "weight_loader", layer.weight_loader)(param, tensor, name, shard_id, int(match["expert"]))
         else:
             if proj not in STACKED_EXPERT_TENSORS:
                 raise ValueError(

@@ -209,6 +209,12 @@ class FusedMoE(nn.Module):
             load_weight_part(target, loaded_weight, dim, self.moe_tp_rank, self.moe_tp_size)
         except ValueError as error:
             raise ValueError(f"Checkpoint tensor {weight_name!r}: {error}") from None
+        self.record_loaded(param, shard_id, expert_id)
+
+    def record_loaded(self, param: nn.Parameter, shard_id: str, expert_id: int) -> None:
+        """Note that ``param``'s part for expert ``expert_id``'s matrix ``shard_id`` is loaded
+        (``weight_loader`` does; a method's own loader of a parameter it checks, not copies,
+        calls it for ``missing_weights``)."""
         self._loaded.add((expert_id, self._matrix_part(shard_id, param)))
 
     def load_stacked_experts(self, name: str, loaded_weight: torch.Tensor, kind: str) -> None:

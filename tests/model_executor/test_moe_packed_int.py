@@ -1,0 +1,95 @@
+"""GPTQ and AWQ checkpoints of mixture-of-experts models (per-expert quantized tensors,
+``experts.<e>.w1.qweight`` / ``qzeros`` / ``scales`` (/ ``g_idx``) as AutoGPTQ and AutoAWQ
+write them, the router left in float): every expert matrix runs on the integer kernels the
+linear layers use, and the engine's greedy output equals transformers' on the checkpoint with
+every linear and expert weight replaced by its dequantized value (Mixtral's ``w1`` / ``w2`` /
+``w3`` experts, Qwen3-MoE's ``gate_proj`` / ``up_proj`` / ``down_proj`` beside a dense layer).
+Act-order GPTQ experts and malformed expert tensors are refused at load, named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagedllm import LLM
+from pagedllm.model_executor.layers.fused_moe import FusedMoE
+from pagedllm.model_executor.layers.quantization.grouped import INT8_ACTIVATIONS_ENV
+from tests.helpers import (LINEAR_SUFFIXES, MIXTRAL_EXPERT_SUFFIXES, assert_greedy_equals_hf, check_block_accounting,
+                           model_runner)
+from tests.model_executor.test_moe_quantization import MODELS
+from tests.model_executor.test_packed_int_formats import _write, awq, gptq
+
+#: name -> (checkpoint writer, the expert matrices' weight dtype once loaded: uint8 = grouped
+#: linear_w4 / linear_w8g, int8 = linear_w8 (symmetric, per channel)).
+FORMATS = {
+    "gptq-4bit-g32-sym": (lambda: gptq(4, 32, desc_act=False, sym=True), torch.uint8),
+    "gptq-8bit-channel-sym": (lambda: gptq(8, -1, desc_act=False, sym=True), torch.int8),
+    "awq-4bit-g32": (lambda: awq(32), torch.uint8),
+}
+SUFFIXES = LINEAR_SUFFIXES + MIXTRAL_EXPERT_SUFFIXES
+
+
+@pytest.fixture(autouse=True)
+def float_activations(monkeypatch):
+    monkeypatch.setenv(INT8_ACTIVATIONS_ENV, "0")  # transformers multiplies float32 activations
+
+
+def _checkpoint(checkpoint_factory, model: str):
+    arch, config = MODELS[model]
+    return checkpoint_factory(arch, seed=7, **config)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_quantized_experts_equal_transformers_on_dequantized_weights(checkpoint_factory, tmp_path, model, fmt):
+    writer, weight_dtype = FORMATS[fmt]
+    config, convert = writer()
+    quantized, reference = _write(_checkpoint(checkpoint_factory, model), tmp_path / "q", tmp_path / "ref", config,
+                                  convert, SUFFIXES)  # fmt: skip
+    llm = LLM(str(quantized), dtype="float32", kv_cache_memory_bytes=8 << 20)
+    experts = [m for m in model_runner(llm).model.modules() if isinstance(m, FusedMoE)]
+    matrices = [matrix for m in experts for matrix in (*m.w13_experts, *m.w2_experts)]
+    assert experts and len(matrices) == 2 * 8 * len(experts)
+    assert {matrix.weight.dtype for matrix in matrices} == {weight_dtype}
+    assert_greedy_equals_hf(llm, reference)
+    check_block_accounting(llm)
+
+
+def _rewrite(path, edit) -> None:
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda t: t.pop("model.layers.1.mlp.experts.5.up_proj.scales"),
+         r"lacks expert weights of model\.layers\.1\.mlp\.experts: expert 5 w3 scales"),
+        (lambda t: t.update({"model.layers.1.mlp.experts.2.down_proj.qweight":
+                             t["model.layers.1.mlp.experts.2.down_proj.qweight"][:2]}),
+         r"'model\.layers\.1\.mlp\.experts\.2\.down_proj\.qweight'.*dimension 1 should be 32"),
+        (lambda t: t.update({"model.layers.1.mlp.experts.0.gate_proj.weight": torch.zeros(32, 64)}),
+         r"'model\.layers\.1\.mlp\.experts\.0\.gate_proj\.weight' has no matching parameter: the experts of "
+         r"model\.layers\.1\.mlp\.experts hold g_idx, qweight, qzeros, scales \(GPTQFusedMoEMethod\)"),
+    ],
+    ids=["missing-scales", "wrong-shape", "float-expert"],
+)
+def test_malformed_expert_tensors_are_refused_by_name(checkpoint_factory, tmp_path, edit, message):
+    config, convert = gptq(4, 32, desc_act=False, sym=True)
+    quantized, _ = _write(_checkpoint(checkpoint_factory, "qwen3_moe"), tmp_path / "q", tmp_path / "ref", config,
+                          convert, SUFFIXES)  # fmt: skip
+    _rewrite(quantized, edit)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(quantized), dtype="float32", kv_cache_memory_bytes=8 << 20)
+
+
+def test_act_order_experts_are_refused_by_name(checkpoint_factory, tmp_path):
+    config, convert = gptq(4, 32, desc_act=True, sym=False)
+    quantized, _ = _write(_checkpoint(checkpoint_factory, "mixtral"), tmp_path / "q", tmp_path / "ref", config,
+                          convert, SUFFIXES)  # fmt: skip
+    with pytest.raises(ValueError, match=r"gptq: checkpoint tensor 'model\.layers\.0\.mlp\.experts\.0\.w1\.g_idx': "
+                                         r"act-order \(desc_act\) groups are not supported for experts yet"):
+        LLM(str(quantized), dtype="float32", kv_cache_memory_bytes=8 << 20)
