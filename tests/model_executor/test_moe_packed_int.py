@@ -1,10 +1,12 @@
-"""GPTQ and AWQ checkpoints of mixture-of-experts models (per-expert quantized tensors,
-``experts.<e>.w1.qweight`` / ``qzeros`` / ``scales`` (/ ``g_idx``) as AutoGPTQ and AutoAWQ
-write them, the router left in float): every expert matrix runs on the integer kernels the
+"""GPTQ, AWQ and compressed-tensors (pack-quantized) checkpoints of mixture-of-experts models
+(per-expert quantized tensors, ``experts.<e>.w1.qweight`` / ``qzeros`` / ``scales`` (/
+``g_idx``) as AutoGPTQ and AutoAWQ write them, ``weight_packed`` ... as compressed-tensors
+does, the router left in float): every expert matrix runs on the integer kernels the
 linear layers use, and the engine's greedy output equals transformers' on the checkpoint with
 every linear and expert weight replaced by its dequantized value (Mixtral's ``w1`` / ``w2`` /
 ``w3`` experts, Qwen3-MoE's ``gate_proj`` / ``up_proj`` / ``down_proj`` beside a dense layer).
-Act-order GPTQ experts and malformed expert tensors are refused at load, named."""
+Act-order GPTQ experts and malformed expert tensors (a missing scale, a wrong shape, a float
+expert, a ``weight_shape`` that does not fit) are refused at load, named."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pagedllm.model_executor.layers.quantization.grouped import INT8_ACTIVATIONS
 from tests.helpers import (LINEAR_SUFFIXES, MIXTRAL_EXPERT_SUFFIXES, assert_greedy_equals_hf, check_block_accounting,
                            model_runner)
 from tests.model_executor.test_moe_quantization import MODELS
-from tests.model_executor.test_packed_int_formats import _write, awq, gptq
+from tests.model_executor.test_packed_int_formats import _write, awq, compressed_tensors, gptq
 
 #: name -> (checkpoint writer, the expert matrices' weight dtype once loaded: uint8 = grouped
 #: linear_w4 / linear_w8g, int8 = linear_w8 (symmetric, per channel)).
@@ -26,6 +28,8 @@ FORMATS = {
     "gptq-4bit-g32-sym": (lambda: gptq(4, 32, desc_act=False, sym=True), torch.uint8),
     "gptq-8bit-channel-sym": (lambda: gptq(8, -1, desc_act=False, sym=True), torch.int8),
     "awq-4bit-g32": (lambda: awq(32), torch.uint8),
+    "compressed-tensors-w4a16-g32-asym": (lambda: compressed_tensors(4, "group", sym=False), torch.uint8),
+    "compressed-tensors-w8a16-channel-sym": (lambda: compressed_tensors(8, "channel", sym=True), torch.int8),
 }
 SUFFIXES = LINEAR_SUFFIXES + MIXTRAL_EXPERT_SUFFIXES
 
@@ -78,7 +82,18 @@ def _rewrite(path, edit) -> None:
     ids=["missing-scales", "wrong-shape", "float-expert"],
 )
 def test_malformed_expert_tensors_are_refused_by_name(checkpoint_factory, tmp_path, edit, message):
-    config, convert = gptq(4, 32, desc_act=False, sym=True)
+    _refused(checkpoint_factory, tmp_path, gptq(4, 32, desc_act=False, sym=True), edit, message)
+
+
+def test_a_wrong_compressed_tensors_weight_shape_is_refused_by_name(checkpoint_factory, tmp_path):
+    name = "model.layers.1.mlp.experts.4.down_proj.weight_shape"
+    _refused(checkpoint_factory, tmp_path, compressed_tensors(4, "group", sym=True),
+             lambda t: t.update({name: torch.tensor([64, 64])}),
+             rf"compressed-tensors: checkpoint tensor '{name}': weight_shape \[64, 64\]; the experts' matrix is \[64, 32\]")
+
+
+def _refused(checkpoint_factory, tmp_path, writer, edit, message) -> None:
+    config, convert = writer
     quantized, _ = _write(_checkpoint(checkpoint_factory, "qwen3_moe"), tmp_path / "q", tmp_path / "ref", config,
                           convert, SUFFIXES)  # fmt: skip
     _rewrite(quantized, edit)

@@ -16,7 +16,7 @@ row of x gathered alike at run time). The lm_head stays unquantized, as GPTQ lea
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -127,29 +127,14 @@ class GPTQFusedMoEMethod(PackedIntFusedMoEMethod):
         super().create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                                **extra_weight_attrs)  # fmt: skip
         inputs = {"w13": hidden_size, "w2": intermediate_size_per_partition * layer.moe_tp_size}
-        for matrix, size in inputs.items():
-            param = nn.Parameter(torch.empty(0, dtype=torch.int32), requires_grad=False)
-            param.weight_loader = self._g_idx_loader(layer, size)
-            layer.register_parameter(f"{matrix}_g_idx", param)
 
-    def _g_idx_loader(self, layer: nn.Module, num_inputs: int) -> Callable[..., None]:
-        group = num_inputs if self.group_size == -1 else self.group_size
-        expected = (torch.arange(num_inputs) // group).to(torch.int32)
+        def check(g_idx: torch.Tensor, shard_id: str, matrix: str) -> Optional[str]:
+            size = inputs[matrix]
+            expected = torch.arange(size) // (size if self.group_size == -1 else self.group_size)
+            if torch.equal(g_idx.reshape(-1).long(), expected):
+                return None
+            return (f"act-order (desc_act) groups are not supported for experts yet; expected {size} inputs in "
+                    "their groups' order.")
 
-        def load(param: nn.Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id: str,
-                 expert_id: int) -> None:
-            if not torch.equal(loaded_weight.to(torch.int32).reshape(-1), expected):
-                raise ValueError(
-                    f"gptq: checkpoint tensor {weight_name!r}: act-order (desc_act) groups are not supported for "
-                    f"experts yet; expected {num_inputs} inputs in their groups' order."
-                )
-            if layer.local_expert(expert_id) is not None:
-                layer.record_loaded(param, shard_id, expert_id)
-
-        return load
-
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        for matrix in ("w13", "w2"):
-            if hasattr(layer, f"{matrix}_g_idx"):
-                delattr(layer, f"{matrix}_g_idx")
-        super().process_weights_after_loading(layer)
+        for matrix in inputs:
+            self.register_checked(layer, f"{matrix}_g_idx", check)

@@ -233,16 +233,20 @@ Layout = tuple[int, int]
 
 class PackedIntFusedMoEMethod(UnquantizedFusedMoEMethod):
     """``FusedMoE`` experts whose checkpoint holds integer weights, per expert matrix in the
-    canonical layout (see the module docstring): ``w13_qweight`` [E, 2 x I, H] uint8,
-    ``w13_scales`` / ``w13_qzeros`` [E, 2 x I, H / group] float32 ([gate | up] rows; up alone
-    when ungated), ``w2_qweight`` [E, H, I], ``w2_scales`` / ``w2_qzeros`` [E, H, I / group],
-    each loaded through the layer's ``weight_loader`` after ``convert``. Once loaded, every
-    expert matrix goes to its kernel as a linear layer's would (``store_canonical`` on
-    ``split_experts``' matrices). Subclasses name the format and convert its tensors.
+    canonical layout (see the module docstring), as parameters named by the format's tensors
+    (``names``: canonical role -> checkpoint name): ``w13_<qweight>`` [E, 2 x I, H] uint8,
+    ``w13_<scales>`` / ``w13_<qzeros>`` [E, 2 x I, H / group] float32 ([gate | up] rows; up
+    alone when ungated), ``w2_<...>`` [E, H, I] / [E, H, I / group], each loaded through the
+    layer's ``weight_loader`` after ``convert``; no zero points when ``symmetric`` (2^(bits -
+    1)). A format's tensors that are only checked (GPTQ's ``g_idx``) are empty parameters with
+    their own loader (``register_checked``). Once loaded, every expert matrix goes to its
+    kernel as a linear layer's would (``store_canonical`` on ``split_experts``' matrices).
+    Subclasses name the format and convert its tensors.
 
     Args:
         prefix: the layer's name (for errors).
-        w13_layout, w2_layout: (bits 4 or 8, inputs per group) of W13 and of W2.
+        w13_layout, w2_layout: (bits 4 or 8, inputs per group; -1 one per row) of W13 and W2.
+        symmetric: the checkpoint has no zero points.
 
     Raises (``create_weights``):
         ValueError: H or I not whole groups (names the layer).
@@ -250,11 +254,12 @@ class PackedIntFusedMoEMethod(UnquantizedFusedMoEMethod):
 
     supports_bias = False
     format_name = "packed-int"
-    tensors = ("qweight", "scales", "qzeros")
+    names = {"qweight": "qweight", "scales": "scales", "qzeros": "qzeros"}
 
-    def __init__(self, prefix: str, w13_layout: Layout, w2_layout: Layout) -> None:
+    def __init__(self, prefix: str, w13_layout: Layout, w2_layout: Layout, symmetric: bool = False) -> None:
         self.prefix = prefix
         self.layouts = {"w13": w13_layout, "w2": w2_layout}
+        self.roles = ("qweight", "scales") if symmetric else ("qweight", "scales", "qzeros")
 
     def convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint tensor of one expert matrix (its canonical role ``name``: qweight,
@@ -274,30 +279,61 @@ class PackedIntFusedMoEMethod(UnquantizedFusedMoEMethod):
             if inputs % group:
                 raise ValueError(f"{self.format_name}: the experts {self.prefix} have {matrix.upper()} matrices of "
                                  f"{inputs} inputs, not a multiple of the group size {group}.")
-            for tensor in self.tensors:
-                shape = (num_experts, rows, inputs if tensor == "qweight" else inputs // group)
-                dtype = torch.uint8 if tensor == "qweight" else torch.float32
+            for role in self.roles:
+                shape = (num_experts, rows, inputs if role == "qweight" else inputs // group)
+                dtype = torch.uint8 if role == "qweight" else torch.float32
                 param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-                set_weight_attrs(param, {**extra_weight_attrs, "weight_loader": self._loader(tensor, layer_loader)})
-                layer.register_parameter(f"{matrix}_{tensor}", param)
+                set_weight_attrs(param, {**extra_weight_attrs, "weight_loader": self._loader(role, layer_loader)})
+                layer.register_parameter(f"{matrix}_{self.names[role]}", param)
 
-    def _loader(self, tensor: str, layer_loader: Callable[..., None]) -> Callable[..., None]:
+    def _loader(self, role: str, layer_loader: Callable[..., None]) -> Callable[..., None]:
         def load(param: nn.Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id: str,
                  expert_id: int) -> None:
             try:
-                converted = self.convert(tensor, loaded_weight)
+                converted = self.convert(role, loaded_weight)
             except ValueError as exc:
                 raise ValueError(f"{self.format_name}: checkpoint tensor {weight_name!r}: {exc}") from None
             layer_loader(param, converted, weight_name, shard_id, expert_id)
 
         return load
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Hand each expert matrix to its kernel; a second call changes nothing."""
-        def prepare(matrix: nn.Module, scale: torch.Tensor, zero: torch.Tensor) -> None:
-            store_canonical(matrix, matrix.weight.data, scale, zero, self.layouts[matrix.kind][0])
+    def register_checked(self, layer: nn.Module, name: str,
+                         check: Callable[[torch.Tensor, str, str], Optional[str]]) -> None:
+        """Register the empty parameter ``name`` (``w13_g_idx`` ...) for a checkpoint tensor
+        that is read and checked, not kept: ``check(tensor, shard id, matrix)`` returns what is
+        wrong with it, or None; the parameter counts as loaded per expert matrix
+        (``FusedMoE.record_loaded``) and is dropped after loading.
 
-        split_experts(layer, prepare, self.tensors)
+        Raises (when loading):
+            ValueError: what ``check`` found (names the tensor).
+        """
+        matrix = name.split("_", 1)[0]
+
+        def load(param: nn.Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id: str,
+                 expert_id: int) -> None:
+            problem = check(loaded_weight, shard_id, matrix)
+            if problem is not None:
+                raise ValueError(f"{self.format_name}: checkpoint tensor {weight_name!r}: {problem}")
+            if layer.local_expert(expert_id) is not None:
+                layer.record_loaded(param, shard_id, expert_id)
+
+        param = nn.Parameter(torch.empty(0, dtype=torch.int32), requires_grad=False)
+        param.weight_loader = load
+        layer.register_parameter(name, param)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Hand each expert matrix to its kernel, dropping the checked-only parameters; a
+        second call changes nothing."""
+        for name, param in list(layer.named_parameters(recurse=False)):
+            if param.numel() == 0 and name.startswith(("w13_", "w2_")):
+                delattr(layer, name)
+
+        def prepare(matrix: nn.Module, scale: torch.Tensor, zero: Optional[torch.Tensor] = None) -> None:
+            bits = self.layouts[matrix.kind][0]
+            zero = torch.full_like(scale, 2 ** (bits - 1)) if zero is None else zero
+            store_canonical(matrix, matrix.weight.data, scale, zero, bits)
+
+        split_experts(layer, prepare, tuple(self.names[role] for role in self.roles))
 
     def describe_path(self, layer: nn.Module) -> str:
         if not len(layer.w13_experts):
