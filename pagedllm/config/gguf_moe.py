@@ -42,6 +42,7 @@ def complete_moe_config(hf_config: PretrainedConfig, path: Path) -> PretrainedCo
         return hf_config
     from transformers import MixtralConfig
 
-    settings = {k: v for k, v in hf_config.to_dict().items() if k not in ("model_type", "architectures", "transformers_version")}
+    dropped = ("model_type", "architectures", "transformers_version")
+    settings = {k: v for k, v in hf_config.to_dict().items() if k not in dropped}
     settings.update(num_local_experts=num_experts, num_experts_per_tok=int(fields[f"{arch}.expert_used_count"]))
     return MixtralConfig(**settings, architectures=["MixtralForCausalLM"])

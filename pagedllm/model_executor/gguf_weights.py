@@ -185,7 +185,8 @@ def _expert_tensors(tensor, match: re.Match, model_type: str,
 
     shape = tuple(reversed([int(d) for d in tensor.shape]))  # GGUF lists dimensions innermost first
     if len(shape) != 3:
-        raise ValueError(f"GGUF expert tensor {tensor.name!r} has shape {list(shape)}; expected [experts, rows, inputs].")
+        raise ValueError(f"GGUF expert tensor {tensor.name!r} has shape {list(shape)}; "
+                         "expected [experts, rows, inputs].")
     num_experts, rows, num_inputs = shape
     proj = _EXPERT_PROJECTIONS.get(model_type, _STACKED_EXPERTS)[match["shard"]]
     raw = np.asarray(tensor.data)

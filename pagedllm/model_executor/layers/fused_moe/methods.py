@@ -48,8 +48,9 @@ def split_experts(layer: nn.Module, prepare: Callable[..., None], tensors: tuple
     the weight first, e.g. ``("qweight", "scales", "qzeros")``; default ``w13_weight`` /
     ``w2_weight``) by ``w13_experts`` / ``w2_experts``, one ``ExpertMatrix`` per local expert
     holding the expert's slice of the first (its ``kind`` "w13" or "w2"; W13's
-    ``output_partition_sizes`` its gate and up rows, or up alone for an ungated layer), each passed to ``prepare(matrix, *slices of the
-    other tensors)``, which sets its layout and plan; a second call changes nothing."""
+    ``output_partition_sizes`` its gate and up rows, or up alone for an ungated layer), each
+    passed to ``prepare(matrix, *the expert's slices of the other tensors)``, which sets its
+    layout and plan; a second call changes nothing."""
     if not hasattr(layer, f"w13_{tensors[0]}"):
         return
     w13_parts = [layer.intermediate_size_per_partition] * (2 if getattr(layer, "is_act_and_mul", True) else 1)
