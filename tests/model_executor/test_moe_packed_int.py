@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 from pagedllm import LLM
 from pagedllm.model_executor.layers.fused_moe import FusedMoE
 from pagedllm.model_executor.layers.quantization.grouped import INT8_ACTIVATIONS_ENV
-from tests.helpers import (LINEAR_SUFFIXES, MIXTRAL_EXPERT_SUFFIXES, assert_greedy_equals_hf, check_block_accounting,
-                           model_runner)
+from tests.helpers import (LINEAR_SUFFIXES, MIXTRAL_EXPERT_SUFFIXES, assert_greedy_equals_hf, can_host_workers,
+                           check_block_accounting, model_runner)
 from tests.model_executor.test_moe_quantization import MODELS
 from tests.model_executor.test_packed_int_formats import _write, awq, compressed_tensors, gptq
 
@@ -108,3 +108,22 @@ def test_act_order_experts_are_refused_by_name(checkpoint_factory, tmp_path):
     with pytest.raises(ValueError, match=r"gptq: checkpoint tensor 'model\.layers\.0\.mlp\.experts\.0\.w1\.g_idx': "
                                          r"act-order \(desc_act\) groups are not supported for experts yet"):
         LLM(str(quantized), dtype="float32", kv_cache_memory_bytes=8 << 20)
+
+
+@pytest.mark.skipif(not can_host_workers(2), reason="needs 2 cores (CPU) or 2 GPUs (CUDA)")
+@pytest.mark.parametrize("enable_expert_parallel", [False, True], ids=["tp", "ep"])
+def test_gptq_experts_over_two_workers(checkpoint_factory, tmp_path, enable_expert_parallel):
+    """``-tp 2``: each worker loads its half of every expert's intermediate columns (W13's rows,
+    W2's packed inputs with their scale and zero-point groups); with expert parallelism, its
+    whole experts. Greedy equal to transformers on the dequantized weights either way."""
+    arch, config = MODELS["qwen3_moe"]
+    checkpoint = checkpoint_factory(arch, seed=7, **{**config, "moe_intermediate_size": 64})
+    gptq_config, convert = gptq(4, 32, desc_act=False, sym=False)
+    quantized, reference = _write(checkpoint, tmp_path / "q", tmp_path / "ref", gptq_config, convert, SUFFIXES)
+    llm = LLM(str(quantized), dtype="float32", tensor_parallel_size=2, enable_expert_parallel=enable_expert_parallel,
+              kv_cache_memory_bytes=8 << 20)
+    try:
+        assert_greedy_equals_hf(llm, reference)
+        check_block_accounting(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
