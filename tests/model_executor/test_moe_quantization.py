@@ -3,7 +3,8 @@ is quantized as the linear layers are (int4: groups of 32 inputs, one float16 sc
 fp8: one scale per checkpoint matrix, gate / up / down), the router kept in the model dtype.
 The engine's greedy output equals transformers' on the checkpoint with every linear and
 expert weight replaced by its dequantized value (Mixtral's ``w1`` / ``w2`` / ``w3`` experts,
-Qwen3-MoE's ``gate_proj`` / ``up_proj`` / ``down_proj`` ones beside a dense layer)."""
+Qwen3-MoE's ``gate_proj`` / ``up_proj`` / ``down_proj`` ones beside a dense layer). Per-tensor
+FP8 checkpoints' experts are read as they are; block-wise ones are refused, named."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pagedllm.model_executor.layers.quantization.fp8 import Fp8Config
 from pagedllm.model_executor.layers.quantization.grouped import INT8_ACTIVATIONS_ENV
 from tests.helpers import (LINEAR_SUFFIXES, MIXTRAL_EXPERT_SUFFIXES, assert_greedy_equals_hf, check_block_accounting,
                            model_runner, rewrite_linear_weights)
-from tests.model_executor.test_fp8 import _fp8_round_trip
+from tests.model_executor.test_fp8 import _fp8_round_trip, _write_fp8_checkpoint
 from tests.model_executor.test_int4 import _int4_round_trip
 
 MODELS = {
@@ -63,8 +64,22 @@ def test_quantized_experts_equal_transformers_on_dequantized_weights(checkpoint_
     check_block_accounting(llm)
 
 
-def test_experts_of_an_fp8_checkpoint_are_refused_by_name():
-    config = Fp8Config.from_config({"quant_method": "fp8"})
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_fp8_checkpoint_experts_equal_transformers_on_dequantized_weights(checkpoint_factory, tmp_path, model):
+    """A per-tensor FP8 checkpoint (``weight`` float8 and a scalar ``weight_scale`` per expert
+    matrix, an unused ``input_scale``): the experts run on the FP8 kernel as they are."""
+    arch, config = MODELS[model]
+    _write_fp8_checkpoint(checkpoint_factory(arch, seed=7, **config), tmp_path / "fp8", tmp_path / "reference", None,
+                          LINEAR_SUFFIXES + MIXTRAL_EXPERT_SUFFIXES)  # fmt: skip
+    llm = LLM(str(tmp_path / "fp8"), dtype="float32", kv_cache_memory_bytes=8 << 20)
+    matrices = [matrix for m in _experts(llm) for matrix in (*m.w13_experts, *m.w2_experts)]
+    assert matrices and {matrix.weight.dtype for matrix in matrices} == {torch.float8_e4m3fn}
+    assert_greedy_equals_hf(llm, tmp_path / "reference")
+    check_block_accounting(llm)
+
+
+def test_experts_of_a_block_wise_fp8_checkpoint_are_refused_by_name():
+    config = Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [128, 128]})
     layer = FusedMoE(num_experts=4, top_k=2, hidden_size=64, intermediate_size=32)
-    with pytest.raises(ValueError, match=r"fp8: the experts model.layers.0.mlp.experts of an FP8 checkpoint"):
+    with pytest.raises(ValueError, match=r"fp8: the experts model.layers.0.mlp.experts have block-wise scales"):
         config.get_quant_method(layer, "model.layers.0.mlp.experts")

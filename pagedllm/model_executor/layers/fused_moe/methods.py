@@ -64,6 +64,38 @@ def split_experts(layer: nn.Module, prepare: Callable[..., None], tensors: tuple
         setattr(layer, f"{name}_experts", matrices)
 
 
+def register_checked(layer: nn.Module, name: str, check: Callable[[torch.Tensor, str, str], Optional[str]],
+                     format_name: str) -> None:
+    """Register on ``layer`` (a ``FusedMoE``) the empty parameter ``name`` (``w13_g_idx`` ...)
+    for a per-expert checkpoint tensor that is read and checked, not kept: ``check(tensor,
+    shard id, matrix "w13" / "w2")`` returns what is wrong with it, or None; the parameter
+    counts as loaded per expert matrix (``FusedMoE.record_loaded``) and ``drop_checked``
+    removes it after loading.
+
+    Raises (when loading):
+        ValueError: what ``check`` found (names ``format_name`` and the tensor).
+    """
+    matrix = name.split("_", 1)[0]
+
+    def load(param: nn.Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id: str, expert_id: int) -> None:
+        problem = check(loaded_weight, shard_id, matrix)
+        if problem is not None:
+            raise ValueError(f"{format_name}: checkpoint tensor {weight_name!r}: {problem}")
+        if layer.local_expert(expert_id) is not None:
+            layer.record_loaded(param, shard_id, expert_id)
+
+    param = nn.Parameter(torch.empty(0, dtype=torch.int32), requires_grad=False)
+    param.weight_loader = load
+    layer.register_parameter(name, param)
+
+
+def drop_checked(layer: nn.Module) -> None:
+    """Remove ``layer``'s ``register_checked`` parameters (empty ``w13_*`` / ``w2_*``)."""
+    for name, param in list(layer.named_parameters(recurse=False)):
+        if param.numel() == 0 and name.startswith(("w13_", "w2_")):
+            delattr(layer, name)
+
+
 def _expert_biases(layer: nn.Module, expert: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Local expert ``expert``'s W13 bias [2 x I] and W2 bias [H] (None without biases; W2's
     None on tensor-parallel ranks other than 0, whose partial sums add to rank 0's)."""

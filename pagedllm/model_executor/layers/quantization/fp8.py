@@ -13,7 +13,9 @@
 
 ``FusedMoE`` experts under ``--quantization fp8`` (``Fp8FusedMoEMethod``): each expert's gate,
 up and down matrices get their own scale the same way, one plan per matrix (W13, W2); routers
-stay in the model dtype.
+stay in the model dtype. A per-tensor FP8 checkpoint's experts (``experts.<e>.w1.weight`` /
+``weight_scale`` ...) are read as they are (``Fp8CheckpointFusedMoEMethod``); block-wise ones
+are refused at load, for now.
 
 On CPU the matmul is ``pagedllm.kernels.cpu.linear_fp8``: one byte per weight streamed and
 widened exactly to float32 in the kernel, the scale applied once per output. The lm_head keeps
@@ -31,7 +33,7 @@ from torch import nn
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.model_executor.layers import cpu_gemm
 from pagedllm.model_executor.layers.fused_moe import FusedMoE, UnquantizedFusedMoEMethod
-from pagedllm.model_executor.layers.fused_moe.methods import split_experts
+from pagedllm.model_executor.layers.fused_moe.methods import drop_checked, register_checked, split_experts
 from pagedllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from pagedllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from pagedllm.model_executor.layers.quantization.packed_int import checkpoint_module_names, name_matches
@@ -80,10 +82,11 @@ class Fp8Config(QuantizationConfig):
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
         """``Fp8LinearMethod`` for a linear layer, ``Fp8FusedMoEMethod`` for ``FusedMoE`` experts
-        (online only), None for other layers and ignored ones.
+        (``Fp8CheckpointFusedMoEMethod`` for a per-tensor checkpoint's), None for other layers
+        and ignored ones.
 
         Raises:
-            ValueError: ``FusedMoE`` experts of an FP8 checkpoint (not read yet; names the layer).
+            ValueError: ``FusedMoE`` experts of a block-wise FP8 checkpoint (not read yet; names the layer).
         """
         if not isinstance(layer, (LinearBase, FusedMoE)):
             return None
@@ -91,10 +94,10 @@ class Fp8Config(QuantizationConfig):
             return None
         if isinstance(layer, LinearBase):
             return Fp8LinearMethod(self, prefix)
-        if self.serialized:
-            raise ValueError(f"fp8: the experts {prefix} of an FP8 checkpoint cannot be read yet; "
-                             "quantize the 16-bit checkpoint at load instead (--quantization fp8).")
-        return Fp8FusedMoEMethod()
+        if self.serialized and self.block_size is not None:
+            raise ValueError(f"fp8: the experts {prefix} have block-wise scales (weight_block_size), which cannot "
+                             "be read for experts yet; per-tensor FP8 checkpoints can.")
+        return Fp8CheckpointFusedMoEMethod() if self.serialized else Fp8FusedMoEMethod()
 
 
 def store_fp8(layer: nn.Module, weight: torch.Tensor, scale: torch.Tensor) -> None:
@@ -254,6 +257,52 @@ class Fp8FusedMoEMethod(UnquantizedFusedMoEMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Quantize the loaded experts; a second call changes nothing."""
         split_experts(layer, store_fp8_per_part)
+
+    def describe_path(self, layer: nn.Module) -> str:
+        if not len(layer.w13_experts):
+            return "experts: fp8"
+        return f"experts: fp8 e4m3 weight-only, per-tensor scales ({fp8_kernel_name(layer.w13_experts[0])})"
+
+
+class Fp8CheckpointFusedMoEMethod(UnquantizedFusedMoEMethod):
+    """``FusedMoE`` experts of a per-tensor FP8 checkpoint: per expert matrix ``weight``
+    float8_e4m3fn and a scalar ``weight_scale`` (``input_scale`` read and not used), held as
+    ``w13_weight`` [E, 2 x I, H] / ``w2_weight`` [E, H, I] float8 and ``w13_weight_scale``
+    [E, 2 x I] / ``w2_weight_scale`` [E, H] float32 (each matrix's scalar over its rows), then
+    one ``store_fp8`` plan per expert matrix.
+
+    Raises (when loading):
+        ValueError: a ``weight_scale`` of more than one value (names the tensor).
+    """
+
+    def create_weights(
+        self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+        params_dtype: torch.dtype, **extra_weight_attrs: Any,
+    ) -> None:
+        super().create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, torch.float8_e4m3fn,
+                               **extra_weight_attrs)  # fmt: skip
+        loader: Callable[..., None] = extra_weight_attrs["weight_loader"]
+        rows = {"w1": intermediate_size_per_partition * layer.moe_tp_size, "w2": hidden_size}
+        rows["w3"] = rows["w1"]
+
+        def load_scale(param: nn.Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id: str,
+                       expert_id: int) -> None:
+            if loaded_weight.numel() != 1:
+                raise ValueError(f"fp8: checkpoint tensor {weight_name!r} has {loaded_weight.numel()} values; experts "
+                                 "are read with one scale per tensor.")
+            loader(param, loaded_weight.float().reshape(1).expand(rows[shard_id]), weight_name, shard_id, expert_id)
+
+        for matrix, shape in (("w13", layer.w13_weight.shape[:2]), ("w2", layer.w2_weight.shape[:2])):
+            param = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
+            set_weight_attrs(param, {"weight_loader": load_scale})
+            layer.register_parameter(f"{matrix}_weight_scale", param)
+            register_checked(layer, f"{matrix}_input_scale", lambda *_: None, "fp8")
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Hand each expert matrix to ``linear_fp8``; a second call changes nothing."""
+        drop_checked(layer)
+        split_experts(layer, lambda matrix, scale: store_fp8(matrix, matrix.weight.data, scale),
+                      ("weight", "weight_scale"))
 
     def describe_path(self, layer: nn.Module) -> str:
         if not len(layer.w13_experts):

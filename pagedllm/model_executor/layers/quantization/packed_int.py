@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from pagedllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
-from pagedllm.model_executor.layers.fused_moe.methods import split_experts
+from pagedllm.model_executor.layers.fused_moe.methods import drop_checked, register_checked, split_experts
 from pagedllm.model_executor.layers.linear import LinearMethodBase
 from pagedllm.model_executor.layers.quantization.grouped import apply_grouped, describe_grouped, store_grouped
 from pagedllm.model_executor.layers.quantization.int8 import apply_int8, describe_int8, store_int8
@@ -239,8 +239,8 @@ class PackedIntFusedMoEMethod(UnquantizedFusedMoEMethod):
     alone when ungated), ``w2_<...>`` [E, H, I] / [E, H, I / group], each loaded through the
     layer's ``weight_loader`` after ``convert``; no zero points when ``symmetric`` (2^(bits -
     1)). A format's tensors that are only checked (GPTQ's ``g_idx``) are empty parameters with
-    their own loader (``register_checked``). Once loaded, every expert matrix goes to its
-    kernel as a linear layer's would (``store_canonical`` on ``split_experts``' matrices).
+    their own loader (``fused_moe.methods.register_checked``). Once loaded, every expert
+    matrix goes to its kernel as a linear layer's would (``store_canonical`` on ``split_experts``' matrices).
     Subclasses name the format and convert its tensors.
 
     Args:
@@ -299,34 +299,13 @@ class PackedIntFusedMoEMethod(UnquantizedFusedMoEMethod):
 
     def register_checked(self, layer: nn.Module, name: str,
                          check: Callable[[torch.Tensor, str, str], Optional[str]]) -> None:
-        """Register the empty parameter ``name`` (``w13_g_idx`` ...) for a checkpoint tensor
-        that is read and checked, not kept: ``check(tensor, shard id, matrix)`` returns what is
-        wrong with it, or None; the parameter counts as loaded per expert matrix
-        (``FusedMoE.record_loaded``) and is dropped after loading.
-
-        Raises (when loading):
-            ValueError: what ``check`` found (names the tensor).
-        """
-        matrix = name.split("_", 1)[0]
-
-        def load(param: nn.Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id: str,
-                 expert_id: int) -> None:
-            problem = check(loaded_weight, shard_id, matrix)
-            if problem is not None:
-                raise ValueError(f"{self.format_name}: checkpoint tensor {weight_name!r}: {problem}")
-            if layer.local_expert(expert_id) is not None:
-                layer.record_loaded(param, shard_id, expert_id)
-
-        param = nn.Parameter(torch.empty(0, dtype=torch.int32), requires_grad=False)
-        param.weight_loader = load
-        layer.register_parameter(name, param)
+        """``fused_moe.methods.register_checked`` in this format's name."""
+        register_checked(layer, name, check, self.format_name)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Hand each expert matrix to its kernel, dropping the checked-only parameters; a
         second call changes nothing."""
-        for name, param in list(layer.named_parameters(recurse=False)):
-            if param.numel() == 0 and name.startswith(("w13_", "w2_")):
-                delattr(layer, name)
+        drop_checked(layer)
 
         def prepare(matrix: nn.Module, scale: torch.Tensor, zero: Optional[torch.Tensor] = None) -> None:
             bits = self.layouts[matrix.kind][0]
