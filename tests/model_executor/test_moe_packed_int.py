@@ -89,7 +89,8 @@ def test_a_wrong_compressed_tensors_weight_shape_is_refused_by_name(checkpoint_f
     name = "model.layers.1.mlp.experts.4.down_proj.weight_shape"
     _refused(checkpoint_factory, tmp_path, compressed_tensors(4, "group", sym=True),
              lambda t: t.update({name: torch.tensor([64, 64])}),
-             rf"compressed-tensors: checkpoint tensor '{name}': weight_shape \[64, 64\]; the experts' matrix is \[64, 32\]")
+             rf"compressed-tensors: checkpoint tensor '{name}': weight_shape \[64, 64\]; "
+             r"the experts' matrix is \[64, 32\]")
 
 
 def _refused(checkpoint_factory, tmp_path, writer, edit, message) -> None:

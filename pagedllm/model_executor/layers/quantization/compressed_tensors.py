@@ -213,8 +213,10 @@ class CompressedTensorsFusedMoEMethod(PackedIntFusedMoEMethod):
             return unpack_int32(tensor, self.bits, dim=0).float()
         return tensor.float()
 
-    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
-                       intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
+    def create_weights(
+        self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+        params_dtype: torch.dtype, **extra_weight_attrs: Any,
+    ) -> None:
         super().create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                                **extra_weight_attrs)  # fmt: skip
         inter = intermediate_size_per_partition * layer.moe_tp_size

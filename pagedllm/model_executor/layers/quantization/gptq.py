@@ -122,8 +122,10 @@ class GPTQFusedMoEMethod(PackedIntFusedMoEMethod):
     def convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         return convert_gptq(name, tensor, self.bits, self.zero_offset)
 
-    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
-                       intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
+    def create_weights(
+        self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+        params_dtype: torch.dtype, **extra_weight_attrs: Any,
+    ) -> None:
         super().create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                                **extra_weight_attrs)  # fmt: skip
         inputs = {"w13": hidden_size, "w2": intermediate_size_per_partition * layer.moe_tp_size}
