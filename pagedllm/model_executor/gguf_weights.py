@@ -20,8 +20,8 @@ rotary halves; see ``unpermute_rows``). Per tensor type:
 - any other type (Q2_K, Q3_K, IQ ..., TQ ...), and embeddings / norms / the lm_head: dequantized
   at load by ``gguf`` to float32 (a warning names the types that have no kernel yet).
 
-Mixture-of-experts files (Mixtral, written as "llama" with experts; Qwen3-MoE): the router
-``ffn_gate_inp`` is a float tensor; each stacked expert tensor ``ffn_{gate,up,down}_exps``
+Mixture-of-experts files (Mixtral, written as "llama" with experts; Qwen2-MoE, its shared
+expert ``ffn_*_shexp`` a dense MLP; Qwen3-MoE): the router ``ffn_gate_inp`` is a float tensor; each stacked expert tensor ``ffn_{gate,up,down}_exps``
 [E, rows, inputs] is yielded per expert under the checkpoint's names
 (``model.layers.N.mlp.experts.<e>.<projection>.<qweight|scales|qzeros>`` for a kernel type
 whose ``FusedMoE`` took the GGUF method, else ``.weight`` dequantized).
@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 #: GGUF ``general.architecture`` -> the ``gguf`` package's architecture name; only these load.
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                      "qwen3_moe": "qwen3moe"}
+                      "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 
 #: The ggml types the kernels run, by name -> (bits of the kernel's storage, inputs per group).
 KERNEL_TYPES = {
@@ -59,7 +59,8 @@ _BLOCK = 32  # inputs per Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 block
 _LAYER_MODULES = (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
     "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-    "input_layernorm", "post_attention_layernorm", "mlp.gate",
+    "input_layernorm", "post_attention_layernorm", "mlp.gate", "mlp.shared_expert.gate_proj",
+    "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj", "mlp.shared_expert_gate",
 )  # fmt: skip
 
 #: ``FusedMoE`` shard id of each stacked expert tensor -> transformers' stacked module name
@@ -242,6 +243,8 @@ def iterate_gguf_weights(
             dequantized.add(f"{name} ({type_name})")
         values = torch.from_numpy(np.array(gguf.dequantize(np.asarray(tensor.data), tensor.tensor_type), copy=True))
         values = values.reshape(tuple(reversed([int(d) for d in tensor.shape])))
+        if name.endswith("mlp.shared_expert_gate.weight") and values.dim() == 1:
+            values = values[None]  # llama.cpp's ffn_gate_inp_shexp [H]: the gate's one row
         yield name, values if heads is None or not name.endswith((".weight", ".bias")) else unpermute_rows(values, heads)
     for type_name, layouts in sorted(kernels.items()):
         logger.info(

@@ -4,8 +4,10 @@ expert counts in the metadata): the experts are split per expert at load and run
 integer kernels in their blocks' own arithmetic (W13 and W2 each at its own layout), or
 dequantized at load for types without a kernel.
 
-Qwen3-MoE: greedy output equals transformers' own GGUF loading of the same file (transformers
-does not read ``expert_feed_forward_length``: it is given ``moe_intermediate_size``). Mixtral
+Qwen3-MoE and Qwen2-MoE (with its shared expert): greedy output equals transformers' own GGUF
+loading of the same file (transformers does not read ``expert_feed_forward_length`` /
+``expert_shared_feed_forward_length``: it is given ``moe_intermediate_size`` /
+``shared_expert_intermediate_size``). Mixtral
 (architecture "llama" with experts): transformers reads the file as a dense Llama, so the
 reference is transformers on the checkpoint with every linear and expert weight replaced by
 its GGUF round trip (``gguf``'s quantize then dequantize). A file that lacks an expert tensor
@@ -31,12 +33,19 @@ PROMPTS = random_prompts([5, 17, 40], 1000, seed=3)
 #: Hidden and expert sizes of 256: whole K-quant super-blocks for W13's and W2's inputs.
 QWEN3_MOE = dict(hidden_size=256, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
                  intermediate_size=256, norm_topk_prob=True)
+QWEN2_MOE = {**QWEN3_MOE, "shared_expert_intermediate_size": 256}
 MIXTRAL = dict(hidden_size=256, num_local_experts=8, num_experts_per_tok=2, intermediate_size=256)
 
 
 @pytest.fixture(scope="module")
 def qwen3_moe(checkpoint_factory):
     return checkpoint_factory("Qwen3MoeForCausalLM", seed=9, **QWEN3_MOE)
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe(checkpoint_factory):
+    """With its gated shared expert (``ffn_*_shexp``, ``ffn_gate_inp_shexp`` [H])."""
+    return checkpoint_factory("Qwen2MoeForCausalLM", seed=9, **QWEN2_MOE)
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +111,21 @@ def test_qwen3_moe_gguf_equals_transformers_gguf(qwen3_moe, tmp_path, linear_typ
         assert {_layout(matrix) for m in experts for matrix in m.w13_experts} == {w13}
         assert {_layout(matrix) for m in experts for matrix in m.w2_experts} == {w2}
     assert _greedy(llm) == _hf_gguf_greedy(path, moe_intermediate_size=QWEN3_MOE["moe_intermediate_size"])
+    check_block_accounting(llm)
+
+
+@pytest.mark.parametrize("linear_type", ["Q8_0", "Q4_K"])
+def test_qwen2_moe_gguf_equals_transformers_gguf(qwen2_moe, tmp_path, linear_type):
+    path = write_gguf(qwen2_moe, tmp_path / f"qwen2-moe-{linear_type}.gguf", linear_type, "F32")
+    llm = LLM(str(path), tokenizer=str(qwen2_moe), dtype="float32", kv_cache_memory_bytes=8 << 20)
+    model = model_runner(llm).model
+    assert model_runner(llm).model_config.architecture == "Qwen2MoeForCausalLM"
+    bits = 8 if linear_type == "Q8_0" else 4
+    assert {_layout(matrix)[0] for m in _experts(llm) for matrix in (*m.w13_experts, *m.w2_experts)} == {bits}
+    shared = [m for name, m in model.named_modules() if name.endswith("shared_expert.gate_up_proj")]
+    assert len(shared) == 2 and all(m.weight_bits == bits for m in shared)
+    sizes = {k: QWEN2_MOE[k] for k in ("moe_intermediate_size", "shared_expert_intermediate_size")}
+    assert _greedy(llm) == _hf_gguf_greedy(path, **sizes)
     check_block_accounting(llm)
 
 
