@@ -39,14 +39,20 @@ def as_tensor_parallel_rank(monkeypatch, rank: int, world_size: int) -> None:
     monkeypatch.setattr(parallel_state, "_tp_group", parallel_state.GroupCoordinator(list(range(world_size)), rank))
 
 
-def rewrite_linear_weights(src: Path, out: Path, transform: Callable[[torch.Tensor], torch.Tensor]) -> Path:
-    """A copy of checkpoint ``src`` in ``out`` with each linear weight W replaced by
-    ``transform(W.float())`` (in W's dtype): e.g. a quantization format's dequantized weights."""
+#: Mixtral's per-expert checkpoint matrices (gate, down, up), beside ``LINEAR_SUFFIXES``.
+MIXTRAL_EXPERT_SUFFIXES = ("w1.weight", "w2.weight", "w3.weight")
+
+
+def rewrite_linear_weights(src: Path, out: Path, transform: Callable[[torch.Tensor], torch.Tensor],
+                           suffixes: tuple[str, ...] = LINEAR_SUFFIXES) -> Path:
+    """A copy of checkpoint ``src`` in ``out`` with each linear weight W (a tensor whose name
+    ends with one of ``suffixes``) replaced by ``transform(W.float())`` (in W's dtype): e.g. a
+    quantization format's dequantized weights."""
     shutil.copytree(src, out, dirs_exist_ok=True)
     for path in out.glob("*.safetensors"):
         tensors = load_file(path)
         for name, tensor in tensors.items():
-            if name.endswith(LINEAR_SUFFIXES):
+            if name.endswith(suffixes):
                 tensors[name] = transform(tensor.float()).to(tensor.dtype)
         save_file(tensors, path, metadata={"format": "pt"})
     return out

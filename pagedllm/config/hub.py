@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from pagedllm.arch_config import language_model_config
+from pagedllm.config.gguf_moe import complete_moe_config
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -84,7 +85,8 @@ def load_hf_config(
 ) -> PretrainedConfig:
     """The model's Hugging Face config: config.json of a directory, or, for a ``.gguf`` file,
     the one transformers builds from the file's metadata (architecture and hyper-parameters;
-    ``architectures`` filled in from the model type when the file does not name it); then
+    the expert settings it leaves out added, ``gguf_moe``; ``architectures`` filled in from the
+    model type when the file does not name it); then
     ``hf_overrides`` merged into it (``apply_hf_overrides``). For an image-text checkpoint served
     by its language model, that model's config after the overrides
     (``pagedllm.arch_config.language_model_config``).
@@ -109,6 +111,7 @@ def _read_hf_config(model_path: Path, trust_remote_code: bool) -> PretrainedConf
         hf_config = AutoConfig.from_pretrained(model_path.parent, gguf_file=model_path.name)
     except (OSError, ValueError) as exc:
         raise ValueError(f"Cannot read the model config of {model_path}: {exc}") from exc
+    hf_config = complete_moe_config(hf_config, model_path)
     if not getattr(hf_config, "architectures", None):
         hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf_config.model_type, hf_config.model_type)]
     return hf_config

@@ -19,11 +19,18 @@ rotary halves; see ``unpermute_rows``). Per tensor type:
   bits and the smallest group of its parts (the others' scales repeated: still exact);
 - any other type (Q2_K, Q3_K, IQ ..., TQ ...), and embeddings / norms / the lm_head: dequantized
   at load by ``gguf`` to float32 (a warning names the types that have no kernel yet).
+
+Mixture-of-experts files (Mixtral, written as "llama" with experts; Qwen2-MoE, its shared
+expert ``ffn_*_shexp`` a dense MLP; Qwen3-MoE): the router ``ffn_gate_inp`` is a float tensor; each stacked expert tensor ``ffn_{gate,up,down}_exps``
+[E, rows, inputs] is yielded per expert under the checkpoint's names
+(``model.layers.N.mlp.experts.<e>.<projection>.<qweight|scales|qzeros>`` for a kernel type
+whose ``FusedMoE`` took the GGUF method, else ``.weight`` dequantized).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -36,7 +43,8 @@ from pagedllm.model_executor.gguf_kquants import affine_to_canonical, decode_k_b
 logger = logging.getLogger(__name__)
 
 #: GGUF ``general.architecture`` -> the ``gguf`` package's architecture name; only these load.
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                      "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 
 #: The ggml types the kernels run, by name -> (bits of the kernel's storage, inputs per group).
 KERNEL_TYPES = {
@@ -51,8 +59,18 @@ _BLOCK = 32  # inputs per Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 block
 _LAYER_MODULES = (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
     "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-    "input_layernorm", "post_attention_layernorm",
+    "input_layernorm", "post_attention_layernorm", "mlp.gate", "mlp.shared_expert.gate_proj",
+    "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj", "mlp.shared_expert_gate",
 )  # fmt: skip
+
+#: ``FusedMoE`` shard id of each stacked expert tensor -> transformers' stacked module name
+#: (``gguf``'s name tables map it to ``ffn_gate_exps`` / ``ffn_down_exps`` / ``ffn_up_exps``).
+_STACKED_EXPERTS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+#: A stacked expert tensor's Hugging Face name here: ``<layer>.mlp.experts.<shard id>.weight``.
+_STACKED_EXPERT_NAME = re.compile(r"(?P<layer>.+\.experts)\.(?P<shard>w[123])\.weight")
+#: The checkpoint's name of each expert matrix (shard id -> projection), by model type; others:
+#: ``_STACKED_EXPERTS``' (Qwen-MoE's gate_proj / down_proj / up_proj).
+_EXPERT_PROJECTIONS = {"mixtral": {"w1": "w1", "w2": "w2", "w3": "w3"}}
 
 
 def open_gguf(path: Path):
@@ -71,7 +89,9 @@ def open_gguf(path: Path):
 
 def gguf_to_hf_names(model_type: str, num_layers: int) -> dict[str, str]:
     """GGUF tensor name -> Hugging Face name, for a model of ``model_type`` (config.json's)
-    with ``num_layers`` decoder layers.
+    with ``num_layers`` decoder layers. A stacked expert tensor (``blk.N.ffn_gate_exps.weight``
+    [E, I, H] ...) is named ``model.layers.N.mlp.experts.<w1|w2|w3>.weight`` (``FusedMoE``'s
+    shard ids: gate, down, up); ``iterate_gguf_weights`` yields it per expert.
 
     Raises:
         ValueError: an architecture this loader does not read (the message lists those it does).
@@ -90,6 +110,11 @@ def gguf_to_hf_names(model_type: str, num_layers: int) -> dict[str, str]:
         gguf_module = name_map.get_name(module)
         if gguf_module is not None:
             names.update({f"{gguf_module}{suffix}": f"{module}{suffix}" for suffix in (".weight", ".bias")})
+    for i in range(num_layers):
+        for shard_id, stacked in _STACKED_EXPERTS.items():
+            gguf_module = name_map.get_name(f"model.layers.{i}.mlp.experts.{stacked}")
+            if gguf_module is not None:
+                names[f"{gguf_module}.weight"] = f"model.layers.{i}.mlp.experts.{shard_id}.weight"
     return names
 
 
@@ -147,6 +172,36 @@ def _decode(raw: np.ndarray, type_name: str, num_inputs: int) -> dict[str, np.nd
     return {"qweight": q, "scales": d, "qzeros": np.full_like(d, 16.0 if type_name == "Q5_0" else 8.0)}
 
 
+def _expert_tensors(tensor, match: re.Match, model_type: str,
+                    layout: tuple[int, int] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """One stacked expert tensor of the file (``match``: its ``_STACKED_EXPERT_NAME``) as
+    per-expert tensors in the checkpoint's names (``<layer>.<e>.<projection>.<tensor>``): the
+    canonical ``qweight`` / ``scales`` / ``qzeros`` of a ``KERNEL_TYPES`` type in ``layout``'s
+    groups, else the dequantized ``weight`` [rows, inputs] float32.
+
+    Raises:
+        ValueError: the tensor is not 3-D (experts, rows, inputs).
+    """
+    import gguf
+
+    shape = tuple(reversed([int(d) for d in tensor.shape]))  # GGUF lists dimensions innermost first
+    if len(shape) != 3:
+        raise ValueError(f"GGUF expert tensor {tensor.name!r} has shape {list(shape)}; "
+                         "expected [experts, rows, inputs].")
+    num_experts, rows, num_inputs = shape
+    proj = _EXPERT_PROJECTIONS.get(model_type, _STACKED_EXPERTS)[match["shard"]]
+    raw = np.asarray(tensor.data)
+    if layout is not None and tensor.tensor_type.name in KERNEL_TYPES:
+        decoded = decode_blocks(raw.reshape(num_experts * rows, -1), tensor.tensor_type.name, num_inputs, layout[1])
+        per_expert = {key: value.view(num_experts, rows, -1) for key, value in decoded.items()}
+    else:
+        values = np.array(gguf.dequantize(raw, tensor.tensor_type), copy=True)
+        per_expert = {"weight": torch.from_numpy(values).reshape(shape)}
+    for expert in range(num_experts):
+        for key, value in per_expert.items():
+            yield f"{match['layer']}.{expert}.{proj}.{key}", value[expert]
+
+
 def iterate_gguf_weights(
     path: Path, hf_config: PretrainedConfig, kernel_modules: dict[str, tuple[int, int]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -169,6 +224,14 @@ def iterate_gguf_weights(
         name = names.get(tensor.name, tensor.name)
         module, _, _ = name.rpartition(".")
         type_name = tensor.tensor_type.name
+        experts = _STACKED_EXPERT_NAME.fullmatch(name)
+        if experts is not None:
+            if module in kernel_modules and type_name in KERNEL_TYPES:
+                kernels.setdefault(type_name, set()).add(kernel_modules[module])
+            elif type_name not in _UNQUANTIZED_TYPES:
+                dequantized.add(f"{name} ({type_name})")
+            yield from _expert_tensors(tensor, experts, hf_config.model_type, kernel_modules.get(module))
+            continue
         heads = permuted.get(module.rpartition(".")[2]) if GGUF_ARCHITECTURES[hf_config.model_type] == "llama" else None
         num_inputs = int(tensor.shape[0])  # GGUF lists dimensions innermost first
         if module in kernel_modules and type_name in KERNEL_TYPES and name.endswith(".weight"):
@@ -180,6 +243,8 @@ def iterate_gguf_weights(
             dequantized.add(f"{name} ({type_name})")
         values = torch.from_numpy(np.array(gguf.dequantize(np.asarray(tensor.data), tensor.tensor_type), copy=True))
         values = values.reshape(tuple(reversed([int(d) for d in tensor.shape])))
+        if name.endswith("mlp.shared_expert_gate.weight") and values.dim() == 1:
+            values = values[None]  # llama.cpp's ffn_gate_inp_shexp [H]: the gate's one row
         yield name, values if heads is None or not name.endswith((".weight", ".bias")) else unpermute_rows(values, heads)
     for type_name, layouts in sorted(kernels.items()):
         logger.info(

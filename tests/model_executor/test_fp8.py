@@ -43,13 +43,16 @@ def test_online_fp8_greedy_equals_hf_on_dequantized_weights(llama_128, tmp_path)
     assert model_runner(llm).model.lm_head.weight.dtype == torch.float32
 
 
-def _write_fp8_checkpoint(src: Path, out: Path, ref: Path, block: list[int] | None) -> None:
+def _write_fp8_checkpoint(src: Path, out: Path, ref: Path, block: list[int] | None,
+                          suffixes: tuple[str, ...] = LINEAR_SUFFIXES) -> None:
+    """``src`` as an FP8 checkpoint in ``out`` (each weight whose name ends with one of
+    ``suffixes``), and in ``ref`` with those weights dequantized."""
     shutil.copytree(src, out)
     shutil.copytree(src, ref)
     gen = torch.Generator().manual_seed(0)
     for path in sorted(src.glob("*.safetensors")):
         tensors, reference = load_file(path), load_file(path)
-        for name in [n for n in tensors if n.endswith(LINEAR_SUFFIXES)]:
+        for name in [n for n in tensors if n.endswith(suffixes)]:
             module, w = name.removesuffix(".weight"), tensors[name].float()
             if block is None:
                 f8, scale = quantize_fp8_per_tensor(w)

@@ -62,14 +62,16 @@ def _dequantized(q, scale, zero) -> torch.Tensor:
     return scale.repeat_interleave(group, 1) * (q.float() - zero.repeat_interleave(group, 1))
 
 
-def _write(src: Path, out: Path, ref: Path, quant_config: dict, convert) -> tuple[Path, Path]:
-    """The quantized checkpoint (``convert(module, W) -> (tensors, dequantized W)``) in
-    ``out``, and in ``ref`` the reference checkpoint with the dequantized weights."""
+def _write(src: Path, out: Path, ref: Path, quant_config: dict, convert,
+           suffixes: tuple[str, ...] = LINEAR_SUFFIXES) -> tuple[Path, Path]:
+    """The quantized checkpoint (``convert(module, W) -> (tensors, dequantized W)`` for each
+    weight whose name ends with one of ``suffixes``) in ``out``, and in ``ref`` the reference
+    checkpoint with the dequantized weights."""
     shutil.copytree(src, out)
     shutil.copytree(src, ref)
     for path in sorted(src.glob("*.safetensors")):
         tensors, reference = load_file(path), load_file(path)
-        for name in [name for name in tensors if name.endswith(LINEAR_SUFFIXES)]:
+        for name in [name for name in tensors if name.endswith(suffixes)]:
             module = name.removesuffix(".weight")
             packed, dequantized = convert(module, tensors.pop(name).float())
             tensors.update({f"{module}.{key}": value.contiguous() for key, value in packed.items()})

@@ -23,8 +23,10 @@ from pagedllm.model_executor.layers.quantization import QuantizationConfig
 from pagedllm.model_executor.models.llama import LlamaForCausalLM, LlamaMLP
 from pagedllm.model_executor.models.pipeline_stage import other_stage_prefixes
 
-#: ``<layer>.experts.<id>.<projection>.weight``: one expert's matrix (the Hub's layout).
-_EXPERT_TENSOR = re.compile(r"(?P<layer>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight")
+#: ``<layer>.experts.<id>.<projection>.<tensor>``: one expert's matrix (the Hub's layout), its
+#: ``weight`` or a quantized format's tensors (``qweight``, ``scales`` ...: ``FusedMoE``'s
+#: ``w13_<tensor>`` / ``w2_<tensor>``).
+_EXPERT_TENSOR = re.compile(r"(?P<layer>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<tensor>\w+)")
 #: ``<layer>.experts.<gate_up_proj|down_proj>``: every expert's, stacked (transformers' modules).
 _STACKED_TENSOR = re.compile(r"(?P<layer>.+\.experts)\.(?P<proj>\w+)")
 
@@ -117,8 +119,15 @@ class LlamaMoEForCausalLM(LlamaForCausalLM):
                     f"Checkpoint tensor {name!r}: {proj!r} is not an expert matrix of {type(self).__name__} "
                     f"(expected {', '.join(self.expert_projections)})."
                 )
-            param_name = "w2_weight" if shard_id == "w2" else "w13_weight"
-            layer.weight_loader(getattr(layer, param_name), tensor, name, shard_id, int(match["expert"]))
+            param_name = f"{'w2' if shard_id == 'w2' else 'w13'}_{match['tensor']}"
+            param = getattr(layer, param_name, None)
+            if not isinstance(param, nn.Parameter):
+                held = sorted({n.split("_", 1)[1] for n, _ in layer.named_parameters(recurse=False)})
+                raise ValueError(
+                    f"Checkpoint tensor {name!r} has no matching parameter: the experts of {match['layer']} hold "
+                    f"{', '.join(held)} ({type(layer.quant_method).__name__})."
+                )
+            getattr(param, "weight_loader", layer.weight_loader)(param, tensor, name, shard_id, int(match["expert"]))
         else:
             if proj not in STACKED_EXPERT_TENSORS:
                 raise ValueError(

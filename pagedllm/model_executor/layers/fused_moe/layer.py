@@ -218,7 +218,13 @@ class FusedMoE(nn.Module):
             load_weight_part(target, loaded_weight, dim, self.moe_tp_rank, self.moe_tp_size)
         except ValueError as error:
             raise ValueError(f"Checkpoint tensor {weight_name!r}: {error}") from None
-        self._loaded.add((expert_id, shard_id if param.data.dim() == 3 else f"{shard_id} bias"))
+        self.record_loaded(param, shard_id, expert_id)
+
+    def record_loaded(self, param: nn.Parameter, shard_id: str, expert_id: int) -> None:
+        """Note that ``param``'s part for expert ``expert_id``'s matrix ``shard_id`` is loaded
+        (``weight_loader`` does; a method's own loader of a parameter it checks, not copies,
+        calls it for ``missing_weights``)."""
+        self._loaded.add((expert_id, self._matrix_part(shard_id, param)))
 
     def load_stacked_experts(self, name: str, loaded_weight: torch.Tensor, kind: str) -> None:
         """Load a tensor holding every expert (``kind`` "gate_up_proj": [E, 2 x I, H], gate rows
@@ -249,12 +255,21 @@ class FusedMoE(nn.Module):
                 self.weight_loader(param, part, name, shard_id, expert_id)
 
     def missing_weights(self) -> list[str]:
-        """``"expert <id> <shard id>"`` (and ``"... <shard id> bias"`` with ``has_bias``) for each
+        """``"expert <id> <shard id>"`` (and ``"... <shard id> <tensor>"`` for each other expert
+        parameter: ``bias`` with ``has_bias``, a quantized method's ``scales`` ...) for each
         matrix of this rank's experts not loaded yet."""
         held = range(self.expert_start, self.expert_start + self.local_num_experts)
-        shard_ids = self._shard_ids()
-        parts = [*shard_ids, *(f"{s} bias" for s in shard_ids if self.has_bias)]
+        parts = [self._matrix_part(shard_id, param) for shard_id in self._shard_ids()
+                 for name, param in self.named_parameters(recurse=False)
+                 if name.startswith("w2_" if shard_id == "w2" else "w13_")]
         return [f"expert {e} {s}" for e in held for s in parts if (e, s) not in self._loaded]
+
+    def _matrix_part(self, shard_id: str, param: nn.Parameter) -> str:
+        """``shard_id`` for the expert weights themselves (``w13_weight`` / ``w2_weight``), else
+        ``"<shard id> <tensor>"`` (``w13_bias`` -> "w1 bias", ``w2_scales`` -> "w2 scales")."""
+        name = next(n for n, p in self.named_parameters(recurse=False) if p is param)
+        tensor = name.split("_", 1)[1]
+        return shard_id if tensor == "weight" else f"{shard_id} {tensor}"
 
     def _shard_ids(self) -> tuple[str, ...]:
         """The expert matrices this layer holds: all of ``EXPERT_SHARD_IDS``; no "w3" (up) when ungated."""

@@ -29,29 +29,74 @@ from pagedllm.platforms import current_platform
 
 class ExpertMatrix(nn.Module):
     """One expert's matrix W [out, in] and its matmul ``gemm_plan(x [n, in], bias) -> [n, out]``,
-    with the attributes ``cpu_gemm``'s plans and ``store_int8`` read of a linear layer
-    (``weight``, ``weight_fp32``, ``output_size_per_partition``); torch's matmul until prepared."""
+    with the attributes the quantization formats' ``store_*`` functions and ``cpu_gemm``'s plans
+    read of a linear layer (``weight``, ``weight_fp32``, ``output_size_per_partition``,
+    ``input_size_per_partition``, and ``output_partition_sizes``: the rows of each checkpoint
+    matrix it holds, [I, I] for W13's gate and up); torch's matmul until prepared."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, output_partition_sizes: Optional[list[int]] = None,
+                 kind: str = "w13") -> None:
         super().__init__()
+        #: Which of the layer's matrices this is: "w13" or "w2".
+        self.kind = kind
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.register_buffer("weight_fp32", None, persistent=False)
-        self.output_size_per_partition = weight.shape[0]
+        self.output_size_per_partition, self.input_size_per_partition = weight.shape
+        self.output_partition_sizes = output_partition_sizes or [weight.shape[0]]
         self.gemm_plan = cpu_gemm.TorchGemm(self)
 
 
-def split_experts(layer: nn.Module, prepare: Callable[[ExpertMatrix], None]) -> None:
-    """Replace ``layer``'s stacked ``w13_weight`` / ``w2_weight`` by ``w13_experts`` /
-    ``w2_experts``, one ``ExpertMatrix`` per local expert, each passed to ``prepare`` (which
-    sets its layout and plan); a second call changes nothing."""
-    if not hasattr(layer, "w13_weight"):
+def split_experts(layer: nn.Module, prepare: Callable[..., None], tensors: tuple[str, ...] = ("weight",)) -> None:
+    """Replace ``layer``'s stacked ``w13_<tensor>`` / ``w2_<tensor>`` parameters (``tensors``:
+    the weight first, e.g. ``("qweight", "scales", "qzeros")``; default ``w13_weight`` /
+    ``w2_weight``) by ``w13_experts`` / ``w2_experts``, one ``ExpertMatrix`` per local expert
+    holding the expert's slice of the first (its ``kind`` "w13" or "w2"; W13's
+    ``output_partition_sizes`` its gate and up rows, or up alone for an ungated layer), each
+    passed to ``prepare(matrix, *the expert's slices of the other tensors)``, which sets its
+    layout and plan; a second call changes nothing."""
+    if not hasattr(layer, f"w13_{tensors[0]}"):
         return
-    for name in ("w13", "w2"):
-        matrices = nn.ModuleList(ExpertMatrix(w) for w in getattr(layer, f"{name}_weight").data)
-        for matrix in matrices:
-            prepare(matrix)
-        delattr(layer, f"{name}_weight")
+    w13_parts = [layer.intermediate_size_per_partition] * (2 if getattr(layer, "is_act_and_mul", True) else 1)
+    for name, parts in (("w13", w13_parts), ("w2", None)):
+        stacked = [getattr(layer, f"{name}_{tensor}").data for tensor in tensors]
+        matrices = nn.ModuleList(ExpertMatrix(w, parts, name) for w in stacked[0])
+        for expert, matrix in enumerate(matrices):
+            prepare(matrix, *(tensor[expert] for tensor in stacked[1:]))
+        for tensor in tensors:
+            delattr(layer, f"{name}_{tensor}")
         setattr(layer, f"{name}_experts", matrices)
+
+
+def register_checked(layer: nn.Module, name: str, check: Callable[[torch.Tensor, str, str], Optional[str]],
+                     format_name: str) -> None:
+    """Register on ``layer`` (a ``FusedMoE``) the empty parameter ``name`` (``w13_g_idx`` ...)
+    for a per-expert checkpoint tensor that is read and checked, not kept: ``check(tensor,
+    shard id, matrix "w13" / "w2")`` returns what is wrong with it, or None; the parameter
+    counts as loaded per expert matrix (``FusedMoE.record_loaded``) and ``drop_checked``
+    removes it after loading.
+
+    Raises (when loading):
+        ValueError: what ``check`` found (names ``format_name`` and the tensor).
+    """
+    matrix = name.split("_", 1)[0]
+
+    def load(param: nn.Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id: str, expert_id: int) -> None:
+        problem = check(loaded_weight, shard_id, matrix)
+        if problem is not None:
+            raise ValueError(f"{format_name}: checkpoint tensor {weight_name!r}: {problem}")
+        if layer.local_expert(expert_id) is not None:
+            layer.record_loaded(param, shard_id, expert_id)
+
+    param = nn.Parameter(torch.empty(0, dtype=torch.int32), requires_grad=False)
+    param.weight_loader = load
+    layer.register_parameter(name, param)
+
+
+def drop_checked(layer: nn.Module) -> None:
+    """Remove ``layer``'s ``register_checked`` parameters (empty ``w13_*`` / ``w2_*``)."""
+    for name, param in list(layer.named_parameters(recurse=False)):
+        if param.numel() == 0 and name.startswith(("w13_", "w2_")):
+            delattr(layer, name)
 
 
 def _expert_biases(layer: nn.Module, expert: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:

@@ -6,7 +6,8 @@ holds output ``AWQ_ORDER[i]`` of the word's eight), and ``scales`` [groups, out]
     W[n, k] = scales[g, n] * (q[k, n] - z[g, n]),   g = k / group_size.
 
 4-bit, ``group_size`` (``q_group_size``) 32 / 64 / 128, with zero points (``zero_point``: true,
-as AutoAWQ writes). The lm_head stays unquantized.
+as AutoAWQ writes). The lm_head stays unquantized. ``FusedMoE`` experts
+(``AWQFusedMoEMethod``): the same tensors per expert matrix (``experts.<e>.gate_proj.qweight`` ...).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from pagedllm.model_executor.layers.fused_moe import FusedMoE
 from pagedllm.model_executor.layers.linear import LinearBase
 from pagedllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from pagedllm.model_executor.layers.quantization.packed_int import (
+    PackedIntFusedMoEMethod,
     PackedIntLinearMethod,
     check_bits_and_group,
     per_output_tensors,
@@ -58,7 +61,19 @@ class AWQConfig(QuantizationConfig):
         return cls(group_size)
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
+        if isinstance(layer, FusedMoE):
+            return AWQFusedMoEMethod(self, prefix)
         return AWQLinearMethod(self, prefix) if isinstance(layer, LinearBase) else None
+
+
+def convert_awq(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """An AWQ module's ``qweight`` / ``qzeros`` / ``scales`` -> the canonical layout (see
+    ``packed_int``): outputs unpacked from AWQ's order, [out, ...]."""
+    if name == "qweight":
+        return unpack_int32(tensor, 4, dim=1, order=AWQ_ORDER).T
+    if name == "qzeros":
+        return unpack_int32(tensor, 4, dim=1, order=AWQ_ORDER).T.float()
+    return tensor.T.float()
 
 
 class AWQLinearMethod(PackedIntLinearMethod):
@@ -74,8 +89,18 @@ class AWQLinearMethod(PackedIntLinearMethod):
         return per_output_tensors(("qweight", "scales", "qzeros"), num_groups, input_size)
 
     def convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if name == "qweight":
-            return unpack_int32(tensor, 4, dim=1, order=AWQ_ORDER).T
-        if name == "qzeros":
-            return unpack_int32(tensor, 4, dim=1, order=AWQ_ORDER).T.float()
-        return tensor.T.float()
+        return convert_awq(name, tensor)
+
+
+class AWQFusedMoEMethod(PackedIntFusedMoEMethod):
+    """``FusedMoE`` experts of an AWQ checkpoint (``experts.<e>.<projection>.qweight`` /
+    ``qzeros`` / ``scales`` per expert matrix, as for a linear module), 4-bit in the config's
+    groups."""
+
+    format_name = "awq"
+
+    def __init__(self, config: AWQConfig, prefix: str) -> None:
+        super().__init__(prefix, (4, config.group_size), (4, config.group_size))
+
+    def convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return convert_awq(name, tensor)

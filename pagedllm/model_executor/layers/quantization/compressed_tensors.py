@@ -15,7 +15,9 @@ schemes (W8A8 int8, FP8; ``compressed_tensors_w8a8``). Pack-quantized, per linea
     W[n, k] = weight_scale[n, g] * (q[n, k] - zero_point[n, g])
 
 (compressed-tensors' ``PackedQuantizationCompressor``). Other formats, and pack-quantized
-groups that quantize activations, are refused at load, named.
+groups that quantize activations, are refused at load, named. ``FusedMoE`` experts
+(``CompressedTensorsFusedMoEMethod``): the same tensors per expert matrix, pack-quantized
+without act-order.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from pagedllm.model_executor.layers.fused_moe import FusedMoE
 from pagedllm.model_executor.layers.linear import LinearBase
 from pagedllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from pagedllm.model_executor.layers.quantization.compressed_tensors_w8a8 import W8A8_FORMATS, W8A8Scheme
 from pagedllm.model_executor.layers.quantization.packed_int import (
+    PackedIntFusedMoEMethod,
     PackedIntLinearMethod,
     check_bits_and_group,
     checkpoint_module_names,
@@ -124,6 +128,8 @@ class CompressedTensorsConfig(QuantizationConfig):
         Raises:
             ValueError: the parts of a fused layer are quantized differently.
         """
+        if isinstance(layer, FusedMoE):
+            return self._experts_method(prefix)
         if not isinstance(layer, LinearBase):
             return None
         found = set()
@@ -134,6 +140,25 @@ class CompressedTensorsConfig(QuantizationConfig):
             raise ValueError(f"compressed-tensors: the parts of fused layer {prefix} are quantized differently.")
         scheme = found.pop()
         return None if scheme is None else scheme.quant_method(prefix)
+
+
+    def _experts_method(self, prefix: str) -> Optional[QuantizeMethodBase]:
+        """The experts' method, from the scheme of their first matrix (``<prefix>.0.gate_proj``;
+        experts are ``Linear`` modules in the checkpoint): None where ignored or untargeted.
+
+        Raises:
+            ValueError: a scheme other than pack-quantized or with act-order, for experts (named).
+        """
+        name = f"{prefix}.0.gate_proj"
+        if any(name_matches(name, pattern) for pattern in self.ignore):
+            return None
+        scheme = next((s for s in self.schemes if targets_match(s.targets, name)), None)
+        if scheme is None:
+            return None
+        if not isinstance(scheme, WeightScheme) or scheme.actorder:
+            raise ValueError(f"compressed-tensors: the experts {prefix} can be read as pack-quantized weights "
+                             "without act-order only, for now.")
+        return CompressedTensorsFusedMoEMethod(scheme, prefix)
 
 
 class CompressedTensorsLinearMethod(PackedIntLinearMethod):
@@ -165,3 +190,41 @@ class CompressedTensorsLinearMethod(PackedIntLinearMethod):
         if name == "weight_zero_point":
             return unpack_int32(tensor, self.bits, dim=0).float()
         return tensor if name == "weight_g_idx" else tensor.float()
+
+
+class CompressedTensorsFusedMoEMethod(PackedIntFusedMoEMethod):
+    """``FusedMoE`` experts of a pack-quantized checkpoint (``experts.<e>.<projection>.``
+    ``weight_packed`` / ``weight_scale`` / ``weight_zero_point`` (asymmetric) / ``weight_shape``
+    per expert matrix, as for a linear module), W13 and W2 in the scheme's bits and groups;
+    ``weight_shape`` is checked against the matrix's [rows, inputs]."""
+
+    format_name = "compressed-tensors"
+    names = {"qweight": "weight_packed", "scales": "weight_scale", "qzeros": "weight_zero_point"}
+
+    def __init__(self, scheme: WeightScheme, prefix: str) -> None:
+        layout = (scheme.bits, scheme.group_size)
+        super().__init__(prefix, layout, layout, symmetric=scheme.symmetric)
+        self.bits = scheme.bits
+
+    def convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name == "qweight":
+            return unpack_int32(tensor, self.bits, dim=1)
+        if name == "qzeros":
+            return unpack_int32(tensor, self.bits, dim=0).float()
+        return tensor.float()
+
+    def create_weights(
+        self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+        params_dtype: torch.dtype, **extra_weight_attrs: Any,
+    ) -> None:
+        super().create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                               **extra_weight_attrs)  # fmt: skip
+        inter = intermediate_size_per_partition * layer.moe_tp_size
+        shapes = {"w13": [inter, hidden_size], "w2": [hidden_size, inter]}
+
+        def check(shape: torch.Tensor, shard_id: str, matrix: str) -> Optional[str]:
+            got = [int(v) for v in shape.reshape(-1)]
+            return None if got == shapes[matrix] else f"weight_shape {got}; the experts' matrix is {shapes[matrix]}."
+
+        for matrix in shapes:
+            self.register_checked(layer, f"{matrix}_weight_shape", check)

@@ -11,6 +11,12 @@
   ``weight_scale_inv`` per block) are dequantized at load, with a warning. Modules listed in
   ``ignored_layers`` / ``modules_to_not_convert`` stay unquantized.
 
+``FusedMoE`` experts under ``--quantization fp8`` (``Fp8FusedMoEMethod``): each expert's gate,
+up and down matrices get their own scale the same way, one plan per matrix (W13, W2); routers
+stay in the model dtype. A per-tensor FP8 checkpoint's experts (``experts.<e>.w1.weight`` /
+``weight_scale`` ...) are read as they are (``Fp8CheckpointFusedMoEMethod``); block-wise ones
+are refused at load, for now.
+
 On CPU the matmul is ``pagedllm.kernels.cpu.linear_fp8``: one byte per weight streamed and
 widened exactly to float32 in the kernel, the scale applied once per output. The lm_head keeps
 the model dtype.
@@ -26,6 +32,8 @@ from torch import nn
 
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.model_executor.layers import cpu_gemm
+from pagedllm.model_executor.layers.fused_moe import FusedMoE, UnquantizedFusedMoEMethod
+from pagedllm.model_executor.layers.fused_moe.methods import drop_checked, register_checked, split_experts
 from pagedllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from pagedllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from pagedllm.model_executor.layers.quantization.packed_int import checkpoint_module_names, name_matches
@@ -73,11 +81,23 @@ class Fp8Config(QuantizationConfig):
         return cls(config.get("quant_method") == "fp8", block, ignored)
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
-        if not isinstance(layer, LinearBase):
+        """``Fp8LinearMethod`` for a linear layer, ``Fp8FusedMoEMethod`` for ``FusedMoE`` experts
+        (``Fp8CheckpointFusedMoEMethod`` for a per-tensor checkpoint's), None for other layers
+        and ignored ones.
+
+        Raises:
+            ValueError: ``FusedMoE`` experts of a block-wise FP8 checkpoint (not read yet; names the layer).
+        """
+        if not isinstance(layer, (LinearBase, FusedMoE)):
             return None
         if any(name_matches(name, pattern) for name in checkpoint_module_names(prefix) for pattern in self.ignored):
             return None
-        return Fp8LinearMethod(self, prefix)
+        if isinstance(layer, LinearBase):
+            return Fp8LinearMethod(self, prefix)
+        if self.serialized and self.block_size is not None:
+            raise ValueError(f"fp8: the experts {prefix} have block-wise scales (weight_block_size), which cannot "
+                             "be read for experts yet; per-tensor FP8 checkpoints can.")
+        return Fp8CheckpointFusedMoEMethod() if self.serialized else Fp8FusedMoEMethod()
 
 
 def store_fp8(layer: nn.Module, weight: torch.Tensor, scale: torch.Tensor) -> None:
@@ -95,6 +115,15 @@ def store_fp8(layer: nn.Module, weight: torch.Tensor, scale: torch.Tensor) -> No
         layer.gemm_plan = cpu_gemm.Scaled8BitGemm(layer.weight, layer.weight_scale, n, cpu_kernels.linear_fp8)
     else:
         layer.gemm_plan = cpu_gemm.DequantizedTorchGemm(layer.weight, layer.weight_scale)
+
+
+def store_fp8_per_part(layer: nn.Module) -> None:
+    """Quantize ``layer.weight`` [out, in] (float) to FP8 with one scale per checkpoint matrix
+    (``quantize_fp8_per_tensor`` on each of ``layer.output_partition_sizes``' row ranges:
+    q / k / v, gate / up) and ``store_fp8`` it."""
+    parts = [quantize_fp8_per_tensor(part) for part in layer.weight.data.split(layer.output_partition_sizes)]
+    scales = [scale.expand(f8.shape[0]) for f8, scale in parts]
+    store_fp8(layer, torch.cat([f8 for f8, _ in parts]), torch.cat(scales))
 
 
 def apply_fp8(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -195,9 +224,7 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
         layer.fp8_processed = True
         weight = layer.weight.data
         if not self.config.serialized:
-            parts = [quantize_fp8_per_tensor(part) for part in weight.split(layer.output_partition_sizes)]
-            scales = [scale.expand(f8.shape[0]) for f8, scale in parts]
-            store_fp8(layer, torch.cat([f8 for f8, _ in parts]), torch.cat(scales))
+            store_fp8_per_part(layer)
             return
         del layer.input_scale
         if self.config.block_size is None:
@@ -220,3 +247,64 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
         if layer.weight.dtype != torch.float8_e4m3fn:
             return "fp8 block-wise, dequantized at load: " + super().describe_path(layer)
         return f"fp8 e4m3 weight-only, per-tensor scales ({fp8_kernel_name(layer)})"
+
+
+class Fp8FusedMoEMethod(UnquantizedFusedMoEMethod):
+    """Loads the experts like the unquantized method, then keeps each expert's W13 [2 x I, H]
+    (one scale for the gate rows, one for the up rows) and W2 [H, I] (one scale) only in FP8
+    form (``store_fp8_per_part`` on each of ``split_experts``' matrices)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Quantize the loaded experts; a second call changes nothing."""
+        split_experts(layer, store_fp8_per_part)
+
+    def describe_path(self, layer: nn.Module) -> str:
+        if not len(layer.w13_experts):
+            return "experts: fp8"
+        return f"experts: fp8 e4m3 weight-only, per-tensor scales ({fp8_kernel_name(layer.w13_experts[0])})"
+
+
+class Fp8CheckpointFusedMoEMethod(UnquantizedFusedMoEMethod):
+    """``FusedMoE`` experts of a per-tensor FP8 checkpoint: per expert matrix ``weight``
+    float8_e4m3fn and a scalar ``weight_scale`` (``input_scale`` read and not used), held as
+    ``w13_weight`` [E, 2 x I, H] / ``w2_weight`` [E, H, I] float8 and ``w13_weight_scale``
+    [E, 2 x I] / ``w2_weight_scale`` [E, H] float32 (each matrix's scalar over its rows), then
+    one ``store_fp8`` plan per expert matrix.
+
+    Raises (when loading):
+        ValueError: a ``weight_scale`` of more than one value (names the tensor).
+    """
+
+    def create_weights(
+        self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+        params_dtype: torch.dtype, **extra_weight_attrs: Any,
+    ) -> None:
+        super().create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, torch.float8_e4m3fn,
+                               **extra_weight_attrs)  # fmt: skip
+        loader: Callable[..., None] = extra_weight_attrs["weight_loader"]
+        rows = {"w1": intermediate_size_per_partition * layer.moe_tp_size, "w2": hidden_size}
+        rows["w3"] = rows["w1"]
+
+        def load_scale(param: nn.Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id: str,
+                       expert_id: int) -> None:
+            if loaded_weight.numel() != 1:
+                raise ValueError(f"fp8: checkpoint tensor {weight_name!r} has {loaded_weight.numel()} values; experts "
+                                 "are read with one scale per tensor.")
+            loader(param, loaded_weight.float().reshape(1).expand(rows[shard_id]), weight_name, shard_id, expert_id)
+
+        for matrix, shape in (("w13", layer.w13_weight.shape[:2]), ("w2", layer.w2_weight.shape[:2])):
+            param = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
+            set_weight_attrs(param, {"weight_loader": load_scale})
+            layer.register_parameter(f"{matrix}_weight_scale", param)
+            register_checked(layer, f"{matrix}_input_scale", lambda *_: None, "fp8")
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Hand each expert matrix to ``linear_fp8``; a second call changes nothing."""
+        drop_checked(layer)
+        split_experts(layer, lambda matrix, scale: store_fp8(matrix, matrix.weight.data, scale),
+                      ("weight", "weight_scale"))
+
+    def describe_path(self, layer: nn.Module) -> str:
+        if not len(layer.w13_experts):
+            return "experts: fp8"
+        return f"experts: fp8 e4m3 weight-only, per-tensor scales ({fp8_kernel_name(layer.w13_experts[0])})"

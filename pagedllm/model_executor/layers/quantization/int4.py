@@ -14,7 +14,10 @@ chooses 64 or 128 instead, as GPTQ / AWQ checkpoints use: fewer scale bytes per 
 little more error; a layer whose inputs are not whole groups of that size gets groups of 32.
 The start-up log names each layer's group size. Activations stay in the model dtype. The
 storage and matmul (``grouped.py``) are shared with the checkpoint formats, which bring their
-own Q, scales and zero points. The lm_head keeps the model dtype, as with int8.
+own Q, scales and zero points. The lm_head keeps the model dtype, as with int8. ``FusedMoE``
+experts (``Int4FusedMoEMethod``): each expert's W13 and W2 quantized the same way (groups
+chosen per matrix: W13's inputs are the hidden size, W2's the intermediate), one plan per
+matrix; routers stay in the model dtype.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from pagedllm.model_executor.layers.fused_moe import FusedMoE, UnquantizedFusedMoEMethod
+from pagedllm.model_executor.layers.fused_moe.methods import split_experts
 from pagedllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from pagedllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from pagedllm.model_executor.layers.quantization.grouped import apply_grouped, describe_grouped, store_grouped
@@ -74,7 +79,7 @@ def quantize_int4_per_group(weight: torch.Tensor, group_size: int) -> tuple[torc
 
 class Int4Config(QuantizationConfig):
     """Every linear layer gets ``Int4LinearMethod`` (groups of ``int4_group_size(...,
-    group_size)``); the lm_head keeps its own method.
+    group_size)``), every ``FusedMoE`` ``Int4FusedMoEMethod``; the lm_head keeps its own method.
 
     Args:
         group_size: inputs per scale, one of ``INT4_GROUP_SIZES`` (default 32).
@@ -103,7 +108,20 @@ class Int4Config(QuantizationConfig):
         return cls(group_size)
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:
+        if isinstance(layer, FusedMoE):
+            return Int4FusedMoEMethod(prefix, self.group_size)
         return Int4LinearMethod(prefix, self.group_size) if isinstance(layer, LinearBase) else None
+
+
+def store_int4(layer: nn.Module, prefix: str, group_size: int) -> None:
+    """Quantize ``layer.weight`` [out, in] (float) into its int4 form, groups of
+    ``int4_group_size(in, prefix, group_size)`` (``store_grouped``).
+
+    Raises:
+        ValueError: the input size is not whole groups (names ``prefix``).
+    """
+    group = int4_group_size(layer.weight.shape[1], prefix, group_size)
+    store_grouped(layer, *quantize_int4_per_group(layer.weight.data, group), bits=4)
 
 
 class Int4LinearMethod(UnquantizedLinearMethod):
@@ -122,11 +140,34 @@ class Int4LinearMethod(UnquantizedLinearMethod):
         """
         if hasattr(layer, "weight_zero_point"):
             return
-        group = int4_group_size(layer.weight.shape[1], self.prefix, self.group_size)
-        store_grouped(layer, *quantize_int4_per_group(layer.weight.data, group), bits=4)
+        store_int4(layer, self.prefix, self.group_size)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return apply_grouped(layer, x, bias)
 
     def describe_path(self, layer: nn.Module) -> str:
         return describe_grouped(layer, "int4")
+
+
+class Int4FusedMoEMethod(UnquantizedFusedMoEMethod):
+    """Loads the experts like the unquantized method, then keeps each expert's W13 [2 x I, H]
+    and W2 [H, I] only in int4 form (``store_int4`` on each of ``split_experts``' matrices:
+    groups of ``group_size`` inputs, 32 where a matrix's inputs are not whole groups)."""
+
+    def __init__(self, prefix: str, group_size: int = INT4_GROUP_SIZE) -> None:
+        self.prefix = prefix
+        self.group_size = group_size
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Quantize the loaded experts; a second call changes nothing.
+
+        Raises:
+            ValueError: H or I is not whole groups of 32 (``int4_group_size``, named).
+        """
+        split_experts(layer, lambda matrix: store_int4(matrix, self.prefix, self.group_size))
+
+    def describe_path(self, layer: nn.Module) -> str:
+        if not len(layer.w13_experts):
+            return "experts: int4"
+        w13, w2 = (describe_grouped(m[0], "int4") for m in (layer.w13_experts, layer.w2_experts))
+        return f"experts: {w13}" if w13 == w2 else f"experts: W13 {w13}; W2 {w2}"

@@ -10,7 +10,8 @@ checkpoint tensor of that name (``convert``) before the layer's own loader slice
 it (tensor parallelism and fused q/k/v, gate/up work unchanged). Once loaded,
 ``process_weights_after_loading`` hands symmetric per-channel 8-bit weights to ``linear_w8``
 (signed int8, one scale per output) and every other layout to ``linear_w4`` / ``linear_w8g``
-(``grouped.py``).
+(``grouped.py``). ``FusedMoE`` experts (``PackedIntFusedMoEMethod``) hold the same canonical
+tensors per expert matrix and hand each matrix to the same kernels.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from pagedllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
+from pagedllm.model_executor.layers.fused_moe.methods import drop_checked, register_checked, split_experts
 from pagedllm.model_executor.layers.linear import LinearMethodBase
 from pagedllm.model_executor.layers.quantization.grouped import apply_grouped, describe_grouped, store_grouped
 from pagedllm.model_executor.layers.quantization.int8 import apply_int8, describe_int8, store_int8
@@ -98,6 +101,23 @@ def per_output_tensors(names: tuple[str, ...], num_groups: int, input_size: int)
     weight, scales, zeros = names
     return {weight: ([-1, input_size], per_output), scales: ([-1, num_groups], per_output),
             zeros: ([-1, num_groups], per_output)}  # fmt: skip
+
+
+def store_canonical(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> None:
+    """Hand canonical weights (Q [out, in] uint8, scale / zero [out, groups] float32) to their
+    kernel: symmetric per-channel 8-bit ones to ``store_int8`` (signed int8, one scale per
+    output), every other layout to ``store_grouped``."""
+    if bits == 8 and scale.shape[1] == 1 and bool((zero == 128).all()):
+        store_int8(layer, (q.to(torch.int16) - 128).to(torch.int8), scale[:, 0])
+    else:
+        store_grouped(layer, q, scale, zero, bits)
+
+
+def describe_canonical(layer: nn.Module, format_name: str) -> str:
+    """The start-up log's name of a ``store_canonical`` layer's matmul path."""
+    if hasattr(layer, "weight_zero_point"):
+        return describe_grouped(layer, format_name)
+    return f"{format_name}: " + describe_int8(layer)
 
 
 class PackedIntLinearMethod(LinearMethodBase):
@@ -194,10 +214,7 @@ class PackedIntLinearMethod(LinearMethodBase):
             perm = torch.argsort(g_idx.long(), stable=True)
             if not torch.equal(perm, torch.arange(perm.numel(), device=perm.device)):
                 q, layer.input_perm = q[:, perm].contiguous(), perm
-        if self.bits == 8 and scale.shape[1] == 1 and bool((zero == 128).all()):
-            store_int8(layer, (q.to(torch.int16) - 128).to(torch.int8), scale[:, 0])
-        else:
-            store_grouped(layer, q, scale, zero, self.bits)
+        store_canonical(layer, q, scale, zero, self.bits)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if layer.input_perm is not None:
@@ -207,6 +224,98 @@ class PackedIntLinearMethod(LinearMethodBase):
         return apply_int8(layer, x, bias)
 
     def describe_path(self, layer: nn.Module) -> str:
-        if hasattr(layer, "weight_zero_point"):
-            return describe_grouped(layer, self.format_name)
-        return f"{self.format_name}: " + describe_int8(layer)
+        return describe_canonical(layer, self.format_name)
+
+
+#: (bits, inputs per group; -1: one group per output row) of an expert matrix.
+Layout = tuple[int, int]
+
+
+class PackedIntFusedMoEMethod(UnquantizedFusedMoEMethod):
+    """``FusedMoE`` experts whose checkpoint holds integer weights, per expert matrix in the
+    canonical layout (see the module docstring), as parameters named by the format's tensors
+    (``names``: canonical role -> checkpoint name): ``w13_<qweight>`` [E, 2 x I, H] uint8,
+    ``w13_<scales>`` / ``w13_<qzeros>`` [E, 2 x I, H / group] float32 ([gate | up] rows; up
+    alone when ungated), ``w2_<...>`` [E, H, I] / [E, H, I / group], each loaded through the
+    layer's ``weight_loader`` after ``convert``; no zero points when ``symmetric`` (2^(bits -
+    1)). A format's tensors that are only checked (GPTQ's ``g_idx``) are empty parameters with
+    their own loader (``fused_moe.methods.register_checked``). Once loaded, every expert
+    matrix goes to its kernel as a linear layer's would (``store_canonical`` on ``split_experts``' matrices).
+    Subclasses name the format and convert its tensors.
+
+    Args:
+        prefix: the layer's name (for errors).
+        w13_layout, w2_layout: (bits 4 or 8, inputs per group; -1 one per row) of W13 and W2.
+        symmetric: the checkpoint has no zero points.
+
+    Raises (``create_weights``):
+        ValueError: H or I not whole groups (names the layer).
+    """
+
+    supports_bias = False
+    format_name = "packed-int"
+    names = {"qweight": "qweight", "scales": "scales", "qzeros": "qzeros"}
+
+    def __init__(self, prefix: str, w13_layout: Layout, w2_layout: Layout, symmetric: bool = False) -> None:
+        self.prefix = prefix
+        self.layouts = {"w13": w13_layout, "w2": w2_layout}
+        self.roles = ("qweight", "scales") if symmetric else ("qweight", "scales", "qzeros")
+
+    def convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor of one expert matrix (its canonical role ``name``: qweight,
+        scales, qzeros) -> the canonical layout; by default the tensor itself."""
+        return tensor
+
+    def create_weights(
+        self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+        params_dtype: torch.dtype, **extra_weight_attrs: Any,
+    ) -> None:
+        inter = intermediate_size_per_partition
+        w13_rows = (2 if getattr(layer, "is_act_and_mul", True) else 1) * inter
+        layer_loader: Callable[..., None] = extra_weight_attrs.pop("weight_loader")
+        for matrix, rows, inputs in (("w13", w13_rows, hidden_size), ("w2", hidden_size, inter)):
+            bits, group = self.layouts[matrix]
+            group = inputs if group == -1 else group
+            if inputs % group:
+                raise ValueError(f"{self.format_name}: the experts {self.prefix} have {matrix.upper()} matrices of "
+                                 f"{inputs} inputs, not a multiple of the group size {group}.")
+            for role in self.roles:
+                shape = (num_experts, rows, inputs if role == "qweight" else inputs // group)
+                dtype = torch.uint8 if role == "qweight" else torch.float32
+                param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+                set_weight_attrs(param, {**extra_weight_attrs, "weight_loader": self._loader(role, layer_loader)})
+                layer.register_parameter(f"{matrix}_{self.names[role]}", param)
+
+    def _loader(self, role: str, layer_loader: Callable[..., None]) -> Callable[..., None]:
+        def load(param: nn.Parameter, loaded_weight: torch.Tensor, weight_name: str, shard_id: str,
+                 expert_id: int) -> None:
+            try:
+                converted = self.convert(role, loaded_weight)
+            except ValueError as exc:
+                raise ValueError(f"{self.format_name}: checkpoint tensor {weight_name!r}: {exc}") from None
+            layer_loader(param, converted, weight_name, shard_id, expert_id)
+
+        return load
+
+    def register_checked(self, layer: nn.Module, name: str,
+                         check: Callable[[torch.Tensor, str, str], Optional[str]]) -> None:
+        """``fused_moe.methods.register_checked`` in this format's name."""
+        register_checked(layer, name, check, self.format_name)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Hand each expert matrix to its kernel, dropping the checked-only parameters; a
+        second call changes nothing."""
+        drop_checked(layer)
+
+        def prepare(matrix: nn.Module, scale: torch.Tensor, zero: Optional[torch.Tensor] = None) -> None:
+            bits = self.layouts[matrix.kind][0]
+            zero = torch.full_like(scale, 2 ** (bits - 1)) if zero is None else zero
+            store_canonical(matrix, matrix.weight.data, scale, zero, bits)
+
+        split_experts(layer, prepare, tuple(self.names[role] for role in self.roles))
+
+    def describe_path(self, layer: nn.Module) -> str:
+        if not len(layer.w13_experts):
+            return f"experts: {self.format_name}"
+        w13, w2 = (describe_canonical(m[0], self.format_name) for m in (layer.w13_experts, layer.w2_experts))
+        return f"experts: {w13}" if w13 == w2 else f"experts: W13 {w13}; W2 {w2}"
