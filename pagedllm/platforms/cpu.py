@@ -30,6 +30,25 @@ logger = logging.getLogger(__name__)
 COLLECTIVES_ENV = envs.PAGEDLLM_CPU_COLLECTIVES.name
 
 
+def _reset_peak_rss() -> bool:
+    """Set this process's peak RSS (``VmHWM``) to its RSS now; False where Linux does not let it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _peak_rss() > 0
+    except OSError:
+        return False
+
+
+def _peak_rss() -> int:
+    """This process's peak RSS (bytes) since the last ``_reset_peak_rss`` (``VmHWM``); 0 if unknown."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 class CpuPlatform(Platform):
     """x86 / Arm CPUs; attention by the C++ kernel when it builds, else portable PyTorch."""
 
@@ -67,6 +86,22 @@ class CpuPlatform(Platform):
         dummy_run(num_tokens)
         after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return int(max(after - before, 0) * max_num_tokens / num_tokens)
+
+    def profile_peak(self, run: Callable[[], None]) -> int:
+        """The growth of the process's peak RSS over ``run()`` above its RSS at the call: the
+        kernel's high-water mark reset first (``/proc/self/clear_refs`` "5", Linux 4.0+), so
+        that an earlier, higher peak (loading, the language model's profile) does not hide
+        it; where that cannot be reset, the growth of ``ru_maxrss``. The free heap goes back to
+        the kernel first (``trim_malloc``), so that ``run`` cannot reuse pages that are
+        resident but not counted."""
+        trim_malloc()
+        if _reset_peak_rss():
+            before = psutil.Process().memory_info().rss
+            run()
+            return max(_peak_rss() - before, 0)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        run()
+        return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before, 0)
 
     def check_worker_count(self, world_size: int, data_parallel_size: int = 1) -> None:
         """At least one core per worker process (under ``PAGEDLLM_CPU_OMP_THREADS_BIND``

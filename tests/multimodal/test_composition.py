@@ -12,7 +12,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.lora.request import LoRARequest
-from tests.helpers import can_host_workers, check_block_accounting
+from tests.helpers import can_host_workers, check_block_accounting, randomize_lora
 from tests.multimodal.checkpoints import (
     hf_greedy,
     hf_qwen_vl_greedy,
@@ -73,13 +73,8 @@ def make_llava_adapter(base, out, target_modules, seed: int = 5):
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     model = LlavaForConditionalGeneration.from_pretrained(base, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=target_modules,
-                                                  lora_dropout=0.0, bias="none"))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_A" in name or "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * (0.5 / param.shape[1] ** 0.5))
+    peft_model = randomize_lora(get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=target_modules,
+                                                                 lora_dropout=0.0, bias="none")), seed)
     adapter, merged = out / "adapter", out / "merged"
     peft_model.save_pretrained(adapter)
     peft_model.merge_and_unload().save_pretrained(merged)
