@@ -1,9 +1,11 @@
 """Image prompts compose with the engine's other features, greedy output token-identical to
 transformers' float32 ``generate`` on tiny image-text checkpoints: a LoRA adapter on Llava's
 language model (transformers + PEFT merged as the reference; one adapting the vision tower is
-refused), speculative decoding with the n-gram proposer (Llava, and Qwen2.5-VL's three-row
-positions for the drafted tokens), and ``-tp 2`` (Llava's CLIP tower and Qwen2.5-VL's vision
-tower split over two worker processes). Block and encoder-cache accounting checked at the end."""
+refused), speculative decoding with the n-gram proposer (Llava, Qwen2.5-VL) and with a
+text-only draft model (Qwen2.5-VL's language model: drafts accepted, so the drafted tokens'
+three-row positions count), EAGLE heads refused at load, and ``-tp 2`` (Llava's CLIP tower and
+Qwen2.5-VL's vision tower split over two worker processes). Block and encoder-cache
+accounting checked at the end."""
 
 from __future__ import annotations
 
@@ -117,6 +119,39 @@ def test_qwen_vl_ngram_spec_decode_matches_transformers(qwen_vl, images):
     stats = record_spec_stats(llm)
     assert _generate(llm, QWEN_PROMPTS, images) == _qwen_expected(qwen_vl, images)
     assert stats.num_drafts > 0, stats
+    _check_accounting(llm)
+
+
+def language_model_draft(vl_path, out):
+    """The Qwen2.5-VL checkpoint's language model as a text-only ``Qwen2ForCausalLM`` (plain
+    RoPE, no vision tower) with the checkpoint's tokenizer: a draft model that shares the
+    target's vocabulary and, away from the images, most of its predictions."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    vl = AutoModelForImageTextToText.from_pretrained(vl_path, dtype=torch.float32)
+    text = vl.config.text_config
+    config = Qwen2Config(hidden_size=text.hidden_size, num_hidden_layers=text.num_hidden_layers,
+                         num_attention_heads=text.num_attention_heads, num_key_value_heads=text.num_key_value_heads,
+                         intermediate_size=text.intermediate_size, vocab_size=text.vocab_size,
+                         max_position_embeddings=text.max_position_embeddings, rms_norm_eps=text.rms_norm_eps,
+                         rope_parameters={"rope_type": "default", "rope_theta": text.rope_parameters["rope_theta"]},
+                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    draft = Qwen2ForCausalLM(config)
+    draft.model.load_state_dict(vl.model.language_model.state_dict())
+    draft.lm_head.load_state_dict(vl.lm_head.state_dict())
+    draft.save_pretrained(out)
+    AutoTokenizer.from_pretrained(vl_path).save_pretrained(out)
+    return out
+
+
+def test_qwen_vl_draft_model_spec_decode_matches_transformers(tmp_path_factory, qwen_vl, images):
+    """A text-only draft model proposes without the images; the target verifies with them."""
+    draft = language_model_draft(qwen_vl, tmp_path_factory.mktemp("qwen2_5_vl-draft"))
+    llm = LLM(str(qwen_vl), dtype="float32", kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=16, block_size=8,
+              speculative_config={"model": str(draft), "num_speculative_tokens": 3})
+    stats = record_spec_stats(llm)
+    assert _generate(llm, QWEN_PROMPTS, images) == _qwen_expected(qwen_vl, images)
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
     _check_accounting(llm)
 
 
