@@ -52,6 +52,7 @@ def paged_decode_attention(
     sliding_window: Optional[int] = None,
     logits_soft_cap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
+    window_ends: Optional[torch.Tensor] = None,
 ) -> None:
     """Decode attention (one query per request) over the paged KV cache, into ``out``.
 
@@ -78,10 +79,14 @@ def paged_decode_attention(
             (Gemma 2's ``attn_logit_softcapping``); None: none.
         sinks: [Hq] float32 (other float dtypes are converted): a logit per query head that
             joins the softmax's denominator only (gpt-oss); None: none.
+        window_ends: [B] int64 (likewise), for queries that see keys past themselves (a
+            bidirectional image span: ``seq_lens`` holds the span's end): each query's
+            position + 1, where its sliding window ends (it attends max(0, e - W) ..
+            seq_len - 1); None: ``seq_lens``.
 
     Raises:
         RuntimeError: if the kernels are unavailable, or on bad shapes, dtypes, block ids,
-            lengths, windows or caps.
+            lengths (a window end outside 1 .. seq_len), windows or caps.
     """
     ops = _ns
     if portable:
@@ -91,7 +96,8 @@ def paged_decode_attention(
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()  # no copy when it is already
     op(out, query, key_cache, value_cache, block_table.long(), seq_lens.long(), float(scale), float(k_scale),
-       float(v_scale), sliding_window or 0, float(logits_soft_cap or 0.0), sinks)
+       float(v_scale), sliding_window or 0, float(logits_soft_cap or 0.0), sinks,
+       None if window_ends is None else window_ends.long())
 
 
 def write_kv_cache(
