@@ -178,6 +178,17 @@ def state_cache_bytes(llm: LLM) -> int:
     return runner.num_state_slots * runner.kv_cache_groups.state_bytes_per_request
 
 
+def randomize_lora(peft_model, seed: int):
+    """``peft_model`` with its LoRA A and B drawn at random (B non-zero, so the adapter
+    changes the outputs); returns it."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * (0.5 / param.shape[1] ** 0.5))
+    return peft_model
+
+
 def make_peft_adapter(base: Path, out_dir: Path, *, r: int, lora_alpha: float, target_modules: list[str],
                       use_rslora: bool = False, seed: int = 0, safe_serialization: bool = True) -> tuple[Path, Path]:
     """Write a PEFT LoRA adapter for ``base`` (A and B drawn at random, so it changes the
@@ -188,12 +199,7 @@ def make_peft_adapter(base: Path, out_dir: Path, *, r: int, lora_alpha: float, t
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=target_modules, use_rslora=use_rslora,
                         lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
-    peft_model = get_peft_model(model, config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_A" in name or "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * (0.5 / param.shape[1] ** 0.5))
+    peft_model = randomize_lora(get_peft_model(model, config), seed)
     adapter_dir, merged_dir = out_dir / "adapter", out_dir / "merged"
     peft_model.save_pretrained(adapter_dir, safe_serialization=safe_serialization)
     peft_model.merge_and_unload().save_pretrained(merged_dir)

@@ -5,8 +5,8 @@ The choice, made once per engine (``get_attn_backend``): the name given
 backend of ``current_platform.attn_backend_preference`` that can run with the model's head
 size and dtype, the block size, and the attention features the model uses (sliding windows,
 logits soft caps, sinks, chunked local attention, bidirectional image spans; on CPU:
-``CPU_ATTN`` when the C++ kernels build, else ``TORCH_SDPA``; both have every feature but the
-last, which only ``TORCH_SDPA`` has); when it passes over a backend it logs why (INFO,
+``CPU_ATTN`` when the C++ kernels build, else ``TORCH_SDPA``; both have every feature); when it
+passes over a backend it logs why (INFO,
 once per reason). A model with multi-head latent attention (``use_mla``: DeepSeek-V2 / V3)
 runs on an MLA backend (``AttentionBackend.is_mla``; built: ``TORCH_MLA``), any other on a
 backend that is not one. Another backend (a CUDA one, a test's) joins with

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from pagedllm.arch_config import IMAGE_TEXT_ARCHITECTURES
 from pagedllm.config.hub import load_hf_config, resolve_model_path
 from pagedllm.config.model import ModelConfig, derived_max_model_len
 
@@ -129,12 +130,16 @@ class SpeculativeConfig:
         Raises:
             ValueError: naming ``speculative_config['model']``: a path that is not a model, a
                 vocabulary size other than the target's, or a context shorter than the
-                target's ``max_model_len``; for an EAGLE head also an architecture of the
-                other method, a hidden size other than the target's, or EAGLE-3 layer ids
-                outside the target (see ``_check_eagle_head``).
+                target's ``max_model_len``; for an EAGLE head also an image-text target, an
+                architecture of the other method, a hidden size other than the target's, or
+                EAGLE-3 layer ids outside the target (see ``_check_eagle_head``).
         """
         if not self.uses_draft_model:
             return self
+        if self.is_eagle and target.architecture in IMAGE_TEXT_ARCHITECTURES:
+            raise ValueError(f"speculative_config['method']={self.method!r} is not supported yet with an image-text "
+                             f"model ({target.architecture}: the head would read the image placeholders' token "
+                             "embeddings, not the images'); n-gram and draft-model speculation are.")
         try:
             path = resolve_model_path(self.model, revision, download_dir)
             hf_config = load_hf_config(path, target.trust_remote_code)

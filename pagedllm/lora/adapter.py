@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.lora.peft_config import check_adapter, parse_weight_name
+from pagedllm.lora.peft_config import TARGET_PARENTS, check_adapter, parse_weight_name
 from pagedllm.lora.request import LoRARequest, adapter_weight_file
 
 
@@ -16,7 +16,8 @@ from pagedllm.lora.request import LoRARequest, adapter_weight_file
 class LoRAAdapter:
     """One loaded adapter.
 
-    ``modules``: checkpoint module name (``model.layers.0.self_attn.q_proj``) -> (A [r, in],
+    ``modules``: the language model's module name (``model.layers.0.self_attn.q_proj``, also
+    for an image-text model's adapter) -> (A [r, in],
     scaling * B [out, r]), float32 CPU tensors. ``rank``: r (the config's).
     """
 
@@ -43,7 +44,7 @@ def load_adapter(request: LoRARequest, hf_config: Any, max_lora_rank: int) -> Lo
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         layer, target, ab = parse_weight_name(name, request.lora_path)
-        module = name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
+        module = f"model.layers.{layer}.{TARGET_PARENTS[target]}.{target}"  # the language model's name
         halves.setdefault(module, {})[ab] = tensor.float()
     modules = {}
     for module, pair in halves.items():

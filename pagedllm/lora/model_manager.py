@@ -28,12 +28,21 @@ logger = logging.getLogger(__name__)
 AdapterKey = tuple[str, int, int]
 
 
+def language_model(model: nn.Module) -> nn.Module:
+    """The module whose ``model.layers.*`` an adapter adapts: an image-text model's
+    ``language_model``, else ``model`` itself."""
+    inner = getattr(model, "language_model", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
 class LoRAModelManager:
     """Multi-LoRA state of one model on one device.
 
     Args:
         model: a Llama-family model (``model.layers.<i>`` decoder layers, a
-            ``stacked_params_mapping`` of fused q/k/v and gate/up), weights loaded.
+            ``stacked_params_mapping`` of fused q/k/v and gate/up), or an image-text model whose
+            ``language_model`` is one (``language_model``: only its layers are adapted; the
+            vision tower and projector never are), weights loaded.
         hf_config: its HF config (to check adapters).
         max_loras: device slots; max_lora_rank: the largest rank; max_cpu_loras: adapters
             kept loaded in CPU memory (at least ``max_loras``).
@@ -49,6 +58,7 @@ class LoRAModelManager:
         self.max_cpu_loras = max_cpu_loras
         self.mapping = LoRAStepMapping()
         self.methods: dict[str, LoRALinearMethod] = {}
+        model = language_model(model)
         for name, module in model.named_modules():
             if isinstance(module, LinearBase) and name.startswith("model.layers."):
                 method = LoRALinearMethod(module.quant_method, module, max_loras, max_lora_rank, self.mapping, device,

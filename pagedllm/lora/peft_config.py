@@ -9,8 +9,11 @@ PEFT's format (``peft.LoraConfig`` / ``save_pretrained``): ``adapter_config.json
 ``W' = W + scaling * B A`` with ``scaling = lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with
 rsLoRA (Kalajdzievski 2023; PEFT's ``use_rslora``).
 
-Supported: ``target_modules`` among the Llama family's q/k/v/o_proj and gate/up/down_proj,
-``bias: "none"``. Refused with a ``ValueError`` naming the option: DoRA (``use_dora``),
+Supported: ``target_modules`` among the Llama family's q/k/v/o_proj and gate/up/down_proj
+(a list of names, or PEFT's regex string: then the tensors it matched are checked),
+``bias: "none"``; in an image-text model, those of its language model (PEFT's names
+``model.language_model.layers.*`` of transformers 5, ``language_model.model.layers.*`` of
+transformers 4), not the vision tower's or the projector's. Refused with a ``ValueError`` naming the option: DoRA (``use_dora``),
 ``modules_to_save``, extra vocabulary (embedding / lm_head adapters), mixture-of-experts
 experts (tensors under ``.experts.``), per-module
 ``rank_pattern`` / ``alpha_pattern``, a rank above ``max_lora_rank``, modules the model lacks
@@ -38,7 +41,9 @@ TARGET_PARENTS = {
 #: Why an adapter on mixture-of-experts experts (Mixtral's w1 / w2 / w3 ...) is refused.
 EXPERTS_REFUSED = "LoRA on mixture-of-experts experts (FusedMoE) is not supported"
 
-_WEIGHT_NAME = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])\.weight")
+#: The decoder layers' prefixes: a language model's, then an image-text model's language model's.
+_LAYERS = r"(?:model\.|model\.language_model\.|language_model\.model\.)layers"
+_WEIGHT_NAME = re.compile(rf"base_model\.model\.{_LAYERS}\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])\.weight")
 
 
 @dataclass(frozen=True)
@@ -81,8 +86,11 @@ def read_adapter_config(lora_path: str) -> PeftAdapterConfig:
     if raw.get("bias", "none") != "none":
         raise ValueError(f"{where}: bias {raw['bias']!r} is not supported (only 'none').")
     targets = raw.get("target_modules") or []
+    # A string is PEFT's regex over full module names (the way to pick an image-text model's
+    # language model): what it matched is checked tensor by tensor (``check_adapter``).
     targets = [targets] if isinstance(targets, str) else list(targets)
-    unknown = sorted(t for t in targets if t not in TARGET_PARENTS)
+    regex = isinstance(raw.get("target_modules"), str)
+    unknown = [] if regex else sorted(t for t in targets if t not in TARGET_PARENTS)
     if unknown:
         raise ValueError(
             f"{where}: target module(s) {unknown} are not in this model; LoRA applies to {sorted(TARGET_PARENTS)} "
@@ -126,12 +134,14 @@ def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
 
 
 def parse_weight_name(name: str, lora_path: str) -> tuple[int, str, str]:
-    """``base_model.model.model.layers.<i>.<parent>.<target>.lora_<A|B>.weight`` -> (layer
-    index i, target, "A" or "B").
+    """``base_model.model.model.layers.<i>.<parent>.<target>.lora_<A|B>.weight`` (or an
+    image-text model's ``model.language_model.layers`` / ``language_model.model.layers``) ->
+    (layer index i, target, "A" or "B").
 
     Raises:
         ValueError: any other tensor (embedding or lm_head adapters: extra vocabulary;
-            DoRA magnitudes; biases; modules outside the supported targets).
+            DoRA magnitudes; biases; modules outside the supported targets, such as a
+            vision tower's).
     """
     if ".experts." in name:
         raise ValueError(f"LoRA adapter {lora_path!r}: tensor {name!r} adapts an expert: {EXPERTS_REFUSED}.")
@@ -139,7 +149,8 @@ def parse_weight_name(name: str, lora_path: str) -> tuple[int, str, str]:
     if match is None or TARGET_PARENTS.get(match.group(3)) != match.group(2):
         raise ValueError(
             f"LoRA adapter {lora_path!r}: tensor {name!r} is not supported (LoRA A/B of "
-            f"{sorted(TARGET_PARENTS)} only: no embedding / lm_head adapters, DoRA or biases)."
+            f"{sorted(TARGET_PARENTS)} of the language model's decoder layers only: no embedding / lm_head / vision "
+            "tower adapters, DoRA or biases)."
         )
     return int(match.group(1)), match.group(3), match.group(4)
 

@@ -21,7 +21,8 @@ from pagedllm.arch_config import IMAGE_TEXT_ARCHITECTURES
 GRID_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
 
 
-def _vision_value(vision: Any, key: str) -> Any:
+def vision_value(vision: Any, key: str) -> Any:
+    """``vision[key]`` of a vision config or its dict."""
     return vision[key] if isinstance(vision, dict) else getattr(vision, key)
 
 
@@ -69,13 +70,13 @@ def max_tokens_per_mm_item(hf_config: Any, model_dir: Optional[Path] = None,
         return int(hf_config.mm_tokens_per_image)
     vision = hf_config.vision_config
     if architecture == "Mistral3ForConditionalGeneration":
-        edge = longest_edge_of(model_dir, mm_processor_kwargs) or _vision_value(vision, "image_size")
-        return (edge // (_vision_value(vision, "patch_size") * hf_config.spatial_merge_size)) ** 2
+        edge = longest_edge_of(model_dir, mm_processor_kwargs) or vision_value(vision, "image_size")
+        return (edge // (vision_value(vision, "patch_size") * hf_config.spatial_merge_size)) ** 2
     if architecture in GRID_ARCHITECTURES:
         max_pixels = max_pixels_of(model_dir, mm_processor_kwargs)
-        token_side = _vision_value(vision, "patch_size") * _vision_value(vision, "spatial_merge_size")
+        token_side = vision_value(vision, "patch_size") * vision_value(vision, "spatial_merge_size")
         return 0 if max_pixels is None else max_pixels // token_side**2
-    num_patches = (_vision_value(vision, "image_size") // _vision_value(vision, "patch_size")) ** 2
+    num_patches = (vision_value(vision, "image_size") // vision_value(vision, "patch_size")) ** 2
     return num_patches + (hf_config.vision_feature_select_strategy == "full")
 
 

@@ -317,6 +317,14 @@ class MultiModalProcessor:
         ]
         return token_ids, features
 
+    def placeholder_text(self) -> str:
+        """The text a prompt writes for one image: the layout's ``chat_placeholder``, else the
+        token of its ``prompt_token_key`` (or ``image_token_key``)."""
+        if self.layout.chat_placeholder is not None:
+            return self.layout.chat_placeholder
+        token_id = int(getattr(self.hf_config, self.layout.prompt_token_key or self.layout.image_token_key))
+        return self.processor.tokenizer.convert_ids_to_tokens(token_id)
+
     def _num_placeholders(self, token_ids: list[int], num_items: int) -> int:
         """Placeholder tokens per image of a layout whose images all fill the same number."""
         total = sum(t == self.image_token_id for t in token_ids)

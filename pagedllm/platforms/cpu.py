@@ -67,6 +67,14 @@ class CpuPlatform(Platform):
         growth = peak_growth(lambda: dummy_run(num_tokens))
         return int(growth * max_num_tokens / num_tokens)
 
+    def profile_peak(self, run: Callable[[], None]) -> int:
+        """The anonymous memory ``run()`` adds at its peak (``cpu_memory.peak_growth``: the
+        peak RSS reset first, so that an earlier, higher peak does not hide it; mapped pages
+        left out). The free heap goes back to the kernel first (``trim_malloc``), so that
+        ``run`` cannot reuse pages that are resident but not counted."""
+        trim_malloc()
+        return peak_growth(run)
+
     def check_worker_count(self, world_size: int, data_parallel_size: int = 1) -> None:
         """At least one core per worker process (under ``PAGEDLLM_CPU_OMP_THREADS_BIND``
         ``auto``; an explicit binding, which may share cores, is checked by the workers).

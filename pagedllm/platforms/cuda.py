@@ -83,6 +83,13 @@ class CudaPlatform(Platform):
         dummy_run(max_num_tokens)
         return torch.cuda.max_memory_allocated() - base
 
+    def profile_peak(self, run: Callable[[], None]) -> int:
+        """``torch.cuda.max_memory_allocated`` growth over ``run()``."""
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        run()
+        return torch.cuda.max_memory_allocated() - base
+
 
 def _require_devices(needed: int, what: str) -> None:
     """Raise ``ValueError("<what>; N device(s) are visible.")`` when fewer than ``needed``

@@ -76,6 +76,11 @@ class Platform:
         """
         raise NotImplementedError
 
+    def profile_peak(self, run: Callable[[], None]) -> int:
+        """Peak memory (bytes) above the use at the call while ``run()`` runs, at its full size
+        (not scaled): the vision encoder's profile on its largest image."""
+        raise NotImplementedError
+
     def check_worker_count(self, world_size: int, data_parallel_size: int = 1) -> None:
         """Refuse ``world_size`` worker processes on this machine (those of all
         ``data_parallel_size`` replicas) when it cannot give each its own device (GPU) or

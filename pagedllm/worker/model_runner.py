@@ -341,9 +341,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_run(self) -> int:
-        """Peak activation memory (bytes) of a forward over ``max_num_batched_tokens``
-        tokens, as the platform measures it (``Platform.profile_activation_peak``)."""
-        return current_platform.profile_activation_peak(self._dummy_run, self.scheduler_config.max_num_batched_tokens)
+        """Peak activation memory (bytes): the larger of a forward over ``max_num_batched_tokens``
+        tokens (``Platform.profile_activation_peak``) and, for an image-text model, its vision
+        encoder on the largest image the limits allow (``Platform.profile_peak`` of
+        ``get_multimodal_embeddings`` on ``pagedllm.multimodal.profiling.dummy_image_inputs``).
+
+        Raises:
+            ValueError: the model's processor refuses the dummy image.
+        """
+        peak = current_platform.profile_activation_peak(self._dummy_run, self.scheduler_config.max_num_batched_tokens)
+        if not hasattr(self.model, "get_multimodal_embeddings") or not self.pp.is_first_rank:
+            return peak
+        from pagedllm.multimodal.profiling import dummy_image_inputs
+
+        inputs = dummy_image_inputs(self.model_config)
+        if inputs is None:
+            return peak
+        inputs = {name: tensor.to(self.device) for name, tensor in inputs.items()}
+        encoder_peak = current_platform.profile_peak(lambda: self.model.get_multimodal_embeddings(**inputs))
+        logger.info("Memory profile: %.1f MiB for %d tokens, %.1f MiB for the vision encoder on the largest image",
+                    peak / 2**20, self.scheduler_config.max_num_batched_tokens, encoder_peak / 2**20)
+        return max(peak, encoder_peak)
 
     def _dummy_run(self, num_tokens: int) -> None:
         """Forward ``num_tokens`` tokens as prefills of at most ``max_model_len`` tokens each,

@@ -1,8 +1,9 @@
 """Bidirectional ranges (``CommonAttentionMetadata.bidirectional_ranges``, Gemma 3's image
-spans) in ``TORCH_SDPA``, batched and ``--batch-invariant``, with and without a sliding window,
-against a float64 reference on a step mixing decodes and chunked prefills: a range inside a
-whole prompt, one ending at a chunk's end, one starting in the cached context; and the backend
-choice (``CPU_ATTN`` lacks them)."""
+spans) in ``TORCH_SDPA`` and ``CPU_ATTN`` (at every instruction-set level the kernel tests
+run), batched and ``--batch-invariant``, with and without a sliding window, against a float64
+reference on a step mixing decodes and chunked prefills: a range inside a whole prompt, one
+ending at a chunk's end, one starting in the cached context; the kernel's window ends checked;
+and the backend choice (both have them)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pagedllm.attention import selector
 from pagedllm.attention.backends.cpu_attn import CpuAttnBackend
 from pagedllm.attention.backends.torch_sdpa import TorchSDPABackend
 from tests.attention.test_backends import _mixed_step
+from tests.helpers import cpu_only
 
 #: (request index, start, end) of ``_mixed_step``'s requests: request 2 is a whole 13-token
 #: prompt, 3 a 7-token chunk after 21 cached tokens, 4 a 16-token chunk after 32.
@@ -71,10 +73,34 @@ def test_torch_sdpa_attends_both_ways_inside_ranges(window, batch_invariant):
     assert (out.double() - expected).abs().max() < 1e-5
 
 
-def test_only_torch_sdpa_is_chosen_for_bidirectional_ranges(monkeypatch):
+@cpu_only
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["batched", "per_token"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_cpu_attn_attends_both_ways_inside_ranges(isa_kernel, window, batch_invariant):
+    query, key, value, kv_cache, common = _mixed_step(torch.float32)
+    common = dataclasses.replace(common, bidirectional_ranges=RANGES)
+    expected = _reference(query, key, value, kv_cache, common, window)
+    builder = CpuAttnBackend.get_builder_cls()(8, torch.device("cpu"), batch_invariant=batch_invariant)
+    impl = CpuAttnBackend.get_impl_cls()(6, 64, SCALE, 2, sliding_window=window)
+    out = impl.forward(None, query, key, value, kv_cache.clone(), builder.build(common))
+    assert (out.double() - expected).abs().max() < 1e-5
+
+
+@cpu_only
+def test_kernel_refuses_window_ends_outside_the_context(kernel):
+    query, key, value, kv_cache, common = _mixed_step(torch.float32)
+    md = CpuAttnBackend.get_builder_cls()(8, torch.device("cpu")).build(
+        dataclasses.replace(common, bidirectional_ranges=RANGES))
+    out = torch.empty_like(query)
+    for bad in (md.seq_lens + 1, torch.zeros_like(md.seq_lens)):
+        with pytest.raises(RuntimeError, match="window_end"):
+            kernel.paged_decode_attention(out, query, kv_cache[0], kv_cache[1], md.block_table, md.seq_lens, SCALE,
+                                          window_ends=bad)
+
+
+def test_both_backends_attend_both_ways(monkeypatch):
     monkeypatch.delenv(selector.ENV, raising=False)
     assert TorchSDPABackend.missing_features(uses_bidirectional_ranges=True) == []
-    assert CpuAttnBackend.missing_features(uses_bidirectional_ranges=True) == ["bidirectional attention in image spans"]
-    assert selector.get_attn_backend(64, torch.float32, 16, uses_bidirectional_ranges=True) is TorchSDPABackend
-    with pytest.raises(ValueError, match="bidirectional attention in image spans"):
-        selector.get_attn_backend(64, torch.float32, 16, "CPU_ATTN", uses_bidirectional_ranges=True)
+    assert CpuAttnBackend.missing_features(uses_bidirectional_ranges=True) == []
+    assert selector.get_attn_backend(64, torch.float32, 16, "TORCH_SDPA",
+                                     uses_bidirectional_ranges=True) is TorchSDPABackend

@@ -34,8 +34,10 @@ import torch
 NUM_IMAGE_TOKENS = 16
 
 
-def make_llava_checkpoint(out: Path, seed: int = 21, vision_feature_select_strategy: str = "default") -> Path:
-    """Write the checkpoint, tokenizer and processor to ``out``; returns ``out``."""
+def make_llava_checkpoint(out: Path, seed: int = 21, vision_feature_select_strategy: str = "default",
+                          pad_vocab_to: int = 1) -> Path:
+    """Write the checkpoint, tokenizer and processor to ``out``; returns ``out``. The
+    vocabulary is padded to a multiple of ``pad_vocab_to`` (as real Llava checkpoints are)."""
     from transformers import CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig
     from transformers import LlavaForConditionalGeneration, LlavaProcessor
     from transformers.initialization import no_init_weights
@@ -48,8 +50,8 @@ def make_llava_checkpoint(out: Path, seed: int = 21, vision_feature_select_strat
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                               image_size=32, patch_size=8, projection_dim=32)
     text = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       intermediate_size=128, vocab_size=len(tokenizer), max_position_embeddings=2048,
-                       bos_token_id=0, eos_token_id=0, pad_token_id=0)
+                       intermediate_size=128, vocab_size=-(-len(tokenizer) // pad_vocab_to) * pad_vocab_to,
+                       max_position_embeddings=2048, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     config = LlavaConfig(vision_config=vision, text_config=text,
                          image_token_index=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
                          vision_feature_select_strategy=vision_feature_select_strategy,

@@ -27,12 +27,12 @@ at most ``FP8_WIDEN_MAX_CONTEXT_TOKENS``), each layer widens their contexts' blo
 and their tokens attend over that copy (block tables renumbered by the builder); decode
 tokens still read the FP8 cache (for them it is faster).
 
-No bidirectional ranges (``CommonAttentionMetadata.bidirectional_ranges``, Gemma 3's image
-spans): the kernel's context of a query is the ``seq_len`` keys before it and its window the
-last W of them, so a query that sees later keys of its range would have its window moved with
-them; a model that uses such ranges runs on ``TORCH_SDPA``. Chunked local attention (Llama 4's
-``attention_chunk_size`` C) is the kernel's window starting at the query's chunk
-(position - position % C) instead.
+Bidirectional ranges (``CommonAttentionMetadata.bidirectional_ranges``, Gemma 3's image
+spans): a query inside a range gets the range's end as its context length
+(``query_key_ends``) and its own position + 1 as its window end (``window_ends``), so that a
+sliding window still ends at the query, not at the range's end; the kernel computes such a
+token alone. Chunked local attention (Llama 4's ``attention_chunk_size`` C) is the kernel's
+window starting at the query's chunk (position - position % C) instead.
 
 With ``--batch-invariant`` the kernel forms no runs (``per_token``) and nothing is widened:
 every token is computed alone, from the cache as it is.
@@ -67,7 +67,10 @@ FP8_WIDEN_MAX_CONTEXT_TOKENS = 32768
 class CpuAttnMetadata(AttentionMetadata):
     """Attributes (one row per token of the step, every token a decode query):
     block_table: [num_tokens, max_blocks] int64, the token's request's block table.
-    seq_lens: [num_tokens] int64, the token's position + 1.
+    seq_lens: [num_tokens] int64, the token's position + 1 (inside a bidirectional range:
+        the range's end).
+    window_ends: [num_tokens] int64 or None: each token's position + 1, where a step has
+        bidirectional ranges (its sliding window ends there); None otherwise.
     prefill_blocks: [num_context_blocks] int64 or None: the blocks of the prefill requests'
         contexts, request after request, when their contexts are to be widened (an FP8
         cache; see the module docstring); None otherwise.
@@ -81,15 +84,20 @@ class CpuAttnMetadata(AttentionMetadata):
     prefill_blocks: Optional[torch.Tensor] = None
     prefill_block_table: Optional[torch.Tensor] = None
     per_token: bool = False
+    window_ends: Optional[torch.Tensor] = None
 
 
 class CpuAttnMetadataBuilder(AttentionMetadataBuilder[CpuAttnMetadata]):
     def build(self, common: CommonAttentionMetadata) -> CpuAttnMetadata:
-        """Per-token block tables and causal context lengths (no copies without prefills)."""
+        """Per-token block tables and context lengths: causal, or up to the end of a
+        bidirectional range (no copies without prefills)."""
         block_table, seq_lens = common.block_table, common.seq_lens
+        window_ends = None
         if common.num_prefills:
             token_req, seq_lens = common.tokens_as_decodes()
             block_table = block_table[token_req]
+            if common.bidirectional_ranges is not None:
+                window_ends, seq_lens = seq_lens, common.query_key_ends()
         metadata = CpuAttnMetadata(
             slot_mapping=self.to_device(common.slot_mapping),
             num_decodes=common.num_decodes,
@@ -97,6 +105,7 @@ class CpuAttnMetadataBuilder(AttentionMetadataBuilder[CpuAttnMetadata]):
             block_table=self.to_device(block_table),
             seq_lens=self.to_device(seq_lens),
             per_token=self.batch_invariant,
+            window_ends=None if window_ends is None else self.to_device(window_ends),
         )
         if self.batch_invariant:
             return metadata
@@ -126,6 +135,7 @@ class CpuAttnImpl(AttentionImpl[CpuAttnMetadata]):
     supports_logits_soft_cap = True
     supports_sinks = True
     supports_chunked_local_attention = True
+    supports_bidirectional_ranges = True
 
     def forward(self, layer: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: CpuAttnMetadata) -> torch.Tensor:
@@ -145,7 +155,7 @@ class CpuAttnImpl(AttentionImpl[CpuAttnMetadata]):
         else:
             cpu_kernels.paged_decode_attention(
                 output, query, kv_cache[0], kv_cache[1], md.block_table, md.seq_lens, self.scale, k_scale, v_scale,
-                per_token=md.per_token, **features,
+                per_token=md.per_token, window_ends=md.window_ends, **features,
             )
         return output
 
@@ -156,17 +166,18 @@ class CpuAttnImpl(AttentionImpl[CpuAttnMetadata]):
         the kernel's window / soft cap / sinks / chunk arguments."""
         assert md.prefill_block_table is not None
         nd = md.num_decodes
+        ends = (None, None) if md.window_ends is None else (md.window_ends[:nd], md.window_ends[nd:])
         if nd:
             cpu_kernels.paged_decode_attention(
                 output[:nd], query[:nd], kv_cache[0], kv_cache[1], md.block_table[:nd], md.seq_lens[:nd], self.scale,
-                k_scale, v_scale, **features,
+                k_scale, v_scale, window_ends=ends[0], **features,
             )
         # NOTE: index_select has no FP8 kernels; the blocks are gathered as bytes.
         blocks = kv_cache.view(torch.uint8).index_select(1, md.prefill_blocks).view(kv_cache.dtype)
         context, factor = widen(blocks, query.dtype)
         cpu_kernels.paged_decode_attention(
             output[nd:], query[nd:], context[0], context[1], md.prefill_block_table, md.seq_lens[nd:], self.scale,
-            k_scale * factor, v_scale * factor, **features,
+            k_scale * factor, v_scale * factor, window_ends=ends[1], **features,
         )
 
 
@@ -183,8 +194,8 @@ class CpuAttnBackend(AttentionBackend):
         uses_sliding_window: bool = False, uses_logits_soft_cap: bool = False, has_sinks: bool = False,
         uses_bidirectional_ranges: bool = False, uses_chunked_local_attention: bool = False,
     ) -> list[str]:
-        """The base checks (the kernel has windows, chunks, soft caps and sinks, not
-        bidirectional ranges: see the module docstring), the platform (CPU), and the kernels (built or
+        """The base checks (the kernel has windows, chunks, soft caps, sinks and bidirectional
+        ranges: see the module docstring), the platform (CPU), and the kernels (built or
         loaded now, at start-up rather than in the first request; ~15 s the first time on a
         machine)."""
         reasons = super().validate_configuration(

@@ -53,6 +53,7 @@ def paged_decode_attention(
     logits_soft_cap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     attention_chunk_size: Optional[int] = None,
+    window_ends: Optional[torch.Tensor] = None,
 ) -> None:
     """Decode attention (one query per request) over the paged KV cache, into ``out``.
 
@@ -82,10 +83,14 @@ def paged_decode_attention(
         attention_chunk_size: C tokens: chunked local attention, a query of context length n
             attends to positions (n - 1) - (n - 1) % C .. n - 1 only, its aligned chunk (Llama
             4; the blocks before are never read); None: none. Not with ``sliding_window``.
+        window_ends: [B] int64 (likewise), for queries that see keys past themselves (a
+            bidirectional image span: ``seq_lens`` holds the span's end): each query's
+            position + 1, where its sliding window ends (it attends max(0, e - W) ..
+            seq_len - 1); None: ``seq_lens``.
 
     Raises:
         RuntimeError: if the kernels are unavailable, or on bad shapes, dtypes, block ids,
-            lengths, windows, chunks or caps.
+            lengths (a window end outside 1 .. seq_len), windows, chunks or caps.
     """
     ops = _ns
     if portable:
@@ -95,7 +100,8 @@ def paged_decode_attention(
     if sinks is not None:
         sinks = sinks.to(torch.float32).contiguous()  # no copy when it is already
     op(out, query, key_cache, value_cache, block_table.long(), seq_lens.long(), float(scale), float(k_scale),
-       float(v_scale), sliding_window or 0, float(logits_soft_cap or 0.0), sinks, attention_chunk_size or 0)
+       float(v_scale), sliding_window or 0, float(logits_soft_cap or 0.0), sinks, attention_chunk_size or 0,
+       None if window_ends is None else window_ends.long())
 
 
 def write_kv_cache(

@@ -22,6 +22,10 @@
 //   sinks             [Hq] float32 or None: a logit per query head that joins the softmax's
 //                     denominator only (out = sum_j e^(s_j - m) v_j / (e^(sink - m) + sum_j
 //                     e^(s_j - m)), gpt-oss).
+//   window_ends       [B] int64 or None: where a query sees keys past itself (a bidirectional
+//                     image span, Gemma 3: seq_len is then the span's end), its position + 1,
+//                     at which its sliding window ends (it attends max(0, e - W) .. n - 1);
+//                     such a token is computed alone. None: every token's is its seq_len.
 //
 // The caches have the query's dtype, or float8 (e4m3fn or e5m2: --kv-cache-dtype fp8), widened
 // exactly as they are loaded, 16 or 32 at a time, by moving bits (no per-element multiply);
@@ -85,10 +89,13 @@ Kernels<T, C> pick_kernels(const Params& p, bool force_portable) {
 // Whether query token a + 1 continues token a's run (see the header): one more token over
 // the same context, its block table equal to a's over the blocks a reads from the run's first
 // block `from` (the first block its first token's window reads).
-inline bool continues_run(const Params& p, const int64_t* block_table, const int64_t* seq_lens, int64_t a,
-                          int64_t from) {
-  const int64_t n = seq_lens[a * p.sl_s0], next = seq_lens[(a + 1) * p.sl_s0];
+template <typename T, typename C>
+inline bool continues_run(const Params& p, const Ptrs<T, C>& x, int64_t a, int64_t from) {
+  const int64_t* block_table = x.block_table;
+  const int64_t n = x.seq_lens[a * p.sl_s0], next = x.seq_lens[(a + 1) * p.sl_s0];
   if (n < 1 || next != n + 1 || next > p.max_blocks * p.block_size) return false;
+  // A token whose keys reach past it (its window end is not its length) is computed alone.
+  if (window_end(x, a, n) != n || window_end(x, a + 1, next) != next) return false;
   const int64_t used = (n + p.block_size - 1) / p.block_size;
   for (int64_t i = from; i < used; ++i)
     if (block_table[a * p.bt_s0 + i * p.bt_s1] != block_table[(a + 1) * p.bt_s0 + i * p.bt_s1]) return false;
@@ -111,9 +118,9 @@ void run(const Params& p, const Ptrs<T, C>& x, bool force_portable, bool runs) {
   for (int64_t b = 0; b < p.batch;) {
     run_start.push_back(b);
     int64_t length = 1;
-    const int64_t from = window_start(p, std::max<int64_t>(x.seq_lens[b * p.sl_s0], 0)) / p.block_size;
-    while (length < max_run && b + length < p.batch &&
-           continues_run(p, x.block_table, x.seq_lens, b + length - 1, from))
+    const int64_t n = std::max<int64_t>(x.seq_lens[b * p.sl_s0], 0);
+    const int64_t from = window_start(p, std::min(window_end(x, b, n), n)) / p.block_size;
+    while (length < max_run && b + length < p.batch && continues_run(p, x, b + length - 1, from))
       ++length;
     b += length;
   }
@@ -151,6 +158,9 @@ void run(const Params& p, const Ptrs<T, C>& x, bool force_portable, bool runs) {
       const int64_t n = x.seq_lens[last * p.sl_s0];
       TORCH_CHECK(n >= 0 && n <= p.max_blocks * p.block_size, "paged_decode_attention: seq_len ", n, " of request ",
                   last, " exceeds its block table (", p.max_blocks, " blocks of ", p.block_size, ")");
+      const int64_t win = window_end(x, last, n);
+      TORCH_CHECK(win <= n && (win >= 1 || n == 0), "paged_decode_attention: window_end ", win, " of request ", last,
+                  " must be in 1 .. its seq_len ", n);
       for (int64_t h = h0; h < h0 + heads_per_item; ++h) {
         if (n == 0) {  // (a run's tokens have n >= 1)
           for (int64_t g = 0; g < p.group; ++g) {
@@ -161,7 +171,7 @@ void run(const Params& p, const Ptrs<T, C>& x, bool force_portable, bool runs) {
         }
         for (int64_t g0 = 0; g0 < p.group; g0 += sub) {
           const int64_t count = std::min(sub, p.group - g0);
-          const Work wk{b, h, g0, count, n, tokens};
+          const Work wk{b, h, g0, count, n, tokens, win};
           kernels.by_group[kernels.vector ? count * tokens : 0](p, x, wk, w);
         }
       }
@@ -173,13 +183,15 @@ void run(const Params& p, const Ptrs<T, C>& x, bool force_portable, bool runs) {
 template <typename T>
 void run_cache(const Params& p, at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
-               bool force_portable, bool runs) {
+               const std::optional<at::Tensor>& window_ends, bool force_portable, bool runs) {
   const auto go = [&](auto cache_tag) {
     using C = decltype(cache_tag);
     run<T, C>(p,
               Ptrs<T, C>{query.const_data_ptr<T>(), out.mutable_data_ptr<T>(), key_cache.const_data_ptr<C>(),
                          value_cache.const_data_ptr<C>(), block_table.const_data_ptr<int64_t>(),
-                         seq_lens.const_data_ptr<int64_t>()},
+                         seq_lens.const_data_ptr<int64_t>(),
+                         window_ends.has_value() ? window_ends->const_data_ptr<int64_t>() : nullptr,
+                         window_ends.has_value() ? window_ends->stride(0) : 0},
               force_portable, runs);
   };
   switch (key_cache.scalar_type()) {
@@ -193,7 +205,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
                            const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
                            double scale, double k_scale, double v_scale, int64_t sliding_window,
                            double logits_soft_cap, const std::optional<at::Tensor>& sinks,
-                           int64_t attention_chunk_size, bool force_portable, bool runs) {
+                           int64_t attention_chunk_size, const std::optional<at::Tensor>& window_ends,
+                           bool force_portable, bool runs) {
   TORCH_CHECK(query.device().is_cpu() && out.device().is_cpu() && key_cache.device().is_cpu() &&
                   value_cache.device().is_cpu() && block_table.device().is_cpu() && seq_lens.device().is_cpu(),
               "paged_decode_attention: all tensors must be on CPU");
@@ -222,6 +235,13 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
                     sinks->size(0) == query.size(1) && sinks->is_contiguous(),
                 "paged_decode_attention: sinks must be a contiguous float32 CPU tensor [num_heads] (", query.size(1),
                 "), got ", sinks->scalar_type(), " ", sinks->sizes());
+  }
+
+  if (window_ends.has_value()) {
+    TORCH_CHECK(window_ends->device().is_cpu() && window_ends->scalar_type() == at::kLong && window_ends->dim() == 1 &&
+                    window_ends->size(0) == query.size(0),
+                "paged_decode_attention: window_ends must be an int64 CPU tensor [B] (", query.size(0), "), got ",
+                window_ends->scalar_type(), " ", window_ends->sizes());
   }
 
   Params p;
@@ -261,9 +281,9 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
   if (p.batch == 0 || p.num_heads == 0) return;
   switch (dtype) {
-    case at::kFloat: run_cache<float>(p, out, query, key_cache, value_cache, block_table, seq_lens, force_portable, runs); break;
-    case at::kBFloat16: run_cache<c10::BFloat16>(p, out, query, key_cache, value_cache, block_table, seq_lens, force_portable, runs); break;
-    case at::kHalf: run_cache<c10::Half>(p, out, query, key_cache, value_cache, block_table, seq_lens, force_portable, runs); break;
+    case at::kFloat: run_cache<float>(p, out, query, key_cache, value_cache, block_table, seq_lens, window_ends, force_portable, runs); break;
+    case at::kBFloat16: run_cache<c10::BFloat16>(p, out, query, key_cache, value_cache, block_table, seq_lens, window_ends, force_portable, runs); break;
+    case at::kHalf: run_cache<c10::Half>(p, out, query, key_cache, value_cache, block_table, seq_lens, window_ends, force_portable, runs); break;
     default: TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", dtype);
   }
 }
@@ -275,9 +295,10 @@ template <bool kPortable, bool kRuns>
 void decode_attention_op(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                          const at::Tensor& value_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
                          double scale, double k_scale, double v_scale, int64_t sliding_window, double logits_soft_cap,
-                         const std::optional<at::Tensor>& sinks, int64_t attention_chunk_size) {
+                         const std::optional<at::Tensor>& sinks, int64_t attention_chunk_size,
+                         const std::optional<at::Tensor>& window_ends) {
   decode_attention_impl(out, query, key_cache, value_cache, block_table, seq_lens, scale, k_scale, v_scale,
-                        sliding_window, logits_soft_cap, sinks, attention_chunk_size, kPortable, kRuns);
+                        sliding_window, logits_soft_cap, sinks, attention_chunk_size, window_ends, kPortable, kRuns);
 }
 
 }  // namespace
@@ -285,7 +306,7 @@ void decode_attention_op(at::Tensor& out, const at::Tensor& query, const at::Ten
 #define PAGEDLLM_DECODE_SCHEMA                                                                                \
   "(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor seq_lens, " \
   "float scale, float k_scale, float v_scale, int sliding_window=0, float logits_soft_cap=0., "               \
-  "Tensor? sinks=None, int attention_chunk_size=0) -> ()"
+  "Tensor? sinks=None, int attention_chunk_size=0, Tensor? window_ends=None) -> ()"
 
 PAGEDLLM_FRAGMENT(m) {
   m.def("paged_decode_attention" PAGEDLLM_DECODE_SCHEMA);

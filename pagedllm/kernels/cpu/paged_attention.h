@@ -69,7 +69,17 @@ struct Ptrs {
   const C* v;
   const int64_t* block_table;
   const int64_t* seq_lens;
+  // [B] (stride we_s0): the position + 1 a query's sliding window ends at, where it sees keys
+  // past itself (a bidirectional image span: seq_len is the span's end); nullptr: seq_lens.
+  const int64_t* window_ends;
+  int64_t we_s0;
 };
+
+// Token b's window end (see Ptrs::window_ends): its seq_len n unless given.
+template <typename T, typename C>
+inline int64_t window_end(const Ptrs<T, C>& x, int64_t b, int64_t n) {
+  return x.window_ends != nullptr ? x.window_ends[b * x.we_s0] : n;
+}
 
 // Per-thread scratch (64-byte aligned parts): scores [group][cap] float (cap >= every seq_len
 // rounded up to the tile, plus a tile with a sliding window; a multiple of 32), weights16 [group][cap] 16-bit, acc
@@ -184,16 +194,17 @@ PAGEDLLM_INLINE void for_each_tile(RowCursor<C>& cursor, int64_t lead, int64_t n
 
 // Query heads [h * group + g0, h * group + g0 + count) of query tokens b .. b + tokens - 1
 // (one context: a run, see paged_attention.cpp) against kv head h; n is the last token's
-// length (token j's is n - (tokens - 1 - j)), and the last token's block table row is read.
+// length (token j's is n - (tokens - 1 - j)), and the last token's block table row is read;
+// win is the last token's window end (n, except for a single token whose keys reach past it).
 // Member i of the G = count x tokens computed together is head g0 + i % count of token
 // b + i / count.
 struct Work {
-  int64_t b, h, g0, count, n, tokens;
+  int64_t b, h, g0, count, n, tokens, win;
 
   int64_t token(int64_t i) const { return b + i / count; }
   int64_t head(const Params& p, int64_t i) const { return h * p.group + g0 + i % count; }
   int64_t len(int64_t i) const { return n - (tokens - 1 - i / count); }
-  int64_t start(const Params& p, int64_t i) const { return window_start(p, len(i)); }
+  int64_t start(const Params& p, int64_t i) const { return window_start(p, len(i) - (n - win)); }
   int64_t table_row() const { return b + tokens - 1; }
 };
 

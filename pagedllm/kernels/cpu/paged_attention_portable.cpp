@@ -15,7 +15,7 @@ namespace pagedllm_attention PAGEDLLM_HIDDEN {
 template <typename T, typename C>
 void attend_portable(const Params& p, const Ptrs<T, C>& x, const Work& wk, const Scratch& w) {
   const int64_t G = wk.count, D = p.head_dim, cap = w.cap, n = wk.n, b = wk.b, h = wk.h;
-  const int64_t first = window_start(p, n), m = n - first;  // the m positions first .. n - 1
+  const int64_t first = wk.start(p, 0), m = n - first;  // the m positions first .. n - 1
   float *scores = w.scores, *acc = w.acc, *qf = w.q, *row = w.row, *inv_sum = w.inv_sum;
   for (int64_t g = 0; g < G; ++g) {
     const T* q = x.q + b * p.q_sb + (h * p.group + wk.g0 + g) * p.q_sh;

@@ -126,13 +126,22 @@ def vision_rotary_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float32) / spatial))
 
 
+def merge_block_coords(h: int, w: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) [h * w] int64 of one frame's patches in merge-block order (each
+    ``merge`` x ``merge`` block of patches consecutive, blocks row by row): the order in which
+    the processor writes an image's patches."""
+    def blocked(grid: torch.Tensor) -> torch.Tensor:
+        return grid.reshape(h // merge, merge, w // merge, merge).transpose(1, 2).flatten()
+
+    return blocked(torch.arange(h)[:, None].expand(h, w)), blocked(torch.arange(w)[None, :].expand(h, w))
+
+
 def vision_rotary_cos_sin(grid_thw: Sequence[int], merge: int, inv_freq: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [P, head_dim] float32 of one image's patches in merge-block order (each 2 x 2
-    block of patches consecutive): the angles of (row, column), [row; column] then repeated."""
+    """cos, sin [P, head_dim] float32 of one image's patches in merge-block order
+    (``merge_block_coords``): the angles of (row, column), [row; column] then repeated."""
     t, h, w = grid_thw
-    rows = torch.arange(h)[:, None].expand(h, w).reshape(h // merge, merge, w // merge, merge).transpose(1, 2).flatten()
-    cols = torch.arange(w)[None, :].expand(h, w).reshape(h // merge, merge, w // merge, merge).transpose(1, 2).flatten()
+    rows, cols = merge_block_coords(h, w, merge)
     freqs = torch.cat([rows[:, None].float() * inv_freq, cols[:, None].float() * inv_freq], dim=-1).repeat(t, 1)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
@@ -186,16 +195,23 @@ class VisionGatedMLP(nn.Module):
 
 
 class Qwen2_5_VisionBlock(nn.Module):
-    """x + attn(norm1(x)), then + mlp(norm2(x)); RMSNorms of eps 1e-6."""
+    """x + attn(norm1(x)), then + mlp(norm2(x)); a variant overrides ``make_norm`` (here
+    RMSNorms of eps 1e-6) and ``mlp_cls`` (``(dim, hidden, act, prefix)``)."""
+
+    mlp_cls: type[nn.Module] = VisionGatedMLP
+
+    @staticmethod
+    def make_norm(dim: int) -> nn.Module:
+        return RMSNorm(dim, 1e-6)
 
     def __init__(self, config: Any, prefix: str) -> None:
         super().__init__()
         dim = config_value(config, "hidden_size")
-        self.norm1 = RMSNorm(dim, 1e-6)
-        self.norm2 = RMSNorm(dim, 1e-6)
+        self.norm1 = self.make_norm(dim)
+        self.norm2 = self.make_norm(dim)
         self.attn = VisionAttention(dim, config_value(config, "num_heads"), f"{prefix}.attn")
-        self.mlp = VisionGatedMLP(dim, config_value(config, "intermediate_size"), config_value(config, "hidden_act"),
-                                  f"{prefix}.mlp")
+        self.mlp = self.mlp_cls(dim, config_value(config, "intermediate_size"), config_value(config, "hidden_act"),
+                                f"{prefix}.mlp")
 
     def forward(self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
@@ -238,12 +254,17 @@ def window_index(grid_thw: Sequence[int], merge: int, window: int) -> tuple[torc
     return torch.cat(order), bounds
 
 
-class Qwen2_5_VisionTransformer(nn.Module):
-    """The vision tower (see the module docstring).
+class QwenVisionTower(nn.Module):
+    """What the Qwen-VL vision towers share: the patch embedding (a Conv3d over each patch,
+    ``patch_bias``), the 2-D RoPE's frequencies and the blocks (``block_cls``); a variant adds
+    its mergers and ``forward``.
 
     Args:
-        config: a ``Qwen2_5_VLVisionConfig`` (or its dict).
+        config: the vision config (or its dict).
     """
+
+    block_cls: type[nn.Module] = Qwen2_5_VisionBlock
+    patch_bias = False
 
     def __init__(self, config: Any, prefix: str = "visual") -> None:
         super().__init__()
@@ -253,17 +274,13 @@ class Qwen2_5_VisionTransformer(nn.Module):
         self.patch_size = config_value(config, "patch_size")
         self.temporal_patch_size = config_value(config, "temporal_patch_size")
         self.merge = config_value(config, "spatial_merge_size")
-        self.window_size = config_value(config, "window_size")
-        self.fullatt_block_indexes = tuple(config_value(config, "fullatt_block_indexes"))
         kernel = (self.temporal_patch_size, self.patch_size, self.patch_size)
         self.patch_embed = nn.Module()
-        self.patch_embed.proj = nn.Conv3d(self.in_channels, self.dim, kernel, stride=kernel, bias=False)
+        self.patch_embed.proj = nn.Conv3d(self.in_channels, self.dim, kernel, stride=kernel, bias=self.patch_bias)
         theta = (config_value(config, "rope_parameters") or {}).get("rope_theta", 10000.0)
         self.register_buffer("inv_freq", vision_rotary_inv_freq(self.dim // self.num_heads, theta), persistent=False)
-        self.blocks = nn.ModuleList(Qwen2_5_VisionBlock(config, f"{prefix}.blocks.{i}")
+        self.blocks = nn.ModuleList(self.block_cls(config, f"{prefix}.blocks.{i}")
                                     for i in range(config_value(config, "depth")))
-        self.merger = Qwen2_5_VLPatchMerger(config_value(config, "out_hidden_size"), self.dim, self.merge,
-                                            f"{prefix}.merger")
 
     def embed_patches(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[P, C * temporal_patch * patch^2] -> [P, D] in the weights' dtype."""
@@ -271,6 +288,21 @@ class Qwen2_5_VisionTransformer(nn.Module):
         x = pixel_values.to(proj.weight.dtype).view(-1, self.in_channels, self.temporal_patch_size,
                                                     self.patch_size, self.patch_size)
         return proj(x).view(-1, self.dim)
+
+
+class Qwen2_5_VisionTransformer(QwenVisionTower):
+    """The vision tower (see the module docstring).
+
+    Args:
+        config: a ``Qwen2_5_VLVisionConfig`` (or its dict).
+    """
+
+    def __init__(self, config: Any, prefix: str = "visual") -> None:
+        super().__init__(config, prefix)
+        self.window_size = config_value(config, "window_size")
+        self.fullatt_block_indexes = tuple(config_value(config, "fullatt_block_indexes"))
+        self.merger = Qwen2_5_VLPatchMerger(config_value(config, "out_hidden_size"), self.dim, self.merge,
+                                            f"{prefix}.merger")
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: Sequence[int]) -> torch.Tensor:
         """One image's patches [t * h * w, C * temporal_patch * patch^2] of ``grid_thw`` (t, h, w)
@@ -316,7 +348,8 @@ class _Qwen2MRopeForCausalLM(Qwen2ForCausalLM):
 class Qwen2_5_VLForConditionalGeneration(MRopePositionsMixin, nn.Module):
     """Images and text in, text out: ``Qwen2ForCausalLM``'s interface (positions [3, T] or
     [T]) plus the image path (``get_multimodal_embeddings``) and the prompt positions
-    (``get_mrope_input_positions``).
+    (``get_mrope_input_positions``). The Qwen-VL family's base: a variant sets ``vision_cls``
+    (its tower, ``(vision_config)``) and ``language_cls`` (its language model).
 
     Args:
         config: the language model's config with the vision keys carried onto it
@@ -326,6 +359,8 @@ class Qwen2_5_VLForConditionalGeneration(MRopePositionsMixin, nn.Module):
 
     #: The inputs ``get_multimodal_embeddings`` takes, per image (``pagedllm.multimodal.processing``).
     mm_input_names = ("pixel_values", "image_grid_thw")
+    vision_cls: type[nn.Module] = Qwen2_5_VisionTransformer
+    language_cls: type[nn.Module] = _Qwen2MRopeForCausalLM
 
     def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig] = None) -> None:
         super().__init__()
@@ -333,12 +368,13 @@ class Qwen2_5_VLForConditionalGeneration(MRopePositionsMixin, nn.Module):
         if get_pp_group().world_size > 1:
             raise ValueError(f"{config.architectures[0]} does not run with pipeline parallelism.")
         self.spatial_merge_size = config_value(config.vision_config, "spatial_merge_size")
-        self.visual = Qwen2_5_VisionTransformer(config.vision_config)
-        self.language_model = _Qwen2MRopeForCausalLM(config, quant_config)
+        self.visual = self.vision_cls(config.vision_config)
+        self.language_model = self.language_cls(config, quant_config)
 
     def get_multimodal_embeddings(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """One image's ``pixel_values`` [P, C * temporal_patch * patch^2] and ``image_grid_thw``
-        [1, 3] -> its embeddings [1, P / merge^2, hidden] (model dtype)."""
+        [1, 3] -> its embeddings [1, P / merge^2, width] (model dtype; width: the vision
+        tower's output, ``hidden`` here)."""
         return self.visual(pixel_values, image_grid_thw[0].tolist())[None]
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -357,12 +393,22 @@ class Qwen2_5_VLForConditionalGeneration(MRopePositionsMixin, nn.Module):
         return self.language_model.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load a Qwen2.5-VL checkpoint (either naming); returns the parameter names loaded.
+        """Load a Qwen-VL checkpoint (either naming: ``renamed``): ``language_model.*`` to the
+        language model's ``load_weights``, the rest to the vision tower
+        (``load_vision_weights``); returns the parameter names loaded.
 
         Raises:
             ValueError: a tensor with no matching parameter, or a shape mismatch.
         """
-        return load_qwen_vl_weights(self, weights)
+        language, vision = [], []
+        for name, tensor in weights:
+            name = renamed(name)
+            if name.startswith("language_model."):
+                language.append((name[len("language_model."):], tensor))
+            else:
+                vision.append((name, tensor))
+        loaded = {f"language_model.{n}" for n in self.language_model.load_weights(language)}
+        return loaded | load_vision_weights(self, vision)
 
 
 def load_vision_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -390,21 +436,3 @@ def load_vision_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Ten
         loaded.add(name)
     return loaded
 
-
-def load_qwen_vl_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-    """Load a Qwen2.5-VL / Qwen3-VL checkpoint (either naming: ``renamed``) into ``model``:
-    ``language_model.*`` to ``model.language_model.load_weights``, the rest to the vision
-    tower (``load_vision_weights``); returns the parameter names loaded.
-
-    Raises:
-        ValueError: a tensor with no matching parameter, or a shape mismatch.
-    """
-    language, vision = [], []
-    for name, tensor in weights:
-        name = renamed(name)
-        if name.startswith("language_model."):
-            language.append((name[len("language_model."):], tensor))
-        else:
-            vision.append((name, tensor))
-    loaded = {f"language_model.{n}" for n in model.language_model.load_weights(language)}
-    return loaded | load_vision_weights(model, vision)

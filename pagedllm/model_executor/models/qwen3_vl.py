@@ -19,25 +19,24 @@ hidden states of those tokens after decoder layers 0 .. D - 1 (transformers'
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from pagedllm.distributed import get_pp_group
 from pagedllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.model_executor.layers.quantization import QuantizationConfig
 from pagedllm.model_executor.models.llama import Qwen3ForCausalLM
 from pagedllm.model_executor.models.qwen2_5_vl import (
     MRopeLlamaModel,
-    MRopePositionsMixin,
-    VisionAttention,
+    Qwen2_5_VisionBlock,
+    Qwen2_5_VLForConditionalGeneration,
+    QwenVisionTower,
     config_value,
-    load_qwen_vl_weights,
+    merge_block_coords,
     vision_rotary_cos_sin,
-    vision_rotary_inv_freq,
 )
 
 
@@ -48,8 +47,7 @@ def bilinear_taps(grid_thw: Sequence[int], side: int, merge: int) -> tuple[torch
     ``get_vision_interpolation_indices_and_weights``). Returns (indices [P, 4] int64, weights
     [P, 4] float32), taps ordered (top-left, top-right, bottom-left, bottom-right)."""
     t, h, w = grid_thw
-    rows = torch.arange(h)[:, None].expand(h, w).reshape(h // merge, merge, w // merge, merge).transpose(1, 2).flatten()
-    cols = torch.arange(w)[None, :].expand(h, w).reshape(h // merge, merge, w // merge, merge).transpose(1, 2).flatten()
+    rows, cols = merge_block_coords(h, w, merge)
 
     def axis(index: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         src = index.to(torch.float32) * (side - 1) / max(size - 1, 1)
@@ -79,21 +77,14 @@ class Qwen3VLVisionMLP(nn.Module):
         return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
-class Qwen3VLVisionBlock(nn.Module):
+class Qwen3VLVisionBlock(Qwen2_5_VisionBlock):
     """x + attn(norm1(x)), then + mlp(norm2(x)); LayerNorms of eps 1e-6."""
 
-    def __init__(self, config: Any, prefix: str) -> None:
-        super().__init__()
-        dim = config_value(config, "hidden_size")
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = VisionAttention(dim, config_value(config, "num_heads"), f"{prefix}.attn")
-        self.mlp = Qwen3VLVisionMLP(dim, config_value(config, "intermediate_size"), config_value(config, "hidden_act"),
-                                    f"{prefix}.mlp")
+    mlp_cls = Qwen3VLVisionMLP
 
-    def forward(self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
-        return x + self.mlp(self.norm2(x))
+    @staticmethod
+    def make_norm(dim: int) -> nn.Module:
+        return nn.LayerNorm(dim, eps=1e-6)
 
 
 class Qwen3VLPatchMerger(nn.Module):
@@ -115,32 +106,22 @@ class Qwen3VLPatchMerger(nn.Module):
         return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
-class Qwen3VLVisionModel(nn.Module):
+class Qwen3VLVisionModel(QwenVisionTower):
     """The vision tower (see the module docstring).
 
     Args:
         config: a ``Qwen3VLVisionConfig`` (or its dict).
     """
 
+    block_cls = Qwen3VLVisionBlock
+    patch_bias = True
+
     def __init__(self, config: Any, prefix: str = "visual") -> None:
-        super().__init__()
-        self.dim = config_value(config, "hidden_size")
-        num_heads = config_value(config, "num_heads")
-        self.in_channels = config_value(config, "in_channels", 3)
-        self.patch_size = config_value(config, "patch_size")
-        self.temporal_patch_size = config_value(config, "temporal_patch_size")
-        self.merge = config_value(config, "spatial_merge_size")
+        super().__init__(config, prefix)
         out_dim = config_value(config, "out_hidden_size")
-        kernel = (self.temporal_patch_size, self.patch_size, self.patch_size)
-        self.patch_embed = nn.Module()
-        self.patch_embed.proj = nn.Conv3d(self.in_channels, self.dim, kernel, stride=kernel, bias=True)
         num_positions = config_value(config, "num_position_embeddings")
         self.pos_embed = nn.Embedding(num_positions, self.dim)
         self.num_grid_per_side = int(num_positions**0.5)
-        theta = (config_value(config, "rope_parameters") or {}).get("rope_theta", 10000.0)
-        self.register_buffer("inv_freq", vision_rotary_inv_freq(self.dim // num_heads, theta), persistent=False)
-        self.blocks = nn.ModuleList(Qwen3VLVisionBlock(config, f"{prefix}.blocks.{i}")
-                                    for i in range(config_value(config, "depth")))
         self.merger = Qwen3VLPatchMerger(self.dim, out_dim, self.merge, False, f"{prefix}.merger")
         self.deepstack_visual_indexes = tuple(config_value(config, "deepstack_visual_indexes") or ())
         self.deepstack_merger_list = nn.ModuleList(
@@ -151,10 +132,7 @@ class Qwen3VLVisionModel(nn.Module):
         """One image's patches [t * h * w, C * temporal_patch * patch^2] of ``grid_thw`` ->
         [t * h * w / merge^2, out_hidden x (1 + D)]: the merger's output, then each DeepStack
         merger's, on the channel axis."""
-        proj = self.patch_embed.proj
-        x = pixel_values.to(proj.weight.dtype).view(-1, self.in_channels, self.temporal_patch_size,
-                                                    self.patch_size, self.patch_size)
-        x = proj(x).view(-1, self.dim)
+        x = self.embed_patches(pixel_values)
         indices, weights = bilinear_taps(grid_thw, self.num_grid_per_side, self.merge)
         pos = (self.pos_embed(indices.to(x.device)) * weights.to(x.device)[:, :, None]).sum(1)
         x = x + pos.to(x.dtype)
@@ -199,31 +177,23 @@ class _Qwen3DeepstackForCausalLM(Qwen3ForCausalLM):
     model_cls = DeepstackLlamaModel
 
 
-class Qwen3VLForConditionalGeneration(MRopePositionsMixin, nn.Module):
-    """Images and text in, text out (see the module docstring); the interface of
-    ``Qwen2_5_VLForConditionalGeneration``.
+class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
+    """Images and text in, text out (see the module docstring): Qwen2.5-VL's model with
+    Qwen3-VL's vision tower and language model, and the DeepStack features carried beside
+    the embeddings.
 
     Args:
         config: the language model's config with the vision keys carried onto it.
         quant_config: the language model's linear layers' method (the vision path is unquantized).
     """
 
-    mm_input_names = ("pixel_values", "image_grid_thw")
+    vision_cls = Qwen3VLVisionModel
+    language_cls = _Qwen3DeepstackForCausalLM
 
     def __init__(self, config: PretrainedConfig, quant_config: Optional[QuantizationConfig] = None) -> None:
-        super().__init__()
-        self.config = config
-        if get_pp_group().world_size > 1:
-            raise ValueError(f"{config.architectures[0]} does not run with pipeline parallelism.")
-        self.spatial_merge_size = config_value(config.vision_config, "spatial_merge_size")
-        self.visual = Qwen3VLVisionModel(config.vision_config)
-        self.language_model = _Qwen3DeepstackForCausalLM(config, quant_config)
+        super().__init__(config, quant_config)
         self.hidden_size = config.hidden_size
         self.num_deepstack = len(self.visual.deepstack_visual_indexes)
-
-    def get_multimodal_embeddings(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
-        """One image -> [1, P / merge^2, hidden x (1 + D)] (see the module docstring)."""
-        return self.visual(pixel_values, image_grid_thw[0].tolist())[None]
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> [T, hidden x (1 + D)]: the token embeddings, then zeros (no DeepStack
@@ -243,14 +213,3 @@ class Qwen3VLForConditionalGeneration(MRopePositionsMixin, nn.Module):
             deepstack = inputs_embeds[:, self.hidden_size:].reshape(num_tokens, self.num_deepstack, self.hidden_size)
             inputs_embeds, deepstack = inputs_embeds[:, : self.hidden_size], deepstack.transpose(0, 1)
         return self.language_model.model(input_ids, positions, intermediate_tensors, inputs_embeds, deepstack)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load a Qwen3-VL checkpoint (either naming); returns the parameter names loaded.
-
-        Raises:
-            ValueError: a tensor with no matching parameter, or a shape mismatch.
-        """
-        return load_qwen_vl_weights(self, weights)
