@@ -3,7 +3,7 @@ checkpoint tensor (or this rank's part of it) into one."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -51,3 +51,12 @@ def load_weight_part(
             )
         loaded_weight = loaded_weight.narrow(dim, part * size, size)
     default_weight_loader(param_data, loaded_weight)
+
+
+def renamed_by_prefix(name: str, prefixes: Sequence[tuple[str, str]]) -> str:
+    """``name`` with the first ``(old, new)`` of ``prefixes`` whose ``old`` starts it replaced
+    by ``new``; unchanged when none does (a checkpoint's tensor name -> the model's)."""
+    for old, new in prefixes:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name

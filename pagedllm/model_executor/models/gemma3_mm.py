@@ -43,12 +43,6 @@ _RENAMED_PREFIXES = (
 )
 
 
-def _renamed(name: str) -> str:
-    for old, new in _RENAMED_PREFIXES:
-        if name.startswith(old):
-            return new + name[len(old):]
-    return name
-
 
 def vision_config_of(config: PretrainedConfig) -> SiglipVisionConfig:
     """Gemma 3's SigLIP vision config (``vision_config_as``).
@@ -142,5 +136,5 @@ class Gemma3ForConditionalGeneration(nn.Module):
         Raises:
             ValueError: a tensor with no matching parameter, or a shape mismatch.
         """
-        return load_image_text_weights(self, weights, _renamed)
+        return load_image_text_weights(self, weights, _RENAMED_PREFIXES)
 

@@ -16,7 +16,7 @@ The config is the checkpoint's ``text_config`` with the vision keys carried onto
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -27,23 +27,18 @@ from pagedllm.model_executor.layers.linear import ColumnParallelLinear, RowParal
 from pagedllm.model_executor.layers.quantization import QuantizationConfig
 from pagedllm.model_executor.models.clip import CLIPVisionModel, feature_layer_index
 from pagedllm.model_executor.models.llama import LlamaForCausalLM, load_llama_weights
+from pagedllm.model_executor.utils import renamed_by_prefix
 
 #: Checkpoint name prefixes -> ours (the first that matches renames).
 _RENAMED_PREFIXES = (
     ("model.language_model.", "language_model.model."),
     ("lm_head.", "language_model.lm_head."),
+    ("model.vision_tower.vision_model.", "vision_tower."),
     ("model.vision_tower.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
     ("vision_tower.vision_model.", "vision_tower."),
 )
 _SELECT_STRATEGIES = ("default", "full")
-
-
-def _renamed(name: str) -> str:
-    for old, new in _RENAMED_PREFIXES:
-        if name.startswith(old):
-            name = new + name[len(old):]
-    return name
 
 
 def vision_config_as(config: PretrainedConfig, config_class: type, model_name: str) -> Any:
@@ -150,13 +145,14 @@ class LlavaForConditionalGeneration(nn.Module):
         Raises:
             ValueError: a tensor with no matching parameter, or a shape mismatch.
         """
-        return load_image_text_weights(self, weights, _renamed)
+        return load_image_text_weights(self, weights, _RENAMED_PREFIXES)
 
 
 def load_image_text_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                            renamed: Callable[[str], str]) -> set[str]:
+                            prefixes: Sequence[tuple[str, str]]) -> set[str]:
     """Load a vision-tower + projector + language-model checkpoint into ``model`` (Llava,
-    Gemma 3): each name is mapped by ``renamed`` to this model's, then ``language_model.*``
+    Gemma 3, Mistral 3): each name's checkpoint prefix is replaced by this model's
+    (``renamed_by_prefix`` with ``prefixes``, the first match), then ``language_model.*``
     goes to ``model.language_model.load_weights``, ``vision_tower.*`` to
     ``model.vision_tower.load_weights`` and the rest (the projector) to ``model``'s own
     parameters; returns the parameter names loaded.
@@ -166,7 +162,7 @@ def load_image_text_weights(model: nn.Module, weights: Iterable[tuple[str, torch
     """
     parts: dict[str, list[tuple[str, torch.Tensor]]] = {"language_model": [], "vision_tower": [], "": []}
     for name, tensor in weights:
-        name = renamed(name)
+        name = renamed_by_prefix(name, prefixes)
         head = name.split(".", 1)[0]
         if head in ("language_model", "vision_tower"):
             parts[head].append((name[len(head) + 1:], tensor))

@@ -44,12 +44,6 @@ _RENAMED_PREFIXES = (
 )
 
 
-def _renamed(name: str) -> str:
-    for old, new in _RENAMED_PREFIXES:
-        if name.startswith(old):
-            return new + name[len(old):]
-    return name
-
 
 class Mistral3PatchMerger(nn.Module):
     """[rows x cols, D] patch features -> [(rows / m) x (cols / m), D]: each m x m block's
@@ -159,4 +153,4 @@ class Mistral3ForConditionalGeneration(nn.Module):
         Raises:
             ValueError: a tensor with no matching parameter, or a shape mismatch.
         """
-        return load_image_text_weights(self, weights, _renamed)
+        return load_image_text_weights(self, weights, _RENAMED_PREFIXES)

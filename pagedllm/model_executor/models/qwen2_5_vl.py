@@ -38,7 +38,7 @@ from pagedllm.model_executor.layers.linear import ColumnParallelLinear, QKVParal
 from pagedllm.model_executor.layers.quantization import QuantizationConfig
 from pagedllm.model_executor.layers.rotary_embedding import MRotaryEmbedding
 from pagedllm.model_executor.models.llama import LlamaModel, Qwen2ForCausalLM
-from pagedllm.model_executor.utils import default_weight_loader
+from pagedllm.model_executor.utils import default_weight_loader, renamed_by_prefix
 
 #: Checkpoint name prefixes -> ours (the first that matches renames).
 _RENAMED_PREFIXES = (
@@ -51,10 +51,7 @@ _RENAMED_PREFIXES = (
 
 def renamed(name: str) -> str:
     """Our parameter name of a Qwen-VL checkpoint tensor (either transformers generation)."""
-    for old, new in _RENAMED_PREFIXES:
-        if name.startswith(old):
-            return new + name[len(old):]
-    return name
+    return renamed_by_prefix(name, _RENAMED_PREFIXES)
 
 
 def config_value(config: Any, key: str, default: Any = None) -> Any:
