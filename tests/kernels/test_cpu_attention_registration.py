@@ -11,7 +11,8 @@ pytestmark = pytest.mark.usefixtures("isa_kernel")
 
 _DECODE_ARGS = ("(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
                 "Tensor seq_lens, float scale, float k_scale, float v_scale, int sliding_window=0, "
-                "float logits_soft_cap=0., Tensor? sinks=None, int attention_chunk_size=0) -> ()")
+                "float logits_soft_cap=0., Tensor? sinks=None, int attention_chunk_size=0, "
+                "Tensor? window_ends=None) -> ()")
 SCHEMAS = {
     "paged_decode_attention": _DECODE_ARGS,
     "paged_decode_attention_portable": _DECODE_ARGS,

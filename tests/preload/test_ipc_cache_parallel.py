@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
@@ -33,8 +34,9 @@ def _greedy(llm: LLM) -> list[list[int]]:
 
 
 def _mapped_file(worker) -> str:
-    """The file that ``worker``'s first parameter is mapped from ("" for anonymous memory)."""
-    ptr = next(worker.model_runner.model.parameters()).data_ptr()
+    """The file that ``worker``'s first plain parameter is mapped from ("" for anonymous memory)."""
+    # The first one with storage: a weight packed for oneDNN (the C++ kernels on) is opaque.
+    ptr = next(p for p in worker.model_runner.model.parameters() if p.layout == torch.strided).data_ptr()
     for line in Path("/proc/self/maps").read_text().splitlines():
         fields = line.split(maxsplit=5)
         start, end = (int(x, 16) for x in fields[0].split("-"))
