@@ -21,15 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
-import time
 import urllib.request
 from typing import Any, Optional
 
 from pagedllm.benchmarks import machine_info
-from pagedllm.benchmarks.startup import _START_TIMEOUT_S, _start_server, _stop, engine_flags
+from pagedllm.benchmarks.startup import _START_TIMEOUT_S, _start_server, _stop, preload_daemon
 from pagedllm.config.engine_args import add_engine_args
 
 #: The ``smaps_rollup`` fields reported, in kB there, MB here.
@@ -110,26 +107,15 @@ def _servers(args: argparse.Namespace, extra: list[str], env: Optional[dict[str,
 
 def run_preload(args: argparse.Namespace) -> tuple[list[dict[str, Any]], int]:
     """The daemon and two ``ipc_cache`` servers: their rows, and the store's bytes."""
-    with tempfile.TemporaryDirectory(prefix="pagedllm-preload-pss-", dir="/dev/shm") as root:
-        env = {**os.environ, "PAGEDLLM_PRELOAD_DIR": root}
-        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "preload", *engine_flags(args)]
-        daemon = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    with preload_daemon(args, "pagedllm-preload-pss-") as (daemon, root, env):
+        nbytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+        servers = _servers(args, ["--load-format", "ipc_cache"], env)
         try:
-            start = time.perf_counter()
-            while not os.path.exists(os.path.join(root, "control.sock")):
-                if daemon.poll() is not None or time.perf_counter() - start > _START_TIMEOUT_S:
-                    raise RuntimeError(f"pagedllm preload did not start: {daemon.stderr.read()[-2000:]}")
-                time.sleep(0.05)
-            nbytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
-            servers = _servers(args, ["--load-format", "ipc_cache"], env)
-            try:
-                roles = [("daemon", daemon.pid)] + [(f"server {i}", p.pid) for i, (p, _) in enumerate(servers)]
-                return _measure("preload", roles), nbytes
-            finally:
-                for proc, _ in servers:
-                    _stop(proc)
+            roles = [("daemon", daemon.pid)] + [(f"server {i}", p.pid) for i, (p, _) in enumerate(servers)]
+            return _measure("preload", roles), nbytes
         finally:
-            _stop(daemon)
+            for proc, _ in servers:
+                _stop(proc)
 
 
 def run_normal(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -25,6 +25,7 @@ mostly waiting for a core).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -35,7 +36,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Any, NamedTuple, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import numpy as np
 
@@ -188,16 +189,18 @@ def time_wake(args: argparse.Namespace) -> dict[str, list[float]]:
     return times
 
 
-def time_preload(args: argparse.Namespace) -> list[Start]:
-    """Starts of ``pagedllm serve --load-format ipc_cache`` (seconds to ``/health`` 200) while a
-    ``pagedllm preload`` daemon, started first in a temporary folder, holds the weights.
+@contextlib.contextmanager
+def preload_daemon(args: argparse.Namespace, prefix: str) -> Iterator[tuple[subprocess.Popen, str, dict]]:
+    """A ``pagedllm preload`` daemon of ``args``' engine flags in a temporary folder under
+    /dev/shm (named ``prefix``...), ready (its control socket up); yields the process, the
+    folder and the environment a server needs to map it. Stopped on exit.
 
     Raises:
-        RuntimeError: the daemon exited or was not ready within 300 s; a server failed.
+        RuntimeError: the daemon exited or was not ready within 300 s.
     """
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="pagedllm-bench-preload-", dir="/dev/shm") as root:
+    with tempfile.TemporaryDirectory(prefix=prefix, dir="/dev/shm") as root:
         env = {**os.environ, "PAGEDLLM_PRELOAD_DIR": root}
         cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "preload", *engine_flags(args)]
         daemon = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
@@ -207,11 +210,22 @@ def time_preload(args: argparse.Namespace) -> list[Start]:
                 if daemon.poll() is not None or time.perf_counter() - start > _START_TIMEOUT_S:
                     raise RuntimeError(f"pagedllm preload did not start: {daemon.stderr.read()[-2000:]}")
                 time.sleep(0.05)
-            for _ in range(args.num_iters_warmup):
-                time_serve(args, ("--load-format", "ipc_cache"), env)
-            return [time_serve(args, ("--load-format", "ipc_cache"), env) for _ in range(args.num_iters)]
+            yield daemon, root, env
         finally:
             _stop(daemon)
+
+
+def time_preload(args: argparse.Namespace) -> list[Start]:
+    """Starts of ``pagedllm serve --load-format ipc_cache`` (seconds to ``/health`` 200) while a
+    ``pagedllm preload`` daemon (``preload_daemon``) holds the weights.
+
+    Raises:
+        RuntimeError: the daemon exited or was not ready within 300 s; a server failed.
+    """
+    with preload_daemon(args, "pagedllm-bench-preload-") as (_daemon, _root, env):
+        for _ in range(args.num_iters_warmup):
+            time_serve(args, ("--load-format", "ipc_cache"), env)
+        return [time_serve(args, ("--load-format", "ipc_cache"), env) for _ in range(args.num_iters)]
 
 
 def time_snapshot(args: argparse.Namespace) -> list[Start]:
