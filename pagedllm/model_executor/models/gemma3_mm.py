@@ -21,7 +21,7 @@ The config is the checkpoint's ``text_config`` with the vision keys carried onto
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ from transformers import PretrainedConfig, SiglipVisionConfig
 from pagedllm.model_executor.layers.layernorm import GemmaRMSNorm
 from pagedllm.model_executor.layers.quantization import QuantizationConfig
 from pagedllm.model_executor.models.gemma3 import Gemma3ForCausalLM
-from pagedllm.model_executor.models.llava import load_image_text_weights, vision_config_as
+from pagedllm.model_executor.models.llava import ImageTextModel, vision_config_as
 from pagedllm.model_executor.models.siglip import SiglipVisionModel
 
 #: Checkpoint name prefixes -> ours (the first that matches renames).
@@ -41,7 +41,6 @@ _RENAMED_PREFIXES = (
     ("vision_tower.vision_model.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
 )
-
 
 
 def vision_config_of(config: PretrainedConfig) -> SiglipVisionConfig:
@@ -84,7 +83,7 @@ class Gemma3LanguageModel(Gemma3ForCausalLM):
     final_soft_cap = False  # transformers' image-text class does not apply final_logit_softcapping
 
 
-class Gemma3ForConditionalGeneration(nn.Module):
+class Gemma3ForConditionalGeneration(ImageTextModel):
     """Images and text in, text out; ``LlamaForCausalLM``'s interface plus the image path.
 
     Args:
@@ -95,6 +94,8 @@ class Gemma3ForConditionalGeneration(nn.Module):
         ValueError: a tower other than SigLIP's, a ``mm_tokens_per_image`` that does not pool
             its patch grid.
     """
+
+    renamed_prefixes = _RENAMED_PREFIXES
 
     #: The inputs ``get_multimodal_embeddings`` takes, per image (``pagedllm.multimodal.processing``).
     mm_input_names = ("pixel_values",)
@@ -113,28 +114,3 @@ class Gemma3ForConditionalGeneration(nn.Module):
         """pixel_values [N, C, H, W] -> the images' embeddings [N, mm_tokens_per_image, hidden] (model dtype)."""
         dtype = self.multi_modal_projector.mm_input_projection_weight.dtype
         return self.multi_modal_projector(self.vision_tower(pixel_values.to(dtype)))
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] -> the language model's scaled token embeddings [T, hidden]."""
-        return self.language_model.model.embed_input_ids(input_ids)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor,
-        intermediate_tensors: Optional[dict[str, torch.Tensor]] = None, inputs_embeds: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor | dict[str, torch.Tensor]:
-        """As ``LlamaForCausalLM.forward``; ``inputs_embeds`` [T, hidden] (``embed_input_ids``
-        with the images' embeddings merged in) replaces the embedding of ``input_ids`` when given."""
-        return self.language_model.model(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load a Gemma 3 image-text checkpoint (either naming, see the module docstring);
-        returns the parameter names loaded.
-
-        Raises:
-            ValueError: a tensor with no matching parameter, or a shape mismatch.
-        """
-        return load_image_text_weights(self, weights, _RENAMED_PREFIXES)
-

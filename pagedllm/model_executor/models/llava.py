@@ -80,7 +80,41 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(features)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class ImageTextModel(nn.Module):
+    """What Llava, Gemma 3 and Mistral 3 share around their own vision tower and projector:
+    the ``language_model`` (a ``LlamaForCausalLM``-like module) embeds, runs and scores the
+    tokens, and ``load_weights`` maps the checkpoint by the subclass's ``renamed_prefixes``
+    (``load_image_text_weights``)."""
+
+    #: Checkpoint name prefixes -> ours (``renamed_by_prefix``: the first that matches renames).
+    renamed_prefixes: tuple[tuple[str, str], ...] = ()
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the language model's token embeddings [T, hidden]."""
+        return self.language_model.model.embed_input_ids(input_ids)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor,
+        intermediate_tensors: Optional[dict[str, torch.Tensor]] = None, inputs_embeds: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """As ``LlamaForCausalLM.forward``; ``inputs_embeds`` [T, hidden] (``embed_input_ids``
+        with the images' embeddings merged in) replaces the embedding of ``input_ids`` when given."""
+        return self.language_model.model(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load the checkpoint (either transformers naming, see the model's module docstring);
+        returns the parameter names loaded.
+
+        Raises:
+            ValueError: a tensor with no matching parameter, or a shape mismatch.
+        """
+        return load_image_text_weights(self, weights, self.renamed_prefixes)
+
+
+class LlavaForConditionalGeneration(ImageTextModel):
     """Images and text in, text out; ``LlamaForCausalLM``'s interface plus the image path.
 
     Args:
@@ -91,6 +125,8 @@ class LlavaForConditionalGeneration(nn.Module):
         ValueError: a ``vision_feature_select_strategy`` other than "default" / "full", a
             feature layer outside the tower, a tower other than CLIP's.
     """
+
+    renamed_prefixes = _RENAMED_PREFIXES
 
     #: The inputs ``get_multimodal_embeddings`` takes, per image (``pagedllm.multimodal.processing``).
     mm_input_names = ("pixel_values",)
@@ -122,30 +158,6 @@ class LlavaForConditionalGeneration(nn.Module):
         if self.drop_class_token:
             features = features[:, 1:]
         return self.multi_modal_projector(features)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] -> the language model's token embeddings [T, hidden]."""
-        return self.language_model.model.embed_input_ids(input_ids)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor,
-        intermediate_tensors: Optional[dict[str, torch.Tensor]] = None, inputs_embeds: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor | dict[str, torch.Tensor]:
-        """As ``LlamaForCausalLM.forward``; ``inputs_embeds`` [T, hidden] (the images' embeddings
-        merged in) replaces the embedding of ``input_ids`` when given."""
-        return self.language_model.model(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load a Llava checkpoint (either naming, see the module docstring); returns the
-        parameter names loaded.
-
-        Raises:
-            ValueError: a tensor with no matching parameter, or a shape mismatch.
-        """
-        return load_image_text_weights(self, weights, _RENAMED_PREFIXES)
 
 
 def load_image_text_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],

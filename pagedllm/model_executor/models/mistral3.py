@@ -20,7 +20,7 @@ The config is the checkpoint's ``text_config`` with the vision keys carried onto
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ from pagedllm.model_executor.layers.linear import ColumnParallelLinear, Replicat
 from pagedllm.model_executor.layers.quantization import QuantizationConfig
 from pagedllm.model_executor.models.clip import feature_layer_index
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
-from pagedllm.model_executor.models.llava import load_image_text_weights, vision_config_as
+from pagedllm.model_executor.models.llava import ImageTextModel, vision_config_as
 from pagedllm.model_executor.models.pixtral import PixtralVisionModel
 
 #: Checkpoint name prefixes -> ours (the first that matches renames).
@@ -42,7 +42,6 @@ _RENAMED_PREFIXES = (
     ("model.vision_tower.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
 )
-
 
 
 class Mistral3PatchMerger(nn.Module):
@@ -80,7 +79,7 @@ class Mistral3MultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(merged)))
 
 
-class Mistral3ForConditionalGeneration(nn.Module):
+class Mistral3ForConditionalGeneration(ImageTextModel):
     """Images and text in, text out; ``LlamaForCausalLM``'s interface plus the image path.
 
     Args:
@@ -92,6 +91,8 @@ class Mistral3ForConditionalGeneration(nn.Module):
             projector's norm and merger take one layer's width, as transformers'), a rope type
             of it other than "axial".
     """
+
+    renamed_prefixes = _RENAMED_PREFIXES
 
     #: The inputs ``get_multimodal_embeddings`` takes, per image (``pagedllm.multimodal.processing``).
     mm_input_names = ("pixel_values", "image_sizes")
@@ -130,27 +131,3 @@ class Mistral3ForConditionalGeneration(nn.Module):
         if len({e.shape[0] for e in embeds}) > 1:
             raise ValueError("Mistral 3 embeds images of one size per call (the model runner passes one at a time).")
         return torch.stack(embeds)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] -> the language model's token embeddings [T, hidden]."""
-        return self.language_model.model.embed_input_ids(input_ids)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor,
-        intermediate_tensors: Optional[dict[str, torch.Tensor]] = None, inputs_embeds: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor | dict[str, torch.Tensor]:
-        """As ``LlamaForCausalLM.forward``; ``inputs_embeds`` [T, hidden] (the images' embeddings
-        merged in) replaces the embedding of ``input_ids`` when given."""
-        return self.language_model.model(input_ids, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load a Mistral 3 checkpoint (either naming, see the module docstring); returns the
-        parameter names loaded.
-
-        Raises:
-            ValueError: a tensor with no matching parameter, or a shape mismatch.
-        """
-        return load_image_text_weights(self, weights, _RENAMED_PREFIXES)
