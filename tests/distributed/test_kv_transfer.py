@@ -183,3 +183,33 @@ def test_a_consumer_of_another_layout_fails_its_requests_naming_the_field(engine
     [want] = single.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
     [got] = matching.generate([{"prompt_token_ids": prompts[0]}], _with_params(params, kv_params[0]), use_tqdm=False)
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+
+def test_a_consumer_rank_the_producer_lacks_names_tensor_parallel_size(engines, monkeypatch):
+    """Rank 1 of a -tp 2 decode engine next to a -tp 1 producer, which has no port for rank 1:
+    the rank asks the producer's rank 0 for its layout, so its load fails at once naming
+    tensor_parallel_size instead of waiting timeout_s for an answer that cannot come."""
+    from types import SimpleNamespace
+
+    from pagedllm.distributed.kv_transfer import tcp_connector
+    from pagedllm.distributed.kv_transfer.layout import KVLayout
+    from pagedllm.messages.kv_transfer import KVLoadSpec
+
+    prefill, _, _ = engines
+    [kv] = _prefill(prefill, random_prompts([20], 1024, seed=13))
+    monkeypatch.setattr(tcp_connector, "get_pp_group", lambda: SimpleNamespace(rank_in_group=0, world_size=1))
+    monkeypatch.setattr(tcp_connector, "get_tp_group", lambda: SimpleNamespace(rank_in_group=1, world_size=2))
+    worker = tcp_connector.TCPConnectorWorker(KVTransferConfig(kv_role="kv_consumer",
+                                                               kv_connector_extra_config={"timeout_s": 30}))
+    try:
+        layout = KVLayout(model="LlamaForCausalLM", num_layers=2, num_kv_heads=1, head_size=16,
+                          kv_cache_dtype="float32", tensor_parallel_size=2, pipeline_parallel_size=1, block_size=16)
+        worker.register_kv_caches([], layout)
+        load = KVLoadSpec(req_id="r", remote_host=kv["remote_host"], remote_port=kv["remote_port"],
+                          remote_request_id=kv["remote_request_id"], block_ids=[0, 1], num_tokens=19)
+        [error] = worker.start_load_kv(SimpleNamespace(loads=[load])).values()
+    finally:
+        worker.shutdown()
+    assert error.startswith("KV layout mismatch:"), error
+    assert "tensor_parallel_size is 2 on this decode instance (rank 1), 1 on the prefill instance" in error

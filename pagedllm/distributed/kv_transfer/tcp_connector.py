@@ -7,8 +7,8 @@ request's blocks are freed as soon as it finishes. Consumer: before a step's for
 worker asks the producer's rank r for each load (a REQ socket, ``timeout_s``), checks the
 answer against its own cache and writes it into the request's blocks.
 
-Handshake: before its first fetch from a producer's rank, a consumer's rank sends its
-``KVLayout``; the producer answers with its own, and each side logs the fields that differ
+Handshake: before its first fetch from a producer, each consumer rank sends its
+``KVLayout`` to the producer's rank 0 (there at any parallel size); it answers with its own, and each side logs the fields that differ
 (each distinct mismatch once). A consumer fetches only from a producer whose layout matches; until then
 each of its loads fails at once with a ``LAYOUT_MISMATCH`` message naming the fields (a
 failure that sending the request again does not fix). A producer that stops answering is
@@ -241,11 +241,12 @@ class TCPConnectorWorker(KVConnectorWorker):
             ValueError: KV that does not fit this cache (another model, dtype or parallel size).
         """
         address = f"tcp://{load.remote_host}:{load.remote_port + self.rank}"
+        producer = f"tcp://{load.remote_host}:{load.remote_port}"  # its rank 0: there at every parallel size
+        if producer not in self._matched_peers:
+            self._handshake(producer)
         socket = self._context.socket(zmq.REQ)
         try:
             socket.connect(address)
-            if address not in self._matched_peers:
-                self._handshake(socket, address)
             socket.send_multipart([b"get", load.remote_request_id.encode(), str(load.num_tokens).encode()])
             frames = self._receive(socket, address)
         finally:
@@ -255,7 +256,7 @@ class TCPConnectorWorker(KVConnectorWorker):
         try:
             self._write(load, frames, address)
         except ValueError:
-            self._matched_peers.discard(address)  # a producer restarted with another layout: check it again
+            self._matched_peers.discard(producer)  # a producer restarted with another layout: check it again
             raise
 
     def _write(self, load: KVLoadSpec, frames: list[Any], address: str) -> None:
@@ -284,21 +285,29 @@ class TCPConnectorWorker(KVConnectorWorker):
             RuntimeError: no answer in time (the producer is checked again next time).
         """
         if not socket.poll(self._timeout_ms):
-            self._matched_peers.discard(address)
+            self._matched_peers.clear()  # check each producer again (it may have restarted)
             raise RuntimeError(f"KV transfer failed: the prefill instance at {address} did not answer in "
                                f"{self._timeout_ms / 1000:g} s (is it running?)")
         return socket.recv_multipart(copy=False)
 
-    def _handshake(self, socket: zmq.Socket, address: str) -> None:
-        """Exchange layouts with the producer at ``address``; remember it when they match.
+    def _handshake(self, address: str) -> None:
+        """Exchange layouts with the producer's rank 0 at ``address``; remember it when they match.
+
+        Every consumer rank asks rank 0 (a producer with fewer ranks has no port for this rank,
+        so asking its own would time out instead of naming ``tensor_parallel_size``).
 
         Raises:
             RuntimeError: no answer, an error answer, or a layout that differs
                 (``LAYOUT_MISMATCH``: the fields that differ, with both values).
         """
         assert self.layout is not None  # loads come after register_kv_caches
-        socket.send_multipart([b"layout", self.layout.to_json()])
-        frames = self._receive(socket, address)
+        socket = self._context.socket(zmq.REQ)
+        try:
+            socket.connect(address)
+            socket.send_multipart([b"layout", self.layout.to_json()])
+            frames = self._receive(socket, address)
+        finally:
+            socket.close(linger=0)
         if frames[0].bytes != b"layout":
             raise RuntimeError(f"KV transfer failed: the prefill instance at {address} refused the layout "
                                f"handshake: {frames[-1].bytes.decode()}")
