@@ -37,6 +37,17 @@ def _app(engine: AsyncLLM):
     return build_app(engine, frontend)
 
 
+def _clients(prefill: AsyncLLM, decode: AsyncLLM, prefill_url: str) -> tuple[httpx.AsyncClient, httpx.AsyncClient]:
+    """(a client reaching both instances in-process as http://prefill and http://decode, the
+    router's client in front of them; the router knows the prefill instance as ``prefill_url``)."""
+    mounts = {"http://prefill": httpx.ASGITransport(app=_app(prefill)),
+              "http://decode": httpx.ASGITransport(app=_app(decode))}
+    backends = httpx.AsyncClient(mounts=mounts, timeout=30)
+    proxy = httpx.AsyncClient(transport=httpx.ASGITransport(
+        app=router.build_app([prefill_url], ["http://decode"], backends)), base_url="http://router")
+    return backends, proxy
+
+
 async def _post(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, dict | list]:
     """(status, the JSON answer, or a stream's parsed events)."""
     response = await client.post(url, json=body)
@@ -71,11 +82,7 @@ def test_router_splits_requests_and_answers_as_one_server(tiny_llama):
     decode = _engine(tiny_llama, role="decode")
     try:
         async def main():
-            mounts = {"http://prefill": httpx.ASGITransport(app=_app(prefill)),
-                      "http://decode": httpx.ASGITransport(app=_app(decode))}
-            backends = httpx.AsyncClient(mounts=mounts, timeout=30)
-            proxy = httpx.AsyncClient(transport=httpx.ASGITransport(
-                app=router.build_app(["http://prefill/v1"], ["http://decode"], backends)), base_url="http://router")
+            backends, proxy = _clients(prefill, decode, "http://prefill/v1")
             results = []
             for route, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
                 for stream in (False, True):
@@ -183,11 +190,7 @@ def test_a_decode_instance_of_another_kv_layout_answers_500_naming_the_field(tin
     decode = _engine(tiny_llama, role="decode", kv_cache_dtype="fp8")
     try:
         async def main():
-            mounts = {"http://prefill": httpx.ASGITransport(app=_app(prefill)),
-                      "http://decode": httpx.ASGITransport(app=_app(decode))}
-            backends = httpx.AsyncClient(mounts=mounts, timeout=30)
-            proxy = httpx.AsyncClient(transport=httpx.ASGITransport(
-                app=router.build_app(["http://prefill"], ["http://decode"], backends)), base_url="http://router")
+            backends, proxy = _clients(prefill, decode, "http://prefill")
             return [await _post(proxy, "/v1/completions", {**COMPLETION, "stream": stream}) for stream in (False, True)]
 
         answers = asyncio.run(main())
