@@ -127,11 +127,11 @@ def _hf_model(path: Path):
     return AutoProcessor.from_pretrained(path), model_class.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def hf_greedy(path: Path, prompt: str, images: list, max_new_tokens: int) -> list[int]:
+def hf_greedy(path: Path, prompt: str, images: list, max_new_tokens: int, **processor_kwargs) -> list[int]:
     """transformers' float32 greedy completion of ``prompt`` with ``images``, through the
-    checkpoint's processor (any of the image-text checkpoints here)."""
+    checkpoint's processor (any of the image-text checkpoints here) called with ``processor_kwargs``."""
     processor, model = _hf_model(path)
-    inputs = processor(text=[prompt], images=images or None, return_tensors="pt")
+    inputs = processor(text=[prompt], images=images or None, return_tensors="pt", **processor_kwargs)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
