@@ -1,8 +1,9 @@
 """Image prompts compose with the engine's other features, greedy output token-identical to
 transformers' float32 ``generate`` on tiny image-text checkpoints: a LoRA adapter on the
-language model of Llava, Qwen2.5-VL and Gemma 3 (transformers + PEFT merged as the reference;
-one adapting Llava's or Gemma 3's vision tower is refused), speculative decoding with the n-gram proposer (Llava, Qwen2.5-VL) and with a
-text-only draft model (Qwen2.5-VL's language model: drafts accepted, so the drafted tokens'
+language model of Llava, Qwen2.5-VL and Gemma 3 (the shared scenario, transformers + PEFT
+merged as the reference; one adapting Llava's or Gemma 3's vision tower is refused),
+speculative decoding with the n-gram proposer (Llava, Qwen2.5-VL) and with a text-only draft
+model (Qwen2.5-VL's language model: drafts accepted, so the drafted tokens'
 three-row positions count), EAGLE heads refused at load, and ``-tp 2`` (Llava's CLIP tower and
 Qwen2.5-VL's vision tower split over two worker processes). Block and encoder-cache
 accounting checked at the end."""
