@@ -7,8 +7,8 @@ greedy tokens of this model do not show); the same image again hits the prefix c
 image with the same text hits nothing; then the block and encoder-cache accounting checks.
 
 Pan-and-scan (``do_pan_and_scan``, vLLM's ``mm_processor_kwargs``): a wide image becomes its
-thumbnail and three crops, four placeholder runs; greedy output equals transformers' with the
-same options, per request (``trust_request_mm_kwargs``) and server-wide
+thumbnail and three crops, four placeholder runs (each attending to itself both ways); greedy
+output equals transformers' with the same options and logprobs are within 1e-3, per request (``trust_request_mm_kwargs``) and server-wide
 (``--mm-processor-kwargs`` of ``pagedllm serve``, whose chat reply matches), and the server
 without ``--trust-request-mm-kwargs`` answers a request's own ``do_pan_and_scan`` with a 400."""
 
@@ -53,11 +53,15 @@ def test_gemma3_pan_and_scan_matches_transformers(tmp_path_factory, wide_image):
     path = gemma3_checkpoint(tmp_path_factory)
     expected = hf_greedy(path, PROMPT, [wide_image], MAX_TOKENS, **PAN_AND_SCAN)
     assert expected != hf_greedy(path, PROMPT, [wide_image], MAX_TOKENS), "the crops do not change the output"
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     per_request = LLM(str(path), dtype="float32", block_size=8, max_num_batched_tokens=24,
                       enable_prefix_caching=True, kv_cache_memory_bytes=4 << 20, trust_request_mm_kwargs=True)
     output = per_request.generate([_pan_and_scan_prompt(wide_image, PAN_AND_SCAN)], params, use_tqdm=False)[0]
     assert list(output.outputs[0].token_ids) == expected
+    completion = output.outputs[0]
+    reference, num_prompt = hf_log_softmax(path, PROMPT, [wide_image], list(completion.token_ids), **PAN_AND_SCAN)
+    for j, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        assert abs(entry[token].logprob - reference[num_prompt - 1 + j, token].item()) < 1e-3, f"token {j}"
     # The thumbnail and three crops: four runs of 16 image tokens, each between its markers.
     assert output.prompt_token_ids.count(per_request.llm_engine.model_config.hf_config.image_token_index) == 64
     check_caches_released(per_request)
