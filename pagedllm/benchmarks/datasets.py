@@ -1,5 +1,6 @@
 """Synthetic benchmark datasets with vLLM's names: ``random`` and ``prefix_repetition``;
-and ``repeat``, an input-grounded task for speculative decoding.
+``repeat``, an input-grounded task for speculative decoding; and for ``bench serve``,
+``random-mm`` (``pagedllm.benchmarks.random_mm``: random prompts with random images).
 
 Prompts are lists of token ids drawn (seeded, with numpy) uniformly from the tokenizer's
 vocabulary without its special tokens, so a prompt is exactly as long as asked and no
@@ -37,6 +38,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 DATASET_NAMES = ("random", "prefix_repetition", "repeat")
+#: The datasets whose requests carry images (``SampleRequest.multi_modal_data``): chat servers only.
+MULTIMODAL_DATASET_NAMES = ("random-mm",)
 #: Tokens of the passage repeated after the blank line (the cue to continue copying it).
 REPEAT_CUE_TOKENS = 8
 _REPEAT_SOURCES = ("argparse", "collections", "json", "re", "string", "textwrap", "urllib.parse")
@@ -47,12 +50,15 @@ class SampleRequest:
     """One benchmark request: prompt token ids, their count, and how many tokens to generate.
 
     ``prompt`` is text for servers (set by :func:`to_text_prompt`), else None.
+    ``multi_modal_data``: OpenAI chat content parts (``image_url``) sent after the text, or
+    None (a text-only request); ``prompt_len`` counts the text alone.
     """
 
     prompt_token_ids: list[int]
     expected_output_len: int
     prompt: Optional[str] = None
     prompt_len: int = field(default=-1)
+    multi_modal_data: Optional[list[dict[str, Any]]] = None
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
@@ -60,12 +66,14 @@ class SampleRequest:
 
 
 def add_dataset_args(parser: argparse.ArgumentParser, *, default_input_len: int = 1024,
-                     default_output_len: int = 128, seed: bool = True) -> None:
+                     default_output_len: int = 128, seed: bool = True, multimodal: bool = False) -> None:
     """Add vLLM's dataset options (random and prefix_repetition) and ``repeat`` to ``parser``;
     ``seed=False`` leaves out ``--seed`` (a benchmark whose engine flags declare it: the
-    engine's seed is then the dataset's too)."""
+    engine's seed is then the dataset's too); ``multimodal`` adds ``random-mm`` and its
+    options (a benchmark that sends chat requests with images)."""
     group = parser.add_argument_group("dataset")
-    group.add_argument("--dataset-name", default="random", choices=DATASET_NAMES,
+    names = DATASET_NAMES + (MULTIMODAL_DATASET_NAMES if multimodal else ())
+    group.add_argument("--dataset-name", default="random", choices=names,
                        help="synthetic dataset (default: random)")
     group.add_argument("--num-prompts", type=int, default=1000, help="number of requests")
     group.add_argument("--random-input-len", "--input-len", dest="random_input_len", type=int,
@@ -86,6 +94,10 @@ def add_dataset_args(parser: argparse.ArgumentParser, *, default_input_len: int 
                        help="prefix_repetition: output tokens (default: --output-len)")
     if seed:
         group.add_argument("--seed", type=int, default=0, help="dataset (and sampling) seed")
+    if multimodal:
+        from pagedllm.benchmarks.random_mm import add_random_mm_args
+
+        add_random_mm_args(group)
 
 
 def sample_lengths(mean_len: int, range_ratio: float, num: int, rng: np.random.Generator) -> np.ndarray:
@@ -211,13 +223,20 @@ def get_samples(args: argparse.Namespace, tokenizer: Any, num_prompts: Optional[
                                          args.num_prefixes, output_len, seed)
     if args.dataset_name == "repeat":
         return repeat_dataset(tokenizer, num, args.random_input_len, args.random_output_len, seed)
+    if args.dataset_name == "random-mm":
+        from pagedllm.benchmarks.random_mm import random_mm_dataset
+
+        return random_mm_dataset(tokenizer, num, args.random_input_len, args.random_output_len,
+                                 args.random_range_ratio, args.random_prefix_len, seed,
+                                 args.random_mm_base_items_per_request, args.random_mm_num_mm_items_range_ratio,
+                                 args.random_mm_limit_mm_per_prompt, args.random_mm_bucket_config)
     raise ValueError(f"unknown --dataset-name {args.dataset_name!r}; choose one of {DATASET_NAMES}")
 
 
 def dataset_description(args: argparse.Namespace) -> dict[str, Any]:
     """The dataset options, for result JSON files."""
     desc: dict[str, Any] = {"dataset_name": args.dataset_name, "seed": args.seed}
-    if args.dataset_name == "random":
+    if args.dataset_name in ("random", "random-mm"):
         desc.update(random_input_len=args.random_input_len, random_output_len=args.random_output_len,
                     random_range_ratio=args.random_range_ratio, random_prefix_len=args.random_prefix_len)
     elif args.dataset_name == "repeat":
@@ -225,6 +244,10 @@ def dataset_description(args: argparse.Namespace) -> dict[str, Any]:
     else:
         desc.update(prefix_len=args.prefix_len, suffix_len=args.suffix_len, num_prefixes=args.num_prefixes,
                     output_len=args.prefix_output_len or args.random_output_len)
+    if args.dataset_name == "random-mm":
+        from pagedllm.benchmarks.random_mm import random_mm_description
+
+        desc.update(random_mm_description(args))
     return desc
 
 
@@ -250,7 +273,8 @@ def to_text_prompt(tokenizer: Any, request: SampleRequest, rng: np.random.Genera
             ids = encoded + _draw(vocab, target - len(encoded), rng)
         text = tokenizer.decode(ids)
         encoded = tokenizer.encode(text, add_special_tokens=False)
-    return SampleRequest(list(encoded), request.expected_output_len, prompt=text, prompt_len=len(encoded))
+    return SampleRequest(list(encoded), request.expected_output_len, prompt=text, prompt_len=len(encoded),
+                         multi_modal_data=request.multi_modal_data)
 
 
 def length_stats(values: Sequence[int]) -> dict[str, float]:

@@ -1,7 +1,9 @@
 """``pagedllm bench serve``: a load generator for any OpenAI-compatible server (pagedllm's,
 vLLM's, llama.cpp's ``llama-server``), as ``vllm bench serve``.
 
-Requests come from the synthetic datasets (``--dataset-name random`` ...), arrive as a
+Requests come from the synthetic datasets (``--dataset-name random`` ...; ``random-mm``
+adds random images to each prompt as ``image_url`` parts of a chat message, for
+``--endpoint /v1/chat/completions``; the metrics are the same), arrive as a
 Poisson process at ``--request-rate`` requests/s (``inf``: all at once; ``--burstiness``
 other than 1 makes the gaps gamma-distributed, as in vLLM), at most ``--max-concurrency``
 in flight, and are streamed (``stream: true`` with ``stream_options.include_usage``) with
@@ -43,6 +45,7 @@ import numpy as np
 from pagedllm.benchmarks import machine_info, percentile_label, summarize, write_json
 from pagedllm.benchmarks.grammar_compile import TEN_FIELD_SCHEMA
 from pagedllm.benchmarks.datasets import (
+    MULTIMODAL_DATASET_NAMES,
     SampleRequest,
     add_dataset_args,
     allowed_token_ids,
@@ -73,7 +76,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer folder or Hub id (default: --model, else the served model's folder "
                              "from /v1/models when it is on this machine, else its name)")
-    add_dataset_args(parser, default_input_len=1024, default_output_len=128)
+    add_dataset_args(parser, default_input_len=1024, default_output_len=128, multimodal=True)
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="requests per second (Poisson arrivals); inf sends all at once")
     parser.add_argument("--burstiness", type=float, default=1.0,
@@ -136,7 +139,8 @@ async def request_completion(client: Any, url: str, model: str, request: SampleR
         "stream_options": {"include_usage": True},
     }
     if chat:
-        body["messages"] = [{"role": "user", "content": prompt}]
+        content = [{"type": "text", "text": prompt}, *request.multi_modal_data] if request.multi_modal_data else prompt
+        body["messages"] = [{"role": "user", "content": content}]
     else:
         body["prompt"] = prompt
     if args.ignore_eos:
@@ -365,6 +369,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if bad:
         raise ValueError(f"unknown --percentile-metrics {bad}; choose from {list(METRICS)}")
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+    check_multimodal_args(args)
     extra = json.loads(args.extra_body) if args.extra_body else None
     constraint = structured_output_body(args)
     url = _api_url(args)
@@ -438,6 +443,22 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                                     percentiles, bench_start))
     result["machine"] = machine_info()
     return result
+
+
+def check_multimodal_args(args: argparse.Namespace) -> None:
+    """A dataset with images (``random-mm``) needs the chat endpoint and text prompts.
+
+    Raises:
+        ValueError: another endpoint, or ``--prompt-format token-ids``.
+    """
+    if args.dataset_name not in MULTIMODAL_DATASET_NAMES:
+        return
+    if "chat/completions" not in args.endpoint:
+        raise ValueError(f"--dataset-name {args.dataset_name} sends images in chat messages: "
+                         "use --endpoint /v1/chat/completions.")
+    if args.prompt_format != "text":
+        raise ValueError(f"--dataset-name {args.dataset_name} sends its prompts as chat text: "
+                         "drop --prompt-format token-ids.")
 
 
 def structured_output_body(args: argparse.Namespace) -> dict[str, Any]:

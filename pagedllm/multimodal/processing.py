@@ -15,6 +15,11 @@ transformers' ``PixtralProcessor`` (Mistral 3) needs torchvision too; ``PixtralI
 is the same rule on the checkpoint's image processor (its Pillow variant without torchvision)
 and tokenizer.
 
+Gemma 3's pan-and-scan (``mm_processor_kwargs={"do_pan_and_scan": True}``, per request with
+``--trust-request-mm-kwargs`` or server-wide with ``--mm-processor-kwargs``): its processor
+cuts a wide or tall image into crops and writes a placeholder run for the thumbnail and for
+each crop; each becomes an item (``MultiModalFeatureSpec``) of its own.
+
 An image's placeholder run may hold tokens that keep their own embedding (Pixtral's
 [IMG_BREAK] after each row of [IMG] tokens and [IMG_END] last): its ``PlaceholderRange``
 then covers the whole run and flags the image-token positions in ``is_embed``.
@@ -46,7 +51,9 @@ class ItemLayout:
     Attributes:
         image_token_key: the config key holding the image placeholder token id (the token the
             processor repeats, one per embedding).
-        split: (processor output, number of images) -> each image's tensors.
+        split: (processor output, number of images) -> each item's tensors: an item is an
+            image, or one of the crops an image becomes (Gemma 3's pan-and-scan), each with
+            its own placeholder run.
         item_tokens: (an image's tensors, the model's config) -> its placeholder tokens (None:
             every image of a prompt fills the same number).
         chat_placeholder: the text a chat message gets per image (None: the image token's).
@@ -205,12 +212,22 @@ def _grid_tokens(item: Mapping[str, torch.Tensor], hf_config: Any) -> int:
 
 
 def _split_batched(outputs: Mapping[str, torch.Tensor], num_items: int) -> list[dict[str, torch.Tensor]]:
-    """Llava's and Gemma 3's layout (without pan-and-scan crops): ``pixel_values`` [N, 3, H, W],
-    image i is row i."""
+    """Llava's layout: ``pixel_values`` [N, 3, H, W], image i is row i."""
     pixel_values = outputs["pixel_values"]
     if pixel_values.shape[0] != num_items:
         raise ValueError(f"the processor made {pixel_values.shape[0]} images of {num_items}")
     return [{"pixel_values": pixel_values[i : i + 1]} for i in range(num_items)]
+
+
+def _split_crops(outputs: Mapping[str, torch.Tensor], num_items: int) -> list[dict[str, torch.Tensor]]:
+    """Gemma 3's layout: ``pixel_values`` [R, 3, H, W], one row per placeholder run in prompt
+    order: an image's row, or with pan-and-scan (``do_pan_and_scan``) its thumbnail then its
+    crops (transformers' ``Gemma3Processor`` writes a run for each), so R >= N. Each row is an
+    item of its own: its run, its encoder-cache entry, its bidirectional attention range."""
+    pixel_values = outputs["pixel_values"]
+    if pixel_values.shape[0] < num_items:
+        raise ValueError(f"the processor made {pixel_values.shape[0]} images of {num_items}")
+    return [{"pixel_values": pixel_values[i : i + 1]} for i in range(pixel_values.shape[0])]
 
 
 _QWEN_VL_LAYOUT = ItemLayout("image_token_id", _split_by_grid, _grid_tokens,
@@ -220,7 +237,7 @@ MULTIMODAL_LAYOUTS: dict[str, ItemLayout] = {
     "LlavaForConditionalGeneration": ItemLayout("image_token_index", _split_batched),
     "Qwen2_5_VLForConditionalGeneration": _QWEN_VL_LAYOUT,
     "Qwen3VLForConditionalGeneration": _QWEN_VL_LAYOUT,
-    "Gemma3ForConditionalGeneration": ItemLayout("image_token_index", _split_batched,
+    "Gemma3ForConditionalGeneration": ItemLayout("image_token_index", _split_crops,
                                                  prompt_token_key="boi_token_index"),
     "Mistral3ForConditionalGeneration": ItemLayout(
         "image_token_index", _split_by_sizes, _pixtral_run_tokens, load_processor=PixtralImageProcessing,
@@ -280,7 +297,8 @@ class MultiModalProcessor:
 
     def apply(self, prompt: str, images: Sequence[Any], mm_processor_kwargs: Optional[dict] = None,
               add_special_tokens: bool = True) -> tuple[list[int], list[MultiModalFeatureSpec]]:
-        """(token ids, one feature per image in prompt order) of ``prompt`` (its image
+        """(token ids, one feature per item in prompt order: per image, or per crop of an image
+        the processor cuts, Gemma 3's pan-and-scan) of ``prompt`` (its image
         placeholders as the model's chat template writes them, e.g. ``<image>``) with ``images``
         (PIL images); ``add_special_tokens`` as the tokenizer's.
 

@@ -127,11 +127,11 @@ def _hf_model(path: Path):
     return AutoProcessor.from_pretrained(path), model_class.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def hf_greedy(path: Path, prompt: str, images: list, max_new_tokens: int) -> list[int]:
+def hf_greedy(path: Path, prompt: str, images: list, max_new_tokens: int, **processor_kwargs) -> list[int]:
     """transformers' float32 greedy completion of ``prompt`` with ``images``, through the
-    checkpoint's processor (any of the image-text checkpoints here)."""
+    checkpoint's processor (any of the image-text checkpoints here) called with ``processor_kwargs``."""
     processor, model = _hf_model(path)
-    inputs = processor(text=[prompt], images=images or None, return_tensors="pt")
+    inputs = processor(text=[prompt], images=images or None, return_tensors="pt", **processor_kwargs)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
@@ -246,12 +246,13 @@ def gemma3_checkpoint(tmp_path_factory) -> Path:
     return _CHECKPOINTS["gemma3"]
 
 
-def hf_log_softmax(path: Path, prompt: str, images: list, continuation: list[int]) -> tuple[torch.Tensor, int]:
+def hf_log_softmax(path: Path, prompt: str, images: list, continuation: list[int],
+                   **processor_kwargs) -> tuple[torch.Tensor, int]:
     """transformers' float32 log-softmax [prompt + continuation, vocab] of ``prompt`` with
-    ``images`` (through the checkpoint's processor, its ``token_type_ids`` too) followed by
-    ``continuation``, and the prompt's length in tokens."""
+    ``images`` (through the checkpoint's processor called with ``processor_kwargs``, its
+    ``token_type_ids`` too) followed by ``continuation``, and the prompt's length in tokens."""
     processor, model = _hf_model(path)
-    inputs = dict(processor(text=[prompt], images=images or None, return_tensors="pt"))
+    inputs = dict(processor(text=[prompt], images=images or None, return_tensors="pt", **processor_kwargs))
     num_prompt = inputs["input_ids"].shape[1]
     tail = torch.tensor([continuation])
     inputs["input_ids"] = torch.cat([inputs["input_ids"], tail], dim=1)

@@ -5,6 +5,9 @@ transformers float32 for one image, two images of different sizes and a text-onl
 two-image prompt's logprobs within 1e-3 of transformers'; the same image again hits the prefix
 cache, another image with the same text hits nothing. The caller adds its model's own checks,
 then ``check_caches_released``.
+
+``check_lora_image_prompts``: a LoRA adapter on the language model (``make_vl_adapter``, PEFT)
+with image prompts, greedy output token-identical to transformers + PEFT merged.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from typing import Callable
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests.helpers import check_block_accounting
+from pagedllm.lora.request import LoRARequest
+from tests.helpers import check_block_accounting, randomize_lora
 
 MAX_TOKENS = 5
 TEXT_ONLY = "A text-only prompt about nothing in particular."
@@ -23,6 +27,8 @@ TEXT_ONLY = "A text-only prompt about nothing in particular."
 HfGreedy = Callable[..., list[int]]
 #: ``(path, prompt, images, continuation) -> (log-softmax [tokens, vocab], prompt length)``.
 HfLogSoftmax = Callable[..., tuple[torch.Tensor, int]]
+#: ``path -> token ids per prompt``: transformers' greedy completions of a scenario's prompts.
+HfExpected = Callable[..., list[list[int]]]
 
 
 def image_prompt(text: str, images: list) -> dict | str:
@@ -65,3 +71,51 @@ def check_caches_released(llm: LLM) -> None:
     check_block_accounting(llm)
     manager = llm.llm_engine.engine_core.scheduler.encoder_cache_manager
     assert not any(manager.cached.values()), "an encoder-cache entry is still referenced"
+
+
+#: PEFT's target of the language model's attention projections in every image-text checkpoint here
+#: (transformers' module names: ``model.language_model.layers.N.self_attn.q_proj``).
+LANGUAGE_MODEL_TARGETS = r".*language_model.*\.(q_proj|v_proj)"
+
+
+def make_vl_adapter(base, out, target_modules=LANGUAGE_MODEL_TARGETS, seed: int = 5):
+    """A PEFT LoRA adapter (r 4, A and B drawn at random) on the image-text checkpoint ``base``
+    (its ``architectures`` class of transformers) for the modules ``target_modules`` (PEFT's: a
+    regex, or names) picks, and its merged checkpoint beside the base's processor and tokenizer
+    files; returns (adapter folder, merged folder)."""
+    import shutil
+
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    model_class = getattr(transformers, transformers.AutoConfig.from_pretrained(base).architectures[0])
+    model = model_class.from_pretrained(base, dtype=torch.float32)
+    peft_model = randomize_lora(get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=target_modules,
+                                                                 lora_dropout=0.0, bias="none")), seed)
+    adapter, merged = out / "adapter", out / "merged"
+    peft_model.save_pretrained(adapter)
+    peft_model.merge_and_unload().save_pretrained(merged)
+    for source in base.iterdir():  # the processor's and tokenizer's files
+        if not (merged / source.name).exists():
+            shutil.copy(source, merged / source.name)
+    return adapter, merged
+
+
+def check_lora_image_prompts(base, adapter, merged, prompts: list[tuple[str, int]], images: list,
+                             expected: HfExpected, max_tokens: int, **engine_kwargs) -> LLM:
+    """An adapter on the language model with image prompts: ``prompts`` ((text, k): the text
+    with ``images[:k]``) under the adapter and without it, ``max_tokens`` each, in one batch with 16-token steps and
+    prefix caching (the same images, different blocks), greedy output token-identical to
+    transformers' on ``merged`` and on ``base`` (``expected(path) -> token ids per prompt``).
+    Returns the engine, for the caller's further checks, then ``check_caches_released``."""
+    expected_base, expected_lora = expected(base), expected(merged)
+    assert expected_base != expected_lora, "the adapter does not change the output: the test would not see a bug"
+    llm = LLM(str(base), dtype="float32", kv_cache_memory_bytes=16 << 20, enable_lora=True, max_loras=1,
+              max_lora_rank=8, max_num_batched_tokens=16, enable_prefix_caching=True, **engine_kwargs)
+    lora = LoRARequest("lang", 1, str(adapter))
+    requests = [{"prompt": p, "multi_modal_data": {"image": images[:k]}} for p, k in prompts] * 2
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate(requests, params, lora_request=[lora] * len(prompts) + [None] * len(prompts),
+                           use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected_lora + expected_base
+    return llm

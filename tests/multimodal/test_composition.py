@@ -1,8 +1,9 @@
 """Image prompts compose with the engine's other features, greedy output token-identical to
-transformers' float32 ``generate`` on tiny image-text checkpoints: a LoRA adapter on Llava's
-language model (transformers + PEFT merged as the reference; one adapting the vision tower is
-refused), speculative decoding with the n-gram proposer (Llava, Qwen2.5-VL) and with a
-text-only draft model (Qwen2.5-VL's language model: drafts accepted, so the drafted tokens'
+transformers' float32 ``generate`` on tiny image-text checkpoints: a LoRA adapter on the
+language model of Llava, Qwen2.5-VL and Gemma 3 (the shared scenario, transformers + PEFT
+merged as the reference; one adapting Llava's or Gemma 3's vision tower is refused),
+speculative decoding with the n-gram proposer (Llava, Qwen2.5-VL) and with a text-only draft
+model (Qwen2.5-VL's language model: drafts accepted, so the drafted tokens'
 three-row positions count), EAGLE heads refused at load, and ``-tp 2`` (Llava's CLIP tower and
 Qwen2.5-VL's vision tower split over two worker processes). Block and encoder-cache
 accounting checked at the end."""
@@ -14,8 +15,9 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.lora.request import LoRARequest
-from tests.helpers import can_host_workers, check_block_accounting, randomize_lora
+from tests.helpers import can_host_workers, check_block_accounting
 from tests.multimodal.checkpoints import (
+    gemma3_checkpoint,
     hf_greedy,
     hf_qwen_vl_greedy,
     llava_checkpoint,
@@ -23,12 +25,14 @@ from tests.multimodal.checkpoints import (
     make_qwen_vl_checkpoint,
     random_image,
 )
+from tests.multimodal.scenarios import check_lora_image_prompts, make_vl_adapter
 from tests.spec_decode.test_spec_greedy_equality import record_spec_stats
 
 MAX_TOKENS = 8
 LLAVA_PROMPTS = ["<image> What is in this picture?", "First <image> then <image>: compare them."]
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 QWEN_PROMPTS = [f"{QWEN_IMAGE} What is in this picture?", f"First {QWEN_IMAGE} then {QWEN_IMAGE}: compare them."]
+GEMMA3_PROMPTS = ["<start_of_image> What is in this picture?", "First <start_of_image> then <start_of_image>: compare."]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
@@ -67,39 +71,35 @@ def _qwen_expected(path, images) -> list[list[int]]:
     return [hf_qwen_vl_greedy(path, p, images[: p.count("image_pad")], MAX_TOKENS) for p in QWEN_PROMPTS]
 
 
-def make_llava_adapter(base, out, target_modules, seed: int = 5):
-    """A PEFT LoRA adapter (r 4, A and B drawn at random) on the Llava checkpoint ``base``
-    for the modules ``target_modules`` (PEFT's: a regex, or names) picks, and its merged checkpoint with
-    the base's processor; returns (adapter folder, merged folder)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    model = LlavaForConditionalGeneration.from_pretrained(base, dtype=torch.float32)
-    peft_model = randomize_lora(get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=target_modules,
-                                                                 lora_dropout=0.0, bias="none")), seed)
-    adapter, merged = out / "adapter", out / "merged"
-    peft_model.save_pretrained(adapter)
-    peft_model.merge_and_unload().save_pretrained(merged)
-    AutoProcessor.from_pretrained(base).save_pretrained(merged)
-    return adapter, merged
-
-
 def test_llava_lora_matches_merged_transformers(tmp_path_factory, images):
     base = llava_checkpoint(tmp_path_factory)
-    adapter, merged = make_llava_adapter(base, tmp_path_factory.mktemp("llava-lora"),
-                                         r".*language_model.*\.(q_proj|v_proj)")
-    expected_base, expected_lora = _llava_expected(base, images), _llava_expected(merged, images)
-    assert expected_base != expected_lora, "the adapter does not change the output: the test would not see a bug"
-    llm = LLM(str(base), dtype="float32", kv_cache_memory_bytes=16 << 20, enable_lora=True, max_loras=1,
-              max_lora_rank=8, max_num_batched_tokens=16, enable_prefix_caching=True)
-    lora = LoRARequest("lang", 1, str(adapter))
-    # The adapter's and the base's requests in one batch: the same images, different blocks.
-    prompts, loras = LLAVA_PROMPTS * 2, [lora, lora, None, None]
-    assert _generate(llm, prompts, images, loras) == expected_lora + expected_base
+    adapter, merged = make_vl_adapter(base, tmp_path_factory.mktemp("llava-lora"))
+    llm = check_lora_image_prompts(base, adapter, merged, [(p, p.count("image")) for p in LLAVA_PROMPTS], images,
+                                   lambda path: _llava_expected(path, images), MAX_TOKENS)
     # Names: PEFT adapts the CLIP tower's q_proj / v_proj too.
-    vision, _ = make_llava_adapter(base, tmp_path_factory.mktemp("llava-vision-lora"), ["q_proj", "v_proj"])
+    vision, _ = make_vl_adapter(base, tmp_path_factory.mktemp("llava-vision-lora"), ["q_proj", "v_proj"])
     with pytest.raises(ValueError, match="vision_tower.*is not supported"):
         _generate(llm, LLAVA_PROMPTS[:1], images, LoRARequest("vision", 2, str(vision)))
+    _check_accounting(llm)
+
+
+def test_qwen_vl_lora_matches_merged_transformers(tmp_path_factory, qwen_vl, images):
+    adapter, merged = make_vl_adapter(qwen_vl, tmp_path_factory.mktemp("qwen2_5_vl-lora"))
+    llm = check_lora_image_prompts(qwen_vl, adapter, merged, [(p, p.count("image_pad")) for p in QWEN_PROMPTS],
+                                   images, lambda path: _qwen_expected(path, images), MAX_TOKENS, block_size=8)
+    _check_accounting(llm)
+
+
+def test_gemma3_lora_matches_merged_transformers(tmp_path_factory, images):
+    base = gemma3_checkpoint(tmp_path_factory)
+    adapter, merged = make_vl_adapter(base, tmp_path_factory.mktemp("gemma3-lora"))
+    expected = lambda path: [hf_greedy(path, p, images[: p.count("image")], MAX_TOKENS) for p in GEMMA3_PROMPTS]
+    llm = check_lora_image_prompts(base, adapter, merged, [(p, p.count("image")) for p in GEMMA3_PROMPTS], images,
+                                   expected, MAX_TOKENS, block_size=8)
+    # Names: PEFT adapts the SigLIP tower's q_proj / v_proj too.
+    vision, _ = make_vl_adapter(base, tmp_path_factory.mktemp("gemma3-vision-lora"), ["q_proj", "v_proj"])
+    with pytest.raises(ValueError, match="vision_tower.*is not supported"):
+        _generate(llm, GEMMA3_PROMPTS[:1], images, LoRARequest("vision", 2, str(vision)))
     _check_accounting(llm)
 
 

@@ -8,6 +8,10 @@ side, ``mm_soft_emb_norm`` (a Gemma RMSNorm), then ``@ mm_input_projection_weigh
 language model's width. They replace the image's ``<image_soft_token>`` placeholders unscaled
 (the text tokens' embeddings carry Gemma's sqrt(hidden) factor, ``embed_input_ids``).
 
+With pan-and-scan (``do_pan_and_scan``) the processor adds crops of a wide or tall image, each
+with its own run of placeholders; each crop is an item of its own
+(``pagedllm.multimodal.processing``), encoded as an image.
+
 The image's tokens attend to each other both ways in the language model (transformers'
 ``token_type_ids`` mask): the architecture is in ``BIDIRECTIONAL_IMAGE_ARCHITECTURES``, so the
 model runner passes each image's range to attention and the scheduler never cuts one.

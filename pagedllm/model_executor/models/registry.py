@@ -90,8 +90,8 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
     "Gemma3ForConditionalGeneration": SupportedModel(
         Gemma3ForConditionalGeneration, ("google/gemma-3-4b-it", "google/gemma-3-27b-it"),
         "SigLIP vision tower, average-pooled and RMS-normed projector; Gemma 3 language model; bidirectional "
-        "attention within each image's tokens (an image is never split across prefill chunks); no "
-        "pan-and-scan crops"),
+        "attention within each image's tokens (an image is never split across prefill chunks); pan-and-scan "
+        "crops with mm_processor_kwargs {\"do_pan_and_scan\": true}"),
     "LlavaForConditionalGeneration": SupportedModel(
         LlavaForConditionalGeneration, ("llava-hf/llava-1.5-7b-hf", "llava-hf/llava-1.5-13b-hf"),
         "CLIP vision tower and MLP projector (vision_feature_layer, vision_feature_select_strategy); Llama "
