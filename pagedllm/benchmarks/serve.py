@@ -53,6 +53,7 @@ from pagedllm.benchmarks.datasets import (
     get_samples,
     to_text_prompt,
 )
+from pagedllm.entrypoints.sse_client import DONE, asse_events
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 METRIC_NAMES = {
@@ -157,12 +158,8 @@ async def request_completion(client: Any, url: str, model: str, request: SampleR
             if response.status_code != 200:
                 out.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:500]}"
                 return out
-            async for line in response.aiter_lines():
-                line = line.strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
+            async for data in asse_events(response.aiter_lines()):
+                if data == DONE:
                     break
                 chunk = json.loads(data)
                 now = time.perf_counter()

@@ -22,6 +22,8 @@ import os
 import sys
 from typing import Any, Iterator, Optional
 
+from pagedllm.entrypoints.sse_client import DONE, sse_events
+
 #: vLLM's default ``--url``: a server on this machine's port 8000.
 DEFAULT_URL = "http://localhost:8000/v1"
 #: Seconds to wait for the server's first byte (a long prompt may queue) and between stream events.
@@ -71,11 +73,8 @@ class ServerClient:
                 if response.status_code >= 400:
                     response.read()
                     self._checked(response)
-                for line in response.iter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[len("data:") :].strip()
-                    if data == "[DONE]":
+                for data in sse_events(response.iter_lines()):
+                    if data == DONE:
                         return
                     event = json.loads(data)
                     if "error" in event:
