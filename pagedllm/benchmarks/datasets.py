@@ -37,6 +37,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from pagedllm.benchmarks import random_mm
+
 DATASET_NAMES = ("random", "prefix_repetition", "repeat")
 #: The datasets whose requests carry images (``SampleRequest.multi_modal_data``): chat servers only.
 MULTIMODAL_DATASET_NAMES = ("random-mm",)
@@ -95,9 +97,7 @@ def add_dataset_args(parser: argparse.ArgumentParser, *, default_input_len: int 
     if seed:
         group.add_argument("--seed", type=int, default=0, help="dataset (and sampling) seed")
     if multimodal:
-        from pagedllm.benchmarks.random_mm import add_random_mm_args
-
-        add_random_mm_args(group)
+        random_mm.add_random_mm_args(group)
 
 
 def sample_lengths(mean_len: int, range_ratio: float, num: int, rng: np.random.Generator) -> np.ndarray:
@@ -209,6 +209,21 @@ def repeat_dataset(tokenizer: Any, num_prompts: int, input_len: int, output_len:
     return requests
 
 
+def random_mm_dataset(tokenizer: Any, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
+                      prefix_len: int = 0, seed: int = 0, base_items_per_request: int = 1,
+                      num_mm_items_range_ratio: float = 0.0, limit_mm_per_prompt: Optional[dict[str, int]] = None,
+                      bucket_config: Optional[dict] = None) -> list[SampleRequest]:
+    """vLLM's ``random-mm``: the ``random`` dataset's requests, each with random images as
+    ``image_url`` parts (``pagedllm.benchmarks.random_mm``). Seeded.
+
+    Raises:
+        ValueError: see ``random_mm.item_sampling``.
+    """
+    requests = random_dataset(tokenizer, num_prompts, input_len, output_len, range_ratio, prefix_len, seed)
+    return random_mm.attach_images(requests, seed, base_items_per_request, num_mm_items_range_ratio,
+                                   limit_mm_per_prompt, bucket_config)
+
+
 def get_samples(args: argparse.Namespace, tokenizer: Any, num_prompts: Optional[int] = None,
                 seed: Optional[int] = None) -> list[SampleRequest]:
     """The requests that ``args`` (from :func:`add_dataset_args`) describe."""
@@ -224,8 +239,6 @@ def get_samples(args: argparse.Namespace, tokenizer: Any, num_prompts: Optional[
     if args.dataset_name == "repeat":
         return repeat_dataset(tokenizer, num, args.random_input_len, args.random_output_len, seed)
     if args.dataset_name == "random-mm":
-        from pagedllm.benchmarks.random_mm import random_mm_dataset
-
         return random_mm_dataset(tokenizer, num, args.random_input_len, args.random_output_len,
                                  args.random_range_ratio, args.random_prefix_len, seed,
                                  args.random_mm_base_items_per_request, args.random_mm_num_mm_items_range_ratio,
@@ -245,9 +258,7 @@ def dataset_description(args: argparse.Namespace) -> dict[str, Any]:
         desc.update(prefix_len=args.prefix_len, suffix_len=args.suffix_len, num_prefixes=args.num_prefixes,
                     output_len=args.prefix_output_len or args.random_output_len)
     if args.dataset_name == "random-mm":
-        from pagedllm.benchmarks.random_mm import random_mm_description
-
-        desc.update(random_mm_description(args))
+        desc.update(random_mm.random_mm_description(args))
     return desc
 
 

@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 
-from pagedllm.benchmarks.datasets import SampleRequest, random_dataset
 
 Bucket = tuple[int, int, int]
 DEFAULT_LIMIT_MM_PER_PROMPT = {"image": 255, "video": 1}
@@ -148,12 +147,12 @@ def image_part(height: int, width: int, rng: np.random.Generator) -> dict[str, A
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def random_mm_dataset(tokenizer: Any, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                      prefix_len: int = 0, seed: int = 0, base_items_per_request: int = 1,
-                      num_mm_items_range_ratio: float = 0.0, limit_mm_per_prompt: dict[str, int] | None = None,
-                      bucket_config: dict[Bucket, float] | None = None) -> list[SampleRequest]:
-    """The ``random`` dataset's requests, each with ``multi_modal_data``: its ``image_url``
-    parts (see the module docstring). Seeded: the same arguments give the same requests.
+def attach_images(requests: list[Any], seed: int = 0, base_items_per_request: int = 1,
+                  num_mm_items_range_ratio: float = 0.0, limit_mm_per_prompt: dict[str, int] | None = None,
+                  bucket_config: dict[Bucket, float] | None = None) -> list[Any]:
+    """``requests`` (``SampleRequest``s of the ``random`` dataset), each given
+    ``multi_modal_data``: its ``image_url`` parts (see the module docstring), in place.
+    Seeded: the same arguments give the same images.
 
     Raises:
         ValueError: see ``item_sampling``.
@@ -161,7 +160,6 @@ def random_mm_dataset(tokenizer: Any, num_prompts: int, input_len: int, output_l
     limits = dict(DEFAULT_LIMIT_MM_PER_PROMPT if limit_mm_per_prompt is None else limit_mm_per_prompt)
     fewest, most, buckets = item_sampling(base_items_per_request, num_mm_items_range_ratio, limits,
                                           DEFAULT_BUCKET_CONFIG if bucket_config is None else bucket_config)
-    requests = random_dataset(tokenizer, num_prompts, input_len, output_len, range_ratio, prefix_len, seed)
     rng = np.random.default_rng([seed, 1])
     for request in requests:
         count = int(rng.integers(fewest, most + 1))

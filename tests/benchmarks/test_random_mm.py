@@ -15,7 +15,8 @@ import httpx
 import pytest
 from PIL import Image
 
-from pagedllm.benchmarks.random_mm import parse_bucket_config, random_mm_dataset
+from pagedllm.benchmarks.datasets import random_mm_dataset
+from pagedllm.benchmarks.random_mm import parse_bucket_config
 from pagedllm.benchmarks.serve import check_multimodal_args
 from tests.benchmarks.test_bench_cli import pagedllm_parser, run_bench
 from tests.multimodal.checkpoints import NUM_IMAGE_TOKENS, llava_checkpoint
