@@ -250,6 +250,15 @@ PAGEDLLM_MAX_IMAGE_BYTES = _declare(
     "PAGEDLLM_MAX_IMAGE_BYTES", "int", 20 << 20, "Largest image (bytes) a chat request's image URL may bring.",
     nonpositive="error", error="{name} must be a positive number of bytes, got {value!r}.",
 )  # fmt: skip
+PAGEDLLM_VIDEO_FETCH_TIMEOUT = _declare(
+    "PAGEDLLM_VIDEO_FETCH_TIMEOUT", "float", 30.0, "Seconds an http(s) video URL of a chat request may take to fetch.",
+    alias="VLLM_VIDEO_FETCH_TIMEOUT", nonpositive="error",
+    error="{name} must be a positive number of seconds, got {value!r}.",
+)  # fmt: skip
+PAGEDLLM_MAX_VIDEO_BYTES = _declare(
+    "PAGEDLLM_MAX_VIDEO_BYTES", "int", 100 << 20, "Largest video (bytes) a chat request's video URL may bring.",
+    nonpositive="error", error="{name} must be a positive number of bytes, got {value!r}.",
+)  # fmt: skip
 
 # --- CPU kernels --------------------------------------------------------------------------
 PAGEDLLM_CPU_ISA = _declare(

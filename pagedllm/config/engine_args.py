@@ -313,7 +313,15 @@ class EngineArgs:
         None,
         help=(
             'Image-text models: the most items of each modality one prompt may carry, as JSON, e.g. '
-            '\'{"image": 2}\' (a request over it is refused). Default: no limit.'
+            '\'{"image": 2, "video": 1}\' (a request over it is refused). Default: no limit.'
+        ),
+        type=json_object, metavar="JSON",
+    )
+    media_io_kwargs: Optional[dict] = flag_field(
+        None,
+        help=(
+            'Options of loading media from chat URLs, per modality, as JSON: \'{"video": {"num_frames": 8}}\' '
+            "samples each video to 8 frames spread evenly over it (-1: every frame; default 32)."
         ),
         type=json_object, metavar="JSON",
     )
@@ -720,7 +728,7 @@ class EngineArgs:
             convert_type=self.convert if self.convert in ("embed", "classify") else "none",
             multimodal_config=MultiModalConfig.from_engine_args(
                 self.limit_mm_per_prompt, self.mm_processor_kwargs, self.trust_request_mm_kwargs,
-                self.allowed_local_media_path, self.allowed_media_domains),
+                self.allowed_local_media_path, self.allowed_media_domains, self.media_io_kwargs),
             load_format=self.load_format,
             enable_sleep_mode=self.enable_sleep_mode,
         )

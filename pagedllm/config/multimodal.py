@@ -1,6 +1,6 @@
 """``MultiModalConfig``: how an image-text model takes images (vLLM's ``MultiModalConfig`` and
-its media options): how many per prompt, the processor's options, where chat ``image_url``
-parts may be read from."""
+its media options): how many per prompt, the processor's options, where chat ``image_url`` /
+``video_url`` parts may be read from and how videos are sampled."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 #: Modalities a prompt may carry (``--limit-mm-per-prompt`` keys).
-MODALITIES = ("image",)
+MODALITIES = ("image", "video")
+#: ``--media-io-kwargs`` options per modality, with their checks.
+MEDIA_IO_OPTIONS = {"video": {"num_frames": "an integer >= 1, or -1 for every frame"}}
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,9 @@ class MultiModalConfig:
         allowed_local_media_path: the folder ``file://`` image URLs may be read under (None:
             ``file://`` URLs are refused).
         allowed_media_domains: the host names ``http(s)://`` image URLs may point at (None: any).
+        media_io_kwargs: modality -> options of loading media from URLs (vLLM's
+            ``--media-io-kwargs``): ``{"video": {"num_frames": N}}``, the frames a video is
+            sampled to uniformly (default ``pagedllm.multimodal.video.DEFAULT_NUM_FRAMES``).
     """
 
     limit_per_prompt: dict[str, int] = field(default_factory=dict)
@@ -29,16 +34,24 @@ class MultiModalConfig:
     trust_request_mm_kwargs: bool = False
     allowed_local_media_path: Optional[Path] = None
     allowed_media_domains: Optional[tuple[str, ...]] = None
+    media_io_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def video_num_frames(self) -> Optional[int]:
+        """``--media-io-kwargs``' ``video.num_frames`` (None: not set)."""
+        return self.media_io_kwargs.get("video", {}).get("num_frames")
 
     @classmethod
     def from_engine_args(cls, limit_mm_per_prompt: Optional[dict], mm_processor_kwargs: Optional[dict],
                          trust_request_mm_kwargs: bool, allowed_local_media_path: Optional[str],
-                         allowed_media_domains: Optional[list[str]]) -> "MultiModalConfig":
+                         allowed_media_domains: Optional[list[str]], media_io_kwargs: Optional[dict] = None
+                         ) -> "MultiModalConfig":
         """The config of the engine arguments of the same names.
 
         Raises:
             ValueError: an unknown modality or a limit that is not a non-negative integer; an
-                ``allowed_local_media_path`` that is not an existing folder.
+                ``allowed_local_media_path`` that is not an existing folder; a
+                ``media_io_kwargs`` modality or option not in ``MEDIA_IO_OPTIONS``, or a bad value.
         """
         limits = dict(limit_mm_per_prompt or {})
         for modality, limit in limits.items():
@@ -53,4 +66,22 @@ class MultiModalConfig:
                 raise ValueError(f"--allowed-local-media-path {allowed_local_media_path!r} is not an existing folder.")
         domains = tuple(allowed_media_domains) if allowed_media_domains else None
         return cls(limits, dict(mm_processor_kwargs) if mm_processor_kwargs else None, bool(trust_request_mm_kwargs),
-                   local, domains)
+                   local, domains, _checked_media_io_kwargs(media_io_kwargs or {}))
+
+
+def _checked_media_io_kwargs(media_io_kwargs: dict) -> dict[str, dict[str, Any]]:
+    """``--media-io-kwargs`` checked against ``MEDIA_IO_OPTIONS``.
+
+    Raises:
+        ValueError: an unknown modality or option, or a bad ``num_frames``."""
+    for modality, options in media_io_kwargs.items():
+        known = MEDIA_IO_OPTIONS.get(modality)
+        if known is None or not isinstance(options, dict):
+            raise ValueError(f"--media-io-kwargs: {modality!r} takes no options (known: "
+                             f"{', '.join(f'{m}: {sorted(o)}' for m, o in MEDIA_IO_OPTIONS.items())}).")
+        for name, value in options.items():
+            if name not in known:
+                raise ValueError(f"--media-io-kwargs: unknown {modality} option {name!r} (known: {', '.join(known)}).")
+            if not isinstance(value, int) or isinstance(value, bool) or not (value >= 1 or value == -1):
+                raise ValueError(f"--media-io-kwargs: {modality}.{name} must be {known[name]}, got {value!r}.")
+    return {m: dict(o) for m, o in media_io_kwargs.items()}

@@ -15,7 +15,7 @@ engine, so other requests are unaffected.
 from __future__ import annotations
 
 import time
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from transformers import PreTrainedTokenizerBase
 
@@ -28,7 +28,8 @@ from pagedllm.structured_output.selection import check_structured_outputs
 
 #: A prompt: text, token ids, or vLLM's dict forms {"prompt": str} / {"prompt_token_ids": [...]},
 #: either with an optional "cache_salt"; {"prompt": str, "multi_modal_data": {"image": image or
-#: [images]}, "mm_processor_kwargs": {...}} for an image-text model (PIL images); the chat paths
+#: [images], "video": video or [videos]}, "mm_processor_kwargs": {...}} for an image-text model (PIL
+#: images; videos as uint8 arrays [T, H, W, 3] or lists of PIL frames); the chat paths
 #: pass {"prompt", "prompt_token_ids", "mm_features"} (``Processor.process_multimodal``'s output).
 PromptType = Union[str, list[int], dict]
 
@@ -351,54 +352,88 @@ class Processor:
 
     def process_multimodal(self, prompt: PromptType, add_special_tokens: bool = True
                            ) -> Optional[tuple[str, list[int], list]]:
-        """(prompt text, token ids, ``MultiModalFeatureSpec`` per image) of a dict prompt with
-        ``multi_modal_data``, through the model's own processor
+        """(prompt text, token ids, ``MultiModalFeatureSpec`` per item) of a dict prompt with
+        ``multi_modal_data`` (``{"image": PIL image(s), "video": video(s)}``, a video as
+        ``pagedllm.multimodal.video.as_video`` takes it), through the model's own processor
         (``pagedllm.multimodal.processing``; ``add_special_tokens`` for its tokenizer: False for a
         rendered chat, whose template writes them); None for a prompt without it. The chat
         paths pass the result on as ``{"prompt", "prompt_token_ids", "mm_features"}``.
 
         Raises:
-            ValueError: the model takes no images; a modality other than "image"; more images
-                than ``--limit-mm-per-prompt``; ``mm_processor_kwargs`` without
-                ``--trust-request-mm-kwargs``; a prompt given as token ids; an item that is
-                not an image; what the processor refuses (the message says which).
+            ValueError: the model takes no images (videos); a modality other than "image" /
+                "video"; more items than ``--limit-mm-per-prompt``; ``mm_processor_kwargs``
+                without ``--trust-request-mm-kwargs``; a prompt given as token ids; an item that
+                is not an image (video); what the processor refuses (the message says which).
         """
         if not isinstance(prompt, dict) or not prompt.get("multi_modal_data"):
             return None
-        from pagedllm.multimodal.budget import encoder_cache_size
-        from pagedllm.multimodal.processing import MultiModalProcessor
+        from pagedllm.multimodal.video import as_video
         from PIL import Image
 
         architecture = self._check_takes_images()
+        processor = self._multimodal_processor(architecture)
         data = prompt["multi_modal_data"]
-        unknown = sorted(set(data) - {"image"})
+        modalities = ("image", "video") if processor.takes_videos else ("image",)
+        unknown = sorted(set(data) - set(modalities))
         if unknown:
-            raise ValueError(f"multi_modal_data: unknown modality {unknown[0]!r} ({architecture} takes 'image').")
-        images = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
-        mm_config = self.model_config.multimodal_config
-        limit = mm_config.limit_per_prompt.get("image")
-        if limit is not None and len(images) > limit:
-            raise ValueError(f"At most {limit} image(s) may be provided in one prompt (--limit-mm-per-prompt); "
-                             f"this one has {len(images)}.")
+            raise ValueError(f"multi_modal_data: unknown modality {unknown[0]!r} ({architecture} takes "
+                             f"{' and '.join(repr(m) for m in modalities)}).")
+        images = self._items(data, "image")
+        videos = self._items(data, "video")
         for i, image in enumerate(images):
             if not isinstance(image, Image.Image):
                 raise ValueError(f"multi_modal_data image {i} is a {type(image).__name__}, not a PIL image.")
+        try:
+            videos = [as_video(video) for video in videos]
+        except ValueError as exc:
+            raise ValueError(f"multi_modal_data video: {exc}.") from None
         kwargs = prompt.get("mm_processor_kwargs")
-        if kwargs and not mm_config.trust_request_mm_kwargs:
+        if kwargs and not self.model_config.multimodal_config.trust_request_mm_kwargs:
             raise ValueError("mm_processor_kwargs in a request are refused: the server was not started with "
                              "--trust-request-mm-kwargs.")
         if "prompt" not in prompt or not isinstance(prompt["prompt"], str):
             raise ValueError("A prompt with multi_modal_data needs its text in 'prompt' (the processor places the "
                              "images' tokens).")
+        token_ids, features = processor.apply(prompt["prompt"], images, kwargs, add_special_tokens, videos)
+        return prompt["prompt"], token_ids, features
+
+    def _items(self, data: dict, modality: str) -> list:
+        """``data[modality]`` as a list of items: one item or a list of them (for "video", a
+        list of PIL images is one video, its frames).
+
+        Raises:
+            ValueError: more than ``--limit-mm-per-prompt`` allows."""
+        from PIL import Image
+
+        value = data.get(modality)
+        if value is None:
+            items = []
+        elif not isinstance(value, list):
+            items = [value]
+        elif modality == "video" and value and isinstance(value[0], Image.Image):
+            items = [value]
+        else:
+            items = value
+        limit = self.model_config.multimodal_config.limit_per_prompt.get(modality)
+        if limit is not None and len(items) > limit:
+            raise ValueError(f"At most {limit} {modality}(s) may be provided in one prompt (--limit-mm-per-prompt); "
+                             f"this one has {len(items)}.")
+        return items
+
+    def _multimodal_processor(self, architecture: str) -> Any:
+        """The model's ``MultiModalProcessor``, built on first use."""
+        from pagedllm.multimodal.budget import encoder_cache_size
+        from pagedllm.multimodal.processing import MultiModalProcessor
+
         if self._mm_processor is None:
+            mm_config = self.model_config.multimodal_config
             cache_size = (encoder_cache_size(self.hf_config, self.max_num_batched_tokens, self.model_config.model_dir,
                                              mm_config.mm_processor_kwargs)
                           if self.max_num_batched_tokens is not None else None)
             self._mm_processor = MultiModalProcessor(
                 self.model_config.model_path, architecture, self.hf_config, self.model_config.trust_remote_code,
                 mm_config.mm_processor_kwargs, cache_size)
-        token_ids, features = self._mm_processor.apply(prompt["prompt"], images, kwargs, add_special_tokens)
-        return prompt["prompt"], token_ids, features
+        return self._mm_processor
 
     def process_pooling(
         self, request_id: str, prompt: PromptType, params: PoolingParams, arrival_time: Optional[float] = None,

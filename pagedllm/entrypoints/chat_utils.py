@@ -99,51 +99,66 @@ def load_chat_template(value: Optional[str]) -> Optional[str]:
 
 #: Content part types that carry an image (OpenAI's ``image_url``; vLLM's ``image_pil`` offline).
 IMAGE_PART_TYPES = ("image_url", "image_pil")
+#: Content part types that carry a video (vLLM's ``video_url``).
+VIDEO_PART_TYPES = ("video_url",)
+MEDIA_PART_TYPES = IMAGE_PART_TYPES + VIDEO_PART_TYPES
 
 
 @dataclass(frozen=True)
 class ChatImage:
-    """One image of a conversation: ``where`` names its part (``messages[i].content[j]``);
-    ``url`` (an ``image_url`` part's) or ``image`` (a PIL image, ``image_pil``)."""
+    """One image (or video: ``modality``) of a conversation: ``where`` names its part
+    (``messages[i].content[j]``); ``url`` (an ``image_url`` / ``video_url`` part's) or
+    ``image`` (a PIL image, ``image_pil``)."""
 
     where: str
     url: Optional[str] = None
     image: Any = None
+    modality: str = "image"
 
 
-def conversation_images(conversation: list[dict[str, Any]], placeholder: Optional[str]
-                        ) -> tuple[list[dict[str, Any]], list[ChatImage]]:
-    """(the conversation with its image parts taken out, the images in order). A message with
-    images gets a string content: a ``placeholder`` line per image (the model's image token,
-    e.g. ``<image>``), then its text parts, joined with newlines, as vLLM renders images for
-    templates that take string content. An ``image_url`` part is ``{"type": "image_url",
-    "image_url": {"url": ..., "detail": ...}}`` (``detail`` is accepted and has no effect) or
-    its url as a plain string. The input is not changed.
+def conversation_images(conversation: list[dict[str, Any]], placeholder: Optional[str],
+                        video_placeholder: Optional[str] = None) -> tuple[list[dict[str, Any]], list[ChatImage]]:
+    """(the conversation with its image and video parts taken out, the items in order). A
+    message with images gets a string content: a ``placeholder`` line per image (the model's
+    image token, e.g. ``<image>``) or ``video_placeholder`` line per video, in the parts'
+    order, then its text parts, joined with newlines, as vLLM renders media for templates that
+    take string content. An ``image_url`` part is ``{"type": "image_url", "image_url": {"url":
+    ..., "detail": ...}}`` (``detail`` is accepted and has no effect) or its url as a plain
+    string; a ``video_url`` part likewise. The input is not changed.
 
     Raises:
-        ValueError: an image for a text-only model (``placeholder`` None), or an image part
-            without a url; the message names the part.
+        ValueError: an image for a text-only model (``placeholder`` None), a video for a model
+            without videos (``video_placeholder`` None), or a part without a url; the message
+            names the part.
     """
     messages, images = [], []
     for i, message in enumerate(conversation):
         parts = message.get("content")
-        if not isinstance(parts, list) or not any(_part_type(p) in IMAGE_PART_TYPES for p in parts):
+        if not isinstance(parts, list) or not any(_part_type(p) in MEDIA_PART_TYPES for p in parts):
             messages.append(message)
             continue
-        texts, found = [], []
+        texts, found, lines = [], [], []
         for j, part in enumerate(parts):
             where = f"messages[{i}].content[{j}]"
-            if _part_type(part) not in IMAGE_PART_TYPES:
+            kind = _part_type(part)
+            if kind not in MEDIA_PART_TYPES:
                 texts.append(part)
                 continue
             if placeholder is None:
-                raise ValueError(f"{where}: an {_part_type(part)} part, but this model is text-only: it does not take "
-                                 "images.")
+                raise ValueError(f"{where}: {_article(kind)} {kind} part, but this model is text-only: it does not "
+                                 "take images.")
+            if kind in VIDEO_PART_TYPES and video_placeholder is None:
+                raise ValueError(f"{where}: a {kind} part, but this model does not take videos.")
             found.append(_chat_image(part, where))
+            lines.append(video_placeholder if kind in VIDEO_PART_TYPES else placeholder)
         images += found
         text = _joined_text(texts) if texts else None
-        messages.append({**message, "content": "\n".join([placeholder] * len(found) + ([text] if texts else []))})
+        messages.append({**message, "content": "\n".join(lines + ([text] if texts else []))})
     return messages, images
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
 
 
 def _part_type(part: Any) -> Optional[str]:
@@ -151,33 +166,36 @@ def _part_type(part: Any) -> Optional[str]:
 
 
 def _chat_image(part: dict[str, Any], where: str) -> ChatImage:
-    if part["type"] == "image_pil":
+    kind = part["type"]
+    if kind == "image_pil":
         return ChatImage(where, image=part.get("image_pil"))
-    value = part.get("image_url")
+    value = part.get(kind)
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url:
-        raise ValueError(f"{where}: an image_url part needs image_url.url.")
-    return ChatImage(where, url=url)
+        raise ValueError(f"{where}: {_article(kind)} {kind} part needs {kind}.url.")
+    return ChatImage(where, url=url, modality="video" if kind in VIDEO_PART_TYPES else "image")
 
 
-def load_chat_images(images: Sequence[ChatImage], connector: Any) -> list[Any]:
-    """The PIL images of ``images``, each loaded by ``connector`` (a
+def load_chat_images(images: Sequence[ChatImage], connector: Any) -> dict[str, list[Any]]:
+    """The conversation's media as ``multi_modal_data``: ``{"image": PIL images, "video":
+    ``VideoData``s}`` (the modalities present), each loaded by ``connector`` (a
     ``pagedllm.multimodal.media.MediaConnector``) unless given.
 
     Raises:
-        ValueError: ``"<part>: <why>"`` for the first image that cannot be loaded.
+        ValueError: ``"<part>: <why>"`` for the first item that cannot be loaded.
     """
     from PIL import Image
 
-    loaded = []
+    loaded: dict[str, list[Any]] = {}
     for item in images:
         if item.url is None:
             if not isinstance(item.image, Image.Image):
                 raise ValueError(f"{item.where}: image_pil is a {type(item.image).__name__}, not a PIL image.")
-            loaded.append(item.image)
+            loaded.setdefault("image", []).append(item.image)
             continue
         try:
-            loaded.append(connector.load_image(item.url))
+            load = connector.load_video if item.modality == "video" else connector.load_image
+            loaded.setdefault(item.modality, []).append(load(item.url))
         except ValueError as exc:
             raise ValueError(f"{item.where}: {exc}.") from None
     return loaded
@@ -199,24 +217,36 @@ def image_placeholder(model_config: Any, tokenizer: Any) -> Optional[str]:
     return tokenizer.convert_ids_to_tokens(int(getattr(model_config.hf_config, key)))
 
 
+def video_placeholder(model_config: Any) -> Optional[str]:
+    """The text ``conversation_images`` puts where a message's videos go (Qwen-VL's
+    ``<|vision_start|><|video_pad|><|vision_end|>``); None for a model without videos."""
+    from pagedllm.multimodal.processing import MULTIMODAL_LAYOUTS
+
+    layout = MULTIMODAL_LAYOUTS.get(getattr(model_config, "architecture", None))
+    return layout.video_chat_placeholder if layout is not None else None
+
+
 def media_connector(model_config: Any) -> Any:
     """A ``MediaConnector`` under the model's media settings (``MultiModalConfig``)."""
     from pagedllm.multimodal.media import MediaConnector
 
     mm_config = model_config.multimodal_config
-    return MediaConnector(mm_config.allowed_local_media_path, mm_config.allowed_media_domains)
+    return MediaConnector(mm_config.allowed_local_media_path, mm_config.allowed_media_domains,
+                          num_frames=mm_config.video_num_frames)
 
 
-def multimodal_chat_prompt(processor: Any, text: str, images: list[Any], mm_processor_kwargs: Optional[dict] = None,
-                           add_special_tokens: bool = False) -> dict[str, Any]:
-    """The engine prompt of a rendered chat ``text`` with its loaded ``images``, processed once
-    by the engine's ``Processor.process_multimodal`` (``add_special_tokens``: the template
-    writes them): ``{"prompt", "prompt_token_ids", "mm_features"}``.
+def multimodal_chat_prompt(processor: Any, text: str, media: dict[str, list[Any]],
+                           mm_processor_kwargs: Optional[dict] = None, add_special_tokens: bool = False
+                           ) -> dict[str, Any]:
+    """The engine prompt of a rendered chat ``text`` with its loaded ``media``
+    (``load_chat_images``' output), processed once by the engine's
+    ``Processor.process_multimodal`` (``add_special_tokens``: the template writes them):
+    ``{"prompt", "prompt_token_ids", "mm_features"}``.
 
     Raises:
         ValueError: see ``Processor.process_multimodal``.
     """
-    prompt: dict[str, Any] = {"prompt": text, "multi_modal_data": {"image": images}}
+    prompt: dict[str, Any] = {"prompt": text, "multi_modal_data": media}
     if mm_processor_kwargs:
         prompt["mm_processor_kwargs"] = mm_processor_kwargs
     _, token_ids, features = processor.process_multimodal(prompt, add_special_tokens)

@@ -17,6 +17,7 @@ from pagedllm.entrypoints.chat_utils import (
     apply_chat_template,
     conversation_images,
     image_placeholder,
+    video_placeholder,
     load_chat_images,
     media_connector,
     multimodal_chat_prompt,
@@ -208,9 +209,10 @@ class LLM:
         tokenizer = self.get_tokenizer()
         model_config = self.llm_engine.config.model_config
         placeholder = image_placeholder(model_config, tokenizer)
+        video_text = video_placeholder(model_config)
         token_prompts = []
         for conversation in conversations:
-            conversation, images = conversation_images(conversation, placeholder)
+            conversation, images = conversation_images(conversation, placeholder, video_text)
             text = apply_chat_template(tokenizer, conversation, chat_template, add_generation_prompt,
                                        continue_final_message, chat_template_kwargs, tools)
             if images:

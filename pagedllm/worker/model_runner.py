@@ -670,7 +670,7 @@ class ModelRunner:
         for req_id, input_ids in so.scheduled_encoder_inputs.items():
             for input_id in input_ids:
                 feature = self._mm_features[req_id][input_id]
-                inputs = {name: feature.data[name].to_tensor().to(self.device) for name in names}
+                inputs = {name: feature.data[name].to_tensor().to(self.device) for name in names if name in feature.data}
                 embeds = self.model.get_multimodal_embeddings(**inputs)[0]
                 if embeds.shape[0] != feature.mm_position.num_embeds:
                     raise ValueError(f"An image's encoder gave {embeds.shape[0]} embeddings for its "

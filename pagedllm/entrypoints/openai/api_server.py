@@ -43,7 +43,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm import envs
 from pagedllm.engine.protocol import SLEEP_TAGS, EngineClient
-from pagedllm.entrypoints.chat_utils import image_placeholder
+from pagedllm.entrypoints.chat_utils import image_placeholder, video_placeholder
 from pagedllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from pagedllm.entrypoints.anthropic.serving_messages import error_response as anthropic_error_response
 from pagedllm.entrypoints.openai.chat_page import add_chat_page_routes, is_page_path
@@ -314,7 +314,8 @@ def build_app(engine: EngineClient, frontend: FrontendConfig, reported_args: Opt
     api_keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     log_requests = not frontend.disable_log_requests
     renderer = PromptRenderer(engine.get_tokenizer(), frontend.chat_template,
-                              image_placeholder(engine.model_config, engine.get_tokenizer()))
+                              image_placeholder(engine.model_config, engine.get_tokenizer()),
+                              video_placeholder(engine.model_config))
     model_config = engine.model_config
     models = OpenAIServingModels(
         served_names, str(getattr(model_config, "model_path", model_config.model)), model_config.max_model_len,

@@ -579,23 +579,31 @@ class ImageURL(OpenAIBaseModel):
     detail: Optional[Literal["auto", "low", "high"]] = None
 
 
+class VideoURL(OpenAIBaseModel):
+    """A ``video_url`` part's video (vLLM's): ``url`` (``data:video/...``, ``file://`` or ``http(s)://``)."""
+
+    url: str
+
+
 class ChatContentPart(OpenAIBaseModel):
     """One part of a message's content: ``{"type": "text", "text": ...}``, or for an image-text
-    model ``{"type": "image_url", "image_url": {"url": ...}}`` (``chat_utils.conversation_images``)."""
+    model ``{"type": "image_url", "image_url": {"url": ...}}`` / ``{"type": "video_url",
+    "video_url": {"url": ...}}`` (``chat_utils.conversation_images``)."""
 
     type: str
     text: Optional[str] = None
     image_url: Optional[ImageURL] = None
+    video_url: Optional[VideoURL] = None
 
     @model_validator(mode="after")
     def _check_text(self) -> "ChatContentPart":
-        if self.type == "image_url":
-            if self.image_url is None:
-                raise ValueError("an 'image_url' content part needs an 'image_url' field.")
+        if self.type in ("image_url", "video_url"):
+            if getattr(self, self.type) is None:
+                raise ValueError(f"a {self.type!r} content part needs a {self.type!r} field.")
             return self
         if self.type != "text":
-            raise ValueError(f"content parts of type {self.type!r} are not supported; only 'text' and 'image_url' "
-                             "parts are.")
+            raise ValueError(f"content parts of type {self.type!r} are not supported; only 'text', 'image_url' and "
+                             "'video_url' parts are.")
         if self.text is None:
             raise ValueError("a 'text' content part needs a 'text' field.")
         return self

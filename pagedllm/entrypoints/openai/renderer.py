@@ -34,13 +34,16 @@ class PromptRenderer:
             for the tokenizer's own.
         image_placeholder: an image-text model's image token text (``chat_utils.image_placeholder``);
             None: a text-only model, whose messages' image parts are refused.
+        video_placeholder: a video model's video text (``chat_utils.video_placeholder``); None:
+            video parts are refused.
     """
 
     def __init__(self, tokenizer: Any, chat_template: Optional[str] = None,
-                 image_placeholder: Optional[str] = None) -> None:
+                 image_placeholder: Optional[str] = None, video_placeholder: Optional[str] = None) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.image_placeholder = image_placeholder
+        self.video_placeholder = video_placeholder
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """The token ids of ``text``."""
@@ -69,7 +72,8 @@ class PromptRenderer:
             add_generation_prompt = request.add_generation_prompt
         conversation = [message.to_template_dict() for message in request.messages]
         try:
-            conversation, images = conversation_images(conversation, self.image_placeholder)
+            conversation, images = conversation_images(conversation, self.image_placeholder,
+                                                       self.video_placeholder)
         except ValueError as exc:
             raise bad_request(str(exc), param="messages") from None
         try:

@@ -358,6 +358,6 @@ class OpenAIServingChat(OpenAIServing):
 
 
 def _has_images(request: ChatCompletionRequest) -> bool:
-    """Whether a message of ``request`` has an ``image_url`` part."""
-    return any(isinstance(m.content, list) and any(part.type == "image_url" for part in m.content)
+    """Whether a message of ``request`` has an ``image_url`` or ``video_url`` part."""
+    return any(isinstance(m.content, list) and any(part.type in ("image_url", "video_url") for part in m.content)
                for m in request.messages)

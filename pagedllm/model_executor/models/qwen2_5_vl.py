@@ -14,7 +14,9 @@ patches (the processor's ``pixel_values`` [t * h * w, C * temporal_patch * patch
 attention rotated by a 2-D RoPE on each patch's (row, column). The image fills
 ``t * h * w / spatial_merge_size^2`` placeholder tokens (``image_token_id``), and its tokens'
 three positions (t, h, w) are ``get_mrope_input_positions``' (transformers' ``get_rope_index``).
-Images only: videos are refused before the engine (``pagedllm.multimodal.processing``).
+A video (``pixel_values_videos`` of ``video_grid_thw``, t temporal patches) runs through the
+same tower, each frame group attending within itself; its tokens' t position steps by
+``tokens_per_second * second_per_grid_ts`` per temporal patch (Qwen2.5-VL).
 
 Checkpoint names of transformers 4 (``model.*``, ``visual.*``) and 5 (``model.language_model.*``,
 ``model.visual.*``) both load.
@@ -62,16 +64,19 @@ def config_value(config: Any, key: str, default: Any = None) -> Any:
 # ---------------------------------------------------------------------------- positions
 
 
-def mrope_input_positions(num_tokens: int, images: Sequence[tuple[int, int, Sequence[int]]],
-                          spatial_merge_size: int) -> tuple[np.ndarray, int]:
+def mrope_input_positions(num_tokens: int, images: Sequence[tuple], spatial_merge_size: int
+                          ) -> tuple[np.ndarray, int]:
     """The three RoPE positions (t, h, w) of each prompt token, as transformers' Qwen-VL
-    ``get_rope_index`` for images: text tokens count on from the last position on all rows; an
-    image's ``t x h' x w'`` tokens (h' = h / merge, w' = w / merge) sit at start + their
-    (frame, row, column), and the text after it continues from start + max(h', w').
+    ``get_rope_index``: text tokens count on from the last position on all rows; an image's
+    (video's) ``t x h' x w'`` tokens (h' = h / merge, w' = w / merge) sit at start + their
+    (int(frame x time_interval), row, column), and the text after it continues from
+    start + max(h', w').
 
     Args:
         num_tokens: the prompt's length.
-        images: (offset, length, grid_thw) of each image's placeholder run, in prompt order.
+        images: (offset, length, grid_thw[, time_interval]) of each item's placeholder run, in
+            prompt order; ``time_interval`` (default 1) is a video's t step per temporal patch
+            (float32 product truncated, as transformers).
         spatial_merge_size: the vision config's.
 
     Returns:
@@ -82,14 +87,15 @@ def mrope_input_positions(num_tokens: int, images: Sequence[tuple[int, int, Sequ
         ValueError: an image whose run does not hold its grid's tokens.
     """
     rows, current, end = [], 0, 0
-    for offset, length, (t, h, w) in images:
+    for offset, length, (t, h, w), *interval in images:
         text = offset - end
         rows.append(np.broadcast_to(np.arange(text, dtype=np.int64) + current, (3, text)))
         current += text
         grid_h, grid_w = h // spatial_merge_size, w // spatial_merge_size
         if t * grid_h * grid_w != length:
             raise ValueError(f"an image of grid {(t, h, w)} fills {t * grid_h * grid_w} tokens, not {length}")
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(grid_h), np.arange(grid_w), indexing="ij")
+        steps = (np.arange(t, dtype=np.float32) * np.float32(interval[0] if interval else 1)).astype(np.int64)
+        tt, hh, ww = np.meshgrid(steps, np.arange(grid_h), np.arange(grid_w), indexing="ij")
         rows.append(np.stack([tt.ravel(), hh.ravel(), ww.ravel()]).astype(np.int64) + current)
         current += max(grid_h, grid_w)
         end = offset + length
@@ -100,18 +106,27 @@ def mrope_input_positions(num_tokens: int, images: Sequence[tuple[int, int, Sequ
 
 
 class MRopePositionsMixin:
-    """``get_mrope_input_positions`` of a Qwen-VL model (needs ``spatial_merge_size``)."""
+    """``get_mrope_input_positions`` of a Qwen-VL model (needs ``spatial_merge_size`` and
+    ``tokens_per_second``, the vision config's, for videos with ``second_per_grid_ts``)."""
 
     spatial_merge_size: int
+    tokens_per_second: float
 
     def get_mrope_input_positions(self, prompt_token_ids: Sequence[int], mm_features: Sequence[Any]
                                   ) -> tuple[np.ndarray, int]:
         """(positions [3, P] int64, ``mrope_position_delta``) of a prompt of P tokens with its
-        images (``MultiModalFeatureSpec``, each with its ``image_grid_thw``); plain positions on
+        images and videos (``MultiModalFeatureSpec``, each with its ``image_grid_thw`` or
+        ``video_grid_thw``, a Qwen2.5-VL video with ``second_per_grid_ts``); plain positions on
         every row for a text-only prompt (see ``mrope_input_positions``)."""
-        images = [(f.mm_position.offset, f.mm_position.length, f.data["image_grid_thw"].to_tensor()[0].tolist())
-                  for f in mm_features]
-        return mrope_input_positions(len(prompt_token_ids), images, self.spatial_merge_size)
+        items = []
+        for f in mm_features:
+            grid = f.data["image_grid_thw" if "image_grid_thw" in f.data else "video_grid_thw"].to_tensor()[0].tolist()
+            item = (f.mm_position.offset, f.mm_position.length, grid)
+            if "second_per_grid_ts" in f.data:
+                seconds = f.data["second_per_grid_ts"].to_tensor().to(torch.float32)[0]
+                item += (float(torch.tensor(self.tokens_per_second, dtype=torch.float32) * seconds),)
+            items.append(item)
+        return mrope_input_positions(len(prompt_token_ids), items, self.spatial_merge_size)
 
 
 # ---------------------------------------------------------------------------- vision tower
@@ -354,8 +369,9 @@ class Qwen2_5_VLForConditionalGeneration(MRopePositionsMixin, nn.Module):
         quant_config: the language model's linear layers' method (the vision path is unquantized).
     """
 
-    #: The inputs ``get_multimodal_embeddings`` takes, per image (``pagedllm.multimodal.processing``).
-    mm_input_names = ("pixel_values", "image_grid_thw")
+    #: The inputs ``get_multimodal_embeddings`` takes, per image or video (``pagedllm.multimodal.processing``;
+    #: an item carries those of its modality).
+    mm_input_names = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
     vision_cls: type[nn.Module] = Qwen2_5_VisionTransformer
     language_cls: type[nn.Module] = _Qwen2MRopeForCausalLM
 
@@ -365,14 +381,26 @@ class Qwen2_5_VLForConditionalGeneration(MRopePositionsMixin, nn.Module):
         if get_pp_group().world_size > 1:
             raise ValueError(f"{config.architectures[0]} does not run with pipeline parallelism.")
         self.spatial_merge_size = config_value(config.vision_config, "spatial_merge_size")
+        self.tokens_per_second = config_value(config.vision_config, "tokens_per_second", 1)
         self.visual = self.vision_cls(config.vision_config)
         self.language_model = self.language_cls(config, quant_config)
 
-    def get_multimodal_embeddings(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+    def get_multimodal_embeddings(self, pixel_values: Optional[torch.Tensor] = None,
+                                  image_grid_thw: Optional[torch.Tensor] = None,
+                                  pixel_values_videos: Optional[torch.Tensor] = None,
+                                  video_grid_thw: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One image's ``pixel_values`` [P, C * temporal_patch * patch^2] and ``image_grid_thw``
-        [1, 3] -> its embeddings [1, P / merge^2, width] (model dtype; width: the vision
-        tower's output, ``hidden`` here)."""
-        return self.visual(pixel_values, image_grid_thw[0].tolist())[None]
+        [1, 3] (or one video's ``pixel_values_videos`` and ``video_grid_thw``) -> its embeddings
+        [1, P / merge^2, width] (model dtype; width: the vision tower's output, ``hidden`` here).
+
+        Raises:
+            ValueError: neither an image's inputs nor a video's."""
+        if pixel_values is not None and image_grid_thw is not None:
+            return self.visual(pixel_values, image_grid_thw[0].tolist())[None]
+        if pixel_values_videos is not None and video_grid_thw is not None:
+            return self.visual(pixel_values_videos, video_grid_thw[0].tolist())[None]
+        raise ValueError("get_multimodal_embeddings takes an image's pixel_values and image_grid_thw, or a video's "
+                         "pixel_values_videos and video_grid_thw.")
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> the language model's token embeddings [T, hidden]."""
