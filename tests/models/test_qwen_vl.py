@@ -100,17 +100,17 @@ def test_qwen_vl_greedy_matches_transformers(tmp_path_factory, images, architect
 
 def _check_chat(llm: LLM, path, image) -> None:
     """A chat image part becomes the model's vision placeholder (transformers' reply to the
-    rendered prompt); a video part, video data and an image larger than the encoder cache are
-    refused, saying why."""
+    rendered prompt); a file:// video without --allowed-local-media-path, audio data and an
+    image larger than the encoder cache are refused, saying why."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     parts = [{"type": "image_pil", "image_pil": image}, {"type": "text", "text": QUESTION}]
     reply, = llm.chat([{"role": "user", "content": parts}], params, use_tqdm=False)
     assert list(reply.outputs[0].token_ids) == hf_qwen_vl_greedy(path, RENDERED, [image], MAX_TOKENS)
     video = [{"type": "video_url", "video_url": {"url": "file:///clip.mp4"}}]
-    with pytest.raises(ValueError, match="'video_url' are not supported"):
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]: file:// video URLs are refused"):
         llm.chat([{"role": "user", "content": video}], params, use_tqdm=False)
-    with pytest.raises(ValueError, match="unknown modality 'video'"):
-        llm.generate({"prompt": ONE_IMAGE, "multi_modal_data": {"video": [image]}}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="unknown modality 'audio'"):
+        llm.generate({"prompt": ONE_IMAGE, "multi_modal_data": {"audio": [image]}}, params, use_tqdm=False)
     # The encoder cache holds the checkpoint's largest image (96 x 96 pixels: 36 embeddings);
     # a request's larger max_pixels may not make one that never fits.
     big = _prompt(ONE_IMAGE, [random_image(160, 160, seed=4)], mm_processor_kwargs={"max_pixels": 160 * 160})
