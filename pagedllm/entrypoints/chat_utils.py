@@ -176,15 +176,20 @@ def _chat_image(part: dict[str, Any], where: str) -> ChatImage:
     return ChatImage(where, url=url, modality="video" if kind in VIDEO_PART_TYPES else "image")
 
 
-def load_chat_images(images: Sequence[ChatImage], connector: Any) -> dict[str, list[Any]]:
+def load_chat_images(images: Sequence[ChatImage], connector: Any, num_frames: Optional[int] = None
+                     ) -> dict[str, list[Any]]:
     """The conversation's media as ``multi_modal_data``: ``{"image": PIL images, "video":
-    ``VideoData``s}`` (the modalities present), each loaded by ``connector`` (a
-    ``pagedllm.multimodal.media.MediaConnector``) unless given.
+    ``VideoData``s}`` (the modalities present), each fetched by ``connector`` (a
+    ``pagedllm.multimodal.media.MediaConnector``) unless given; a video decoded and sampled to
+    ``num_frames`` (``--media-io-kwargs``' ``video.num_frames``; None: the default,
+    ``pagedllm.multimodal.video.decode_video``).
 
     Raises:
         ValueError: ``"<part>: <why>"`` for the first item that cannot be loaded.
     """
     from PIL import Image
+
+    from pagedllm.multimodal.video import DEFAULT_NUM_FRAMES, decode_video
 
     loaded: dict[str, list[Any]] = {}
     for item in images:
@@ -194,8 +199,12 @@ def load_chat_images(images: Sequence[ChatImage], connector: Any) -> dict[str, l
             loaded.setdefault("image", []).append(item.image)
             continue
         try:
-            load = connector.load_video if item.modality == "video" else connector.load_image
-            loaded.setdefault(item.modality, []).append(load(item.url))
+            if item.modality == "video":
+                video = decode_video(connector.fetch_bytes(item.url, "video"),
+                                     DEFAULT_NUM_FRAMES if num_frames is None else num_frames)
+                loaded.setdefault("video", []).append(video)
+            else:
+                loaded.setdefault("image", []).append(connector.load_image(item.url))
         except ValueError as exc:
             raise ValueError(f"{item.where}: {exc}.") from None
     return loaded
@@ -231,8 +240,7 @@ def media_connector(model_config: Any) -> Any:
     from pagedllm.multimodal.media import MediaConnector
 
     mm_config = model_config.multimodal_config
-    return MediaConnector(mm_config.allowed_local_media_path, mm_config.allowed_media_domains,
-                          num_frames=mm_config.video_num_frames)
+    return MediaConnector(mm_config.allowed_local_media_path, mm_config.allowed_media_domains)
 
 
 def multimodal_chat_prompt(processor: Any, text: str, media: dict[str, list[Any]],

@@ -216,7 +216,8 @@ class LLM:
             text = apply_chat_template(tokenizer, conversation, chat_template, add_generation_prompt,
                                        continue_final_message, chat_template_kwargs, tools)
             if images:
-                loaded = load_chat_images(images, media_connector(model_config))
+                loaded = load_chat_images(images, media_connector(model_config),
+                                          model_config.multimodal_config.video_num_frames)
                 token_prompts.append(multimodal_chat_prompt(self.llm_engine.processor, text, loaded))
             else:
                 token_prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})

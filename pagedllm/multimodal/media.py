@@ -4,7 +4,7 @@ paths under ``--allowed-local-media-path`` only, and ``http(s)://`` URLs (hosts 
 ``--allowed-media-domains`` only, when given) fetched with a timeout
 (``PAGEDLLM_IMAGE_FETCH_TIMEOUT`` / ``PAGEDLLM_VIDEO_FETCH_TIMEOUT``), a size cap
 (``PAGEDLLM_MAX_IMAGE_BYTES`` / ``PAGEDLLM_MAX_VIDEO_BYTES``) and at most ``MAX_REDIRECTS``
-redirects, each checked as the first URL. Videos are decoded by ``pagedllm.multimodal.video``.
+redirects, each checked as the first URL (videos are decoded by ``pagedllm.multimodal.video``).
 Every failure is a ``MediaError`` (a ``ValueError``) saying why, for the caller to name the part."""
 
 from __future__ import annotations
@@ -52,15 +52,12 @@ class MediaConnector:
         allowed_media_domains: the hosts ``http(s)://`` URLs may point at (None: any).
         timeout_s, max_bytes: an image fetch's limits (None: the environment's).
         video_timeout_s, max_video_bytes: a video fetch's limits (None: the environment's).
-        num_frames: the frames a video is sampled to (``--media-io-kwargs``' ``video.num_frames``).
     """
 
     def __init__(self, allowed_local_media_path: Optional[Path] = None,
                  allowed_media_domains: Optional[Sequence[str]] = None, timeout_s: Optional[float] = None,
                  max_bytes: Optional[int] = None, video_timeout_s: Optional[float] = None,
-                 max_video_bytes: Optional[int] = None, num_frames: Optional[int] = None) -> None:
-        from pagedllm.multimodal.video import DEFAULT_NUM_FRAMES
-
+                 max_video_bytes: Optional[int] = None) -> None:
         self.allowed_local_media_path = allowed_local_media_path
         self.allowed_media_domains = tuple(allowed_media_domains) if allowed_media_domains else None
         self.limits = {
@@ -70,7 +67,6 @@ class MediaConnector:
                       max_video_bytes if max_video_bytes is not None else envs.PAGEDLLM_MAX_VIDEO_BYTES.get()),
         }
         self.timeout_s, self.max_bytes = self.limits["image"]
-        self.num_frames = DEFAULT_NUM_FRAMES if num_frames is None else num_frames
 
     def load_image(self, url: str) -> Any:
         """The RGB PIL image at ``url``.
@@ -79,17 +75,6 @@ class MediaConnector:
             MediaError: a scheme other than data / file / http(s); see ``fetch_bytes``.
         """
         return decode_image(self.fetch_bytes(url))
-
-    def load_video(self, url: str) -> Any:
-        """The video at ``url``, decoded and sampled to ``num_frames`` frames
-        (``pagedllm.multimodal.video.decode_video``: a ``VideoData``).
-
-        Raises:
-            MediaError: see ``fetch_bytes`` (``kind="video"``) and ``decode_video``.
-        """
-        from pagedllm.multimodal.video import decode_video
-
-        return decode_video(self.fetch_bytes(url, "video"), self.num_frames)
 
     def fetch_bytes(self, url: str, kind: str = "image") -> bytes:
         """The encoded image (``kind`` "image") or video ("video") at ``url``.

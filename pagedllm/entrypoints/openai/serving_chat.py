@@ -131,7 +131,8 @@ class OpenAIServingChat(OpenAIServing):
         if not images:
             return PromptInput(text, self.renderer.encode(text, request.add_special_tokens))
         try:
-            loaded = load_chat_images(images, media_connector(self.engine.model_config))
+            loaded = load_chat_images(images, media_connector(self.engine.model_config),
+                                      self.engine.model_config.multimodal_config.video_num_frames)
             prompt = multimodal_chat_prompt(self.processor, text, loaded, request.mm_processor_kwargs,
                                             request.add_special_tokens)
         except ValueError as exc:
