@@ -45,6 +45,7 @@ SAMPLES = {
     "pooler_config": ('{"pooling_type": "MEAN"}', {"pooling_type": "MEAN"}),
     "limit_mm_per_prompt": ('{"image": 2}', {"image": 2}), "mm_processor_kwargs": ('{"do_resize": false}', {"do_resize": False}),
     "allowed_local_media_path": ("/media", "/media"), "allowed_media_domains": ("a.example", ["a.example"]),
+    "media_io_kwargs": ('{"video": {"num_frames": 8}}', {"video": {"num_frames": 8}}),
 }  # fmt: skip
 
 
