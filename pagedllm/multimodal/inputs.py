@@ -85,7 +85,7 @@ class TensorData(msgspec.Struct, array_like=True, frozen=True):  # type: ignore[
 
 class MultiModalFeatureSpec(msgspec.Struct, array_like=True, frozen=True):  # type: ignore[call-arg]
     """One multimodal item of a request (vLLM's ``MultiModalFeatureSpec``): ``modality``
-    ("image"), ``identifier`` (its content hash, hex: the encoder cache's key and a block-hash
+    ("image" or "video"), ``identifier`` (its content hash, hex: the encoder cache's key and a block-hash
     extra key), ``mm_position`` (its placeholder tokens in the prompt) and ``data`` (the
     processor's tensors of this item, by the name the model's encoder takes them)."""
 

@@ -1,6 +1,6 @@
 """Videos on Qwen2.5-VL and Qwen3-VL (tiny checkpoints transformers writes): the Pillow / numpy
 video preprocessing equals transformers' image processor on a video of repeated frames; greedy
-output with a video (and text after it, and with an image before it) is token-identical to
+output with a video (and text after it, with an image before it, and a still video) is token-identical to
 transformers' float32 ``generate`` given the same ``pixel_values_videos`` / ``video_grid_thw``
 (/ ``second_per_grid_ts``), under chunked prefill of 8-token steps; the prompt positions equal
 transformers' ``get_rope_index`` (Qwen2.5-VL's time scaling at 1 frame per second); ``LLM.chat``
@@ -100,8 +100,10 @@ def test_qwen_vl_video_greedy_matches_transformers(tmp_path_factory, architectur
     frames = random_frames(4, 40, 50, seed=1)
     other = [Image.fromarray(f) for f in random_frames(4, 48, 32, seed=2)]
     image = random_image(40, 50, seed=3)
+    still = np.repeat(frames[:1], 4, axis=0)  # equal frame pairs: Qwen3-VL's two items share a content hash
     # (prompt, images, multi_modal_data video): an array at the assumed 2 fps; PIL frames at 1 fps.
-    cases = [(ONE_VIDEO, [], frames), (ONE_VIDEO, [], (other, {"fps": 1.0})), (IMAGE_AND_VIDEO, [image], frames)]
+    cases = [(ONE_VIDEO, [], frames), (ONE_VIDEO, [], (other, {"fps": 1.0})), (IMAGE_AND_VIDEO, [image], frames),
+             (ONE_VIDEO, [], still)]
     expected, hf_inputs = zip(*(hf_greedy(path, text, imgs, [as_video(video)]) for text, imgs, video in cases))
     assert expected[0] != expected[1], "the videos do not change the output: the test would not see a bug"
     if architecture == "Qwen2_5_VLForConditionalGeneration":

@@ -15,6 +15,9 @@ cache and the runner's merge treat them as one embedding, whose first ``hidden``
 the language model at the image's placeholder tokens and whose D others are added to the
 hidden states of those tokens after decoder layers 0 .. D - 1 (transformers'
 ``_deepstack_process``). The token embeddings of text (``embed_input_ids``) carry zeros there.
+A video arrives as one item per temporal patch (grid (1, h, w), its own run after its
+``<t seconds>`` text), encoded as an image; its positions are an image's (transformers' Qwen3-VL
+``get_rope_index``).
 """
 
 from __future__ import annotations
