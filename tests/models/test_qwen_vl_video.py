@@ -6,7 +6,8 @@ transformers' float32 ``generate`` given the same ``pixel_values_videos`` / ``vi
 transformers' ``get_rope_index`` (Qwen2.5-VL's time scaling at 1 frame per second); ``LLM.chat``
 with a ``video_url`` data: URL (an mp4 PyAV writes) sampled to ``--media-io-kwargs``' frames;
 ``--limit-mm-per-prompt`` for videos, unreadable bytes and a wrong MIME type refused naming the
-part; block and encoder-cache accounting checked at the end."""
+part; block and encoder-cache accounting checked at the end; bad ``--media-io-kwargs`` and
+offline videos of the wrong form refused."""
 
 from __future__ import annotations
 
@@ -164,3 +165,28 @@ def _check_accounting(llm: LLM) -> None:
     manager = llm.llm_engine.engine_core.scheduler.encoder_cache_manager
     assert not any(manager.cached.values()), "an encoder-cache entry is still referenced"
     assert manager.num_free_slots + sum(manager.freeable.values()) == manager.cache_size
+
+
+@pytest.mark.parametrize(("media_io_kwargs", "message"), [
+    ({"audio": {"num_frames": 2}}, "'audio' takes no options"),
+    ({"video": {"fps": 2}}, "unknown video option 'fps'"),
+    ({"video": {"num_frames": 0}}, "video.num_frames must be an integer >= 1, or -1"),
+])  # fmt: skip
+def test_bad_media_io_kwargs_are_refused(media_io_kwargs, message):
+    from pagedllm.config.multimodal import MultiModalConfig
+
+    with pytest.raises(ValueError, match=message):
+        MultiModalConfig.from_engine_args(None, None, False, None, None, media_io_kwargs)
+    config = MultiModalConfig.from_engine_args({"video": 1}, None, False, None, None, {"video": {"num_frames": -1}})
+    assert config.video_num_frames == -1 and config.limit_per_prompt == {"video": 1}
+
+
+def test_bad_offline_videos_are_refused():
+    with pytest.raises(ValueError, match=r"uint8 \[T, H, W, 3\]"):
+        as_video(np.zeros((2, 8, 8, 3), dtype=np.float32))
+    with pytest.raises(ValueError, match="not a str"):
+        as_video("clip.mp4")
+    with pytest.raises(ValueError, match="2 frames_indices for 3 frames"):
+        as_video((random_frames(3, 8, 8, seed=0), {"fps": 4.0, "frames_indices": [0, 1]}))
+    video = as_video((random_frames(3, 8, 8, seed=0), {"fps": 4.0, "frames_indices": [0, 4, 8], "total_num_frames": 9}))
+    assert video.sampled_fps == 3 / 9 * 4.0
