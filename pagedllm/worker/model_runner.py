@@ -59,6 +59,7 @@ from pagedllm.distributed.kv_transfer.layout import KVLayout
 from pagedllm.messages.sched_output import SchedulerOutput
 from pagedllm.messages.engine_core import LogprobsLists
 from pagedllm.model_executor.layers.attention import Attention, bind_kv_caches, init_kv_scales
+from pagedllm.model_executor.layers.fused_moe.layer import run_idle_exchanges
 from pagedllm.model_executor.layers.mamba.abstract import (
     MambaBase,
     bind_state_caches,
@@ -463,6 +464,14 @@ class ModelRunner:
                         tensor[dst].copy_(tensor[src])
 
     @torch.inference_mode()
+    @torch.inference_mode()
+    def execute_dummy_batch(self) -> None:
+        """With experts spread over data-parallel engines, pass zero tokens through every MoE
+        layer (``run_idle_exchanges``): this engine computes its experts for the others'
+        tokens in a step that has none of its own. Nothing otherwise."""
+        if self.config.parallel_config.data_parallel_expert_parallel:
+            run_idle_exchanges(self.model, self.model_config.dtype, self.device)
+
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: apply the second tier's transfers (if any), update the persistent
         batch, forward all scheduled tokens, sample.
@@ -485,6 +494,7 @@ class ModelRunner:
     def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
         if so.is_empty:
+            self.execute_dummy_batch()  # a step that runs no token still joins the engines' exchanges
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.input_batch
         decodes = [r for r, n in so.num_scheduled_tokens.items() if n == 1]
