@@ -59,7 +59,7 @@ from pagedllm.distributed.kv_transfer.layout import KVLayout
 from pagedllm.messages.sched_output import SchedulerOutput
 from pagedllm.messages.engine_core import LogprobsLists
 from pagedllm.model_executor.layers.attention import Attention, bind_kv_caches, init_kv_scales
-from pagedllm.model_executor.layers.fused_moe.layer import run_idle_exchanges
+from pagedllm.model_executor.layers.fused_moe.layer import FusedMoE, run_idle_exchanges
 from pagedllm.model_executor.layers.mamba.abstract import (
     MambaBase,
     bind_state_caches,
@@ -195,6 +195,12 @@ class ModelRunner:
                     self.weights_bytes / 1e6, time.perf_counter() - start)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.state_layers = [m for m in self.model.modules() if isinstance(m, MambaBase)]
+        spread = [m for m in self.model.modules() if isinstance(m, FusedMoE) and m.dp_group is not None]
+        if spread:
+            logger.info("Experts spread over %d data-parallel engines: engine %d holds experts %d-%d of %d in each of "
+                        "%d MoE layers.", spread[0].dp_group.world_size, spread[0].dp_group.rank_in_group,
+                        spread[0].expert_start, spread[0].expert_start + spread[0].local_num_experts - 1,
+                        spread[0].global_num_experts, len(spread))
         self._layer_groups = self._attention_layer_groups()
         self._state_layer_groups = self._state_groups_of_layers()
         init_kv_scales(self.attention_layers, self.cache_config.cache_dtype, self.cache_config.calculate_kv_scales)

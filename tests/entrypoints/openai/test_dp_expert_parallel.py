@@ -49,7 +49,7 @@ def dp_ep_server(moe_checkpoint):
         remote.close()
 
 
-async def _greedy(client: openai.AsyncOpenAI, prompts: list[list[int]]) -> list[list[int]]:
+async def _greedy_at_once(client: openai.AsyncOpenAI, prompts: list[list[int]]) -> list[list[int]]:
     """Each prompt's greedy completion token ids, all requests at once."""
 
     async def one(prompt: list[int]) -> list[int]:
@@ -61,6 +61,10 @@ async def _greedy(client: openai.AsyncOpenAI, prompts: list[list[int]]) -> list[
     return list(await asyncio.gather(*(one(prompt) for prompt in prompts)))
 
 
+def _greedy(server: RemoteServer, prompts: list[list[int]]) -> list[list[int]]:
+    return asyncio.run(_greedy_at_once(server.async_client(timeout=120), prompts))
+
+
 def _finished_by_engine(metrics: dict[str, float]) -> list[float]:
     return [metrics.get(f"pagedllm:request_success_total{{engine={e},finished_reason=length}}", 0.0) for e in "01"]
 
@@ -68,20 +72,21 @@ def _finished_by_engine(metrics: dict[str, float]) -> list[float]:
 def test_concurrent_and_single_requests_equal_transformers(dp_ep_server, moe_checkpoint):
     prompts = prompts_for(1024)
     expected = transformers_greedy(moe_checkpoint, prompts)
-    client = dp_ep_server.async_client(timeout=120)
     before = _finished_by_engine(settled_metrics(dp_ep_server))
-    assert asyncio.run(_greedy(client, prompts * 2)) == expected * 2
+    assert _greedy(dp_ep_server, prompts * 2) == expected * 2
     after = settled_metrics(dp_ep_server)
     served = [a - b for a, b in zip(_finished_by_engine(after), before)]
     assert sum(served) == 2 * len(prompts) and min(served) >= 2, served  # several requests on each engine
-    assert asyncio.run(_greedy(client, prompts[3:])) == expected[3:]  # one request: the other engine idles
-    assert asyncio.run(_greedy(client, prompts[:2])) == expected[:2]  # a new wave after the idle one
+    assert _greedy(dp_ep_server, prompts[3:]) == expected[3:]  # one request: the other engine idles
+    assert _greedy(dp_ep_server, prompts[:2]) == expected[:2]  # a new wave after the idle one
     settled = settled_metrics(dp_ep_server)
     for e in "01":  # the block-accounting check the server exposes: nothing held, nothing running
         assert settled[f"pagedllm:kv_cache_usage_perc{{engine={e}}}"] == 0.0
         assert settled[f"pagedllm:num_requests_running{{engine={e}}}"] == 0.0
     log = dp_ep_server.log_text()
     assert "Traceback" not in log, log
+    for engine, (first, last) in enumerate([(0, 2), (3, 4)]):  # 5 experts: 3 and 2
+        assert f"engine {engine} holds experts {first}-{last} of 5 in each of 2 MoE layers" in log, log
 
 
 def _config_error(model, **kwargs) -> str:
