@@ -6,15 +6,12 @@ on its own tokens."""
 
 from __future__ import annotations
 
-import multiprocessing
-
 import numpy as np
-import pytest
 import torch
 
-from pagedllm.distributed import get_open_port, initialize_model_parallel
+from pagedllm.distributed import initialize_model_parallel
 from pagedllm.model_executor.layers.fused_moe import FusedMoE
-from tests.helpers import cpu_only
+from tests.helpers import cpu_only, run_spawned_ranks
 
 HIDDEN, INTER, EXPERTS, TOP_K = 16, 24, 5, 2
 #: Tokens per engine in each step: both busy (uneven), then engine 1 idle.
@@ -60,19 +57,7 @@ def _rank_main(rank: int, init_method: str, results) -> None:
 
 @cpu_only  # gloo
 def test_two_engines_exchange_tokens_and_equal_the_unsharded_layer():
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    init_method = f"tcp://127.0.0.1:{get_open_port()}"
-    procs = [context.Process(target=_rank_main, args=(r, init_method, results), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    by_rank = {}
-    for _ in procs:
-        out = results.get(timeout=120)
-        by_rank[out["rank"]] = out
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    by_rank = run_spawned_ranks(_rank_main, 2)
     assert by_rank[0]["placement"] == (0, 3) and by_rank[1]["placement"] == (3, 2)
     assert by_rank[1]["idle"] == [1] and by_rank[0]["idle"] == []
     # Per step: 4 all-gathers (counts, tokens, ids, weights) and one all-reduce, idle or not.
