@@ -2,8 +2,9 @@
 written by transformers (Qwen3-MoE, Mixtral; 5 experts: 3 on engine 0, 2 on engine 1), with the
 official ``openai`` client:
 
-- concurrent greedy requests (eight: several per engine) are token-identical to transformers
-  (float32), both engines serve some, and every KV cache is empty afterwards;
+- concurrent greedy requests (eight: several per engine; chunked prefill, preemption) are
+  token-identical to transformers (float32), both engines serve some, and every KV cache is
+  empty afterwards;
 - a single request (one engine idles, running dummy steps for the other's MoE layers), then a
   second batch: still token-identical (the engines' waves end and start again);
 - the refusals at start-up (pipeline parallelism, fewer experts than engines, speculative
@@ -31,7 +32,10 @@ MODEL_NAME = "moe"
 QWEN3_MOE = dict(num_hidden_layers=2, num_experts=5, num_experts_per_tok=2, moe_intermediate_size=32,
                  intermediate_size=64, norm_topk_prob=True)
 MIXTRAL = dict(num_hidden_layers=2, num_local_experts=5, num_experts_per_tok=2, intermediate_size=48)
-DP_EP = ("--served-model-name", MODEL_NAME, "-dp", "2", "--enable-expert-parallel", "--max-model-len", "256")
+#: 32-token steps over 8-token blocks, 16 blocks per engine for ~26 wanted: chunked prefill and preemption.
+DP_EP = ("--served-model-name", MODEL_NAME, "-dp", "2", "--enable-expert-parallel", "--max-model-len", "128",
+         "--block-size", "8", "--max-num-batched-tokens", "32", "--num-gpu-blocks-override", "16",
+         "--no-enable-prefix-caching")
 
 
 @pytest.fixture(scope="module", params=["Qwen3MoeForCausalLM", "MixtralForCausalLM"])
@@ -80,6 +84,7 @@ def test_concurrent_and_single_requests_equal_transformers(dp_ep_server, moe_che
     assert _greedy(dp_ep_server, prompts[3:]) == expected[3:]  # one request: the other engine idles
     assert _greedy(dp_ep_server, prompts[:2]) == expected[:2]  # a new wave after the idle one
     settled = settled_metrics(dp_ep_server)
+    assert sum(settled[f"pagedllm:num_preemptions_total{{engine={e}}}"] for e in "01") > 0
     for e in "01":  # the block-accounting check the server exposes: nothing held, nothing running
         assert settled[f"pagedllm:kv_cache_usage_perc{{engine={e}}}"] == 0.0
         assert settled[f"pagedllm:num_requests_running{{engine={e}}}"] == 0.0
