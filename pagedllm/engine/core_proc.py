@@ -12,7 +12,9 @@ Every message is two frames: a one-byte type, then the msgspec-msgpack payload. 
 loop blocks on the input socket while the engine has nothing to do and otherwise runs
 ``EngineCore.step()`` back to back, sending one ``EngineCoreOutputs`` per step (and one
 stats-only ``EngineCoreOutputs`` after input that arrived while idle, e.g. an abort, so
-the front end's gauges see the freed blocks at once).
+the front end's gauges see the freed blocks at once). Data-parallel replicas whose experts are
+spread over them (``-dp N --enable-expert-parallel``) run ``_run_lockstep_loop`` instead: every
+step synchronised with the others (``dp_lockstep``), a dummy step when this one has no work.
 
 Start-up is a handshake: the process builds the EngineCore (loads the model, sizes the KV
 cache) and then sends READY (its pid and the number of KV blocks) or FAILED (the
@@ -33,7 +35,7 @@ import time
 import traceback
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import msgspec
 import zmq
@@ -41,6 +43,9 @@ import zmq
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.executor.process_signals import follow_parent_on_signals
 from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest
+
+if TYPE_CHECKING:
+    from pagedllm.engine.dp_lockstep import DPLockstep
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +207,7 @@ class EngineCoreProc:
         self._abort_decoder = msgspec.msgpack.Decoder(list[str])
         self._wave_decoder = msgspec.msgpack.Decoder(int)
         #: The wave state when the replicas step in lockstep (experts spread over them), else None.
-        self.lockstep: Optional[Any] = None
+        self.lockstep: Optional[DPLockstep] = None
         self._utility_decoder = msgspec.msgpack.Decoder(UtilityCall)
         self._shutdown_requested = False
         #: Set when the loop stopped because the parent process died.
@@ -376,7 +381,7 @@ def _place_replica(rank: int, config: EngineConfig, master_port: Optional[int] =
     logger.info("Data-parallel engine %d of %d runs on %s.", rank, size, placement)
 
 
-def _make_lockstep() -> Any:
+def _make_lockstep() -> DPLockstep:
     """The ``DPLockstep`` of this replica, over the data-parallel group its worker (in this
     process: one worker per replica) joined."""
     from pagedllm.distributed import get_dp_group
