@@ -222,6 +222,30 @@ def float32_llm(path, kwargs: dict) -> LLM:
     return LLM(str(path), dtype="float32", **kwargs)
 
 
+def run_spawned_ranks(target: Callable, world_size: int, timeout_s: float = 120.0) -> dict[int, dict]:
+    """Run ``target(rank, init_method, results)`` in ``world_size`` spawned processes joined at
+    one ``tcp://127.0.0.1`` address; each puts one dict with its ``"rank"`` on ``results``.
+    Returns them by rank once every process exited with code 0 (asserted)."""
+    import multiprocessing
+
+    from pagedllm.network import get_open_port
+
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    init_method = f"tcp://127.0.0.1:{get_open_port()}"
+    procs = [context.Process(target=target, args=(r, init_method, results), daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    by_rank = {}
+    for _ in procs:
+        out = results.get(timeout=timeout_s)
+        by_rank[out["rank"]] = out
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    return by_rank
+
+
 def can_host_workers(num_workers: int) -> bool:
     """Whether this machine can run ``num_workers`` worker processes (one core each on CPU,
     one GPU each on CUDA): tensor-parallel tests skip where it cannot."""

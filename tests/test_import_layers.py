@@ -36,7 +36,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("config", "arch_config", "platforms", "env_override", "multimodal"),
     ("kernels",),
     ("messages", "sampling_params", "pooling_params", "outputs", "tokenizer", "model_paths", "logger", "version", "lora.request", "envs",
-     "reasoning", "name_registry", "multimodal.inputs"),
+     "reasoning", "name_registry", "multimodal.inputs", "network"),
 ]
 """The layers, top first: the ``pagedllm`` command (``entrypoints.cli``: ``serve`` and ``bench``)
 > benchmarks > entrypoints > engine > executor/worker > core > model_executor > attention >

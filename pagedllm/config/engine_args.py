@@ -425,7 +425,9 @@ class EngineArgs:
         False,
         help=(
             "Mixture-of-experts models: each tensor-parallel worker holds whole experts (a contiguous "
-            "range of them) instead of a slice of every expert; tokens go to their experts' workers."
+            "range of them) instead of a slice of every expert; tokens go to their experts' workers. "
+            "With -dp N: the experts are spread over the data-parallel replicas, which exchange their "
+            "tokens in every MoE layer and step in lockstep."
         ),
         action="store_true",
     )

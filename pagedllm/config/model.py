@@ -193,6 +193,23 @@ class ModelConfig:
         return self.hf_config.num_hidden_layers
 
     @property
+    def num_experts(self) -> int:
+        """Routed experts of each mixture-of-experts layer (config.json's ``num_local_experts``,
+        ``num_experts`` or ``n_routed_experts``, also under ``text_config``); 0 for a dense
+        model (vLLM's ``ModelConfig.get_num_experts``)."""
+        for config in (self.hf_config, getattr(self.hf_config, "text_config", None)):
+            for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+                value = getattr(config, key, None) if config is not None else None
+                if isinstance(value, int) and value > 0:
+                    return value
+        return 0
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model has mixture-of-experts layers (``num_experts`` above 0)."""
+        return self.num_experts > 0
+
+    @property
     def use_mla(self) -> bool:
         """Whether the model's attention is multi-head latent attention (DeepSeek-V2 / V3:
         a ``kv_lora_rank``; vLLM's ``ModelConfig.use_mla``): its KV cache holds one latent

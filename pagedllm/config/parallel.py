@@ -35,6 +35,14 @@ class ParallelConfig:
     #: Mixture-of-experts layers place whole experts over the tensor-parallel ranks
     #: (``--enable-expert-parallel``; ``pagedllm.model_executor.layers.fused_moe``).
     enable_expert_parallel: bool = False
+    #: Derived, not a flag: ``-dp N --enable-expert-parallel`` on a mixture-of-experts model
+    #: (vLLM's attention data parallelism): the replicas' experts are spread over them (replica
+    #: r holds ``expert_range(E, N, r)``), they exchange tokens in every MoE layer and step in
+    #: lockstep (``pagedllm.engine.dp_lockstep``). False for a dense model: independent replicas.
+    data_parallel_expert_parallel: bool = False
+    #: The ``torch.distributed`` port (on 127.0.0.1) the replicas of a
+    #: ``data_parallel_expert_parallel`` engine join on, chosen by the front end (vLLM's name).
+    data_parallel_master_port: int = 0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, model_config: ModelConfig) -> ParallelConfig:
@@ -49,8 +57,12 @@ class ParallelConfig:
             distributed_executor_backend=args.distributed_executor_backend,
             data_parallel_size=args.data_parallel_size,
             enable_expert_parallel=args.enable_expert_parallel,
+            data_parallel_expert_parallel=(args.data_parallel_size > 1 and args.enable_expert_parallel
+                                           and model_config.is_moe),
         )
         config.verify_with_model_config(model_config)
+        if config.data_parallel_expert_parallel:
+            check_data_parallel_expert_parallel(config, model_config, args.speculative_config is not None)
         return config
 
     @property
@@ -133,3 +145,32 @@ def check_data_parallel_size(data_parallel_size: int, usage_context: str) -> Non
             f"data_parallel_size={data_parallel_size} is not supported yet offline (LLM runs one engine core); "
             f"serve the replicas behind one API server: pagedllm serve MODEL -dp {data_parallel_size}."
         )
+
+
+def check_data_parallel_expert_parallel(config: ParallelConfig, model_config: ModelConfig,
+                                        speculative: bool) -> None:
+    """Refuse what ``-dp N --enable-expert-parallel`` (experts spread over the data-parallel
+    replicas) is not built for: tensor or pipeline parallelism inside a replica, fewer experts
+    than replicas, speculative decoding (a drafter's forwards would break the lockstep) and
+    sleep mode (a sleeping replica cannot join its peers' exchanges).
+
+    Raises:
+        ValueError: naming the flags.
+    """
+    dp = config.data_parallel_size
+    prefix = f"--data-parallel-size {dp} with --enable-expert-parallel"
+    if config.pipeline_parallel_size > 1:
+        raise ValueError(f"{prefix} is not supported yet with --pipeline-parallel-size "
+                         f"{config.pipeline_parallel_size}.")
+    if config.tensor_parallel_size > 1:
+        raise ValueError(f"{prefix} is not supported yet with --tensor-parallel-size "
+                         f"{config.tensor_parallel_size} (the experts are spread over the replicas only).")
+    if model_config.num_experts < dp:
+        raise ValueError(f"{prefix} needs at least {dp} experts per layer (one per replica); "
+                         f"{model_config.architecture} has {model_config.num_experts}.")
+    if speculative:
+        raise ValueError(f"{prefix} is not supported yet with --speculative-config (the replicas' forwards "
+                         "must stay in lockstep).")
+    if model_config.enable_sleep_mode:
+        raise ValueError(f"{prefix} is not supported yet with --enable-sleep-mode (a sleeping replica cannot "
+                         "join the others' expert exchanges).")

@@ -167,6 +167,7 @@ class GroupCoordinator:
 
 _tp_group: Optional[GroupCoordinator] = None
 _pp_group: Optional[GroupCoordinator] = None
+_dp_group: Optional[GroupCoordinator] = None
 _expert_parallel = False
 
 
@@ -201,30 +202,42 @@ def init_distributed_environment(
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                              enable_expert_parallel: bool = False) -> None:
+                              enable_expert_parallel: bool = False, data_parallel_size: int = 1) -> None:
     """Build the tensor- and pipeline-parallel groups (ranks laid out as in the module
     docstring). Without ``torch.distributed`` (one process) both must be 1: groups of one.
     On CPU with shared-memory collectives chosen (``Platform.use_shared_memory_collectives``)
     each TP group gets a ``ShmCommunicator``. ``enable_expert_parallel``: mixture-of-experts
     layers place whole experts over the TP group (``expert_parallel_enabled``).
+    ``data_parallel_size`` > 1: the world holds that many data-parallel engines of one rank
+    each (tp = pp = 1; ``-dp N --enable-expert-parallel``), joined in one data-parallel group
+    (``get_dp_group``: rank = the engine's ``data_parallel_rank``) over which the experts are spread.
 
     Raises:
-        ValueError: a size below 1, or tp x pp different from the world size.
+        ValueError: a size below 1, tp x pp x dp different from the world size, or a
+            data-parallel group with tp or pp above 1.
     """
-    global _tp_group, _pp_group
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    if tp < 1 or pp < 1:
-        raise ValueError(f"tensor_model_parallel_size ({tp}) and pipeline_model_parallel_size ({pp}) must be at least 1.")
+    global _tp_group, _pp_group, _dp_group
+    tp, pp, dp = tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size
+    if tp < 1 or pp < 1 or dp < 1:
+        raise ValueError(f"tensor_model_parallel_size ({tp}), pipeline_model_parallel_size ({pp}) and "
+                         f"data_parallel_size ({dp}) must be at least 1.")
+    if dp > 1 and tp * pp > 1:
+        raise ValueError(f"A data-parallel group of {dp} engines needs tp = pp = 1 (got tp {tp}, pp {pp}).")
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    if tp * pp != world_size:
+    if tp * pp * dp != world_size:
+        what = f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp}"
         raise ValueError(
-            f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp} != world size {world_size} "
+            f"{what}{f' x data_parallel_size {dp}' if dp > 1 else ''} != world size {world_size} "
             f"(init_distributed_environment first for more than one process)."
         )
     destroy_model_parallel()
     global _expert_parallel
     _expert_parallel = enable_expert_parallel
     rank = dist.get_rank() if dist.is_initialized() else 0
+    if dp > 1:
+        _tp_group = _pp_group = GroupCoordinator([rank], rank)
+        _dp_group = GroupCoordinator(list(range(dp)), rank, dist.group.WORLD)
+        return
     use_shm = world_size > 1 and current_platform.use_shared_memory_collectives()
     # Every process creates every group, in the same order (torch.distributed requires it).
     for ranks in ([p * tp + t for t in range(tp)] for p in range(pp)):
@@ -246,10 +259,10 @@ def _new_group(ranks: list[int]) -> Optional[dist.ProcessGroup]:
 
 def destroy_model_parallel() -> None:
     """Forget the groups (releasing the shared-memory buffer); idempotent."""
-    global _tp_group, _pp_group, _expert_parallel
+    global _tp_group, _pp_group, _dp_group, _expert_parallel
     if _tp_group is not None:
         _tp_group.destroy()
-    _tp_group = _pp_group = None
+    _tp_group = _pp_group = _dp_group = None
     _expert_parallel = False
 
 
@@ -272,6 +285,12 @@ def get_tp_group() -> GroupCoordinator:
 def get_pp_group() -> GroupCoordinator:
     """This process's pipeline-parallel group (a group of one before ``initialize_model_parallel``)."""
     return _group(_pp_group)
+
+
+def get_dp_group() -> GroupCoordinator:
+    """This process's data-parallel group: the engines of ``-dp N --enable-expert-parallel``
+    (a group of one otherwise)."""
+    return _group(_dp_group)
 
 
 def expert_parallel_enabled() -> bool:

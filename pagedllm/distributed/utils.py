@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pagedllm import envs
+from pagedllm.network import get_open_port  # noqa: F401  (re-exported)
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -28,15 +29,6 @@ def kv_heads_per_rank(total_num_kv_heads: int, tp_size: int) -> int:
         divide(tp_size, total_num_kv_heads)
         return 1
     return divide(total_num_kv_heads, tp_size)
-
-
-def get_open_port() -> int:
-    """A TCP port on 127.0.0.1 free now (the OS's choice), for ``tcp://127.0.0.1:<port>``."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 #: Environment variable overriding the even split of layers over pipeline stages: layer

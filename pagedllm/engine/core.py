@@ -208,6 +208,11 @@ class EngineCore:
             outputs.scheduler_stats.num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
         return outputs
 
+    def execute_dummy_batch(self) -> None:
+        """A step of a data-parallel engine with no requests while the others step: it joins
+        their expert exchanges with no tokens (``Executor.execute_dummy_batch``)."""
+        self.model_executor.execute_dummy_batch()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

@@ -172,7 +172,8 @@ class _EngineHandle:
     thread of this process."""
 
     def __init__(
-        self, config: EngineConfig | EngineArgs, addresses: EngineAddresses, in_thread: bool, dp_rank: Optional[int]
+        self, config: EngineConfig | EngineArgs, addresses: EngineAddresses, in_thread: bool, dp_rank: Optional[int],
+        dp_master_port: Optional[int] = None,
     ) -> None:
         self.in_thread = in_thread
         self.worker: Union[threading.Thread, Any]
@@ -185,7 +186,7 @@ class _EngineHandle:
         context = get_mp_context()
         self.worker = context.Process(
             target=run_engine_core,
-            args=(config, addresses, os.getpid(), True, dp_rank),
+            args=(config, addresses, os.getpid(), True, dp_rank, dp_master_port),
             name="EngineCore" if dp_rank is None else f"EngineCore_DP{dp_rank}",
         )
         start(context, self.worker)
@@ -267,7 +268,8 @@ class _BackgroundClient(EngineCoreClient):
     ``config`` may be the ``EngineArgs`` (the engine resolves them) and
     ``wait_for_ready=False`` returns at once after starting the engine: the caller does
     its own start-up work meanwhile and then calls ``wait_for_ready``. ``dp_rank``: the
-    engine is data-parallel replica ``dp_rank`` (a process; see ``dp_client``), or None.
+    engine is data-parallel replica ``dp_rank`` (a process; see ``dp_client``), or None;
+    ``dp_master_port``: where the replicas join when their experts are spread over them.
     """
 
     def __init__(
@@ -276,6 +278,7 @@ class _BackgroundClient(EngineCoreClient):
         engine_in_thread: bool = False,
         wait_for_ready: bool = True,
         dp_rank: Optional[int] = None,
+        dp_master_port: Optional[int] = None,
     ) -> None:
         self._directory = tempfile.mkdtemp(prefix="pagedllm-engine-")
         self.addresses = EngineAddresses.in_dir(self._directory)
@@ -289,7 +292,7 @@ class _BackgroundClient(EngineCoreClient):
         self._handshake = self._make_socket(self.ctx, zmq.PULL, self.addresses.handshake, bind=True)
         self.output_socket = self._make_output_socket()
         self.input_socket = self._make_socket(self.ctx, zmq.PUSH, self.addresses.input, bind=False)
-        self.handle = _EngineHandle(config, self.addresses, engine_in_thread, dp_rank)
+        self.handle = _EngineHandle(config, self.addresses, engine_in_thread, dp_rank, dp_master_port)
         sockets = [self._handshake, self.input_socket, self.output_socket]
         self._finalizer = weakref.finalize(self, _cleanup, self.handle, sockets, self.ctx, self._directory)
         self.num_gpu_blocks: Optional[int] = None
@@ -385,6 +388,12 @@ class _BackgroundClient(EngineCoreClient):
         request_ids = list(request_ids)
         if request_ids and not self.is_dead:
             self._send(EngineCoreRequestType.ABORT, request_ids)
+
+    def start_dp_wave(self, wave: int) -> None:
+        """Tell a data-parallel engine in lockstep that another one started ``wave``
+        (``dp_lockstep``); a no-op once the engine is dead."""
+        if not self.is_dead:
+            self._send(EngineCoreRequestType.START_DP_WAVE, wave)
 
     def _new_utility_call(self, method: str, args: tuple) -> UtilityCall:
         self._check_alive()
@@ -516,12 +525,13 @@ class AsyncMPClient(_BackgroundClient):
         engine_in_thread: bool = False,
         wait_for_ready: bool = True,
         dp_rank: Optional[int] = None,
+        dp_master_port: Optional[int] = None,
     ) -> None:
         self._reader: Optional[asyncio.Task] = None
         self._reader_loop: Optional[asyncio.AbstractEventLoop] = None
         self._outputs_queue: Optional[asyncio.Queue] = None
         self._utility_futures: dict[int, asyncio.Future] = {}
-        super().__init__(config, engine_in_thread, wait_for_ready, dp_rank)
+        super().__init__(config, engine_in_thread, wait_for_ready, dp_rank, dp_master_port)
 
     def _make_output_socket(self) -> zmq.Socket:
         self.async_ctx = zmq.asyncio.Context.shadow(self.ctx)

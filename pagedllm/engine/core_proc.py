@@ -12,7 +12,9 @@ Every message is two frames: a one-byte type, then the msgspec-msgpack payload. 
 loop blocks on the input socket while the engine has nothing to do and otherwise runs
 ``EngineCore.step()`` back to back, sending one ``EngineCoreOutputs`` per step (and one
 stats-only ``EngineCoreOutputs`` after input that arrived while idle, e.g. an abort, so
-the front end's gauges see the freed blocks at once).
+the front end's gauges see the freed blocks at once). Data-parallel replicas whose experts are
+spread over them (``-dp N --enable-expert-parallel``) run ``_run_lockstep_loop`` instead: every
+step synchronised with the others (``dp_lockstep``), a dummy step when this one has no work.
 
 Start-up is a handshake: the process builds the EngineCore (loads the model, sizes the KV
 cache) and then sends READY (its pid and the number of KV blocks) or FAILED (the
@@ -33,16 +35,17 @@ import time
 import traceback
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import msgspec
 import zmq
 
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.executor.process_signals import follow_parent_on_signals
-from pagedllm.messages.engine_core import (
-    EngineCoreRequest,
-)
+from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest
+
+if TYPE_CHECKING:
+    from pagedllm.engine.dp_lockstep import DPLockstep
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +85,7 @@ class EngineCoreRequestType(bytes, enum.Enum):
     ABORT = b"\x01"  # payload: list[str] of engine request ids
     UTILITY = b"\x02"  # payload: UtilityCall
     SHUTDOWN = b"\x03"  # payload: empty
+    START_DP_WAVE = b"\x04"  # payload: int, the wave another data-parallel engine started (dp_lockstep)
 
 
 class EngineCoreOutputType(bytes, enum.Enum):
@@ -177,6 +181,9 @@ class EngineCoreProc:
         dp_rank: this engine's data-parallel replica index, or None without replicas; the
             platform then gives the process its share of the machine (``place_engine_replica``)
             before the model loads.
+        dp_master_port: the port the replicas join ``torch.distributed`` on when their experts
+            are spread over them (``ParallelConfig.data_parallel_master_port``); they then step
+            in lockstep (``dp_lockstep``).
 
     Raises:
         Exception: whatever building the EngineCore raised, after it was sent as FAILED
@@ -189,6 +196,7 @@ class EngineCoreProc:
         addresses: EngineAddresses,
         parent_pid: Optional[int],
         dp_rank: Optional[int] = None,
+        dp_master_port: Optional[int] = None,
     ) -> None:
         from pagedllm.engine.core import EngineCore  # torch import: keep it off the client's import path
 
@@ -197,6 +205,9 @@ class EngineCoreProc:
         self.encoder = msgspec.msgpack.Encoder()
         self._add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         self._abort_decoder = msgspec.msgpack.Decoder(list[str])
+        self._wave_decoder = msgspec.msgpack.Decoder(int)
+        #: The wave state when the replicas step in lockstep (experts spread over them), else None.
+        self.lockstep: Optional[DPLockstep] = None
         self._utility_decoder = msgspec.msgpack.Decoder(UtilityCall)
         self._shutdown_requested = False
         #: Set when the loop stopped because the parent process died.
@@ -209,8 +220,10 @@ class EngineCoreProc:
                     # NOTE: the front end resolves the same arguments and logs the choices.
                     config = config.create_engine_config(log_choices=False)
                 if dp_rank is not None:
-                    _place_replica(dp_rank, config)
+                    _place_replica(dp_rank, config, dp_master_port)
                 self.engine_core = EngineCore(config)
+                if config.parallel_config.data_parallel_expert_parallel:
+                    self.lockstep = _make_lockstep()
             except BaseException as exc:
                 self._send(handshake, EngineCoreOutputType.FAILED, failure_from_exception(exc))
                 handshake.close(linger=5000)
@@ -234,6 +247,9 @@ class EngineCoreProc:
         while idle (about once a second), ``EngineCore.check_health`` raises."""
         poller = zmq.Poller()
         poller.register(self.input_socket, zmq.POLLIN)
+        if self.lockstep is not None:
+            self._run_lockstep_loop(poller)
+            return
         while not self._shutdown_requested and self._parent_alive():
             busy = self.engine_core.has_unfinished_requests()
             if not busy and not poller.poll(_IDLE_POLL_MS):
@@ -244,6 +260,31 @@ class EngineCoreProc:
                 break
             if busy or num_handled:
                 self._step_and_send()
+
+    def _run_lockstep_loop(self, poller: zmq.Poller) -> None:
+        """``run_busy_loop`` for replicas in lockstep (``dp_lockstep``): idle, wait for input
+        as the plain loop does; inside a wave, sync with the other replicas every step, then
+        step (own requests) or run a dummy step (none), until the wave ends or all stop."""
+        lockstep = self.lockstep
+        while True:
+            if not lockstep.running:
+                if self._shutdown_requested or not self._parent_alive():
+                    return
+                if not poller.poll(_IDLE_POLL_MS):
+                    self.engine_core.check_health()
+                    continue
+                if self._drain_input() and not lockstep.running and not self._shutdown_requested:
+                    self._step_and_send()  # no unfinished request: the stats only, no model step
+                continue
+            self._drain_input()
+            has_work = self.engine_core.has_unfinished_requests()
+            any_work, stop = lockstep.sync(has_work, self._shutdown_requested or not self._parent_alive())
+            if stop:
+                return
+            if has_work:
+                self._step_and_send()
+            elif any_work:
+                self.engine_core.execute_dummy_batch()
 
     def _parent_alive(self) -> bool:
         if self.parent_pid is None:
@@ -273,10 +314,16 @@ class EngineCoreProc:
         if kind is EngineCoreRequestType.ADD:
             request = self._add_decoder.decode(payload)
             self.engine_core.add_request(request)
+            wave = self.lockstep.request_added() if self.lockstep is not None else None
+            if wave is not None:
+                self._send(self.output_socket, EngineCoreOutputType.OUTPUTS, EngineCoreOutputs(start_wave=wave))
         elif kind is EngineCoreRequestType.ABORT:
             self.engine_core.abort_requests(self._abort_decoder.decode(payload))
         elif kind is EngineCoreRequestType.UTILITY:
             self._call_utility(self._utility_decoder.decode(payload))
+        elif kind is EngineCoreRequestType.START_DP_WAVE:
+            if self.lockstep is not None:
+                self.lockstep.start_wave(self._wave_decoder.decode(payload))
         else:
             self._shutdown_requested = True
 
@@ -313,15 +360,17 @@ class EngineCoreProc:
         self.ctx.term()
 
 
-def _place_replica(rank: int, config: EngineConfig) -> None:
+def _place_replica(rank: int, config: EngineConfig, master_port: Optional[int] = None) -> None:
     """Make this process data-parallel replica ``rank``: a replica of one worker runs the
     model here and takes its share of the machine now (``place_engine_replica``); one of
     several workers (``-dp N -tp M``) only schedules, and its workers, started by the
     ``MultiprocExecutor``, take theirs (machine-local ranks from
-    ``ParallelConfig.local_rank_offset``)."""
+    ``ParallelConfig.local_rank_offset``). ``master_port``: where replicas whose experts are
+    spread over them join (``data_parallel_master_port``)."""
     from pagedllm.platforms import current_platform
 
-    parallel = config.parallel_config = dataclasses.replace(config.parallel_config, data_parallel_rank=rank)
+    parallel = config.parallel_config = dataclasses.replace(
+        config.parallel_config, data_parallel_rank=rank, data_parallel_master_port=master_port or 0)
     size = parallel.data_parallel_size
     if parallel.world_size > 1:
         logger.info("Data-parallel engine %d of %d: workers are local ranks %d-%d of %d.", rank, size,
@@ -332,12 +381,23 @@ def _place_replica(rank: int, config: EngineConfig) -> None:
     logger.info("Data-parallel engine %d of %d runs on %s.", rank, size, placement)
 
 
+def _make_lockstep() -> DPLockstep:
+    """The ``DPLockstep`` of this replica, over the data-parallel group its worker (in this
+    process: one worker per replica) joined."""
+    from pagedllm.distributed import get_dp_group
+    from pagedllm.engine.dp_lockstep import DPLockstep
+    from pagedllm.platforms import current_platform
+
+    return DPLockstep(get_dp_group(), current_platform.device)
+
+
 def run_engine_core(
     config: EngineConfig | EngineArgs,
     addresses: EngineAddresses,
     parent_pid: Optional[int],
     install_signal_handlers: bool = True,
     dp_rank: Optional[int] = None,
+    dp_master_port: Optional[int] = None,
 ) -> None:
     """Entry point of the engine process (``multiprocessing`` fork or spawn) or thread.
 
@@ -355,7 +415,7 @@ def run_engine_core(
         follow_parent_on_signals(parent_pid)
     status = 0
     try:
-        proc = EngineCoreProc(config, addresses, parent_pid, dp_rank)
+        proc = EngineCoreProc(config, addresses, parent_pid, dp_rank, dp_master_port)
     except BaseException:
         status = 1
     else:

@@ -14,6 +14,11 @@ by ``DPRouter`` (least loaded, prefix-cache affinity); an abort goes to the repl
 the request; every ``EngineCoreOutputs`` carries the replica's index (``engine_index``) so the
 metrics can be labelled per engine (vLLM's ``engine`` label).
 
+Experts spread over the replicas (``-dp N --enable-expert-parallel`` on a mixture-of-experts
+model): the replicas join ``torch.distributed`` on a port chosen here and step in lockstep
+(``dp_lockstep``); this client is their coordinator: when a replica announces a wave it started
+(``EngineCoreOutputs.start_wave``), the others are told to join it (START_DP_WAVE).
+
 Failure: the replicas live and die together, as in vLLM. When one dies or fails, the client is
 dead: ``get_output_async`` raises ``EngineDeadError`` naming the replica (the front end fails
 every open request with it), every later call raises it, and the server exits non-zero so
@@ -31,6 +36,7 @@ from pagedllm.engine.core_client import AsyncMPClient, EngineCoreClient, next_ou
 from pagedllm.engine.dp_router import DPRouter
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.network import get_open_port
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +68,11 @@ class DPAsyncMPClient(EngineCoreClient):
         self._queue: Optional[asyncio.Queue] = None
         self._forwarders: list[asyncio.Task] = []
         self.num_gpu_blocks: Optional[int] = None
+        master_port = get_open_port()  # used by replicas whose experts are spread over them
         try:
             for rank in range(size):
-                self.replicas.append(AsyncMPClient(config, wait_for_ready=False, dp_rank=rank))
+                self.replicas.append(AsyncMPClient(config, wait_for_ready=False, dp_rank=rank,
+                                                   dp_master_port=master_port))
         except BaseException:
             self.shutdown(timeout_s=0)
             raise
@@ -139,6 +147,12 @@ class DPAsyncMPClient(EngineCoreClient):
             while True:
                 outputs = await replica.get_output_async()
                 outputs.engine_index = rank
+                if outputs.start_wave is not None:
+                    for other, peer in enumerate(self.replicas):
+                        if other != rank:
+                            peer.start_dp_wave(outputs.start_wave)
+                    if not outputs.outputs and outputs.scheduler_stats is None:
+                        continue
                 for output in outputs.outputs:
                     if output.finish_reason is not None:
                         self.router.finish(output.request_id)

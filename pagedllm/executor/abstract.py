@@ -119,6 +119,11 @@ class Executor(ABC):
         future.set_result(output)
         return future
 
+    def execute_dummy_batch(self) -> None:
+        """Run a step without tokens on every worker (``Worker.execute_dummy_batch``): a
+        data-parallel engine with no requests of its own joins the others' expert exchanges."""
+        self.collective_rpc("execute_dummy_batch")
+
     def check_health(self) -> None:
         """Raise if a worker can no longer answer (the engine core checks while idle).
         Default: workers in this process are always there."""

@@ -180,3 +180,6 @@ class EngineCoreOutputs(
     scheduler_stats: Optional[SchedulerStats] = None
     timestamp: float = 0.0
     engine_index: int = 0
+    #: A data-parallel engine in lockstep got a request while idle and started this wave; the
+    #: front end tells the other engines to join it (vLLM's field; ``pagedllm.engine.dp_lockstep``).
+    start_wave: Optional[int] = None

@@ -59,6 +59,7 @@ from pagedllm.distributed.kv_transfer.layout import KVLayout
 from pagedllm.messages.sched_output import SchedulerOutput
 from pagedllm.messages.engine_core import LogprobsLists
 from pagedllm.model_executor.layers.attention import Attention, bind_kv_caches, init_kv_scales
+from pagedllm.model_executor.layers.fused_moe.layer import FusedMoE, run_idle_exchanges
 from pagedllm.model_executor.layers.mamba.abstract import (
     MambaBase,
     bind_state_caches,
@@ -194,6 +195,12 @@ class ModelRunner:
                     self.weights_bytes / 1e6, time.perf_counter() - start)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.state_layers = [m for m in self.model.modules() if isinstance(m, MambaBase)]
+        spread = [m for m in self.model.modules() if isinstance(m, FusedMoE) and m.dp_group is not None]
+        if spread:
+            logger.info("Experts spread over %d data-parallel engines: engine %d holds experts %d-%d of %d in each of "
+                        "%d MoE layers.", spread[0].dp_group.world_size, spread[0].dp_group.rank_in_group,
+                        spread[0].expert_start, spread[0].expert_start + spread[0].local_num_experts - 1,
+                        spread[0].global_num_experts, len(spread))
         self._layer_groups = self._attention_layer_groups()
         self._state_layer_groups = self._state_groups_of_layers()
         init_kv_scales(self.attention_layers, self.cache_config.cache_dtype, self.cache_config.calculate_kv_scales)
@@ -463,6 +470,14 @@ class ModelRunner:
                         tensor[dst].copy_(tensor[src])
 
     @torch.inference_mode()
+    @torch.inference_mode()
+    def execute_dummy_batch(self) -> None:
+        """With experts spread over data-parallel engines, pass zero tokens through every MoE
+        layer (``run_idle_exchanges``): this engine computes its experts for the others'
+        tokens in a step that has none of its own. Nothing otherwise."""
+        if self.config.parallel_config.data_parallel_expert_parallel:
+            run_idle_exchanges(self.model, self.model_config.dtype, self.device)
+
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: apply the second tier's transfers (if any), update the persistent
         batch, forward all scheduled tokens, sample.
@@ -485,6 +500,7 @@ class ModelRunner:
     def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
         if so.is_empty:
+            self.execute_dummy_batch()  # a step that runs no token still joins the engines' exchanges
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.input_batch
         decodes = [r for r, n in so.num_scheduled_tokens.items() if n == 1]

@@ -86,7 +86,8 @@ class Worker:
 
     def init_device(self) -> None:
         """With more than one worker, bind this process to its share of the machine and
-        join the others (``torch.distributed``); build the model-parallel groups, pick the
+        join the others (``torch.distributed``; the data-parallel engines of
+        ``ParallelConfig.data_parallel_expert_parallel`` join each other); build the model-parallel groups, pick the
         device, seed torch, and measure the device memory before the weights load (bytes;
         the KV-cache budget is a share of it; on CPU, where ranks share the RAM, this
         rank's share); builds the runner.
@@ -101,8 +102,12 @@ class Worker:
         if world_size > 1:
             current_platform.bind_worker(self.local_rank, local_world_size)
             init_distributed_environment(world_size, self.rank, self.distributed_init_method or "", self.local_rank)
+        dp_size = parallel.data_parallel_size if parallel.data_parallel_expert_parallel else 1
+        if dp_size > 1:  # one worker per engine, the engines joined (experts spread over them)
+            init_distributed_environment(dp_size, parallel.data_parallel_rank,
+                                         f"tcp://127.0.0.1:{parallel.data_parallel_master_port}")
         initialize_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
-                                  parallel.enable_expert_parallel)
+                                  parallel.enable_expert_parallel, dp_size)
         self.device = current_platform.device
         torch.manual_seed(self.config.model_config.seed)
         cache_config = self.config.cache_config
@@ -162,6 +167,11 @@ class Worker:
         self.num_steps += 1
         return output if self.rank == self.config.parallel_config.output_rank else None
 
+    def execute_dummy_batch(self) -> None:
+        """A step without tokens of this engine's own: serve its experts to the other
+        data-parallel engines' tokens (``ModelRunner.execute_dummy_batch``)."""
+        self.model_runner.execute_dummy_batch()
+
     def sleep(self, level: int) -> None:
         """Free the KV cache and take the weights out of memory (``ModelRunner.sleep``)."""
         self.model_runner.sleep(level)
@@ -193,5 +203,6 @@ class Worker:
                 self.model_runner.kv_offload.close()
             del self.model_runner
             current_platform.empty_cache()
-        if self.config.parallel_config.world_size > 1:
+        parallel = self.config.parallel_config
+        if parallel.world_size > 1 or parallel.data_parallel_expert_parallel:
             destroy_distributed_environment()

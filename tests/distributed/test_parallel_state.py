@@ -5,7 +5,6 @@ bit-identical on every rank, all-gather in rank order); the refusals; and the ar
 
 from __future__ import annotations
 
-import multiprocessing
 
 import numpy as np
 import pytest
@@ -13,7 +12,6 @@ import torch
 
 from pagedllm.distributed import (
     divide,
-    get_open_port,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     initialize_model_parallel,
@@ -21,7 +19,7 @@ from pagedllm.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from tests.helpers import cpu_only
+from tests.helpers import cpu_only, run_spawned_ranks
 
 
 def test_a_group_of_one_process():
@@ -77,19 +75,8 @@ def _rank_main(rank: int, init_method: str, results) -> None:
 @cpu_only  # the CPU collectives: gloo, shared memory
 def test_tp2_pp2_groups_and_collectives(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_CPU_COLLECTIVES", "shm")
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    init_method = f"tcp://127.0.0.1:{get_open_port()}"
-    procs = [context.Process(target=_rank_main, args=(r, init_method, results), daemon=True) for r in range(4)]
-    for p in procs:
-        p.start()
-    by_rank = {}
-    for _ in procs:
-        out = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in results.get(timeout=120).items()}
-        by_rank[out["rank"]] = out
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    by_rank = {rank: {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in out.items()}
+               for rank, out in run_spawned_ranks(_rank_main, 4).items()}
     for rank, out in by_rank.items():
         pp_rank, tp_rank = divmod(rank, 2)  # rank = pp_rank x tp + tp_rank
         assert out["tp_ranks"] == [2 * pp_rank, 2 * pp_rank + 1] and out["tp_rank"] == tp_rank

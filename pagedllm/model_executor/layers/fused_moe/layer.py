@@ -9,6 +9,9 @@ Sharding over the tensor-parallel group (the router is replicated by the model):
 - expert parallelism (``enable_expert_parallel``): rank r holds whole experts, a contiguous
   range (``expert_range``: vLLM's placement, the first E % tp ranks one expert more), and
   computes the tokens routed to them; the same all-reduce combines the ranks' outputs.
+- over data-parallel engines (``-dp N --enable-expert-parallel``: a data-parallel group,
+  ``get_dp_group``): engine r holds ``expert_range(E, N, r)`` and each forward exchanges the
+  engines' tokens (``dp_exchange``); ``run_idle_exchanges`` is the pass of an engine without tokens.
 
 Checkpoint tensors arrive per expert through ``weight_loader`` (``shard_id`` "w1" gate, "w3"
 up, "w2" down; vLLM's ids), or stacked for all experts (``load_stacked_experts``: the 3-D
@@ -32,11 +35,13 @@ from torch import nn
 from pagedllm.distributed import (
     divide,
     expert_parallel_enabled,
+    get_dp_group,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
 from pagedllm.model_executor.layers.activation import ReLUSquaredActivation, SiluAndMul, SwigluOAIAndMul
+from pagedllm.model_executor.layers.fused_moe.dp_exchange import exchange_experts
 from pagedllm.model_executor.layers.fused_moe.methods import FusedMoEMethodBase, UnquantizedFusedMoEMethod
 from pagedllm.model_executor.layers.fused_moe.router import RoutingFunction, select_experts
 from pagedllm.model_executor.layers.quantization import QuantizationConfig
@@ -149,8 +154,12 @@ class FusedMoE(nn.Module):
         self.e_score_correction_bias = e_score_correction_bias
         self.tp_size, self.tp_rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
         expert_parallel = expert_parallel_enabled() if enable_expert_parallel is None else enable_expert_parallel
-        self.use_ep = expert_parallel and self.tp_size > 1
-        ep_size, ep_rank = (self.tp_size, self.tp_rank) if self.use_ep else (1, 0)
+        dp_group = get_dp_group()
+        #: The data-parallel engines this layer's experts are spread over (None: this engine holds them).
+        self.dp_group = dp_group if expert_parallel and dp_group.world_size > 1 else None
+        self.use_ep = expert_parallel and (self.tp_size > 1 or self.dp_group is not None)
+        ep_size, ep_rank = ((dp_group.world_size, dp_group.rank_in_group) if self.dp_group is not None
+                            else (self.tp_size, self.tp_rank) if self.use_ep else (1, 0))
         self.moe_tp_size, self.moe_tp_rank = (1, 0) if self.use_ep else (self.tp_size, self.tp_rank)
         self.expert_start, self.local_num_experts = expert_range(num_experts, ep_size, ep_rank)
         self.register_buffer("expert_map", self._expert_map(), persistent=False)
@@ -288,7 +297,11 @@ class FusedMoE(nn.Module):
         if self.apply_router_weight_on_input:
             hidden_states = hidden_states * topk_weights.to(hidden_states.dtype)
             topk_weights = torch.ones_like(topk_weights)
-        out = self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
+        if self.dp_group is not None:
+            out = exchange_experts(self.dp_group, hidden_states, topk_weights, topk_ids,
+                                   lambda x, weights, ids: self.quant_method.apply(self, x, weights, ids))
+        else:
+            out = self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out
@@ -297,3 +310,17 @@ class FusedMoE(nn.Module):
         return (f"experts={self.local_num_experts}/{self.global_num_experts} (from {self.expert_start}), "
                 f"top_k={self.top_k}, hidden={self.hidden_size}, intermediate={self.intermediate_size_per_partition}, "
                 f"ep={self.use_ep}")
+
+
+def run_idle_exchanges(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
+    """Pass zero tokens through each ``FusedMoE`` of ``model`` whose experts are spread over
+    data-parallel engines, in module order (the forward's order), so that this engine serves
+    its experts to the other engines' tokens in a step with none of its own (vLLM's dummy
+    batch). Returns how many layers it passed (0: nothing to exchange)."""
+    passed = 0
+    for module in model.modules():
+        if isinstance(module, FusedMoE) and module.dp_group is not None:
+            hidden = torch.empty((0, module.hidden_size), dtype=dtype, device=device)
+            module(hidden, torch.empty((0, module.global_num_experts), dtype=torch.float32, device=device))
+            passed += 1
+    return passed
