@@ -45,8 +45,8 @@ OP = "fork"
 SOCKET_NAME = "control.sock"
 #: Environment variables read before the fork (imports, platform, loader): a client must
 #: agree with the daemon on every one of them.
-INHERITED_ENV_PREFIXES = ("PAGEDLLM_", "VLLM_", "OMP_", "KMP_", "MKL_", "GOMP_", "TORCH", "PYTORCH_", "CUDA_",
-                          "HF_", "TRANSFORMERS_", "PYTHON", "LD_")
+INHERITED_ENV_PREFIXES = ("PAGEDLLM_", "VLLM_", "OMP_", "KMP_", "MKL_", "GOMP_", "ONEDNN_", "DNNL_", "ATEN_", "TORCH",
+                          "PYTORCH_", "CUDA_", "HF_", "TRANSFORMERS_", "PYTHON", "LD_")
 #: Variables of that kind read afresh after the fork (where the stores and snapshots are).
 NOT_INHERITED = ("PAGEDLLM_PRELOAD_DIR", "PAGEDLLM_SNAPSHOT_DIR")
 _MAX_FDS = 3

@@ -20,7 +20,7 @@ import pytest
 from pagedllm.preload import fork_server
 from pagedllm.snapshot import snapshots
 from tests.helpers import hf_greedy
-from tests.server_utils import RemoteServer
+from tests.server_utils import RemoteServer, idle_kv_cache_usage
 
 PROMPT = [1, 5, 9, 200, 31, 77, 3]
 MAX_TOKENS = 8
@@ -70,16 +70,6 @@ def _greedy(server: RemoteServer) -> list[int]:
     return [int(token.removeprefix("token_id:")) for token in reply.choices[0].logprobs.tokens]
 
 
-def _idle_kv_usage(server: RemoteServer) -> float:
-    deadline = time.monotonic() + 5
-    while True:
-        metrics = server.metrics()
-        busy = metrics.get("pagedllm:num_requests_running", 0) + metrics.get("pagedllm:num_requests_waiting", 0)
-        if not busy or time.monotonic() > deadline:
-            return metrics["pagedllm:kv_cache_usage_perc"]
-        time.sleep(0.05)
-
-
 def _forked_pid(daemon: _Daemon) -> int:
     (child,) = daemon.children()
     return child.pid
@@ -96,7 +86,7 @@ def test_forked_server_serves_and_outlives_the_daemon(tiny_llama, daemon):
         daemon.process.kill()  # outright: the store stays, the server keeps its mapping and session
         daemon.process.wait(10)
         assert _greedy(server) == expected and _greedy(server) == expected
-        assert _idle_kv_usage(server) == 0.0
+        assert idle_kv_cache_usage(server) == 0.0
     finally:
         server.close()
     assert server.process.returncode == 0
@@ -126,7 +116,7 @@ def test_restore_is_forked_by_the_daemon(tiny_llama, daemon, tmp_path, monkeypat
         assert psutil.Process(_forked_pid(daemon)).children()  # the forked server's engine core
         assert "snapshots/tiny/weights/" in restored.log_text()  # it mapped the snapshot's store, not the daemon's
         assert _greedy(restored) == hf_greedy(tiny_llama, PROMPT, MAX_TOKENS)
-        assert _idle_kv_usage(restored) == 0.0
+        assert idle_kv_cache_usage(restored) == 0.0
     finally:
         restored.close()
 
