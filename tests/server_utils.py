@@ -184,3 +184,15 @@ class RemoteServer:
                 pass
         self.log.close()
         os.unlink(self.log.name)
+
+
+def idle_kv_cache_usage(server: RemoteServer, timeout_s: float = 5.0) -> float:
+    """``pagedllm:kv_cache_usage_perc`` once ``server`` runs and waits for nothing (or after
+    ``timeout_s`` seconds): 0.0 when every request gave its blocks back."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = server.metrics()
+        busy = metrics.get("pagedllm:num_requests_running", 0) + metrics.get("pagedllm:num_requests_waiting", 0)
+        if not busy or time.monotonic() > deadline:
+            return metrics["pagedllm:kv_cache_usage_perc"]
+        time.sleep(0.05)

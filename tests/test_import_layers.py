@@ -23,7 +23,7 @@ PACKAGE_DIR = pathlib.Path(__file__).resolve().parents[1] / "pagedllm"
 FLOORS: list[tuple[str, ...]] = [
     ("entrypoints.cli",),
     ("benchmarks",),
-    ("entrypoints", "preload.daemon", "preload.cli", "snapshot"),
+    ("entrypoints", "preload.daemon", "preload.cli", "snapshot", "preload.fork_server"),
     ("engine",),
     ("metrics", "tracing"),
     ("executor",),

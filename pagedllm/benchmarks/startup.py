@@ -11,6 +11,9 @@ Measurements (``--mode``), each start in a fresh process (nothing warm but the O
   daemon (started first, in a private ``PAGEDLLM_PRELOAD_DIR``, not timed) holds the weights.
 - ``snapshot``: ``pagedllm snapshot restore`` of a snapshot of the same server (``pagedllm
   snapshot create`` first, in a private ``PAGEDLLM_SNAPSHOT_DIR``, not timed), as ``serve``.
+- ``snapshot-daemon``: as ``snapshot`` while a ``pagedllm preload`` daemon of the same flags
+  runs, which forks the restored servers (``pagedllm.preload.fork_server``; so does the
+  daemon of ``preload``).
 - ``wake``: one server with ``--enable-sleep-mode``; each iteration puts it to sleep
   (``POST /sleep?level=1``, then ``level=2``) and times ``POST /wake_up`` until it answers.
 
@@ -19,7 +22,8 @@ first run on a machine also builds the C++ CPU kernels and fills the page cache)
 Reported: the list of times and their median, in seconds (also in ``--output-json``); for the
 server starts also the CPU seconds its processes (the server and its engine) had used by then,
 ``*_cpu_s`` (Linux' ``/proc``; the figure that counts on a busy host, where the wall time is
-mostly waiting for a core).
+mostly waiting for a core); a server forked by a preload daemon counts as the growth of the
+daemon's process tree.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(dtype="auto")
     parser.add_argument("--serve-args", default="", help="extra `pagedllm serve` flags, one string")
     parser.add_argument("--mode", default="serve,llm",
-                        help="comma-separated: serve, llm, preload, snapshot, wake (default: serve,llm)")
+                        help="comma-separated: serve, llm, preload, snapshot, snapshot-daemon, wake (default: serve,llm)")
     parser.add_argument("--num-iters-warmup", type=int, default=1, help="unrecorded starts first (default: 1)")
     parser.add_argument("--num-iters", type=int, default=3, help="recorded starts of each mode (default: 3)")
     parser.add_argument("--output-json", default=None, help="write the results here")
@@ -128,9 +132,11 @@ def tree_cpu_seconds(pid: int) -> Optional[float]:
 
 
 def _start_server(args: argparse.Namespace, extra: list[str], env: Optional[dict[str, str]] = None,
-                  restore: Optional[str] = None) -> tuple[subprocess.Popen, str, Start]:
+                  restore: Optional[str] = None, daemon_pid: Optional[int] = None
+                  ) -> tuple[subprocess.Popen, str, Start]:
     """A ``pagedllm serve`` process (``pagedllm snapshot restore RESTORE``, which keeps its own
-    flags, with ``restore``), its URL, and its ``Start``.
+    flags, with ``restore``), its URL, and its ``Start`` (the CPU of the preload daemon
+    ``daemon_pid``'s tree added, as it grew meanwhile: the servers it forks).
 
     Raises:
         RuntimeError: the server exited or did not become healthy within 300 s.
@@ -142,6 +148,7 @@ def _start_server(args: argparse.Namespace, extra: list[str], env: Optional[dict
     else:
         cmd += ["snapshot", "restore", restore, "--port", str(port)]
     cmd += extra
+    daemon_before = tree_cpu_seconds(daemon_pid) if daemon_pid else None
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -153,16 +160,21 @@ def _start_server(args: argparse.Namespace, extra: list[str], env: Optional[dict
             raise RuntimeError(f"pagedllm serve was not healthy after {_START_TIMEOUT_S:.0f} s")
         time.sleep(0.02)
     seconds = time.perf_counter() - start
-    return proc, url, Start(seconds, tree_cpu_seconds(proc.pid))
+    cpu_s = tree_cpu_seconds(proc.pid)
+    if cpu_s is not None and daemon_before is not None:
+        cpu_s += (tree_cpu_seconds(daemon_pid) or 0.0) - daemon_before
+    return proc, url, Start(seconds, cpu_s)
 
 
-def time_serve(args: argparse.Namespace, extra: tuple[str, ...] = (), env: Optional[dict[str, str]] = None) -> Start:
-    """A start of ``pagedllm serve`` (with ``extra`` flags, in ``env``) until ``/health`` is 200.
+def time_serve(args: argparse.Namespace, extra: tuple[str, ...] = (), env: Optional[dict[str, str]] = None,
+               daemon_pid: Optional[int] = None) -> Start:
+    """A start of ``pagedllm serve`` (with ``extra`` flags, in ``env``; ``daemon_pid``: see
+    ``_start_server``) until ``/health`` is 200.
 
     Raises:
         RuntimeError: the server exited or did not become healthy within 300 s.
     """
-    proc, _, started = _start_server(args, list(extra), env)
+    proc, _, started = _start_server(args, list(extra), env, daemon_pid=daemon_pid)
     _stop(proc)
     return started
 
@@ -222,16 +234,16 @@ def time_preload(args: argparse.Namespace) -> list[Start]:
     Raises:
         RuntimeError: the daemon exited or was not ready within 300 s; a server failed.
     """
-    with preload_daemon(args, "pagedllm-bench-preload-") as (_daemon, _root, env):
+    with preload_daemon(args, "pagedllm-bench-preload-") as (daemon, _root, env):
         for _ in range(args.num_iters_warmup):
-            time_serve(args, ("--load-format", "ipc_cache"), env)
-        return [time_serve(args, ("--load-format", "ipc_cache"), env) for _ in range(args.num_iters)]
+            time_serve(args, ("--load-format", "ipc_cache"), env, daemon.pid)
+        return [time_serve(args, ("--load-format", "ipc_cache"), env, daemon.pid) for _ in range(args.num_iters)]
 
 
-def time_snapshot(args: argparse.Namespace) -> list[Start]:
+def time_snapshot(args: argparse.Namespace, with_daemon: bool = False) -> list[Start]:
     """Starts of ``pagedllm snapshot restore`` (seconds to ``/health`` 200) of one snapshot of
     the benchmarked server (``pagedllm snapshot create``, not timed) in a temporary
-    ``PAGEDLLM_SNAPSHOT_DIR``.
+    ``PAGEDLLM_SNAPSHOT_DIR``; ``with_daemon``: while a ``preload_daemon`` runs (it forks them).
 
     Raises:
         RuntimeError: the snapshot could not be made; a server failed.
@@ -246,14 +258,21 @@ def time_snapshot(args: argparse.Namespace) -> list[Start]:
         if done.returncode != 0:
             raise RuntimeError(f"pagedllm snapshot create failed: {done.stderr[-2000:]}")
 
-        def one() -> Start:
-            proc, _, started = _start_server(args, [], env, restore="bench")
-            _stop(proc)
-            return started
+        with contextlib.ExitStack() as stack:
+            daemon_pid = None
+            if with_daemon:
+                daemon, _root, env = stack.enter_context(preload_daemon(args, "pagedllm-bench-restore-"))
+                env["PAGEDLLM_SNAPSHOT_DIR"] = root
+                daemon_pid = daemon.pid
 
-        for _ in range(args.num_iters_warmup):
-            one()
-        return [one() for _ in range(args.num_iters)]
+            def one() -> Start:
+                proc, _, started = _start_server(args, [], env, restore="bench", daemon_pid=daemon_pid)
+                _stop(proc)
+                return started
+
+            for _ in range(args.num_iters_warmup):
+                one()
+            return [one() for _ in range(args.num_iters)]
 
 
 _LLM_SCRIPT = """
@@ -303,10 +322,10 @@ def _record(result: dict[str, Any], key: str, starts: list[Start], what: str) ->
 
 def main(args: argparse.Namespace) -> int:
     modes = {m.strip() for m in args.mode.split(",") if m.strip()}
-    unknown = modes - {"serve", "llm", "preload", "snapshot", "wake"}
+    unknown = modes - {"serve", "llm", "preload", "snapshot", "snapshot-daemon", "wake"}
     if unknown:
-        raise SystemExit(
-            f"pagedllm bench startup: error: unknown --mode {sorted(unknown)}; use serve, llm, preload, snapshot, wake")
+        raise SystemExit(f"pagedllm bench startup: error: unknown --mode {sorted(unknown)}; use serve, llm, preload, "
+                         "snapshot, snapshot-daemon, wake")
     result: dict[str, Any] = {"machine": machine_info(), "model": args.model, "dtype": args.dtype}
     if "serve" in modes:
         for _ in range(args.num_iters_warmup):
@@ -326,6 +345,9 @@ def main(args: argparse.Namespace) -> int:
         _record(result, "preload_serve_startup_s", time_preload(args), "pagedllm serve --load-format ipc_cache")
     if "snapshot" in modes:
         _record(result, "snapshot_serve_startup_s", time_snapshot(args), "pagedllm snapshot restore")
+    if "snapshot-daemon" in modes:
+        _record(result, "snapshot_daemon_serve_startup_s", time_snapshot(args, with_daemon=True),
+                "pagedllm snapshot restore forked by a preload daemon")
     if "wake" in modes:
         wakes = time_wake(args)
         for name, times in wakes.items():

@@ -59,6 +59,34 @@ def main(args: argparse.Namespace) -> int:
     if running is not None:
         print(f"pagedllm preload: added to the daemon running as pid {running['pid']}", file=sys.stderr)
         return 0
+    warm_up()
     print(f"pagedllm preload: ready; control socket {root / daemon.SOCKET_NAME}", file=sys.stderr, flush=True)
-    daemon.serve_control(root)
+    daemon.serve_control(root, run_server=run_server)
     return 0
+
+
+#: What a server imports after the configuration (which the preload resolved already): the
+#: daemon imports them once, and every server it forks inherits them.
+SERVER_MODULES = ("uvicorn", "pagedllm.engine.async_llm", "pagedllm.engine.core", "pagedllm.engine.client_factory",
+                  "pagedllm.entrypoints.openai.api_server", "pagedllm.entrypoints.openai.launcher",
+                  "pagedllm.entrypoints.chat_utils", "pagedllm.worker.worker")
+
+
+def warm_up() -> None:
+    """Import ``SERVER_MODULES`` (for the servers this daemon forks: ``fork_server``)."""
+    import importlib
+
+    for module in SERVER_MODULES:
+        importlib.import_module(module)
+
+
+def run_server(argv: list[str]) -> int:
+    """``pagedllm <argv>`` (``serve ...``) in a server forked by the daemon; its exit code."""
+    from pagedllm.entrypoints.openai.cli_args import main as serve_main, serve_parser
+
+    if not argv or argv[0] != "serve":
+        raise ValueError(f"the preload daemon forks `pagedllm serve` only, not {argv[:1]}")
+    args = serve_parser().parse_args(argv[1:])
+    args.command_line = argv
+    args.forked_by_daemon = True
+    return serve_main(args)

@@ -11,7 +11,8 @@ may still map it. A second ``pagedllm preload`` while a daemon runs writes its s
 the others (the daemon lists and evicts every store of the folder) and exits.
 
 The control protocol: one JSON object per connection each way, ``{"op": "status" | "list" |
-"evict" | "stop", "model": path (evict; None: every store)}``.
+"evict" | "stop", "model": path (evict; None: every store)}``; and ``"fork"``: fork a server
+(``pagedllm.preload.fork_server``), when ``serve_control`` is given ``run_server``.
 """
 
 from __future__ import annotations
@@ -27,16 +28,17 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pagedllm.config import EngineArgs
+from pagedllm.preload import fork_server
 from pagedllm.preload.ipc_cache import preload_root
 from pagedllm.preload.key import cache_key, store_name
 from pagedllm.preload.store import KEY_FILE, read_key, write_store
 
 logger = logging.getLogger(__name__)
 
-SOCKET_NAME = "control.sock"
+SOCKET_NAME = fork_server.SOCKET_NAME
 #: Seconds a control client waits for the daemon.
 CONTROL_TIMEOUT_S = 10.0
 
@@ -111,9 +113,11 @@ def evict(root: Path, model: Optional[str]) -> list[str]:
     return names
 
 
-def serve_control(root: Path) -> None:
+def serve_control(root: Path, run_server: Optional[Callable[[list[str]], int]] = None) -> None:
     """Answer control requests on ``root/control.sock`` until "stop" (or SIGTERM / SIGINT),
-    then delete every store and the socket."""
+    then delete every store and the socket. With ``run_server`` (``pagedllm <argv>``'s
+    function, returning its exit code) it also forks servers (``fork_server``); servers it
+    forked serve on after it stopped."""
     path = root / SOCKET_NAME
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     if path.exists():
@@ -137,7 +141,12 @@ def serve_control(root: Path) -> None:
             except OSError:
                 break
             with connection:
-                request = json.loads(connection.makefile().readline() or "{}")
+                request, fds = fork_server.receive(connection)
+                if request.get("op") == fork_server.OP and run_server is not None:
+                    fork_server.fork(connection, request, fds, server, run_server)
+                    continue
+                for fd in fds:
+                    os.close(fd)
                 reply, stopping = _answer(root, request, started)
                 connection.sendall((json.dumps(reply) + "\n").encode())
     finally:

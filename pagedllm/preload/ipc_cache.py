@@ -4,11 +4,18 @@
 (``key.store_name``), compares its key with this engine's (``key.cache_key``) and maps it
 (``store.map_store``). With ``ipc_cache`` a missing or mismatched store is an error naming the
 field; with ``auto`` a mismatch is a warning and the checkpoint is loaded as usual.
+
+``recorded_activation_peak`` / ``record_activation_peak``: the activation peak that the first
+engine mapping a store measured (its profiling run), kept beside the store
+(``store.PROFILE_FILE``) with what the run depended on, so that the next ``ipc_cache`` engines
+of the same settings skip the profiling run.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -17,7 +24,7 @@ from torch import nn
 
 from pagedllm import envs
 from pagedllm.preload.key import cache_key, mismatch, store_name
-from pagedllm.preload.store import KEY_FILE, map_store, read_key
+from pagedllm.preload.store import KEY_FILE, PROFILE_FILE, map_store, read_key
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +44,7 @@ def load_preloaded(model_config: Any, required: bool,
         ValueError: ``required`` and no store, or a key that differs (naming the field).
     """
     wanted = cache_key(model_config)
-    directory = preload_root() / store_name(model_config.model_path, wanted["tensor_parallel_rank"],
-                                            wanted["pipeline_parallel_rank"])
+    directory = _store_dir(model_config, wanted)
     if not (directory / KEY_FILE).exists():
         if required:
             raise ValueError(
@@ -57,3 +63,35 @@ def load_preloaded(model_config: Any, required: bool,
     model = map_store(directory, pack_opaque)
     logger.info("Mapped the preloaded weights of %s from %s", wanted["model_path"], directory)
     return model
+
+
+def _store_dir(model_config: Any, key: Optional[dict[str, Any]] = None) -> Path:
+    """This rank's store folder of ``model_config`` (``key``: its ``cache_key``, computed when None)."""
+    key = cache_key(model_config) if key is None else key
+    return preload_root() / store_name(model_config.model_path, key["tensor_parallel_rank"],
+                                       key["pipeline_parallel_rank"])
+
+
+def recorded_activation_peak(model_config: Any, inputs: dict[str, Any]) -> Optional[int]:
+    """The activation peak (bytes) recorded beside this rank's store of ``model_config`` by an
+    engine whose profiling run had the same ``inputs`` (JSON values: the settings the run
+    depends on), or None (none recorded, other inputs, an unreadable file)."""
+    try:
+        recorded = json.loads((_store_dir(model_config) / PROFILE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if recorded.get("inputs") != json.loads(json.dumps(inputs)):
+        return None
+    return int(recorded["activation_peak"])
+
+
+def record_activation_peak(model_config: Any, inputs: dict[str, Any], activation_peak: int) -> None:
+    """Keep ``activation_peak`` (bytes, measured with ``inputs``) beside this rank's store
+    (replacing one there; best effort: a store folder that cannot be written is skipped)."""
+    directory = _store_dir(model_config)
+    staging = directory / f".{PROFILE_FILE}.{os.getpid()}"
+    try:
+        staging.write_text(json.dumps({"inputs": inputs, "activation_peak": int(activation_peak)}))
+        os.replace(staging, directory / PROFILE_FILE)
+    except OSError as exc:
+        logger.info("Could not record the activation peak beside the store %s: %s", directory, exc)

@@ -7,7 +7,9 @@ A store is a folder of three files, written to a temporary folder and renamed in
   offsets (a tensor in oneDNN's opaque layout is stored plain);
 - ``model.pkl``: the model object itself, pickled with each tensor replaced by a reference
   into ``weights.bin`` (storage, offset, shape, strides, dtype, whether a parameter);
-- ``key.json``: the cache key (``pagedllm.preload.key``) and the store's size.
+- ``key.json``: the cache key (``pagedllm.preload.key``) and the store's size;
+- later, ``profile.json``: the activation peak the first engine mapping it measured, and the
+  settings it measured it with (``ipc_cache.record_activation_peak``).
 
 ``map_store`` maps ``weights.bin`` copy-on-write (``MAP_PRIVATE``): the tensors view the shared
 pages, the file is never written, and a page an engine writes (none of the weights; an FP8 KV
@@ -33,7 +35,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-WEIGHTS_FILE, MODEL_FILE, KEY_FILE = "weights.bin", "model.pkl", "key.json"
+WEIGHTS_FILE, MODEL_FILE, KEY_FILE, PROFILE_FILE = "weights.bin", "model.pkl", "key.json", "profile.json"
 _PAGE = mmap.PAGESIZE
 #: madvise(2)'s MADV_POPULATE_READ (Linux 5.14; not in Python 3.11's ``mmap``).
 _MADV_POPULATE_READ = 22

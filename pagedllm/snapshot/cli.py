@@ -45,6 +45,12 @@ def main(args: argparse.Namespace) -> int:
             snapshots.delete(args.name)
         else:
             argv, env, cwd = snapshots.restore_command(args.name)
+            from pagedllm.preload.fork_server import serve_forked
+
+            # a preload daemon of this environment (PAGEDLLM_PRELOAD_DIR) forks the server, if one runs
+            code = serve_forked([*argv, *args.serve_args], env, cwd)
+            if code is not None:
+                return code
             os.chdir(cwd)
             os.execve(sys.executable, [sys.executable, "-m", "pagedllm.entrypoints.cli", *argv, *args.serve_args], env)
     except (ValueError, OSError) as exc:

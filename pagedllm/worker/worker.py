@@ -26,6 +26,7 @@ contract an executor relies on (the multiprocess one today, Ray's later):
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import Optional
@@ -45,6 +46,8 @@ from pagedllm.messages.sched_output import SchedulerOutput
 from pagedllm.platforms import current_platform
 from pagedllm.worker.kv_cache_sizing import KVCacheBudget, kv_cache_budget, no_kv_cache, num_kv_blocks, num_state_slots
 from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 #: Steps whose times a worker keeps (``Worker.step_times``).
@@ -124,7 +127,8 @@ class Worker:
     def determine_available_memory(self) -> int:
         """Bytes this device can give the KV cache: ``kv_cache_memory_bytes`` when set, else
         ``gpu_memory_utilization`` x the memory measured by ``init_device`` - weights -
-        the activation peak of a profiling run (run once, on the first call)."""
+        the activation peak of a profiling run (run once, on the first call; with
+        ``--load-format ipc_cache`` the one recorded beside the store, see ``_activation_peak``)."""
         return self._budget().num_bytes
 
     def determine_num_available_blocks(self) -> int:
@@ -147,11 +151,32 @@ class Worker:
         if self._kv_cache_budget is None:
             activation_peak = 0
             if self.config.cache_config.kv_cache_memory_bytes is None:
-                activation_peak = self.model_runner.profile_run()
+                activation_peak = self._activation_peak()
             self._kv_cache_budget = kv_cache_budget(
                 self.config.cache_config, self.memory_before_load, self.model_runner.weights_bytes, activation_peak
             )
         return self._kv_cache_budget
+
+    def _activation_peak(self) -> int:
+        """The profiling run's activation peak (bytes); with ``--load-format ipc_cache`` the one
+        recorded beside the store by an earlier engine of the same settings, else measured
+        and recorded there (``preload.ipc_cache.record_activation_peak``)."""
+        model_config = self.config.model_config
+        if model_config.load_format != "ipc_cache":
+            return self.model_runner.profile_run()
+        from pagedllm.preload.ipc_cache import record_activation_peak, recorded_activation_peak
+
+        inputs = {"max_model_len": model_config.max_model_len, "scheduler": repr(self.config.scheduler_config),
+                  "lora": repr(self.config.lora_config), "cache_dtype": str(self.config.cache_config.cache_dtype),
+                  "limit_mm_per_prompt": repr(getattr(model_config, "limit_mm_per_prompt", None))}
+        peak = recorded_activation_peak(model_config, inputs)
+        if peak is not None:
+            logger.info("Memory profile: activation peak %.1f MiB, recorded beside the store (no profiling run)",
+                        peak / 2**20)
+            return peak
+        peak = self.model_runner.profile_run()
+        record_activation_peak(model_config, inputs, peak)
+        return peak
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks per layer (the engine's choice, the same on every worker)."""

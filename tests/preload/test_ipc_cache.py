@@ -1,11 +1,13 @@
 """Preloaded weights (``pagedllm.preload``): a store written as ``pagedllm preload`` writes it,
 engines that map it (``--load-format ipc_cache``) give transformers' greedy tokens and share
-one copy of its pages, each field of the cache key that differs is named, and a daemon that
-stops (deleting its stores) leaves the engines that map them serving."""
+one copy of its pages, each field of the cache key that differs is named, a daemon that
+stops (deleting its stores) leaves the engines that map them serving, and an engine of the same
+settings reuses the activation peak the first one measured (no profiling run)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import threading
 import time
@@ -18,7 +20,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.preload import daemon
 from pagedllm.model_executor.layers.cpu_gemm import pack_weight
 from pagedllm.preload import ipc_cache
-from pagedllm.preload.store import WEIGHTS_FILE
+from pagedllm.preload.store import PROFILE_FILE, WEIGHTS_FILE
 from tests.helpers import as_tensor_parallel_rank, check_block_accounting, hf_greedy
 
 PROMPT = [1, 5, 9, 200, 31, 77, 3]
@@ -123,3 +125,25 @@ def test_engines_share_the_store_and_outlive_the_daemon(store, tiny_llama):
     for llm in engines:  # the deleted file's pages stay while mapped
         assert llm.generate([{"prompt_token_ids": PROMPT}], params)[0].outputs[0].token_ids == expected
         check_block_accounting(llm)
+
+
+def test_the_profiled_activation_peak_is_recorded_beside_the_store(tiny_llama, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PAGEDLLM_PRELOAD_DIR", str(tmp_path))
+    (store,) = daemon.preload_model(EngineArgs(model=str(tiny_llama), **ARGS))
+    expected = hf_greedy(tiny_llama, PROMPT, 8)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert not (store / PROFILE_FILE).exists()
+    first = LLM(str(tiny_llama), load_format="ipc_cache", **ARGS)
+    recorded = json.loads((store / PROFILE_FILE).read_text())
+    assert recorded["activation_peak"] > 0 and recorded["inputs"]["max_model_len"] == 64
+    assert "recorded beside the store" not in caplog.text
+    second = LLM(str(tiny_llama), load_format="ipc_cache", **ARGS)
+    assert "recorded beside the store (no profiling run)" in caplog.text
+    assert second.llm_engine.engine_core.num_gpu_blocks == first.llm_engine.engine_core.num_gpu_blocks
+    for llm in (first, second):
+        assert llm.generate([{"prompt_token_ids": PROMPT}], params)[0].outputs[0].token_ids == expected
+        check_block_accounting(llm)
+    caplog.clear()
+    LLM(str(tiny_llama), load_format="ipc_cache", max_num_seqs=8, **ARGS)  # other settings: profiled again
+    assert "recorded beside the store" not in caplog.text
+    assert json.loads((store / PROFILE_FILE).read_text())["inputs"] != recorded["inputs"]

@@ -10,7 +10,6 @@ import argparse
 import json
 import os
 import shutil
-import time
 
 import pytest
 
@@ -19,7 +18,7 @@ from pagedllm.entrypoints.cli import main as pagedllm_main
 from pagedllm.entrypoints.openai.cli_args import engine_args_from, make_arg_parser
 from pagedllm.snapshot import snapshots
 from tests.helpers import check_block_accounting, hf_greedy, make_peft_adapter
-from tests.server_utils import RemoteServer
+from tests.server_utils import RemoteServer, idle_kv_cache_usage
 
 PROMPT = [4, 8, 15, 16, 23, 42]
 
@@ -72,16 +71,6 @@ def _cards(server: RemoteServer) -> list[tuple]:
     return [(c.id, c.parent, c.max_model_len, c.root) for c in server.client().models.list().data]
 
 
-def _idle_kv_usage(server: RemoteServer, timeout_s: float = 5.0) -> float:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        metrics = server.metrics()
-        busy = metrics.get("pagedllm:num_requests_running", 0) + metrics.get("pagedllm:num_requests_waiting", 0)
-        if not busy or time.monotonic() > deadline:
-            return metrics["pagedllm:kv_cache_usage_perc"]
-        time.sleep(0.05)
-
-
 def test_snapshot_of_a_running_server_by_url(tiny_llama, tmp_path, monkeypatch):
     adapter, _ = make_peft_adapter(tiny_llama, tmp_path / "lora", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                    seed=3)
@@ -117,6 +106,6 @@ def test_snapshot_of_a_running_server_by_url(tiny_llama, tmp_path, monkeypatch):
         assert [card[:3] for card in restored_cards] == [card[:3] for card in cards]
         assert restored_cards[0][3] == cards[0][3] and restored_cards[1][3] == str(directory / "adapters/late")
         assert "Mapped the preloaded weights" in restored.log_text()
-        assert _idle_kv_usage(restored) == 0.0
+        assert idle_kv_cache_usage(restored) == 0.0
     finally:
         restored.close()

@@ -256,6 +256,13 @@ def _reported_args(args: argparse.Namespace) -> Optional[list[str]]:
     return reported_serve_args(serve_parser(), command_line[1:]) if command_line else None
 
 
+def _may_fork_from_daemon(args: argparse.Namespace) -> bool:
+    """Whether this server may be forked by a running preload daemon (``preload.fork_server``):
+    ``--load-format ipc_cache`` from the ``pagedllm`` command line, not already forked."""
+    return (args.load_format == "ipc_cache" and bool(getattr(args, "command_line", None))
+            and not getattr(args, "forked_by_daemon", False))
+
+
 def _exit_on_sigterm(signum: int, _: Any) -> NoReturn:
     raise SystemExit(0)
 
@@ -270,6 +277,13 @@ def main(args: argparse.Namespace) -> int:
     cannot start for another reason, or when it died while serving (so that a supervisor
     restarts the server, as vLLM).
     """
+    if _may_fork_from_daemon(args):
+        from pagedllm.preload.fork_server import serve_forked
+
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+        code = serve_forked(list(args.command_line))
+        if code is not None:
+            return code
     args.model = args.model_tag or args.model
     args.api_key = resolve_api_key(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
