@@ -5,7 +5,8 @@ beside full attention). A warm prompt shares a prefix of each length (inside and
 window, crossing a chunk, ending at and off block boundaries) with the measured prompt; the
 measured prompt's greedy tokens must equal transformers' (the cold run's), its hit must be the
 longest one every group serves (vLLM's hybrid allocator), and every scenario ends with the
-block-accounting check."""
+block-accounting check. Preemption with prefix caching resumes requests from hits in every
+group at once."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pagedllm import SamplingParams
 from tests.helpers import check_block_accounting, float32_llm, random_prompts
 from tests.models.test_gemma3 import GEMMA3_CONFIG
 from tests.models.test_llama4 import CONFIG as LLAMA4_CONFIG
-from tests.models.utils import transformers_greedy
+from tests.models.utils import assert_scenario, prompts_for, transformers_greedy
 
 BLOCK_SIZE, MAX_TOKENS = 8, 6
 #: The measured prompt's length (8 full blocks and 3 tokens; its hit is at most 64 tokens).
@@ -102,3 +103,11 @@ def test_hits_after_eviction_and_in_one_batch(model):
             hits += out.num_cached_tokens or 0
         check_block_accounting(llm)
     assert hits > 0
+
+
+def test_preemption_with_prefix_caching(model):
+    """Too few blocks for the batch (the prompts twice) with prefix caching on: preempted
+    requests resume from hits on their own and the others' blocks (in every group at once)
+    and still give transformers' tokens."""
+    name, path = model
+    assert_scenario(path, "preemption", prompts_for(1000, (20, 45, 90)), 8, enable_prefix_caching=True)
