@@ -25,7 +25,7 @@ from tests.helpers import (
 )
 from tests.model_executor.test_int8 import _int8_round_trip
 from tests.models.test_llama4 import CONFIG
-from tests.models.utils import MAX_TOKENS, prompts_for, transformers_greedy
+from tests.models.utils import assert_moe_over_workers, prompts_for
 
 two_workers = pytest.mark.skipif(not can_host_workers(2), reason="needs 2 cores (CPU) or 2 GPUs (CUDA)")
 #: 16-token steps over 8-token blocks, 40 blocks: chunks crossing the 24-token attention
@@ -39,33 +39,13 @@ def llama4(checkpoint_factory):
     return checkpoint_factory("Llama4ForCausalLM", seed=2, **CONFIG)
 
 
-def _expert_shards(worker) -> list[tuple[int, int, int]]:
-    """(first expert, experts, intermediate columns) of each ``FusedMoE`` on ``worker``."""
-    return [(m.expert_start, m.local_num_experts, m.intermediate_size_per_partition)
-            for m in worker.model_runner.model.modules() if isinstance(m, FusedMoE)]
-
-
 @two_workers
 @pytest.mark.parametrize("enable_expert_parallel", [False, True], ids=["tp", "ep"])
 def test_two_workers_equal_transformers(llama4, enable_expert_parallel):
-    prompts = prompts_for(1024)
-    expected = transformers_greedy(llama4, prompts)
-    llm = LLM(str(llama4), enable_expert_parallel=enable_expert_parallel, **TP_KWARGS)
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        cached = []
-        for _ in range(2):  # the second pass hits the prefix cache
-            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts * 2], params, use_tqdm=False)
-            assert [list(o.outputs[0].token_ids) for o in outputs] == expected * 2
-            cached.append(sum(o.num_cached_tokens or 0 for o in outputs))
-        core = llm.llm_engine.engine_core
-        assert core.scheduler.num_preemptions > 0 and cached[1] > 0
-        # Experts on layers 1 and 3, 4 of them, intermediate size 32.
-        shards = [(0, 2, 32), (2, 2, 32)] if enable_expert_parallel else [(0, 4, 16), (0, 4, 16)]
-        assert core.model_executor.collective_rpc(_expert_shards) == [[shard] * 2 for shard in shards]
-        check_block_accounting(llm)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+    # Experts on layers 1 and 3: 4 of them, intermediate size 32.
+    shards = [(0, 2, 32), (2, 2, 32)] if enable_expert_parallel else [(0, 4, 16), (0, 4, 16)]
+    assert_moe_over_workers(llama4, prompts_for(1024), shards, 2, enable_expert_parallel=enable_expert_parallel,
+                            **TP_KWARGS)
 
 
 def _dequantized(src, out):
