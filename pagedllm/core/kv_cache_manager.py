@@ -278,11 +278,12 @@ class KVCacheManager:
             num_needed += manager.get_num_blocks_to_allocate(req_id, num_slots, computed, num_computed_tokens)
         if num_needed > self.block_pool.free_block_queue.num_free_blocks:
             return None
-        new_blocks = []
+        # NOTE: every group's hits are referenced before any group takes new blocks: a hit of
+        # one group may sit in the free queue, where another group's new blocks come from.
         for manager, computed in zip(managers, new_computed):
             if computed:
                 manager.save_new_computed_blocks(req_id, computed)
-            new_blocks.append(manager.allocate_new_blocks(req_id, num_slots, num_computed_tokens))
+        new_blocks = [manager.allocate_new_blocks(req_id, num_slots, num_computed_tokens) for manager in managers]
         if self.enable_caching and not delay_cache_blocks:
             num_cached_tokens = min(num_tokens_after, request.num_tokens)
             if num_cached_tokens // self.block_size > len(request.block_hashes):

@@ -25,6 +25,7 @@ from pagedllm.messages.engine_core import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.multimodal.budget import encoder_cache_size
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.kv_cache_sizing import (
+    check_num_gpu_blocks_override,
     check_state_layers_compose,
     kv_bytes_per_block,
     kv_cache_groups,
@@ -173,11 +174,15 @@ class EngineCore:
         """Size the KV cache on the workers (or take ``num_gpu_blocks_override``, as vLLM),
         allocate it there (and the state slots of ``groups``' state layers); returns the
         number of blocks (0 for a model with no KV-cache group, an encoder, whatever the
-        override)."""
+        override).
+
+        Raises:
+            ValueError: an override too small for one ``max_model_len`` request in every group."""
         num_gpu_blocks = self.config.cache_config.num_gpu_blocks_override
         if num_gpu_blocks is None or not groups.num_groups:
             num_gpu_blocks = self.model_executor.determine_num_available_blocks()
         else:
+            check_num_gpu_blocks_override(self.config, groups, num_gpu_blocks)
             slots = num_state_slots(self.config, groups)
             logger.info("KV cache: %d blocks, set by num_gpu_blocks_override%s", num_gpu_blocks,
                         f"; state: {slots} slots of {groups.state_bytes_per_request:,} bytes" if slots else "")

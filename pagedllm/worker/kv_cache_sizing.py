@@ -218,6 +218,39 @@ class KVCacheBudget:
     derivation: str
 
 
+def blocks_per_sequence(groups: KVCacheGroups, max_model_len: int, max_num_batched_tokens: int) -> int:
+    """Blocks one request of ``max_model_len`` tokens holds at most over every attention group
+    (a sliding or chunked group: its window or chunk plus a step's ``max_num_batched_tokens``),
+    plus the null block where a group has local attention."""
+    return groups.max_num_blocks_per_request(max_model_len, max_num_batched_tokens) + int(groups.has_local_attention)
+
+
+def check_num_gpu_blocks_override(config: EngineConfig, groups: KVCacheGroups, num_blocks: int) -> None:
+    """``num_gpu_blocks_override`` = ``num_blocks`` against ``groups``: one ``max_model_len``
+    request must fit in every group at once (the flag's own check counts one full-attention
+    table only: ``EngineArgs``).
+
+    Raises:
+        ValueError: too few blocks; the message gives the blocks each group needs.
+    """
+    if not groups.groups:
+        return
+    max_len = config.model_config.max_model_len
+    chunk = config.scheduler_config.max_num_batched_tokens
+    needed = blocks_per_sequence(groups, max_len, chunk)
+    if num_blocks >= needed:
+        return
+    per_group = " + ".join(f"{g.kv_cache_spec.max_num_blocks(max_len, chunk)} ({g.kv_cache_spec.describe()})"  # type: ignore[union-attr]
+                           for g in groups.groups)
+    null = " + 1 (the null block)" if groups.has_local_attention else ""
+    raise ValueError(
+        f"num_gpu_blocks_override={num_blocks} cannot hold one sequence of max_model_len = {max_len} tokens across "
+        f"the model's {len(groups.groups)} KV-cache groups: that needs {per_group}{null} = {needed} blocks of "
+        f"{config.cache_config.block_size} tokens (max_num_batched_tokens = {chunk}). Raise num_gpu_blocks_override "
+        f"or lower max_model_len."
+    )
+
+
 def kv_cache_budget(
     cache_config: CacheConfig, memory_bytes: int, weights_bytes: int, activation_peak_bytes: int
 ) -> KVCacheBudget:
@@ -284,7 +317,7 @@ def num_kv_blocks(
         return NO_BLOCK_LIMIT
     per_block = kv_bytes_per_block(model_config, groups, draft_model_config)
     num_null = int(groups.has_local_attention)
-    blocks_per_seq = groups.max_num_blocks_per_request(max_len, chunk) + num_null
+    blocks_per_seq = blocks_per_sequence(groups, max_len, chunk)
     num_blocks = max(budget.num_bytes - state_bytes, 0) // per_block
     derivation = budget.derivation
     max_tokens = cache_config.max_kv_cache_tokens

@@ -125,6 +125,30 @@ def test_prefix_hit_in_a_sliding_group_needs_only_the_window():
     manager.block_pool.check_integrity()
 
 
+def test_hits_of_every_group_are_referenced_before_any_group_takes_new_blocks():
+    # A full group and two sliding ones, 15 usable blocks: a's 40 tokens take 5 in each;
+    # freed, they sit in the free queue (full's, then each sliding group's, tails first).
+    # b's hit (40 tokens) takes all 5 full blocks and the last 2 of each sliding group, and
+    # each group 2 new blocks: the free queue's head after the full hits is the first
+    # sliding group's hits, which no group may take as a new block.
+    manager = KVCacheManager(16, BS, kv_cache_groups=group_layers(specs("ssf")))
+    a = make_request("a", list(range(100, 140)))
+    assert manager.allocate_slots(a, 40) is not None
+    a.num_computed_tokens = 40
+    manager.free(a)
+    b = make_request("b", list(range(100, 140)) + list(range(9)))
+    hits, num_hit = manager.get_computed_blocks(b)
+    assert num_hit == 40
+    assert manager.allocate_slots(b, b.num_tokens - 40, hits) is not None
+    null = manager.block_pool.null_block
+    held = [blk.block_id for group in manager.get_blocks("b").blocks for blk in group if blk is not null]
+    assert len(held) == len(set(held)) == 5 + 2 + 2 + 3 * 2, "a block sits in two groups' tables"
+    assert all(manager.block_pool.blocks[i].ref_cnt == 1 for i in held)
+    b.num_computed_tokens = b.num_tokens
+    manager.free(b)
+    manager.block_pool.check_integrity()
+
+
 def test_admission_counts_every_group():
     # 3 sliding groups and a full one, 12 usable blocks: a 40-token prompt needs 5 blocks in
     # each group (the chunk is computed at once), 20 in all: refused; 16 tokens fit (2 x 4).

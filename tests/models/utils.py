@@ -6,6 +6,7 @@ ending with the block-accounting check.
 An architecture's test module builds its checkpoint (``tests.fixtures.checkpoints.make_checkpoint``
 takes any transformers architecture and config keys) and calls ``assert_scenario`` once per
 scenario of ``SCENARIOS`` it parametrizes over; references are computed once per checkpoint.
+A mixture-of-experts model over several workers: ``assert_moe_over_workers``.
 """
 
 from __future__ import annotations
@@ -110,3 +111,36 @@ def assert_logprobs_match(llm: LLM, path: Path, prompt: list[int], max_tokens: i
         expected = reference[len(prompt) - 1 + j, token].item()
         assert abs(entry[token].logprob - expected) < tol, f"token {j}: logprob {entry[token].logprob} vs {expected}"
     check_block_accounting(llm)
+
+
+def _expert_shards(worker) -> list[tuple[int, int, int]]:
+    """(first expert, experts, intermediate columns) of each ``FusedMoE`` on ``worker``."""
+    from pagedllm.model_executor.layers.fused_moe import FusedMoE
+
+    return [(m.expert_start, m.local_num_experts, m.intermediate_size_per_partition)
+            for m in worker.model_runner.model.modules() if isinstance(m, FusedMoE)]
+
+
+def assert_moe_over_workers(path: Path, prompts: list[list[int]], shards: list[tuple[int, int, int]],
+                            num_moe_layers: int, **engine_kwargs) -> None:
+    """A mixture-of-experts model on an engine of ``engine_kwargs`` over several workers: the
+    prompts twice per batch, two passes (the batch must preempt, the second pass must hit the
+    prefix cache), each greedy completion transformers'; worker i's ``num_moe_layers``
+    ``FusedMoE`` layers each hold ``shards[i]`` (first expert, experts, intermediate columns). Ends with the block-accounting
+    check and shuts the engine down."""
+    expected = transformers_greedy(path, prompts)
+    llm = LLM(str(path), **engine_kwargs)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        cached = []
+        for _ in range(2):  # the second pass hits the prefix cache
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts * 2], params, use_tqdm=False)
+            assert [list(o.outputs[0].token_ids) for o in outputs] == expected * 2
+            cached.append(sum(o.num_cached_tokens or 0 for o in outputs))
+        core = llm.llm_engine.engine_core
+        assert core.scheduler.num_preemptions > 0 and cached[1] > 0
+        expected_shards = [[shard] * num_moe_layers for shard in shards]
+        assert core.model_executor.collective_rpc(_expert_shards) == expected_shards
+        check_block_accounting(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()

@@ -174,3 +174,22 @@ def test_same_budget_admits_more_long_requests_than_all_full_attention(checkpoin
     assert need["full"] == 256 and need["hybrid"] == 256 + 3 * (cdiv(WINDOW - 1 + chunk, BLOCK) + 1)
     ratio = concurrency["hybrid"] / concurrency["full"]
     assert ratio == pytest.approx(4 * 256 / (256 + 3 * 11), rel=1e-3)  # 3.5x the concurrent 2048-token requests
+
+
+def test_num_gpu_blocks_override_must_hold_one_sequence_in_every_group(hybrid):
+    """max_model_len 96, 16-token steps: one request holds 12 full-attention blocks and 5 in
+    each of the 3 sliding groups, and the null block is set aside: 28. An override of 27 passes
+    the flag's own check (12 blocks) but is a start-up error naming the numbers; 28 serves a
+    request of max_model_len tokens (transformers' tokens) instead of leaving it waiting."""
+    kwargs = {**BASE, "max_model_len": 96, "max_num_batched_tokens": 16}
+    with pytest.raises(ValueError, match=re.escape(
+            "num_gpu_blocks_override=27 cannot hold one sequence of max_model_len = 96 tokens across the model's 4 "
+            "KV-cache groups: that needs 12 (full attention) + 5 (sliding window 16) + 5 (sliding window 16) + 5 "
+            "(sliding window 16) + 1 (the null block) = 28 blocks of 8 tokens")):
+        float32_llm(hybrid, {**kwargs, "num_gpu_blocks_override": 27})
+    llm = float32_llm(hybrid, {**kwargs, "num_gpu_blocks_override": 28})
+    prompt = random_prompts([90], 1000, seed=4)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert list(output.outputs[0].token_ids) == hf_greedy(hybrid, prompt, 6)
+    check_block_accounting(llm)
