@@ -72,8 +72,13 @@ def refusal(request: dict[str, Any]) -> Optional[str]:
     """Why this daemon cannot fork the server ``request`` asks for, or None."""
     if request.get("executable") != sys.executable:
         return f"the interpreter differs (daemon: {sys.executable}, server: {request.get('executable')})"
-    if request.get("sys_path") != sys.path[1:] or request.get("package") != _package_dir():
-        return f"sys.path or the pagedllm package differs (daemon's: {_package_dir()})"
+    if request.get("package") != _package_dir():
+        return f"the pagedllm package differs (daemon: {_package_dir()}, server: {request.get('package')})"
+    # The daemon's imports may append entries (setuptools appends its ``_vendor`` folder when
+    # torch's extension loader imports it): the server's path must be the daemon's start.
+    ours_path, theirs_path = sys.path[1:], request.get("sys_path") or []
+    if ours_path[: len(theirs_path)] != theirs_path:
+        return f"sys.path differs (daemon: {ours_path}, server: {theirs_path})"
     ours, theirs = _inherited_env(dict(os.environ)), _inherited_env(request.get("env") or {})
     for name in sorted(set(ours) | set(theirs)):
         if ours.get(name) != theirs.get(name):

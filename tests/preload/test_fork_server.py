@@ -137,6 +137,9 @@ def test_a_client_of_another_environment_is_not_forked(tiny_llama, daemon):
     assert fork_server.refusal({**request, "env": dict(os.environ, PAGEDLLM_PRELOAD_DIR="/elsewhere")}) is None
     assert "OMP_WAIT_POLICY differs" in fork_server.refusal({**request, "env": dict(os.environ, OMP_WAIT_POLICY="x")})
     assert "interpreter" in fork_server.refusal({**request, "executable": "/usr/bin/python0"})
+    # entries the daemon's own imports appended (setuptools' _vendor) do not matter; others do
+    assert fork_server.refusal({**request, "sys_path": sys.path[1:-1]}) is None
+    assert "sys.path differs" in fork_server.refusal({**request, "sys_path": ["/elsewhere", *sys.path[1:]]})
     env = dict(_env(daemon.root), OMP_WAIT_POLICY="passive")
     server = RemoteServer(tiny_llama, *FLAGS, "--load-format", "ipc_cache", env=env)
     try:
