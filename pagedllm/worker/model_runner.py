@@ -470,7 +470,6 @@ class ModelRunner:
                         tensor[dst].copy_(tensor[src])
 
     @torch.inference_mode()
-    @torch.inference_mode()
     def execute_dummy_batch(self) -> None:
         """With experts spread over data-parallel engines, pass zero tokens through every MoE
         layer (``run_idle_exchanges``): this engine computes its experts for the others'
@@ -478,6 +477,7 @@ class ModelRunner:
         if self.config.parallel_config.data_parallel_expert_parallel:
             run_idle_exchanges(self.model, self.model_config.dtype, self.device)
 
+    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: apply the second tier's transfers (if any), update the persistent
         batch, forward all scheduled tokens, sample.

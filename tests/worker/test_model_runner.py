@@ -74,3 +74,21 @@ def test_several_logits_indices_per_request_sample_each_position(tiny_qwen2, tok
     short = llm.generate(extended, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
                          use_tqdm=False)
     assert [o.outputs[0].token_ids for o in short] == [g[:2] for g in greedy]
+
+
+def test_every_step_runs_in_inference_mode(tiny_qwen2, tokenizer):
+    """The model's forward (and the sampler after it) runs under ``torch.inference_mode``:
+    no autograd graph is kept for a step's activations, and a tensor-parallel all-reduce
+    (whose ``out=`` ops refuse tensors that require grad) sees none."""
+    seen = []
+    llm = LLM(str(tiny_qwen2), dtype="float32", kv_cache_memory_bytes=4 << 20, block_size=16)
+    runner = model_runner(llm)
+    hook = runner.model.register_forward_hook(
+        lambda module, args, out: seen.append((torch.is_inference_mode_enabled(), out.requires_grad)))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": p} for p in random_prompts([6, 11], len(tokenizer), seed=2)], params,
+                     use_tqdm=False)
+    finally:
+        hook.remove()
+    assert seen and all(inference and not grad for inference, grad in seen)
