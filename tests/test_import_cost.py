@@ -80,3 +80,25 @@ def test_serve_builds_only_its_own_parser():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["serve", "1000", "False", "False"]
+
+
+def test_an_engine_imports_only_the_model_module_it_serves(tiny_qwen2):
+    """The model registry imports a model's module when its class is asked for: an engine of
+    a Qwen2 checkpoint imports llama.py (and the modules it uses), not the image, encoder or
+    state models' modules, nor transformers' activations (whose import pulls
+    torch.distributed.tensor and sympy, ~0.6 s of a start; transformers' LlamaConfig module
+    imports it itself, Qwen2Config's does not)."""
+    code = (
+        "import sys\n"
+        "from pagedllm import LLM\n"
+        f"LLM({str(tiny_qwen2)!r}, dtype='float32', kv_cache_memory_bytes=1 << 20, block_size=16)\n"
+        "models = sorted(m.rsplit('.', 1)[1] for m in sys.modules if m.startswith('pagedllm.model_executor.models.'))\n"
+        "heavy = sorted(m for m in ('transformers.activations', 'sympy', 'accelerate') if m in sys.modules)\n"
+        "print('models=' + ','.join(models)); print('heavy=' + ','.join(heavy))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    lines = dict(line.split("=", 1) for line in done.stdout.splitlines() if line.startswith(("models=", "heavy=")))
+    models = set(lines["models"].split(","))
+    assert {"llama", "registry"} <= models
+    assert not {"bert", "llava", "clip", "qwen2_5_vl", "mamba2", "deepseek_v2", "mixtral"} & models
+    assert lines["heavy"] == ""
