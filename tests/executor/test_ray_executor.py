@@ -94,3 +94,21 @@ def test_a_cluster_too_small_is_refused_with_the_numbers(two_node_cluster, tiny_
     with pytest.raises(RuntimeError, match=r"cannot host the placement group of 4 bundles \{'CPU': 1.0\} .*"
                                            r"= 4\) within 5 s: the cluster has \{.*'CPU': 2.0"):
         LLM(str(tiny_llama), tensor_parallel_size=4, distributed_executor_backend="ray", **ENGINE_KWARGS)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp-experts", "ep"])
+def test_mixture_of_experts_over_two_nodes_equals_transformers(two_node_cluster, checkpoint_factory, expert_parallel):
+    """A Qwen3-MoE model with one rank per Ray node: experts split by their intermediate
+    dimension (-tp 2), or whole experts per rank (--enable-expert-parallel); greedy tokens
+    equal to transformers', the blocks all back after."""
+    from tests.helpers import assert_greedy_equals_hf, check_block_accounting
+    from tests.models.test_qwen3_moe import CONFIG
+
+    path = checkpoint_factory("Qwen3MoeForCausalLM", seed=6, **CONFIG)
+    llm = LLM(str(path), tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **ENGINE_KWARGS)
+    try:
+        assert isinstance(llm.llm_engine.engine_core.model_executor, RayDistributedExecutor)
+        assert_greedy_equals_hf(llm, path)
+        check_block_accounting(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
