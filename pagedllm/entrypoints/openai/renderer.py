@@ -45,8 +45,20 @@ class PromptRenderer:
         self.image_placeholder = image_placeholder
         self.video_placeholder = video_placeholder
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """The token ids of ``text``."""
+    def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        """The token ids of ``text``.
+
+        Raises:
+            OpenAIServingError: 400 (``param`` names the request field the text came from)
+                when ``text`` holds a lone UTF-16 surrogate (JSON allows ``"\\ud800"``; it is
+                no character, so no tokenizer takes it).
+        """
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            bad = text[exc.start]
+            raise bad_request(f"{param} holds a lone UTF-16 surrogate (\\u{ord(bad):04x}), which is not a "
+                              "character; send valid Unicode text.", param=param) from None
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def render_chat(self, request: ChatRequest) -> str:
