@@ -27,7 +27,7 @@ from pagedllm.config.arg_types import (
 from pagedllm.config.attention import AttentionConfig
 from pagedllm.config.cache import SUPPORTED_BLOCK_SIZES, CacheConfig
 from pagedllm.config.engine_config import EngineConfig
-from pagedllm.config.flags import add_flags, flag_field, flag_values, given_flag_values, not_a_flag
+from pagedllm.config.flags import FLAG, add_flags, flag_field, flag_values, given_flag_values, not_a_flag
 from pagedllm.config.hub import load_hf_config, resolve_model_path
 from pagedllm.config.lora import LoRAConfig
 from pagedllm.config.multimodal import MultiModalConfig
@@ -64,6 +64,9 @@ if TYPE_CHECKING:
 # NOTE: torch and transformers are imported inside the functions that need them: this
 # module (``EngineArgs``) is on the import path of ``pagedllm serve`` before the engine
 # process is started, and that start must not wait for a 2-second torch import.
+
+#: Flag types of sizes ("32k", "4G") that an offline keyword may also give as such a string.
+_SIZE_TYPES = (human_readable_int, max_model_len_type)
 
 
 
@@ -646,9 +649,14 @@ class EngineArgs:
         """Refuse at once a value asking for something not built (``PARTLY_BUILT_ARGS``),
         a ``max_logprobs`` below -1, and bad LoRA limits (``LoRAConfig``).
 
+        A size given as its flag's string (``max_model_len="32k"``, ``kv_cache_memory_bytes="4G"``)
+        becomes the number the flag would give.
+
         Raises:
-            ValueError: "``name=value`` is not supported yet (why); supported: ...".
+            ValueError: "``name=value`` is not supported yet (why); supported: ...", or
+                "``name``: invalid value ..." for a size string its flag refuses.
         """
+        self._parse_size_strings()
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)
         self.batch_invariant = self.batch_invariant or batch_invariant_from_env()
@@ -679,6 +687,22 @@ class EngineArgs:
             if value not in supported:
                 allowed = ", ".join(repr(v) for v in supported)
                 raise ValueError(f"{name}={value!r} is not supported yet ({why}); supported: {allowed}.")
+
+    def _parse_size_strings(self) -> None:
+        """Each size field given as a string (offline ``LLM(...)`` keywords) parsed by its
+        flag's type (``human_readable_int``, ``max_model_len_type``), as the CLI parses it.
+
+        Raises:
+            ValueError: "``name``: invalid value ...", the flag type's message.
+        """
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            flag = f.metadata.get(FLAG)
+            if isinstance(value, str) and flag is not None and flag.type in _SIZE_TYPES:
+                try:
+                    setattr(self, f.name, flag.type(value))
+                except argparse.ArgumentTypeError as exc:
+                    raise ValueError(f"{f.name}: {exc}") from None
 
     def create_engine_config(self, log_choices: bool = True) -> EngineConfig:
         """Check the arguments and resolve defaults; ``log_choices``: log what "auto" values

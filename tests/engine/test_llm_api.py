@@ -298,6 +298,25 @@ def test_vllm_keywords_are_accepted(tiny_llama):
     check_block_accounting(llm)
 
 
+def test_size_keywords_take_the_cli_spellings(tiny_llama):
+    """``max_model_len``, ``kv_cache_memory_bytes`` and ``max_num_batched_tokens`` take the
+    strings their flags take ("1K", "1M", "auto"), as the same numbers; a bad one names its keyword."""
+    by_string = LLM(str(tiny_llama), dtype="float32", max_model_len="256", kv_cache_memory_bytes="1M",
+                    max_num_batched_tokens="1K")
+    core = by_string.llm_engine.engine_core
+    assert by_string.llm_engine.model_config.max_model_len == 256
+    assert core.num_gpu_blocks == LLM(str(tiny_llama), dtype="float32", max_model_len=256,
+                                      kv_cache_memory_bytes=1 << 20).llm_engine.engine_core.num_gpu_blocks
+    assert core.scheduler.max_num_batched_tokens == 1024
+    (out,) = by_string.generate([5, 6, 7], greedy(max_tokens=3), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3
+    check_block_accounting(by_string)
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes: invalid value 'lots'"):
+        LLM(str(tiny_llama), kv_cache_memory_bytes="lots")
+    with pytest.raises(ValueError, match="max_model_len: invalid value '1.5x'"):
+        LLM(str(tiny_llama), max_model_len="1.5x")
+
+
 def test_more_logprobs_than_openai_when_max_logprobs_allows(llm, tiny_llama):
     """The limit is the engine's ``max_logprobs`` (20 by default), not a fixed 20."""
     with pytest.raises(ValueError, match="greater than max allowed: 20"):
