@@ -61,6 +61,8 @@ def test_outputs_in_input_order_with_per_prompt_params(llm, tokenizer):
     [
         ([], greedy(), "prompt is empty"),
         ("", greedy(), "prompt is empty"),
+        ("hi \ud800", greedy(), r"lone UTF-16 surrogate \(\\ud800\)"),
+        ({"prompt": "\udfff"}, greedy(), "lone UTF-16 surrogate"),
         ([5, 1024, 7], greedy(), r"Token id 1024 is out of vocabulary.*\[0, 1024\)"),
         ([-1], greedy(), "out of vocabulary"),
         ([5] * 600, greedy(), "600 tokens long.*maximum context length is 512"),

@@ -18,6 +18,7 @@ from pagedllm.entrypoints.chat_utils import (
     apply_chat_template,
     conversation_images,
 )
+from pagedllm.engine.processor import check_unicode
 from pagedllm.entrypoints.openai.errors import bad_request
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeChatRequest
 
@@ -54,11 +55,9 @@ class PromptRenderer:
                 no character, so no tokenizer takes it).
         """
         try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            bad = text[exc.start]
-            raise bad_request(f"{param} holds a lone UTF-16 surrogate (\\u{ord(bad):04x}), which is not a "
-                              "character; send valid Unicode text.", param=param) from None
+            check_unicode(text, param)
+        except ValueError as exc:
+            raise bad_request(str(exc), param=param) from None
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def render_chat(self, request: ChatRequest) -> str:
