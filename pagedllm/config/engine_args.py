@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 from pagedllm.arch_config import BIDIRECTIONAL_IMAGE_ARCHITECTURES, check_hf_config
 from pagedllm.arch_config import disable_sliding_window, min_sliding_window
 from pagedllm.config.arg_types import (
+    compilation_config_type,
     fraction_type,
     human_readable_int,
     int_type,
@@ -101,8 +102,8 @@ class EngineArgs:
     ``BATCH_INVARIANT_ENV``, as vLLM's ``VLLM_BATCH_INVARIANT=1``); ``num_gpu_blocks_override``: the exact number of KV-cache blocks;
     ``kv_cache_dtype`` "fp8" / "fp8_e4m3" / "fp8_e5m2" and ``calculate_kv_scales``: an FP8
     KV cache, see ``CacheConfig``);
-    and no-ops, that cannot matter here (``enforce_eager``, ``max_seq_len_to_capture``:
-    no CUDA graphs; ``swap_space``: preempted requests are recomputed, never swapped;
+    and no-ops, that cannot matter here (``enforce_eager``, ``max_seq_len_to_capture``,
+    ``compilation_config``: no torch.compile, no CUDA graphs; ``swap_space``: preempted requests are recomputed, never swapped;
     ``disable_custom_all_reduce``: no custom CUDA all-reduce exists).
 
     ``disable_sliding_window`` (vLLM's): layers with a sliding window (Mistral's
@@ -643,6 +644,14 @@ class EngineArgs:
         False,
         help="No-op: pagedllm has no custom CUDA all-reduce.",
         action="store_true",
+    )
+    compilation_config: Any = flag_field(
+        None,
+        help=(
+            "vLLM's torch.compile and CUDA-graph settings: a JSON object, or an optimization level "
+            "(-O3). No-op: pagedllm compiles nothing and captures no CUDA graphs."
+        ),
+        type=compilation_config_type, aliases=("-O",), metavar="JSON|LEVEL",
     )
 
     def __post_init__(self) -> None:

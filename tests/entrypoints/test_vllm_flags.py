@@ -100,6 +100,23 @@ def test_dotted_key_of_a_flag_that_is_no_json_object_is_refused(capsys):
     assert "unrecognized arguments: --max-model-len.x" in capsys.readouterr().err
 
 
+def test_compilation_config_and_optimization_level_are_no_ops(capsys):
+    """vLLM's ``-O3`` / ``-O 0`` (an optimization level) and ``--compilation-config JSON`` are
+    taken as no-ops (nothing is compiled, no CUDA graphs); a level that is neither is refused."""
+    assert engine_args_from(_parse("-O3")).compilation_config == {"level": 3}
+    assert engine_args_from(_parse("-O", "0")).compilation_config == {"level": 0}
+    given = engine_args_from(_parse("--compilation-config", '{"cudagraph_capture_sizes": [1, 2]}'))
+    assert given.compilation_config == {"cudagraph_capture_sizes": [1, 2]}
+    assert engine_args_from(_parse("--compilation-config.level", "3")).compilation_config == {"level": 3}
+    with pytest.raises(SystemExit) as exc:
+        _parse("-Ofast")
+    assert exc.value.code == 2
+    assert "invalid value 'fast': expected an optimization level (0-3) or a JSON object" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _parse("--help")
+    assert "No-op: pagedllm compiles nothing and captures no CUDA graphs" in " ".join(capsys.readouterr().out.split())
+
+
 def test_help_documents_the_vllm_flags_and_the_no_ops(capsys):
     with pytest.raises(SystemExit) as exit_info:
         _parse("--help")
