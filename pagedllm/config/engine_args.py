@@ -51,6 +51,7 @@ from pagedllm.config.pooler import (
     is_classifier,
     is_encoder_architecture,
     resolve_runner,
+    runner_and_convert,
     set_classifier_from_token,
 )
 from pagedllm.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig
@@ -498,6 +499,14 @@ class EngineArgs:
         ),
         choices=CONVERT_TYPES,
     )
+    task: Optional[str] = flag_field(
+        None,
+        help=(
+            "vLLM's earlier form of --runner / --convert: 'generate', 'embed' (or 'embedding'), 'classify' "
+            "(or 'score'): the runner, converting a causal LM to pool (--convert embed / classify); "
+            "--runner and --convert win when given."
+        ),
+    )
     pooler_config: Optional[dict] = flag_field(
         None,
         help=(
@@ -736,8 +745,9 @@ class EngineArgs:
         check_hf_config(hf_config)
         max_model_len = self._max_model_len(hf_config)
         architecture = (getattr(hf_config, "architectures", None) or ["<none>"])[0]
-        runner_type = resolve_runner(self.runner, self.convert, architecture)
-        if is_classifier(architecture, self.convert):
+        runner, convert = runner_and_convert(self.task, self.runner, self.convert, architecture)
+        runner_type = resolve_runner(runner, convert, architecture)
+        if is_classifier(architecture, convert):
             set_classifier_from_token(hf_config)
         if runner_type == "pooling" and self.speculative_config is not None:
             raise ValueError("speculative_config with a pooling model is not supported (it generates no tokens).")
@@ -760,7 +770,7 @@ class EngineArgs:
             batch_invariant=self.batch_invariant,
             runner_type=runner_type,
             pooler_config=self._pooler_config(runner_type, hf_config, model_path),
-            convert_type=self.convert if self.convert in ("embed", "classify") else "none",
+            convert_type=convert if convert in ("embed", "classify") else "none",
             multimodal_config=MultiModalConfig.from_engine_args(
                 self.limit_mm_per_prompt, self.mm_processor_kwargs, self.trust_request_mm_kwargs,
                 self.allowed_local_media_path, self.allowed_media_domains, self.media_io_kwargs),
