@@ -11,7 +11,13 @@ httpx. For every request: TTFT (time to the first streamed chunk with text), ITL
 between later chunks), TPOT ((latency - TTFT) / (output tokens - 1)) and E2E latency.
 Output tokens are the server's ``usage.completion_tokens`` (else the text re-tokenized).
 
-The JSON (``--output-json``) uses vLLM's field names: ``duration``, ``completed``,
+vLLM's result flags work as there: ``--save-result`` writes the JSON to
+``--result-filename`` (alias ``--output-json``), else to vLLM's
+``BACKEND-RATEqps[-concurrencyN]-MODEL-YYYYMMDD-HHMMSS.json``, under ``--result-dir``;
+``--backend openai-chat`` means ``--endpoint /v1/chat/completions`` (the other backends
+name OpenAI-compatible servers and send completions).
+
+The JSON uses vLLM's field names: ``duration``, ``completed``,
 ``total_input_tokens``, ``total_output_tokens``, ``request_throughput``,
 ``output_throughput``, ``total_token_throughput``, ``max_output_tokens_per_s``,
 ``max_concurrent_requests``, and for each of ttft, tpot, itl, e2el: ``mean_<m>_ms``,
@@ -56,6 +62,9 @@ from pagedllm.benchmarks.datasets import (
 from pagedllm.entrypoints.sse_client import DONE, asse_events
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
+#: ``--backend`` values (vLLM's names of OpenAI-compatible servers); only openai-chat changes the requests.
+BACKENDS = ("openai", "vllm", "openai-chat", "sglang", "lmdeploy", "llama.cpp")
+CHAT_ENDPOINT = "/v1/chat/completions"
 METRIC_NAMES = {
     "ttft": "Time to First Token",
     "tpot": "Time per Output Token (excl. 1st token)",
@@ -68,7 +77,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--endpoint", default="/v1/completions",
+    parser.add_argument("--backend", default="openai", choices=BACKENDS,
+                        help="vLLM's request format names: openai-chat sends chat messages (its endpoint "
+                             "defaults to /v1/chat/completions); the others send completions")
+    parser.add_argument("--endpoint", default=None,
                         help="/v1/completions (default) or /v1/chat/completions")
     parser.add_argument("--model", default=None,
                         help="model (sent as the request's model, and the tokenizer when it is a local "
@@ -101,7 +113,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds per request")
     parser.add_argument("--disable-tqdm", action="store_true")
     parser.add_argument("--label", default=None, help="name of the server in the result (default: the URL)")
-    parser.add_argument("--output-json", "--result-filename", dest="output_json", default=None)
+    parser.add_argument("--output-json", "--result-filename", dest="output_json", default=None,
+                        help="the result's JSON file (under --result-dir when that is given)")
+    parser.add_argument("--save-result", action="store_true",
+                        help="write the result's JSON (vLLM's flag): to --result-filename, else to "
+                             "BACKEND-RATEqps[-concurrencyN]-MODEL-YYYYMMDD-HHMMSS.json")
+    parser.add_argument("--result-dir", default=None, help="folder of the result's JSON (default: the current one)")
 
 
 @dataclass
@@ -117,6 +134,35 @@ class RequestFuncOutput:
     start_time: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+
+
+def resolved_endpoint(args: argparse.Namespace) -> str:
+    """``--endpoint``, else the chat one for ``--backend openai-chat``, else /v1/completions.
+
+    Raises:
+        ValueError: ``--backend openai-chat`` with an endpoint that is not a chat one.
+    """
+    if args.endpoint is None:
+        return CHAT_ENDPOINT if args.backend == "openai-chat" else "/v1/completions"
+    if args.backend == "openai-chat" and "chat/completions" not in args.endpoint:
+        raise ValueError(f"--backend openai-chat sends chat messages: use --endpoint {CHAT_ENDPOINT} "
+                         f"(not {args.endpoint}).")
+    return args.endpoint
+
+
+def result_path(args: argparse.Namespace, model_name: str) -> Optional[str]:
+    """Where the result's JSON goes: ``--result-filename`` / ``--output-json`` (under
+    ``--result-dir`` when given); with ``--save-result`` alone, vLLM's name
+    ``BACKEND-RATEqps[-concurrencyN]-MODEL-YYYYMMDD-HHMMSS.json``; None: not written."""
+    name = args.output_json
+    if name is None and args.save_result:
+        rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g}"
+        concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
+        model = model_name.rstrip("/").split("/")[-1]
+        name = f"{args.backend}-{rate}qps{concurrency}-{model}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    if name is None:
+        return None
+    return os.path.join(args.result_dir, name) if args.result_dir else name
 
 
 def _api_url(args: argparse.Namespace) -> str:
@@ -366,6 +412,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if bad:
         raise ValueError(f"unknown --percentile-metrics {bad}; choose from {list(METRICS)}")
     percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+    args.endpoint = resolved_endpoint(args)
     check_multimodal_args(args)
     extra = json.loads(args.extra_body) if args.extra_body else None
     constraint = structured_output_body(args)
@@ -421,7 +468,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             bar.close()
     result: dict[str, Any] = {
         "benchmark": "serve",
-        "backend": "openai",
+        "backend": args.backend,
         "label": args.label or (args.base_url or f"http://{args.host}:{args.port}"),
         "endpoint": args.endpoint,
         "model_id": model_name,
@@ -450,7 +497,7 @@ def check_multimodal_args(args: argparse.Namespace) -> None:
     """
     if args.dataset_name not in MULTIMODAL_DATASET_NAMES:
         return
-    if "chat/completions" not in args.endpoint:
+    if "chat/completions" not in resolved_endpoint(args):
         raise ValueError(f"--dataset-name {args.dataset_name} sends images in chat messages: "
                          "use --endpoint /v1/chat/completions.")
     if args.prompt_format != "text":
@@ -487,5 +534,5 @@ def main(args: argparse.Namespace) -> int:
     errors = [e for e in result["errors"] if e]
     if errors:
         print(f"{len(errors)} requests failed; first error: {errors[0]}")
-    write_json(args.output_json, result)
+    write_json(result_path(args, result["model_id"]), result)
     return 0 if result["completed"] > 0 else 1

@@ -145,6 +145,19 @@ def json_object_type(value: str) -> dict:
     return parsed
 
 
+def compilation_config_type(value: str) -> dict:
+    """``--compilation-config`` / ``-O``: a JSON object, or an optimization level 0-3 (vLLM's
+    ``-O3``) -> ``{"level": 3}``."""
+    if value.strip() in ("0", "1", "2", "3"):
+        return {"level": int(value)}
+    try:
+        return json_object_type(value)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {value!r}: expected an optimization level (0-3) or a JSON object"
+        ) from None
+
+
 def lora_module_type(value: str) -> dict[str, Any]:
     """One ``--lora-modules`` item (vLLM's forms): ``name=path`` or a JSON object with
     ``name``, ``path`` and optionally ``base_model_name`` -> that dict."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 from pagedllm.arch_config import BIDIRECTIONAL_IMAGE_ARCHITECTURES, check_hf_config
 from pagedllm.arch_config import disable_sliding_window, min_sliding_window
 from pagedllm.config.arg_types import (
+    compilation_config_type,
     fraction_type,
     human_readable_int,
     int_type,
@@ -27,7 +28,7 @@ from pagedllm.config.arg_types import (
 from pagedllm.config.attention import AttentionConfig
 from pagedllm.config.cache import SUPPORTED_BLOCK_SIZES, CacheConfig
 from pagedllm.config.engine_config import EngineConfig
-from pagedllm.config.flags import add_flags, flag_field, flag_values, given_flag_values, not_a_flag
+from pagedllm.config.flags import FLAG, add_flags, flag_field, flag_values, given_flag_values, not_a_flag
 from pagedllm.config.hub import load_hf_config, resolve_model_path
 from pagedllm.config.lora import LoRAConfig
 from pagedllm.config.multimodal import MultiModalConfig
@@ -50,6 +51,7 @@ from pagedllm.config.pooler import (
     is_classifier,
     is_encoder_architecture,
     resolve_runner,
+    runner_and_convert,
     set_classifier_from_token,
 )
 from pagedllm.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig
@@ -64,6 +66,9 @@ if TYPE_CHECKING:
 # NOTE: torch and transformers are imported inside the functions that need them: this
 # module (``EngineArgs``) is on the import path of ``pagedllm serve`` before the engine
 # process is started, and that start must not wait for a 2-second torch import.
+
+#: Flag types of sizes ("32k", "4G") that an offline keyword may also give as such a string.
+_SIZE_TYPES = (human_readable_int, max_model_len_type)
 
 
 
@@ -98,8 +103,8 @@ class EngineArgs:
     ``BATCH_INVARIANT_ENV``, as vLLM's ``VLLM_BATCH_INVARIANT=1``); ``num_gpu_blocks_override``: the exact number of KV-cache blocks;
     ``kv_cache_dtype`` "fp8" / "fp8_e4m3" / "fp8_e5m2" and ``calculate_kv_scales``: an FP8
     KV cache, see ``CacheConfig``);
-    and no-ops, that cannot matter here (``enforce_eager``, ``max_seq_len_to_capture``:
-    no CUDA graphs; ``swap_space``: preempted requests are recomputed, never swapped;
+    and no-ops, that cannot matter here (``enforce_eager``, ``max_seq_len_to_capture``,
+    ``compilation_config``: no torch.compile, no CUDA graphs; ``swap_space``: preempted requests are recomputed, never swapped;
     ``disable_custom_all_reduce``: no custom CUDA all-reduce exists).
 
     ``disable_sliding_window`` (vLLM's): layers with a sliding window (Mistral's
@@ -494,6 +499,14 @@ class EngineArgs:
         ),
         choices=CONVERT_TYPES,
     )
+    task: Optional[str] = flag_field(
+        None,
+        help=(
+            "vLLM's earlier form of --runner / --convert: 'generate', 'embed' (or 'embedding'), 'classify' "
+            "(or 'score'): the runner, converting a causal LM to pool (--convert embed / classify); "
+            "--runner and --convert win when given."
+        ),
+    )
     pooler_config: Optional[dict] = flag_field(
         None,
         help=(
@@ -641,14 +654,27 @@ class EngineArgs:
         help="No-op: pagedllm has no custom CUDA all-reduce.",
         action="store_true",
     )
+    compilation_config: Any = flag_field(
+        None,
+        help=(
+            "vLLM's torch.compile and CUDA-graph settings: a JSON object, or an optimization level "
+            "(-O3). No-op: pagedllm compiles nothing and captures no CUDA graphs."
+        ),
+        type=compilation_config_type, aliases=("-O",), metavar="JSON|LEVEL",
+    )
 
     def __post_init__(self) -> None:
         """Refuse at once a value asking for something not built (``PARTLY_BUILT_ARGS``),
         a ``max_logprobs`` below -1, and bad LoRA limits (``LoRAConfig``).
 
+        A size given as its flag's string (``max_model_len="32k"``, ``kv_cache_memory_bytes="4G"``)
+        becomes the number the flag would give.
+
         Raises:
-            ValueError: "``name=value`` is not supported yet (why); supported: ...".
+            ValueError: "``name=value`` is not supported yet (why); supported: ...", or
+                "``name``: invalid value ..." for a size string its flag refuses.
         """
+        self._parse_size_strings()
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)
         self.batch_invariant = self.batch_invariant or batch_invariant_from_env()
@@ -680,6 +706,22 @@ class EngineArgs:
                 allowed = ", ".join(repr(v) for v in supported)
                 raise ValueError(f"{name}={value!r} is not supported yet ({why}); supported: {allowed}.")
 
+    def _parse_size_strings(self) -> None:
+        """Each size field given as a string (offline ``LLM(...)`` keywords) parsed by its
+        flag's type (``human_readable_int``, ``max_model_len_type``), as the CLI parses it.
+
+        Raises:
+            ValueError: "``name``: invalid value ...", the flag type's message.
+        """
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            flag = f.metadata.get(FLAG)
+            if isinstance(value, str) and flag is not None and flag.type in _SIZE_TYPES:
+                try:
+                    setattr(self, f.name, flag.type(value))
+                except argparse.ArgumentTypeError as exc:
+                    raise ValueError(f"{f.name}: {exc}") from None
+
     def create_engine_config(self, log_choices: bool = True) -> EngineConfig:
         """Check the arguments and resolve defaults; ``log_choices``: log what "auto" values
         resolved to (INFO). An engine process that resolves the arguments its front end
@@ -703,8 +745,9 @@ class EngineArgs:
         check_hf_config(hf_config)
         max_model_len = self._max_model_len(hf_config)
         architecture = (getattr(hf_config, "architectures", None) or ["<none>"])[0]
-        runner_type = resolve_runner(self.runner, self.convert, architecture)
-        if is_classifier(architecture, self.convert):
+        runner, convert = runner_and_convert(self.task, self.runner, self.convert, architecture)
+        runner_type = resolve_runner(runner, convert, architecture)
+        if is_classifier(architecture, convert):
             set_classifier_from_token(hf_config)
         if runner_type == "pooling" and self.speculative_config is not None:
             raise ValueError("speculative_config with a pooling model is not supported (it generates no tokens).")
@@ -727,7 +770,7 @@ class EngineArgs:
             batch_invariant=self.batch_invariant,
             runner_type=runner_type,
             pooler_config=self._pooler_config(runner_type, hf_config, model_path),
-            convert_type=self.convert if self.convert in ("embed", "classify") else "none",
+            convert_type=convert if convert in ("embed", "classify") else "none",
             multimodal_config=MultiModalConfig.from_engine_args(
                 self.limit_mm_per_prompt, self.mm_processor_kwargs, self.trust_request_mm_kwargs,
                 self.allowed_local_media_path, self.allowed_media_domains, self.media_io_kwargs),

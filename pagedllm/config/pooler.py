@@ -116,6 +116,26 @@ def is_classifier(architecture: str, convert: str) -> bool:
     return architecture.endswith(CLASSIFIER_SUFFIX) or convert == "classify"
 
 
+#: vLLM's earlier ``--task`` values built here (``None`` / "auto": ``--runner`` and ``--convert`` decide).
+TASKS = ("auto", "generate", "embed", "embedding", "classify", "score")
+
+
+def runner_and_convert(task: Optional[str], runner: str, convert: str, architecture: str) -> tuple[str, str]:
+    """(``runner``, ``convert``) with vLLM's earlier ``task`` filling those left "auto":
+    "generate" -> the generate runner; "embed" / "embedding" and "classify" / "score" -> the
+    pooling runner, converting a causal LM (``convert`` "embed" / "classify") unless the
+    architecture already pools (an encoder, a ``*ForSequenceClassification``).
+    ``EngineArgs`` refuses a task not in ``TASKS``."""
+    if task is None or task == "auto":
+        return runner, convert
+    if task == "generate":
+        return ("generate" if runner == "auto" else runner), convert
+    pools = is_encoder_architecture(architecture) or architecture.endswith(CLASSIFIER_SUFFIX)
+    if convert == "auto" and not pools:
+        convert = "embed" if task in ("embed", "embedding") else "classify"
+    return ("pooling" if runner == "auto" else runner), convert
+
+
 def resolve_runner(runner: str, convert: str, architecture: str) -> str:
     """The runner ("generate" or "pooling") of ``--runner`` / ``--convert`` for ``architecture``
     (vLLM's rule: "auto" is "pooling" for an encoder, a sequence classifier, or with

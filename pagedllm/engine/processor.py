@@ -34,6 +34,17 @@ from pagedllm.structured_output.selection import check_structured_outputs
 PromptType = Union[str, list[int], dict]
 
 
+def check_unicode(text: str, what: str = "prompt") -> None:
+    """Raises ValueError (naming ``what``) when ``text`` holds a lone UTF-16 surrogate
+    (``"\\ud800"``, which JSON and Python strings allow): it is no character, and no
+    tokenizer takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} holds a lone UTF-16 surrogate (\\u{ord(text[exc.start]):04x}), which is not a "
+                         "character; send valid Unicode text.") from None
+
+
 def _default_sampling_params(model_config: ModelConfig) -> dict:
     """``model_config.get_diff_sampling_param()``, checked once by ``SamplingParams``.
 
@@ -158,6 +169,7 @@ class Processor:
             else:
                 raise ValueError("A dict prompt needs a 'prompt' or a 'prompt_token_ids' key.")
         if isinstance(prompt, str):
+            check_unicode(prompt)
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)

@@ -5,6 +5,11 @@
   the file, the file over the defaults (vLLM's order). ``true`` sets a switch, ``false``
   turns a ``--x / --no-x`` switch off; a list fills a flag that takes several values.
 - ``--max_model_len`` means ``--max-model-len`` (vLLM accepts both spellings).
+- ``--structured-outputs-config.backend guidance`` sets one key of a JSON-object flag (vLLM's
+  dotted form; the value is read as JSON when it is JSON, else kept as a string), over the
+  flag's own JSON object. vLLM's earlier ``--guided-decoding-backend X`` and
+  ``--guided-decoding-disable-fallback`` / ``-disable-any-whitespace`` /
+  ``-disable-additional-properties`` switches set those keys of ``--structured-outputs-config``.
 - An unknown flag gets a "did you mean" suggestion (``difflib``) after the parser's usage
   line, exit code 2.
 
@@ -23,6 +28,14 @@ from pathlib import Path
 from typing import Any, NoReturn, Optional, Sequence
 
 CONFIG_FLAG = "--config"
+#: vLLM's earlier flags -> (the JSON-object flag, its key they set, whether they are switches).
+KEY_FLAGS = {
+    "--guided-decoding-backend": ("--structured-outputs-config", "backend", False),
+    "--guided-decoding-disable-fallback": ("--structured-outputs-config", "disable_fallback", True),
+    "--guided-decoding-disable-any-whitespace": ("--structured-outputs-config", "disable_any_whitespace", True),
+    "--guided-decoding-disable-additional-properties": (
+        "--structured-outputs-config", "disable_additional_properties", True),
+}
 
 
 def make_flexible(parser: argparse.ArgumentParser) -> None:
@@ -42,10 +55,57 @@ def _parse_known_args(
         for dest, value in config_file_values(parser, config_path).items():
             if not hasattr(namespace, dest):
                 setattr(namespace, dest, value)
+    arg_list, keys = _key_assignments(parser, arg_list)
     namespace, extras = argparse.ArgumentParser.parse_known_args(parser, arg_list, namespace)
     if extras:
         refuse_unknown(parser, extras)
+    for dest, key, value in keys:
+        setattr(namespace, dest, {**(getattr(namespace, dest, None) or {}), key: value})
     return namespace, extras
+
+
+def _is_json_object_flag(action: Optional[argparse.Action]) -> bool:
+    """Whether ``action``'s flag takes a JSON object (its type turns ``"{}"`` into a dict)."""
+    if action is None or not callable(action.type):
+        return False
+    try:
+        return isinstance(action.type("{}"), dict)
+    except (argparse.ArgumentTypeError, TypeError, ValueError):
+        return False
+
+
+def _key_assignments(
+    parser: argparse.ArgumentParser, args: list[str]
+) -> tuple[list[str], list[tuple[str, str, Any]]]:
+    """``args`` without the dotted keys and ``KEY_FLAGS`` (module docstring), and what they
+    set: ``(dest of the JSON-object flag, key, value)``, in command-line order. A dotted
+    name whose flag takes no JSON object stays in ``args`` (argparse calls it unknown)."""
+    rest: list[str] = []
+    keys: list[tuple[str, str, Any]] = []
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        index += 1
+        name, sep, value = arg.partition("=")
+        option, key, switch = KEY_FLAGS.get(name, (name.partition(".")[0], name.partition(".")[2], False))
+        action = parser._option_string_actions.get(option) if arg.startswith("--") and key else None
+        if not _is_json_object_flag(action):
+            rest.append(arg)
+            continue
+        if switch:
+            keys.append((action.dest, key, True))  # type: ignore[union-attr]
+            continue
+        if not sep:
+            if index == len(args) or args[index].startswith("--"):
+                parser.error(f"argument {name}: expected one argument")
+            value = args[index]
+            index += 1
+        try:
+            parsed: Any = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = value
+        keys.append((action.dest, key.replace("-", "_"), parsed))  # type: ignore[union-attr]
+    return rest, keys
 
 
 def _dashed(arg: str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jinja2
 
@@ -25,6 +25,10 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 
 class MissingChatTemplateError(ValueError):
     """Neither the caller nor the tokenizer has a chat template."""
+
+
+class MediaPartError(ValueError):
+    """An image or video part a model cannot take, or without its url; the message names it."""
 
 
 class ChatOptionsError(ValueError):
@@ -127,7 +131,7 @@ def conversation_images(conversation: list[dict[str, Any]], placeholder: Optiona
     string; a ``video_url`` part likewise. The input is not changed.
 
     Raises:
-        ValueError: an image for a text-only model (``placeholder`` None), a video for a model
+        MediaPartError: an image for a text-only model (``placeholder`` None), a video for a model
             without videos (``video_placeholder`` None), or a part without a url; the message
             names the part.
     """
@@ -145,10 +149,10 @@ def conversation_images(conversation: list[dict[str, Any]], placeholder: Optiona
                 texts.append(part)
                 continue
             if placeholder is None:
-                raise ValueError(f"{where}: {_article(kind)} {kind} part, but this model is text-only: it does not "
+                raise MediaPartError(f"{where}: {_article(kind)} {kind} part, but this model is text-only: it does not "
                                  "take images.")
             if kind in VIDEO_PART_TYPES and video_placeholder is None:
-                raise ValueError(f"{where}: a {kind} part, but this model does not take videos.")
+                raise MediaPartError(f"{where}: a {kind} part, but this model does not take videos.")
             found.append(_chat_image(part, where))
             lines.append(video_placeholder if kind in VIDEO_PART_TYPES else placeholder)
         images += found
@@ -159,6 +163,45 @@ def conversation_images(conversation: list[dict[str, Any]], placeholder: Optiona
 
 def _article(word: str) -> str:
     return "an" if word[:1] in "aeiou" else "a"
+
+
+def media_parts_conversation(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation as a template that loops over a message's parts takes it (vLLM's
+    "openai" content format): each image part as ``{"type": "image"}``, each video part as
+    ``{"type": "video"}``, other parts as they are. The input is not changed."""
+    messages = []
+    for message in conversation:
+        parts = message.get("content")
+        if isinstance(parts, list) and any(_part_type(p) in MEDIA_PART_TYPES for p in parts):
+            parts = [{"type": "video" if _part_type(p) in VIDEO_PART_TYPES else "image"}
+                     if _part_type(p) in MEDIA_PART_TYPES else p for p in parts]
+            message = {**message, "content": parts}
+        messages.append(message)
+    return messages
+
+
+def render_media_chat(render: Callable[[list[dict[str, Any]], bool], str], conversation: list[dict[str, Any]],
+                      placeholder: Optional[str], video_placeholder: Optional[str]) -> tuple[str, list[ChatImage]]:
+    """(prompt text, the items of ``conversation_images``) of a conversation with images or
+    videos, as vLLM's "auto" content format renders it: by the template itself when it writes
+    the model's placeholder for each item from ``media_parts_conversation``'s parts (as
+    Qwen-VL's, Gemma 3's and Llava's own templates do), else from ``conversation_images``'
+    string contents. ``render(conversation, keep_parts)`` applies the chat template.
+
+    Raises:
+        MediaPartError: see ``conversation_images``; whatever ``render`` raises on the string form.
+    """
+    strings, items = conversation_images(conversation, placeholder, video_placeholder)
+    if items:
+        try:
+            text = render(media_parts_conversation(conversation), True)
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError):
+            text = None  # a template that takes string contents only
+        num_videos = sum(item.modality == "video" for item in items)
+        if text is not None and text.count(placeholder or "") == len(items) - num_videos and (
+                not num_videos or text.count(video_placeholder or "") == num_videos):
+            return text, items
+    return render(strings, False), items
 
 
 def _part_type(part: Any) -> Optional[str]:
@@ -172,7 +215,7 @@ def _chat_image(part: dict[str, Any], where: str) -> ChatImage:
     value = part.get(kind)
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url:
-        raise ValueError(f"{where}: {_article(kind)} {kind} part needs {kind}.url.")
+        raise MediaPartError(f"{where}: {_article(kind)} {kind} part needs {kind}.url.")
     return ChatImage(where, url=url, modality="video" if kind in VIDEO_PART_TYPES else "image")
 
 
@@ -261,9 +304,10 @@ def multimodal_chat_prompt(processor: Any, text: str, media: dict[str, list[Any]
     return {"prompt": text, "prompt_token_ids": token_ids, "mm_features": features}
 
 
-def template_messages(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def template_messages(conversation: list[dict[str, Any]], keep_parts: bool = False) -> list[dict[str, Any]]:
     """The messages as chat templates expect them, as vLLM passes them: OpenAI's content
-    parts (``[{"type": "text", "text": ...}, ...]``) joined with newlines into one string;
+    parts (``[{"type": "text", "text": ...}, ...]``) joined with newlines into one string
+    (with ``keep_parts``, left a list: ``media_parts_conversation``'s form);
     the ``function.arguments`` of an assistant message's ``tool_calls`` decoded from JSON
     text to a dict (OpenAI sends a string; templates such as Qwen's and Llama's write
     ``arguments | tojson``); arguments that are not JSON stay as they are. The input is not
@@ -274,7 +318,7 @@ def template_messages(conversation: list[dict[str, Any]]) -> list[dict[str, Any]
     """
     messages = []
     for message in conversation:
-        if isinstance(message.get("content"), list):
+        if isinstance(message.get("content"), list) and not keep_parts:
             message = {**message, "content": _joined_text(message["content"])}
         calls = message.get("tool_calls")
         if isinstance(calls, list):
@@ -312,6 +356,7 @@ def apply_chat_template(
     continue_final_message: bool,
     chat_template_kwargs: Optional[dict[str, Any]] = None,
     tools: Optional[list[dict[str, Any]]] = None,
+    keep_parts: bool = False,
 ) -> str:
     """The prompt text of a conversation (a list of ``{"role", "content", ...}`` dicts).
 
@@ -331,7 +376,7 @@ def apply_chat_template(
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise MissingChatTemplateError("The tokenizer has no chat template; pass chat_template=...")
     return tokenizer.apply_chat_template(
-        template_messages(conversation),
+        template_messages(conversation, keep_parts),
         tools=tools,
         chat_template=chat_template,
         add_generation_prompt=add_generation_prompt,

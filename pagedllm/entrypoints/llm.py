@@ -15,7 +15,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.chat_utils import (
     apply_chat_template,
-    conversation_images,
+    render_media_chat,
     image_placeholder,
     video_placeholder,
     load_chat_images,
@@ -212,9 +212,11 @@ class LLM:
         video_text = video_placeholder(model_config)
         token_prompts = []
         for conversation in conversations:
-            conversation, images = conversation_images(conversation, placeholder, video_text)
-            text = apply_chat_template(tokenizer, conversation, chat_template, add_generation_prompt,
-                                       continue_final_message, chat_template_kwargs, tools)
+            def render(messages: list[dict[str, Any]], keep_parts: bool) -> str:
+                return apply_chat_template(tokenizer, messages, chat_template, add_generation_prompt,
+                                           continue_final_message, chat_template_kwargs, tools, keep_parts)
+
+            text, images = render_media_chat(render, conversation, placeholder, video_text)
             if images:
                 loaded = load_chat_images(images, media_connector(model_config),
                                           model_config.multimodal_config.video_num_frames)

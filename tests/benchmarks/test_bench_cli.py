@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import socket
 import threading
 import time
@@ -27,6 +28,7 @@ from pagedllm.benchmarks.datasets import (
     to_text_prompt,
 )
 from pagedllm.benchmarks.roofline import ModelSpec
+from pagedllm.benchmarks.serve import resolved_endpoint
 
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the annotations
 from fastapi.responses import StreamingResponse
@@ -546,3 +548,28 @@ def test_grammar_compile_cold_and_cached(tiny_llama, tmp_path):
     r = json.loads(out.read_text())
     assert r["num_properties"] == 10 and r["backend"] == "auto" and len(r["cold_ms"]) == 2
     assert 0 < r["median_cached_ms"] < r["median_cold_ms"]
+
+
+def test_serve_takes_vllms_backend_and_save_result_flags(tiny_llama, tmp_path):
+    """A ``vllm bench serve`` line runs as it is: ``--backend`` is taken (``openai-chat``
+    picks the chat endpoint and refuses another), and ``--save-result`` writes vLLM's file
+    name (backend, rate, concurrency, model, date) under ``--result-dir``, or
+    ``--result-filename`` there."""
+    parser = pagedllm_parser()
+    chat = parser.parse_args(["bench", "serve", "--backend", "openai-chat"])
+    assert resolved_endpoint(chat) == "/v1/chat/completions"
+    assert resolved_endpoint(parser.parse_args(["bench", "serve", "--backend", "vllm"])) == "/v1/completions"
+    with pytest.raises(ValueError, match="--backend openai-chat sends chat messages: use --endpoint /v1/chat/completions"):
+        resolved_endpoint(parser.parse_args(["bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/completions"]))
+    common = ["serve", "--model", "fake-model", "--tokenizer", str(tiny_llama), "--num-prompts", "2",
+              "--random-input-len", "8", "--random-output-len", "2", "--num-warmups", "0", "--disable-tqdm"]
+    with FakeServer(gap=0.001) as server:
+        url = ["--base-url", f"http://127.0.0.1:{server.port}"]
+        assert run_bench([*common, *url, "--backend", "vllm", "--max-concurrency", "2", "--save-result",
+                          "--result-dir", str(tmp_path / "auto")]) == 0
+        assert run_bench([*common, *url, "--save-result", "--result-dir", str(tmp_path / "named"),
+                          "--result-filename", "run.json"]) == 0
+    (auto,) = (tmp_path / "auto").iterdir()
+    assert re.fullmatch(r"vllm-infqps-concurrency2-fake-model-\d{8}-\d{6}\.json", auto.name), auto.name
+    assert json.loads(auto.read_text())["completed"] == 2
+    assert json.loads((tmp_path / "named" / "run.json").read_text())["completed"] == 2

@@ -61,6 +61,8 @@ def test_outputs_in_input_order_with_per_prompt_params(llm, tokenizer):
     [
         ([], greedy(), "prompt is empty"),
         ("", greedy(), "prompt is empty"),
+        ("hi \ud800", greedy(), r"lone UTF-16 surrogate \(\\ud800\)"),
+        ({"prompt": "\udfff"}, greedy(), "lone UTF-16 surrogate"),
         ([5, 1024, 7], greedy(), r"Token id 1024 is out of vocabulary.*\[0, 1024\)"),
         ([-1], greedy(), "out of vocabulary"),
         ([5] * 600, greedy(), "600 tokens long.*maximum context length is 512"),
@@ -296,6 +298,25 @@ def test_vllm_keywords_are_accepted(tiny_llama):
     with pytest.raises(ValueError, match="Requested prompt logprobs of 5, which is greater than max allowed: 2"):
         llm.generate([5, 6, 7], greedy(prompt_logprobs=5), use_tqdm=False)
     check_block_accounting(llm)
+
+
+def test_size_keywords_take_the_cli_spellings(tiny_llama):
+    """``max_model_len``, ``kv_cache_memory_bytes`` and ``max_num_batched_tokens`` take the
+    strings their flags take ("1K", "1M", "auto"), as the same numbers; a bad one names its keyword."""
+    by_string = LLM(str(tiny_llama), dtype="float32", max_model_len="256", kv_cache_memory_bytes="1M",
+                    max_num_batched_tokens="1K")
+    core = by_string.llm_engine.engine_core
+    assert by_string.llm_engine.model_config.max_model_len == 256
+    assert core.num_gpu_blocks == LLM(str(tiny_llama), dtype="float32", max_model_len=256,
+                                      kv_cache_memory_bytes=1 << 20).llm_engine.engine_core.num_gpu_blocks
+    assert core.scheduler.max_num_batched_tokens == 1024
+    (out,) = by_string.generate([5, 6, 7], greedy(max_tokens=3), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3
+    check_block_accounting(by_string)
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes: invalid value 'lots'"):
+        LLM(str(tiny_llama), kv_cache_memory_bytes="lots")
+    with pytest.raises(ValueError, match="max_model_len: invalid value '1.5x'"):
+        LLM(str(tiny_llama), max_model_len="1.5x")
 
 
 def test_more_logprobs_than_openai_when_max_logprobs_allows(llm, tiny_llama):

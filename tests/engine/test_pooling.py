@@ -60,6 +60,28 @@ def test_convert_embed_last_token_normalized_in_chunks(tiny_qwen3, qwen3_hidden)
     check_block_accounting(llm)
 
 
+def test_vllms_task_keyword_picks_the_runner(tiny_qwen3, qwen3_hidden):
+    """vLLM's earlier ``task``: "embed" serves a causal checkpoint as ``convert="embed"`` does
+    (the same embeddings), "generate" as a generative model; an explicit runner wins, and a task
+    not built is refused naming the ones that are."""
+    from pagedllm.config.pooler import runner_and_convert
+
+    assert runner_and_convert("embed", "auto", "auto", "Qwen3ForCausalLM") == ("pooling", "embed")
+    assert runner_and_convert("embedding", "auto", "auto", "BertModel") == ("pooling", "auto")
+    assert runner_and_convert("classify", "auto", "auto", "Qwen3ForCausalLM") == ("pooling", "classify")
+    assert runner_and_convert("score", "auto", "auto", "BertForSequenceClassification") == ("pooling", "auto")
+    assert runner_and_convert("generate", "auto", "auto", "Qwen3ForCausalLM") == ("generate", "auto")
+    assert runner_and_convert("embed", "pooling", "none", "Qwen3ForCausalLM") == ("pooling", "none")
+    with pytest.raises(ValueError, match=r"task='reward' is not supported yet \(.*\); supported: None, 'auto', 'generate'"):
+        LLM(str(tiny_qwen3), task="reward")
+    prompts, hidden = qwen3_hidden
+    llm = LLM(str(tiny_qwen3), dtype="float32", task="embed", kv_cache_memory_bytes=16 << 20)
+    assert llm.llm_engine.config.model_config.runner_type == "pooling"
+    _assert_cosine_one(_embeddings(llm.embed(prompts, use_tqdm=False)),
+                       [torch.nn.functional.normalize(h[-1], dim=0) for h in hidden])
+    check_block_accounting(llm)
+
+
 def test_mean_pooling_accumulates_over_chunks(tiny_qwen3, qwen3_hidden):
     """MEAN over prompts cut into 8-token chunks; ``PoolingParams.normalize`` per request over
     the model's ``normalize: false``; ``LLM.encode`` returns ``PoolingRequestOutput``s."""

@@ -36,6 +36,8 @@ SAMPLES = {
     "kv_cache_dtype": ("fp8", "fp8"), "tokenizer_mode": ("hf", "hf"), "cpu_offload_gb": ("0", 0.0), "kv_offloading_size": ("0.5", 0.5),
     "kv_offloading_path": ("/kv", "/kv"),
     "structured_outputs_config": ('{"backend": "guidance"}', {"backend": "guidance"}),
+    "compilation_config": ("3", {"level": 3}),
+    "task": ("embed", "embed"),
     "speculative_config": ('{"method": "ngram", "num_speculative_tokens": 2}', {"method": "ngram", "num_speculative_tokens": 2}),
     "max_loras": ("2", 2), "max_lora_rank": ("8", 8), "max_cpu_loras": ("4", 4), "max_logprobs": ("5", 5),
     "num_gpu_blocks_override": ("64", 64), "max_seq_len_to_capture": ("1024", 1024), "swap_space": ("2", 2.0),

@@ -77,6 +77,46 @@ def test_vllm_flags_are_accepted_and_reach_the_engine_and_server():
     assert long_forms.tensor_parallel_size == 1 and long_forms.max_model_len == 8000
 
 
+def test_dotted_config_keys_and_guided_decoding_flags():
+    """vLLM's ``--structured-outputs-config.backend guidance`` (one key of a JSON flag; the value
+    read as JSON when it is JSON) and its earlier ``--guided-decoding-backend`` / ``--guided-decoding-disable-*``
+    flags set the same keys as the JSON object would; a key given both ways takes the later one."""
+    dotted = engine_args_from(_parse("--structured-outputs-config.backend", "guidance",
+                                     "--structured-outputs-config.disable_fallback=true"))
+    assert dotted.structured_outputs_config == {"backend": "guidance", "disable_fallback": True}
+    legacy = engine_args_from(_parse("--guided-decoding-backend", "xgrammar", "--guided-decoding-disable-any-whitespace"))
+    assert legacy.structured_outputs_config == {"backend": "xgrammar", "disable_any_whitespace": True}
+    merged = engine_args_from(_parse("--structured-outputs-config", '{"backend": "guidance", "max_string_length": 64}',
+                                     "--guided_decoding_backend=xgrammar"))
+    assert merged.structured_outputs_config == {"backend": "xgrammar", "max_string_length": 64}
+    quant = engine_args_from(_parse("--quantization", "int4", "--quantization-config.group_size", "128"))
+    assert quant.quantization_config == {"group_size": 128}
+
+
+def test_dotted_key_of_a_flag_that_is_no_json_object_is_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parse("--max-model-len.x", "1")
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --max-model-len.x" in capsys.readouterr().err
+
+
+def test_compilation_config_and_optimization_level_are_no_ops(capsys):
+    """vLLM's ``-O3`` / ``-O 0`` (an optimization level) and ``--compilation-config JSON`` are
+    taken as no-ops (nothing is compiled, no CUDA graphs); a level that is neither is refused."""
+    assert engine_args_from(_parse("-O3")).compilation_config == {"level": 3}
+    assert engine_args_from(_parse("-O", "0")).compilation_config == {"level": 0}
+    given = engine_args_from(_parse("--compilation-config", '{"cudagraph_capture_sizes": [1, 2]}'))
+    assert given.compilation_config == {"cudagraph_capture_sizes": [1, 2]}
+    assert engine_args_from(_parse("--compilation-config.level", "3")).compilation_config == {"level": 3}
+    with pytest.raises(SystemExit) as exc:
+        _parse("-Ofast")
+    assert exc.value.code == 2
+    assert "invalid value 'fast': expected an optimization level (0-3) or a JSON object" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _parse("--help")
+    assert "No-op: pagedllm compiles nothing and captures no CUDA graphs" in " ".join(capsys.readouterr().out.split())
+
+
 def test_help_documents_the_vllm_flags_and_the_no_ops(capsys):
     with pytest.raises(SystemExit) as exit_info:
         _parse("--help")

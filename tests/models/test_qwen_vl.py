@@ -34,6 +34,16 @@ SMALL = {"max_pixels": 32 * 32}
 QUESTION = "What is this?"
 #: The chat template's rendering of one user message with one image and ``QUESTION``.
 RENDERED = f"<|im_start|>user\n{IMAGE}\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+#: A template that loops over a message's parts and writes the vision tokens itself, as
+#: Qwen-VL checkpoints' own templates do (vLLM's "openai" content format).
+PARTS_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+#: ``PARTS_TEMPLATE``'s rendering of that message: the image where its part is, no newline added.
+RENDERED_BY_PARTS = f"<|im_start|>user\n{QUESTION} {IMAGE}<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +116,12 @@ def _check_chat(llm: LLM, path, image) -> None:
     parts = [{"type": "image_pil", "image_pil": image}, {"type": "text", "text": QUESTION}]
     reply, = llm.chat([{"role": "user", "content": parts}], params, use_tqdm=False)
     assert list(reply.outputs[0].token_ids) == hf_qwen_vl_greedy(path, RENDERED, [image], MAX_TOKENS)
+    # A template that renders the parts itself gets them, images as {"type": "image"} (vLLM's
+    # "openai" content format), so the prompt is the one transformers' apply_chat_template makes.
+    parts = [{"type": "text", "text": QUESTION + " "}, {"type": "image_pil", "image_pil": image}]
+    reply, = llm.chat([{"role": "user", "content": parts}], params, use_tqdm=False, chat_template=PARTS_TEMPLATE)
+    assert reply.prompt == RENDERED_BY_PARTS
+    assert list(reply.outputs[0].token_ids) == hf_qwen_vl_greedy(path, RENDERED_BY_PARTS, [image], MAX_TOKENS)
     video = [{"type": "video_url", "video_url": {"url": "file:///clip.mp4"}}]
     with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]: file:// video URLs are refused"):
         llm.chat([{"role": "user", "content": video}], params, use_tqdm=False)

@@ -30,6 +30,13 @@ QUESTION = "What is this?"
 #: The chat template's rendering of one user message with one image and ``QUESTION``.
 RENDERED = f"<|im_start|>user\n<image>\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
 MAX_IMAGE_BYTES = 50_000
+#: A template that writes ``<image>`` for each image part itself, where the part is (as
+#: llava-hf checkpoints' own templates do; vLLM's "openai" content format).
+PARTS_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+    "{{ '<|im_start|>assistant\\n' }}"
+)
 
 
 def _png(image: Image.Image) -> bytes:
@@ -122,6 +129,22 @@ def test_image_urls_of_every_kind_give_transformers_reply(server, tmp_path_facto
     data_url = "data:image/png;base64," + base64.b64encode(_png(image)).decode()
     for url in (data_url, f"file://{media_dir / 'a.png'}", f"{media_url}/a.png", f"{media_url}/moved"):
         assert _reply(client, _messages(url)) == expected, url
+
+
+def test_a_template_that_renders_image_parts_gets_them(server, tmp_path_factory, image):
+    """With a template that renders image parts itself, the prompt is its rendering (the image
+    after the question, no newline added), as vLLM and transformers' apply_chat_template make it."""
+    from transformers import AutoTokenizer
+
+    path = llava_checkpoint(tmp_path_factory)
+    rendered = f"<|im_start|>user\n{QUESTION}<image><|im_end|>\n<|im_start|>assistant\n"
+    decoded = Image.open(io.BytesIO(_png(image))).convert("RGB")
+    expected = AutoTokenizer.from_pretrained(path).decode(hf_greedy(path, rendered, [decoded], MAX_TOKENS))
+    data_url = "data:image/png;base64," + base64.b64encode(_png(image)).decode()
+    messages = _messages(data_url)
+    tokens = server.post("/tokenize", json={"messages": messages, "chat_template": PARTS_TEMPLATE}).json()["tokens"]
+    assert AutoTokenizer.from_pretrained(path).decode(tokens) == rendered
+    assert _reply(server.client(), messages, chat_template=PARTS_TEMPLATE) == expected
 
 
 @pytest.mark.parametrize(("url", "reason"), [

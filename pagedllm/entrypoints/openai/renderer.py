@@ -16,8 +16,10 @@ from pagedllm.entrypoints.chat_utils import (
     ChatOptionsError,
     MissingChatTemplateError,
     apply_chat_template,
-    conversation_images,
+    render_media_chat,
+    MediaPartError,
 )
+from pagedllm.engine.processor import check_unicode
 from pagedllm.entrypoints.openai.errors import bad_request
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeChatRequest
 
@@ -45,8 +47,18 @@ class PromptRenderer:
         self.image_placeholder = image_placeholder
         self.video_placeholder = video_placeholder
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """The token ids of ``text``."""
+    def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        """The token ids of ``text``.
+
+        Raises:
+            OpenAIServingError: 400 (``param`` names the request field the text came from)
+                when ``text`` holds a lone UTF-16 surrogate (JSON allows ``"\\ud800"``; it is
+                no character, so no tokenizer takes it).
+        """
+        try:
+            check_unicode(text, param)
+        except ValueError as exc:
+            raise bad_request(str(exc), param=param) from None
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def render_chat(self, request: ChatRequest) -> str:
@@ -55,7 +67,8 @@ class PromptRenderer:
 
     def render_chat_media(self, request: ChatRequest) -> tuple[str, list[ChatImage]]:
         """The prompt text of a request's conversation, as the request asks for it, and its
-        images (``chat_utils.conversation_images``: each one's placeholder is in the text).
+        images (``chat_utils.render_media_chat``: each one's placeholder is in the text, where
+        the template puts it when it renders media parts itself).
 
         The template is the request's ``chat_template``, else the server's, else the
         tokenizer's; the request's ``tools`` are rendered whatever its ``tool_choice``
@@ -71,21 +84,15 @@ class PromptRenderer:
         if "add_generation_prompt" in request.model_fields_set:
             add_generation_prompt = request.add_generation_prompt
         conversation = [message.to_template_dict() for message in request.messages]
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
+
+        def render(messages: list[dict[str, Any]], keep_parts: bool) -> str:
+            return apply_chat_template(self.tokenizer, messages, request.chat_template or self.chat_template,
+                                       add_generation_prompt, request.continue_final_message,
+                                       request.chat_template_kwargs, tools, keep_parts)
+
         try:
-            conversation, images = conversation_images(conversation, self.image_placeholder,
-                                                       self.video_placeholder)
-        except ValueError as exc:
-            raise bad_request(str(exc), param="messages") from None
-        try:
-            text = apply_chat_template(
-                self.tokenizer,
-                conversation,
-                request.chat_template or self.chat_template,
-                add_generation_prompt,
-                request.continue_final_message,
-                request.chat_template_kwargs,
-                [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None,
-            )
+            text, images = render_media_chat(render, conversation, self.image_placeholder, self.video_placeholder)
         except ChatOptionsError as exc:
             raise bad_request(str(exc), param=exc.param) from None
         except MissingChatTemplateError:
@@ -94,6 +101,8 @@ class PromptRenderer:
                 "(a file or a Jinja string) or pass chat_template in the request.",
                 param="messages",
             ) from None
+        except MediaPartError as exc:
+            raise bad_request(str(exc), param="messages") from None
         except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
             raise bad_request(f"Cannot apply the chat template to these messages: {exc}", param="messages") from None
         return text, images

@@ -129,7 +129,7 @@ class OpenAIServingChat(OpenAIServing):
         """
         text, images = self.renderer.render_chat_media(request)
         if not images:
-            return PromptInput(text, self.renderer.encode(text, request.add_special_tokens))
+            return PromptInput(text, self.renderer.encode(text, request.add_special_tokens, "messages"))
         try:
             loaded = load_chat_images(images, media_connector(self.engine.model_config),
                                       self.engine.model_config.multimodal_config.video_num_frames)

@@ -42,7 +42,7 @@ class OpenAIServingPooling(OpenAIServing):
             return [PromptInput(None, list(given))]  # type: ignore[arg-type]
         if isinstance(given[0], list):
             return [PromptInput(None, list(ids)) for ids in given]  # type: ignore[arg-type]
-        return [PromptInput(text, self.renderer.encode(text, add_special_tokens))  # type: ignore[arg-type]
+        return [PromptInput(text, self.renderer.encode(text, add_special_tokens, "input"))  # type: ignore[arg-type]
                 for text in given]
 
     async def _pool_inputs(self, request_id: str, prompts: list[PromptInput],

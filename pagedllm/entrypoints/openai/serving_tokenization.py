@@ -46,7 +46,8 @@ class OpenAIServingTokenization:
             text = self.renderer.render_chat(request)
         else:
             text = request.prompt
-        token_ids = self.renderer.encode(text, request.add_special_tokens)
+        param = "messages" if isinstance(request, TokenizeChatRequest) else "prompt"
+        token_ids = self.renderer.encode(text, request.add_special_tokens, param)
         token_strs = None
         if request.return_token_strs:
             token_strs = [str(piece) for piece in self.tokenizer.convert_ids_to_tokens(token_ids)]

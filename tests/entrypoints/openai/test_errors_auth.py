@@ -53,6 +53,9 @@ BAD_REQUESTS = [
     ("chat-broken-template", CHAT, {"json": {"messages": USER, "chat_template": "{{ messages[0]['content'] | nosuchfilter }}"}}, "messages", None),
     ("chat-max-tokens-zero", CHAT, {"json": {"messages": USER, "max_completion_tokens": 0}}, "max_completion_tokens", None),
     ("tokenize-wrong-type", "/tokenize", {"json": {"prompt": 5}}, None, None),
+    ("lone-surrogate-prompt", COMPLETIONS, {"content": rb'{"prompt": "hi \ud800"}', "headers": {"Content-Type": "application/json"}}, "prompt", "surrogate"),
+    ("lone-surrogate-chat", CHAT, {"content": rb'{"messages": [{"role": "user", "content": "\udc00 hi"}]}', "headers": {"Content-Type": "application/json"}}, "messages", "surrogate"),
+    ("lone-surrogate-tokenize", "/tokenize", {"content": rb'{"prompt": "\ud83d"}', "headers": {"Content-Type": "application/json"}}, "prompt", "surrogate"),
     ("detokenize-out-of-vocab", "/detokenize", {"json": {"tokens": [1, 99999]}}, "tokens", "vocabulary"),
 ]  # fmt: skip
 
