@@ -145,9 +145,12 @@ class Int8FusedMoEMethod(UnquantizedFusedMoEMethod):
     On CPU with the C++ kernels and a "silu" / "relu2_no_mul" layer (``cpu_fused.can_fuse``),
     the experts are packed for the fused kernel's int8 entry (``fused_moe_w8``: one call per
     layer, int8 widened in registers, float32 activations) and every step runs on it, prefill
-    included: on the Qwen3-30B-A3B-shaped cut it beat the per-expert plans both at batch 1
-    (half of bfloat16's weight bytes) and for a 128-token prefill (docs/benchmarks.md,
-    "Mixture of experts"), and keeping both layouts would double the experts' memory.
+    included. Measured on the Qwen3-30B-A3B-shaped cut (docs/benchmarks.md, "Mixture of
+    experts"): it beats the per-expert plans at batch 1, and at a 128-token prefill it beats
+    their weight-only form (``linear_dequant``); only oneDNN's int8 GEMM with int8 activations
+    (the per-expert plans' choice under ``PAGEDLLM_CPU_INT8_ACTIVATIONS`` on a VNNI / AMX CPU)
+    prefills faster, at the price of quantizing activations and a second copy of every expert
+    in oneDNN's layout, so prefill stays on the fused kernel.
     Elsewhere ``store_int8`` on each of ``fused_moe.methods.split_experts``' matrices: one
     plan per expert matrix, a Python loop over the active experts."""
 
