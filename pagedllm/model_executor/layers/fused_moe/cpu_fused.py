@@ -7,9 +7,9 @@ of two GEMM plans per active expert. It serves unquantized CPU layers in bfloat1
 float32 whose activation is "silu" (SwiGLU) or "relu2_no_mul" (the ungated squared ReLU).
 Weight-only int8 experts (``--quantization int8``) run on the same kernel's int8 entry
 (``fused_moe_w8``: int8 blocks widened in registers, per-channel scales, float32 activations),
-packed by ``pack_int8_for_fused_kernel``. gpt-oss's clamped "swigluoai" stays on the torch path: its clamp, alpha and the ``up + 1``
-term are a third activation the kernel does not carry, for one model family that is also
-served in MXFP4.
+packed by ``pack_int8_for_fused_kernel``. gpt-oss's clamped "swigluoai" stays on the torch
+path: its clamp, alpha and the ``up + 1`` term are a third activation the kernel does not
+carry, for one model family that is also served in MXFP4.
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _PACK_CHUNK = 8
 
 
-def can_fuse(layer: nn.Module, dtypes: tuple[torch.dtype, ...] = FUSED_DTYPES) -> bool:
+def can_fuse(layer: nn.Module) -> bool:
     """Whether ``layer`` (a loaded ``FusedMoE`` with stacked ``w13_weight`` / ``w2_weight``)
     is to run on the fused kernel: a CPU platform with the C++ kernels available, a weight
-    dtype of ``dtypes`` (the loaded, unquantized one) and an activation of
-    ``FUSED_ACTIVATIONS``."""
+    dtype of ``FUSED_DTYPES`` (for int8 experts: the loaded weights, before quantization) and
+    an activation of ``FUSED_ACTIVATIONS``."""
     return (
         current_platform.is_cpu
         and hasattr(layer, "w13_weight")
-        and layer.w13_weight.dtype in dtypes
+        and layer.w13_weight.dtype in FUSED_DTYPES
         and getattr(layer, "activation", None) in FUSED_ACTIVATIONS
         and cpu_kernels.is_available()
     )
@@ -87,8 +87,8 @@ def pack_int8_for_fused_kernel(layer: nn.Module,
 
 def fused_kernel_experts(layer: nn.Module, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
     """x [T, H] -> [T, H] in x's dtype: the sum over each token's choices of weight x expert(x)
-    for a layer packed by ``pack_for_fused_kernel`` or ``pack_int8_for_fused_kernel`` (W2's bias added by tensor-parallel rank 0
-    only, as the torch path)."""
+    for a layer packed by ``pack_for_fused_kernel`` or ``pack_int8_for_fused_kernel`` (W2's
+    bias added by tensor-parallel rank 0 only, as the torch path)."""
     w13_bias = w2_bias = None
     if getattr(layer, "has_bias", False):
         w13_bias = layer.w13_bias

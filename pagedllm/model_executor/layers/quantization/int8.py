@@ -156,7 +156,7 @@ class Int8FusedMoEMethod(UnquantizedFusedMoEMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Quantize the loaded experts; a second call changes nothing."""
-        if cpu_fused.can_fuse(layer, cpu_fused.FUSED_DTYPES):
+        if cpu_fused.can_fuse(layer):
             cpu_fused.pack_int8_for_fused_kernel(layer, quantize_int8_per_channel)
             return
         int8_activations = int8_activations_enabled()
