@@ -1,7 +1,7 @@
 // A mixture-of-experts layer's routed experts in one call: the gated MLP of every active
 // expert over its tokens and the routing-weighted sum, from weights in linear_w16's blocks.
 //
-// Registered as torch.ops.pagedllm_cpu_<level>.pack_experts / fused_moe (see __init__.py):
+// Registered as torch.ops.pagedllm_cpu_<level>.pack_experts / fused_moe / fused_moe_w8 (see __init__.py):
 //
 //   pack_experts(weight [E, N, K] bfloat16 / float16 / float32 / int8)  ->  [E, ceil(N / 16), K, 16]
 //     each expert's matrix in pack_w16's (int8: pack_w8's) layout (element (e, n, k) at
