@@ -107,7 +107,7 @@ def test_bad_input_is_refused(kernel):
     x, w13, w2, _, _, groups = _problem(3, 4, 2, 32, 16, torch.bfloat16, torch.bfloat16, "silu", False, seed=2)
     p13, p2 = kernel.pack_experts(w13), kernel.pack_experts(w2)
     rows, weights, counts = groups.token_rows, groups.weights, groups.counts
-    with pytest.raises(RuntimeError, match="bfloat16 / float16 / float32 CPU tensor \\[E, N, K\\]"):
+    with pytest.raises(RuntimeError, match="bfloat16 / float16 / float32 / int8 CPU tensor \\[E, N, K\\]"):
         kernel.pack_experts(w13[0])
     with pytest.raises(RuntimeError, match='activation must be "silu" or "relu2_no_mul"'):
         kernel.fused_moe(x, rows, weights, counts, p13, p2, "swigluoai", None, None)

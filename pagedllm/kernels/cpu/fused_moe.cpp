@@ -1,11 +1,11 @@
 // A mixture-of-experts layer's routed experts in one call: the gated MLP of every active
 // expert over its tokens and the routing-weighted sum, from weights in linear_w16's blocks.
 //
-// Registered as torch.ops.pagedllm_cpu_<level>.pack_experts / fused_moe (see __init__.py):
+// Registered as torch.ops.pagedllm_cpu_<level>.pack_experts / fused_moe / fused_moe_w8 (see __init__.py):
 //
-//   pack_experts(weight [E, N, K] bfloat16 / float16 / float32)  ->  [E, ceil(N / 16), K, 16]
-//     each expert's matrix in pack_w16's layout (element (e, n, k) at [e, n / 16, k, n % 16],
-//     the last block padded with zeros)
+//   pack_experts(weight [E, N, K] bfloat16 / float16 / float32 / int8)  ->  [E, ceil(N / 16), K, 16]
+//     each expert's matrix in pack_w16's (int8: pack_w8's) layout (element (e, n, k) at
+//     [e, n / 16, k, n % 16], the last block padded with zeros)
 //   fused_moe(x [T, H] float32 / bfloat16 / float16, token_rows [P] int64, weights [P] float32,
 //             counts (E ints), w13 packed [E, ceil(N13 / 16), H, 16], w2 packed
 //             [E, ceil(H / 16), I, 16] (w13's dtype), activation, w13_bias [E, N13] or None,
@@ -13,6 +13,15 @@
 //     ->  [T, H] in x's dtype: out[t] = sum over pairs p of token t of
 //         weights[p] * (W2_e act(W13_e x[t] + b13_e) + b2_e), float32 throughout, one
 //         rounding at the end
+//   fused_moe_w8(x, token_rows, weights, counts, w13 [E, ceil(N13 / 16), H, 16] int8, w2
+//                [E, ceil(H / 16), I, 16] int8, w13_scale [E, N13] float32, w2_scale [E, H]
+//                float32, activation, w13_bias, w2_bias)
+//     ->  the same for weight-only int8 experts, W13_e = w13_scale[e][:, None] * Q13_e (one
+//         scale per output channel, as quantization/int8.py), W2_e likewise: the int8 weights
+//         are widened to float32 in registers (exact) and each block's 16 sums multiplied by
+//         their channels' scales once, before the bias; float32 activations throughout (no
+//         int8 GEMM, no activation quantization), so only the float32 summation differs from
+//         a matmul on the dequantized weights. Half the weight bytes of bfloat16 at batch 1.
 //
 // The pairs are ExpertGroups' (expert_groups.py): sorted by local expert, counts[e] of them
 // for expert e, token_rows[p] the row of x of pair p. activation "silu": W13 is [gate | up]
@@ -89,13 +98,14 @@ void pack_all(const at::Tensor& w, at::Tensor& out) {
 at::Tensor pack_experts(const at::Tensor& weight) {
   const auto wt = weight.scalar_type();
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 3 &&
-                  (wt == at::kBFloat16 || wt == at::kHalf || wt == at::kFloat),
-              "pack_experts: weight must be a bfloat16 / float16 / float32 CPU tensor [E, N, K]");
+                  (wt == at::kBFloat16 || wt == at::kHalf || wt == at::kFloat || wt == at::kChar),
+              "pack_experts: weight must be a bfloat16 / float16 / float32 / int8 CPU tensor [E, N, K]");
   const at::Tensor w = weight.contiguous();
   at::Tensor out = at::zeros({w.size(0), (w.size(1) + kBlock - 1) / kBlock, w.size(2), kBlock}, w.options());
   switch (wt) {
     case at::kBFloat16: pack_all<c10::BFloat16>(w, out); break;
     case at::kHalf: pack_all<c10::Half>(w, out); break;
+    case at::kChar: pack_all<int8_t>(w, out); break;
     default: pack_all<float>(w, out); break;
   }
   return out;
@@ -190,6 +200,9 @@ inline void even_split(int64_t n, int tid, int nt, int64_t& begin, int64_t& end)
   end = n * (tid + 1) / nt;
 }
 
+// A block's sum v for output j, times the output's scale where the weights carry one.
+inline float scaled(float v, const float* scale, int64_t j) { return scale ? v * scale[j] : v; }
+
 // ceil(a / b) for b > 0 and any sign of a.
 inline int64_t ceil_div(int64_t a, int64_t b) { return a >= 0 ? (a + b - 1) / b : -((-a) / b); }
 
@@ -200,6 +213,8 @@ struct Problem {
   const float* weights;
   const float* b13;  // [E, n13] or nullptr
   const float* b2;   // [E, h] or nullptr
+  const float* s13;  // per-channel scales [E, n13] (int8 weights) or nullptr
+  const float* s2;   // [E, h] or nullptr
   std::vector<int64_t> experts, starts, counts;  // active experts, their first pair and pair count
 };
 
@@ -243,12 +258,13 @@ void run(const Problem& p, const X* x, const W* w13, const W* w2, float* xs, flo
         const W* wb = w13 + (e * p.nb13 + b) * p.h * kBlock;
         const int64_t n0 = b * kBlock, valid = std::min(kBlock, p.n13 - n0);
         const float* bias = p.b13 ? p.b13 + e * p.n13 + n0 : nullptr;
+        const float* scale = p.s13 ? p.s13 + e * p.n13 + n0 : nullptr;
         for (int64_t r0 = 0; r0 < m; r0 += 8) {
           const int64_t rows = std::min<int64_t>(8, m - r0);
           block_times_rows(xs + (q0 + r0) * p.h, p.h, rows, wb, p.h, tile);
           for (int64_t r = 0; r < rows; ++r) {
             float* dst = hs + (q0 + r0 + r) * p.n13 + n0;
-            for (int64_t j = 0; j < valid; ++j) dst[j] = tile[r * kBlock + j] + (bias ? bias[j] : 0.f);
+            for (int64_t j = 0; j < valid; ++j) dst[j] = scaled(tile[r * kBlock + j], scale, j) + (bias ? bias[j] : 0.f);
           }
         }
       }
@@ -284,6 +300,7 @@ void run(const Problem& p, const X* x, const W* w13, const W* w2, float* xs, flo
         const W* wb = w2 + (e * p.nb2 + b) * p.inter * kBlock;
         const int64_t n0 = b * kBlock, valid = std::min(kBlock, p.h - n0);
         const float* bias = p.b2 ? p.b2 + e * p.h + n0 : nullptr;
+        const float* scale = p.s2 ? p.s2 + e * p.h + n0 : nullptr;
         for (int64_t r0 = 0; r0 < m; r0 += 8) {
           const int64_t rows = std::min<int64_t>(8, m - r0);
           block_times_rows(as + (q0 + r0) * p.inter, p.inter, rows, wb, p.inter, tile);
@@ -291,7 +308,7 @@ void run(const Problem& p, const X* x, const W* w13, const W* w2, float* xs, flo
             const int64_t q = q0 + r0 + r;
             const float wq = p.weights[q];
             float* dst = out + p.token_rows[q] * p.h + n0;
-            for (int64_t j = 0; j < valid; ++j) dst[j] += wq * (tile[r * kBlock + j] + (bias ? bias[j] : 0.f));
+            for (int64_t j = 0; j < valid; ++j) dst[j] += wq * (scaled(tile[r * kBlock + j], scale, j) + (bias ? bias[j] : 0.f));
           }
         }
       }
@@ -306,33 +323,48 @@ at::Tensor checked_bias(const std::optional<at::Tensor>& bias, int64_t e, int64_
   return bias->to(at::kFloat).contiguous();
 }
 
-at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& token_rows, const at::Tensor& weights,
-                     at::IntArrayRef counts, const at::Tensor& w13, const at::Tensor& w2, const std::string& activation,
-                     const std::optional<at::Tensor>& w13_bias, const std::optional<at::Tensor>& w2_bias) {
+// The checked scales of int8 experts: [E, n] float32, or an undefined tensor for 16/32-bit ones.
+at::Tensor checked_scale(const std::optional<at::Tensor>& scale, int64_t e, int64_t n, const char* name) {
+  if (!scale.has_value()) return at::Tensor();
+  TORCH_CHECK(scale->defined() && scale->device().is_cpu() && scale->dim() == 2 && scale->size(0) == e &&
+                  scale->size(1) == n && scale->scalar_type() == at::kFloat,
+              "fused_moe_w8: ", name, " must be a float32 CPU tensor [", e, ", ", n, "]");
+  return scale->contiguous();
+}
+
+// fused_moe and fused_moe_w8: w13_scale / w2_scale given (both) for int8 weights, else none.
+at::Tensor fused_moe_any(const char* op, const at::Tensor& x, const at::Tensor& token_rows, const at::Tensor& weights,
+                         at::IntArrayRef counts, const at::Tensor& w13, const at::Tensor& w2,
+                         const std::optional<at::Tensor>& w13_scale, const std::optional<at::Tensor>& w2_scale,
+                         const std::string& activation, const std::optional<at::Tensor>& w13_bias,
+                         const std::optional<at::Tensor>& w2_bias) {
   const auto xt = x.scalar_type(), wt = w13.scalar_type();
+  const bool int8 = w13_scale.has_value();
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (xt == at::kFloat || xt == at::kBFloat16 || xt == at::kHalf),
-              "fused_moe: x must be a float32 / bfloat16 / float16 CPU tensor [T, H]");
-  TORCH_CHECK(activation == "silu" || activation == "relu2_no_mul", "fused_moe: activation must be \"silu\" or "
+              op, ": x must be a float32 / bfloat16 / float16 CPU tensor [T, H]");
+  TORCH_CHECK(activation == "silu" || activation == "relu2_no_mul", op, ": activation must be \"silu\" or "
               "\"relu2_no_mul\", got \"", activation, "\"");
   const int64_t t = x.size(0), h = x.size(1), e = static_cast<int64_t>(counts.size());
+  const bool dtype_ok = int8 ? wt == at::kChar : (wt == at::kBFloat16 || wt == at::kHalf || wt == at::kFloat);
   TORCH_CHECK(w13.device().is_cpu() && w2.device().is_cpu() && w13.dim() == 4 && w2.dim() == 4 &&
                   w13.size(3) == kBlock && w2.size(3) == kBlock && w13.is_contiguous() && w2.is_contiguous() &&
-                  (wt == at::kBFloat16 || wt == at::kHalf || wt == at::kFloat) && w2.scalar_type() == wt,
-              "fused_moe: w13 and w2 must be contiguous CPU tensors of one dtype (bfloat16 / float16 / float32) "
-              "packed by pack_experts ([E, N / 16, K, 16])");
-  TORCH_CHECK(w13.size(0) == e && w2.size(0) == e, "fused_moe: ", e, " counts for ", w13.size(0), " experts in w13 and ",
+                  dtype_ok && w2.scalar_type() == wt,
+              op, ": w13 and w2 must be contiguous CPU tensors of one dtype (",
+              int8 ? "int8" : "bfloat16 / float16 / float32", ") packed by pack_experts ([E, N / 16, K, 16])");
+  TORCH_CHECK(w13.size(0) == e && w2.size(0) == e, op, ": ", e, " counts for ", w13.size(0), " experts in w13 and ",
               w2.size(0), " in w2");
   const int64_t inter = w2.size(2), nb2 = w2.size(1), nb13 = w13.size(1);
   const bool gated = activation == "silu";
   const int64_t n13 = gated ? 2 * inter : inter;
   TORCH_CHECK(w13.size(2) == h && nb13 == (n13 + kBlock - 1) / kBlock && nb2 == (h + kBlock - 1) / kBlock,
-              "fused_moe: w13 [E, ", nb13, ", ", w13.size(2), ", 16] and w2 [E, ", nb2, ", ", inter,
+              op, ": w13 [E, ", nb13, ", ", w13.size(2), ", 16] and w2 [E, ", nb2, ", ", inter,
               ", 16] do not fit x's hidden size ", h, " under activation \"", activation, "\" (W13 [", n13, ", ", h,
               "], W2 [", h, ", ", inter, "] per expert)");
+  const at::Tensor s13 = checked_scale(w13_scale, e, n13, "w13_scale"), s2 = checked_scale(w2_scale, e, h, "w2_scale");
   int64_t pairs = 0;
   Problem p;
   for (int64_t i = 0; i < e; ++i) {
-    TORCH_CHECK(counts[i] >= 0, "fused_moe: counts must not be negative");
+    TORCH_CHECK(counts[i] >= 0, op, ": counts must not be negative");
     if (counts[i]) {
       p.experts.push_back(i);
       p.starts.push_back(pairs);
@@ -342,14 +374,14 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& token_rows, const at
   }
   TORCH_CHECK(token_rows.device().is_cpu() && token_rows.dim() == 1 && token_rows.size(0) == pairs &&
                   token_rows.scalar_type() == at::kLong,
-              "fused_moe: token_rows must be an int64 CPU tensor of the counts' sum (", pairs, ")");
+              op, ": token_rows must be an int64 CPU tensor of the counts' sum (", pairs, ")");
   TORCH_CHECK(weights.device().is_cpu() && weights.dim() == 1 && weights.size(0) == pairs &&
                   weights.scalar_type() == at::kFloat,
-              "fused_moe: weights must be a float32 CPU tensor of the counts' sum (", pairs, ")");
+              op, ": weights must be a float32 CPU tensor of the counts' sum (", pairs, ")");
   const at::Tensor rows = token_rows.contiguous(), wts = weights.contiguous(), xc = x.contiguous();
   if (pairs) {
     TORCH_CHECK(rows.min().item<int64_t>() >= 0 && rows.max().item<int64_t>() < t,
-                "fused_moe: token_rows must index x's ", t, " rows");
+                op, ": token_rows must index x's ", t, " rows");
   }
   const at::Tensor b13 = checked_bias(w13_bias, e, n13, "w13_bias"), b2 = checked_bias(w2_bias, e, h, "w2_bias");
   at::Tensor out = at::zeros({t, h}, x.options().dtype(at::kFloat));
@@ -359,25 +391,42 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& token_rows, const at
   p.weights = wts.const_data_ptr<float>();
   p.b13 = b13.defined() ? b13.const_data_ptr<float>() : nullptr;
   p.b2 = b2.defined() ? b2.const_data_ptr<float>() : nullptr;
+  p.s13 = s13.defined() ? s13.const_data_ptr<float>() : nullptr;
+  p.s2 = s2.defined() ? s2.const_data_ptr<float>() : nullptr;
   const auto f32 = x.options().dtype(at::kFloat);
   at::Tensor xs = at::empty({pairs, h}, f32), hs = at::empty({pairs, n13}, f32), as = at::empty({pairs, inter}, f32);
   float *xsp = xs.mutable_data_ptr<float>(), *hsp = hs.mutable_data_ptr<float>(), *asp = as.mutable_data_ptr<float>();
-  float* op = out.mutable_data_ptr<float>();
-#define PAGEDLLM_RUN(X)                                                                                          \
-  (wt == at::kBFloat16                                                                                           \
-       ? run(p, xc.const_data_ptr<X>(), w13.const_data_ptr<c10::BFloat16>(), w2.const_data_ptr<c10::BFloat16>(), \
-             xsp, hsp, asp, op)                                                                                  \
-   : wt == at::kHalf                                                                                             \
-       ? run(p, xc.const_data_ptr<X>(), w13.const_data_ptr<c10::Half>(), w2.const_data_ptr<c10::Half>(), xsp,    \
-             hsp, asp, op)                                                                                       \
-       : run(p, xc.const_data_ptr<X>(), w13.const_data_ptr<float>(), w2.const_data_ptr<float>(), xsp, hsp, asp, op))
+  float* op_out = out.mutable_data_ptr<float>();
+  const auto with_weights = [&](const auto* xp) {
+    const auto go = [&](const auto* w13p, const auto* w2p) { run(p, xp, w13p, w2p, xsp, hsp, asp, op_out); };
+    switch (wt) {
+      case at::kBFloat16: go(w13.const_data_ptr<c10::BFloat16>(), w2.const_data_ptr<c10::BFloat16>()); break;
+      case at::kHalf: go(w13.const_data_ptr<c10::Half>(), w2.const_data_ptr<c10::Half>()); break;
+      case at::kChar: go(w13.const_data_ptr<int8_t>(), w2.const_data_ptr<int8_t>()); break;
+      default: go(w13.const_data_ptr<float>(), w2.const_data_ptr<float>()); break;
+    }
+  };
   switch (xt) {
-    case at::kFloat: PAGEDLLM_RUN(float); break;
-    case at::kBFloat16: PAGEDLLM_RUN(c10::BFloat16); break;
-    default: PAGEDLLM_RUN(c10::Half); break;
+    case at::kFloat: with_weights(xc.const_data_ptr<float>()); break;
+    case at::kBFloat16: with_weights(xc.const_data_ptr<c10::BFloat16>()); break;
+    default: with_weights(xc.const_data_ptr<c10::Half>()); break;
   }
-#undef PAGEDLLM_RUN
   return xt == at::kFloat ? out : out.to(xt);
+}
+
+at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& token_rows, const at::Tensor& weights,
+                     at::IntArrayRef counts, const at::Tensor& w13, const at::Tensor& w2, const std::string& activation,
+                     const std::optional<at::Tensor>& w13_bias, const std::optional<at::Tensor>& w2_bias) {
+  return fused_moe_any("fused_moe", x, token_rows, weights, counts, w13, w2, std::nullopt, std::nullopt, activation,
+                       w13_bias, w2_bias);
+}
+
+at::Tensor fused_moe_w8(const at::Tensor& x, const at::Tensor& token_rows, const at::Tensor& weights,
+                        at::IntArrayRef counts, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& w13_scale,
+                        const at::Tensor& w2_scale, const std::string& activation,
+                        const std::optional<at::Tensor>& w13_bias, const std::optional<at::Tensor>& w2_bias) {
+  return fused_moe_any("fused_moe_w8", x, token_rows, weights, counts, w13, w2, w13_scale, w2_scale, activation,
+                       w13_bias, w2_bias);
 }
 
 }  // namespace
@@ -386,9 +435,12 @@ PAGEDLLM_FRAGMENT(m) {
   m.def("pack_experts(Tensor weight) -> Tensor");
   m.def("fused_moe(Tensor x, Tensor token_rows, Tensor weights, int[] counts, Tensor w13, Tensor w2, str activation, "
         "Tensor? w13_bias, Tensor? w2_bias) -> Tensor");
+  m.def("fused_moe_w8(Tensor x, Tensor token_rows, Tensor weights, int[] counts, Tensor w13, Tensor w2, "
+        "Tensor w13_scale, Tensor w2_scale, str activation, Tensor? w13_bias, Tensor? w2_bias) -> Tensor");
 }
 
 PAGEDLLM_IMPL(CompositeExplicitAutograd, m) {
   m.impl("pack_experts", &pack_experts);
   m.impl("fused_moe", &fused_moe);
+  m.impl("fused_moe_w8", &fused_moe_w8);
 }

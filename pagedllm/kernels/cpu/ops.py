@@ -403,9 +403,9 @@ def linear_dequant(
 
 
 def pack_experts(weight: torch.Tensor) -> torch.Tensor:
-    """Stacked expert matrices ``weight`` [E, N, K] bfloat16 / float16 / float32 re-laid out
-    for ``fused_moe``: [E, ceil(N / 16), K, 16] of the same dtype, each expert's matrix in
-    ``pack_w16``'s blocks (the last block padded with zeros; see ``fused_moe.cpp``).
+    """Stacked expert matrices ``weight`` [E, N, K] bfloat16 / float16 / float32 (int8, for
+    ``fused_moe_w8``) re-laid out for ``fused_moe``: [E, ceil(N / 16), K, 16] of the same
+    dtype, each expert's matrix in ``pack_w16``'s (``pack_w8``'s) blocks (the last block padded with zeros; see ``fused_moe.cpp``).
 
     Raises:
         RuntimeError: unavailable kernels, or a bad shape / dtype.
@@ -437,6 +437,32 @@ def fused_moe(
         RuntimeError: unavailable kernels, or bad shapes / dtypes / row indices.
     """
     return _ns.fused_moe(x, token_rows, weights, counts, w13, w2, activation, w13_bias, w2_bias)
+
+
+def fused_moe_w8(
+    x: torch.Tensor,
+    token_rows: torch.Tensor,
+    weights: torch.Tensor,
+    counts: list[int],
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    activation: str,
+    w13_bias: Optional[torch.Tensor] = None,
+    w2_bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``fused_moe`` for weight-only int8 experts: ``w13`` / ``w2`` ``pack_experts``' output
+    for int8 Q13 [E, N13, H] / Q2 [E, H, I], ``w13_scale`` [E, N13] / ``w2_scale`` [E, H]
+    float32 per output channel (W = scale[..., None] * Q, as ``quantize_int8_per_channel``).
+    Activations stay float32 (the weights are widened in registers, no int8 GEMM), so the
+    result is a float32 matmul on the dequantized weights up to the order of the sums.
+
+    Raises:
+        RuntimeError: unavailable kernels, or bad shapes / dtypes / row indices.
+    """
+    return _ns.fused_moe_w8(x, token_rows, weights, counts, w13, w2, w13_scale, w2_scale, activation,
+                            w13_bias, w2_bias)
 
 
 def lora_sgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,

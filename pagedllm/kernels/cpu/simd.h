@@ -74,6 +74,10 @@ inline VecF vload(const c10::BFloat16* p) {
   return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
 }
 inline VecF vload(const c10::Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+// 16 int8 values, sign-extended, exactly.
+inline VecF vload(const int8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
 // 16 float8 values, exactly, as widen8 does 8.
 inline VecF vload(const c10::Float8_e4m3fn* p) {
   const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -148,6 +152,7 @@ inline VecF vset1(float x) { return {_mm256_set1_ps(x)}; }
 inline VecF vload(const float* p) { return {_mm256_loadu_ps(p)}; }
 inline VecF vload(const c10::BFloat16* p) { return {widen8(p)}; }
 inline VecF vload(const c10::Half* p) { return {widen8(p)}; }
+inline VecF vload(const int8_t* p) { return {widen8(p)}; }
 inline VecF vload(const c10::Float8_e4m3fn* p) { return {widen8(p)}; }
 inline VecF vload(const c10::Float8_e5m2* p) { return {widen8(p)}; }
 // 8 e4m3 values times 2^-8 (kLoadScale), exactly, as the AVX-512 vload_scaled does 16.

@@ -15,7 +15,8 @@ Elsewhere (or with ``PAGEDLLM_CPU_INT8_ACTIVATIONS=0``) activations stay in the 
 float32, and many rows (prefill) go through ``linear_dequant``, tiles of W dequantized into a
 bf16 GEMM. The lm_head keeps the model dtype (its error reaches the logits directly), as vLLM's
 weight-only methods do. ``FusedMoE`` experts (``Int8FusedMoEMethod``): each expert's W13 and
-W2 quantized the same way, one plan per matrix; routers stay in the model dtype.
+W2 quantized the same way; on CPU with the kernels all experts of a layer in one fused call
+(``fused_moe_w8``, weight-only), else one plan per matrix; routers stay in the model dtype.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch import nn
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.kernels import isa
 from pagedllm.model_executor.layers import cpu_gemm
-from pagedllm.model_executor.layers.fused_moe import FusedMoE, UnquantizedFusedMoEMethod
+from pagedllm.model_executor.layers.fused_moe import FusedMoE, UnquantizedFusedMoEMethod, cpu_fused
 from pagedllm.model_executor.layers.fused_moe.methods import split_experts
 from pagedllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from pagedllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
@@ -139,13 +140,29 @@ class Int8LinearMethod(UnquantizedLinearMethod):
 
 class Int8FusedMoEMethod(UnquantizedFusedMoEMethod):
     """Loads the experts like the unquantized method, then keeps each expert's W13 [2 x I, H]
-    and W2 [H, I] only in int8 form, per output channel (``store_int8`` on each of
-    ``fused_moe.methods.split_experts``' matrices)."""
+    and W2 [H, I] only in int8 form, per output channel.
+
+    On CPU with the C++ kernels and a "silu" / "relu2_no_mul" layer (``cpu_fused.can_fuse``),
+    the experts are packed for the fused kernel's int8 entry (``fused_moe_w8``: one call per
+    layer, int8 widened in registers, float32 activations) and every step runs on it, prefill
+    included. Measured on the Qwen3-30B-A3B-shaped cut (docs/benchmarks.md, "Mixture of
+    experts"): it beats the per-expert plans at batch 1, and at a 128-token prefill it beats
+    their weight-only form (``linear_dequant``); only oneDNN's int8 GEMM with int8 activations
+    (the per-expert plans' choice under ``PAGEDLLM_CPU_INT8_ACTIVATIONS`` on a VNNI / AMX CPU)
+    prefills faster, at the price of quantizing activations and a second copy of every expert
+    in oneDNN's layout, so prefill stays on the fused kernel.
+    Elsewhere ``store_int8`` on each of ``fused_moe.methods.split_experts``' matrices: one
+    plan per expert matrix, a Python loop over the active experts."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Quantize the loaded experts; a second call changes nothing."""
+        if cpu_fused.can_fuse(layer):
+            cpu_fused.pack_int8_for_fused_kernel(layer, quantize_int8_per_channel)
+            return
         int8_activations = int8_activations_enabled()
         split_experts(layer, lambda m: store_int8(m, *quantize_int8_per_channel(m.weight.data), int8_activations))
 
     def describe_path(self, layer: nn.Module) -> str:
+        if hasattr(layer, "w13_packed"):
+            return cpu_fused.describe(layer)
         return f"experts: {describe_int8(layer.w13_experts[0])}" if len(layer.w13_experts) else "experts: int8"
