@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from pagedllm.model_executor.layers.fused_moe.expert_groups import ExpertGroups, fused_experts, group_by_expert
 from pagedllm.model_executor.layers.quantization.int8 import quantize_int8_per_channel
 from tests.grids import latin_grid
+from tests.kernels.test_cpu_fused_moe import _problem as float_problem
 
 # (tokens, experts, top-k): batch 1; prefills of 40 rows; many experts with few or no tokens.
 ROUTINGS = [(1, 16, 2), (40, 8, 2), (40, 16, 8), (7, 32, 1), (1, 64, 8)]
@@ -31,19 +32,12 @@ def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _problem(tokens, experts, top_k, hidden, inter, x_dtype, activation, bias, seed):
-    gen = torch.Generator().manual_seed(seed)
-    n13 = 2 * inter if activation == "silu" else inter
-    w13 = torch.randn(experts, n13, hidden, generator=gen) / hidden**0.5
-    w13[1, 3] = 0.0  # an all-zero channel (scale 1, Q 0)
-    q13, s13 = _quantize(w13)
-    q2, s2 = _quantize(torch.randn(experts, hidden, inter, generator=gen) / inter**0.5)
-    b13 = torch.randn(experts, n13, generator=gen) if bias else None
-    b2 = torch.randn(experts, hidden, generator=gen) if bias else None
-    x = torch.randn(tokens, hidden, generator=gen).to(x_dtype)
-    logits = torch.randn(tokens, experts, generator=gen)
-    logits[:, 0] = -1e4  # expert 0 never chosen: a zero count before the first active expert
-    weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k)
-    return x, (q13, s13, q2, s2), b13, b2, group_by_expert(weights, ids, experts)
+    """test_cpu_fused_moe's float32 problem with one all-zero channel (scale 1, Q 0), its
+    experts quantized per channel."""
+    x, w13, w2, b13, b2, groups = float_problem(tokens, experts, top_k, hidden, inter, torch.float32, x_dtype,
+                                                activation, bias, seed)
+    w13[1, 3] = 0.0
+    return x, (*_quantize(w13), *_quantize(w2)), b13, b2, groups
 
 
 def _reference(x, quantized, b13, b2, groups: ExpertGroups, activation) -> torch.Tensor:
