@@ -66,6 +66,26 @@ class ReasoningParser(ABC):
         tail = list(token_ids[-REASONING_END_WINDOW_TOKENS:])
         return self.is_reasoning_end(tokenizer.decode(tail, skip_special_tokens=False))
 
+    def count_reasoning_tokens(self, token_ids: Sequence[int], tokenizer: Any) -> int:
+        """How many of an output's ``token_ids`` are its reasoning (usage's
+        ``reasoning_tokens``, as vLLM's ``count_reasoning_tokens``): the length of the shortest
+        prefix whose text (``tokenizer``'s ``decode``, special tokens kept) has left the
+        reasoning (``is_reasoning_end``; its end marker counted with it), found by bisection;
+        all of them when the output never leaves it."""
+        decode = lambda k: tokenizer.decode(list(token_ids[:k]), skip_special_tokens=False)  # noqa: E731
+        if self.is_reasoning_end(""):
+            return 0
+        if not token_ids or not self.is_reasoning_end(decode(len(token_ids))):
+            return len(token_ids)
+        low, high = 0, len(token_ids)  # is_reasoning_end: false at low tokens, true at high
+        while high - low > 1:
+            middle = (low + high) // 2
+            if self.is_reasoning_end(decode(middle)):
+                high = middle
+            else:
+                low = middle
+        return high
+
     def extract_reasoning(self, text: str) -> tuple[Optional[str], Optional[str]]:
         """vLLM's non-streamed form: (reasoning, content), each None when empty."""
         parsed = self.parse(text, final=True)

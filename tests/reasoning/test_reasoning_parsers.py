@@ -86,3 +86,37 @@ def test_tags_split_across_tokens(tokenizer):
 def test_unknown_name_lists_the_known_ones():
     with pytest.raises(KeyError, match=r"invalid reasoning parser: r2 \(chose from \{ deepseek_r1,gpt_oss,qwen3 \}\)"):
         ReasoningParserManager.get_reasoning_parser("r2")
+
+
+def _first_end(parser, ids, tokenizer) -> int:
+    """The definition, token by token: the shortest prefix that has left the reasoning."""
+    for count in range(len(ids) + 1):
+        if parser.is_reasoning_end(tokenizer.decode(ids[:count], skip_special_tokens=False)):
+            return count
+    return len(ids)
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, text",
+    [
+        ("deepseek_r1", {}, "<think>Paris is big, and old.</think>It is in France."),
+        ("deepseek_r1", {}, "opened in the prompt</think>Yes."),
+        ("deepseek_r1", {}, "cut off by max_tokens, never closed"),
+        ("qwen3", {}, "<think>\nhmm\n</think>\n\nSure."),
+        ("qwen3", {"enable_thinking": False}, "Sure, at once."),
+        ("gpt_oss", {}, HARMONY),
+    ],
+)  # fmt: skip
+def test_reasoning_tokens_are_counted_up_to_where_the_reasoning_ends(tokenizer, name, kwargs, text):
+    """``count_reasoning_tokens`` (usage's ``reasoning_tokens``) on the tiny byte-level
+    tokenizer, where every tag is several tokens: equal to the token-by-token scan."""
+    parser = _parser(name, **kwargs)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    count = parser.count_reasoning_tokens(ids, tokenizer)
+    assert count == _first_end(parser, ids, tokenizer)
+    reasoning = parser.extract_reasoning(text)[0]
+    if reasoning is None:
+        assert count == 0
+    else:
+        assert len(tokenizer.encode(reasoning, add_special_tokens=False)) <= count < len(ids) or "</think>" not in text
+    assert parser.count_reasoning_tokens([], tokenizer) == 0

@@ -141,21 +141,31 @@ class PromptTokensDetails(OpenAIBaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(OpenAIBaseModel):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(OpenAIBaseModel):
-    """Token counts: the prompt counted once per prompt, completions summed over choices."""
+    """Token counts: the prompt counted once per prompt, completions summed over choices;
+    ``completion_tokens_details.reasoning_tokens`` with a reasoning parser (else absent)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: Optional[PromptTokensDetails] = None
+    # NOTE: left out of the JSON when None (no reasoning parser), not sent as null.
+    completion_tokens_details: Optional[CompletionTokensDetails] = Field(default=None, exclude_if=lambda v: v is None)
 
 
-def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+               reasoning_tokens: Optional[int] = None) -> UsageInfo:
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        completion_tokens_details=None if reasoning_tokens is None else CompletionTokensDetails(
+            reasoning_tokens=reasoning_tokens),
     )
 
 

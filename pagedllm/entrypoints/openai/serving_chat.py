@@ -269,14 +269,25 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
         num_generated = sum(len(output.token_ids) for output in final.outputs)
+        reasoning_tokens = self._reasoning_tokens(run, [output.token_ids for output in final.outputs])
         return ChatCompletionResponse(
             id=run.request_id,
             model=run.model_name,
             choices=choices,
-            usage=make_usage(len(final.prompt_token_ids), num_generated, final.num_cached_tokens),
+            usage=make_usage(len(final.prompt_token_ids), num_generated, final.num_cached_tokens, reasoning_tokens),
             prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs) if request.prompt_logprobs is not None else None,
             kv_transfer_params=final.kv_transfer_params,
         )
+
+    def _reasoning_tokens(self, run: ChatRun, outputs: Sequence[Sequence[int]]) -> Optional[int]:
+        """Usage's ``reasoning_tokens`` of a run's choices' token ids: None without
+        ``--reasoning-parser``, 0 when the prompt ended the reasoning, else the parser's
+        ``count_reasoning_tokens`` summed over the choices."""
+        if self.reasoning_parser is None:
+            return None
+        if run.reasoning_parser is None:
+            return 0
+        return sum(run.reasoning_parser.count_reasoning_tokens(ids, self.renderer.tokenizer) for ids in outputs)
 
     async def _stream(self, request: ChatCompletionRequest, run: ChatRun) -> AsyncGenerator[str, None]:
         # NOTE: without include_usage the "usage" key is left out, as OpenAI does.
@@ -294,6 +305,7 @@ class OpenAIServingChat(OpenAIServing):
         parser = run.reasoning_parser
         reasoning_streams = [ReasoningStream(parser) for _ in range(request.n)] if parser else None
         num_generated = [0] * request.n
+        generated: list[list[int]] = [[] for _ in range(request.n)]  # for the reasoning count
         num_cached = 0
 
         def chunk(
@@ -301,7 +313,8 @@ class OpenAIServingChat(OpenAIServing):
         ) -> ChatCompletionStreamResponse:
             usage = None
             if final or request.continuous_usage:
-                usage = make_usage(len(run.prompt.token_ids), sum(num_generated), num_cached)
+                usage = make_usage(len(run.prompt.token_ids), sum(num_generated), num_cached,
+                                   self._reasoning_tokens(run, generated))
             return ChatCompletionStreamResponse(
                 id=run.request_id, created=created, model=run.model_name, choices=choices, usage=usage
             )
@@ -316,6 +329,8 @@ class OpenAIServingChat(OpenAIServing):
             num_cached = output.num_cached_tokens or num_cached
             for completion in output.outputs:
                 num_generated[completion.index] += len(completion.token_ids)
+                if parser is not None:
+                    generated[completion.index].extend(completion.token_ids)
                 tool_stream = tool_streams[completion.index] if tool_streams else None
                 reasoning_stream = reasoning_streams[completion.index] if reasoning_streams else None
                 choice = self._stream_choice(request, completion, tool_stream, reasoning_stream)

@@ -9,7 +9,8 @@ when there is text, or nothing else), one ``function_call`` item per call (``cal
 the chat call's id). ``status`` is "completed", or "incomplete" with
 ``incomplete_details.reason`` "max_output_tokens" when that limit cut the output.
 ``usage``: ``input_tokens`` (cached ones in ``input_tokens_details``), ``output_tokens``,
-``total_tokens`` (``reasoning_tokens`` is not counted: 0).
+``total_tokens``, ``output_tokens_details.reasoning_tokens`` (the reasoning parser's
+``count_reasoning_tokens``; 0 without one).
 
 A stream is OpenAI's typed events (``event: TYPE`` + ``data: JSON``, each with its
 ``sequence_number`` from 0): ``response.created``, ``response.in_progress``; per item
@@ -73,7 +74,8 @@ def responses_usage(usage: Optional[UsageInfo]) -> Optional[dict[str, Any]]:
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": (usage.completion_tokens_details.reasoning_tokens
+                                                        if usage.completion_tokens_details else 0)},
         "total_tokens": usage.total_tokens,
     }
 

@@ -102,3 +102,49 @@ def test_constrained_output_follows_the_reasoning(parts, stream):
     engine.reply = '<think>{"not": json</think>{"a": 1}'
     json_format = {"type": "json_object"}
     assert asyncio.run(_create(client, stream, response_format=json_format)) == ('{"not": json', '{"a": 1}', [], "stop")
+
+
+def _tokens_until_reasoning_ends(parser_name, token_ids, tokenizer) -> int:
+    """Usage's ``reasoning_tokens`` by its definition, token by token: the shortest prefix of
+    the output that has left the reasoning."""
+    from pagedllm.reasoning import ReasoningParserManager
+
+    parser = ReasoningParserManager.get_reasoning_parser(parser_name)({})
+    return next((k for k in range(len(token_ids) + 1)
+                 if parser.is_reasoning_end(tokenizer.decode(token_ids[:k], skip_special_tokens=False))),
+                len(token_ids))  # fmt: skip
+
+
+def test_usage_counts_the_reasoning_tokens(parts):
+    """``usage.completion_tokens_details.reasoning_tokens`` (OpenAI's field, vLLM's count) in a
+    response and in a stream's usage chunk, and ``output_tokens_details.reasoning_tokens`` of
+    the Responses API; absent without ``--reasoning-parser``."""
+    engine, client = _client(parts, "deepseek_r1")
+    engine.reply = THINKING + "Sunny, 21 degrees."
+    tokenizer = parts.tokenizer
+    whole = tokenizer.encode(engine.reply, add_special_tokens=False)
+    pieces = [i for k in range(0, len(engine.reply), 5)
+              for i in tokenizer.encode(engine.reply[k : k + 5], add_special_tokens=False)]  # fmt: skip
+
+    async def run(client):
+        model = (await client.models.list()).data[0].id
+        response = await client.chat.completions.create(model=model, messages=MESSAGES)
+        chunks = [c async for c in await client.chat.completions.create(
+            model=model, messages=MESSAGES, stream=True, stream_options={"include_usage": True})]
+        responses = await client.responses.create(model=model, input="Weather?")
+        return response.usage, chunks[-1].usage, responses.usage
+
+    usage, streamed, responses = asyncio.run(run(client))
+    assert (usage.completion_tokens, streamed.completion_tokens) == (len(whole), len(pieces))
+    expected = _tokens_until_reasoning_ends("deepseek_r1", whole, tokenizer)
+    assert len(tokenizer.encode("The user wants weather and time.", add_special_tokens=False)) < expected < len(whole)
+    assert usage.completion_tokens_details.reasoning_tokens == expected
+    assert streamed.completion_tokens_details.reasoning_tokens == _tokens_until_reasoning_ends(
+        "deepseek_r1", pieces, tokenizer)
+    assert responses.output_tokens_details.reasoning_tokens == expected
+
+    engine, plain = scripted_client(parts, None)
+    engine.reply = THINKING + "Sunny."
+    usage, streamed, responses = asyncio.run(run(plain))
+    assert usage.completion_tokens_details is None and streamed.completion_tokens_details is None
+    assert responses.output_tokens_details.reasoning_tokens == 0

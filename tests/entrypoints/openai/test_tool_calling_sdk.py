@@ -67,7 +67,8 @@ REQUIRED_REPLY = (
 
 class _ScriptedEngine:
     """What the server uses of an ``AsyncLLM``; every choice's output is ``reply`` (in
-    5-character pieces when streaming), finished with ``finish_reason``."""
+    5-character pieces when streaming, each piece's tokens its own encoding), finished with
+    ``finish_reason``."""
 
     errored = False
 
@@ -95,7 +96,8 @@ class _ScriptedEngine:
         for k, piece in enumerate(pieces):
             last = k == len(pieces) - 1
             outputs = [
-                CompletionOutput(index=i, text=piece, token_ids=[5], finish_reason=self.finish_reason if last else None)
+                CompletionOutput(index=i, text=piece, token_ids=self.tokenizer.encode(piece, add_special_tokens=False),
+                                 finish_reason=self.finish_reason if last else None)
                 for i in range(n)
             ]
             yield RequestOutput(request_id, prompt_text, list(request.prompt_token_ids), None, outputs, last)
