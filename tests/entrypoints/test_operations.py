@@ -226,8 +226,10 @@ def test_sigterm_to_every_process_at_once_still_drains(tiny_llama):
         server.close()
     assert code == 0, log
     assert stream.error is None and stream.events[-1] == "[DONE]"
-    finals = [json.loads(event)["choices"][0]["finish_reason"] for event in stream.events[:-1]]
-    assert finals[-1] == "length"
+    events = [json.loads(event) for event in stream.events[:-1]]
+    errors = [event for event in events if "choices" not in event]
+    assert not errors, f"the stream ended in {errors}; the server's log:\n{log}"
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert "engine is dead" not in log and "Traceback" not in log
 
 
