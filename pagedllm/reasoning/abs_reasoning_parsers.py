@@ -2,7 +2,9 @@
 reasoning (the model's thinking) and the content (its answer), and the registry of parsers
 by ``--reasoning-parser`` name (``ReasoningParserManager``).
 
-A parser is a pure function of the text generated so far, as the tool-call parsers are.
+A parser is a pure function of the text generated so far, as the tool-call parsers are; a
+format whose markers are special tokens may read the token ids too (``parse_output``: the
+ids say which marker-looking text is a marker, so text the model merely typed is not one).
 ``parse(text, final=True)`` is the non-streamed answer. ``parse(text, final=False)`` is
 what no continuation of ``text`` can change: its reasoning and its content are prefixes of
 the final ones. A partial snapshot therefore holds back a possible start of a tag at its
@@ -86,9 +88,20 @@ class ReasoningParser(ABC):
                 low = middle
         return high
 
-    def extract_reasoning(self, text: str) -> tuple[Optional[str], Optional[str]]:
-        """vLLM's non-streamed form: (reasoning, content), each None when empty."""
-        parsed = self.parse(text, final=True)
+    def parse_output(self, text: str, token_ids: Sequence[int], tokenizer: Any, final: bool) -> ParsedReasoning:
+        """``parse`` of an output given its ``token_ids`` too (``text`` their decoding, special
+        tokens kept, perhaps cut short by a stop string or a held-back partial character).
+        The default reads the text only; the same contract on ``final`` as ``parse``."""
+        return self.parse(text, final)
+
+    def extract_reasoning(self, text: str, token_ids: Optional[Sequence[int]] = None,
+                          tokenizer: Any = None) -> tuple[Optional[str], Optional[str]]:
+        """vLLM's non-streamed form: (reasoning, content), each None when empty; with
+        ``token_ids`` and ``tokenizer``, ``parse_output``'s."""
+        if token_ids is not None and tokenizer is not None:
+            parsed = self.parse_output(text, token_ids, tokenizer, final=True)
+        else:
+            parsed = self.parse(text, final=True)
         return parsed.reasoning or None, parsed.content or None
 
 
@@ -106,18 +119,25 @@ def partial_marker_length(text: str, markers: Sequence[str]) -> int:
 
 class ReasoningStream:
     """The streamed deltas of one choice read by a reasoning parser: each ``feed`` parses
-    the text so far and returns what grew since the last one, (reasoning delta, content
-    delta), each "" when nothing grew."""
+    the text so far (with ``tokenizer``, and its token ids: ``parse_output``) and returns
+    what grew since the last one, (reasoning delta, content delta), each "" when nothing grew."""
 
-    def __init__(self, parser: ReasoningParser) -> None:
+    def __init__(self, parser: ReasoningParser, tokenizer: Any = None) -> None:
         self.parser = parser
+        self.tokenizer = tokenizer
         self.text = ""
+        self.token_ids: list[int] = []
         self.sent = ParsedReasoning()
 
-    def feed(self, delta_text: str, final: bool) -> tuple[str, str]:
-        """The deltas for ``delta_text``, the next piece of the output (``final``: the last)."""
+    def feed(self, delta_text: str, final: bool, delta_token_ids: Sequence[int] = ()) -> tuple[str, str]:
+        """The deltas for ``delta_text`` (and its ``delta_token_ids``), the next piece of the
+        output (``final``: the last)."""
         self.text += delta_text
-        parsed = self.parser.parse(self.text, final)
+        self.token_ids += delta_token_ids
+        if self.tokenizer is not None:
+            parsed = self.parser.parse_output(self.text, self.token_ids, self.tokenizer, final)
+        else:
+            parsed = self.parser.parse(self.text, final)
         reasoning = _growth(self.sent.reasoning, parsed.reasoning)
         content = _growth(self.sent.content, parsed.content)
         self.sent = ParsedReasoning(self.sent.reasoning + reasoning, self.sent.content + content)

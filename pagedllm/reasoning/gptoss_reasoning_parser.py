@@ -7,23 +7,36 @@ the ``analysis`` channel are the reasoning, those of any other channel (``final`
 ``commentary``: preambles and tool calls) the content, in order. Text outside any message
 is content, less role headers. Source: vLLM's ``GptOssReasoningParser`` (analysis ->
 reasoning, final -> content) and OpenAI's harmony format description.
+
+Given the output's token ids and a tokenizer with the harmony special tokens (gpt-oss's own),
+the markers are read from the ids (``harmony_tokens``), as vLLM reads gpt-oss output with
+openai_harmony: a ``<|channel|>`` the model typed as ordinary tokens is text of its message.
+Without those tokens in the tokenizer, or when the text is not the ids' decoding, the text is
+read.
 """
 
 from __future__ import annotations
 
+from typing import Any, Optional, Sequence
+
 from pagedllm.reasoning.abs_reasoning_parsers import (
+    REASONING_END_WINDOW_TOKENS,
     ParsedReasoning,
     ReasoningParser,
     ReasoningParserManager,
     partial_marker_length,
 )
-
-START = "<|start|>"
-CHANNEL = "<|channel|>"
-MESSAGE = "<|message|>"
-ENDS = ("<|end|>", "<|return|>", "<|call|>")
-MARKERS = (START, CHANNEL, MESSAGE, *ENDS)
-REASONING_CHANNEL = "analysis"
+from pagedllm.reasoning.harmony_tokens import (
+    CHANNEL,
+    ENDS,
+    MARKERS,
+    MESSAGE,
+    REASONING_CHANNEL,
+    START,
+    harmony_marker_ids,
+    harmony_pieces,
+    reasoning_end_index,
+)
 
 
 @ReasoningParserManager.register_module("gpt_oss")
@@ -31,6 +44,55 @@ class GptOssReasoningParser(ReasoningParser):
     """Harmony channels -> reasoning / content (see the module docstring)."""
 
     keeps_special_tokens = True
+
+    def _marker_ids(self, tokenizer: Any) -> Optional[dict[int, str]]:
+        """``harmony_marker_ids`` of ``tokenizer``, looked up once per tokenizer."""
+        cached = getattr(self, "_markers", None)
+        if cached is None or cached[0] is not tokenizer:
+            self._markers = cached = (tokenizer, harmony_marker_ids(tokenizer))
+        return cached[1]
+
+    def parse_output(self, text: str, token_ids: Sequence[int], tokenizer: Any, final: bool) -> ParsedReasoning:
+        """The channels as the token ids mark them, cut to ``text`` (a stop string may have
+        cut it short; a partial character may be held back); ``parse(text)`` without the
+        harmony tokens or when ``text`` does not start the ids' decoding."""
+        marker_ids = self._marker_ids(tokenizer)
+        pieces = harmony_pieces(token_ids, tokenizer, marker_ids) if marker_ids else None
+        if pieces is None or not "".join(piece.text for piece in pieces).startswith(text):
+            return self.parse(text, final)
+        found = {"reasoning": [], "content": []}
+        left = len(text)
+        for piece in pieces:
+            part = piece.text[:left]
+            left -= len(part)
+            if piece.kind in found:
+                found[piece.kind].append(part)
+        return ParsedReasoning(reasoning="".join(found["reasoning"]), content="".join(found["content"]))
+
+    def ends_reasoning(self, token_ids: Sequence[int], tokenizer: Any) -> bool:
+        """Whether the last complete channel header of the window's tokens opens a channel
+        other than ``analysis``, read from the ids with the harmony tokens (else the text's
+        ``is_reasoning_end``)."""
+        marker_ids = self._marker_ids(tokenizer)
+        if not marker_ids:
+            return super().ends_reasoning(token_ids, tokenizer)
+        tail = list(token_ids[-REASONING_END_WINDOW_TOKENS:])
+        messages = [i for i, token_id in enumerate(tail) if marker_ids.get(token_id) == MESSAGE]
+        channels = [i for i, token_id in enumerate(tail) if marker_ids.get(token_id) == CHANNEL]
+        if not messages or not channels or channels[0] > messages[-1]:
+            return False
+        last_header = max(i for i in channels if i < messages[-1])
+        return reasoning_end_index(tail[last_header:], marker_ids, tokenizer) is not None
+
+    def count_reasoning_tokens(self, token_ids: Sequence[int], tokenizer: Any) -> int:
+        """The tokens up to (with) the ``<|message|>`` of the first channel other than
+        ``analysis``, read from the ids with the harmony tokens (else the text's count); all
+        of them when there is none."""
+        marker_ids = self._marker_ids(tokenizer)
+        if not marker_ids:
+            return super().count_reasoning_tokens(token_ids, tokenizer)
+        end = reasoning_end_index(token_ids, marker_ids, tokenizer)
+        return len(token_ids) if end is None else end
 
     def parse(self, text: str, final: bool) -> ParsedReasoning:
         reasoning: list[str] = []

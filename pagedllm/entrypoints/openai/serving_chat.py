@@ -238,7 +238,8 @@ class OpenAIServingChat(OpenAIServing):
         text: Optional[str] = output.text
         reasoning = None
         if run.reasoning_parser is not None:
-            reasoning, text = run.reasoning_parser.extract_reasoning(output.text)
+            reasoning, text = run.reasoning_parser.extract_reasoning(output.text, output.token_ids,
+                                                                     self.renderer.tokenizer)
             reasoning = reasoning if request.include_reasoning else None
         if run.tool_parser is None:
             message = ChatResponseMessage(role=role, content=text, reasoning=reasoning, reasoning_content=reasoning)
@@ -303,7 +304,8 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         tool_streams = [ToolCallStream(request, run.tool_parser) for _ in range(request.n)] if run.tool_parser else None
         parser = run.reasoning_parser
-        reasoning_streams = [ReasoningStream(parser) for _ in range(request.n)] if parser else None
+        tokenizer = self.renderer.tokenizer
+        reasoning_streams = [ReasoningStream(parser, tokenizer) for _ in range(request.n)] if parser else None
         num_generated = [0] * request.n
         generated: list[list[int]] = [[] for _ in range(request.n)]  # for the reasoning count
         num_cached = 0
@@ -355,7 +357,7 @@ class OpenAIServingChat(OpenAIServing):
         reason = completion.finish_reason
         text, reasoning = completion.text, None
         if reasoning_stream is not None:
-            reasoning, text = reasoning_stream.feed(text, finished)
+            reasoning, text = reasoning_stream.feed(text, finished, completion.token_ids)
         if tool_stream is None:
             delta = DeltaMessage(content=text if text or not (finished or reasoning_stream) else None)
         else:
