@@ -110,3 +110,32 @@ def test_log_content_format_names_the_detected_format(caplog):
     assert messages[0] == ("Detected the chat template content format to be 'openai'. You can set "
                            "--chat-template-content-format to override this.")
     assert messages[2] == "--chat-template-content-format string differs from the detected format 'openai'."
+
+
+def test_media_parts_follow_a_forced_format(tokenizer):
+    """An image part under a forced format: "string" puts the placeholder line before the
+    text even for a template that renders parts; "openai" gives the parts (the image as
+    ``{"type": "image"}``) even to a template that writes them as a string."""
+    image_template = ("{% for m in messages %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>"
+                      "{% else %}{{ p['text'] }}{% endif %}{% endfor %}|{% endfor %}")
+    conversation = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                 {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]
+
+    def render_with(template, content_format):
+        def render(messages, keep_parts):
+            return apply_chat_template(tokenizer, messages, template, False, False, None, None, keep_parts)
+
+        fmt = resolve_content_format(content_format, template)
+        text, items = render_media_chat(render, conversation, "<image>", None, content_format, fmt)
+        assert [item.url for item in items] == ["http://x/a.png"]
+        return text
+
+    assert render_with(image_template, "auto") == "What is this?<image>|"
+    assert render_with(image_template, "openai") == "What is this?<image>|"
+    # a string content: the placeholder line, then the text (a template that only loops over
+    # parts iterates the string's characters and writes nothing of it)
+    assert render_with(PARTS_TEMPLATE, "string") == "<|im_start|>user\n<image>\nWhat is this?<|im_end|>\n"
+    assert render_with(image_template, "string") == "|"
+    assert render_with(STRING_TEMPLATE, "auto") == "[user]<image>\nWhat is this?"
+    assert render_with(STRING_TEMPLATE, "openai") == (
+        "[user][{'type': 'text', 'text': 'What is this?'}, {'type': 'image'}]")

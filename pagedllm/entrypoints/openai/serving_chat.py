@@ -1,8 +1,9 @@
 """``POST /v1/chat/completions``: messages -> chat template -> one prompt -> n choices.
 
 The prompt is the model's chat template (or ``--chat-template``, or the request's
-``chat_template``) rendered by ``PromptRenderer.render_chat``; text content parts are
-joined with newlines first, so templates that expect string content work too.
+``chat_template``) rendered by ``PromptRenderer.render_chat``; text content parts reach
+it as a list when it loops over a message's content, else joined with newlines
+(``--chat-template-content-format``).
 ``max_completion_tokens`` (or ``max_tokens``) defaults to the model's default (its
 generation_config.json's ``max_new_tokens``), else the rest of the context.
 
