@@ -88,11 +88,21 @@ class ReasoningParser(ABC):
                 low = middle
         return high
 
+    def token_reader(self, tokenizer: Any) -> Optional["TokenReader"]:
+        """A reader of one output that parses it with its token ids too (``TokenReader``), for a
+        format whose markers are ``tokenizer``'s special tokens; None (the default): the text
+        alone is read (``parse``)."""
+        return None
+
     def parse_output(self, text: str, token_ids: Sequence[int], tokenizer: Any, final: bool) -> ParsedReasoning:
         """``parse`` of an output given its ``token_ids`` too (``text`` their decoding, special
-        tokens kept, perhaps cut short by a stop string or a held-back partial character).
-        The default reads the text only; the same contract on ``final`` as ``parse``."""
-        return self.parse(text, final)
+        tokens kept, perhaps cut short by a stop string or a held-back partial character),
+        through ``token_reader`` when the format has one; the same contract on ``final``."""
+        reader = self.token_reader(tokenizer)
+        if reader is None:
+            return self.parse(text, final)
+        reader.feed(token_ids)
+        return reader.parse(text, final)
 
     def extract_reasoning(self, text: str, token_ids: Optional[Sequence[int]] = None,
                           tokenizer: Any = None) -> tuple[Optional[str], Optional[str]]:
@@ -103,6 +113,19 @@ class ReasoningParser(ABC):
         else:
             parsed = self.parse(text, final=True)
         return parsed.reasoning or None, parsed.content or None
+
+
+class TokenReader(ABC):
+    """One output's reasoning read with its token ids (``ReasoningParser.token_reader``): ``feed``
+    the ids as they come, ``parse`` the text so far (their decoding) under ``parse``'s contract."""
+
+    @abstractmethod
+    def feed(self, token_ids: Sequence[int]) -> None:
+        """Read the next ``token_ids`` of the output."""
+
+    @abstractmethod
+    def parse(self, text: str, final: bool) -> ParsedReasoning:
+        """The reasoning and content of ``text``, the decoding of the ids fed so far."""
 
 
 def partial_marker_length(text: str, markers: Sequence[str]) -> int:
@@ -119,23 +142,23 @@ def partial_marker_length(text: str, markers: Sequence[str]) -> int:
 
 class ReasoningStream:
     """The streamed deltas of one choice read by a reasoning parser: each ``feed`` parses
-    the text so far (with ``tokenizer``, and its token ids: ``parse_output``) and returns
-    what grew since the last one, (reasoning delta, content delta), each "" when nothing grew."""
+    the text so far (with ``tokenizer``, and its token ids: the parser's ``token_reader``) and
+    returns what grew since the last one, (reasoning delta, content delta), each "" when
+    nothing grew."""
 
     def __init__(self, parser: ReasoningParser, tokenizer: Any = None) -> None:
         self.parser = parser
-        self.tokenizer = tokenizer
+        self.reader = parser.token_reader(tokenizer) if tokenizer is not None else None
         self.text = ""
-        self.token_ids: list[int] = []
         self.sent = ParsedReasoning()
 
     def feed(self, delta_text: str, final: bool, delta_token_ids: Sequence[int] = ()) -> tuple[str, str]:
         """The deltas for ``delta_text`` (and its ``delta_token_ids``), the next piece of the
         output (``final``: the last)."""
         self.text += delta_text
-        self.token_ids += delta_token_ids
-        if self.tokenizer is not None:
-            parsed = self.parser.parse_output(self.text, self.token_ids, self.tokenizer, final)
+        if self.reader is not None:
+            self.reader.feed(delta_token_ids)
+            parsed = self.reader.parse(self.text, final)
         else:
             parsed = self.parser.parse(self.text, final)
         reasoning = _growth(self.sent.reasoning, parsed.reasoning)

@@ -24,6 +24,7 @@ from pagedllm.reasoning.abs_reasoning_parsers import (
     ParsedReasoning,
     ReasoningParser,
     ReasoningParserManager,
+    TokenReader,
     partial_marker_length,
 )
 from pagedllm.reasoning.harmony_tokens import (
@@ -33,8 +34,8 @@ from pagedllm.reasoning.harmony_tokens import (
     MESSAGE,
     REASONING_CHANNEL,
     START,
+    HarmonyReader,
     harmony_marker_ids,
-    harmony_pieces,
     reasoning_end_index,
 )
 
@@ -52,22 +53,11 @@ class GptOssReasoningParser(ReasoningParser):
             self._markers = cached = (tokenizer, harmony_marker_ids(tokenizer))
         return cached[1]
 
-    def parse_output(self, text: str, token_ids: Sequence[int], tokenizer: Any, final: bool) -> ParsedReasoning:
-        """The channels as the token ids mark them, cut to ``text`` (a stop string may have
-        cut it short; a partial character may be held back); ``parse(text)`` without the
-        harmony tokens or when ``text`` does not start the ids' decoding."""
+    def token_reader(self, tokenizer: Any) -> Optional["_HarmonyTokenReader"]:
+        """A reader of the channels from the token ids with ``tokenizer``'s harmony special
+        tokens; None (read the text) without them."""
         marker_ids = self._marker_ids(tokenizer)
-        pieces = harmony_pieces(token_ids, tokenizer, marker_ids) if marker_ids else None
-        if pieces is None or not "".join(piece.text for piece in pieces).startswith(text):
-            return self.parse(text, final)
-        found = {"reasoning": [], "content": []}
-        left = len(text)
-        for piece in pieces:
-            part = piece.text[:left]
-            left -= len(part)
-            if piece.kind in found:
-                found[piece.kind].append(part)
-        return ParsedReasoning(reasoning="".join(found["reasoning"]), content="".join(found["content"]))
+        return _HarmonyTokenReader(self, HarmonyReader(tokenizer, marker_ids)) if marker_ids else None
 
     def ends_reasoning(self, token_ids: Sequence[int], tokenizer: Any) -> bool:
         """Whether the last complete channel header of the window's tokens opens a channel
@@ -127,6 +117,24 @@ class GptOssReasoningParser(ReasoningParser):
         if header < 0:
             return False
         return _channel_name(text, header, body_start) != REASONING_CHANNEL
+
+
+class _HarmonyTokenReader(TokenReader):
+    """``HarmonyReader``'s channels, or the parser's text reading when the text is not the
+    ids' decoding."""
+
+    def __init__(self, parser: GptOssReasoningParser, reader: HarmonyReader) -> None:
+        self.parser = parser
+        self.reader = reader
+
+    def feed(self, token_ids: Sequence[int]) -> None:
+        self.reader.feed(token_ids)
+
+    def parse(self, text: str, final: bool) -> ParsedReasoning:
+        found = self.reader.parse(text)
+        if found is None:
+            return self.parser.parse(text, final)
+        return ParsedReasoning(reasoning=found[0], content=found[1])
 
 
 def _channel_name(text: str, header: int, body_start: int) -> str:

@@ -4,7 +4,7 @@ only the special tokens ``<|start|>``, ``<|channel|>``, ``<|message|>``, ``<|end
 ``<|return|>`` and ``<|call|>`` are markers, so ``<|channel|>`` typed by the model as
 ordinary tokens stays text.
 
-``harmony_pieces`` cuts an output into ``Piece``s (markers, headers, channel bodies) whose texts
+``HarmonyReader`` cuts an output into ``Piece``s (markers, headers, channel bodies) whose texts
 join into the output's decoding; ``reasoning_end_index`` finds where the reasoning ends.
 """
 
@@ -49,39 +49,81 @@ def channel_name(header_text: str) -> str:
     return header_text.strip().split(" ", 1)[0]
 
 
-def harmony_pieces(token_ids: Sequence[int], tokenizer: Any, marker_ids: dict[int, str]) -> list[Piece]:
-    """The pieces of an output (``Piece``): a body runs from ``<|message|>`` to an end marker
-    or the next ``<|start|>`` / ``<|channel|>``; a run of ordinary tokens is decoded whole
-    (``tokenizer.decode``, special tokens kept)."""
-    pieces: list[Piece] = []
-    state, channel, run = "outside", "", []  # state: outside | header | channel | body
+class HarmonyReader:
+    """One output read token by token (``feed``), its text parsed against the ids (``parse``):
+    a body runs from ``<|message|>`` to an end marker or the next ``<|start|>`` /
+    ``<|channel|>``; each closed run of ordinary tokens is decoded once (``tokenizer.decode``,
+    special tokens kept), and the open one is the rest of the text, so a stream costs O(length).
 
-    def close_run() -> None:
-        nonlocal channel
-        if state == "channel":
-            channel = channel_name(tokenizer.decode(run, skip_special_tokens=False)) if run else ""
-        if run:
-            kind = {"outside": "content", "body": "reasoning" if channel == REASONING_CHANNEL else "content"}
-            pieces.append(Piece(kind.get(state, "header"), tokenizer.decode(run, skip_special_tokens=False)))
-            run.clear()
+    Args:
+        tokenizer: the output's tokenizer.
+        marker_ids: ``harmony_marker_ids(tokenizer)``.
+    """
 
-    for token_id in token_ids:
-        marker = marker_ids.get(token_id)
-        if marker is None:
-            run.append(token_id)
-            continue
-        close_run()
-        pieces.append(Piece("marker", marker))
-        if marker == START:
-            state, channel = "header", ""
-        elif marker == CHANNEL:
-            state = "channel"
-        elif marker == MESSAGE:
-            state = "body"
-        else:
-            state = "outside"
-    close_run()
-    return pieces
+    def __init__(self, tokenizer: Any, marker_ids: dict[int, str]) -> None:
+        self.tokenizer = tokenizer
+        self.marker_ids = marker_ids
+        self.pieces: list[Piece] = []  # closed: markers and the runs they closed
+        self.closed_text = ""
+        self.closed = {"reasoning": "", "content": ""}
+        self.state, self.channel = "outside", ""  # state: outside | header | channel | body
+        self.run: list[int] = []  # the open run's ordinary tokens
+
+    def _open_kind(self) -> str:
+        if self.state == "outside":
+            return "content"
+        if self.state == "body":
+            return "reasoning" if self.channel == REASONING_CHANNEL else "content"
+        return "header"
+
+    def _close(self, piece: Piece) -> None:
+        self.pieces.append(piece)
+        self.closed_text += piece.text
+        if piece.kind in self.closed:
+            self.closed[piece.kind] += piece.text
+
+    def feed(self, token_ids: Sequence[int]) -> None:
+        """Read the next ``token_ids`` of the output."""
+        for token_id in token_ids:
+            marker = self.marker_ids.get(token_id)
+            if marker is None:
+                self.run.append(token_id)
+                continue
+            text = self.tokenizer.decode(self.run, skip_special_tokens=False) if self.run else ""
+            if self.state == "channel":
+                self.channel = channel_name(text)
+            if text:
+                self._close(Piece(self._open_kind(), text))
+            self.run = []
+            self._close(Piece("marker", marker))
+            if marker == START:
+                self.state, self.channel = "header", ""
+            elif marker == CHANNEL:
+                self.state = "channel"
+            elif marker == MESSAGE:
+                self.state = "body"
+            else:
+                self.state = "outside"
+
+    def parse(self, text: str) -> Optional[tuple[str, str]]:
+        """(reasoning, content) of ``text``, the decoding of the tokens fed so far (perhaps cut
+        short by a stop string, or without a partial character at its end): the closed pieces,
+        then the rest of ``text`` as the open run's; None when ``text`` is not that decoding."""
+        if text.startswith(self.closed_text):
+            rest = text[len(self.closed_text):]
+            kind = self._open_kind()
+            return (self.closed["reasoning"] + (rest if kind == "reasoning" else ""),
+                    self.closed["content"] + (rest if kind == "content" else ""))
+        if not self.closed_text.startswith(text):
+            return None
+        found = {"reasoning": "", "content": ""}
+        left = len(text)
+        for piece in self.pieces:
+            part = piece.text[:left]
+            left -= len(part)
+            if piece.kind in found:
+                found[piece.kind] += part
+        return found["reasoning"], found["content"]
 
 
 def reasoning_end_index(token_ids: Sequence[int], marker_ids: dict[int, str], tokenizer: Any) -> Optional[int]:

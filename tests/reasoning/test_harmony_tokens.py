@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.reasoning import ReasoningParserManager, ReasoningStream
+from pagedllm.reasoning import ParsedReasoning, ReasoningParserManager, ReasoningStream
 from pagedllm.reasoning.harmony_tokens import MARKERS, harmony_marker_ids, reasoning_end_index
 from tests.fixtures.checkpoints import build_tokenizer
 
@@ -106,3 +106,29 @@ def test_reasoning_end_from_the_ids(harmony_tokenizer):
     assert parser.ends_reasoning(ids[:real_end], harmony_tokenizer)
     assert not parser.ends_reasoning(ids[: real_end - 1], harmony_tokenizer)
     assert parser.count_reasoning_tokens(analysis, harmony_tokenizer) == len(analysis)
+
+
+def test_a_stream_decodes_each_closed_run_once(harmony_tokenizer):
+    """Token by token, the reader decodes a run of ordinary tokens once, when a marker closes
+    it (the open run is the rest of the text): a stream costs O(length), not O(length²)."""
+    ids = _output(harmony_tokenizer)
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(harmony_tokenizer, name)
+
+        def decode(self, token_ids, **kwargs):
+            calls.append(len(token_ids))
+            return harmony_tokenizer.decode(token_ids, **kwargs)
+
+    stream = ReasoningStream(_parser(), Counting())
+    # the engine's texts: a character cut between tokens comes with the next
+    texts = [harmony_tokenizer.decode(ids[: k + 1], skip_special_tokens=False).rstrip("\ufffd") for k in range(len(ids))]
+    marker_lookups = len(calls)  # harmony_marker_ids decodes each marker once
+    previous = ""
+    for k, text in enumerate(texts):
+        stream.feed(text[len(previous):], k == len(ids) - 1, ids[k : k + 1])
+        previous = text
+    assert stream.sent == ParsedReasoning(REASONING, CONTENT)
+    assert len(calls) - marker_lookups == 5  # analysis, its body, assistant, final, its body
