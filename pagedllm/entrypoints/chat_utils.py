@@ -168,12 +168,14 @@ def _article(word: str) -> str:
 def openai_parts_conversation(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The conversation in vLLM's "openai" content format, as a template that loops over a
     message's parts takes it: a string content as one ``{"type": "text", "text": ...}`` part,
-    text parts as that, each image part as ``{"type": "image"}``, each video part as
-    ``{"type": "video"}``, other parts as they are. The input is not changed."""
+    a null or missing one as ``[]``, text parts as that, each image part as ``{"type": "image"}``,
+    each video part as ``{"type": "video"}``, other parts as they are. The input is not changed."""
     messages = []
     for message in conversation:
         parts = message.get("content")
-        if isinstance(parts, str):
+        if parts is None:
+            message = {**message, "content": []}
+        elif isinstance(parts, str):
             message = {**message, "content": [{"type": "text", "text": parts}]}
         elif isinstance(parts, list):
             message = {**message, "content": [_openai_part(part) for part in parts]}
@@ -324,8 +326,8 @@ def multimodal_chat_prompt(processor: Any, text: str, media: dict[str, list[Any]
 def template_messages(conversation: list[dict[str, Any]], keep_parts: bool = False) -> list[dict[str, Any]]:
     """The messages as chat templates expect them, as vLLM passes them: OpenAI's content
     parts (``[{"type": "text", "text": ...}, ...]``) joined with newlines into one string
-    (vLLM's "string" content format), or with ``keep_parts`` every content as a list of parts
-    (its "openai" format: ``openai_parts_conversation``);
+    (vLLM's "string" content format; a null or missing content as ""), or with ``keep_parts``
+    every content as a list of parts (its "openai" format: ``openai_parts_conversation``);
     the ``function.arguments`` of an assistant message's ``tool_calls`` decoded from JSON
     text to a dict (OpenAI sends a string; templates such as Qwen's and Llama's write
     ``arguments | tojson``); arguments that are not JSON stay as they are. The input is not
@@ -338,6 +340,8 @@ def template_messages(conversation: list[dict[str, Any]], keep_parts: bool = Fal
     for message in openai_parts_conversation(conversation) if keep_parts else conversation:
         if isinstance(message.get("content"), list) and not keep_parts:
             message = {**message, "content": _joined_text(message["content"])}
+        elif message.get("content") is None:
+            message = {**message, "content": ""}
         calls = message.get("tool_calls")
         if isinstance(calls, list):
             message = {**message, "tool_calls": [_decoded_call(call) for call in calls]}

@@ -139,3 +139,13 @@ def test_media_parts_follow_a_forced_format(tokenizer):
     assert render_with(STRING_TEMPLATE, "auto") == "[user]<image>\nWhat is this?"
     assert render_with(STRING_TEMPLATE, "openai") == (
         "[user][{'type': 'text', 'text': 'What is this?'}, {'type': 'image'}]")
+
+
+def test_null_content_is_empty_in_either_format():
+    """A null (or missing) content, as of an assistant message with tool calls: "" for a
+    string template, [] for a parts template (vLLM's)."""
+    from pagedllm.entrypoints.chat_utils import template_messages
+
+    conversation = [{"role": "assistant", "content": None}, {"role": "assistant"}]
+    assert [m["content"] for m in template_messages(conversation)] == ["", ""]
+    assert [m["content"] for m in template_messages(conversation, keep_parts=True)] == [[], []]
