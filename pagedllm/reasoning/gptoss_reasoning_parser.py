@@ -45,13 +45,14 @@ class GptOssReasoningParser(ReasoningParser):
     """Harmony channels -> reasoning / content (see the module docstring)."""
 
     keeps_special_tokens = True
+    #: (tokenizer, its ``harmony_marker_ids``) of the last lookup.
+    _markers: Optional[tuple[Any, Optional[dict[int, str]]]] = None
 
     def _marker_ids(self, tokenizer: Any) -> Optional[dict[int, str]]:
         """``harmony_marker_ids`` of ``tokenizer``, looked up once per tokenizer."""
-        cached = getattr(self, "_markers", None)
-        if cached is None or cached[0] is not tokenizer:
-            self._markers = cached = (tokenizer, harmony_marker_ids(tokenizer))
-        return cached[1]
+        if self._markers is None or self._markers[0] is not tokenizer:
+            self._markers = (tokenizer, harmony_marker_ids(tokenizer))
+        return self._markers[1]
 
     def token_reader(self, tokenizer: Any) -> Optional["_HarmonyTokenReader"]:
         """A reader of the channels from the token ids with ``tokenizer``'s harmony special
