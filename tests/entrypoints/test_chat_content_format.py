@@ -33,6 +33,12 @@ CONVERSATION = [{"role": "system", "content": "Be terse."}, {"role": "user", "co
         # through an alias of messages, a slice and a filter on the content
         ("{% set loop_messages = messages[1:] %}{% for m in loop_messages %}"
          "{% for p in m.content | selectattr('type', 'equalto', 'text') %}{{ p.text }}{% endfor %}{% endfor %}", "openai"),
+        # messages reassigned from a slice of itself, a system message read apart (Llama 3 style)
+        ("{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] | trim %}"
+         "{%- set messages = messages[1:] %}{%- endif %}{{ system }}{%- for message in messages %}"
+         "{%- if message['content'] is string %}{{ message['content'] }}{%- else %}"
+         "{%- for part in message['content'] %}{%- if part['type'] == 'image' %}<|image|>{%- else %}"
+         "{{ part['text'] | trim }}{%- endif %}{%- endfor %}{%- endif %}{%- endfor %}", "openai"),
         # the loop inside transformers' {% generation %} block
         ("{% for m in messages %}{% generation %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}"
          "{% endgeneration %}{% endfor %}", "openai"),
