@@ -3,11 +3,15 @@
 - ``--config FILE.yaml``: a YAML mapping of flag names (``tensor-parallel-size`` or
   ``tensor_parallel_size``, without dashes in front) to values. The command line wins over
   the file, the file over the defaults (vLLM's order). ``true`` sets a switch, ``false``
-  turns a ``--x / --no-x`` switch off; a list fills a flag that takes several values.
+  turns a ``--x / --no-x`` switch off; a list fills a flag that takes several values; a
+  mapping is a JSON-object flag's object (``structured-outputs-config: {backend: guidance}``),
+  and a dotted key one key of it (``structured-outputs-config.backend: guidance``), as on the
+  command line.
 - ``--max_model_len`` means ``--max-model-len`` (vLLM accepts both spellings).
 - ``--structured-outputs-config.backend guidance`` sets one key of a JSON-object flag (vLLM's
   dotted form; the value is read as JSON when it is JSON, else kept as a string), over the
-  flag's own JSON object. vLLM's earlier ``--guided-decoding-backend X`` and
+  flag's own JSON object; ``--x.a.b 1`` sets ``{"a": {"b": 1}}``, merged with the object's
+  ``a``. vLLM's earlier ``--guided-decoding-backend X`` and
   ``--guided-decoding-disable-fallback`` / ``-disable-any-whitespace`` /
   ``-disable-additional-properties`` switches set those keys of ``--structured-outputs-config``.
 - An unknown flag gets a "did you mean" suggestion (``difflib``) after the parser's usage
@@ -59,9 +63,24 @@ def _parse_known_args(
     namespace, extras = argparse.ArgumentParser.parse_known_args(parser, arg_list, namespace)
     if extras:
         refuse_unknown(parser, extras)
-    for dest, key, value in keys:
-        setattr(namespace, dest, {**(getattr(namespace, dest, None) or {}), key: value})
+    apply_keys(namespace, keys)
     return namespace, extras
+
+
+def apply_keys(namespace: argparse.Namespace, keys: list[tuple[str, str, Any]]) -> None:
+    """Set each ``(dest, "a.b", value)`` of ``_key_assignments`` in ``namespace``: the JSON
+    object at ``dest`` (None: a new one) gets ``{"a": {"b": value}}``, merged into its mappings
+    (a later key wins over an earlier one). The objects are copied, not changed in place."""
+    for dest, key, value in keys:
+        updated = dict(getattr(namespace, dest, None) or {})
+        target = updated
+        *path, last = key.split(".")
+        for part in path:
+            inner = target.get(part)
+            target[part] = dict(inner) if isinstance(inner, dict) else {}
+            target = target[part]
+        target[last] = value
+        setattr(namespace, dest, updated)
 
 
 def _is_json_object_flag(action: Optional[argparse.Action]) -> bool:
@@ -160,25 +179,35 @@ def config_file_values(parser: argparse.ArgumentParser, path: str) -> dict[str, 
     if not isinstance(content, dict):
         parser.error(f"{CONFIG_FLAG} {path}: expected a mapping of flag names to values, got {type(content).__name__}")
     file_args, actions = _config_file_args(parser, path, content)
+    file_args, keys = _key_assignments(parser, file_args)
     namespace, extras = argparse.ArgumentParser.parse_known_args(parser, file_args, argparse.Namespace())
     if extras:
         refuse_unknown(parser, extras, f" in {path}")
+    apply_keys(namespace, keys)
     return {action.dest: getattr(namespace, action.dest) for action in actions}
 
 
 def _config_file_args(
     parser: argparse.ArgumentParser, path: str, content: dict
 ) -> tuple[list[str], list[argparse.Action]]:
-    """The command-line form of a config file's mapping, and the action of each flag it sets."""
+    """The command-line form of a config file's mapping, and the action of each flag it sets
+    (a dotted key ``flag.key``, of a JSON-object flag, as ``--flag.key VALUE``).
+
+    Exits (``refuse_unknown``) on an unknown flag, or a dotted key of a flag that takes no JSON object.
+    """
     file_args: list[str] = []
     actions = []
     for key, value in content.items():
-        option = "--" + str(key).lstrip("-").replace("_", "-")
+        name, dot, subkey = str(key).lstrip("-").partition(".")
+        option = "--" + name.replace("_", "-")
         action = parser._option_string_actions.get(option)
-        if action is None or option == CONFIG_FLAG:
-            refuse_unknown(parser, [option], f" in {path}")
+        if action is None or option == CONFIG_FLAG or (dot and not _is_json_object_flag(action)):
+            refuse_unknown(parser, [option + dot + subkey], f" in {path}")
         actions.append(action)
-        file_args += flag_as_args(option, action, value)
+        if dot:
+            file_args += [f"{option}.{subkey}", value if isinstance(value, str) else json.dumps(value)]
+        else:
+            file_args += flag_as_args(option, action, value)
     return file_args, actions
 
 

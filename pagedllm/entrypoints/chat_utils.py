@@ -165,42 +165,61 @@ def _article(word: str) -> str:
     return "an" if word[:1] in "aeiou" else "a"
 
 
-def media_parts_conversation(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The conversation as a template that loops over a message's parts takes it (vLLM's
-    "openai" content format): each image part as ``{"type": "image"}``, each video part as
-    ``{"type": "video"}``, other parts as they are. The input is not changed."""
+def openai_parts_conversation(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation in vLLM's "openai" content format, as a template that loops over a
+    message's parts takes it: a string content as one ``{"type": "text", "text": ...}`` part,
+    a null or missing one as ``[]``, text parts as that, each image part as ``{"type": "image"}``,
+    each video part as ``{"type": "video"}``, other parts as they are. The input is not changed."""
     messages = []
     for message in conversation:
         parts = message.get("content")
-        if isinstance(parts, list) and any(_part_type(p) in MEDIA_PART_TYPES for p in parts):
-            parts = [{"type": "video" if _part_type(p) in VIDEO_PART_TYPES else "image"}
-                     if _part_type(p) in MEDIA_PART_TYPES else p for p in parts]
-            message = {**message, "content": parts}
+        if parts is None:
+            message = {**message, "content": []}
+        elif isinstance(parts, str):
+            message = {**message, "content": [{"type": "text", "text": parts}]}
+        elif isinstance(parts, list):
+            message = {**message, "content": [_openai_part(part) for part in parts]}
         messages.append(message)
     return messages
 
 
+def _openai_part(part: Any) -> Any:
+    kind = _part_type(part)
+    if kind == "text" and isinstance(part.get("text"), str):
+        return {"type": "text", "text": part["text"]}
+    if kind in MEDIA_PART_TYPES:
+        return {"type": "video" if kind in VIDEO_PART_TYPES else "image"}
+    return part
+
+
 def render_media_chat(render: Callable[[list[dict[str, Any]], bool], str], conversation: list[dict[str, Any]],
-                      placeholder: Optional[str], video_placeholder: Optional[str]) -> tuple[str, list[ChatImage]]:
-    """(prompt text, the items of ``conversation_images``) of a conversation with images or
-    videos, as vLLM's "auto" content format renders it: by the template itself when it writes
-    the model's placeholder for each item from ``media_parts_conversation``'s parts (as
-    Qwen-VL's, Gemma 3's and Llava's own templates do), else from ``conversation_images``'
-    string contents. ``render(conversation, keep_parts)`` applies the chat template.
+                      placeholder: Optional[str], video_placeholder: Optional[str],
+                      content_format: str = "auto", template_format: str = "string") -> tuple[str, list[ChatImage]]:
+    """(prompt text, the items of ``conversation_images``) of a conversation, its contents in
+    ``template_format`` ("string" or "openai": ``chat_content_format.resolve_content_format``
+    of ``content_format``, the ``--chat-template-content-format`` option, and the template).
+    ``render(conversation, keep_parts)`` applies the chat template; ``keep_parts`` gives it
+    ``openai_parts_conversation``'s parts.
+
+    A conversation with images or videos under "auto" is rendered by the template itself when
+    it writes the model's placeholder for each item from the parts (as Qwen-VL's, Gemma 3's and
+    Llava's own templates do), else from ``conversation_images``' string contents.
 
     Raises:
         MediaPartError: see ``conversation_images``; whatever ``render`` raises on the string form.
     """
     strings, items = conversation_images(conversation, placeholder, video_placeholder)
-    if items:
-        try:
-            text = render(media_parts_conversation(conversation), True)
-        except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError):
-            text = None  # a template that takes string contents only
-        num_videos = sum(item.modality == "video" for item in items)
-        if text is not None and text.count(placeholder or "") == len(items) - num_videos and (
-                not num_videos or text.count(video_placeholder or "") == num_videos):
-            return text, items
+    if not items or content_format != "auto":
+        use_parts = template_format == "openai"
+        return render(conversation if use_parts else strings, use_parts), items
+    try:
+        text = render(conversation, True)
+    except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError):
+        text = None  # a template that takes string contents only
+    num_videos = sum(item.modality == "video" for item in items)
+    if text is not None and text.count(placeholder or "") == len(items) - num_videos and (
+            not num_videos or text.count(video_placeholder or "") == num_videos):
+        return text, items
     return render(strings, False), items
 
 
@@ -307,7 +326,8 @@ def multimodal_chat_prompt(processor: Any, text: str, media: dict[str, list[Any]
 def template_messages(conversation: list[dict[str, Any]], keep_parts: bool = False) -> list[dict[str, Any]]:
     """The messages as chat templates expect them, as vLLM passes them: OpenAI's content
     parts (``[{"type": "text", "text": ...}, ...]``) joined with newlines into one string
-    (with ``keep_parts``, left a list: ``media_parts_conversation``'s form);
+    (vLLM's "string" content format; a null or missing content as ""), or with ``keep_parts``
+    every content as a list of parts (its "openai" format: ``openai_parts_conversation``);
     the ``function.arguments`` of an assistant message's ``tool_calls`` decoded from JSON
     text to a dict (OpenAI sends a string; templates such as Qwen's and Llama's write
     ``arguments | tojson``); arguments that are not JSON stay as they are. The input is not
@@ -317,9 +337,11 @@ def template_messages(conversation: list[dict[str, Any]], keep_parts: bool = Fal
         ValueError: a content part that is not text (images, audio ...).
     """
     messages = []
-    for message in conversation:
+    for message in openai_parts_conversation(conversation) if keep_parts else conversation:
         if isinstance(message.get("content"), list) and not keep_parts:
             message = {**message, "content": _joined_text(message["content"])}
+        elif message.get("content") is None:
+            message = {**message, "content": ""}
         calls = message.get("tool_calls")
         if isinstance(calls, list):
             message = {**message, "tool_calls": [_decoded_call(call) for call in calls]}

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
+from pagedllm.entrypoints.chat_content_format import resolve_content_format, template_text
 from pagedllm.entrypoints.chat_utils import (
     apply_chat_template,
     render_media_chat,
@@ -184,6 +185,7 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: Union[LoRARequest, Sequence[LoRARequest], None] = None,
         chat_template: Optional[str] = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: Optional[list[dict[str, Any]]] = None,
@@ -192,7 +194,10 @@ class LLM:
         """Generate replies to one conversation or a list of them, formatted with the
         tokenizer's chat template (or ``chat_template``); the other arguments as
         ``generate``'s, in vLLM's order. A message's ``content`` is a string or OpenAI's
-        text parts (``[{"type": "text", "text": ...}]``, joined with newlines), and for an
+        text parts (``[{"type": "text", "text": ...}]``), handed to the template in
+        ``chat_template_content_format`` (vLLM's: "string" joins the parts with newlines,
+        "openai" gives every content as a list of parts, "auto" the one the template takes:
+        ``chat_content_format.detect_content_format``), and for an
         image-text model ``image_url`` parts (``data:`` / ``file://`` / ``http(s)://`` URLs, see
         ``chat_utils.conversation_images``) or ``{"type": "image_pil", "image_pil": image}``. ``tools``
         (OpenAI's function definitions) reach the template as its ``tools`` variable, as in
@@ -203,20 +208,24 @@ class LLM:
                 ``continue_final_message`` is set without ``add_generation_prompt=False``
                 (``chat_utils.resolve_chat_options``, as vLLM), for a content part that is
                 neither text nor (on an image-text model) an image, an image that cannot be
-                loaded ("messages[i].content[j]: <why>"), or as ``generate``.
+                loaded ("messages[i].content[j]: <why>"), an unknown
+                ``chat_template_content_format``, or as ``generate``.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         model_config = self.llm_engine.config.model_config
         placeholder = image_placeholder(model_config, tokenizer)
         video_text = video_placeholder(model_config)
+        template_format = resolve_content_format(chat_template_content_format,
+                                                 template_text(tokenizer, chat_template, tools))
         token_prompts = []
         for conversation in conversations:
             def render(messages: list[dict[str, Any]], keep_parts: bool) -> str:
                 return apply_chat_template(tokenizer, messages, chat_template, add_generation_prompt,
                                            continue_final_message, chat_template_kwargs, tools, keep_parts)
 
-            text, images = render_media_chat(render, conversation, placeholder, video_text)
+            text, images = render_media_chat(render, conversation, placeholder, video_text,
+                                             chat_template_content_format, template_format)
             if images:
                 loaded = load_chat_images(images, media_connector(model_config),
                                           model_config.multimodal_config.video_num_frames)

@@ -2,7 +2,9 @@
 reasoning (the model's thinking) and the content (its answer), and the registry of parsers
 by ``--reasoning-parser`` name (``ReasoningParserManager``).
 
-A parser is a pure function of the text generated so far, as the tool-call parsers are.
+A parser is a pure function of the text generated so far, as the tool-call parsers are; a
+format whose markers are special tokens may read the token ids too (``parse_output``: the
+ids say which marker-looking text is a marker, so text the model merely typed is not one).
 ``parse(text, final=True)`` is the non-streamed answer. ``parse(text, final=False)`` is
 what no continuation of ``text`` can change: its reasoning and its content are prefixes of
 the final ones. A partial snapshot therefore holds back a possible start of a tag at its
@@ -86,10 +88,44 @@ class ReasoningParser(ABC):
                 low = middle
         return high
 
-    def extract_reasoning(self, text: str) -> tuple[Optional[str], Optional[str]]:
-        """vLLM's non-streamed form: (reasoning, content), each None when empty."""
-        parsed = self.parse(text, final=True)
+    def token_reader(self, tokenizer: Any) -> Optional["TokenReader"]:
+        """A reader of one output that parses it with its token ids too (``TokenReader``), for a
+        format whose markers are ``tokenizer``'s special tokens; None (the default): the text
+        alone is read (``parse``)."""
+        return None
+
+    def parse_output(self, text: str, token_ids: Sequence[int], tokenizer: Any, final: bool) -> ParsedReasoning:
+        """``parse`` of an output given its ``token_ids`` too (``text`` their decoding, special
+        tokens kept, perhaps cut short by a stop string or a held-back partial character),
+        through ``token_reader`` when the format has one; the same contract on ``final``."""
+        reader = self.token_reader(tokenizer)
+        if reader is None:
+            return self.parse(text, final)
+        reader.feed(token_ids)
+        return reader.parse(text, final)
+
+    def extract_reasoning(self, text: str, token_ids: Optional[Sequence[int]] = None,
+                          tokenizer: Any = None) -> tuple[Optional[str], Optional[str]]:
+        """vLLM's non-streamed form: (reasoning, content), each None when empty; with
+        ``token_ids`` and ``tokenizer``, ``parse_output``'s."""
+        if token_ids is not None and tokenizer is not None:
+            parsed = self.parse_output(text, token_ids, tokenizer, final=True)
+        else:
+            parsed = self.parse(text, final=True)
         return parsed.reasoning or None, parsed.content or None
+
+
+class TokenReader(ABC):
+    """One output's reasoning read with its token ids (``ReasoningParser.token_reader``): ``feed``
+    the ids as they come, ``parse`` the text so far (their decoding) under ``parse``'s contract."""
+
+    @abstractmethod
+    def feed(self, token_ids: Sequence[int]) -> None:
+        """Read the next ``token_ids`` of the output."""
+
+    @abstractmethod
+    def parse(self, text: str, final: bool) -> ParsedReasoning:
+        """The reasoning and content of ``text``, the decoding of the ids fed so far."""
 
 
 def partial_marker_length(text: str, markers: Sequence[str]) -> int:
@@ -106,18 +142,25 @@ def partial_marker_length(text: str, markers: Sequence[str]) -> int:
 
 class ReasoningStream:
     """The streamed deltas of one choice read by a reasoning parser: each ``feed`` parses
-    the text so far and returns what grew since the last one, (reasoning delta, content
-    delta), each "" when nothing grew."""
+    the text so far (with ``tokenizer``, and its token ids: the parser's ``token_reader``) and
+    returns what grew since the last one, (reasoning delta, content delta), each "" when
+    nothing grew."""
 
-    def __init__(self, parser: ReasoningParser) -> None:
+    def __init__(self, parser: ReasoningParser, tokenizer: Any = None) -> None:
         self.parser = parser
+        self.reader = parser.token_reader(tokenizer) if tokenizer is not None else None
         self.text = ""
         self.sent = ParsedReasoning()
 
-    def feed(self, delta_text: str, final: bool) -> tuple[str, str]:
-        """The deltas for ``delta_text``, the next piece of the output (``final``: the last)."""
+    def feed(self, delta_text: str, final: bool, delta_token_ids: Sequence[int] = ()) -> tuple[str, str]:
+        """The deltas for ``delta_text`` (and its ``delta_token_ids``), the next piece of the
+        output (``final``: the last)."""
         self.text += delta_text
-        parsed = self.parser.parse(self.text, final)
+        if self.reader is not None:
+            self.reader.feed(delta_token_ids)
+            parsed = self.reader.parse(self.text, final)
+        else:
+            parsed = self.parser.parse(self.text, final)
         reasoning = _growth(self.sent.reasoning, parsed.reasoning)
         content = _growth(self.sent.content, parsed.content)
         self.sent = ParsedReasoning(self.sent.reasoning + reasoning, self.sent.content + content)

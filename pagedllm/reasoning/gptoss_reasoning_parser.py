@@ -7,23 +7,37 @@ the ``analysis`` channel are the reasoning, those of any other channel (``final`
 ``commentary``: preambles and tool calls) the content, in order. Text outside any message
 is content, less role headers. Source: vLLM's ``GptOssReasoningParser`` (analysis ->
 reasoning, final -> content) and OpenAI's harmony format description.
+
+Given the output's token ids and a tokenizer with the harmony special tokens (gpt-oss's own),
+the markers are read from the ids (``harmony_tokens``), as vLLM reads gpt-oss output with
+openai_harmony: a ``<|channel|>`` the model typed as ordinary tokens is text of its message.
+Without those tokens in the tokenizer, or when the text is not the ids' decoding, the text is
+read.
 """
 
 from __future__ import annotations
 
+from typing import Any, Optional, Sequence
+
 from pagedllm.reasoning.abs_reasoning_parsers import (
+    REASONING_END_WINDOW_TOKENS,
     ParsedReasoning,
     ReasoningParser,
     ReasoningParserManager,
+    TokenReader,
     partial_marker_length,
 )
-
-START = "<|start|>"
-CHANNEL = "<|channel|>"
-MESSAGE = "<|message|>"
-ENDS = ("<|end|>", "<|return|>", "<|call|>")
-MARKERS = (START, CHANNEL, MESSAGE, *ENDS)
-REASONING_CHANNEL = "analysis"
+from pagedllm.reasoning.harmony_tokens import (
+    CHANNEL,
+    ENDS,
+    MARKERS,
+    MESSAGE,
+    REASONING_CHANNEL,
+    START,
+    HarmonyReader,
+    harmony_marker_ids,
+    reasoning_end_index,
+)
 
 
 @ReasoningParserManager.register_module("gpt_oss")
@@ -31,6 +45,45 @@ class GptOssReasoningParser(ReasoningParser):
     """Harmony channels -> reasoning / content (see the module docstring)."""
 
     keeps_special_tokens = True
+    #: (tokenizer, its ``harmony_marker_ids``) of the last lookup.
+    _markers: Optional[tuple[Any, Optional[dict[int, str]]]] = None
+
+    def _marker_ids(self, tokenizer: Any) -> Optional[dict[int, str]]:
+        """``harmony_marker_ids`` of ``tokenizer``, looked up once per tokenizer."""
+        if self._markers is None or self._markers[0] is not tokenizer:
+            self._markers = (tokenizer, harmony_marker_ids(tokenizer))
+        return self._markers[1]
+
+    def token_reader(self, tokenizer: Any) -> Optional["_HarmonyTokenReader"]:
+        """A reader of the channels from the token ids with ``tokenizer``'s harmony special
+        tokens; None (read the text) without them."""
+        marker_ids = self._marker_ids(tokenizer)
+        return _HarmonyTokenReader(self, HarmonyReader(tokenizer, marker_ids)) if marker_ids else None
+
+    def ends_reasoning(self, token_ids: Sequence[int], tokenizer: Any) -> bool:
+        """Whether the last complete channel header of the window's tokens opens a channel
+        other than ``analysis``, read from the ids with the harmony tokens (else the text's
+        ``is_reasoning_end``)."""
+        marker_ids = self._marker_ids(tokenizer)
+        if not marker_ids:
+            return super().ends_reasoning(token_ids, tokenizer)
+        tail = list(token_ids[-REASONING_END_WINDOW_TOKENS:])
+        messages = [i for i, token_id in enumerate(tail) if marker_ids.get(token_id) == MESSAGE]
+        channels = [i for i, token_id in enumerate(tail) if marker_ids.get(token_id) == CHANNEL]
+        if not messages or not channels or channels[0] > messages[-1]:
+            return False
+        last_header = max(i for i in channels if i < messages[-1])
+        return reasoning_end_index(tail[last_header:], marker_ids, tokenizer) is not None
+
+    def count_reasoning_tokens(self, token_ids: Sequence[int], tokenizer: Any) -> int:
+        """The tokens up to (with) the ``<|message|>`` of the first channel other than
+        ``analysis``, read from the ids with the harmony tokens (else the text's count); all
+        of them when there is none."""
+        marker_ids = self._marker_ids(tokenizer)
+        if not marker_ids:
+            return super().count_reasoning_tokens(token_ids, tokenizer)
+        end = reasoning_end_index(token_ids, marker_ids, tokenizer)
+        return len(token_ids) if end is None else end
 
     def parse(self, text: str, final: bool) -> ParsedReasoning:
         reasoning: list[str] = []
@@ -65,6 +118,24 @@ class GptOssReasoningParser(ReasoningParser):
         if header < 0:
             return False
         return _channel_name(text, header, body_start) != REASONING_CHANNEL
+
+
+class _HarmonyTokenReader(TokenReader):
+    """``HarmonyReader``'s channels, or the parser's text reading when the text is not the
+    ids' decoding."""
+
+    def __init__(self, parser: GptOssReasoningParser, reader: HarmonyReader) -> None:
+        self.parser = parser
+        self.reader = reader
+
+    def feed(self, token_ids: Sequence[int]) -> None:
+        self.reader.feed(token_ids)
+
+    def parse(self, text: str, final: bool) -> ParsedReasoning:
+        found = self.reader.parse(text)
+        if found is None:
+            return self.parser.parse(text, final)
+        return ParsedReasoning(reasoning=found[0], content=found[1])
 
 
 def _channel_name(text: str, header: int, body_start: int) -> str:

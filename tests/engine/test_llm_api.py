@@ -226,13 +226,20 @@ def test_chat_uses_the_template(llm):
     assert len(two) == 2 and two[0].outputs[0].token_ids == out.outputs[0].token_ids[:3]
 
 
-def test_chat_takes_text_parts_and_vllms_positional_order(llm):
-    """vLLM's ``LLM.chat(messages, sampling_params, use_tqdm, lora_request, ...)``, and OpenAI's
-    text parts, joined with newlines as the server joins them."""
-    as_string = llm.chat([{"role": "user", "content": "Hello\nthere"}], greedy(max_tokens=4), False)[0]
+def test_chat_takes_text_parts_and_vllms_positional_order(llm, tokenizer):
+    """vLLM's ``LLM.chat(messages, sampling_params, use_tqdm, lora_request, chat_template,
+    chat_template_content_format, ...)``, and OpenAI's text parts: as a list to the test
+    tokenizer's template, which loops over them ("auto"), or joined with newlines ("string")."""
     parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
     as_parts = llm.chat([{"role": "user", "content": parts}], greedy(max_tokens=4), False, None)[0]
-    assert as_parts.prompt == as_string.prompt and as_parts.outputs[0].token_ids == as_string.outputs[0].token_ids
+    assert as_parts.prompt == tokenizer.apply_chat_template([{"role": "user", "content": parts}], tokenize=False,
+                                                            add_generation_prompt=True)
+    assert "Hellothere" in as_parts.prompt
+    as_string = llm.chat([{"role": "user", "content": "Hello\nthere"}], greedy(max_tokens=4), False)[0]
+    joined = llm.chat([{"role": "user", "content": parts}], greedy(max_tokens=4), False, None, None, "string")[0]
+    assert joined.prompt == as_string.prompt and joined.outputs[0].token_ids == as_string.outputs[0].token_ids
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of auto, string, openai"):
+        llm.chat([{"role": "user", "content": parts}], greedy(max_tokens=4), chat_template_content_format="list")
     image = [{"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]
     with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]: an image_url part, but this model is text-only"):
         llm.chat([{"role": "user", "content": image}], greedy(max_tokens=4), use_tqdm=False)

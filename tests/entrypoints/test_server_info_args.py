@@ -41,3 +41,13 @@ def test_the_config_file_is_inlined_and_the_command_line_wins(tmp_path):
     parsed, original = _parse(reported), _parse(args)
     assert (parsed.max_model_len, parsed.port, parsed.enable_lora) == (original.max_model_len, 8001, True)
     assert parsed.api_key is None
+
+
+def test_a_config_files_dotted_keys_are_reported_as_dotted_flags(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("structured-outputs-config.backend: guidance\nstructured-outputs-config: {max_string_length: 64}\n")
+    args = ["m", "--config", str(config), "--structured-outputs-config.disable_fallback", "true"]
+    reported = reported_serve_args(serve_parser(), args)
+    assert "--structured-outputs-config.backend" in reported and "--config" not in reported
+    expected = {"backend": "guidance", "max_string_length": 64, "disable_fallback": True}
+    assert _parse(reported).structured_outputs_config == _parse(args).structured_outputs_config == expected

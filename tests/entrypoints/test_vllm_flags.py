@@ -241,9 +241,41 @@ def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "content, expected",
+    [
+        ("structured-outputs-config.backend: guidance\n", {"backend": "guidance"}),
+        ("structured_outputs_config.disable_fallback: true\nstructured-outputs-config.backend: guidance\n",
+         {"disable_fallback": True, "backend": "guidance"}),
+        ("structured-outputs-config:\n  backend: guidance\n  disable_fallback: true\n",
+         {"backend": "guidance", "disable_fallback": True}),
+        # a dotted key merges over the file's own object, whichever comes first
+        ("structured-outputs-config.backend: xgrammar\nstructured-outputs-config: {backend: guidance, max_string_length: 64}\n",
+         {"backend": "xgrammar", "max_string_length": 64}),
+    ],
+)
+def test_config_file_json_flag_as_mapping_or_dotted_keys(tmp_path, content, expected):
+    """A JSON-object flag in ``--config``: a nested mapping or vLLM's dotted keys
+    (``structured-outputs-config.backend: guidance``), as ``--structured-outputs-config.backend
+    guidance`` on the command line; the command line's dotted keys merge over the file's."""
+    config = tmp_path / "config.yaml"
+    config.write_text(content)
+    assert engine_args_from(_parse("--config", str(config))).structured_outputs_config == expected
+    over = engine_args_from(_parse("--config", str(config), "--structured-outputs-config.backend", "xgrammar"))
+    assert over.structured_outputs_config == {**expected, "backend": "xgrammar"}
+
+
+def test_dotted_keys_nest():
+    """``--x.a.b v`` sets ``{"a": {"b": v}}``, merged with the object's ``a`` (vLLM's nesting)."""
+    args = _parse("--hf-overrides", '{"rope_scaling": {"type": "linear"}, "vocab_size": 10}',
+                  "--hf-overrides.rope_scaling.factor", "2.0")
+    assert args.hf_overrides == {"rope_scaling": {"type": "linear", "factor": 2.0}, "vocab_size": 10}
+
+
+@pytest.mark.parametrize(
     "content, message",
     [
         ("tensor-paralel-size: 1\n", "unrecognized arguments in {path}: --tensor-paralel-size (did you mean --tensor-parallel-size?)"),
+        ("max-model-len.x: 1\n", "unrecognized arguments in {path}: --max-model-len.x"),
         ("max-num-seqs: lots\n", "argument --max-num-seqs: invalid value 'lots'"),
         ("- a\n- b\n", "expected a mapping of flag names to values, got list"),
         ("a: [\n", "cannot read it"),

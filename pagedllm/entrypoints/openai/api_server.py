@@ -43,6 +43,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm import envs
 from pagedllm.engine.protocol import SLEEP_TAGS, EngineClient
+from pagedllm.entrypoints.chat_content_format import log_content_format, template_text
 from pagedllm.entrypoints.chat_utils import image_placeholder, video_placeholder
 from pagedllm.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from pagedllm.entrypoints.anthropic.serving_messages import error_response as anthropic_error_response
@@ -297,7 +298,8 @@ def build_app(engine: EngineClient, frontend: FrontendConfig, reported_args: Opt
 
     ``frontend`` (see ``FrontendConfig``): ``served_model_name`` (list or None: the
     engine's model name), ``chat_template`` (the template text, already loaded by
-    ``chat_utils.load_chat_template``, or None), ``api_key`` (a list of keys any of which
+    ``chat_utils.load_chat_template``, or None), ``chat_template_content_format`` (the format
+    in use is logged here: ``chat_content_format.log_content_format``), ``api_key`` (a list of keys any of which
     is accepted, or None: no auth), ``disable_log_requests``, ``disable_log_stats`` (False:
     while the app runs, the engine's stats line is logged every ``log_stats_interval()``
     seconds), ``response_role``, ``enable_auto_tool_choice`` and ``tool_call_parser``
@@ -313,9 +315,10 @@ def build_app(engine: EngineClient, frontend: FrontendConfig, reported_args: Opt
     api_key = frontend.api_key
     api_keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     log_requests = not frontend.disable_log_requests
-    renderer = PromptRenderer(engine.get_tokenizer(), frontend.chat_template,
-                              image_placeholder(engine.model_config, engine.get_tokenizer()),
-                              video_placeholder(engine.model_config))
+    tokenizer = engine.get_tokenizer()
+    log_content_format(frontend.chat_template_content_format, template_text(tokenizer, frontend.chat_template))
+    renderer = PromptRenderer(tokenizer, frontend.chat_template, image_placeholder(engine.model_config, tokenizer),
+                              video_placeholder(engine.model_config), frontend.chat_template_content_format)
     model_config = engine.model_config
     models = OpenAIServingModels(
         served_names, str(getattr(model_config, "model_path", model_config.model)), model_config.max_model_len,

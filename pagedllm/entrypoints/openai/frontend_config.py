@@ -21,6 +21,7 @@ from pagedllm.config.arg_types import (
     positive_seconds,
 )
 from pagedllm.config.flags import flag_field, flag_values, not_a_flag
+from pagedllm.entrypoints.chat_content_format import CHAT_TEMPLATE_CONTENT_FORMATS
 
 #: Environment variables read (in this order) when ``--api-key`` is not given.
 API_KEY_ENV_VARS = envs.PAGEDLLM_API_KEY.names
@@ -80,6 +81,16 @@ class FrontendConfig:
             "Chat template for /v1/chat/completions: a file path, or the Jinja template itself. "
             "Default: the tokenizer's."
         ),
+    )
+    chat_template_content_format: str = flag_field(
+        "auto",
+        help=(
+            "How the chat template gets a message's content: 'string' (text parts joined with newlines), "
+            "'openai' (a list of parts: {'type': 'text', 'text': ...}, {'type': 'image'}), or 'auto': 'openai' for "
+            "a template that loops over a message's content, else 'string'. The detected format is logged at "
+            "start-up."
+        ),
+        choices=CHAT_TEMPLATE_CONTENT_FORMATS,
     )
     api_key: Optional[list[str]] = flag_field(
         None,

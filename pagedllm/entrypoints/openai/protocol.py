@@ -638,11 +638,10 @@ class ChatMessage(OpenAIBaseModel):
         return value
 
     def to_template_dict(self) -> dict[str, Any]:
-        """The message as given, null content as ""; ``chat_utils.template_messages`` then
-        joins text parts for the template."""
+        """The message as given (null content as None); ``chat_utils.template_messages`` then
+        gives the content in the template's format ("" or [] for None)."""
         message = self.model_dump(exclude_none=True)
-        if self.content is None:
-            message["content"] = ""
+        message["content"] = message.get("content")
         return message
 
 

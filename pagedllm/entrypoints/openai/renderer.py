@@ -19,6 +19,7 @@ from pagedllm.entrypoints.chat_utils import (
     render_media_chat,
     MediaPartError,
 )
+from pagedllm.entrypoints.chat_content_format import resolve_content_format, template_text
 from pagedllm.engine.processor import check_unicode
 from pagedllm.entrypoints.openai.errors import bad_request
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeChatRequest
@@ -38,14 +39,18 @@ class PromptRenderer:
             None: a text-only model, whose messages' image parts are refused.
         video_placeholder: a video model's video text (``chat_utils.video_placeholder``); None:
             video parts are refused.
+        content_format: ``--chat-template-content-format`` ("auto", "string" or "openai";
+            ``chat_content_format``).
     """
 
     def __init__(self, tokenizer: Any, chat_template: Optional[str] = None,
-                 image_placeholder: Optional[str] = None, video_placeholder: Optional[str] = None) -> None:
+                 image_placeholder: Optional[str] = None, video_placeholder: Optional[str] = None,
+                 content_format: str = "auto") -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.image_placeholder = image_placeholder
         self.video_placeholder = video_placeholder
+        self.content_format = content_format
 
     def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         """The token ids of ``text``.
@@ -71,7 +76,8 @@ class PromptRenderer:
         the template puts it when it renders media parts itself).
 
         The template is the request's ``chat_template``, else the server's, else the
-        tokenizer's; the request's ``tools`` are rendered whatever its ``tool_choice``
+        tokenizer's, given each message's content in the server's content format (under "auto",
+        the one that template takes: ``chat_content_format.detect_content_format``); the request's ``tools`` are rendered whatever its ``tool_choice``
         (vLLM's default); ``add_generation_prompt`` counts only when the request sets it (see
         ``chat_utils.resolve_chat_options``).
 
@@ -86,13 +92,16 @@ class PromptRenderer:
         conversation = [message.to_template_dict() for message in request.messages]
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
 
-        def render(messages: list[dict[str, Any]], keep_parts: bool) -> str:
-            return apply_chat_template(self.tokenizer, messages, request.chat_template or self.chat_template,
-                                       add_generation_prompt, request.continue_final_message,
-                                       request.chat_template_kwargs, tools, keep_parts)
+        chat_template = request.chat_template or self.chat_template
 
+        def render(messages: list[dict[str, Any]], keep_parts: bool) -> str:
+            return apply_chat_template(self.tokenizer, messages, chat_template, add_generation_prompt,
+                                       request.continue_final_message, request.chat_template_kwargs, tools, keep_parts)
+
+        template_format = resolve_content_format(self.content_format, template_text(self.tokenizer, chat_template, tools))
         try:
-            text, images = render_media_chat(render, conversation, self.image_placeholder, self.video_placeholder)
+            text, images = render_media_chat(render, conversation, self.image_placeholder, self.video_placeholder,
+                                             self.content_format, template_format)
         except ChatOptionsError as exc:
             raise bad_request(str(exc), param=exc.param) from None
         except MissingChatTemplateError:

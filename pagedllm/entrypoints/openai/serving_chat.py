@@ -1,8 +1,9 @@
 """``POST /v1/chat/completions``: messages -> chat template -> one prompt -> n choices.
 
 The prompt is the model's chat template (or ``--chat-template``, or the request's
-``chat_template``) rendered by ``PromptRenderer.render_chat``; text content parts are
-joined with newlines first, so templates that expect string content work too.
+``chat_template``) rendered by ``PromptRenderer.render_chat``; text content parts reach
+it as a list when it loops over a message's content, else joined with newlines
+(``--chat-template-content-format``).
 ``max_completion_tokens`` (or ``max_tokens``) defaults to the model's default (its
 generation_config.json's ``max_new_tokens``), else the rest of the context.
 
@@ -238,7 +239,8 @@ class OpenAIServingChat(OpenAIServing):
         text: Optional[str] = output.text
         reasoning = None
         if run.reasoning_parser is not None:
-            reasoning, text = run.reasoning_parser.extract_reasoning(output.text)
+            reasoning, text = run.reasoning_parser.extract_reasoning(output.text, output.token_ids,
+                                                                     self.renderer.tokenizer)
             reasoning = reasoning if request.include_reasoning else None
         if run.tool_parser is None:
             message = ChatResponseMessage(role=role, content=text, reasoning=reasoning, reasoning_content=reasoning)
@@ -303,7 +305,8 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         tool_streams = [ToolCallStream(request, run.tool_parser) for _ in range(request.n)] if run.tool_parser else None
         parser = run.reasoning_parser
-        reasoning_streams = [ReasoningStream(parser) for _ in range(request.n)] if parser else None
+        tokenizer = self.renderer.tokenizer
+        reasoning_streams = [ReasoningStream(parser, tokenizer) for _ in range(request.n)] if parser else None
         num_generated = [0] * request.n
         generated: list[list[int]] = [[] for _ in range(request.n)]  # for the reasoning count
         num_cached = 0
@@ -355,7 +358,7 @@ class OpenAIServingChat(OpenAIServing):
         reason = completion.finish_reason
         text, reasoning = completion.text, None
         if reasoning_stream is not None:
-            reasoning, text = reasoning_stream.feed(text, finished)
+            reasoning, text = reasoning_stream.feed(text, finished, completion.token_ids)
         if tool_stream is None:
             delta = DeltaMessage(content=text if text or not (finished or reasoning_stream) else None)
         else:

@@ -1,5 +1,6 @@
 """``/v1/chat/completions``: chat template, usage, streaming (role chunk, finish), logprobs,
-max tokens defaults, continue_final_message, text-part content."""
+max tokens defaults, continue_final_message, text-part content
+(``--chat-template-content-format``)."""
 
 from __future__ import annotations
 
@@ -114,13 +115,55 @@ def test_chat_logprobs_without_top(client):
     assert _chat(client, max_tokens=3).choices[0].logprobs is None
 
 
-def test_text_part_content_equals_string_content(client):
-    as_parts = [
-        MESSAGES[0],
-        {"role": "user", "content": [{"type": "text", "text": "Name three"}, {"type": "text", "text": "colours."}]},
-    ]
-    as_string = [MESSAGES[0], {"role": "user", "content": "Name three\ncolours."}]
-    assert _chat(client, as_parts).choices[0].message.content == _chat(client, as_string).choices[0].message.content
+def _prompt_of(server, messages, **body):
+    tokens = server.post("/tokenize", json={"model": MODEL_NAME, "messages": messages, **body}).json()["tokens"]
+    return server.post("/detokenize", json={"model": MODEL_NAME, "tokens": tokens}).json()["prompt"], len(tokens)
+
+
+PARTS_MESSAGES = [
+    MESSAGES[0],
+    {"role": "user", "content": [{"type": "text", "text": "Name three"}, {"type": "text", "text": "colours."}]},
+]
+
+
+def test_text_parts_reach_a_parts_template_as_a_list(server, client, tokenizer):
+    """--chat-template-content-format auto (the default): the tokenizer's template loops over
+    a message's parts, so it gets them as a list (the prompt transformers renders from the list;
+    the start-up log names the format), and a request template that writes the content as it is
+    gets the text parts joined with newlines."""
+    assert ("Detected the chat template content format to be 'openai'. You can set "
+            "--chat-template-content-format to override this.") in server.log_text()
+    expected = tokenizer.apply_chat_template(PARTS_MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert expected.endswith("<|im_start|>user\nName threecolours.<|im_end|>\n<|im_start|>assistant\n")
+    prompt, num_tokens = _prompt_of(server, PARTS_MESSAGES)
+    assert prompt == expected
+    response = _chat(client, PARTS_MESSAGES, max_tokens=1)
+    assert response.usage.prompt_tokens == num_tokens
+    template = "{% for m in messages %}{{ m['content'] }}|{% endfor %}"
+    assert _prompt_of(server, PARTS_MESSAGES, chat_template=template)[0] == "You are terse.|Name three\ncolours.|"
+
+
+def test_content_format_string_flag_joins_the_parts(tiny_llama, tokenizer):
+    """--chat-template-content-format string forces joined contents on a parts template (the
+    log names the detected format and warns that it differs); the reply is the one to the
+    joined string."""
+    from tests.server_utils import RemoteServer
+
+    server = RemoteServer(tiny_llama, "--served-model-name", MODEL_NAME, "--chat-template-content-format", "string")
+    try:
+        log = server.log_text()
+        assert "Detected the chat template content format to be 'openai'." in log
+        assert "--chat-template-content-format string differs from the detected format 'openai'." in log
+        joined = [MESSAGES[0], {"role": "user", "content": "Name three\ncolours."}]
+        expected = tokenizer.apply_chat_template(joined, add_generation_prompt=True, tokenize=False)
+        assert _prompt_of(server, PARTS_MESSAGES)[0] == expected
+        client = server.client()
+        as_parts = _chat(client, PARTS_MESSAGES, extra_body={"ignore_eos": True})
+        as_string = _chat(client, joined, extra_body={"ignore_eos": True})
+        assert as_parts.choices[0].message.content == as_string.choices[0].message.content
+        assert as_parts.usage.prompt_tokens == as_string.usage.prompt_tokens
+    finally:
+        server.close()
 
 
 def test_continue_final_message(server, tokenizer):

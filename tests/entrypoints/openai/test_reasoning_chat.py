@@ -148,3 +148,47 @@ def test_usage_counts_the_reasoning_tokens(parts):
     usage, streamed, responses = asyncio.run(run(plain))
     assert usage.completion_tokens_details is None and streamed.completion_tokens_details is None
     assert responses.output_tokens_details.reasoning_tokens == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_gpt_oss_reads_the_channels_from_token_ids(parts, stream):
+    """With gpt-oss's special tokens in the tokenizer, the channels come from the token ids
+    (the engine's real ids, 3 tokens a piece when streamed): a "<|channel|>" or "<|end|>" the
+    model typed as ordinary tokens is text of its message."""
+    import types
+
+    from pagedllm.engine.processor import Processor
+    from pagedllm.outputs import CompletionOutput, RequestOutput
+    from pagedllm.reasoning.harmony_tokens import MARKERS
+    from pagedllm.sampling_params import RequestOutputKind
+    from tests.fixtures.checkpoints import build_tokenizer
+    from tests.reasoning.test_harmony_tokens import CONTENT, REASONING, _ids
+
+    tokenizer = build_tokenizer()  # the tiny checkpoints' vocabulary, a new instance
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *MARKERS]})
+    harmony_parts = types.SimpleNamespace(config=parts.config, tokenizer=tokenizer,
+                                          processor=Processor(parts.config.model_config, tokenizer))
+    engine, client = _client(harmony_parts, "gpt_oss")
+    reply_ids = _ids(tokenizer, "<|channel|>", "analysis", "<|message|>", REASONING, "<|end|>", "<|start|>",
+                     "assistant", "<|channel|>", "final", "<|message|>", CONTENT, "<|return|>")
+    generate = engine.generate
+
+    async def token_pieces(request, sampling_params, request_id, prompt_text=None, trace_headers=None):
+        step = 3 if sampling_params.output_kind == RequestOutputKind.DELTA else len(reply_ids)
+        sent = ""
+        async for output in generate(request, sampling_params, request_id, prompt_text, trace_headers):
+            if not output.finished:
+                continue  # the scripted pieces are replaced by the token pieces below
+            for start in range(0, len(reply_ids), step):
+                ids = reply_ids[start : start + step]
+                last = start + step >= len(reply_ids)
+                text = tokenizer.decode(reply_ids[: start + len(ids)], skip_special_tokens=False).rstrip("\ufffd")
+                pieces = [CompletionOutput(index=i, text=text[len(sent):], token_ids=ids,
+                                           finish_reason="stop" if last else None) for i in range(sampling_params.n)]
+                sent = text
+                yield RequestOutput(request_id, prompt_text, output.prompt_token_ids, None, pieces, last)
+
+    engine.generate = token_pieces
+    engine.reply = "x"
+    assert asyncio.run(_create(client, stream)) == (REASONING, CONTENT, [], "stop")
+    assert engine.requests[-1].sampling_params.skip_special_tokens is False
