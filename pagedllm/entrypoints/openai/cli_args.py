@@ -293,9 +293,9 @@ def main(args: argparse.Namespace) -> int:
         if not (default_model_path() / "config.json").is_file():
             return _fail(f"no MODEL given, and the shipped default model is missing from {default_model_path()}.", 2)
     try:
-        from pagedllm.metrics.loggers import log_stats_interval
-
-        log_stats_interval()
+        # the stats interval checked now (``metrics.loggers.log_stats_interval``), without
+        # importing the metrics modules (prometheus_client) before the engine is forked
+        envs.PAGEDLLM_LOG_STATS_INTERVAL.get()
         if args.lora_modules and not args.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora.")
         check_tool_calling_args(args)
