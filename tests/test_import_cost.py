@@ -71,6 +71,30 @@ def test_api_server_imports_nothing_of_model_execution():
     assert done.stdout.strip() == "", f"importing the API server imported {done.stdout.strip()}"
 
 
+#: What ``pagedllm serve`` leaves until it has forked the engine (the front end imports them
+#: while the engine loads the model).
+NOT_BEFORE_THE_FORK = ("fastapi", "starlette", "uvicorn", "pydantic", "prometheus_client")
+
+
+def test_serve_forks_the_engine_before_importing_the_http_modules(tiny_qwen2):
+    """Up to the engine's fork, ``pagedllm serve`` imports only what resolving the
+    configuration needs: the HTTP modules come after it, in parallel with the model's load."""
+    code = (
+        "import os, sys\n"
+        "import pagedllm.engine.client_factory as factory\n"
+        "def make_client(*args, **kwargs):\n"
+        f"    print('found=' + ','.join(sorted(m for m in {NOT_BEFORE_THE_FORK!r} if m in sys.modules)), flush=True)\n"
+        "    os._exit(0)\n"
+        "factory.make_client = make_client\n"
+        "from pagedllm.entrypoints.cli import main\n"
+        f"main(['serve', {str(tiny_qwen2)!r}, '--port', '0'])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    found = [line for line in done.stdout.splitlines() if line.startswith("found=")]
+    assert found, f"pagedllm serve did not reach the engine's fork: {done.stderr[-2000:]}"
+    assert found[0] == "found=", f"pagedllm serve imported {found[0][6:]} before forking the engine"
+
+
 def test_serve_builds_only_its_own_parser():
     code = (
         "import sys\n"

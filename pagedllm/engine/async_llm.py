@@ -61,6 +61,8 @@ class AsyncLLM:
             the same settings; this instance owns it from now on. None starts one here.
             The constructor loads the tokenizer while the engine loads the model, and
             returns once the engine is ready.
+        wait_for_ready: False returns before the engine is ready (the server builds its
+            app meanwhile); call ``wait_for_ready()`` before the first request.
 
     Raises (constructor):
         ValueError: bad settings, as the engine reports them (e.g. a KV-cache budget too
@@ -68,7 +70,9 @@ class AsyncLLM:
             tokenizer that cannot be loaded.
         EngineStartupError: the engine process crashed while starting.
 
-    The constructor blocks until the model is loaded. Use one instance from one event
+    The constructor blocks until the model is loaded (unless ``wait_for_ready`` is False:
+    ``wait_for_ready()`` then does, and raises the errors above that the engine reports).
+    Use one instance from one event
     loop at a time (a later ``asyncio.run`` may reuse it once the previous loop ended).
 
     Attributes:
@@ -86,6 +90,7 @@ class AsyncLLM:
         log_requests: bool = False,
         served_model_name: Optional[str] = None,
         engine_core: Optional[EngineCoreClient] = None,
+        wait_for_ready: bool = True,
     ) -> None:
         self.config = config
         self.model_config = config.model_config
@@ -97,19 +102,17 @@ class AsyncLLM:
         self.engine_core = engine_core
         try:
             self.tokenizer = get_tokenizer(config.model_config.tokenizer_path, config.model_config.trust_remote_code)
-            self.engine_core.wait_for_ready(config)
+            self.processor = Processor(config.model_config, self.tokenizer, config.lora_config,
+                                       config.structured_outputs_config, config.scheduler_config.policy,
+                                       config.scheduler_config.max_num_batched_tokens)
         except BaseException:
             self.engine_core.shutdown(timeout_s=0)
             raise
-        self.processor = Processor(config.model_config, self.tokenizer, config.lora_config, config.structured_outputs_config,
-                                   config.scheduler_config.policy, config.scheduler_config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics_registry = CollectorRegistry()
         num_engines = config.parallel_config.data_parallel_size
-        self.stat_logger = PrometheusStatLogger(
-            self.metrics_registry, self.served_model_name, config, engine_indexes=range(num_engines),
-            num_gpu_blocks=self.engine_core.num_gpu_blocks,
-        )
+        #: The Prometheus metrics, registered by ``wait_for_ready`` (they include the KV-cache size).
+        self.stat_logger: Optional[PrometheusStatLogger] = None
         #: One stats line per engine (prefixed "Engine 001: " with data-parallel replicas, as vLLM).
         self.logging_stat_loggers = [
             LoggingStatLogger(engine_index=index if num_engines > 1 else None) for index in range(num_engines)
@@ -123,6 +126,29 @@ class AsyncLLM:
         self._dead_error: Optional[EngineDeadError] = None
         self._shut_down = False
         self._sleeping = False  # from the start of sleep() until everything is woken up
+        if wait_for_ready:
+            self.wait_for_ready()
+
+    def wait_for_ready(self) -> None:
+        """Block until the engine is ready (at once after the first time), then register the
+        Prometheus metrics (``stat_logger``: they report the engine's KV-cache blocks).
+
+        Raises:
+            ValueError: bad settings, as the engine reports them (the engine is shut down).
+            EngineStartupError: the engine process crashed while starting (likewise).
+        """
+        if self.stat_logger is not None:
+            return
+        try:
+            self.engine_core.wait_for_ready(self.config)
+        except BaseException:
+            self.engine_core.shutdown(timeout_s=0)
+            raise
+        self.stat_logger = PrometheusStatLogger(
+            self.metrics_registry, self.served_model_name, self.config,
+            engine_indexes=range(self.config.parallel_config.data_parallel_size),
+            num_gpu_blocks=self.engine_core.num_gpu_blocks,
+        )
 
     @classmethod
     def from_engine_args(
@@ -551,7 +577,10 @@ class AsyncLLM:
                 same_loop = False
             if same_loop:
                 handler.cancel()
-        self.engine_core.shutdown()
+        if self.stat_logger is None:  # a start abandoned before the engine was ready: stopped at once
+            self.engine_core.shutdown(timeout_s=0)
+        else:
+            self.engine_core.shutdown()
         self._fail_all(self.engine_core.dead_error or EngineDeadError("The engine was shut down."))
         if self.tracer is not None:
             self.tracer.shutdown()

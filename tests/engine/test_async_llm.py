@@ -294,3 +294,60 @@ def test_dtype_auto_choice_is_logged_once(tiny_llama, caplog):
     llm.shutdown()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("--dtype auto")]
     assert lines == ["--dtype auto: bfloat16 (16-bit for a float32 checkpoint, as vLLM)"]
+
+
+def test_built_before_the_engine_is_ready(tiny_llama, reference_llm):
+    """``wait_for_ready=False`` (``pagedllm serve`` builds its app meanwhile): the tokenizer
+    and processor are there at once; ``wait_for_ready`` then registers the metrics with the
+    engine's KV-cache blocks, and the first request is served as the offline LLM's."""
+    from pagedllm.engine.client_factory import make_client
+
+    config = engine_args(tiny_llama).create_engine_config()
+    engine_core = make_client(config, multiprocess=True, asyncio_mode=True, wait_for_ready=False)
+    llm = AsyncLLM(config, engine_core=engine_core, wait_for_ready=False)
+    try:
+        assert llm.stat_logger is None and llm.processor.vocab_size > 0
+        assert llm.metrics_registry.get_sample_value("pagedllm:cache_config_info", {"engine": "0"}) is None
+        llm.wait_for_ready()
+        llm.wait_for_ready()  # once
+        blocks = [s.labels["num_gpu_blocks"] for m in llm.metrics_registry.collect() if m.name == "pagedllm:cache_config_info"
+                  for s in m.samples]
+        assert blocks == [str(engine_core.num_gpu_blocks)] and engine_core.num_gpu_blocks > 0
+        params = SamplingParams(temperature=0.0, max_tokens=12, output_kind=RequestOutputKind.FINAL_ONLY)
+        outputs = asyncio.run(collect(llm, PROMPTS[0], params, "first"))
+        expected = reference_llm.generate(PROMPTS[:1], params, use_tqdm=False)[0]
+        assert outputs[-1].outputs[0].token_ids == expected.outputs[0].token_ids
+    finally:
+        llm.shutdown()
+
+
+def test_start_failure_is_raised_by_wait_for_ready(tiny_llama, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_llama, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["architectures"] = ["NoSuchModelForCausalLM"]
+    (bad / "config.json").write_text(json.dumps(config))
+    from pagedllm.engine.client_factory import make_client
+
+    engine_args_ = engine_args(bad)
+    llm = AsyncLLM(engine_args_.create_engine_config(),
+                   engine_core=make_client(engine_args_, multiprocess=True, asyncio_mode=True, wait_for_ready=False),
+                   wait_for_ready=False)
+    with pytest.raises(ValueError, match="NoSuchModelForCausalLM"):
+        llm.wait_for_ready()
+    assert not llm.is_running
+    llm.shutdown()
+
+
+def test_shutdown_before_ready_stops_the_engine_at_once(tiny_llama):
+    """A start given up while the engine loads (e.g. the app could not be built): the
+    engine, which reads no SHUTDOWN before it is ready, is terminated without the 5 s wait."""
+    from pagedllm.engine.client_factory import make_client
+
+    config = engine_args(tiny_llama).create_engine_config()
+    llm = AsyncLLM(config, engine_core=make_client(config, multiprocess=True, asyncio_mode=True, wait_for_ready=False),
+                   wait_for_ready=False)
+    process = llm.engine_core.handle.worker
+    start = time.monotonic()
+    llm.shutdown()
+    assert time.monotonic() - start < 3.0 and not process.is_alive()

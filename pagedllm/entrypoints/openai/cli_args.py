@@ -293,9 +293,9 @@ def main(args: argparse.Namespace) -> int:
         if not (default_model_path() / "config.json").is_file():
             return _fail(f"no MODEL given, and the shipped default model is missing from {default_model_path()}.", 2)
     try:
-        from pagedllm.metrics.loggers import log_stats_interval
-
-        log_stats_interval()
+        # the stats interval checked now (``metrics.loggers.log_stats_interval``), without
+        # importing the metrics modules (prometheus_client) before the engine is forked
+        envs.PAGEDLLM_LOG_STATS_INTERVAL.get()
         if args.lora_modules and not args.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora.")
         check_tool_calling_args(args)
@@ -366,18 +366,28 @@ async def _serve(frontend: FrontendConfig, engine_args: EngineArgs, sock: socket
             log_requests=not frontend.disable_log_requests,
             served_model_name=served_name,
             engine_core=engine_core,
+            wait_for_ready=False,
         )
     except (ValueError, OSError) as exc:
         engine_core.shutdown(timeout_s=0)
         return _fail(str(exc), 2)
-    except Exception as exc:  # EngineStartupError and friends: one line, not a traceback
+    except Exception as exc:  # one line, not a traceback
         logging.getLogger(__name__).debug("Engine start-up failed", exc_info=True)
         return _fail(f"the engine failed to start: {exc}", 1)
     try:
+        # NOTE: the app (routes, request models, the tokenizer's tables) is built while the
+        # engine still loads the model; then this process waits for it.
         try:
             app = build_app(engine, frontend, reported_args)
         except (ValueError, OSError) as exc:  # a --lora-modules adapter that cannot be served
             return _fail(str(exc), 2)
+        try:
+            engine.wait_for_ready()
+        except (ValueError, OSError) as exc:
+            return _fail(str(exc), 2)
+        except Exception as exc:  # EngineStartupError and friends: one line, not a traceback
+            logging.getLogger(__name__).debug("Engine start-up failed", exc_info=True)
+            return _fail(f"the engine failed to start: {exc}", 1)
         # NOTE: torch and transformers leave millions of long-lived objects; without this,
         # each full garbage collection pauses the event loop (and /health) for 100+ ms.
         gc.collect()

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from pagedllm.entrypoints.arg_parsing import drop_flag, inline_config_file
-from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.version import __version__
+
+if TYPE_CHECKING:  # FastAPI and pydantic: `pagedllm serve` calls reported_serve_args before it forks the engine
+    from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 
 API_KEY_FLAG = "--api-key"
 LORA_MODULES_FLAG = "--lora-modules"

@@ -425,10 +425,13 @@ def _byte_level_decoder(tokenizer: Any) -> Optional[dict[str, int]]:
     if backend is None:
         return None
     try:
-        decoder = json.loads(backend.to_str()).get("decoder") or {}
-    except Exception:  # a tokenizer that cannot be serialised: fall back to decoded text
+        # the decoder's JSON alone (what pickling it writes), not the whole tokenizer's:
+        # a 150k-token vocabulary's took 0.09 s per serving class at start-up
+        decoder = backend.decoder
+        decoder_json = b"" if decoder is None else decoder.__getstate__()
+    except Exception:  # a decoder that cannot be serialised: fall back to decoded text
         return None
-    if "ByteLevel" not in json.dumps(decoder):
+    if b"ByteLevel" not in decoder_json:
         return None
     return byte_level_char_to_byte()
 

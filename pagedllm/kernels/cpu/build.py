@@ -6,7 +6,10 @@ their operators then live in ``torch.ops.pagedllm_cpu_<level>``. The extension's
 its build directory, is keyed by everything its ``build.ninja`` holds (``build_key``), so
 two environments or checkouts never rebuild each other's objects. Concurrent builds are
 serialised by a ``flock`` on the build directory. Every build is logged at INFO with its
-reason before it starts and its duration after.
+reason before it starts and its duration after. A build that is up to date is loaded as it
+is (``torch.ops.load_library``), without importing ``torch.utils.cpp_extension``, which
+imports setuptools (0.1-0.2 s of every engine's start); its folder and key name the same
+paths ``cpp_extension`` would (``_include_paths``, ``_compiler``, ``_build_directory``).
 """
 
 from __future__ import annotations
@@ -70,8 +73,6 @@ def build_key(
     and bytes (every ``.cpp`` / ``.h`` beside this file) and their folder, ``cflags``,
     ``ldflags``, torch's version and include paths, the python executable and the C++
     compiler (None: this process's)."""
-    from torch.utils import cpp_extension
-
     h = hashlib.sha256()
     for source in sorted(_DIR.glob("*.[ch]*")):
         if source.suffix in (".cpp", ".h"):
@@ -82,7 +83,7 @@ def build_key(
         " ".join(cflags),
         " ".join(ldflags),
         torch.__version__,
-        *(cpp_extension.include_paths() if include_paths is None else include_paths),
+        *(_include_paths() if include_paths is None else include_paths),
         sys.executable if python is None else python,
         _compiler() if compiler is None else compiler,
     ]
@@ -91,13 +92,38 @@ def build_key(
     return h.hexdigest()[:12]
 
 
-def _compiler() -> str:
-    """The C++ compiler torch's build runs (``CXX``, else ``c++``), as a resolved path where
-    it is on PATH."""
-    from torch.utils import cpp_extension
+def _include_paths() -> list[str]:
+    """torch's C++ include folders, as ``cpp_extension.include_paths()`` lists them for a CPU
+    extension."""
+    include = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "include")
+    return [include, os.path.join(include, "torch", "csrc", "api", "include")]
 
-    name = cpp_extension.get_cxx_compiler()
+
+def _compiler() -> str:
+    """The C++ compiler torch's build runs (``CXX``, else ``c++``: ``cpp_extension.get_cxx_compiler``),
+    as a resolved path where it is on PATH."""
+    name = os.environ.get("CXX", "cl" if sys.platform == "win32" else "c++")
     return shutil.which(name) or name
+
+
+def _build_directory(name: str) -> str:
+    """The folder ``cpp_extension`` builds the extension ``name`` in (its
+    ``_get_build_directory``, which also creates it): under ``TORCH_EXTENSIONS_DIR``, else
+    under torch's cache folder, in a ``py<version>_<accelerator>`` folder."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch import _appdirs
+
+        if torch.version.hip is not None:
+            accelerator = "rocm" + torch.version.hip.replace(".", "")
+        elif torch.version.cuda is not None:
+            accelerator = "cu" + torch.version.cuda.replace(".", "")
+        else:
+            accelerator = "cpu"
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions")),
+                            f"{python}_{accelerator}")
+    return os.path.join(root, name)
 
 
 def extension_name(level: str, cflags: Sequence[str], ldflags: Sequence[str]) -> str:
@@ -161,15 +187,34 @@ def _load_locked(name: str, cflags: list[str], ldflags: list[str]) -> None:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
-def _built_library(name: str) -> str | None:
-    """Path of the extension's shared library in torch's build directory (None when torch
-    has no such helper)."""
-    try:
-        from torch.utils import cpp_extension
+def _built_library(name: str) -> str:
+    """Path of the extension's shared library in torch's build directory."""
+    return os.path.join(_build_directory(name), f"{name}.so")
 
-        return os.path.join(cpp_extension._get_build_directory(name, verbose=False), f"{name}.so")
-    except Exception:  # noqa: BLE001 - a torch without the helper: no build message
-        return None
+
+def _load_built(library: str) -> bool:
+    """Load ``library``, an up-to-date build, as ``cpp_extension.load`` would after finding
+    nothing to rebuild (``torch.ops.load_library``), under a shared ``flock`` on its folder
+    (a build there holds it exclusively, so this waits for one under way). False, with
+    nothing loaded, where it is no longer up to date once the lock is held or cannot be
+    loaded so: ``cpp_extension.load`` then builds or loads it, and reports any failure."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows)
+        return False
+    try:
+        with open(os.path.join(os.path.dirname(library), "pagedllm.flock"), "a") as lock_file:
+            fcntl.flock(lock_file, fcntl.LOCK_SH)
+            try:
+                if _rebuild_reason(library) is not None:
+                    return False
+                torch.ops.load_library(library)
+            finally:
+                fcntl.flock(lock_file, fcntl.LOCK_UN)
+    except (OSError, RuntimeError) as exc:
+        logger.debug("Loading the cached CPU kernels %s failed (%s); loading through torch's build", library, exc)
+        return False
+    return True
 
 
 def _build_time_file(library: str, level: str) -> Path:
@@ -186,11 +231,9 @@ def _build_estimate_s(library: str, level: str) -> int:
         return _DEFAULT_BUILD_ESTIMATE_S
 
 
-def _rebuild_reason(library: str | None) -> str | None:
+def _rebuild_reason(library: str) -> str | None:
     """Why loading ``library`` will compile: no such file, or a source newer than it (ninja
-    rebuilds by modification time); None when it loads as it is or torch has no helper."""
-    if library is None:
-        return None
+    rebuilds by modification time); None when it loads as it is."""
     if not os.path.exists(library):
         return "no cached build for this key"
     built = os.path.getmtime(library)
@@ -211,12 +254,12 @@ def load(level: str) -> str | None:
         logger.info("Building CPU kernels for %s: %s (about %d s)...", level, reason, _build_estimate_s(library, level))
     start = time.perf_counter()
     try:
-        _load_locked(name, cflags, ldflags)
+        if reason is not None or not _load_built(library):
+            _load_locked(name, cflags, ldflags)
     except Exception as exc:  # noqa: BLE001 - any build failure means "try a lower level"
         return f"{level}: {type(exc).__name__}: {str(exc).strip()[-2000:]}"
     elapsed = time.perf_counter() - start
     if reason is not None:
-        assert library is not None
         logger.info("Built CPU kernels for %s in %.1f s (cached in %s)", level, elapsed, os.path.dirname(library))
         with contextlib.suppress(OSError):
             _build_time_file(library, level).write_text(f"{elapsed:.1f}\n")

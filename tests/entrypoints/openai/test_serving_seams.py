@@ -137,6 +137,27 @@ def test_one_gpt2_byte_map(parts):
     assert defining == ["tokenizer.py"]
 
 
+def test_byte_level_decoder_read_from_the_decoder_alone():
+    """Byte-level BPE is told by the tokenizer's decoder (a ByteLevel one, alone or in a
+    sequence); other decoders, none, or no backend tokenizer: None."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, decoders, models
+
+    def wrapped(decoder):
+        backend = Tokenizer(models.BPE())
+        if decoder is not None:
+            backend.decoder = decoder
+        return SimpleNamespace(backend_tokenizer=backend)
+
+    char_to_byte = byte_level_char_to_byte()
+    assert serving_engine._byte_level_decoder(wrapped(decoders.ByteLevel())) is char_to_byte
+    assert serving_engine._byte_level_decoder(wrapped(decoders.Sequence([decoders.ByteLevel()]))) is char_to_byte
+    assert serving_engine._byte_level_decoder(wrapped(decoders.WordPiece())) is None
+    assert serving_engine._byte_level_decoder(wrapped(None)) is None
+    assert serving_engine._byte_level_decoder(SimpleNamespace()) is None
+
+
 @pytest.mark.parametrize("event", [None, "response.output_text.delta"])
 def test_sse_events_survive_line_readers_that_split_on_unicode_breaks(event):
     """A generated token holding U+2028, U+2029 or U+0085 stays inside its event: httpx's
