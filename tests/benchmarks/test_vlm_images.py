@@ -1,6 +1,7 @@
 """``benchmarks/vlm_images.py`` on the tiny Qwen2.5-VL (``make_checkpoint``'s ``qwen2.5-vl-tiny``,
-written by the script itself) with 2 requests: it exits 0, pagedllm's greedy tokens equal
-transformers' in float32, and its table has every row, with numbers that agree with each other."""
+written by the script itself) with 2 requests, timed in bfloat16 as the real run: it exits 0,
+pagedllm's greedy tokens equal transformers' in the float32 check, and its table has every row,
+with numbers that agree with each other."""
 
 from __future__ import annotations
 
@@ -22,13 +23,14 @@ def _number(cell: str) -> float:
 
 def test_vlm_images_table(tmp_path):
     command = [sys.executable, "benchmarks/vlm_images.py", "--model", str(tmp_path / "qwen2.5-vl-tiny"),
-               "--preset", "qwen2.5-vl-tiny", "--dtype", "float32", "--num-requests", "2", "--image-size", "64",
+               "--preset", "qwen2.5-vl-tiny", "--num-requests", "2", "--image-size", "64",
                "--output-len", "6", "--rounds", "1", "--ttft-rounds", "1"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    assert "first request greedy tokens equal: True (6 of 6 tokens" in out
+    assert "first request greedy tokens equal in float32: True (6 of 6 tokens" in out  # fresh float32 sides
+    assert re.search(r"^in bfloat16 \(the timed runs\): \d of 6 tokens equal", out, re.M)
     # A 64 x 64 image is 4 x 4 merged patches of 16 pixels: 16 placeholders between the two markers.
     assert "2 requests of one 64x64 image + 64 text tokens (82 prompt tokens), 6 tokens out" in out
     assert re.search(r"^machine: .*ISA \w+; torch threads \d+; load average [0-9.]+ before, [0-9.]+ after$", out, re.M)
