@@ -7,7 +7,7 @@ TTFT of a repeated image (encoder-cache and prefix-cache hit), in one table.
 The model is ``benchmarks/make_checkpoint.py``'s ``qwen2.5-vl-3b-cut`` preset, written into
 ``--model`` when that folder has no config.json: a random Qwen2_5_VLForConditionalGeneration
 that transformers writes, with Qwen2.5-VL-3B's per-layer shapes but 4 of its 32 vision blocks
-and 4 of its 36 language-model layers (so the whole run takes a few minutes on 2 cores), a
+and 4 of its 36 language-model layers (so the whole run takes minutes on 2 cores), a
 32000-token vocabulary, images of at most 448 x 448 pixels; weights in ``--dtype`` (bfloat16:
 both sides run it on CPU).
 
@@ -32,8 +32,9 @@ same token ids (checked) and run in this process with the same torch threads:
   steps of the throughput rounds together.
 - correctness: the warm-up batch's first request, greedy, on both sides in ``--check-dtype``
   (float32, on a fresh engine and model freed after: the script fails unless the tokens are
-  equal) and in ``--dtype`` (printed only: in bfloat16 the two sides' rounding of the random
-  weights' near-tied logits parts them after a few tokens).
+  equal) and in ``--dtype`` (printed only: the random model's top two logprobs are often within
+  0.1 nat, and each side's bfloat16 logprobs are 0.1-0.2 nat off float32's, so the two sides
+  may part at any token).
 
 Prints the machine (CPU, ISA, threads, load average before and after), each round, and a
 markdown table (rows ``| metric | pagedllm | transformers | pagedllm / transformers |``).
