@@ -38,9 +38,10 @@ def test_vlm_images_table(tmp_path):
             for cells in [[c.strip() for c in line.strip("|").split("|")]]}
     assert rows.pop("metric") == ["pagedllm", "transformers", "pagedllm / transformers"]
     assert tuple(rows) == METRICS
-    for metric in METRICS[:3]:
-        ours, theirs, ratio = map(_number, rows[metric])
-        assert ours > 0 and theirs > 0 and abs(ratio - ours / theirs) <= 0.01 + 0.01 * ratio, (metric, rows[metric])
+    for metric in METRICS[:3]:  # the ratio is of the unrounded values: within the cells' rounding
+        (ours, theirs, ratio), half = map(_number, rows[metric]), 0.05 if "tokens" in metric else 0.0005
+        assert ours > 0 and theirs > half, (metric, rows[metric])
+        assert (ours - half) / (theirs + half) - 0.005 <= ratio <= (ours + half) / (theirs - half) + 0.005, rows[metric]
     assert abs(_number(rows[METRICS[1]][0]) - 6 * _number(rows[METRICS[0]][0])) < 0.1  # 6 tokens per request
     warm, cold = re.fullmatch(r"([0-9.]+) \(cold ([0-9.]+)\)", rows[METRICS[3]][0]).groups()
     assert cold == rows[METRICS[2]][0] and float(warm) > 0
