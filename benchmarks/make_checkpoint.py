@@ -23,10 +23,20 @@ measured here compare with the peers' table:
 - ``qwen3-next-cut``: Qwen3NextForCausalLM with Qwen3-Next-80B-A3B's per-layer shape, 8 layers
   (6 Gated DeltaNet, 2 full attention), 64 experts, vocab 32000; ``qwen3-next-cut-all-attention``:
   the same with full attention on every layer.
+- ``qwen2.5-vl-3b-cut``: Qwen2_5_VLForConditionalGeneration with Qwen2.5-VL-3B's per-layer
+  shapes, layers cut about eightfold: a vision tower of 4 blocks (hidden 1280, 16 heads, SwiGLU
+  FFN 3420, 14-pixel patches merged 2 x 2, windows of 112 pixels, the last block full attention
+  as every eighth one of the 3B), merged to 2048, and a language model of 4 layers (hidden 2048,
+  16 heads / 2 KV heads, FFN 11008, tied embeddings, rope_theta 1e6, mrope sections 16/24/24),
+  vocab 32000 plus the Qwen-VL tokens (0.49B parameters, 0.98 GB in bf16); its image processor keeps images of
+  56^2 .. 448^2 pixels (a 448 x 448 image is 256 embeddings).
+  ``qwen2.5-vl-tiny``: the tests' tiny Qwen2.5-VL (``tests.multimodal.checkpoints``) with tied
+  embeddings, for the benchmark's own test.
 
 All use the 32000-token byte-level BPE tokenizer of ``tests.fixtures.checkpoints``
-with the ChatML chat template. Weights are created directly in ``--dtype`` (default
-bfloat16, as the peers measured), so peak memory is about twice the checkpoint size.
+with the ChatML chat template (``qwen2.5-vl-tiny``: the tests' 1024-token one). Weights are
+created directly in ``--dtype`` (default bfloat16, as the peers measured), so peak memory is
+about twice the checkpoint size (the Qwen2.5-VL presets: drawn in float32, saved in ``--dtype``).
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ import torch
 # tests/fixtures is in the checkout, not in the package (and pagedllm too, when not installed).
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 from tests.fixtures.checkpoints import make_checkpoint  # noqa: E402
+from tests.multimodal.checkpoints import make_qwen_vl_checkpoint  # noqa: E402
 
 PRESETS: dict[str, dict] = {
     "tiny-llama": dict(
@@ -153,6 +164,21 @@ PRESETS["qwen3-next-cut-all-attention"] = dict(
     PRESETS["qwen3-next-cut"], layer_types=["full_attention"] * 8,
 )
 
+#: Qwen2.5-VL-3B's vision blocks and language-model layers, 4 of each (see the module docstring).
+PRESETS["qwen2.5-vl-3b-cut"] = dict(
+    arch="Qwen2_5_VLForConditionalGeneration",
+    vision_config=dict(depth=4, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14,
+                       spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[3],
+                       out_hidden_size=2048, tokens_per_second=2, hidden_act="silu"),
+    text_config=dict(hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=2,
+                     intermediate_size=11008, max_position_embeddings=128000, rms_norm_eps=1e-6,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}),
+    image_processor=dict(patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=56 * 56, max_pixels=448 * 448),
+    tie_word_embeddings=True,
+    tokenizer_vocab_size=32000,
+)
+PRESETS["qwen2.5-vl-tiny"] = dict(arch="Qwen2_5_VLForConditionalGeneration", tie_word_embeddings=True)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -171,14 +197,17 @@ def main(argv: list[str] | None = None) -> Path:
     preset = dict(PRESETS[args.preset])
     arch = preset.pop("arch")
     start = time.perf_counter()
-    out = make_checkpoint(
-        args.out,
-        arch,
-        dtype=DTYPES[args.dtype],
-        seed=args.seed,
-        max_shard_size=args.max_shard_size,
-        **preset,
-    )
+    if arch.endswith("VLForConditionalGeneration"):
+        out = make_qwen_vl_checkpoint(Path(args.out), arch, args.seed, dtype=DTYPES[args.dtype], **preset)
+    else:
+        out = make_checkpoint(
+            args.out,
+            arch,
+            dtype=DTYPES[args.dtype],
+            seed=args.seed,
+            max_shard_size=args.max_shard_size,
+            **preset,
+        )
     elapsed = time.perf_counter() - start
     weight_bytes = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     print(

@@ -26,6 +26,7 @@ import copy
 import functools
 import json
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -157,20 +158,28 @@ QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|vide
 MERGER_SCALE = 30.0
 
 
-def make_qwen_vl_checkpoint(out: Path, architecture: str = "Qwen2_5_VLForConditionalGeneration", seed: int = 21) -> Path:
+def make_qwen_vl_checkpoint(out: Path, architecture: str = "Qwen2_5_VLForConditionalGeneration", seed: int = 21,
+                            *, vision_config: Optional[dict] = None, text_config: Optional[dict] = None,
+                            image_processor: Optional[dict] = None, tie_word_embeddings: bool = False,
+                            tokenizer_vocab_size: int = 1024, dtype: torch.dtype = torch.float32) -> Path:
     """A tiny Qwen2.5-VL (or Qwen3-VL) checkpoint written by transformers: a vision tower of 8 x 8
     patches merged 2 x 2 (Qwen2.5-VL: 3 blocks, windows of 2 x 2 merged patches, block 1 full;
     Qwen3-VL: 3 blocks, deepstack features after blocks 0 and 1), a language model of hidden 64
     and 2 layers with multimodal RoPE over the tests' tokenizer plus the Qwen-VL tokens, and the
     image processor (images resized to multiples of 16 pixels, 16^2 .. 96^2 pixels). Weights as
-    ``tests.fixtures.checkpoints``'; the merger's output scaled up, so images change the output."""
+    ``tests.fixtures.checkpoints``'; the merger's output scaled up, so images change the output.
+
+    ``vision_config``, ``text_config`` and ``image_processor`` update the vision config, the text
+    config and the ``Qwen2VLImageProcessor`` options (for Qwen2.5-VL, ``vision_config`` may replace
+    the window and the full-attention blocks too); the tokenizer has ``tokenizer_vocab_size``
+    tokens before the Qwen-VL ones; weights are saved in ``dtype`` (drawn in float32)."""
     from transformers import Qwen2VLImageProcessor
     from transformers.initialization import no_init_weights
 
     from tests.fixtures.checkpoints import _init_weights, build_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = copy.deepcopy(build_tokenizer())
+    tokenizer = copy.deepcopy(build_tokenizer(tokenizer_vocab_size))
     tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_VL_TOKENS)})
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_VL_TOKENS}
     vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=8, spatial_merge_size=2,
@@ -194,18 +203,20 @@ def make_qwen_vl_checkpoint(out: Path, architecture: str = "Qwen2_5_VLForConditi
                                                   "mrope_section": [2, 3, 3], "mrope_interleaved": True})
         merger_outs = ("model.visual.merger.linear_fc2.weight", "model.visual.deepstack_merger_list.0.linear_fc2.weight",
                        "model.visual.deepstack_merger_list.1.linear_fc2.weight")
-    config = Config(vision_config=vision, text_config=text, **tokens)
+    vision.update(vision_config or {})
+    text.update(text_config or {})
+    config = Config(vision_config=vision, text_config=text, tie_word_embeddings=tie_word_embeddings, **tokens)
     config.architectures = [architecture]
     with no_init_weights():
         model = Model(config)
+    model.tie_weights()  # NOTE: no_init_weights skips the tying too
     _init_weights(model, seed)
     with torch.no_grad():
         for name in merger_outs:
             dict(model.named_parameters())[name].mul_(MERGER_SCALE)
-    model.eval().save_pretrained(out)
-    image_processor = Qwen2VLImageProcessor(patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16,
-                                            max_pixels=96 * 96)
-    image_processor.save_pretrained(out)
+    model.eval().to(dtype).save_pretrained(out)
+    options = dict(patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16, max_pixels=96 * 96)
+    Qwen2VLImageProcessor(**{**options, **(image_processor or {})}).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 
