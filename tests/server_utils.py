@@ -115,9 +115,11 @@ class RemoteServer:
         """Whether ``/health`` answers 200 (a subclass may reach the server another way)."""
         return httpx.get(self.url + "/health", timeout=1.0).status_code == 200
 
-    def log_text(self) -> str:
+    def log_text(self, last_chars: Optional[int] = 5000) -> str:
+        """The server's log so far: its last ``last_chars`` characters (None: all of it)."""
         self.log.flush()
-        return Path(self.log.name).read_text()[-5000:]
+        text = Path(self.log.name).read_text()
+        return text if last_chars is None else text[-last_chars:]
 
     @property
     def headers(self) -> dict[str, str]:

@@ -122,7 +122,8 @@ def serve_control(root: Path, run_server: Optional[Callable[[list[str]], int]] =
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     if path.exists():
         path.unlink()
-    server.bind(str(path))
+    with fork_server.unix_address(path) as address:
+        server.bind(address)
     server.listen(8)
     started = time.time()
     stopping = False
@@ -179,7 +180,8 @@ def control(root: Path, op: str, **fields: Any) -> Optional[dict[str, Any]]:
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     client.settimeout(CONTROL_TIMEOUT_S)
     try:
-        client.connect(str(root / SOCKET_NAME))
+        with fork_server.unix_address(root / SOCKET_NAME) as address:
+            client.connect(address)
         client.sendall((json.dumps({"op": op, **fields}) + "\n").encode())
         return json.loads(client.makefile().readline())
     except (FileNotFoundError, ConnectionRefusedError):

@@ -25,6 +25,7 @@ when the daemon stops or is killed (its own session, the store's pages stay mapp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -34,7 +35,7 @@ import sys
 import threading
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from pagedllm import envs
 
@@ -51,6 +52,25 @@ INHERITED_ENV_PREFIXES = ("PAGEDLLM_", "VLLM_", "OMP_", "KMP_", "MKL_", "GOMP_",
 NOT_INHERITED = ("PAGEDLLM_PRELOAD_DIR", "PAGEDLLM_SNAPSHOT_DIR")
 _MAX_FDS = 3
 _CHUNK = 1 << 16
+#: Bytes an AF_UNIX address may have (Linux's ``sun_path`` is 108, with its NUL).
+_MAX_UNIX_PATH = 107
+
+
+@contextlib.contextmanager
+def unix_address(path: Path) -> Iterator[str]:
+    """``path`` as an address to ``bind`` or ``connect`` an AF_UNIX socket to: itself, or where
+    it is longer than ``sun_path`` holds (a deep ``PAGEDLLM_PRELOAD_DIR``, a snapshot's
+    ``weights/``) the same file reached through an open descriptor of its folder
+    (``/proc/self/fd/N/<name>``), valid inside the ``with``. FileNotFoundError when the
+    folder does not exist."""
+    if len(os.fsencode(str(path))) <= _MAX_UNIX_PATH:
+        yield str(path)
+        return
+    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{folder}/{path.name}"
+    finally:
+        os.close(folder)
 
 
 def receive(connection: socket.socket) -> tuple[dict[str, Any], list[int]]:
@@ -169,8 +189,9 @@ def serve_forked(argv: list[str], env: Optional[dict[str, str]] = None, cwd: Opt
     root = Path(envs.PAGEDLLM_PRELOAD_DIR.get()) if root is None else root
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        client.connect(str(root / SOCKET_NAME))
-    except (FileNotFoundError, ConnectionRefusedError):
+        with unix_address(root / SOCKET_NAME) as address:
+            client.connect(address)
+    except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError):
         client.close()
         return None
     request = {"op": OP, "argv": list(argv), "env": dict(os.environ if env is None else env),

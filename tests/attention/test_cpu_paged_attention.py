@@ -272,6 +272,7 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, caplog, disable_
         raise RuntimeError("no C++ compiler here")
 
     monkeypatch.setattr(cpu_build, "_load_locked", failing_build)
+    monkeypatch.setattr(cpu_build, "_load_built", lambda library: False)  # and no cached build to load
     with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
         for _ in range(3):
             assert selector.get_attn_backend(32, torch.float32, 16) is TorchSDPABackend

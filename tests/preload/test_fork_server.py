@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -56,11 +57,30 @@ class _Daemon:
 
 @pytest.fixture
 def daemon(tiny_llama, tmp_path):
-    root = tmp_path / "preload"
-    root.mkdir()
+    # deeper than an AF_UNIX address holds (108 bytes): the socket is bound and reached
+    # through the folder's descriptor (fork_server.unix_address)
+    root = tmp_path / "preload" / ("deep-" * 20)
+    root.mkdir(parents=True)
+    assert len(str(root / fork_server.SOCKET_NAME)) > 108
     running = _Daemon(tiny_llama, root)
     yield running
     running.close()
+
+
+def test_unix_address_of_a_short_and_a_deep_path(tmp_path):
+    short = Path("/tmp") / "c.sock"
+    with fork_server.unix_address(short) as address:
+        assert address == str(short)
+    deep = tmp_path / ("d" * 120)
+    deep.mkdir()
+    with fork_server.unix_address(deep / "c.sock") as address:
+        assert address.startswith("/proc/self/fd/") and len(address) < 108
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+            server.bind(address)
+    assert (deep / "c.sock").exists()
+    with pytest.raises(FileNotFoundError):
+        with fork_server.unix_address(tmp_path / ("e" * 120) / "c.sock"):
+            pass
 
 
 def _greedy(server: RemoteServer) -> list[int]:

@@ -132,7 +132,7 @@ def test_text_parts_reach_a_parts_template_as_a_list(server, client, tokenizer):
     the start-up log names the format), and a request template that writes the content as it is
     gets the text parts joined with newlines."""
     assert ("Detected the chat template content format to be 'openai'. You can set "
-            "--chat-template-content-format to override this.") in server.log_text()
+            "--chat-template-content-format to override this.") in server.log_text(last_chars=None)
     expected = tokenizer.apply_chat_template(PARTS_MESSAGES, add_generation_prompt=True, tokenize=False)
     assert expected.endswith("<|im_start|>user\nName threecolours.<|im_end|>\n<|im_start|>assistant\n")
     prompt, num_tokens = _prompt_of(server, PARTS_MESSAGES)
