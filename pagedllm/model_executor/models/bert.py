@@ -72,17 +72,26 @@ def bidirectional_attention(
     """Attention of each prompt of ``bounds`` over its own tokens, both ways: q, k, v [T, heads,
     head_dim] -> [T, heads * head_dim]. ``mask(length, device)``: a prompt's [length, length] bool mask
     (True: the query row sees the key column; None: all). Prompts of one length go through one
-    ``scaled_dot_product_attention`` call, as a batch (no padding)."""
+    ``scaled_dot_product_attention`` call, as a batch (no padding); a prompt whose length no
+    other has is read and written in place (views of its rows, no gather or scatter)."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
     starts_by_length: dict[int, list[int]] = {}
     for start, end in bounds:
         starts_by_length.setdefault(end - start, []).append(start)
     for length, starts in starts_by_length.items():
+        attn_mask = mask(length, q.device) if mask else None
+        if len(starts) == 1:
+            # NOTE: the [1, heads, length, head_dim] views keep SDPA on its fused CPU kernel;
+            # 3-D views of the same rows fall back to a slower path.
+            rows = slice(starts[0], starts[0] + length)
+            heads = [x[rows].transpose(0, 1)[None] for x in (q, k, v)]
+            attn = torch.nn.functional.scaled_dot_product_attention(*heads, attn_mask=attn_mask)
+            out[rows].view(length, num_heads, head_dim).copy_(attn[0].transpose(0, 1))
+            continue
         rows = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).flatten()
         heads = [x.index_select(0, rows).view(len(starts), length, num_heads, head_dim).transpose(1, 2)
                  for x in (q, k, v)]
-        attn_mask = mask(length, q.device) if mask else None
         attn = torch.nn.functional.scaled_dot_product_attention(*heads, attn_mask=attn_mask)
         out[rows] = attn.transpose(1, 2).reshape(len(starts) * length, -1)
     return out
