@@ -363,6 +363,7 @@ def main() -> None:
           f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after")
     print(f"{args.model_kind} ({num_layers} layers, {args.dtype}): {len(batch)} inputs of {min(lengths)}-"
           f"{max(lengths)} tokens (mean {statistics.mean(lengths):.0f}, seed {args.seed}); "
+          f"pagedllm max_num_batched_tokens {llm.llm_engine.config.scheduler_config.max_num_batched_tokens}; "
           f"sentence-transformers batch_size {args.st_batch_size}; median of {args.rounds} rounds")
     print(table(rates, checks, errors))
     print(f"max |difference| of the embeddings (pagedllm vs sentence-transformers): {checks['pagedllm'][0]:.2e}")
