@@ -267,11 +267,14 @@ def table(rates: dict[str, list[float]], checks: dict[str, tuple[float, float]],
     of each round; ``checks``: (max |difference|, min cosine) against sentence-transformers;
     ``errors``: why an engine did not run)."""
     medians = {name: statistics.median(r) for name, r in rates.items()}
+
+    def rate(value: float) -> str:
+        return f"{value:.2f}" if value < 10 else f"{value:.1f}"
     rows = ["| engine | embeddings/s (median) | rounds | pagedllm / engine | max abs diff vs ST | min cosine vs ST |",
             "|---|---|---|---|---|---|"]
     for name, median in medians.items():
         diff, cosine = checks.get(name, (0.0, 1.0))
-        rows.append(f"| {name} | {median:.1f} | {', '.join(f'{r:.1f}' for r in rates[name])} | "
+        rows.append(f"| {name} | {rate(median)} | {', '.join(rate(r) for r in rates[name])} | "
                     f"{medians['pagedllm'] / median:.2f} | {diff:.2e} | {cosine:.6f} |")
     rows += [f"| {name} | not run: {error} | | | | |" for name, error in errors.items()]
     return "\n".join(rows)
