@@ -75,3 +75,22 @@ def test_encoder_needs_a_step_budget_of_a_whole_prompt(bert_st):
         EngineArgs(model=str(bert_st), max_num_batched_tokens=32).create_engine_config(log_choices=False)
     with pytest.raises(ValueError, match="BertModel is an encoder"):
         EngineArgs(model=str(bert_st), runner="generate").create_engine_config(log_choices=False)
+
+
+def test_one_step_of_shared_and_distinct_lengths_equals_transformers(bert_st):
+    """One step holding two prompts of one length (a batched attention call), one of another
+    length and a max_model_len prompt (each attended in place): every embedding equals
+    transformers' MEAN pooled and normalized over that prompt alone."""
+    from transformers import AutoModel
+
+    llm = LLM(str(bert_st), dtype="float32", max_num_batched_tokens=256, kv_cache_memory_bytes=4 << 20)
+    tokenizer = llm.get_tokenizer()
+    prompts = [tokenizer.encode(text) for text in ("the cat is fast", "a dog was slow", "hello world")]
+    prompts.append([tokenizer.cls_token_id] + [7 + i % 20 for i in range(62)] + [tokenizer.sep_token_id])
+    assert len(prompts[0]) == len(prompts[1]) != len(prompts[2])
+    got = torch.tensor([out.outputs.embedding for out in llm.embed(prompts, use_tqdm=False)])
+    hf = AutoModel.from_pretrained(bert_st, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.stack([hf(torch.tensor([p])).last_hidden_state[0].mean(dim=0) for p in prompts])
+    assert_close_embeddings(got, torch.nn.functional.normalize(ref, dim=-1))
+    check_block_accounting(llm)

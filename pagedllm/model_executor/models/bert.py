@@ -72,20 +72,29 @@ def bidirectional_attention(
     """Attention of each prompt of ``bounds`` over its own tokens, both ways: q, k, v [T, heads,
     head_dim] -> [T, heads * head_dim]. ``mask(length, device)``: a prompt's [length, length] bool mask
     (True: the query row sees the key column; None: all). Prompts of one length go through one
-    ``scaled_dot_product_attention`` call, as a batch (no padding)."""
-    num_tokens, num_heads, head_dim = q.shape
-    out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
+    ``scaled_dot_product_attention`` call, as a batch (no padding); a prompt whose length no
+    other has is read in place (views of its rows, no gather). The outputs are joined in one copy."""
+    _, num_heads, head_dim = q.shape
+    if not bounds:
+        return q.new_empty(0, num_heads * head_dim)
     starts_by_length: dict[int, list[int]] = {}
     for start, end in bounds:
         starts_by_length.setdefault(end - start, []).append(start)
+    pieces: dict[int, torch.Tensor] = {}  # start -> [length, heads * head_dim]
     for length, starts in starts_by_length.items():
-        rows = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).flatten()
-        heads = [x.index_select(0, rows).view(len(starts), length, num_heads, head_dim).transpose(1, 2)
-                 for x in (q, k, v)]
         attn_mask = mask(length, q.device) if mask else None
+        if len(starts) == 1:
+            # NOTE: [1, heads, length, head_dim] views keep SDPA on its fused CPU kernel.
+            heads = [x[starts[0]:starts[0] + length].transpose(0, 1)[None] for x in (q, k, v)]
+        else:
+            rows = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).flatten()
+            heads = [x.index_select(0, rows).view(len(starts), length, num_heads, head_dim).transpose(1, 2)
+                     for x in (q, k, v)]
         attn = torch.nn.functional.scaled_dot_product_attention(*heads, attn_mask=attn_mask)
-        out[rows] = attn.transpose(1, 2).reshape(len(starts) * length, -1)
-    return out
+        pieces.update(zip(starts, attn.transpose(1, 2).reshape(len(starts), length, -1).unbind(0)))
+    if len(bounds) == 1:
+        return pieces[bounds[0][0]].contiguous()
+    return torch.cat([pieces[start] for start, _ in bounds])
 
 
 def refuse_pipeline_parallel(model: nn.Module) -> None:
