@@ -23,6 +23,10 @@ measured here compare with the peers' table:
 - ``qwen3-next-cut``: Qwen3NextForCausalLM with Qwen3-Next-80B-A3B's per-layer shape, 8 layers
   (6 Gated DeltaNet, 2 full attention), 64 experts, vocab 32000; ``qwen3-next-cut-all-attention``:
   the same with full attention on every layer.
+- ``llama3-8b-shape``: LlamaForCausalLM with Llama 3 8B's dimensions (hidden 4096, 32 layers,
+  32 heads / 8 KV heads, FFN 14336, vocab 128256, untied; 8.0B parameters, 16.1 GB in bf16),
+  written one tensor at a time into 2 GB shards (peak memory about one shard; some minutes):
+  the int4 8B shape of the start-up benchmarks (``--quantization int4``).
 - ``qwen2.5-vl-3b-cut``: Qwen2_5_VLForConditionalGeneration with Qwen2.5-VL-3B's per-layer
   shapes, layers cut about eightfold: a vision tower of 4 blocks (hidden 1280, 16 heads, SwiGLU
   FFN 3420, 14-pixel patches merged 2 x 2, windows of 112 pixels, the last block full attention
@@ -50,7 +54,7 @@ import torch
 
 # tests/fixtures is in the checkout, not in the package (and pagedllm too, when not installed).
 sys.path.append(str(Path(__file__).resolve().parents[1]))
-from tests.fixtures.checkpoints import make_checkpoint  # noqa: E402
+from tests.fixtures.checkpoints import make_checkpoint, make_streamed_checkpoint  # noqa: E402
 from tests.multimodal.checkpoints import make_qwen_vl_checkpoint  # noqa: E402
 
 PRESETS: dict[str, dict] = {
@@ -177,6 +181,28 @@ PRESETS["qwen2.5-vl-3b-cut"] = dict(
     tie_word_embeddings=True,
     tokenizer_vocab_size=32000,
 )
+#: Llama 3 8B's shape (hidden 4096, 32 layers, 32 heads / 8 KV heads, FFN 14336, vocab 128256,
+#: rope_theta 5e5; 8.0B parameters, 16.1 GB in bf16), written one tensor at a time
+#: (``streamed``): the int4 8B-shape model of the start-up benchmarks.
+PRESETS["llama3-8b-shape"] = dict(
+    arch="LlamaForCausalLM",
+    streamed=True,
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=14336,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    tokenizer_vocab_size=32000,
+)
+#: A 2-layer cut of it with a small vocabulary, for the streamed writer's own test.
+PRESETS["llama3-8b-shape-2l"] = dict(PRESETS["llama3-8b-shape"], num_hidden_layers=2, hidden_size=256,
+                                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
+                                     vocab_size=None)
 PRESETS["qwen2.5-vl-tiny"] = dict(arch="Qwen2_5_VLForConditionalGeneration", tie_word_embeddings=True)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -197,7 +223,9 @@ def main(argv: list[str] | None = None) -> Path:
     preset = dict(PRESETS[args.preset])
     arch = preset.pop("arch")
     start = time.perf_counter()
-    if arch.endswith("VLForConditionalGeneration"):
+    if preset.pop("streamed", False):
+        out = make_streamed_checkpoint(Path(args.out), arch, dtype=DTYPES[args.dtype], seed=args.seed, **preset)
+    elif arch.endswith("VLForConditionalGeneration"):
         out = make_qwen_vl_checkpoint(Path(args.out), arch, args.seed, dtype=DTYPES[args.dtype], **preset)
     else:
         out = make_checkpoint(

@@ -44,7 +44,15 @@ test -f "$LLAMA_SRC/convert_hf_to_gguf.py"
 
 # 4. llama-server / llama-bench / llama-batched-bench. LLAMA_USE_PREBUILT_UI=OFF, otherwise
 #    the build tries to download its web UI; LLAMA_CURL=OFF: nothing is fetched at run time.
+#    LLAMA_CPP_AMX=0 (the default) builds without ggml's AMX kernels even where -march=native
+#    has them: on the Sapphire Rapids VMs here its Q8_0 / Q4_0 matmul dies of SIGILL
+#    (`tilezero` in tinygemm_kernel_amx) or SIGSEGV; its AVX-512 VNNI kernels run instead.
+NO_AMX=""
+if [ "${LLAMA_CPP_AMX:-0}" = "0" ]; then
+  NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+fi
 cmake -S "$LLAMA_SRC" -B "$PEER/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
 cmake --build "$PEER/build" -j "$JOBS" --target llama-server llama-bench llama-batched-bench llama-quantize
 
