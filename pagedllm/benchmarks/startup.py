@@ -17,6 +17,9 @@ Measurements (``--mode``), each start in a fresh process (nothing warm but the O
 - ``wake``: one server with ``--enable-sleep-mode``; each iteration puts it to sleep
   (``POST /sleep?level=1``, then ``level=2``) and times ``POST /wake_up`` until it answers.
 
+After each server start and each wake-up one completion request (``max_tokens`` 1) is
+timed: the first request's time to first token (``*_first_token_s``).
+
 Each is repeated ``--num-iters`` times after ``--num-iters-warmup`` unrecorded runs (the
 first run on a machine also builds the C++ CPU kernels and fills the page cache).
 Reported: the list of times and their median, in seconds (also in ``--output-json``); for the
@@ -99,11 +102,35 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 class Start(NamedTuple):
-    """One server start: seconds until ``/health`` was 200 (wall clock), and the CPU seconds
-    its process tree had used then (None where ``/proc`` is missing)."""
+    """One server start: seconds until ``/health`` was 200 (wall clock), the CPU seconds its
+    process tree had used then (None where ``/proc`` is missing), and the seconds of the first
+    request sent right after (``first_token_s``)."""
 
     seconds: float
     cpu_s: Optional[float]
+    first_token_s: float
+
+
+def first_token_s(url: str) -> float:
+    """Seconds of one completion request (a 6-word prompt, ``max_tokens`` 1, greedy, not
+    streamed: its time to first token) to the server at ``url``, the model's name asked
+    first (``GET /v1/models``, not timed).
+
+    Raises:
+        RuntimeError: the server answered an error.
+    """
+    with urllib.request.urlopen(url + "/v1/models", timeout=_START_TIMEOUT_S) as response:
+        model = json.loads(response.read())["data"][0]["id"]
+    body = json.dumps({"model": model, "prompt": "The first request after a start", "max_tokens": 1,
+                       "temperature": 0.0}).encode()
+    request = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    start = time.perf_counter()
+    try:
+        with urllib.request.urlopen(request, timeout=_START_TIMEOUT_S) as response:
+            response.read()
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"the first request failed: {exc.code} {exc.read()[:500]!r}") from exc
+    return time.perf_counter() - start
 
 
 def tree_cpu_seconds(pid: int) -> Optional[float]:
@@ -163,7 +190,7 @@ def _start_server(args: argparse.Namespace, extra: list[str], env: Optional[dict
     cpu_s = tree_cpu_seconds(proc.pid)
     if cpu_s is not None and daemon_before is not None:
         cpu_s += (tree_cpu_seconds(daemon_pid) or 0.0) - daemon_before
-    return proc, url, Start(seconds, cpu_s)
+    return proc, url, Start(seconds, cpu_s, first_token_s(url))
 
 
 def time_serve(args: argparse.Namespace, extra: tuple[str, ...] = (), env: Optional[dict[str, str]] = None,
@@ -185,17 +212,22 @@ def _post(url: str) -> None:
 
 def time_wake(args: argparse.Namespace) -> dict[str, list[float]]:
     """Per iteration (``--num-iters``, after the warm-up ones): seconds of ``POST /wake_up``
-    after ``POST /sleep?level=1`` and after ``level=2``, on one ``--enable-sleep-mode`` server."""
+    after ``POST /sleep?level=1`` and after ``level=2``, and of the first request after each
+    (``first_token_s``), on one ``--enable-sleep-mode`` server."""
     proc, url, _ = _start_server(args, ["--enable-sleep-mode"])
-    times: dict[str, list[float]] = {"wake_level1_s": [], "wake_level2_s": []}
+    times: dict[str, list[float]] = {"wake_level1_s": [], "wake_level2_s": [], "wake_level1_first_token_s": [],
+                                     "wake_level2_first_token_s": []}
     try:
         for i in range(args.num_iters_warmup + args.num_iters):
             for level in (1, 2):
                 _post(f"{url}/sleep?level={level}")
                 start = time.perf_counter()
                 _post(f"{url}/wake_up")
+                woken = time.perf_counter() - start
+                first = first_token_s(url)
                 if i >= args.num_iters_warmup:
-                    times[f"wake_level{level}_s"].append(time.perf_counter() - start)
+                    times[f"wake_level{level}_s"].append(woken)
+                    times[f"wake_level{level}_first_token_s"].append(first)
     finally:
         _stop(proc)
     return times
@@ -317,6 +349,10 @@ def _record(result: dict[str, Any], key: str, starts: list[Start], what: str) ->
         cpu_key = key[: -len("_s")] + "_cpu_s"
         result.update({cpu_key: cpu, f"median_{cpu_key}": _median(cpu)})
         line += f"; CPU median {_median(cpu):.2f} s"
+    first = [s.first_token_s for s in starts]
+    first_key = key[: -len("_s")] + "_first_token_s"
+    result.update({first_key: first, f"median_{first_key}": _median(first)})
+    line += f"; then the first request's first token: median {_median(first):.3f} s"
     print(line)
 
 
@@ -352,7 +388,9 @@ def main(args: argparse.Namespace) -> int:
         wakes = time_wake(args)
         for name, times in wakes.items():
             result.update({name: times, f"median_{name}": _median(times)})
-        print(f"POST /wake_up after /sleep?level=1: median {_median(wakes['wake_level1_s']):.2f} s; "
-              f"after level=2: median {_median(wakes['wake_level2_s']):.2f} s")
+        print(f"POST /wake_up after /sleep?level=1: median {_median(wakes['wake_level1_s']):.2f} s "
+              f"(first token {_median(wakes['wake_level1_first_token_s']):.3f} s); "
+              f"after level=2: median {_median(wakes['wake_level2_s']):.2f} s "
+              f"(first token {_median(wakes['wake_level2_first_token_s']):.3f} s)")
     write_json(args.output_json, result)
     return 0

@@ -503,6 +503,9 @@ def test_startup_measures_serve_and_llm(tiny_llama, tmp_path):
     # the server and its engine process: at least an import of torch, at most every core all along
     (serve_cpu_s,) = result["serve_startup_cpu_s"]
     assert 0.2 < serve_cpu_s < (os.cpu_count() or 1) * serve_s + 1
+    # the first request after /health, timed on its own
+    (first_s,) = result["serve_startup_first_token_s"]
+    assert 0.0 < first_s < 60 and result["median_serve_startup_first_token_s"] == first_s
     # the constructor runs inside the measured process, after the interpreter started
     assert 0.2 < construction_s < process_s < 120
 
@@ -516,7 +519,20 @@ def test_startup_measures_a_snapshot_restore(tiny_llama, tmp_path):
     (restore_s,) = result["snapshot_serve_startup_s"]
     assert 0.2 < restore_s < 120 and result["median_snapshot_serve_startup_s"] == restore_s
     assert result["median_snapshot_serve_startup_cpu_s"] > 0.2
+    assert 0.0 < result["median_snapshot_serve_startup_first_token_s"] < 60
     assert "serve_startup_s" not in result and "llm_process_s" not in result
+
+
+def test_startup_measures_wake_up_and_the_first_token_after(tiny_llama, tmp_path):
+    out = tmp_path / "startup.json"
+    assert run_bench(["startup", "--model", str(tiny_llama), "--dtype", "float32", "--kv-cache-memory-bytes",
+                      KV_BYTES, "--mode", "wake", "--num-iters-warmup", "0", "--num-iters", "2",
+                      "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for level in (1, 2):
+        assert len(result[f"wake_level{level}_s"]) == 2 and 0 < result[f"median_wake_level{level}_s"] < 60
+        assert len(result[f"wake_level{level}_first_token_s"]) == 2
+        assert 0 < result[f"median_wake_level{level}_first_token_s"] < 60
 
 
 def test_startup_rejects_unknown_mode(tiny_llama):
