@@ -109,6 +109,26 @@ if __name__ == "__main__":
     main()
 '''
 
+#: Architectures whose llama.cpp converter expects multi-token-prediction layers unless told
+#: there are none (``--no-mtp``): it counts them from the ``mtp.*`` tensors and fails on 0.
+MTP_ARCHITECTURES = ("Qwen3NextForCausalLM",)
+
+
+def converter_flags(model: Path) -> list[str]:
+    """Extra convert_hf_to_gguf.py flags for the checkpoint in ``model``: ``--no-mtp`` for an
+    ``MTP_ARCHITECTURES`` checkpoint without ``mtp.*`` tensors (transformers writes none)."""
+    config = json.loads((model / "config.json").read_text())
+    if not set(config.get("architectures") or ()) & set(MTP_ARCHITECTURES):
+        return []
+    from safetensors import safe_open
+
+    for file in model.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            if any(name.startswith(("mtp.", "model.mtp.")) for name in f.keys()):
+                return []
+    return ["--no-mtp"]
+
+
 # Runs inside the llama.cpp virtualenv: convert_hf_to_gguf.py with the BPE pre-tokenizer
 # forced when the converter does not recognise the tokenizer (our checkpoints' tokenizer).
 GGUF_CONVERT = r'''
@@ -345,7 +365,8 @@ class Runner:
         wrapper = self.workdir / "convert.py"
         wrapper.write_text(GGUF_CONVERT)
         run_cmd([str(LLAMA_DIR / "bin" / "python"), str(wrapper), str(src / "convert_hf_to_gguf.py"),
-                 a.gguf_pretokenizer, self.model, "--outfile", str(path), "--outtype", gtype])
+                 a.gguf_pretokenizer, self.model, "--outfile", str(path), "--outtype", gtype,
+                 *converter_flags(Path(self.model))])
         return path
 
     def gguf_of(self, gtype: str) -> Path:

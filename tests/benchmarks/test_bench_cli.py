@@ -442,6 +442,23 @@ def test_run_peers_table_ratios():
     assert args.workload == "serve" and args.max_concurrency == 32
 
 
+def test_run_peers_tells_the_converter_a_qwen3_next_has_no_mtp_layers(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    spec = importlib.util.spec_from_file_location("run_peers", ROOT / "benchmarks" / "peers" / "run_peers.py")
+    run_peers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_peers)
+    for arch, names, flags in (("Qwen3NextForCausalLM", ["model.norm.weight"], ["--no-mtp"]),
+                               ("Qwen3NextForCausalLM", ["model.norm.weight", "mtp.fc.weight"], []),
+                               ("Qwen2ForCausalLM", ["model.norm.weight"], [])):
+        folder = tmp_path / f"{arch}-{len(names)}"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"architectures": [arch]}))
+        save_file({name: torch.zeros(2) for name in names}, str(folder / "model.safetensors"))
+        assert run_peers.converter_flags(folder) == flags
+
+
 def test_serve_against_real_pagedllm_server(tiny_llama, tmp_path):
     """The same load generator against ``pagedllm serve`` (skipped until the server exists)."""
     import os
