@@ -187,8 +187,10 @@ class VisionAttention(nn.Module):
         q, k = rotate_vision(q, cos, sin), rotate_vision(k, cos, sin)
         out = torch.empty_like(q)
         for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-            seg = [t[start:end].transpose(0, 1) for t in (q, k, v)]
-            out[start:end] = F.scaled_dot_product_attention(*seg, is_causal=False).transpose(0, 1)
+            # NOTE: [1, heads, L, head_dim]: SDPA's CPU flash kernel takes 4-D inputs only (3-D
+            # ones fall back to its float32-upcasting math path, several times slower).
+            seg = [t[start:end].transpose(0, 1)[None] for t in (q, k, v)]
+            out[start:end] = F.scaled_dot_product_attention(*seg, is_causal=False)[0].transpose(0, 1)
         return self.proj(out.reshape(num_patches, -1))
 
 
