@@ -187,8 +187,10 @@ class VisionAttention(nn.Module):
         q, k = rotate_vision(q, cos, sin), rotate_vision(k, cos, sin)
         out = torch.empty_like(q)
         for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-            seg = [t[start:end].transpose(0, 1) for t in (q, k, v)]
-            out[start:end] = F.scaled_dot_product_attention(*seg, is_causal=False).transpose(0, 1)
+            # NOTE: [1, heads, L, head_dim]: SDPA's CPU flash kernel takes 4-D inputs only (3-D
+            # ones fall back to its float32-upcasting math path, several times slower).
+            seg = [t[start:end].transpose(0, 1)[None] for t in (q, k, v)]
+            out[start:end] = F.scaled_dot_product_attention(*seg, is_causal=False)[0].transpose(0, 1)
         return self.proj(out.reshape(num_patches, -1))
 
 
@@ -266,10 +268,39 @@ def window_index(grid_thw: Sequence[int], merge: int, window: int) -> tuple[torc
     return torch.cat(order), bounds
 
 
+class PatchEmbedding(nn.Module):
+    """A Conv3d whose stride is its kernel (each patch seen once) as one matmul over the
+    flattened patches: pixel_values [P, C * kt * kh * kw] (each patch's pixels in (channel,
+    frame, row, column) order: the processor's ``pixel_values``) -> [P, out_channels] in the
+    weights' dtype.
+
+    ``weight`` keeps the Conv3d's shape [out_channels, C, kt, kh, kw] (and ``bias``
+    [out_channels] when ``bias``), so a transformers checkpoint's ``patch_embed.proj.*`` loads
+    as it is; the matmul reads it as [out_channels, C * kt * kh * kw], a view.
+    NOTE: the same products as the convolution, summed in another order; on CPU the
+    convolution (mkldnn) takes about 15x the matmul's time at Qwen-VL's shapes.
+
+    Args:
+        in_channels: C.
+        out_channels: the embedding width.
+        kernel: (kt, kh, kw).
+        bias: whether there is a ``bias``.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel: Sequence[int], bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_channels, in_channels, *kernel))
+        self.bias = nn.Parameter(torch.empty(out_channels)) if bias else None
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.reshape(self.weight.shape[0], -1)
+        return F.linear(pixel_values.to(weight.dtype).reshape(-1, weight.shape[1]), weight, self.bias)
+
+
 class QwenVisionTower(nn.Module):
-    """What the Qwen-VL vision towers share: the patch embedding (a Conv3d over each patch,
-    ``patch_bias``), the 2-D RoPE's frequencies and the blocks (``block_cls``); a variant adds
-    its mergers and ``forward``.
+    """What the Qwen-VL vision towers share: the patch embedding (``PatchEmbedding``: the
+    checkpoint's Conv3d over each patch, as a matmul; ``patch_bias``), the 2-D RoPE's
+    frequencies and the blocks (``block_cls``); a variant adds its mergers and ``forward``.
 
     Args:
         config: the vision config (or its dict).
@@ -288,7 +319,7 @@ class QwenVisionTower(nn.Module):
         self.merge = config_value(config, "spatial_merge_size")
         kernel = (self.temporal_patch_size, self.patch_size, self.patch_size)
         self.patch_embed = nn.Module()
-        self.patch_embed.proj = nn.Conv3d(self.in_channels, self.dim, kernel, stride=kernel, bias=self.patch_bias)
+        self.patch_embed.proj = PatchEmbedding(self.in_channels, self.dim, kernel, self.patch_bias)
         theta = (config_value(config, "rope_parameters") or {}).get("rope_theta", 10000.0)
         self.register_buffer("inv_freq", vision_rotary_inv_freq(self.dim // self.num_heads, theta), persistent=False)
         self.blocks = nn.ModuleList(self.block_cls(config, f"{prefix}.blocks.{i}")
@@ -296,10 +327,7 @@ class QwenVisionTower(nn.Module):
 
     def embed_patches(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[P, C * temporal_patch * patch^2] -> [P, D] in the weights' dtype."""
-        proj = self.patch_embed.proj
-        x = pixel_values.to(proj.weight.dtype).view(-1, self.in_channels, self.temporal_patch_size,
-                                                    self.patch_size, self.patch_size)
-        return proj(x).view(-1, self.dim)
+        return self.patch_embed.proj(pixel_values)
 
 
 class Qwen2_5_VisionTransformer(QwenVisionTower):
